@@ -1,0 +1,457 @@
+//! Calls as the two ends see them: an application message wrapped in `rpc.RpcRequest`,
+//! optionally zlib-compressed, in a request frame; and `rpc.RpcResponse` with a status in a
+//! response frame. Used by the provider, the driver and the test client; the broker uses
+//! only [`put_error_response`], for the replies it makes itself.
+//!
+//! Owns the protobuf envelope and the compression decision. Frame layout is
+//! [`crate::frame`]'s; the zlib mechanics are [`crate::compress`]'s.
+//!
+//! Encoding writes straight into the connection's write buffer: the envelope's fields are
+//! written by hand (they are two or three tags) around the inner message, so a plain call
+//! costs no allocation. A compressed one goes through a reused scratch buffer.
+
+use std::collections::HashMap;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use prost::Message;
+use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint};
+
+use crate::compress::{CompressError, CompressionConfig, Compressor, Inflater};
+use crate::frame::{Flags, Frame, FrameError, FrameWriter, MsgType, Request, Response};
+use crate::proto::rpc::{RpcRequest, RpcResponse};
+use crate::status::Status;
+
+/// Why a call's payload could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    /// The body's framing was wrong.
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    /// The payload was flagged compressed but did not inflate.
+    #[error("{0}")]
+    Inflate(#[from] CompressError),
+    /// The payload is not the expected protobuf message.
+    #[error("payload does not decode: {0}")]
+    Decode(#[from] prost::DecodeError),
+    /// A response with a status byte no version defines.
+    #[error("unknown status byte {0}")]
+    UnknownStatus(u8),
+    /// The frame is not of the expected type.
+    #[error("expected a {expected:?} frame, got {got:?}")]
+    WrongType {
+        /// What the caller expected.
+        expected: MsgType,
+        /// What arrived.
+        got: MsgType,
+    },
+}
+
+impl CallError {
+    /// Short, bounded name for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            CallError::Frame(e) => e.kind(),
+            CallError::Inflate(CompressError::TooLarge { .. }) => "inflate_too_large",
+            CallError::Inflate(CompressError::Corrupt(_)) => "inflate",
+            CallError::Decode(_) => "decode",
+            CallError::UnknownStatus(_) => "unknown_status",
+            CallError::WrongType { .. } => "wrong_type",
+        }
+    }
+}
+
+/// Payload sizes of one encoded or decoded message: before compression and on the wire.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PayloadSize {
+    /// Bytes of the protobuf envelope before compression.
+    pub plain: usize,
+    /// Bytes of the payload as framed (equal to `plain` unless compressed).
+    pub wire: usize,
+}
+
+/// A decoded request.
+#[derive(Debug)]
+pub struct IncomingCall {
+    /// Names and raw payload.
+    pub request: Request,
+    /// The decoded envelope; `payload` holds the application message.
+    pub rpc: RpcRequest,
+    /// Payload sizes.
+    pub size: PayloadSize,
+}
+
+/// A decoded response.
+#[derive(Debug)]
+pub struct IncomingReply {
+    /// The status as sent.
+    pub status: Status,
+    /// The decoded envelope.
+    pub rpc: RpcResponse,
+    /// Payload sizes.
+    pub size: PayloadSize,
+}
+
+/// Per-connection encoding state: the reused zlib state and scratch buffers.
+#[derive(Debug)]
+pub struct CallCodec {
+    compressor: Option<Compressor>,
+    inflater: Inflater,
+    scratch: BytesMut,
+}
+
+impl CallCodec {
+    /// `compression`: `None` never compresses (but still inflates what arrives flagged).
+    /// `max_inflated`: limit on an inflated payload.
+    pub fn new(compression: Option<CompressionConfig>, max_inflated: usize) -> Self {
+        CallCodec {
+            compressor: compression.map(Compressor::new),
+            inflater: Inflater::new(max_inflated),
+            scratch: BytesMut::new(),
+        }
+    }
+
+    /// True when this side compresses.
+    pub fn compresses(&self) -> bool {
+        self.compressor.is_some()
+    }
+
+    /// Appends a request frame whose `RpcRequest.payload` is `inner`. Sets
+    /// [`Flags::COMPRESSED`] when compression is on and pays; `flags` adds the caller's
+    /// other extension bits (e.g. `ACCEPT_COMPRESSED | EXT_STATUS`, or none for plain v1).
+    #[allow(clippy::too_many_arguments)]
+    pub fn put_request<M: Message>(
+        &mut self,
+        dst: &mut BytesMut,
+        req_id: u64,
+        flags: Flags,
+        service: &[u8],
+        method: &[u8],
+        inner: &M,
+        metadata: &HashMap<String, String>,
+    ) -> Result<PayloadSize, FrameError> {
+        self.put_request_with(dst, req_id, flags, service, method, |b| {
+            put_rpc_request(b, inner.encoded_len(), |b| inner.encode_raw(b), metadata)
+        })
+    }
+
+    /// As [`CallCodec::put_request`], with the application message already encoded.
+    #[allow(clippy::too_many_arguments)]
+    pub fn put_request_raw(
+        &mut self,
+        dst: &mut BytesMut,
+        req_id: u64,
+        flags: Flags,
+        service: &[u8],
+        method: &[u8],
+        inner: &[u8],
+        metadata: &HashMap<String, String>,
+    ) -> Result<PayloadSize, FrameError> {
+        self.put_request_with(dst, req_id, flags, service, method, |b| {
+            put_rpc_request(b, inner.len(), |b| b.extend_from_slice(inner), metadata)
+        })
+    }
+
+    fn put_request_with(
+        &mut self,
+        dst: &mut BytesMut,
+        req_id: u64,
+        flags: Flags,
+        service: &[u8],
+        method: &[u8],
+        encode: impl FnOnce(&mut BytesMut),
+    ) -> Result<PayloadSize, FrameError> {
+        let flags = flags.without(Flags::COMPRESSED);
+        let start = dst.len();
+        let w = FrameWriter::begin_request(dst, flags, req_id, service, method)?;
+        let size = self.put_payload(dst, encode);
+        if size.plain != size.wire {
+            dst[start + 5] |= Flags::COMPRESSED.bits();
+        }
+        w.finish(dst)?;
+        Ok(size)
+    }
+
+    /// Appends a successful response frame whose `RpcResponse.payload` is `inner` (an
+    /// already encoded application message). Compresses only when the request said
+    /// [`Flags::ACCEPT_COMPRESSED`] and this side compresses.
+    pub fn put_ok_response(
+        &mut self,
+        dst: &mut BytesMut,
+        req_id: u64,
+        request_flags: Flags,
+        inner: &[u8],
+    ) -> Result<PayloadSize, FrameError> {
+        let start = dst.len();
+        let w = FrameWriter::begin_response(dst, Flags::NONE, req_id, Status::Success as u8);
+        let size = if request_flags.contains(Flags::ACCEPT_COMPRESSED) {
+            self.put_payload(dst, |b| put_ok_envelope(b, inner))
+        } else {
+            let at = dst.len();
+            put_ok_envelope(dst, inner);
+            let n = dst.len() - at;
+            PayloadSize { plain: n, wire: n }
+        };
+        if size.plain != size.wire {
+            dst[start + 5] |= Flags::COMPRESSED.bits();
+        }
+        w.finish(dst)?;
+        Ok(size)
+    }
+
+    /// Writes the payload made by `encode`, compressed when that pays.
+    fn put_payload(
+        &mut self,
+        dst: &mut BytesMut,
+        encode: impl FnOnce(&mut BytesMut),
+    ) -> PayloadSize {
+        match &mut self.compressor {
+            None => {
+                let at = dst.len();
+                encode(dst);
+                let n = dst.len() - at;
+                PayloadSize { plain: n, wire: n }
+            }
+            Some(c) => {
+                self.scratch.clear();
+                encode(&mut self.scratch);
+                let at = dst.len();
+                if !c.compress_into(&self.scratch, dst) {
+                    dst.extend_from_slice(&self.scratch);
+                }
+                PayloadSize {
+                    plain: self.scratch.len(),
+                    wire: dst.len() - at,
+                }
+            }
+        }
+    }
+
+    /// Decodes a request frame: names, then the envelope (inflated first if flagged).
+    pub fn decode_request(&mut self, frame: &Frame) -> Result<IncomingCall, CallError> {
+        expect_type(frame, MsgType::Request)?;
+        let request = Request::parse(&frame.body)?;
+        let (plain, wire) = self.plain_payload(frame.header.flags, &request.payload)?;
+        let size = PayloadSize {
+            plain: plain.len(),
+            wire,
+        };
+        let rpc = RpcRequest::decode(plain)?;
+        Ok(IncomingCall { request, rpc, size })
+    }
+
+    /// Decodes a response frame.
+    pub fn decode_response(&mut self, frame: &Frame) -> Result<IncomingReply, CallError> {
+        expect_type(frame, MsgType::Response)?;
+        let response = Response::parse(&frame.body)?;
+        let status =
+            Status::from_wire(response.status).ok_or(CallError::UnknownStatus(response.status))?;
+        let (plain, wire) = self.plain_payload(frame.header.flags, &response.payload)?;
+        let size = PayloadSize {
+            plain: plain.len(),
+            wire,
+        };
+        let rpc = RpcResponse::decode(plain)?;
+        Ok(IncomingReply { status, rpc, size })
+    }
+
+    fn plain_payload(
+        &mut self,
+        flags: Flags,
+        payload: &Bytes,
+    ) -> Result<(Bytes, usize), CallError> {
+        if flags.contains(Flags::COMPRESSED) {
+            self.scratch.clear();
+            self.inflater.inflate_into(payload, &mut self.scratch)?;
+            Ok((self.scratch.split().freeze(), payload.len()))
+        } else {
+            Ok((payload.clone(), payload.len()))
+        }
+    }
+}
+
+fn expect_type(frame: &Frame, expected: MsgType) -> Result<(), CallError> {
+    if frame.header.msg_type == expected {
+        Ok(())
+    } else {
+        Err(CallError::WrongType {
+            expected,
+            got: frame.header.msg_type,
+        })
+    }
+}
+
+/// Writes `RpcRequest { payload: inner, metadata }` without building it; `inner_len`
+/// bytes are written by `put_inner`.
+fn put_rpc_request(
+    dst: &mut BytesMut,
+    inner_len: usize,
+    put_inner: impl FnOnce(&mut BytesMut),
+    metadata: &HashMap<String, String>,
+) {
+    if inner_len > 0 {
+        dst.reserve(1 + encoded_len_varint(inner_len as u64) + inner_len);
+        encode_key(1, WireType::LengthDelimited, dst);
+        encode_varint(inner_len as u64, dst);
+        put_inner(dst);
+    }
+    if !metadata.is_empty() {
+        prost::encoding::hash_map::encode(
+            prost::encoding::string::encode,
+            prost::encoding::string::encoded_len,
+            prost::encoding::string::encode,
+            prost::encoding::string::encoded_len,
+            2,
+            metadata,
+            dst,
+        );
+    }
+}
+
+/// Writes `RpcResponse { success: true, payload: inner }` without building it.
+fn put_ok_envelope(dst: &mut BytesMut, inner: &[u8]) {
+    dst.reserve(4 + encoded_len_varint(inner.len() as u64) + inner.len());
+    encode_key(1, WireType::Varint, dst);
+    dst.put_u8(1);
+    if !inner.is_empty() {
+        encode_key(2, WireType::LengthDelimited, dst);
+        encode_varint(inner.len() as u64, dst);
+        dst.extend_from_slice(inner);
+    }
+}
+
+/// Appends a failure response made by this side (unknown service, overloaded, timeout...):
+/// `RpcResponse { success: false, error_msg }`, never compressed. The status is degraded
+/// to its v1 form unless the request carried [`Flags::EXT_STATUS`]; the message starts
+/// with the status name either way.
+pub fn put_error_response(
+    dst: &mut BytesMut,
+    req_id: u64,
+    request_flags: Flags,
+    status: Status,
+    message: &str,
+) {
+    let wire = status.to_wire(request_flags.contains(Flags::EXT_STATUS));
+    let w = FrameWriter::begin_response(dst, Flags::NONE, req_id, wire);
+    let prefix = status.message_prefix();
+    let needs_prefix = !prefix.is_empty() && !message.starts_with(prefix);
+    let len = message.len() + if needs_prefix { prefix.len() + 2 } else { 0 };
+    encode_key(3, WireType::LengthDelimited, dst);
+    encode_varint(len as u64, dst);
+    if needs_prefix {
+        dst.extend_from_slice(prefix.as_bytes());
+        dst.extend_from_slice(b": ");
+    }
+    dst.extend_from_slice(message.as_bytes());
+    // A message of a few bytes cannot overflow the 32-bit length fields.
+    w.finish(dst).expect("error replies are far below 4 GiB");
+}
+
+/// The `error_msg` of a v1 "service not found" reply, as the reference framework words it.
+pub fn service_not_found(service: &str) -> String {
+    format!("service not found: {service}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::rpc::{EchoRequest, EchoResponse};
+
+    fn frame(b: BytesMut) -> Frame {
+        Frame::from_bytes(b.freeze()).unwrap()
+    }
+
+    #[test]
+    fn plain_request_round_trips_and_matches_prost() {
+        let mut codec = CallCodec::new(None, 1 << 20);
+        let mut b = BytesMut::new();
+        let msg = EchoRequest {
+            message: "hello".into(),
+        };
+        let mut md = HashMap::new();
+        md.insert("trace-id".to_string(), "abc123".to_string());
+        codec
+            .put_request(&mut b, 42, Flags::NONE, b"EchoService", b"Echo", &msg, &md)
+            .unwrap();
+        let f = frame(b);
+        let call = codec.decode_request(&f).unwrap();
+        let expect = RpcRequest {
+            payload: msg.encode_to_vec().into(),
+            metadata: md,
+        };
+        assert_eq!(call.rpc, expect);
+        assert_eq!(call.request.payload, Bytes::from(expect.encode_to_vec()));
+        assert_eq!(
+            EchoRequest::decode(call.rpc.payload).unwrap().message,
+            "hello"
+        );
+    }
+
+    #[test]
+    fn compressed_response_only_when_the_caller_accepts_it() {
+        let mut codec = CallCodec::new(
+            Some(CompressionConfig {
+                threshold: 1,
+                level: 6,
+            }),
+            1 << 20,
+        );
+        let inner = EchoResponse {
+            message: "abcabcabcabcabcabcabcabcabcabcabcabcabcabc".into(),
+        }
+        .encode_to_vec();
+        let mut b = BytesMut::new();
+        let s = codec
+            .put_ok_response(&mut b, 1, Flags::ACCEPT_COMPRESSED, &inner)
+            .unwrap();
+        assert!(s.wire < s.plain);
+        let f = frame(b);
+        assert!(f.header.flags.contains(Flags::COMPRESSED));
+        let r = codec.decode_response(&f).unwrap();
+        assert!(r.rpc.success);
+        assert_eq!(&r.rpc.payload[..], &inner[..]);
+
+        let mut b = BytesMut::new();
+        codec
+            .put_ok_response(&mut b, 1, Flags::NONE, &inner)
+            .unwrap();
+        assert!(frame(b).header.flags.is_empty());
+    }
+
+    #[test]
+    fn error_reply_degrades_for_v1_callers() {
+        let mut codec = CallCodec::new(None, 1 << 20);
+        let mut b = BytesMut::new();
+        put_error_response(&mut b, 3, Flags::NONE, Status::Overloaded, "too many calls");
+        let r = codec.decode_response(&frame(b)).unwrap();
+        assert_eq!(r.status, Status::Failed);
+        assert!(!r.rpc.success);
+        assert_eq!(r.rpc.error_msg, "overloaded: too many calls");
+
+        let mut b = BytesMut::new();
+        put_error_response(
+            &mut b,
+            3,
+            Flags::EXT_STATUS,
+            Status::Overloaded,
+            "overloaded: x",
+        );
+        let r = codec.decode_response(&frame(b)).unwrap();
+        assert_eq!(r.status, Status::Overloaded);
+        assert_eq!(r.rpc.error_msg, "overloaded: x");
+    }
+
+    #[test]
+    fn bad_compressed_payload_is_an_inflate_error() {
+        let mut codec = CallCodec::new(None, 1 << 20);
+        let mut b = BytesMut::new();
+        Request {
+            service: Bytes::from_static(b"S"),
+            method: Bytes::from_static(b"M"),
+            payload: Bytes::from_static(b"definitely not zlib"),
+        }
+        .put(&mut b, Flags::COMPRESSED, 1)
+        .unwrap();
+        let e = codec.decode_request(&frame(b)).unwrap_err();
+        assert_eq!(e.kind(), "inflate");
+    }
+}

@@ -1,0 +1,262 @@
+//! Splits a byte stream into [`Frame`]s: the `tokio_util` codec every connection uses.
+//!
+//! Owns the stream-level rules: the body-length limit, checked on the header *before*
+//! anything is reserved for the body; zero-copy bodies (each frame is `split_to` off the
+//! read buffer and frozen, so bodies are `Bytes` slices of it); and what happens to bad
+//! input. It leaves the meaning of a frame to [`crate::frame`] and sockets to
+//! [`crate::io`].
+//!
+//! Bad input, and what the decoder does (see `docs/protocol.md`):
+//!
+//! | input                        | result                                   | stream |
+//! |------------------------------|------------------------------------------|--------|
+//! | junk, then a magic, within the buffered bytes (at most 1 KiB looked at) | junk dropped, [`FrameError::Resynced`] | goes on |
+//! | no magic in the first 1 KiB / bytes that cannot start one | [`FrameError::BadMagic`] | fatal |
+//! | version other than 1         | [`FrameError::BadVersion`]               | fatal  |
+//! | `body_len` over the limit    | [`FrameError::TooLarge`] (with `req_id`) | fatal  |
+//! | CRC mismatch                 | frame dropped, [`FrameError::Crc`]       | goes on |
+//! | unknown type / reserved bit  | frame dropped, [`FrameError::UnknownType`] | goes on |
+//! | end of stream inside a frame | [`FrameError::Truncated`]                | fatal  |
+
+use bytes::{Buf, BytesMut};
+use tokio_util::codec::{Decoder, Encoder};
+
+use crate::frame::{
+    DEFAULT_MAX_BODY_LEN, FRAME_OVERHEAD, Frame, FrameError, HEADER_LEN, MAGIC, Prefix, VERSION,
+};
+
+/// How far past a bad magic the decoder looks for the next one before giving up on the
+/// stream: 1 KiB, the same distance existing RPCF v1 peers scan.
+pub const RESYNC_SCAN_LIMIT: usize = 1024;
+
+const MAGIC_BYTES: [u8; 4] = MAGIC.to_be_bytes();
+
+/// Decoder and encoder of RPCF v1 frames with a body-length limit.
+#[derive(Clone, Copy, Debug)]
+pub struct FrameCodec {
+    max_body_len: u32,
+}
+
+impl Default for FrameCodec {
+    fn default() -> Self {
+        FrameCodec::new(DEFAULT_MAX_BODY_LEN)
+    }
+}
+
+impl FrameCodec {
+    /// A codec that refuses bodies longer than `max_body_len` bytes.
+    pub fn new(max_body_len: u32) -> Self {
+        FrameCodec { max_body_len }
+    }
+
+    /// The configured body limit.
+    pub fn max_body_len(&self) -> u32 {
+        self.max_body_len
+    }
+
+    /// Takes the next frame off the front of `src`, if a whole one is there.
+    ///
+    /// `Ok(None)` means more bytes are needed (and room for the announced frame has been
+    /// reserved, within the limit). On an error that is not
+    /// [fatal](FrameError::is_fatal) the offending bytes have been consumed and the caller
+    /// may call again.
+    pub fn decode_frame(&self, src: &mut BytesMut) -> Result<Option<Frame>, FrameError> {
+        if src.len() < HEADER_LEN {
+            // Catch garbage early, without waiting for 18 bytes that may never come.
+            let n = src.len().min(4);
+            if src[..n] != MAGIC_BYTES[..n] {
+                return Err(self.resync(src));
+            }
+            return Ok(None);
+        }
+        let p = Prefix::read(src);
+        if p.magic != MAGIC {
+            return Err(self.resync(src));
+        }
+        if p.version != VERSION {
+            return Err(FrameError::BadVersion { version: p.version });
+        }
+        if p.body_len > self.max_body_len {
+            return Err(FrameError::TooLarge {
+                body_len: p.body_len,
+                max: self.max_body_len,
+                req_id: p.req_id,
+                raw_type: p.raw_type,
+            });
+        }
+        let total = FRAME_OVERHEAD + p.body_len as usize;
+        if src.len() < total {
+            src.reserve(total - src.len());
+            return Ok(None);
+        }
+        Frame::from_bytes(src.split_to(total).freeze()).map(Some)
+    }
+
+    /// The stream does not start with a magic: drop junk up to the next magic found in
+    /// the first [`RESYNC_SCAN_LIMIT`] buffered bytes, or give up.
+    fn resync(&self, src: &mut BytesMut) -> FrameError {
+        let found = {
+            let mut b = [0u8; 4];
+            let n = src.len().min(4);
+            b[..n].copy_from_slice(&src[..n]);
+            u32::from_be_bytes(b)
+        };
+        // The next offset where a magic starts, or where the buffered bytes end in the
+        // beginning of one (the rest may still be on its way).
+        let limit = src.len().min(RESYNC_SCAN_LIMIT);
+        let next = (1..limit).find(|&i| {
+            let w = &src[i..src.len().min(i + 4)];
+            w == &MAGIC_BYTES[..w.len()]
+        });
+        match next {
+            Some(skipped) => {
+                src.advance(skipped);
+                FrameError::Resynced { skipped }
+            }
+            None => FrameError::BadMagic { found },
+        }
+    }
+
+    /// Called when the stream ended: leftover bytes are a cut-off frame.
+    pub fn check_eof(&self, src: &BytesMut) -> Result<(), FrameError> {
+        if src.is_empty() {
+            Ok(())
+        } else {
+            Err(FrameError::Truncated {
+                buffered: src.len(),
+            })
+        }
+    }
+}
+
+impl Decoder for FrameCodec {
+    type Item = Frame;
+    type Error = FrameError;
+
+    fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, FrameError> {
+        self.decode_frame(src)
+    }
+
+    fn decode_eof(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, FrameError> {
+        match self.decode_frame(src)? {
+            Some(f) => Ok(Some(f)),
+            None => self.check_eof(src).map(|()| None),
+        }
+    }
+}
+
+impl Encoder<&Frame> for FrameCodec {
+    type Error = FrameError;
+
+    fn encode(&mut self, frame: &Frame, dst: &mut BytesMut) -> Result<(), FrameError> {
+        if frame.body.len() > self.max_body_len as usize {
+            return Err(FrameError::Unencodable {
+                len: frame.body.len(),
+            });
+        }
+        frame.put(dst);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::frame::{Flags, Request};
+    use bytes::Bytes;
+
+    fn req(id: u64, payload: &'static [u8]) -> BytesMut {
+        let mut b = BytesMut::new();
+        Request {
+            service: Bytes::from_static(b"S"),
+            method: Bytes::from_static(b"M"),
+            payload: Bytes::from_static(payload),
+        }
+        .put(&mut b, Flags::NONE, id)
+        .unwrap();
+        b
+    }
+
+    #[test]
+    fn body_len_over_the_limit_is_refused_before_reserving() {
+        let codec = FrameCodec::new(16);
+        let mut b = req(1, &[0u8; 64]);
+        b.truncate(HEADER_LEN);
+        let cap_before = b.capacity();
+        let e = codec.decode_frame(&mut b).unwrap_err();
+        assert!(matches!(e, FrameError::TooLarge { req_id: 1, .. }));
+        assert!(e.is_fatal());
+        assert_eq!(b.capacity(), cap_before);
+    }
+
+    #[test]
+    fn partial_frames_wait_for_more_bytes() {
+        let codec = FrameCodec::default();
+        let whole = req(2, b"hello");
+        for cut in 0..whole.len() {
+            let mut b = BytesMut::from(&whole[..cut]);
+            assert!(
+                codec.decode_frame(&mut b).unwrap().is_none(),
+                "cut at {cut}"
+            );
+        }
+    }
+
+    #[test]
+    fn junk_before_a_frame_is_skipped() {
+        let codec = FrameCodec::default();
+        let mut b = BytesMut::from(&b"xyzRPC"[..]);
+        b.extend_from_slice(&req(3, b"p"));
+        let e = codec.decode_frame(&mut b).unwrap_err();
+        assert!(matches!(e, FrameError::Resynced { skipped: 6 }));
+        let f = codec.decode_frame(&mut b).unwrap().unwrap();
+        assert_eq!(f.header.req_id, 3);
+    }
+
+    #[test]
+    fn garbage_without_magic_is_fatal() {
+        let codec = FrameCodec::default();
+        let mut b = BytesMut::from(&b"GET / HTTP/1.1\r\n\r\n"[..]);
+        let e = codec.decode_frame(&mut b).unwrap_err();
+        assert!(matches!(e, FrameError::BadMagic { .. }));
+        assert!(e.is_fatal());
+    }
+
+    #[test]
+    fn crc_error_consumes_the_frame_and_decoding_goes_on() {
+        let codec = FrameCodec::default();
+        let mut bad = req(4, b"x");
+        let n = bad.len();
+        bad[n - 1] ^= 1;
+        bad.extend_from_slice(&req(5, b"y"));
+        let e = codec.decode_frame(&mut bad).unwrap_err();
+        assert_eq!(e.request_id(), Some(4));
+        assert_eq!(
+            codec.decode_frame(&mut bad).unwrap().unwrap().header.req_id,
+            5
+        );
+    }
+
+    #[test]
+    fn eof_inside_a_frame_is_truncated() {
+        let mut codec = FrameCodec::default();
+        let whole = req(6, b"abc");
+        let mut b = BytesMut::from(&whole[..whole.len() - 2]);
+        assert!(matches!(
+            codec.decode_eof(&mut b),
+            Err(FrameError::Truncated { .. })
+        ));
+    }
+
+    #[test]
+    fn bodies_are_slices_of_the_read_buffer() {
+        let codec = FrameCodec::default();
+        let mut b = req(7, b"zero-copy");
+        b.extend_from_slice(&req(8, b"second"));
+        let base = b.as_ptr() as usize;
+        let end = base + b.len();
+        let f = codec.decode_frame(&mut b).unwrap().unwrap();
+        let p = f.body.as_ptr() as usize;
+        assert!(p >= base && p < end, "body was copied");
+    }
+}

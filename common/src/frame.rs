@@ -1,0 +1,781 @@
+//! RPCF v1 frames: the fixed 18-byte header, the request / response / heartbeat bodies and
+//! the CRC32 trailer, plus rpcmesh's extension bits.
+//!
+//! Pure: byte slices in, typed values out, typed values appended to a `BytesMut`. It never
+//! touches a socket (that is [`crate::io`]) and never looks inside a protobuf payload (that
+//! is [`crate::call`]). Splitting a byte stream into frames, with its limits, is
+//! [`crate::codec`].
+//!
+//! Layout (all integers big-endian):
+//!
+//! ```text
+//! 0      4      5          6          10         18            18+len     22+len
+//! | magic | ver | msg_type | body_len | req_id   | body ...     | crc32    |
+//! ```
+//!
+//! The extension flags live in the high bits of `msg_type` (see `docs/protocol.md`): a plain
+//! v1 frame has them all clear and is therefore byte-identical to what v1 peers send.
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+/// `"RPCF"` as a big-endian u32.
+pub const MAGIC: u32 = 0x5250_4346;
+/// The only protocol version rpcmesh speaks.
+pub const VERSION: u8 = 1;
+/// Bytes of the fixed header.
+pub const HEADER_LEN: usize = 18;
+/// Bytes of the CRC32 trailer.
+pub const TRAILER_LEN: usize = 4;
+/// Bytes a frame adds around its body.
+pub const FRAME_OVERHEAD: usize = HEADER_LEN + TRAILER_LEN;
+/// Largest body accepted unless configured otherwise: 10 MiB, the limit existing RPCF v1
+/// peers enforce, so anything rpcmesh accepts they accept too.
+pub const DEFAULT_MAX_BODY_LEN: u32 = 10 * 1024 * 1024;
+
+/// Offset of `body_len` in the header.
+const BODY_LEN_AT: usize = 6;
+/// Offset of `req_id` in the header.
+const REQ_ID_AT: usize = 10;
+/// Low bits of the `msg_type` byte: the message type proper.
+const TYPE_MASK: u8 = 0x0f;
+
+/// Why bytes could not be read as a frame or a body. Each variant says whether the
+/// stream is still in step ([`FrameError::is_fatal`]) and has a short metric label
+/// ([`FrameError::kind`]).
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    /// The stream did not start with `"RPCF"` and no magic was found in the buffered bytes.
+    #[error("bad magic 0x{found:08x}: not an RPCF stream")]
+    BadMagic {
+        /// The four bytes found where the magic should be.
+        found: u32,
+    },
+    /// Junk before a magic was dropped; the stream resumed at the magic.
+    #[error("skipped {skipped} bytes of junk before a frame")]
+    Resynced {
+        /// Bytes dropped.
+        skipped: usize,
+    },
+    /// A protocol version other than 1: nothing after it can be trusted.
+    #[error("unsupported protocol version {version}")]
+    BadVersion {
+        /// The version byte found.
+        version: u8,
+    },
+    /// `body_len` over the configured limit: refused before anything is buffered.
+    #[error("frame too large: body of {body_len} bytes exceeds the limit of {max}")]
+    TooLarge {
+        /// The announced body length.
+        body_len: u32,
+        /// The configured limit.
+        max: u32,
+        /// The header's request id, for an error reply.
+        req_id: u64,
+        /// The header's message type byte.
+        raw_type: u8,
+    },
+    /// The CRC trailer does not match header + body; the frame was skipped.
+    #[error("crc mismatch on frame {req_id}: trailer 0x{expected:08x}, computed 0x{actual:08x}")]
+    Crc {
+        /// The header's request id (itself possibly corrupt).
+        req_id: u64,
+        /// The header's message type byte.
+        raw_type: u8,
+        /// CRC carried by the frame.
+        expected: u32,
+        /// CRC computed over what arrived.
+        actual: u32,
+    },
+    /// A message type this side does not know (or reserved flag bits set); skipped.
+    #[error("unknown message type byte 0x{raw_type:02x} on frame {req_id}")]
+    UnknownType {
+        /// The header's request id.
+        req_id: u64,
+        /// The type byte found.
+        raw_type: u8,
+    },
+    /// The peer closed the connection in the middle of a frame.
+    #[error("connection closed inside a frame ({buffered} bytes buffered)")]
+    Truncated {
+        /// Bytes of the partial frame that had arrived.
+        buffered: usize,
+    },
+    /// The body's inner lengths do not add up to `body_len`, or a name is not UTF-8.
+    #[error("malformed {what} body: {reason}")]
+    BadBody {
+        /// Which body kind.
+        what: &'static str,
+        /// What was wrong.
+        reason: &'static str,
+    },
+    /// The body to encode does not fit in the 32-bit length fields.
+    #[error("body of {len} bytes does not fit in a frame")]
+    Unencodable {
+        /// The body length that was attempted.
+        len: usize,
+    },
+    /// The socket failed (only from the `tokio_util` codec path).
+    #[error("i/o error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl FrameError {
+    /// True when the byte stream can no longer be split into frames and the connection
+    /// must be closed; false when the bad frame was consumed and reading can go on.
+    pub fn is_fatal(&self) -> bool {
+        !matches!(
+            self,
+            FrameError::Resynced { .. }
+                | FrameError::Crc { .. }
+                | FrameError::UnknownType { .. }
+                | FrameError::BadBody { .. }
+        )
+    }
+
+    /// Short, bounded name for metrics and logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            FrameError::BadMagic { .. } | FrameError::Resynced { .. } => "bad_magic",
+            FrameError::BadVersion { .. } => "bad_version",
+            FrameError::TooLarge { .. } => "too_large",
+            FrameError::Crc { .. } => "crc",
+            FrameError::UnknownType { .. } => "unknown_type",
+            FrameError::Truncated { .. } => "truncated",
+            FrameError::BadBody { .. } => "bad_body",
+            FrameError::Unencodable { .. } => "unencodable",
+            FrameError::Io(_) => "io",
+        }
+    }
+
+    /// The request this error concerns, when it was a request and its id is known: the
+    /// caller can then be sent an error reply instead of waiting for its timeout.
+    pub fn request_id(&self) -> Option<u64> {
+        match *self {
+            FrameError::TooLarge {
+                req_id, raw_type, ..
+            }
+            | FrameError::Crc {
+                req_id, raw_type, ..
+            } if raw_type & TYPE_MASK == MsgType::Request as u8 => Some(req_id),
+            _ => None,
+        }
+    }
+
+    /// Flags of the frame the error concerns (for choosing the reply's status codes).
+    pub fn flags(&self) -> Flags {
+        match *self {
+            FrameError::TooLarge { raw_type, .. } | FrameError::Crc { raw_type, .. } => {
+                Flags::from_bits(raw_type)
+            }
+            _ => Flags::NONE,
+        }
+    }
+}
+
+/// The message type in the low bits of the `msg_type` byte.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum MsgType {
+    /// A call.
+    Request = 0,
+    /// The answer to a call.
+    Response = 1,
+    /// Liveness probe; answered with a heartbeat carrying the same `req_id`.
+    Heartbeat = 2,
+}
+
+impl MsgType {
+    fn from_low_bits(b: u8) -> Option<MsgType> {
+        match b {
+            0 => Some(MsgType::Request),
+            1 => Some(MsgType::Response),
+            2 => Some(MsgType::Heartbeat),
+            _ => None,
+        }
+    }
+}
+
+/// rpcmesh extension bits in the high nibble of the `msg_type` byte. All clear in a plain
+/// v1 frame; set only towards peers that sent them first or are configured to take them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Flags(u8);
+
+impl Flags {
+    /// No extension: a plain v1 frame.
+    pub const NONE: Flags = Flags(0);
+    /// The payload (the `P` bytes) is a zlib stream of the protobuf message.
+    pub const COMPRESSED: Flags = Flags(0x80);
+    /// On a request: the caller accepts a compressed reply.
+    pub const ACCEPT_COMPRESSED: Flags = Flags(0x40);
+    /// On a request: the caller accepts the extended statuses (3 = unavailable,
+    /// 4 = overloaded, 5 = bad request). Without it they are sent as status 1.
+    pub const EXT_STATUS: Flags = Flags(0x20);
+    /// Every bit rpcmesh defines; bit 4 is reserved and must be zero.
+    pub const ALL: Flags = Flags(0xe0);
+
+    /// The flags carried by a raw `msg_type` byte (unknown bits dropped).
+    pub const fn from_bits(raw_type: u8) -> Flags {
+        Flags(raw_type & Flags::ALL.0)
+    }
+    /// The raw bits.
+    pub const fn bits(self) -> u8 {
+        self.0
+    }
+    /// True when every bit of `other` is set.
+    pub const fn contains(self, other: Flags) -> bool {
+        self.0 & other.0 == other.0
+    }
+    /// Both sets of bits.
+    pub const fn union(self, other: Flags) -> Flags {
+        Flags(self.0 | other.0)
+    }
+    /// These bits without those of `other`.
+    pub const fn without(self, other: Flags) -> Flags {
+        Flags(self.0 & !other.0)
+    }
+    /// True for a plain v1 frame.
+    pub const fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+}
+
+impl std::ops::BitOr for Flags {
+    type Output = Flags;
+    fn bitor(self, rhs: Flags) -> Flags {
+        self.union(rhs)
+    }
+}
+
+/// The fixed header of a frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    /// What the body is.
+    pub msg_type: MsgType,
+    /// Extension bits (empty for plain v1).
+    pub flags: Flags,
+    /// Length of the body in bytes.
+    pub body_len: u32,
+    /// Caller-chosen id, echoed in the reply.
+    pub req_id: u64,
+}
+
+impl Header {
+    /// The `msg_type` byte as sent: type in the low bits, flags in the high bits.
+    pub fn raw_type(&self) -> u8 {
+        self.msg_type as u8 | self.flags.bits()
+    }
+
+    /// Appends the 18 header bytes.
+    pub fn put(&self, dst: &mut BytesMut) {
+        dst.reserve(HEADER_LEN);
+        dst.put_u32(MAGIC);
+        dst.put_u8(VERSION);
+        dst.put_u8(self.raw_type());
+        dst.put_u32(self.body_len);
+        dst.put_u64(self.req_id);
+    }
+}
+
+/// What the first bytes of a buffer say about a frame, before its body has arrived.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Prefix {
+    pub magic: u32,
+    pub version: u8,
+    pub raw_type: u8,
+    pub body_len: u32,
+    pub req_id: u64,
+}
+
+impl Prefix {
+    /// Reads the header fields without judging them. `buf` holds at least `HEADER_LEN`.
+    pub(crate) fn read(buf: &[u8]) -> Prefix {
+        Prefix {
+            magic: be_u32(&buf[0..4]),
+            version: buf[4],
+            raw_type: buf[5],
+            body_len: be_u32(&buf[BODY_LEN_AT..BODY_LEN_AT + 4]),
+            req_id: be_u64(&buf[REQ_ID_AT..REQ_ID_AT + 8]),
+        }
+    }
+}
+
+/// A complete, CRC-checked frame. `body` is a slice of the buffer it was read into: no copy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Frame {
+    /// The header as received.
+    pub header: Header,
+    /// The body (between header and trailer).
+    pub body: Bytes,
+}
+
+impl Frame {
+    /// Checks and splits one whole frame (`22 + body_len` bytes, nothing more). Length
+    /// and limit checks belong to the caller ([`crate::codec::FrameCodec`]).
+    pub fn from_bytes(frame: Bytes) -> Result<Frame, FrameError> {
+        let p = Prefix::read(&frame);
+        if p.magic != MAGIC {
+            return Err(FrameError::BadMagic { found: p.magic });
+        }
+        if p.version != VERSION {
+            return Err(FrameError::BadVersion { version: p.version });
+        }
+        let end = HEADER_LEN + p.body_len as usize;
+        if frame.len() != end + TRAILER_LEN {
+            return Err(FrameError::Truncated {
+                buffered: frame.len(),
+            });
+        }
+        let expected = be_u32(&frame[end..]);
+        let actual = crc32fast::hash(&frame[..end]);
+        if expected != actual {
+            return Err(FrameError::Crc {
+                req_id: p.req_id,
+                raw_type: p.raw_type,
+                expected,
+                actual,
+            });
+        }
+        let msg_type = match MsgType::from_low_bits(p.raw_type & TYPE_MASK) {
+            Some(t) if p.raw_type & !(TYPE_MASK | Flags::ALL.0) == 0 => t,
+            _ => {
+                return Err(FrameError::UnknownType {
+                    req_id: p.req_id,
+                    raw_type: p.raw_type,
+                });
+            }
+        };
+        Ok(Frame {
+            header: Header {
+                msg_type,
+                flags: Flags::from_bits(p.raw_type),
+                body_len: p.body_len,
+                req_id: p.req_id,
+            },
+            body: frame.slice(HEADER_LEN..end),
+        })
+    }
+
+    /// Appends the frame as it is: header, body, freshly computed CRC.
+    pub fn put(&self, dst: &mut BytesMut) {
+        put_frame(dst, &self.header, &self.body);
+    }
+
+    /// The frame's bytes on the wire.
+    pub fn to_bytes(&self) -> Bytes {
+        let mut b = BytesMut::with_capacity(FRAME_OVERHEAD + self.body.len());
+        self.put(&mut b);
+        b.freeze()
+    }
+}
+
+/// Appends a frame with the given header fields (its `body_len` is taken from `body`)
+/// and body. This is the forwarding path: the body is copied once, into `dst`.
+pub fn put_frame(dst: &mut BytesMut, header: &Header, body: &[u8]) {
+    let start = dst.len();
+    dst.reserve(FRAME_OVERHEAD + body.len());
+    Header {
+        body_len: body.len() as u32,
+        ..*header
+    }
+    .put(dst);
+    dst.extend_from_slice(body);
+    let crc = crc32fast::hash(&dst[start..]);
+    dst.put_u32(crc);
+}
+
+/// A frame being appended to a buffer body-part by body-part; [`FrameWriter::finish`]
+/// patches the lengths and appends the CRC. Lets payloads be encoded straight into the
+/// write buffer without an intermediate copy.
+#[derive(Debug)]
+#[must_use = "a frame is not complete until finish() is called"]
+pub struct FrameWriter {
+    start: usize,
+    /// Where the request's 4-byte payload length sits, when this is a request.
+    payload_len_at: Option<usize>,
+}
+
+impl FrameWriter {
+    /// Starts a frame: writes the header with a zero `body_len`.
+    pub fn begin(dst: &mut BytesMut, msg_type: MsgType, flags: Flags, req_id: u64) -> Self {
+        let start = dst.len();
+        Header {
+            msg_type,
+            flags,
+            body_len: 0,
+            req_id,
+        }
+        .put(dst);
+        FrameWriter {
+            start,
+            payload_len_at: None,
+        }
+    }
+
+    /// Starts a request frame and writes the service and method names; the caller then
+    /// appends the payload bytes.
+    pub fn begin_request(
+        dst: &mut BytesMut,
+        flags: Flags,
+        req_id: u64,
+        service: &[u8],
+        method: &[u8],
+    ) -> Result<Self, FrameError> {
+        let mut w = FrameWriter::begin(dst, MsgType::Request, flags, req_id);
+        put_short_str(dst, service)?;
+        put_short_str(dst, method)?;
+        w.payload_len_at = Some(dst.len());
+        dst.put_u32(0);
+        Ok(w)
+    }
+
+    /// Starts a response frame and writes the status; the caller then appends the payload.
+    pub fn begin_response(dst: &mut BytesMut, flags: Flags, req_id: u64, status: u8) -> Self {
+        let mut w = FrameWriter::begin(dst, MsgType::Response, flags, req_id);
+        dst.put_u8(status);
+        w.payload_len_at = Some(dst.len());
+        dst.put_u32(0);
+        w
+    }
+
+    /// Offset in `dst` where the payload begins (only for requests and responses).
+    pub fn payload_start(&self) -> usize {
+        self.payload_len_at
+            .map_or(self.start + HEADER_LEN, |at| at + 4)
+    }
+
+    /// Patches `body_len` (and the payload length), then appends the CRC.
+    pub fn finish(self, dst: &mut BytesMut) -> Result<(), FrameError> {
+        let body_len = dst.len() - self.start - HEADER_LEN;
+        let body_len =
+            u32::try_from(body_len).map_err(|_| FrameError::Unencodable { len: body_len })?;
+        dst[self.start + BODY_LEN_AT..self.start + BODY_LEN_AT + 4]
+            .copy_from_slice(&body_len.to_be_bytes());
+        if let Some(at) = self.payload_len_at {
+            let p = (dst.len() - at - 4) as u32;
+            dst[at..at + 4].copy_from_slice(&p.to_be_bytes());
+        }
+        let crc = crc32fast::hash(&dst[self.start..]);
+        dst.put_u32(crc);
+        Ok(())
+    }
+
+    /// Drops a half-written frame from the buffer (after an encoding error).
+    pub fn abandon(self, dst: &mut BytesMut) {
+        dst.truncate(self.start);
+    }
+}
+
+/// A request body: `service`, `method` (both UTF-8, checked) and the payload. All three
+/// are slices of the frame body.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Request {
+    /// Service name bytes (valid UTF-8).
+    pub service: Bytes,
+    /// Method name bytes (valid UTF-8).
+    pub method: Bytes,
+    /// Protobuf `rpc.RpcRequest`, zlib-compressed when the frame says so.
+    pub payload: Bytes,
+}
+
+impl Request {
+    /// Splits a request body.
+    pub fn parse(body: &Bytes) -> Result<Request, FrameError> {
+        let (service, method, payload_at) = request_names(body)?;
+        let payload = read_payload(body, payload_at, "request")?;
+        Ok(Request {
+            service: body.slice(service),
+            method: body.slice(method),
+            payload,
+        })
+    }
+
+    /// The service name, for messages.
+    pub fn service_name(&self) -> &str {
+        std::str::from_utf8(&self.service).unwrap_or("<non-utf8>")
+    }
+
+    /// The method name, for messages.
+    pub fn method_name(&self) -> &str {
+        std::str::from_utf8(&self.method).unwrap_or("<non-utf8>")
+    }
+
+    /// Appends this request as a whole frame.
+    pub fn put(&self, dst: &mut BytesMut, flags: Flags, req_id: u64) -> Result<(), FrameError> {
+        let w = FrameWriter::begin_request(dst, flags, req_id, &self.service, &self.method)?;
+        dst.extend_from_slice(&self.payload);
+        w.finish(dst)
+    }
+}
+
+/// Reads only the service and method names of a request body, as the broker does, and
+/// checks that the payload length adds up. Returns the byte ranges of both names.
+pub fn request_names(
+    body: &[u8],
+) -> Result<(std::ops::Range<usize>, std::ops::Range<usize>, usize), FrameError> {
+    let bad = |reason| FrameError::BadBody {
+        what: "request",
+        reason,
+    };
+    let service = short_str_range(body, 0).ok_or_else(|| bad("service name overruns the body"))?;
+    let method =
+        short_str_range(body, service.end).ok_or_else(|| bad("method name overruns the body"))?;
+    if std::str::from_utf8(&body[service.clone()]).is_err()
+        || std::str::from_utf8(&body[method.clone()]).is_err()
+    {
+        return Err(bad("service or method name is not UTF-8"));
+    }
+    let payload_at = method.end;
+    let p = body
+        .get(payload_at..payload_at + 4)
+        .ok_or_else(|| bad("payload length overruns the body"))?;
+    if payload_at + 4 + be_u32(p) as usize != body.len() {
+        return Err(bad("payload length does not match the body length"));
+    }
+    Ok((service, method, payload_at))
+}
+
+/// A response body.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Response {
+    /// Status byte as sent (see [`crate::status::Status`]).
+    pub status: u8,
+    /// Protobuf `rpc.RpcResponse`, zlib-compressed when the frame says so.
+    pub payload: Bytes,
+}
+
+impl Response {
+    /// Splits a response body.
+    pub fn parse(body: &Bytes) -> Result<Response, FrameError> {
+        let status = *body.first().ok_or(FrameError::BadBody {
+            what: "response",
+            reason: "empty body",
+        })?;
+        let payload = read_payload(body, 1, "response")?;
+        Ok(Response { status, payload })
+    }
+
+    /// Appends this response as a whole frame.
+    pub fn put(&self, dst: &mut BytesMut, flags: Flags, req_id: u64) -> Result<(), FrameError> {
+        let w = FrameWriter::begin_response(dst, flags, req_id, self.status);
+        dst.extend_from_slice(&self.payload);
+        w.finish(dst)
+    }
+}
+
+/// A heartbeat body. Rare, so its fields are owned.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Heartbeat {
+    /// Name of the sender's service (or role).
+    pub service_name: String,
+    /// Name of the sending node.
+    pub node_id: String,
+    /// Sender's clock, milliseconds since the Unix epoch.
+    pub timestamp_ms: u64,
+    /// Extra key/value pairs, in order.
+    pub extra: Vec<(String, String)>,
+}
+
+impl Heartbeat {
+    /// Parses a heartbeat body.
+    pub fn parse(body: &[u8]) -> Result<Heartbeat, FrameError> {
+        let bad = |reason| FrameError::BadBody {
+            what: "heartbeat",
+            reason,
+        };
+        let mut at = 0;
+        let string = |at: &mut usize| -> Result<String, FrameError> {
+            let r = short_str_range(body, *at).ok_or_else(|| bad("string overruns the body"))?;
+            *at = r.end;
+            String::from_utf8(body[r].to_vec()).map_err(|_| bad("string is not UTF-8"))
+        };
+        let service_name = string(&mut at)?;
+        let node_id = string(&mut at)?;
+        let ts = body
+            .get(at..at + 8)
+            .ok_or_else(|| bad("timestamp overruns the body"))?;
+        let timestamp_ms = be_u64(ts);
+        at += 8;
+        let n = body
+            .get(at..at + 2)
+            .ok_or_else(|| bad("pair count overruns the body"))?;
+        let n = u16::from_be_bytes([n[0], n[1]]);
+        at += 2;
+        let mut extra = Vec::with_capacity(usize::from(n).min(64));
+        for _ in 0..n {
+            let k = string(&mut at)?;
+            let v = string(&mut at)?;
+            extra.push((k, v));
+        }
+        if at != body.len() {
+            return Err(bad("trailing bytes after the last pair"));
+        }
+        Ok(Heartbeat {
+            service_name,
+            node_id,
+            timestamp_ms,
+            extra,
+        })
+    }
+
+    /// Appends this heartbeat as a whole frame.
+    pub fn put(&self, dst: &mut BytesMut, req_id: u64) -> Result<(), FrameError> {
+        let w = FrameWriter::begin(dst, MsgType::Heartbeat, Flags::NONE, req_id);
+        let body = (|| {
+            put_short_str(dst, self.service_name.as_bytes())?;
+            put_short_str(dst, self.node_id.as_bytes())?;
+            dst.put_u64(self.timestamp_ms);
+            let n = u16::try_from(self.extra.len()).map_err(|_| FrameError::Unencodable {
+                len: self.extra.len(),
+            })?;
+            dst.put_u16(n);
+            for (k, v) in &self.extra {
+                put_short_str(dst, k.as_bytes())?;
+                put_short_str(dst, v.as_bytes())?;
+            }
+            Ok(())
+        })();
+        match body {
+            Ok(()) => w.finish(dst),
+            Err(e) => {
+                w.abandon(dst);
+                Err(e)
+            }
+        }
+    }
+}
+
+fn put_short_str(dst: &mut BytesMut, s: &[u8]) -> Result<(), FrameError> {
+    let n = u16::try_from(s.len()).map_err(|_| FrameError::Unencodable { len: s.len() })?;
+    dst.put_u16(n);
+    dst.extend_from_slice(s);
+    Ok(())
+}
+
+fn short_str_range(body: &[u8], at: usize) -> Option<std::ops::Range<usize>> {
+    let n = body.get(at..at + 2)?;
+    let start = at + 2;
+    let end = start + usize::from(u16::from_be_bytes([n[0], n[1]]));
+    (end <= body.len()).then_some(start..end)
+}
+
+fn read_payload(body: &Bytes, at: usize, what: &'static str) -> Result<Bytes, FrameError> {
+    let bad = |reason| FrameError::BadBody { what, reason };
+    let p = body
+        .get(at..at + 4)
+        .ok_or_else(|| bad("payload length overruns the body"))?;
+    let start = at + 4;
+    if start + be_u32(p) as usize != body.len() {
+        return Err(bad("payload length does not match the body length"));
+    }
+    Ok(body.slice(start..))
+}
+
+pub(crate) fn be_u32(b: &[u8]) -> u32 {
+    u32::from_be_bytes([b[0], b[1], b[2], b[3]])
+}
+
+fn be_u64(b: &[u8]) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[..8]);
+    u64::from_be_bytes(a)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request_frame(flags: Flags, id: u64) -> Bytes {
+        let mut b = BytesMut::new();
+        let req = Request {
+            service: Bytes::from_static(b"EchoService"),
+            method: Bytes::from_static(b"Echo"),
+            payload: Bytes::from_static(b"\x0a\x03abc"),
+        };
+        req.put(&mut b, flags, id).unwrap();
+        b.freeze()
+    }
+
+    #[test]
+    fn request_round_trips_through_bytes() {
+        let bytes = request_frame(Flags::NONE, 7);
+        let f = Frame::from_bytes(bytes.clone()).unwrap();
+        assert_eq!(f.header.msg_type, MsgType::Request);
+        assert_eq!(f.header.req_id, 7);
+        let r = Request::parse(&f.body).unwrap();
+        assert_eq!(r.service_name(), "EchoService");
+        assert_eq!(r.method_name(), "Echo");
+        assert_eq!(f.to_bytes(), bytes);
+    }
+
+    #[test]
+    fn flags_live_in_the_high_bits_of_msg_type() {
+        let bytes = request_frame(Flags::COMPRESSED | Flags::EXT_STATUS, 1);
+        assert_eq!(bytes[5], 0xa0);
+        let f = Frame::from_bytes(bytes).unwrap();
+        assert_eq!(f.header.msg_type, MsgType::Request);
+        assert!(f.header.flags.contains(Flags::COMPRESSED));
+        assert!(!f.header.flags.contains(Flags::ACCEPT_COMPRESSED));
+    }
+
+    #[test]
+    fn reserved_bit_makes_the_type_unknown() {
+        let mut b = BytesMut::from(&request_frame(Flags::NONE, 3)[..]);
+        b[5] = 0x10;
+        let n = b.len();
+        let crc = crc32fast::hash(&b[..n - 4]);
+        b[n - 4..].copy_from_slice(&crc.to_be_bytes());
+        let e = Frame::from_bytes(b.freeze()).unwrap_err();
+        assert!(matches!(e, FrameError::UnknownType { req_id: 3, .. }));
+        assert!(!e.is_fatal());
+    }
+
+    #[test]
+    fn crc_mismatch_is_reported_with_the_request_id() {
+        let mut b = BytesMut::from(&request_frame(Flags::NONE, 42)[..]);
+        let n = b.len();
+        b[n - 1] ^= 0xff;
+        let e = Frame::from_bytes(b.freeze()).unwrap_err();
+        assert_eq!(e.request_id(), Some(42));
+        assert_eq!(e.kind(), "crc");
+    }
+
+    #[test]
+    fn request_body_with_lying_lengths_is_rejected() {
+        let body = Bytes::from_static(b"\x00\x05Echo");
+        assert!(Request::parse(&body).is_err());
+        let body = Bytes::from_static(b"\x00\x01S\x00\x01M\x00\x00\x00\x05ab");
+        assert!(Request::parse(&body).is_err());
+        let body = Bytes::from_static(b"\x00\x01S\x00\x01M\x00\x00\x00\x02ab");
+        assert_eq!(
+            Request::parse(&body).unwrap().payload,
+            Bytes::from_static(b"ab")
+        );
+    }
+
+    #[test]
+    fn heartbeat_round_trips() {
+        let hb = Heartbeat {
+            service_name: "broker".into(),
+            node_id: "n1".into(),
+            timestamp_ms: 1_700_000_000_000,
+            extra: vec![("k".into(), "v".into())],
+        };
+        let mut b = BytesMut::new();
+        hb.put(&mut b, 9).unwrap();
+        let f = Frame::from_bytes(b.freeze()).unwrap();
+        assert_eq!(Heartbeat::parse(&f.body).unwrap(), hb);
+    }
+
+    #[test]
+    fn frame_writer_patches_lengths() {
+        let mut b = BytesMut::new();
+        b.extend_from_slice(b"prefix");
+        let w = FrameWriter::begin_response(&mut b, Flags::NONE, 5, 0);
+        b.extend_from_slice(b"xyz");
+        w.finish(&mut b).unwrap();
+        let f = Frame::from_bytes(b.split_off(6).freeze()).unwrap();
+        let r = Response::parse(&f.body).unwrap();
+        assert_eq!(r.status, 0);
+        assert_eq!(&r.payload[..], b"xyz");
+    }
+}

@@ -1,0 +1,190 @@
+//! A framed TCP connection: one socket, one read buffer split into frames, one write
+//! buffer that collects every frame produced in a round and leaves in as few `write`
+//! calls as the socket allows.
+//!
+//! Owns the syscalls and the buffers; what the frames mean, and who waits for them, is the
+//! session's (in each program). Built for the readiness style (`ready` → `try_read` /
+//! `try_flush`), so that one task can own a connection's reads, writes and in-flight table
+//! without locks or a second task.
+
+use std::io;
+
+use bytes::{Buf, BytesMut};
+use tokio::io::{Interest, Ready};
+use tokio::net::TcpStream;
+
+use crate::codec::FrameCodec;
+use crate::frame::{Frame, FrameError};
+
+/// Bytes a read may fill at once: 64 KiB holds about a thousand small frames, so a busy
+/// connection reads a whole batch per `read` call.
+pub const READ_CHUNK: usize = 64 * 1024;
+
+/// What a read got.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadStatus {
+    /// This many bytes were added to the read buffer.
+    Data(usize),
+    /// Nothing to read now.
+    WouldBlock,
+    /// The peer closed its side.
+    Eof,
+}
+
+/// Running byte and syscall counts of one connection.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IoCounts {
+    /// Bytes read from the socket.
+    pub bytes_read: u64,
+    /// Bytes written to the socket.
+    pub bytes_written: u64,
+    /// `read` calls that returned data.
+    pub reads: u64,
+    /// `write` calls that wrote something.
+    pub writes: u64,
+}
+
+/// A TCP connection with a frame decoder and a batching write buffer.
+#[derive(Debug)]
+pub struct FramedIo {
+    stream: TcpStream,
+    codec: FrameCodec,
+    rbuf: BytesMut,
+    wbuf: BytesMut,
+    eof: bool,
+    counts: IoCounts,
+}
+
+impl FramedIo {
+    /// Wraps a connected socket and turns on `TCP_NODELAY` (frames are batched here, so
+    /// Nagle would only add delay).
+    pub fn new(stream: TcpStream, codec: FrameCodec) -> Self {
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::warn!(error = %e, "could not set TCP_NODELAY");
+        }
+        FramedIo {
+            stream,
+            codec,
+            rbuf: BytesMut::with_capacity(READ_CHUNK),
+            wbuf: BytesMut::with_capacity(READ_CHUNK),
+            eof: false,
+            counts: IoCounts::default(),
+        }
+    }
+
+    /// The socket.
+    pub fn stream(&self) -> &TcpStream {
+        &self.stream
+    }
+
+    /// The frame codec in use.
+    pub fn codec(&self) -> &FrameCodec {
+        &self.codec
+    }
+
+    /// The write buffer: append whole frames to it, then call [`FramedIo::try_flush`].
+    pub fn wbuf(&mut self) -> &mut BytesMut {
+        &mut self.wbuf
+    }
+
+    /// Bytes waiting to be written.
+    pub fn pending_write(&self) -> usize {
+        self.wbuf.len()
+    }
+
+    /// Bytes read but not yet taken as frames.
+    pub fn pending_read(&self) -> usize {
+        self.rbuf.len()
+    }
+
+    /// True once the peer closed its side.
+    pub fn is_eof(&self) -> bool {
+        self.eof
+    }
+
+    /// Byte and syscall counts since the last call (for adding to metrics).
+    pub fn take_counts(&mut self) -> IoCounts {
+        std::mem::take(&mut self.counts)
+    }
+
+    /// Waits until the socket is readable (when `read` is true), or writable while there
+    /// are bytes waiting to go out.
+    pub async fn ready(&self, read: bool) -> io::Result<Ready> {
+        let interest = match (read && !self.eof, !self.wbuf.is_empty()) {
+            (true, true) => Interest::READABLE | Interest::WRITABLE,
+            (true, false) => Interest::READABLE,
+            (false, true) => Interest::WRITABLE,
+            // Nothing to wait for: never resolves, so a `select!` waits on its other arms.
+            (false, false) => return std::future::pending().await,
+        };
+        self.stream.ready(interest).await
+    }
+
+    /// One `read` call into the read buffer.
+    pub fn try_read(&mut self) -> io::Result<ReadStatus> {
+        if self.eof {
+            return Ok(ReadStatus::Eof);
+        }
+        self.rbuf.reserve(READ_CHUNK);
+        match self.stream.try_read_buf(&mut self.rbuf) {
+            Ok(0) => {
+                self.eof = true;
+                Ok(ReadStatus::Eof)
+            }
+            Ok(n) => {
+                self.counts.bytes_read += n as u64;
+                self.counts.reads += 1;
+                Ok(ReadStatus::Data(n))
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(ReadStatus::WouldBlock),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The next whole frame in the read buffer, if any. After a non-fatal error the bad
+    /// bytes are gone and this may be called again. At end of stream, leftover bytes are
+    /// reported once as [`FrameError::Truncated`] and dropped.
+    pub fn next_frame(&mut self) -> Result<Option<Frame>, FrameError> {
+        match self.codec.decode_frame(&mut self.rbuf) {
+            Ok(None) if self.eof && !self.rbuf.is_empty() => {
+                let e = self.codec.check_eof(&self.rbuf);
+                self.rbuf.clear();
+                e.map(|()| None)
+            }
+            other => other,
+        }
+    }
+
+    /// Writes as much of the write buffer as the socket takes now.
+    pub fn try_flush(&mut self) -> io::Result<()> {
+        while !self.wbuf.is_empty() {
+            match self.stream.try_write(&self.wbuf) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => {
+                    self.counts.bytes_written += n as u64;
+                    self.counts.writes += 1;
+                    self.wbuf.advance(n);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the whole write buffer, waiting for the socket as needed.
+    pub async fn flush(&mut self) -> io::Result<()> {
+        while !self.wbuf.is_empty() {
+            self.stream.writable().await?;
+            self.try_flush()?;
+        }
+        Ok(())
+    }
+
+    /// Closes the write side after flushing (the peer then sees end of stream).
+    pub async fn shutdown(&mut self) -> io::Result<()> {
+        use tokio::io::AsyncWriteExt;
+        self.flush().await?;
+        self.stream.shutdown().await
+    }
+}

@@ -1,0 +1,147 @@
+//! The accept loop shared by the provider and the broker: a cap on open connections, a
+//! back-off when the process runs out of file descriptors, one task per connection, and
+//! draining on shutdown.
+//!
+//! Owns connection admission and the connection tasks' lifetimes; what a connection does
+//! is the session's, given as a closure.
+//!
+//! Shutdown: the listener is dropped at once (new connections are refused by the kernel),
+//! each connection's token is cancelled so its session stops taking new calls and finishes
+//! the ones in flight, and the loop waits for them up to the grace period, then aborts
+//! what is left.
+
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// First pause after an accept error such as "too many open files"; doubled each time
+/// up to [`ACCEPT_BACKOFF_MAX`], so a process out of descriptors does not spin.
+pub const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
+/// Longest pause between accept attempts after errors.
+pub const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// Limits of the accept loop.
+#[derive(Clone, Copy, Debug)]
+pub struct AcceptConfig {
+    /// Connections open at once; one more is accepted and closed at once.
+    pub max_connections: usize,
+    /// How long shutdown waits for sessions to finish their calls.
+    pub grace: Duration,
+}
+
+/// What happened over the listener's life.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServeSummary {
+    /// Connections accepted and served.
+    pub accepted: u64,
+    /// Connections closed at once because the cap was reached.
+    pub refused: u64,
+    /// Sessions still running when the grace period ended (aborted).
+    pub aborted: usize,
+}
+
+/// Hooks the accept loop calls, for metrics and logs.
+pub trait AcceptObserver: Send + Sync + 'static {
+    /// A connection was accepted (and will be served).
+    fn opened(&self) {}
+    /// A served connection ended.
+    fn closed(&self) {}
+    /// A connection was refused because of the cap.
+    fn refused(&self) {}
+}
+
+/// An observer that does nothing.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoObserver;
+impl AcceptObserver for NoObserver {}
+
+/// Accepts connections until `shutdown` is cancelled, running `session(stream, peer,
+/// token)` for each in its own task. Returns after the drain.
+pub async fn serve<F, Fut>(
+    listener: TcpListener,
+    config: AcceptConfig,
+    shutdown: CancellationToken,
+    observer: Arc<dyn AcceptObserver>,
+    mut session: F,
+) -> ServeSummary
+where
+    F: FnMut(TcpStream, SocketAddr, CancellationToken) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let mut summary = ServeSummary::default();
+    let mut tasks = JoinSet::new();
+    let open = Arc::new(AtomicUsize::new(0));
+    let mut backoff = ACCEPT_BACKOFF_MIN;
+    let local = listener.local_addr().ok();
+    loop {
+        tokio::select! {
+            biased;
+            () = shutdown.cancelled() => break,
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    backoff = ACCEPT_BACKOFF_MIN;
+                    if open.load(Ordering::Relaxed) >= config.max_connections {
+                        summary.refused += 1;
+                        observer.refused();
+                        tracing::warn!(%peer, max = config.max_connections, "connection refused: too many open connections");
+                        drop(stream);
+                        continue;
+                    }
+                    summary.accepted += 1;
+                    open.fetch_add(1, Ordering::Relaxed);
+                    observer.opened();
+                    tracing::debug!(%peer, "connection accepted");
+                    let fut = session(stream, peer, shutdown.child_token());
+                    let open = open.clone();
+                    let observer = observer.clone();
+                    tasks.spawn(async move {
+                        fut.await;
+                        open.fetch_sub(1, Ordering::Relaxed);
+                        observer.closed();
+                    });
+                }
+                Err(e) if is_transient(&e) => {
+                    tracing::debug!(error = %e, "accept failed; continuing");
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, pause_ms = backoff.as_millis() as u64, "accept failed; pausing");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(ACCEPT_BACKOFF_MAX);
+                }
+            },
+        }
+    }
+    drop(listener);
+    tracing::info!(addr = ?local, sessions = tasks.len(), grace_ms = config.grace.as_millis() as u64, "listener closed; draining");
+    let drained = tokio::time::timeout(config.grace, async {
+        while tasks.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        summary.aborted = tasks.len();
+        tracing::warn!(
+            sessions = tasks.len(),
+            "grace period over; aborting sessions"
+        );
+        tasks.shutdown().await;
+    }
+    summary
+}
+
+/// Errors that concern one incoming connection only (it went away before we took it).
+fn is_transient(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::Interrupted
+    )
+}

@@ -1,0 +1,100 @@
+//! Call outcomes: the response status byte, with rpcmesh's extended statuses and how they
+//! degrade for plain v1 callers.
+//!
+//! RPCF v1 defines 0 = success, 1 = failed, 2 = timeout. rpcmesh adds 3 = unavailable,
+//! 4 = overloaded, 5 = bad request, sent only to callers whose request carried
+//! [`Flags::EXT_STATUS`](crate::frame::Flags::EXT_STATUS); everyone else gets status 1 with
+//! an `error_msg` that starts with the status name (`"overloaded: ..."`).
+
+/// The outcome of one call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum Status {
+    /// The handler answered.
+    Success = 0,
+    /// The call failed (handler error, unknown service or method, bad payload...).
+    Failed = 1,
+    /// No answer within the deadline.
+    Timeout = 2,
+    /// No healthy provider, or the provider connection was lost with the call on it.
+    Unavailable = 3,
+    /// Shed at once because a limit on calls in flight was reached.
+    Overloaded = 4,
+    /// The request was malformed (bad body, CRC mismatch, payload that does not decode).
+    BadRequest = 5,
+}
+
+impl Status {
+    /// Every status, in wire order.
+    pub const ALL: [Status; 6] = [
+        Status::Success,
+        Status::Failed,
+        Status::Timeout,
+        Status::Unavailable,
+        Status::Overloaded,
+        Status::BadRequest,
+    ];
+
+    /// Reads a status byte; `None` for a value no version defines.
+    pub fn from_wire(b: u8) -> Option<Status> {
+        Status::ALL.get(usize::from(b)).copied()
+    }
+
+    /// The byte to send: the status itself to a caller that accepts extended statuses,
+    /// else its v1 equivalent.
+    pub fn to_wire(self, ext: bool) -> u8 {
+        match self {
+            Status::Success | Status::Failed | Status::Timeout => self as u8,
+            _ if ext => self as u8,
+            _ => Status::Failed as u8,
+        }
+    }
+
+    /// Lower-case name, used as metric label and as the `error_msg` prefix.
+    pub fn label(self) -> &'static str {
+        match self {
+            Status::Success => "ok",
+            Status::Failed => "failed",
+            Status::Timeout => "timeout",
+            Status::Unavailable => "unavailable",
+            Status::Overloaded => "overloaded",
+            Status::BadRequest => "bad_request",
+        }
+    }
+
+    /// Prefix of the `error_msg` for this status (so a v1 caller, who sees status 1, can
+    /// still tell `overloaded` from other failures).
+    pub fn message_prefix(self) -> &'static str {
+        match self {
+            // Failures keep their message as it is: v1 callers match on
+            // "service not found: ..." verbatim.
+            Status::Success | Status::Failed => "",
+            Status::Timeout => "timeout",
+            Status::Unavailable => "unavailable",
+            Status::Overloaded => "overloaded",
+            Status::BadRequest => "bad request",
+        }
+    }
+}
+
+impl std::fmt::Display for Status {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn extended_statuses_degrade_to_failed_for_v1_callers() {
+        assert_eq!(Status::Overloaded.to_wire(false), 1);
+        assert_eq!(Status::Overloaded.to_wire(true), 4);
+        assert_eq!(Status::Timeout.to_wire(false), 2);
+        for s in Status::ALL {
+            assert_eq!(Status::from_wire(s.to_wire(true)), Some(s));
+        }
+        assert_eq!(Status::from_wire(6), None);
+    }
+}

@@ -1,0 +1,479 @@
+//! Telemetry plumbing: one Prometheus recorder per program instance, from which each
+//! program registers its metric handles once (at start or per connection) and then only
+//! increments them on the hot path.
+//!
+//! Owns the recorder, its histogram buckets and rendering. The metric names and what
+//! they mean are each program's (`metrics.rs` in each crate; `docs/metrics.md`).
+//!
+//! Handles are registered on the instance's own recorder rather than through the global
+//! `metrics` macros, so that several providers and brokers in one test process keep
+//! separate counts; `main` installs the same recorder globally as well.
+
+use std::sync::Arc;
+
+use metrics::{Counter, Gauge, Histogram, Key, Label, Metadata, Recorder};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
+
+/// Prefix of every metric rpcmesh exports.
+pub const PREFIX: &str = "rpcmesh_";
+
+/// Upper bounds (seconds) of every latency histogram: a 1-2-5 series from 10 µs to 10 s,
+/// so that one set of buckets covers a loopback hop (tens of µs) and a timed-out call
+/// (seconds) with at most a factor 2.5 between neighbours.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.000_01, 0.000_02, 0.000_05, 0.000_1, 0.000_2, 0.000_5, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05,
+    0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+];
+
+const METADATA: Metadata<'static> = Metadata::new("rpcmesh", metrics::Level::INFO, None);
+
+/// A recorder of one program instance, and the handle that renders it.
+#[derive(Clone)]
+pub struct Telemetry {
+    recorder: Arc<PrometheusRecorder>,
+    handle: PrometheusHandle,
+}
+
+impl std::fmt::Debug for Telemetry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Telemetry").finish_non_exhaustive()
+    }
+}
+
+impl Default for Telemetry {
+    fn default() -> Self {
+        Telemetry::new()
+    }
+}
+
+impl Telemetry {
+    /// A fresh recorder with rpcmesh's histogram buckets.
+    pub fn new() -> Self {
+        let recorder = PrometheusBuilder::new()
+            .set_buckets(LATENCY_BUCKETS)
+            .expect("the bucket list is a non-empty constant")
+            .build_recorder();
+        let handle = recorder.handle();
+        Telemetry {
+            recorder: Arc::new(recorder),
+            handle,
+        }
+    }
+
+    /// Registers (or finds) a counter.
+    pub fn counter(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Counter {
+        self.recorder
+            .register_counter(&key(name, labels), &METADATA)
+    }
+
+    /// Registers (or finds) a gauge.
+    pub fn gauge(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Gauge {
+        self.recorder.register_gauge(&key(name, labels), &METADATA)
+    }
+
+    /// Registers (or finds) a histogram.
+    pub fn histogram(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Histogram {
+        self.recorder
+            .register_histogram(&key(name, labels), &METADATA)
+    }
+
+    /// Attaches help text to a metric name.
+    pub fn describe(&self, name: &'static str, unit: Option<metrics::Unit>, help: &'static str) {
+        self.recorder
+            .describe_counter(name.into(), unit, help.into());
+    }
+
+    /// The Prometheus text exposition of everything recorded so far.
+    pub fn render(&self) -> String {
+        self.handle.render()
+    }
+
+    /// Drains histogram samples into their buckets; run it periodically so that samples
+    /// do not pile up between scrapes.
+    pub fn run_upkeep(&self) {
+        self.handle.run_upkeep();
+    }
+
+    /// The recorder, for code that records through the `metrics` macros (wrap a call in
+    /// `metrics::with_local_recorder`).
+    pub fn recorder(&self) -> &PrometheusRecorder {
+        &self.recorder
+    }
+}
+
+/// Every kind of error rpcmesh counts, the `kind` label of `rpcmesh_errors_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// Bytes that are not an RPCF stream (junk skipped, or connection closed).
+    BadMagic,
+    /// A protocol version other than 1.
+    BadVersion,
+    /// `body_len` over the limit.
+    TooLarge,
+    /// CRC trailer mismatch.
+    Crc,
+    /// Unknown message type or reserved bits.
+    UnknownType,
+    /// Connection closed in the middle of a frame.
+    Truncated,
+    /// Body lengths that do not add up, or names that are not UTF-8.
+    BadBody,
+    /// A payload flagged compressed that does not inflate, or inflates past the limit.
+    Inflate,
+    /// A payload that is not the expected protobuf message.
+    Decode,
+    /// A call to a service nobody serves.
+    UnknownService,
+    /// A call to a method the service does not have.
+    UnknownMethod,
+    /// No reply within the deadline.
+    Timeout,
+    /// A reply that came after its call had timed out (dropped).
+    LateReply,
+    /// No healthy provider / connection lost with the call on it.
+    Unavailable,
+    /// Shed by a limit on calls in flight.
+    Overloaded,
+    /// A frame of a type that makes no sense in that direction (dropped).
+    Unexpected,
+    /// A socket error.
+    Io,
+}
+
+impl ErrorKind {
+    /// Every kind, in label order.
+    pub const ALL: [ErrorKind; 17] = [
+        ErrorKind::BadMagic,
+        ErrorKind::BadVersion,
+        ErrorKind::TooLarge,
+        ErrorKind::Crc,
+        ErrorKind::UnknownType,
+        ErrorKind::Truncated,
+        ErrorKind::BadBody,
+        ErrorKind::Inflate,
+        ErrorKind::Decode,
+        ErrorKind::UnknownService,
+        ErrorKind::UnknownMethod,
+        ErrorKind::Timeout,
+        ErrorKind::LateReply,
+        ErrorKind::Unavailable,
+        ErrorKind::Overloaded,
+        ErrorKind::Unexpected,
+        ErrorKind::Io,
+    ];
+
+    /// The `kind` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            ErrorKind::BadMagic => "bad_magic",
+            ErrorKind::BadVersion => "bad_version",
+            ErrorKind::TooLarge => "too_large",
+            ErrorKind::Crc => "crc",
+            ErrorKind::UnknownType => "unknown_type",
+            ErrorKind::Truncated => "truncated",
+            ErrorKind::BadBody => "bad_body",
+            ErrorKind::Inflate => "inflate",
+            ErrorKind::Decode => "decode",
+            ErrorKind::UnknownService => "unknown_service",
+            ErrorKind::UnknownMethod => "unknown_method",
+            ErrorKind::Timeout => "timeout",
+            ErrorKind::LateReply => "late_reply",
+            ErrorKind::Unavailable => "unavailable",
+            ErrorKind::Overloaded => "overloaded",
+            ErrorKind::Unexpected => "unexpected",
+            ErrorKind::Io => "io",
+        }
+    }
+
+    /// The kind of a wire-layer error.
+    pub fn of_frame(e: &crate::frame::FrameError) -> ErrorKind {
+        use crate::frame::FrameError as F;
+        match e {
+            F::BadMagic { .. } | F::Resynced { .. } => ErrorKind::BadMagic,
+            F::BadVersion { .. } => ErrorKind::BadVersion,
+            F::TooLarge { .. } => ErrorKind::TooLarge,
+            F::Crc { .. } => ErrorKind::Crc,
+            F::UnknownType { .. } => ErrorKind::UnknownType,
+            F::Truncated { .. } => ErrorKind::Truncated,
+            F::BadBody { .. } | F::Unencodable { .. } => ErrorKind::BadBody,
+            F::Io(_) => ErrorKind::Io,
+        }
+    }
+
+    /// The kind of a call-layer error.
+    pub fn of_call(e: &crate::call::CallError) -> ErrorKind {
+        use crate::call::CallError as C;
+        match e {
+            C::Frame(f) => ErrorKind::of_frame(f),
+            C::Inflate(_) => ErrorKind::Inflate,
+            C::Decode(_) | C::UnknownStatus(_) => ErrorKind::Decode,
+            C::WrongType { .. } => ErrorKind::Unexpected,
+        }
+    }
+}
+
+/// `rpcmesh_errors_total{role, kind}`, one handle per kind, registered up front.
+#[derive(Clone)]
+pub struct ErrorCounters(Vec<Counter>);
+
+impl std::fmt::Debug for ErrorCounters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ErrorCounters")
+    }
+}
+
+impl ErrorCounters {
+    /// Registers one counter per kind for `role`.
+    pub fn new(t: &Telemetry, role: &'static str) -> Self {
+        ErrorCounters(
+            ErrorKind::ALL
+                .iter()
+                .map(|k| {
+                    t.counter(
+                        "rpcmesh_errors_total",
+                        &[("role", role), ("kind", k.label())],
+                    )
+                })
+                .collect(),
+        )
+    }
+
+    /// Counts one error.
+    pub fn inc(&self, kind: ErrorKind) {
+        self.0[kind as usize].increment(1);
+    }
+}
+
+/// Connection counters of one side of a program: `rpcmesh_connections_opened_total`,
+/// `_closed_total`, `_refused_total` and the `rpcmesh_connections_open` gauge, labelled
+/// `role` and `side` (`inbound` = callers connecting to us, `upstream` = our connections to
+/// providers, `outbound` = the driver's connections).
+#[derive(Clone, Debug)]
+pub struct ConnCounters {
+    opened: Counter,
+    closed: Counter,
+    refused: Counter,
+    open: Gauge,
+}
+
+impl ConnCounters {
+    /// Registers the counters.
+    pub fn new(t: &Telemetry, role: &'static str, side: &'static str) -> Self {
+        let l = [("role", role), ("side", side)];
+        ConnCounters {
+            opened: t.counter("rpcmesh_connections_opened_total", &l),
+            closed: t.counter("rpcmesh_connections_closed_total", &l),
+            refused: t.counter("rpcmesh_connections_refused_total", &l),
+            open: t.gauge("rpcmesh_connections_open", &l),
+        }
+    }
+}
+
+impl crate::listener::AcceptObserver for ConnCounters {
+    fn opened(&self) {
+        self.opened.increment(1);
+        self.open.increment(1.0);
+    }
+    fn closed(&self) {
+        self.closed.increment(1);
+        self.open.decrement(1.0);
+    }
+    fn refused(&self) {
+        self.refused.increment(1);
+    }
+}
+
+/// Bytes on the wire: `rpcmesh_wire_bytes_total{role, side, direction="in"|"out"}`.
+#[derive(Clone, Debug)]
+pub struct WireCounters {
+    read: Counter,
+    written: Counter,
+}
+
+impl WireCounters {
+    /// Registers the counters.
+    pub fn new(t: &Telemetry, role: &'static str, side: &'static str) -> Self {
+        WireCounters {
+            read: t.counter(
+                "rpcmesh_wire_bytes_total",
+                &[("role", role), ("side", side), ("direction", "in")],
+            ),
+            written: t.counter(
+                "rpcmesh_wire_bytes_total",
+                &[("role", role), ("side", side), ("direction", "out")],
+            ),
+        }
+    }
+
+    /// Adds a connection's counts since the last call.
+    pub fn add(&self, c: crate::io::IoCounts) {
+        if c.bytes_read > 0 {
+            self.read.increment(c.bytes_read);
+        }
+        if c.bytes_written > 0 {
+            self.written.increment(c.bytes_written);
+        }
+    }
+}
+
+/// Payload bytes before and after compression:
+/// `rpcmesh_payload_bytes_total{role, direction, form="plain"|"wire"}`. The compression
+/// ratio is `wire / plain`.
+#[derive(Clone, Debug)]
+pub struct PayloadCounters {
+    in_plain: Counter,
+    in_wire: Counter,
+    out_plain: Counter,
+    out_wire: Counter,
+}
+
+impl PayloadCounters {
+    /// Registers the counters.
+    pub fn new(t: &Telemetry, role: &'static str) -> Self {
+        let c = |d, f| {
+            t.counter(
+                "rpcmesh_payload_bytes_total",
+                &[("role", role), ("direction", d), ("form", f)],
+            )
+        };
+        PayloadCounters {
+            in_plain: c("in", "plain"),
+            in_wire: c("in", "wire"),
+            out_plain: c("out", "plain"),
+            out_wire: c("out", "wire"),
+        }
+    }
+
+    /// Counts a payload received.
+    pub fn received(&self, s: crate::call::PayloadSize) {
+        self.in_plain.increment(s.plain as u64);
+        self.in_wire.increment(s.wire as u64);
+    }
+
+    /// Counts a payload sent.
+    pub fn sent(&self, s: crate::call::PayloadSize) {
+        self.out_plain.increment(s.plain as u64);
+        self.out_wire.increment(s.wire as u64);
+    }
+}
+
+/// `rpcmesh_calls_total{role, service, method, status}` of one method, one handle per
+/// status.
+#[derive(Clone)]
+pub struct CallCounters(Vec<Counter>);
+
+impl std::fmt::Debug for CallCounters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CallCounters")
+    }
+}
+
+impl CallCounters {
+    /// Label used for service and method names that are not configured, so that callers
+    /// cannot create label values at will.
+    pub const OTHER: &'static str = "_other";
+
+    /// Registers the counters of `service.method`.
+    pub fn new(t: &Telemetry, role: &'static str, service: &str, method: &str) -> Self {
+        CallCounters(
+            crate::status::Status::ALL
+                .iter()
+                .map(|s| {
+                    t.counter(
+                        "rpcmesh_calls_total",
+                        &[
+                            ("role", role),
+                            ("service", service),
+                            ("method", method),
+                            ("status", s.label()),
+                        ],
+                    )
+                })
+                .collect(),
+        )
+    }
+
+    /// Counts one finished call.
+    pub fn inc(&self, status: crate::status::Status) {
+        self.0[status as usize].increment(1);
+    }
+}
+
+fn key(name: &'static str, labels: &[(&'static str, &str)]) -> Key {
+    let labels: Vec<Label> = labels
+        .iter()
+        .map(|(k, v)| Label::new(*k, v.to_string()))
+        .collect();
+    Key::from_parts(name, labels)
+}
+
+/// The value of one sample in a Prometheus text exposition: the line whose name is
+/// `name` and whose labels include all of `labels`. Sums over every matching line.
+/// For tests and tools.
+pub fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let mut found = None;
+    for line in text.lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        let (label_text, value) = match rest.strip_prefix('{') {
+            Some(r) => match r.split_once("} ") {
+                Some((l, v)) => (l, v),
+                None => continue,
+            },
+            None => match rest.strip_prefix(' ') {
+                Some(v) => ("", v),
+                None => continue,
+            },
+        };
+        let ok = labels
+            .iter()
+            .all(|(k, v)| label_text.contains(&format!("{k}=\"{v}\"")));
+        if ok {
+            if let Ok(v) = value.trim().parse::<f64>() {
+                *found.get_or_insert(0.0) += v;
+            }
+        }
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn instances_count_separately() {
+        let a = Telemetry::new();
+        let b = Telemetry::new();
+        a.counter("rpcmesh_test_total", &[("kind", "x")])
+            .increment(3);
+        b.counter("rpcmesh_test_total", &[("kind", "x")])
+            .increment(1);
+        assert_eq!(
+            sample(&a.render(), "rpcmesh_test_total", &[("kind", "x")]),
+            Some(3.0)
+        );
+        assert_eq!(sample(&b.render(), "rpcmesh_test_total", &[]), Some(1.0));
+        assert_eq!(
+            sample(&b.render(), "rpcmesh_test_total", &[("kind", "y")]),
+            None
+        );
+    }
+
+    #[test]
+    fn histograms_use_the_latency_buckets() {
+        let t = Telemetry::new();
+        t.histogram("rpcmesh_stage_seconds", &[("stage", "handler")])
+            .record(0.000_3);
+        let text = t.render();
+        assert!(
+            text.contains("rpcmesh_stage_seconds_bucket{stage=\"handler\",le=\"0.0005\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("le=\"0.00001\""), "{text}");
+    }
+}

@@ -1,0 +1,84 @@
+//! rpcmesh provider: hosts services and answers RPCF v1 calls (with rpcmesh's extensions
+//! for callers that ask for them).
+//!
+//! - [`config`]: command line, defaults, validation.
+//! - [`service`]: the handler interface, the registry, and the built-in services.
+//! - `session`: one connection: frames → calls → handlers → replies.
+//! - [`metrics`]: the metric handles.
+//!
+//! [`run`] serves a bound listener until its shutdown future resolves, then drains; tests
+//! call it on port 0, `main` with the configured address and SIGTERM/SIGINT.
+
+pub mod config;
+pub mod metrics;
+pub mod service;
+mod session;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use rpcmesh_common::listener::{self, AcceptConfig, ServeSummary};
+use rpcmesh_common::shutdown;
+use rpcmesh_common::telemetry::Telemetry;
+use tokio::net::TcpListener;
+
+pub use config::{Args, ProviderConfig};
+pub use metrics::ProviderMetrics;
+pub use service::Registry;
+
+/// Serves the built-in services on `listener` until `shutdown` resolves, then stops
+/// accepting and lets calls in flight finish within the grace period.
+pub async fn run(
+    config: ProviderConfig,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> ServeSummary {
+    run_with(
+        config,
+        Registry::builtin(),
+        Telemetry::new(),
+        listener,
+        shutdown,
+    )
+    .await
+}
+
+/// As [`run`], with the services and the metrics recorder given.
+pub async fn run_with(
+    config: ProviderConfig,
+    registry: Registry,
+    telemetry: Telemetry,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> ServeSummary {
+    let registry = registry.with_service_time(config.service_time);
+    let metrics = ProviderMetrics::new(telemetry, &registry);
+    let accept = AcceptConfig {
+        max_connections: config.max_connections,
+        grace: config.grace,
+    };
+    tracing::info!(
+        addr = ?listener.local_addr().ok(),
+        services = ?registry.services(),
+        compression = config.compression.is_some(),
+        service_time_ms = config.service_time.as_secs_f64() * 1e3,
+        "provider listening"
+    );
+    let observer = metrics.conns.clone();
+    let shared = Arc::new(session::Shared {
+        config,
+        registry,
+        metrics,
+    });
+    let token = shutdown::token_from(shutdown);
+    let summary = listener::serve(
+        listener,
+        accept,
+        token,
+        observer,
+        move |stream, peer, stop| session::serve(stream, peer, shared.clone(), stop),
+    )
+    .await;
+    tracing::info!(?summary, "provider stopped");
+    summary
+}

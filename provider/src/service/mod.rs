@@ -1,0 +1,221 @@
+//! Services: the handler interface and the registry that maps (service, method) names to
+//! handlers. A service never sees a frame: it gets the decoded `rpc.RpcRequest` and
+//! writes its encoded application message; framing, compression and statuses are the
+//! session's.
+//!
+//! Handlers answer inline (the common case: the built-in services build a fixed answer),
+//! or return a future for work that waits; the session keeps such futures and writes each
+//! answer as it finishes, so many calls are in flight per connection.
+
+pub mod echo;
+pub mod platform;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use rpcmesh_common::Status;
+use rpcmesh_common::proto::rpc::RpcRequest;
+
+/// An answer still being worked on: resolves to the encoded application message.
+pub type HandlerFuture = Pin<Box<dyn Future<Output = Result<Bytes, ServiceError>> + Send>>;
+
+/// What a handler did with a call.
+pub enum Outcome {
+    /// Answered now; on success the response message was appended to `out`.
+    Ready(Result<(), ServiceError>),
+    /// Will answer when the future resolves.
+    Later(HandlerFuture),
+}
+
+impl std::fmt::Debug for Outcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Outcome::Ready(r) => f.debug_tuple("Ready").field(r).finish(),
+            Outcome::Later(_) => f.write_str("Later(..)"),
+        }
+    }
+}
+
+/// One method's implementation.
+pub trait Handler: Send + Sync + 'static {
+    /// Handles a call. `out` is empty on entry; a successful inline answer appends the
+    /// encoded response message to it.
+    fn call(&self, request: RpcRequest, out: &mut BytesMut) -> Outcome;
+}
+
+impl<F> Handler for F
+where
+    F: Fn(RpcRequest, &mut BytesMut) -> Result<(), ServiceError> + Send + Sync + 'static,
+{
+    fn call(&self, request: RpcRequest, out: &mut BytesMut) -> Outcome {
+        Outcome::Ready(self(request, out))
+    }
+}
+
+/// Why a handler could not answer.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    /// The application message in the payload did not decode.
+    #[error("payload does not decode as {message}: {source}")]
+    BadPayload {
+        /// The expected message type.
+        message: &'static str,
+        /// The protobuf error.
+        source: prost::DecodeError,
+    },
+    /// The handler failed.
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl ServiceError {
+    /// The status the caller gets.
+    pub fn status(&self) -> Status {
+        match self {
+            ServiceError::BadPayload { .. } => Status::BadRequest,
+            ServiceError::Failed(_) => Status::Failed,
+        }
+    }
+}
+
+/// Index of a registered method, for per-method metrics without a lookup per call.
+pub type MethodId = usize;
+
+/// Result of looking a call's names up.
+#[allow(missing_debug_implementations)]
+pub enum Lookup<'a> {
+    /// The handler and its method index.
+    Found(&'a Arc<dyn Handler>, MethodId),
+    /// No service of that name.
+    NoService,
+    /// The service exists but has no such method.
+    NoMethod,
+}
+
+/// (service, method) → handler.
+#[derive(Default)]
+pub struct Registry {
+    services: HashMap<Box<[u8]>, HashMap<Box<[u8]>, (Arc<dyn Handler>, MethodId)>>,
+    names: Vec<(String, String)>,
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry")
+            .field("methods", &self.names)
+            .finish()
+    }
+}
+
+impl Registry {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Registry::default()
+    }
+
+    /// The built-in services: `EchoService.Echo` and `PlatformService.doQuery`.
+    pub fn builtin() -> Self {
+        let mut r = Registry::new();
+        r.register(echo::SERVICE, echo::METHOD, echo::echo);
+        r.register(platform::SERVICE, platform::METHOD, platform::do_query);
+        r
+    }
+
+    /// Adds (or replaces) a method.
+    pub fn register(&mut self, service: &str, method: &str, handler: impl Handler) {
+        self.register_arc(service, method, Arc::new(handler));
+    }
+
+    fn register_arc(&mut self, service: &str, method: &str, handler: Arc<dyn Handler>) {
+        let methods = self.services.entry(service.as_bytes().into()).or_default();
+        let id = match methods.get(method.as_bytes()) {
+            Some((_, id)) => *id,
+            None => {
+                self.names.push((service.to_owned(), method.to_owned()));
+                self.names.len() - 1
+            }
+        };
+        methods.insert(method.as_bytes().into(), (handler, id));
+    }
+
+    /// Finds the handler for a call.
+    pub fn lookup(&self, service: &[u8], method: &[u8]) -> Lookup<'_> {
+        match self.services.get(service) {
+            None => Lookup::NoService,
+            Some(m) => match m.get(method) {
+                Some((h, id)) => Lookup::Found(h, *id),
+                None => Lookup::NoMethod,
+            },
+        }
+    }
+
+    /// (service, method) names by method index.
+    pub fn methods(&self) -> &[(String, String)] {
+        &self.names
+    }
+
+    /// Service names, sorted.
+    pub fn services(&self) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .services
+            .keys()
+            .map(|k| String::from_utf8_lossy(k).into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Wraps every handler so that it answers only after `delay` (a simulated service
+    /// time, for capacity and timeout experiments). Zero leaves the registry as it is.
+    pub fn with_service_time(mut self, delay: Duration) -> Self {
+        if delay.is_zero() {
+            return self;
+        }
+        for methods in self.services.values_mut() {
+            for (h, _) in methods.values_mut() {
+                *h = Arc::new(Delayed {
+                    inner: h.clone(),
+                    delay,
+                });
+            }
+        }
+        self
+    }
+}
+
+/// A handler that answers after a fixed delay, without holding a thread.
+struct Delayed {
+    inner: Arc<dyn Handler>,
+    delay: Duration,
+}
+
+impl Handler for Delayed {
+    fn call(&self, request: RpcRequest, out: &mut BytesMut) -> Outcome {
+        let delay = self.delay;
+        match self.inner.call(request, out) {
+            Outcome::Ready(r) => {
+                let r = r.map(|()| out.split().freeze());
+                Outcome::Later(Box::pin(async move {
+                    tokio::time::sleep(delay).await;
+                    r
+                }))
+            }
+            Outcome::Later(f) => Outcome::Later(Box::pin(async move {
+                tokio::time::sleep(delay).await;
+                f.await
+            })),
+        }
+    }
+}
+
+/// Decodes a handler's request message, naming the type in the error.
+pub fn decode<M: prost::Message + Default>(
+    payload: Bytes,
+    message: &'static str,
+) -> Result<M, ServiceError> {
+    M::decode(payload).map_err(|source| ServiceError::BadPayload { message, source })
+}

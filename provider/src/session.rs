@@ -1,0 +1,359 @@
+//! One caller's connection to the provider (a broker's pooled connection, or a client's):
+//! reads request frames, decodes the calls, runs their handlers and writes each reply as it
+//! finishes, batched into as few writes as the socket allows. Answers heartbeats, sheds
+//! over the in-flight cap, and turns bad input into error replies, counts and log lines.
+//!
+//! One task owns the socket, the calls waiting on handlers and the write buffer; nothing
+//! here is shared with other connections but the read-only registry and metric handles.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use rpcmesh_common::Status;
+use rpcmesh_common::call::{CallCodec, put_error_response, service_not_found};
+use rpcmesh_common::client::now_ms;
+use rpcmesh_common::codec::FrameCodec;
+use rpcmesh_common::frame::{Flags, Frame, FrameError, Heartbeat, MsgType};
+use rpcmesh_common::io::{FramedIo, ReadStatus};
+use rpcmesh_common::shutdown::CancellationToken;
+use rpcmesh_common::telemetry::ErrorKind;
+use tokio::net::TcpStream;
+use tracing::Instrument;
+
+use crate::ProviderConfig;
+use crate::metrics::ProviderMetrics;
+use crate::service::{HandlerFuture, Lookup, MethodId, Outcome, Registry, ServiceError};
+
+/// Replies waiting to be written beyond which the session stops reading requests until
+/// the caller reads: 8 MiB, so a caller that stops reading cannot make us buffer without
+/// end, while a fast one never hits it.
+pub const WRITE_BACKLOG_LIMIT: usize = 8 * 1024 * 1024;
+/// How long a closing session waits to deliver its last replies (e.g. the error reply to a
+/// too-large frame) before dropping the socket.
+pub const FINAL_FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
+/// Bad-input log lines per connection before they are thinned to one in
+/// [`LOG_THIN_EVERY`]: enough to diagnose, too few to flood the log.
+const LOG_FIRST: u64 = 10;
+const LOG_THIN_EVERY: u64 = 1000;
+
+/// What every session of one provider shares (read-only).
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub config: ProviderConfig,
+    pub registry: Registry,
+    pub metrics: ProviderMetrics,
+}
+
+/// Serves one connection until the caller leaves, the input is beyond repair, or shutdown
+/// drained it.
+pub(crate) async fn serve(
+    stream: TcpStream,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    shutdown: CancellationToken,
+) {
+    let span = tracing::debug_span!("conn", %peer);
+    async move {
+        let mut session = Session::new(stream, shared);
+        let end = session.run(&shutdown).await;
+        match &end {
+            Ok(()) => tracing::debug!("connection closed"),
+            Err(e) => tracing::debug!(error = %e, "connection ended"),
+        }
+        // Deliver what is already answered (e.g. the error reply to a bad frame).
+        let _ = tokio::time::timeout(FINAL_FLUSH_TIMEOUT, session.io.shutdown()).await;
+        session.report();
+        session.report_in_flight(0);
+    }
+    .instrument(span)
+    .await
+}
+
+/// Why a session ended early.
+#[derive(Debug, thiserror::Error)]
+enum SessionError {
+    #[error("socket: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("input beyond repair: {0}")]
+    BadInput(FrameError),
+}
+
+struct Session {
+    io: FramedIo,
+    calls: CallCodec,
+    shared: Arc<Shared>,
+    pending: FuturesUnordered<Pending>,
+    scratch: BytesMut,
+    draining: bool,
+    in_flight_reported: usize,
+    bad_input_seen: u64,
+}
+
+impl Session {
+    fn new(stream: TcpStream, shared: Arc<Shared>) -> Self {
+        let c = &shared.config;
+        Session {
+            io: FramedIo::new(stream, FrameCodec::new(c.max_body_len)),
+            calls: CallCodec::new(c.compression, c.max_inflated),
+            pending: FuturesUnordered::new(),
+            scratch: BytesMut::with_capacity(1024),
+            draining: false,
+            in_flight_reported: 0,
+            bad_input_seen: 0,
+            shared,
+        }
+    }
+
+    async fn run(&mut self, shutdown: &CancellationToken) -> Result<(), SessionError> {
+        loop {
+            let reading = !self.io.is_eof() && self.io.pending_write() < WRITE_BACKLOG_LIMIT;
+            tokio::select! {
+                biased;
+                Some(done) = self.pending.next(), if !self.pending.is_empty() => {
+                    self.finish(done);
+                    // Collect every other answer that is ready, for one write.
+                    while let Some(Some(done)) = futures_util::FutureExt::now_or_never(self.pending.next()) {
+                        self.finish(done);
+                    }
+                }
+                ready = self.io.ready(reading) => {
+                    let ready = ready?;
+                    if reading && (ready.is_readable() || ready.is_read_closed()) {
+                        self.read()?;
+                    }
+                }
+                () = shutdown.cancelled(), if !self.draining => {
+                    tracing::debug!(in_flight = self.pending.len(), "draining");
+                    self.draining = true;
+                }
+            }
+            self.io.try_flush()?;
+            self.report();
+            self.report_in_flight(self.pending.len());
+            let done = (self.io.is_eof() || self.draining)
+                && self.pending.is_empty()
+                && self.io.pending_write() == 0;
+            if done {
+                return Ok(());
+            }
+        }
+    }
+
+    fn read(&mut self) -> Result<(), SessionError> {
+        if self.io.try_read()? == ReadStatus::WouldBlock {
+            return Ok(());
+        }
+        loop {
+            match self.io.next_frame() {
+                Ok(Some(frame)) => self.on_frame(frame),
+                Ok(None) => return Ok(()),
+                Err(e) => {
+                    self.on_bad_input(&e);
+                    if e.is_fatal() {
+                        return Err(SessionError::BadInput(e));
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_bad_input(&mut self, e: &FrameError) {
+        self.shared.metrics.errors.inc(ErrorKind::of_frame(e));
+        self.bad_input_seen += 1;
+        let n = self.bad_input_seen;
+        if n <= LOG_FIRST || n % LOG_THIN_EVERY == 0 {
+            tracing::warn!(error = %e, fatal = e.is_fatal(), seen = n, "bad input from caller");
+        }
+        if let Some(id) = e.request_id() {
+            self.reply_error(id, e.flags(), None, Status::BadRequest, &e.to_string());
+        }
+    }
+
+    fn on_frame(&mut self, frame: Frame) {
+        match frame.header.msg_type {
+            MsgType::Request => self.on_request(frame),
+            MsgType::Heartbeat => self.on_heartbeat(&frame),
+            MsgType::Response => {
+                self.shared.metrics.errors.inc(ErrorKind::Unexpected);
+                tracing::debug!(
+                    req_id = frame.header.req_id,
+                    "response frame from a caller dropped"
+                );
+            }
+        }
+    }
+
+    fn on_heartbeat(&mut self, frame: &Frame) {
+        if let Err(e) = Heartbeat::parse(&frame.body) {
+            self.on_bad_input(&e);
+        }
+        let hb = Heartbeat {
+            service_name: "provider".into(),
+            node_id: self.shared.config.node_id.clone(),
+            timestamp_ms: now_ms(),
+            extra: Vec::new(),
+        };
+        if let Err(e) = hb.put(self.io.wbuf(), frame.header.req_id) {
+            tracing::warn!(error = %e, "heartbeat reply not encodable (node id too long?)");
+        }
+    }
+
+    fn on_request(&mut self, frame: Frame) {
+        let (id, flags) = (frame.header.req_id, frame.header.flags);
+        if self.draining {
+            return self.reply_error(
+                id,
+                flags,
+                None,
+                Status::Unavailable,
+                "provider shutting down",
+            );
+        }
+        let cap = self.shared.config.max_in_flight_per_conn;
+        if self.pending.len() >= cap {
+            self.shared.metrics.errors.inc(ErrorKind::Overloaded);
+            let msg = format!("provider has {cap} calls in flight on this connection");
+            return self.reply_error(id, flags, None, Status::Overloaded, &msg);
+        }
+        let call = match self.calls.decode_request(&frame) {
+            Ok(c) => c,
+            Err(e) => {
+                self.shared.metrics.errors.inc(ErrorKind::of_call(&e));
+                return self.reply_error(id, flags, None, Status::BadRequest, &e.to_string());
+            }
+        };
+        let shared = &*self.shared;
+        shared.metrics.payload.received(call.size);
+        let (handler, method) = match shared
+            .registry
+            .lookup(&call.request.service, &call.request.method)
+        {
+            Lookup::Found(h, m) => (h, m),
+            Lookup::NoService => {
+                shared.metrics.errors.inc(ErrorKind::UnknownService);
+                let msg = service_not_found(call.request.service_name());
+                return self.reply_error(id, flags, None, Status::Failed, &msg);
+            }
+            Lookup::NoMethod => {
+                shared.metrics.errors.inc(ErrorKind::UnknownMethod);
+                let msg = format!(
+                    "method not found: {}.{}",
+                    call.request.service_name(),
+                    call.request.method_name()
+                );
+                return self.reply_error(id, flags, None, Status::Failed, &msg);
+            }
+        };
+        self.scratch.clear();
+        match handler.call(call.rpc, &mut self.scratch) {
+            Outcome::Ready(Ok(())) => {
+                let answer = std::mem::take(&mut self.scratch);
+                self.reply_ok(id, flags, method, &answer);
+                self.scratch = answer;
+            }
+            Outcome::Ready(Err(e)) => self.reply_service_error(id, flags, method, &e),
+            Outcome::Later(fut) => self.pending.push(Pending {
+                fut,
+                req_id: id,
+                flags,
+                method,
+            }),
+        }
+    }
+
+    fn finish(&mut self, done: Finished) {
+        match done.result {
+            Ok(answer) => self.reply_ok(done.req_id, done.flags, done.method, &answer),
+            Err(e) => self.reply_service_error(done.req_id, done.flags, done.method, &e),
+        }
+    }
+
+    fn reply_ok(&mut self, id: u64, flags: Flags, method: MethodId, answer: &[u8]) {
+        let m = &self.shared.metrics;
+        match self
+            .calls
+            .put_ok_response(self.io.wbuf(), id, flags, answer)
+        {
+            Ok(size) => {
+                m.payload.sent(size);
+                m.calls(Some(method)).inc(Status::Success);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "reply not encodable");
+                self.reply_error(
+                    id,
+                    flags,
+                    Some(method),
+                    Status::Failed,
+                    &format!("reply not encodable: {e}"),
+                );
+            }
+        }
+    }
+
+    fn reply_service_error(&mut self, id: u64, flags: Flags, method: MethodId, e: &ServiceError) {
+        if let ServiceError::BadPayload { .. } = e {
+            self.shared.metrics.errors.inc(ErrorKind::Decode);
+        }
+        self.reply_error(id, flags, Some(method), e.status(), &e.to_string());
+    }
+
+    fn reply_error(
+        &mut self,
+        id: u64,
+        flags: Flags,
+        method: Option<MethodId>,
+        status: Status,
+        msg: &str,
+    ) {
+        put_error_response(self.io.wbuf(), id, flags, status, msg);
+        self.shared.metrics.calls(method).inc(status);
+    }
+
+    /// Adds this round's byte counts to the metrics.
+    fn report(&mut self) {
+        self.shared.metrics.wire.add(self.io.take_counts());
+    }
+
+    fn report_in_flight(&mut self, now: usize) {
+        if now != self.in_flight_reported {
+            let delta = now as f64 - self.in_flight_reported as f64;
+            self.shared.metrics.in_flight.increment(delta);
+            self.in_flight_reported = now;
+        }
+    }
+}
+
+/// A call whose handler answers later, with what its reply needs.
+struct Pending {
+    fut: HandlerFuture,
+    req_id: u64,
+    flags: Flags,
+    method: MethodId,
+}
+
+struct Finished {
+    req_id: u64,
+    flags: Flags,
+    method: MethodId,
+    result: Result<Bytes, ServiceError>,
+}
+
+impl Future for Pending {
+    type Output = Finished;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Finished> {
+        let result = std::task::ready!(self.fut.as_mut().poll(cx));
+        Poll::Ready(Finished {
+            req_id: self.req_id,
+            flags: self.flags,
+            method: self.method,
+            result,
+        })
+    }
+}

@@ -1,0 +1,445 @@
+//! Black-box tests of the provider over real TCP on 127.0.0.1: the built-in services,
+//! v1 interop byte for byte, errors, compression, bad input, shedding and shutdown.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use prost::Message;
+use rpcmesh_common::client::{Client, ClientConfig};
+use rpcmesh_common::compress::CompressionConfig;
+use rpcmesh_common::frame::{Flags, Request};
+use rpcmesh_common::proto::platform::{QueryRequest, QueryResponse};
+use rpcmesh_common::proto::rpc::{EchoRequest, EchoResponse, RpcRequest};
+use rpcmesh_common::telemetry::{Telemetry, sample};
+use rpcmesh_common::testkit;
+use rpcmesh_common::{Status, listener::ServeSummary};
+use rpcmesh_provider::{ProviderConfig, Registry};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+struct Running {
+    addr: SocketAddr,
+    telemetry: Telemetry,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<ServeSummary>,
+}
+
+impl Running {
+    async fn start(config: ProviderConfig) -> Running {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let telemetry = Telemetry::new();
+        let (stop, rx) = oneshot::channel::<()>();
+        let t = telemetry.clone();
+        let task = tokio::spawn(rpcmesh_provider::run_with(
+            config,
+            Registry::builtin(),
+            t,
+            listener,
+            async {
+                let _ = rx.await;
+            },
+        ));
+        Running {
+            addr,
+            telemetry,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    fn errors(&self, kind: &str) -> f64 {
+        sample(
+            &self.telemetry.render(),
+            "rpcmesh_errors_total",
+            &[("kind", kind)],
+        )
+        .unwrap_or(0.0)
+    }
+
+    async fn stop(mut self) -> ServeSummary {
+        let _ = self.stop.take().unwrap().send(());
+        self.task.await.unwrap()
+    }
+}
+
+fn query() -> QueryRequest {
+    QueryRequest {
+        system_id: "PL".into(),
+        app_version: "qq.qq.qq".into(),
+        company_id: "12".into(),
+        source_ip: "DESKTOP-NDOHT79".into(),
+        dest_ip: "DESKTOP-NDOHT79".into(),
+        spider_opts: Default::default(),
+        company_name: "機構1".into(),
+        create_date: "20160101".into(),
+        company_type: 1,
+    }
+}
+
+#[tokio::test]
+async fn echo_answers_the_message() {
+    let p = Running::start(ProviderConfig::default()).await;
+    let c = Client::connect(p.addr, ClientConfig::default())
+        .await
+        .unwrap();
+    let r = c
+        .call(
+            "EchoService",
+            "Echo",
+            &EchoRequest {
+                message: "hello".into(),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Success);
+    assert_eq!(r.decode::<EchoResponse>().unwrap().message, "hello");
+    p.stop().await;
+}
+
+#[tokio::test]
+async fn platform_query_returns_the_fixed_two_entry_list() {
+    let p = Running::start(ProviderConfig::default()).await;
+    let c = Client::connect(p.addr, ClientConfig::default())
+        .await
+        .unwrap();
+    let r = c
+        .call("PlatformService", "doQuery", &query())
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Success);
+    let resp: QueryResponse = r.decode().unwrap();
+    assert_eq!(resp.nodes.len(), 2);
+    assert_eq!(resp.nodes[0], resp.nodes[1]);
+    assert_eq!(resp.nodes[0].node_id, 100_001);
+    assert_eq!(resp.nodes[0].node_name, "機構100001");
+    p.stop().await;
+}
+
+/// A plain v1 client sending the reference's golden request gets the reference's golden
+/// reply, byte for byte.
+#[tokio::test]
+async fn golden_v1_request_gets_the_golden_v1_reply() {
+    let p = Running::start(ProviderConfig::default()).await;
+    let hex = |s: &str| -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
+    };
+    let req = hex(
+        "525043460100000000200000000000000001000b4563686f5365727669636500044563686f000000090a070a0568656c6c6ff1dddcbe",
+    );
+    let want = hex("525043460101000000100000000000000001000000000b080112070a0568656c6c6f0e154d52");
+    let mut s = TcpStream::connect(p.addr).await.unwrap();
+    s.write_all(&req).await.unwrap();
+    let mut got = vec![0u8; want.len()];
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut got))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(got, want);
+    p.stop().await;
+}
+
+#[tokio::test]
+async fn unknown_service_and_method_fail_with_a_message() {
+    let p = Running::start(ProviderConfig::default()).await;
+    let c = Client::connect(p.addr, ClientConfig::plain_v1())
+        .await
+        .unwrap();
+    let r = c
+        .call("NoSuchService", "Echo", &EchoRequest::default())
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Failed);
+    assert!(!r.success);
+    assert_eq!(r.error_msg, "service not found: NoSuchService");
+    let r = c
+        .call("EchoService", "Shout", &EchoRequest::default())
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Failed);
+    assert_eq!(r.error_msg, "method not found: EchoService.Shout");
+    assert_eq!(p.errors("unknown_service"), 1.0);
+    assert_eq!(p.errors("unknown_method"), 1.0);
+    p.stop().await;
+}
+
+#[tokio::test]
+async fn payload_that_does_not_decode_fails_with_a_message() {
+    let p = Running::start(ProviderConfig::default()).await;
+    let c = Client::connect(p.addr, ClientConfig::plain_v1())
+        .await
+        .unwrap();
+    // Field 1 of EchoRequest with wire type "fixed64": not a string.
+    let r = c
+        .call_raw(
+            "EchoService",
+            "Echo",
+            bytes::Bytes::from_static(&[0x09, 1, 2, 3, 4, 5, 6, 7, 8]),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Failed);
+    assert!(r.error_msg.contains("does not decode"), "{}", r.error_msg);
+    p.stop().await;
+}
+
+#[tokio::test]
+async fn heartbeat_is_answered_with_the_same_id() {
+    let p = Running::start(ProviderConfig {
+        node_id: "p1".into(),
+        ..ProviderConfig::default()
+    })
+    .await;
+    let c = Client::connect(p.addr, ClientConfig::default())
+        .await
+        .unwrap();
+    let hb = c.heartbeat().await.unwrap();
+    assert_eq!(hb.node_id, "p1");
+    p.stop().await;
+}
+
+#[tokio::test]
+async fn compressed_and_plain_calls_get_identical_answers() {
+    let p = Running::start(ProviderConfig::default()).await;
+    let plain = Client::connect(p.addr, ClientConfig::default())
+        .await
+        .unwrap();
+    let zipped = Client::connect(
+        p.addr,
+        ClientConfig {
+            compression: Some(CompressionConfig {
+                threshold: 16,
+                level: 6,
+            }),
+            ..ClientConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    let a = plain
+        .call("PlatformService", "doQuery", &query())
+        .await
+        .unwrap();
+    let b = zipped
+        .call("PlatformService", "doQuery", &query())
+        .await
+        .unwrap();
+    assert!(!a.compressed);
+    assert!(
+        b.compressed,
+        "the platform reply compresses when the caller accepts it"
+    );
+    assert_eq!(a.payload, b.payload);
+    p.stop().await;
+}
+
+#[tokio::test]
+async fn bad_or_oversized_compressed_payloads_fail_with_a_message() {
+    let p = Running::start(ProviderConfig {
+        max_inflated: 1000,
+        ..ProviderConfig::default()
+    })
+    .await;
+    let mut s = TcpStream::connect(p.addr).await.unwrap();
+    let mut b = BytesMut::new();
+    let req = |payload: Vec<u8>| Request {
+        service: bytes::Bytes::from_static(b"EchoService"),
+        method: bytes::Bytes::from_static(b"Echo"),
+        payload: payload.into(),
+    };
+    req(b"this is not zlib".to_vec())
+        .put(&mut b, Flags::COMPRESSED, 1)
+        .unwrap();
+    let big = RpcRequest {
+        payload: EchoRequest {
+            message: "x".repeat(5000),
+        }
+        .encode_to_vec()
+        .into(),
+        metadata: Default::default(),
+    }
+    .encode_to_vec();
+    let mut z = BytesMut::new();
+    let mut c = rpcmesh_common::compress::Compressor::new(CompressionConfig {
+        threshold: 1,
+        level: 6,
+    });
+    assert!(c.compress_into(&big, &mut z));
+    req(z.to_vec()).put(&mut b, Flags::COMPRESSED, 2).unwrap();
+    s.write_all(&b).await.unwrap();
+    let mut codec = rpcmesh_common::call::CallCodec::new(None, 1 << 20);
+    let fc = rpcmesh_common::codec::FrameCodec::default();
+    let mut buf = BytesMut::new();
+    let mut replies = Vec::new();
+    while replies.len() < 2 {
+        tokio::time::timeout(Duration::from_secs(5), s.read_buf(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        while let Some(f) = fc.decode_frame(&mut buf).unwrap() {
+            replies.push((f.header.req_id, codec.decode_response(&f).unwrap()));
+        }
+    }
+    replies.sort_by_key(|r| r.0);
+    assert_eq!(replies[0].1.status, Status::Failed);
+    assert!(
+        replies[0]
+            .1
+            .rpc
+            .error_msg
+            .contains("not a valid zlib stream"),
+        "{}",
+        replies[0].1.rpc.error_msg
+    );
+    assert!(
+        replies[1]
+            .1
+            .rpc
+            .error_msg
+            .contains("inflates past the limit of 1000"),
+        "{}",
+        replies[1].1.rpc.error_msg
+    );
+    assert_eq!(p.errors("inflate"), 2.0);
+    p.stop().await;
+}
+
+#[tokio::test]
+async fn bad_input_gets_an_error_reply_or_a_close_and_is_counted() {
+    let max = 4096;
+    let p = Running::start(ProviderConfig {
+        max_body_len: max,
+        ..ProviderConfig::default()
+    })
+    .await;
+    let good = Client::connect(p.addr, ClientConfig::default())
+        .await
+        .unwrap();
+    for input in testkit::bad_inputs(max) {
+        let before = p.errors(input.kind.label());
+        let seen = testkit::probe(p.addr, &input).await.unwrap();
+        assert_eq!(seen.closed, input.closes, "{}: {seen:?}", input.name);
+        if let Some(id) = input.reply_to {
+            let r = seen.frames.iter().find(|f| f.header.req_id == id);
+            let r = r.unwrap_or_else(|| panic!("{}: no error reply", input.name));
+            let r = Request::parse(&r.body).err();
+            assert!(r.is_some(), "reply is a response, not a request");
+        }
+        if let Some(id) = input.then_answered {
+            assert!(
+                seen.frames.iter().any(|f| f.header.req_id == id),
+                "{}: later frame not answered",
+                input.name
+            );
+        }
+        assert_eq!(
+            p.errors(input.kind.label()),
+            before + 1.0,
+            "{} not counted",
+            input.name
+        );
+        // The server keeps serving everybody else.
+        let r = good
+            .call(
+                "EchoService",
+                "Echo",
+                &EchoRequest {
+                    message: input.name.into(),
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, Status::Success, "{}", input.name);
+    }
+    p.stop().await;
+}
+
+#[tokio::test]
+async fn over_the_in_flight_cap_calls_are_shed_at_once() {
+    let p = Running::start(ProviderConfig {
+        max_in_flight_per_conn: 1,
+        service_time: Duration::from_secs(2),
+        ..ProviderConfig::default()
+    })
+    .await;
+    let c = Client::connect(p.addr, ClientConfig::default())
+        .await
+        .unwrap();
+    let slow = {
+        let c = c.clone();
+        tokio::spawn(async move {
+            c.call(
+                "EchoService",
+                "Echo",
+                &EchoRequest {
+                    message: "slow".into(),
+                },
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let started = std::time::Instant::now();
+    let r = c
+        .call("EchoService", "Echo", &EchoRequest::default())
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Overloaded);
+    assert!(r.error_msg.starts_with("overloaded"), "{}", r.error_msg);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "shed answers do not wait for the slow call"
+    );
+    assert_eq!(slow.await.unwrap().unwrap().status, Status::Success);
+    p.stop().await;
+}
+
+#[tokio::test]
+async fn shutdown_finishes_calls_in_flight_and_refuses_new_connections() {
+    let p = Running::start(ProviderConfig {
+        service_time: Duration::from_millis(500),
+        ..ProviderConfig::default()
+    })
+    .await;
+    let addr = p.addr;
+    let c = Client::connect(addr, ClientConfig::default())
+        .await
+        .unwrap();
+    let calls: Vec<_> = (0..10)
+        .map(|i| {
+            let c = c.clone();
+            tokio::spawn(async move {
+                c.call(
+                    "EchoService",
+                    "Echo",
+                    &EchoRequest {
+                        message: format!("m{i}"),
+                    },
+                )
+                .await
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let stopping = tokio::spawn(p.stop());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        TcpStream::connect(addr).await.is_err(),
+        "new connections are refused while draining"
+    );
+    for (i, call) in calls.into_iter().enumerate() {
+        let r = call.await.unwrap().unwrap();
+        assert_eq!(r.status, Status::Success);
+        assert_eq!(r.decode::<EchoResponse>().unwrap().message, format!("m{i}"));
+    }
+    let summary = stopping.await.unwrap();
+    assert_eq!(summary.aborted, 0);
+}
