@@ -383,6 +383,31 @@ pub fn put_frame(dst: &mut BytesMut, header: &Header, body: &[u8]) {
     dst.put_u32(crc);
 }
 
+/// Appends a response frame whose body is `body` (a response body as received from
+/// elsewhere) with its status byte set to `status`: the broker's path back to the caller,
+/// with the body copied once. `body` must hold at least the status byte.
+pub fn put_forwarded_response(
+    dst: &mut BytesMut,
+    req_id: u64,
+    flags: Flags,
+    body: &[u8],
+    status: u8,
+) {
+    let start = dst.len();
+    dst.reserve(FRAME_OVERHEAD + body.len());
+    Header {
+        msg_type: MsgType::Response,
+        flags,
+        body_len: body.len() as u32,
+        req_id,
+    }
+    .put(dst);
+    dst.put_u8(status);
+    dst.extend_from_slice(body.get(1..).unwrap_or_default());
+    let crc = crc32fast::hash(&dst[start..]);
+    dst.put_u32(crc);
+}
+
 /// A frame being appended to a buffer body-part by body-part; [`FrameWriter::finish`]
 /// patches the lengths and appends the CRC. Lets payloads be encoded straight into the
 /// write buffer without an intermediate copy.

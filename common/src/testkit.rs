@@ -198,3 +198,114 @@ pub async fn probe(addr: std::net::SocketAddr, input: &BadInput) -> std::io::Res
         }
     }
 }
+
+/// Path of a workspace binary (`provider`, `broker`, `driver`) built in the same profile as
+/// the running test, building it first if needed. Tests run the real programs as separate
+/// processes with this, and stop them by PID.
+pub fn bin_path(name: &str) -> std::path::PathBuf {
+    use std::sync::{Mutex, OnceLock};
+    static BUILT: OnceLock<Mutex<Vec<String>>> = OnceLock::new();
+    // target/<profile>/deps/<test binary>
+    let exe = std::env::current_exe().expect("test binary path");
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("test binary lives in target/<profile>/deps")
+        .to_path_buf();
+    let path = profile_dir.join(name);
+    let built = BUILT.get_or_init(|| Mutex::new(Vec::new()));
+    let mut built = built
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if !built.iter().any(|b| b == name) {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let release = profile_dir.file_name().is_some_and(|p| p == "release");
+        let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/../Cargo.toml");
+        let mut cmd = std::process::Command::new(cargo);
+        cmd.args([
+            "build",
+            "--quiet",
+            "--manifest-path",
+            manifest,
+            "--bin",
+            name,
+        ]);
+        if release {
+            cmd.arg("--release");
+        }
+        let status = cmd.status().expect("run cargo build");
+        assert!(status.success(), "cargo build --bin {name} failed");
+        built.push(name.to_string());
+    }
+    assert!(path.exists(), "{} missing after build", path.display());
+    path
+}
+
+/// A child process killed (SIGKILL) and reaped when dropped, so that a failing test leaves
+/// nothing behind.
+#[derive(Debug)]
+pub struct ChildGuard(pub Option<std::process::Child>);
+
+impl ChildGuard {
+    /// Starts `program` with `args`, stdout and stderr inherited.
+    pub fn spawn(program: &std::path::Path, args: &[&str]) -> std::io::Result<ChildGuard> {
+        let child = std::process::Command::new(program).args(args).spawn()?;
+        Ok(ChildGuard(Some(child)))
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.0.as_ref().map_or(0, std::process::Child::id)
+    }
+
+    /// Sends a signal by PID (e.g. `libc::SIGTERM`), via the `kill` command.
+    pub fn signal(&self, sig: &str) {
+        let _ = std::process::Command::new("kill")
+            .args([&format!("-{sig}"), &self.pid().to_string()])
+            .status();
+    }
+
+    /// Waits for the process to exit, up to `timeout`; returns its exit status.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let child = self.0.as_mut()?;
+        let end = std::time::Instant::now() + timeout;
+        loop {
+            if let Ok(Some(st)) = child.try_wait() {
+                self.0 = None;
+                return Some(st);
+            }
+            if std::time::Instant::now() >= end {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A free TCP port on 127.0.0.1 (bound and released; for programs that take an address
+/// on the command line).
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind port 0");
+    l.local_addr().expect("local addr").port()
+}
+
+/// Waits until something accepts connections on `addr`, up to `timeout`.
+pub async fn wait_listening(addr: std::net::SocketAddr, timeout: Duration) -> bool {
+    let end = tokio::time::Instant::now() + timeout;
+    while tokio::time::Instant::now() < end {
+        if TcpStream::connect(addr).await.is_ok() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}

@@ -1,0 +1,55 @@
+//! A call on its way through the broker: what a session hands to an upstream connection
+//! ([`Forward`]) and what comes back to the session ([`Reply`]).
+//!
+//! The request travels as the frame the session read (its body a slice of the session's
+//! read buffer); the upstream connection copies it once, into its write buffer, under its
+//! own request id. The reply travels as the frame the upstream connection read; the
+//! session copies it once, into its write buffer, under the caller's request id.
+
+use std::borrow::Cow;
+use std::time::Instant;
+
+use rpcmesh_common::Status;
+use rpcmesh_common::frame::{Flags, Frame};
+use tokio::sync::mpsc;
+
+/// Where an upstream connection sends a call's outcome: the session that admitted it.
+pub(crate) type ReplyTx = mpsc::UnboundedSender<Reply>;
+
+/// What the session needs back to answer the caller.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CallInfo {
+    /// The caller's request id.
+    pub client_id: u64,
+    /// The caller's request flags (which statuses and encodings it takes).
+    pub client_flags: Flags,
+    /// The session's own tag for the call (its metric handles).
+    pub tag: u32,
+    /// When the session read the request.
+    pub admitted: Instant,
+}
+
+/// A call handed to an upstream connection.
+#[derive(Debug)]
+pub(crate) struct Forward {
+    /// The caller's request frame, as read.
+    pub frame: Frame,
+    pub info: CallInfo,
+    pub reply_to: ReplyTx,
+    /// When the caller gets a timeout instead.
+    pub deadline: Instant,
+    /// Times this call was handed back unsent and routed again.
+    pub retries: u8,
+}
+
+/// A call's outcome, back at its session.
+#[derive(Debug)]
+pub(crate) enum Reply {
+    /// Answered: by the provider (`Ok`, the provider's response frame) or by the broker.
+    Done {
+        info: CallInfo,
+        outcome: Result<Frame, (Status, Cow<'static, str>)>,
+    },
+    /// Never written upstream (its connection closed first): safe to route again.
+    Retry(Forward),
+}

@@ -1,0 +1,332 @@
+//! Broker configuration: the command line (each flag with an environment fallback), the
+//! defaults and why they are what they are, the upstream syntax, and validation into
+//! [`BrokerConfig`].
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use rpcmesh_common::frame::DEFAULT_MAX_BODY_LEN;
+use rpcmesh_common::runtime::{ConfigProblems, parse_duration};
+
+/// Where the broker listens unless told otherwise: every interface, port 7700.
+pub const DEFAULT_LISTEN: &str = "0.0.0.0:7700";
+/// Client connections open at once. The reference workload runs 200 users per driver;
+/// 10,000 leaves room for fifty such drivers. Beyond it, connections are accepted and
+/// closed at once.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
+/// Calls in flight per client connection. A driver multiplexes many users on one
+/// connection; 4096 is far above what one connection needs to fill a provider, and low
+/// enough that one runaway client cannot take the whole broker.
+pub const DEFAULT_MAX_IN_FLIGHT_PER_CONN: usize = 4096;
+/// Calls in flight in the whole broker: bounds its memory (a call holds one request
+/// frame) at a few tens of MB for small calls.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 65_536;
+/// Calls in flight per upstream connection (waiting to be written or for the reply).
+pub const DEFAULT_MAX_IN_FLIGHT_PER_UPSTREAM_CONN: usize = 16_384;
+/// Pooled connections per provider. The reference report recommends 2-4 per core; 4
+/// gives a 2-4 core provider one busy connection per core with room to spare, and each
+/// connection carries thousands of calls at once.
+pub const DEFAULT_POOL_SIZE: u32 = 4;
+/// How long a call may take, from the broker reading it to the provider's reply. Long
+/// enough for queueing under heavy load, short enough that a stuck provider shows up fast.
+pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long connecting to a provider may take before the attempt counts as failed.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often pooled connections are checked with a heartbeat round trip. Broken
+/// connections are noticed at once anyway; this catches the silent ones.
+pub const DEFAULT_HEALTH_INTERVAL: Duration = Duration::from_secs(1);
+/// How long a health-check heartbeat may take before the connection is replaced.
+pub const DEFAULT_HEALTH_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long SIGTERM waits for calls in flight: above the call timeout, so every call in
+/// flight gets its answer or its timeout before the broker exits.
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
+
+/// How calls are spread over the providers of a service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Balance {
+    /// Least outstanding calls of two providers picked at random ("power of two choices").
+    P2c,
+    /// Each provider in turn.
+    RoundRobin,
+}
+
+/// One configured provider.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpstreamSpec {
+    /// `HOST:PORT`, resolved at each connect.
+    pub addr: String,
+    /// Services it serves; empty = any service.
+    pub services: Vec<String>,
+    /// True for an rpcmesh provider (takes the extension flags); false for a plain RPCF v1
+    /// server, to which only plain v1 frames are sent.
+    pub ext: bool,
+}
+
+impl UpstreamSpec {
+    /// Parses `HOST:PORT` or `Service1,Service2=HOST:PORT`.
+    pub fn parse(s: &str, ext: bool) -> Result<UpstreamSpec, String> {
+        let (services, addr) = match s.split_once('=') {
+            Some((svc, addr)) => (
+                svc.split(',')
+                    .map(str::trim)
+                    .filter(|x| !x.is_empty())
+                    .map(String::from)
+                    .collect::<Vec<_>>(),
+                addr.trim(),
+            ),
+            None => (Vec::new(), s.trim()),
+        };
+        let ok = addr
+            .rsplit_once(':')
+            .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok());
+        if !ok {
+            return Err(format!(
+                "upstream {s:?}: expected HOST:PORT or SERVICE[,SERVICE]=HOST:PORT"
+            ));
+        }
+        Ok(UpstreamSpec {
+            addr: addr.to_string(),
+            services,
+            ext,
+        })
+    }
+
+    /// The label used in metrics and logs: the address as configured.
+    pub fn label(&self) -> &str {
+        &self.addr
+    }
+}
+
+/// The broker's command line.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "broker",
+    version,
+    about = "rpcmesh broker: a stateless RPCF v1 proxy that pools and balances calls to providers"
+)]
+pub struct Args {
+    /// Address to listen on for client connections.
+    #[arg(long, env = "RPCMESH_BROKER_LISTEN", default_value = DEFAULT_LISTEN)]
+    pub listen: SocketAddr,
+    /// An rpcmesh provider: HOST:PORT (any service) or SERVICE[,SERVICE]=HOST:PORT.
+    /// Repeatable.
+    #[arg(long = "upstream", env = "RPCMESH_UPSTREAMS", value_delimiter = ' ')]
+    pub upstreams: Vec<String>,
+    /// A plain RPCF v1 server, same syntax: it is sent only plain v1 frames. Repeatable.
+    #[arg(
+        long = "upstream-v1",
+        env = "RPCMESH_UPSTREAMS_V1",
+        value_delimiter = ' '
+    )]
+    pub upstreams_v1: Vec<String>,
+    /// How calls are spread over the providers of a service.
+    #[arg(long, env = "RPCMESH_BALANCE", value_enum, default_value = "p2c")]
+    pub balance: Balance,
+    /// Tokio worker threads (0 = one per CPU).
+    #[arg(long, env = "RPCMESH_THREADS", default_value_t = 0)]
+    pub threads: usize,
+    /// Pooled connections per provider.
+    #[arg(long, env = "RPCMESH_POOL_SIZE", default_value_t = DEFAULT_POOL_SIZE)]
+    pub pool_size: u32,
+    /// Per-call timeout (e.g. 5s, 500ms).
+    #[arg(long, env = "RPCMESH_CALL_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub call_timeout: Duration,
+    /// Timeout for connecting to a provider.
+    #[arg(long, env = "RPCMESH_CONNECT_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
+    pub connect_timeout: Duration,
+    /// Interval of the heartbeat check on pooled connections.
+    #[arg(long, env = "RPCMESH_HEALTH_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    pub health_interval: Duration,
+    /// Timeout of one health-check heartbeat.
+    #[arg(long, env = "RPCMESH_HEALTH_TIMEOUT", default_value = "1s", value_parser = parse_duration)]
+    pub health_timeout: Duration,
+    /// Client connections open at once.
+    #[arg(long, env = "RPCMESH_MAX_CONNECTIONS", default_value_t = DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
+    /// Calls in flight per client connection; over it, calls are answered "overloaded".
+    #[arg(long, env = "RPCMESH_MAX_IN_FLIGHT_PER_CONN", default_value_t = DEFAULT_MAX_IN_FLIGHT_PER_CONN)]
+    pub max_in_flight_per_conn: usize,
+    /// Calls in flight in the whole broker; over it, calls are answered "overloaded".
+    #[arg(long, env = "RPCMESH_MAX_IN_FLIGHT", default_value_t = DEFAULT_MAX_IN_FLIGHT)]
+    pub max_in_flight: usize,
+    /// Calls in flight per upstream connection.
+    #[arg(long, env = "RPCMESH_MAX_IN_FLIGHT_PER_UPSTREAM_CONN", default_value_t = DEFAULT_MAX_IN_FLIGHT_PER_UPSTREAM_CONN)]
+    pub max_in_flight_per_upstream_conn: usize,
+    /// Largest frame body accepted, in bytes.
+    #[arg(long, env = "RPCMESH_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_LEN)]
+    pub max_body_bytes: u32,
+    /// Grace period for calls in flight on SIGTERM/SIGINT.
+    #[arg(long, env = "RPCMESH_GRACE", default_value = "10s", value_parser = parse_duration)]
+    pub grace: Duration,
+}
+
+/// Validated broker settings, as `run` takes them.
+#[derive(Debug, Clone)]
+pub struct BrokerConfig {
+    /// Providers.
+    pub upstreams: Vec<UpstreamSpec>,
+    /// Balancing across the providers of a service.
+    pub balance: Balance,
+    /// Pooled connections per provider.
+    pub pool_size: u32,
+    /// Per-call timeout.
+    pub call_timeout: Duration,
+    /// Connect timeout.
+    pub connect_timeout: Duration,
+    /// Health-check interval.
+    pub health_interval: Duration,
+    /// Health-check timeout.
+    pub health_timeout: Duration,
+    /// Client connections open at once.
+    pub max_connections: usize,
+    /// Calls in flight per client connection.
+    pub max_in_flight_per_conn: usize,
+    /// Calls in flight in total.
+    pub max_in_flight: usize,
+    /// Calls in flight per upstream connection.
+    pub max_in_flight_per_upstream_conn: usize,
+    /// Largest frame body.
+    pub max_body_len: u32,
+    /// Drain time on shutdown.
+    pub grace: Duration,
+}
+
+impl BrokerConfig {
+    /// Defaults with the given providers (each serving any service).
+    pub fn with_upstreams<S: Into<String>>(addrs: impl IntoIterator<Item = S>) -> Self {
+        BrokerConfig {
+            upstreams: addrs
+                .into_iter()
+                .map(|a| UpstreamSpec {
+                    addr: a.into(),
+                    services: Vec::new(),
+                    ext: true,
+                })
+                .collect(),
+            balance: Balance::P2c,
+            pool_size: DEFAULT_POOL_SIZE,
+            call_timeout: DEFAULT_CALL_TIMEOUT,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            health_interval: DEFAULT_HEALTH_INTERVAL,
+            health_timeout: DEFAULT_HEALTH_TIMEOUT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_in_flight_per_conn: DEFAULT_MAX_IN_FLIGHT_PER_CONN,
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            max_in_flight_per_upstream_conn: DEFAULT_MAX_IN_FLIGHT_PER_UPSTREAM_CONN,
+            max_body_len: DEFAULT_MAX_BODY_LEN,
+            grace: DEFAULT_GRACE,
+        }
+    }
+}
+
+impl Args {
+    /// Checks every setting and lists all problems at once.
+    pub fn config(&self) -> Result<BrokerConfig, ConfigProblems> {
+        let mut p = ConfigProblems::default();
+        let mut upstreams = Vec::new();
+        for (list, ext) in [(&self.upstreams, true), (&self.upstreams_v1, false)] {
+            for s in list.iter().filter(|s| !s.trim().is_empty()) {
+                match UpstreamSpec::parse(s, ext) {
+                    Ok(u) => upstreams.push(u),
+                    Err(e) => p.0.push(e),
+                }
+            }
+        }
+        p.check(upstreams.is_empty(), || {
+            "no provider: give at least one --upstream HOST:PORT".into()
+        });
+        p.check(self.pool_size == 0, || {
+            "--pool-size must be at least 1".into()
+        });
+        p.check(self.call_timeout.is_zero(), || {
+            "--call-timeout must be above zero".into()
+        });
+        p.check(self.connect_timeout.is_zero(), || {
+            "--connect-timeout must be above zero".into()
+        });
+        p.check(self.health_interval.is_zero(), || {
+            "--health-interval must be above zero".into()
+        });
+        p.check(self.health_timeout.is_zero(), || {
+            "--health-timeout must be above zero".into()
+        });
+        p.check(self.max_connections == 0, || {
+            "--max-connections must be at least 1".into()
+        });
+        p.check(self.max_in_flight_per_conn == 0, || {
+            "--max-in-flight-per-conn must be at least 1".into()
+        });
+        p.check(self.max_in_flight == 0, || {
+            "--max-in-flight must be at least 1".into()
+        });
+        p.check(self.max_in_flight_per_upstream_conn == 0, || {
+            "--max-in-flight-per-upstream-conn must be at least 1".into()
+        });
+        p.check(self.max_body_bytes < 64, || {
+            format!(
+                "--max-body-bytes {} is too small for any call",
+                self.max_body_bytes
+            )
+        });
+        p.into_result(BrokerConfig {
+            upstreams,
+            balance: self.balance,
+            pool_size: self.pool_size,
+            call_timeout: self.call_timeout,
+            connect_timeout: self.connect_timeout,
+            health_interval: self.health_interval,
+            health_timeout: self.health_timeout,
+            max_connections: self.max_connections,
+            max_in_flight_per_conn: self.max_in_flight_per_conn,
+            max_in_flight: self.max_in_flight,
+            max_in_flight_per_upstream_conn: self.max_in_flight_per_upstream_conn,
+            max_body_len: self.max_body_bytes,
+            grace: self.grace,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn upstream_specs_parse() {
+        let u = UpstreamSpec::parse("127.0.0.1:7800", true).unwrap();
+        assert!(u.services.is_empty());
+        let u = UpstreamSpec::parse("EchoService, PlatformService=p1.example:7800", false).unwrap();
+        assert_eq!(u.services, ["EchoService", "PlatformService"]);
+        assert_eq!(u.addr, "p1.example:7800");
+        assert!(!u.ext);
+        assert!(UpstreamSpec::parse("nohost", true).is_err());
+        assert!(UpstreamSpec::parse("h:notaport", true).is_err());
+    }
+
+    #[test]
+    fn every_problem_is_listed_at_once() {
+        let a = Args::parse_from(["broker", "--pool-size", "0", "--upstream", "bad"]);
+        let e = a.config().unwrap_err();
+        assert_eq!(e.0.len(), 3, "{e}");
+    }
+
+    #[test]
+    fn repeated_upstreams_are_kept_in_order() {
+        let a = Args::parse_from([
+            "broker",
+            "--upstream",
+            "a:1",
+            "--upstream",
+            "b:2",
+            "--upstream-v1",
+            "c:3",
+        ]);
+        let c = a.config().unwrap();
+        let addrs: Vec<_> = c
+            .upstreams
+            .iter()
+            .map(|u| (u.addr.as_str(), u.ext))
+            .collect();
+        assert_eq!(addrs, [("a:1", true), ("b:2", true), ("c:3", false)]);
+    }
+}

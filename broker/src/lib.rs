@@ -1,0 +1,98 @@
+//! rpcmesh broker: a stateless RPCF v1 proxy. It accepts framed calls from many clients
+//! and multiplexes them onto a few pooled connections per provider; it routes, balances,
+//! times out and sheds calls, and never decodes or inflates a payload it forwards.
+//!
+//! The request path, in modules (see `docs/architecture.md`):
+//!
+//! - `session`: a client connection: frames in, names read, caps checked, routed;
+//!   replies back under the caller's id.
+//! - `route`: which provider and which of its connections takes a call.
+//! - `upstream`: the pools (`bb8`) and the connection tasks that own calls in flight,
+//!   remap request ids and time calls out.
+//! - `call`: the messages between sessions and upstream connections.
+//! - [`config`], [`metrics`].
+//!
+//! [`run`] serves a bound listener until its shutdown future resolves, then drains; tests
+//! call it on port 0, `main` with the configured address and SIGTERM/SIGINT.
+
+mod call;
+pub mod config;
+pub mod metrics;
+mod route;
+mod session;
+pub mod upstream;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
+
+use rpcmesh_common::listener::{self, AcceptConfig, ServeSummary};
+use rpcmesh_common::shutdown::{self, CancellationToken};
+use rpcmesh_common::telemetry::Telemetry;
+use tokio::net::TcpListener;
+
+pub use config::{Args, Balance, BrokerConfig, UpstreamSpec};
+pub use metrics::BrokerMetrics;
+
+/// Serves `listener` until `shutdown` resolves, then stops accepting, lets calls in
+/// flight finish within the grace period, and closes the provider pools.
+pub async fn run(
+    config: BrokerConfig,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> ServeSummary {
+    run_with(config, Telemetry::new(), listener, shutdown).await
+}
+
+/// As [`run`], recording metrics into `telemetry`.
+pub async fn run_with(
+    config: BrokerConfig,
+    telemetry: Telemetry,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> ServeSummary {
+    let metrics = BrokerMetrics::new(telemetry);
+    let pools: Vec<_> = config
+        .upstreams
+        .iter()
+        .map(|u| upstream::ProviderPool::new(u.clone(), &config, metrics.upstream(u.label())))
+        .collect();
+    let keepers_stop = CancellationToken::new();
+    let keepers: Vec<_> = pools
+        .iter()
+        .map(|p| tokio::spawn(p.clone().keep(keepers_stop.clone())))
+        .collect();
+    tracing::info!(
+        addr = ?listener.local_addr().ok(),
+        upstreams = ?config.upstreams.iter().map(|u| u.addr.as_str()).collect::<Vec<_>>(),
+        pool_size = config.pool_size,
+        balance = ?config.balance,
+        "broker listening"
+    );
+    let accept = AcceptConfig {
+        max_connections: config.max_connections,
+        grace: config.grace,
+    };
+    let observer = metrics.conns.clone();
+    let shared = Arc::new(session::Shared {
+        router: route::Router::new(pools, config.balance),
+        config,
+        metrics,
+        in_flight: AtomicUsize::new(0),
+    });
+    let token = shutdown::token_from(shutdown);
+    let summary = listener::serve(
+        listener,
+        accept,
+        token,
+        observer,
+        move |stream, peer, stop| session::serve(stream, peer, shared.clone(), stop),
+    )
+    .await;
+    keepers_stop.cancel();
+    for k in keepers {
+        let _ = k.await;
+    }
+    tracing::info!(?summary, "broker stopped");
+    summary
+}

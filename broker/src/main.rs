@@ -1,0 +1,21 @@
+//! `broker`: parses the command line, starts logging and the runtime, binds, and runs the
+//! library until SIGTERM/SIGINT.
+
+use anyhow::Context;
+use clap::Parser;
+use rpcmesh_broker::Args;
+use rpcmesh_common::runtime;
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    runtime::init_logging("info");
+    let config = args.config()?;
+    let rt = runtime::build("broker", args.threads).context("starting the runtime")?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .with_context(|| format!("binding {}", args.listen))?;
+        rpcmesh_broker::run(config, listener, rpcmesh_common::shutdown::signal()).await;
+        Ok(())
+    })
+}

@@ -1,0 +1,156 @@
+//! The broker's metric handles, registered once per instance on its own recorder (per
+//! upstream for the pool metrics). Names and meanings are listed in `docs/metrics.md`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use metrics::{Counter, Gauge, Histogram};
+use rpcmesh_common::telemetry::{
+    CallCounters, ConnCounters, ErrorCounters, Telemetry, WireCounters,
+};
+
+/// Value of the `role` label on every broker metric.
+pub const ROLE: &str = "broker";
+/// Distinct (service, method) label pairs before further names are counted as `_other`:
+/// callers choose the names, so they must not be able to grow the series count at will.
+pub const MAX_CALL_LABELS: usize = 256;
+
+/// Handles the sessions update.
+#[derive(Debug, Clone)]
+pub struct BrokerMetrics {
+    /// The recorder they live in.
+    pub telemetry: Telemetry,
+    /// Errors by kind (both sides; upstream connections count into the same family).
+    pub errors: ErrorCounters,
+    /// Calls admitted and not yet answered.
+    pub in_flight: Gauge,
+    /// Client connections.
+    pub conns: Arc<ConnCounters>,
+    /// Bytes on client connections.
+    pub wire: WireCounters,
+    /// Time in the broker, from reading a request to writing its reply.
+    pub stage_total: Histogram,
+    calls: Arc<CallLabels>,
+}
+
+impl BrokerMetrics {
+    /// Registers the handles.
+    pub fn new(telemetry: Telemetry) -> Self {
+        let t = &telemetry;
+        BrokerMetrics {
+            errors: ErrorCounters::new(t, ROLE),
+            in_flight: t.gauge("rpcmesh_calls_in_flight", &[("role", ROLE)]),
+            conns: Arc::new(ConnCounters::new(t, ROLE, "inbound")),
+            wire: WireCounters::new(t, ROLE, "inbound"),
+            stage_total: t.histogram(
+                "rpcmesh_stage_seconds",
+                &[("role", ROLE), ("stage", "total")],
+            ),
+            calls: Arc::new(CallLabels {
+                seen: Mutex::new(HashMap::new()),
+                other: Arc::new(CallCounters::new(
+                    t,
+                    ROLE,
+                    CallCounters::OTHER,
+                    CallCounters::OTHER,
+                )),
+            }),
+            telemetry,
+        }
+    }
+
+    /// The call counters of `service.method` (names not yet seen are registered, up to
+    /// [`MAX_CALL_LABELS`]). Sessions cache the result, so this runs once per name per
+    /// connection.
+    pub fn calls(&self, service: &str, method: &str) -> Arc<CallCounters> {
+        let mut seen = self
+            .calls
+            .seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(c) = seen.get(&(service.to_owned(), method.to_owned())) {
+            return c.clone();
+        }
+        if seen.len() >= MAX_CALL_LABELS {
+            return self.calls.other.clone();
+        }
+        let c = Arc::new(CallCounters::new(&self.telemetry, ROLE, service, method));
+        seen.insert((service.to_owned(), method.to_owned()), c.clone());
+        c
+    }
+
+    /// The counters for calls whose names could not be read.
+    pub fn calls_other(&self) -> Arc<CallCounters> {
+        self.calls.other.clone()
+    }
+
+    /// Handles for one upstream.
+    pub fn upstream(&self, label: &str) -> UpstreamMetrics {
+        let t = &self.telemetry;
+        let l = [("role", ROLE), ("upstream", label)];
+        UpstreamMetrics {
+            errors: self.errors.clone(),
+            wire: WireCounters::new(t, ROLE, "upstream"),
+            conns_opened: t.counter("rpcmesh_upstream_connects_total", &l),
+            connect_failures: t.counter("rpcmesh_upstream_connect_failures_total", &l),
+            pool_connections: t.gauge("rpcmesh_pool_connections", &l),
+            pool_idle: t.gauge("rpcmesh_pool_idle_connections", &l),
+            pool_healthy: t.gauge("rpcmesh_pool_healthy_connections", &l),
+            pool_gets_waited: t.counter("rpcmesh_pool_gets_waited_total", &l),
+            pool_gets_timed_out: t.counter("rpcmesh_pool_gets_timed_out_total", &l),
+            pool_wait_seconds: t.counter("rpcmesh_pool_get_wait_seconds_total", &l),
+            pool_closed_broken: t.counter(
+                "rpcmesh_pool_connections_closed_total",
+                &[("role", ROLE), ("upstream", label), ("reason", "broken")],
+            ),
+            pool_closed_invalid: t.counter(
+                "rpcmesh_pool_connections_closed_total",
+                &[("role", ROLE), ("upstream", label), ("reason", "invalid")],
+            ),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct CallLabels {
+    seen: Mutex<HashMap<(String, String), Arc<CallCounters>>>,
+    other: Arc<CallCounters>,
+}
+
+/// Handles of one upstream (provider) and its pool.
+#[derive(Debug, Clone)]
+pub struct UpstreamMetrics {
+    /// Errors by kind.
+    pub errors: ErrorCounters,
+    /// Bytes on the upstream connections.
+    pub wire: WireCounters,
+    /// Connections made.
+    pub conns_opened: Counter,
+    /// Connection attempts that failed.
+    pub connect_failures: Counter,
+    pool_connections: Gauge,
+    pool_idle: Gauge,
+    pool_healthy: Gauge,
+    pool_gets_waited: Counter,
+    pool_gets_timed_out: Counter,
+    pool_wait_seconds: Counter,
+    pool_closed_broken: Counter,
+    pool_closed_invalid: Counter,
+}
+
+impl UpstreamMetrics {
+    /// Copies bb8's view of the pool into the gauges and counters.
+    pub(crate) fn publish_pool(&self, state: &bb8::State, healthy: usize) {
+        let s = &state.statistics;
+        self.pool_connections.set(f64::from(state.connections));
+        self.pool_idle.set(f64::from(state.idle_connections));
+        self.pool_healthy.set(healthy as f64);
+        self.pool_gets_waited.absolute(s.get_waited);
+        self.pool_gets_timed_out.absolute(s.get_timed_out);
+        self.pool_wait_seconds.absolute(s.get_wait_time.as_secs());
+        self.pool_closed_broken
+            .absolute(s.connections_closed_broken);
+        self.pool_closed_invalid
+            .absolute(s.connections_closed_invalid);
+    }
+}

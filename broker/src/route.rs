@@ -1,0 +1,180 @@
+//! Routing and balancing: which provider, and which of its connections, takes a call.
+//!
+//! A service's providers are those configured for it by name, else those configured for
+//! any service. Among them the broker picks by least outstanding calls of two chosen at
+//! random (the default) or in turn, and within the provider the less loaded of two of its
+//! connections. A provider with no open connection is passed over; a full one too, and
+//! the call goes to the next. Only when no provider takes it is the caller answered.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use rpcmesh_common::frame::Flags;
+
+use crate::call::Forward;
+use crate::config::Balance;
+use crate::upstream::{ProviderPool, Refused, UpstreamConn};
+
+/// Why no provider took a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NoRoute {
+    /// No provider is configured for the service.
+    UnknownService,
+    /// Providers are configured, but none has an open connection.
+    NoHealthy,
+    /// Every open connection is at its in-flight cap.
+    Full,
+    /// The payload is compressed and only plain v1 servers serve the service.
+    NeedsExtension,
+}
+
+/// Per-session balancing state (so that balancing shares nothing between sessions).
+#[derive(Debug)]
+pub(crate) struct Picker {
+    rng: fastrand::Rng,
+    turn: usize,
+}
+
+impl Picker {
+    pub fn new() -> Self {
+        let mut rng = fastrand::Rng::new();
+        let turn = rng.usize(..1024);
+        Picker { rng, turn }
+    }
+}
+
+/// Services → providers.
+#[derive(Debug)]
+pub(crate) struct Router {
+    pools: Vec<Arc<ProviderPool>>,
+    by_service: HashMap<Box<[u8]>, Vec<usize>>,
+    any: Vec<usize>,
+    balance: Balance,
+}
+
+impl Router {
+    pub fn new(pools: Vec<Arc<ProviderPool>>, balance: Balance) -> Self {
+        let mut by_service: HashMap<Box<[u8]>, Vec<usize>> = HashMap::new();
+        let mut any = Vec::new();
+        for (i, p) in pools.iter().enumerate() {
+            if p.spec.services.is_empty() {
+                any.push(i);
+            }
+            for s in &p.spec.services {
+                by_service.entry(s.as_bytes().into()).or_default().push(i);
+            }
+        }
+        Router {
+            pools,
+            by_service,
+            any,
+            balance,
+        }
+    }
+
+    fn candidates(&self, service: &[u8]) -> &[usize] {
+        self.by_service
+            .get(service)
+            .map_or(&self.any, Vec::as_slice)
+    }
+
+    /// Hands `fwd` to a connection of a provider of `service`, or gives it back with the
+    /// reason none took it.
+    pub fn forward(
+        &self,
+        service: &[u8],
+        mut fwd: Forward,
+        picker: &mut Picker,
+    ) -> Result<(), (Forward, NoRoute)> {
+        let cands = self.candidates(service);
+        if cands.is_empty() {
+            return Err((fwd, NoRoute::UnknownService));
+        }
+        let needs_ext = fwd.frame.header.flags.contains(Flags::COMPRESSED);
+        let n = cands.len();
+        // Order of providers to try: the better of two random ones (or the next in turn)
+        // first, then all the others in order.
+        let first = match self.balance {
+            Balance::P2c if n > 1 => {
+                let a = picker.rng.usize(..n);
+                let b = (a + 1 + picker.rng.usize(..n - 1)) % n;
+                if self.pools[cands[b]].load() < self.pools[cands[a]].load() {
+                    b
+                } else {
+                    a
+                }
+            }
+            Balance::P2c => 0,
+            Balance::RoundRobin => {
+                picker.turn = picker.turn.wrapping_add(1);
+                picker.turn % n
+            }
+        };
+        let mut why = NoRoute::NoHealthy;
+        for k in 0..n {
+            let pool = &self.pools[cands[(first + k) % n]];
+            if needs_ext && !pool.spec.ext {
+                if why == NoRoute::NoHealthy {
+                    why = NoRoute::NeedsExtension;
+                }
+                continue;
+            }
+            match try_pool(pool, fwd, picker) {
+                Ok(()) => return Ok(()),
+                Err((f, r)) => {
+                    fwd = f;
+                    if r == Some(Refused::Full) {
+                        why = NoRoute::Full;
+                    }
+                }
+            }
+        }
+        Err((fwd, why))
+    }
+}
+
+/// Offers the call to the less loaded of two open connections of `pool`, then to the
+/// others. `None` in the error = the pool has no open connection.
+fn try_pool(
+    pool: &ProviderPool,
+    mut fwd: Forward,
+    picker: &mut Picker,
+) -> Result<(), (Forward, Option<Refused>)> {
+    let conns = pool.ready();
+    let n = conns.len();
+    if n == 0 {
+        return Err((fwd, None));
+    }
+    let start = if n > 1 {
+        let a = picker.rng.usize(..n);
+        let b = (a + 1) % n;
+        if load(&conns[b]) < load(&conns[a]) {
+            b
+        } else {
+            a
+        }
+    } else {
+        0
+    };
+    let mut refused = None;
+    for k in 0..n {
+        let c = &conns[(start + k) % n];
+        if c.is_closed() {
+            continue;
+        }
+        match c.try_forward(fwd) {
+            Ok(()) => return Ok(()),
+            Err((f, r)) => {
+                fwd = f;
+                if r == Refused::Full {
+                    refused = Some(Refused::Full);
+                }
+            }
+        }
+    }
+    Err((fwd, refused))
+}
+
+fn load(c: &UpstreamConn) -> usize {
+    if c.is_closed() { usize::MAX } else { c.load() }
+}

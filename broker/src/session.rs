@@ -1,0 +1,385 @@
+//! One client connection to the broker: reads request frames, reads only their service
+//! and method names, sheds over the in-flight caps, routes each call to a provider
+//! connection, and writes each reply back under the caller's request id as it comes,
+//! batched into as few writes as the socket allows.
+//!
+//! One task owns the socket, the write buffer and the session's count of calls in flight.
+//! Replies reach it through its own channel from the upstream connections' tasks.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rpcmesh_common::Status;
+use rpcmesh_common::call::{put_error_response, service_not_found};
+use rpcmesh_common::client::now_ms;
+use rpcmesh_common::codec::FrameCodec;
+use rpcmesh_common::frame::{
+    Flags, Frame, FrameError, Heartbeat, MsgType, put_forwarded_response, request_names,
+};
+use rpcmesh_common::io::{FramedIo, ReadStatus};
+use rpcmesh_common::shutdown::CancellationToken;
+use rpcmesh_common::telemetry::{CallCounters, ErrorKind};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tracing::Instrument;
+
+use crate::BrokerConfig;
+use crate::call::{CallInfo, Forward, Reply};
+use crate::metrics::BrokerMetrics;
+use crate::route::{NoRoute, Picker, Router};
+
+/// Replies waiting to be written beyond which the session stops reading requests until
+/// the caller reads (8 MiB): a caller that stops reading cannot make the broker buffer
+/// without end.
+pub const WRITE_BACKLOG_LIMIT: usize = 8 * 1024 * 1024;
+/// Replies taken from the channel per round before the socket is served again.
+const REPLY_BATCH: usize = 1024;
+/// How often a call handed back unsent (its connection closed) is routed again.
+const MAX_RETRIES: u8 = 2;
+/// How long a closing session waits to deliver its last replies.
+const FINAL_FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
+/// Bad-input log lines per connection before they are thinned out.
+const LOG_FIRST: u64 = 10;
+const LOG_THIN_EVERY: u64 = 1000;
+
+/// What every session of one broker shares.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub config: BrokerConfig,
+    pub router: Router,
+    pub metrics: BrokerMetrics,
+    /// Calls in flight in the whole broker (the global shedding cap).
+    pub in_flight: AtomicUsize,
+}
+
+pub(crate) async fn serve(
+    stream: TcpStream,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    shutdown: CancellationToken,
+) {
+    let span = tracing::debug_span!("client", %peer);
+    async move {
+        let mut s = Session::new(stream, shared);
+        let end = s.run(&shutdown).await;
+        match &end {
+            Ok(()) => tracing::debug!("connection closed"),
+            Err(e) => tracing::debug!(error = %e, "connection ended"),
+        }
+        // Calls still in flight when the caller left: their replies find no one; count
+        // them out of the global cap as they would have been.
+        s.forget_in_flight();
+        let _ = tokio::time::timeout(FINAL_FLUSH_TIMEOUT, s.io.shutdown()).await;
+        s.report();
+    }
+    .instrument(span)
+    .await
+}
+
+#[derive(Debug, thiserror::Error)]
+enum SessionError {
+    #[error("socket: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("input beyond repair: {0}")]
+    BadInput(FrameError),
+}
+
+struct Session {
+    io: FramedIo,
+    shared: Arc<Shared>,
+    replies_tx: mpsc::UnboundedSender<Reply>,
+    replies: mpsc::UnboundedReceiver<Reply>,
+    picker: Picker,
+    in_flight: usize,
+    in_flight_reported: usize,
+    draining: bool,
+    bad_input_seen: u64,
+    /// (service, method) bytes → tag; tag → counters.
+    tags: HashMap<Bytes, u32>,
+    counters: Vec<Arc<CallCounters>>,
+}
+
+impl Session {
+    fn new(stream: TcpStream, shared: Arc<Shared>) -> Self {
+        let (replies_tx, replies) = mpsc::unbounded_channel();
+        Session {
+            io: FramedIo::new(stream, FrameCodec::new(shared.config.max_body_len)),
+            replies_tx,
+            replies,
+            picker: Picker::new(),
+            in_flight: 0,
+            in_flight_reported: 0,
+            draining: false,
+            bad_input_seen: 0,
+            tags: HashMap::new(),
+            counters: vec![shared.metrics.calls_other()],
+            shared,
+        }
+    }
+
+    async fn run(&mut self, shutdown: &CancellationToken) -> Result<(), SessionError> {
+        loop {
+            let reading = !self.io.is_eof() && self.io.pending_write() < WRITE_BACKLOG_LIMIT;
+            tokio::select! {
+                biased;
+                Some(r) = self.replies.recv() => {
+                    self.on_reply(r);
+                    for _ in 0..REPLY_BATCH {
+                        match self.replies.try_recv() {
+                            Ok(r) => self.on_reply(r),
+                            Err(_) => break,
+                        }
+                    }
+                }
+                ready = self.io.ready(reading) => {
+                    let ready = ready?;
+                    if reading && (ready.is_readable() || ready.is_read_closed()) {
+                        self.read()?;
+                    }
+                }
+                () = shutdown.cancelled(), if !self.draining => {
+                    tracing::debug!(in_flight = self.in_flight, "draining");
+                    self.draining = true;
+                }
+            }
+            self.io.try_flush()?;
+            self.report();
+            let done = (self.io.is_eof() || self.draining)
+                && self.in_flight == 0
+                && self.io.pending_write() == 0;
+            if done {
+                return Ok(());
+            }
+        }
+    }
+
+    fn read(&mut self) -> Result<(), SessionError> {
+        if self.io.try_read()? == ReadStatus::WouldBlock {
+            return Ok(());
+        }
+        let now = Instant::now();
+        loop {
+            match self.io.next_frame() {
+                Ok(Some(frame)) => self.on_frame(frame, now),
+                Ok(None) => return Ok(()),
+                Err(e) => {
+                    self.on_bad_input(&e);
+                    if e.is_fatal() {
+                        return Err(SessionError::BadInput(e));
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_bad_input(&mut self, e: &FrameError) {
+        self.shared.metrics.errors.inc(ErrorKind::of_frame(e));
+        self.bad_input_seen += 1;
+        let n = self.bad_input_seen;
+        if n <= LOG_FIRST || n % LOG_THIN_EVERY == 0 {
+            tracing::warn!(error = %e, fatal = e.is_fatal(), seen = n, "bad input from client");
+        }
+        if let Some(id) = e.request_id() {
+            self.fail(id, e.flags(), 0, Status::BadRequest, &e.to_string());
+        }
+    }
+
+    fn on_frame(&mut self, frame: Frame, now: Instant) {
+        match frame.header.msg_type {
+            MsgType::Request => self.on_request(frame, now),
+            MsgType::Heartbeat => {
+                let hb = Heartbeat {
+                    service_name: "broker".into(),
+                    node_id: "rpcmesh-broker".into(),
+                    timestamp_ms: now_ms(),
+                    extra: Vec::new(),
+                };
+                let _ = hb.put(self.io.wbuf(), frame.header.req_id);
+            }
+            MsgType::Response => {
+                self.shared.metrics.errors.inc(ErrorKind::Unexpected);
+                tracing::debug!(
+                    req_id = frame.header.req_id,
+                    "response frame from a client dropped"
+                );
+            }
+        }
+    }
+
+    fn on_request(&mut self, frame: Frame, now: Instant) {
+        let (id, flags) = (frame.header.req_id, frame.header.flags);
+        let (service, method, _) = match request_names(&frame.body) {
+            Ok(r) => r,
+            Err(e) => {
+                self.shared.metrics.errors.inc(ErrorKind::BadBody);
+                return self.fail(id, flags, 0, Status::BadRequest, &e.to_string());
+            }
+        };
+        let names = frame.body.slice(service.start..method.end);
+        let tag = self.tag(&names, service.len());
+        if self.draining {
+            return self.fail(id, flags, tag, Status::Unavailable, "broker shutting down");
+        }
+        let cfg = &self.shared.config;
+        if self.in_flight >= cfg.max_in_flight_per_conn {
+            self.shared.metrics.errors.inc(ErrorKind::Overloaded);
+            let msg = format!(
+                "broker has {} calls in flight on this connection",
+                cfg.max_in_flight_per_conn
+            );
+            return self.fail(id, flags, tag, Status::Overloaded, &msg);
+        }
+        if self.shared.in_flight.fetch_add(1, Ordering::Relaxed) >= cfg.max_in_flight {
+            self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+            self.shared.metrics.errors.inc(ErrorKind::Overloaded);
+            let msg = format!("broker has {} calls in flight", cfg.max_in_flight);
+            return self.fail(id, flags, tag, Status::Overloaded, &msg);
+        }
+        self.in_flight += 1;
+        let fwd = Forward {
+            frame,
+            info: CallInfo {
+                client_id: id,
+                client_flags: flags,
+                tag,
+                admitted: now,
+            },
+            reply_to: self.replies_tx.clone(),
+            deadline: now + cfg.call_timeout,
+            retries: 0,
+        };
+        self.route(fwd);
+    }
+
+    fn route(&mut self, fwd: Forward) {
+        let body = fwd.frame.body.clone();
+        let (service, _, _) =
+            request_names(&body).expect("names were read when the call was admitted");
+        let service = &body[service];
+        if let Err((fwd, why)) = self.shared.router.forward(service, fwd, &mut self.picker) {
+            let name = String::from_utf8_lossy(service);
+            let (status, kind, msg) = match why {
+                NoRoute::UnknownService => (
+                    Status::Failed,
+                    ErrorKind::UnknownService,
+                    service_not_found(&name),
+                ),
+                NoRoute::NoHealthy => (
+                    Status::Unavailable,
+                    ErrorKind::Unavailable,
+                    format!("no healthy provider for {name}"),
+                ),
+                NoRoute::Full => (
+                    Status::Overloaded,
+                    ErrorKind::Overloaded,
+                    format!("every connection to the providers of {name} is full"),
+                ),
+                NoRoute::NeedsExtension => (
+                    Status::BadRequest,
+                    ErrorKind::BadBody,
+                    format!("no provider of {name} accepts compressed payloads"),
+                ),
+            };
+            self.shared.metrics.errors.inc(kind);
+            self.finish(fwd.info, Err((status, msg.into())));
+        }
+    }
+
+    fn on_reply(&mut self, reply: Reply) {
+        match reply {
+            Reply::Done { info, outcome } => self.finish(info, outcome),
+            Reply::Retry(mut fwd) => {
+                if fwd.retries >= MAX_RETRIES || Instant::now() >= fwd.deadline {
+                    self.shared.metrics.errors.inc(ErrorKind::Unavailable);
+                    let msg = "provider connections kept closing before the call could be sent";
+                    return self.finish(fwd.info, Err((Status::Unavailable, msg.into())));
+                }
+                fwd.retries += 1;
+                self.route(fwd);
+            }
+        }
+    }
+
+    /// Writes a call's outcome to the caller and counts it out.
+    fn finish(&mut self, info: CallInfo, outcome: Result<Frame, (Status, Cow<'static, str>)>) {
+        self.in_flight -= 1;
+        self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.shared
+            .metrics
+            .stage_total
+            .record(info.admitted.elapsed());
+        match outcome {
+            Ok(frame) => {
+                let status = self.write_reply(&frame, info);
+                self.counters[info.tag as usize].inc(status);
+            }
+            Err((status, msg)) => {
+                self.fail(info.client_id, info.client_flags, info.tag, status, &msg)
+            }
+        }
+    }
+
+    /// Copies the provider's reply to the caller under the caller's id, degrading an
+    /// extended status to "failed" for a caller that did not ask for them.
+    fn write_reply(&mut self, frame: &Frame, info: CallInfo) -> Status {
+        let status = Status::from_wire(frame.body[0]).unwrap_or(Status::Failed);
+        let wire = status.to_wire(info.client_flags.contains(Flags::EXT_STATUS));
+        put_forwarded_response(
+            self.io.wbuf(),
+            info.client_id,
+            frame.header.flags,
+            &frame.body,
+            wire,
+        );
+        status
+    }
+
+    /// Answers a call the broker could not forward (or that failed on the way).
+    fn fail(&mut self, id: u64, flags: Flags, tag: u32, status: Status, msg: &str) {
+        put_error_response(self.io.wbuf(), id, flags, status, msg);
+        self.counters[tag as usize].inc(status);
+    }
+
+    /// The session's tag for a (service, method) pair: an index into its counters.
+    fn tag(&mut self, names: &Bytes, service_len: usize) -> u32 {
+        if let Some(t) = self.tags.get(names) {
+            return *t;
+        }
+        // As many names per session as label pairs overall; beyond, they count as other.
+        if self.tags.len() >= crate::metrics::MAX_CALL_LABELS {
+            return 0;
+        }
+        // names = service + 2-byte method length + method
+        let service = String::from_utf8_lossy(&names[..service_len]);
+        let method = String::from_utf8_lossy(&names[service_len + 2..]);
+        let tag = self.counters.len() as u32;
+        self.counters
+            .push(self.shared.metrics.calls(&service, &method));
+        self.tags.insert(names.clone(), tag);
+        tag
+    }
+
+    fn report(&mut self) {
+        self.shared.metrics.wire.add(self.io.take_counts());
+        if self.in_flight != self.in_flight_reported {
+            let delta = self.in_flight as f64 - self.in_flight_reported as f64;
+            self.shared.metrics.in_flight.increment(delta);
+            self.in_flight_reported = self.in_flight;
+        }
+    }
+
+    fn forget_in_flight(&mut self) {
+        if self.in_flight > 0 {
+            tracing::debug!(calls = self.in_flight, "client left with calls in flight");
+            self.shared
+                .in_flight
+                .fetch_sub(self.in_flight, Ordering::Relaxed);
+            self.in_flight = 0;
+        }
+    }
+}

@@ -1,0 +1,470 @@
+//! One pooled connection to a provider, carrying many calls at once.
+//!
+//! [`UpstreamConn`] is the handle sessions and the pool hold; behind it one task owns the
+//! socket, the write buffer and the in-flight table (upstream request id → caller), so the
+//! per-call path takes no lock. The task:
+//!
+//! - gives each call a fresh request id (slot index + generation), rewrites the header and
+//!   copies the body once into its write buffer; everything queued in a round leaves in
+//!   one `write`;
+//! - matches each reply to its slot and sends it to the caller's session; a reply for no
+//!   slot (its call timed out) is dropped and counted;
+//! - sweeps the table for calls past their deadline and answers them "timeout";
+//! - when the socket fails, answers every call in flight at once with "unavailable" and
+//!   the cause, and hands calls it never wrote back to their sessions to be routed again.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use rpcmesh_common::Status;
+use rpcmesh_common::client::now_ms;
+use rpcmesh_common::codec::FrameCodec;
+use rpcmesh_common::frame::{Flags, Frame, Header, Heartbeat, MsgType, put_frame};
+use rpcmesh_common::io::{FramedIo, ReadStatus};
+use rpcmesh_common::telemetry::ErrorKind;
+use tokio::net::TcpStream;
+use tokio::sync::{Notify, mpsc, oneshot};
+use tracing::Instrument;
+
+use crate::call::{CallInfo, Forward, Reply, ReplyTx};
+use crate::metrics::UpstreamMetrics;
+use crate::upstream::UpstreamError;
+
+/// Commands taken from the queue per round before the socket is served again: enough to
+/// batch a burst into one write, few enough that replies are not held back by a flood.
+const COMMAND_BATCH: usize = 512;
+/// Finest and coarsest interval of the deadline sweep (it runs at a twentieth of the call
+/// timeout, within these bounds): timeouts fire at most this late.
+const SWEEP_MIN: Duration = Duration::from_millis(1);
+const SWEEP_MAX: Duration = Duration::from_millis(100);
+
+/// Why a call could not be queued on this connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refused {
+    /// The connection is at its in-flight cap.
+    Full,
+    /// The connection is closed or closing.
+    Closed,
+}
+
+/// Settings of an upstream connection.
+#[derive(Debug, Clone)]
+pub(crate) struct ConnSettings {
+    pub label: Arc<str>,
+    pub ext: bool,
+    pub max_body_len: u32,
+    pub max_in_flight: usize,
+    pub call_timeout: Duration,
+}
+
+/// State shared by the handle and the task.
+#[derive(Debug, Default)]
+struct ConnState {
+    in_flight: AtomicUsize,
+    closed: AtomicBool,
+}
+
+enum Command {
+    Call(Forward),
+    Heartbeat(oneshot::Sender<()>),
+}
+
+/// The handle of one upstream connection. Dropping the last handle lets the task finish
+/// the calls in flight and close the socket.
+#[derive(Debug)]
+pub(crate) struct UpstreamConn {
+    tx: mpsc::UnboundedSender<Command>,
+    state: Arc<ConnState>,
+    cap: usize,
+}
+
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Command::Call(c) => write!(f, "Call({})", c.info.client_id),
+            Command::Heartbeat(_) => f.write_str("Heartbeat"),
+        }
+    }
+}
+
+impl UpstreamConn {
+    /// Connects and starts the connection's task. `closed` is notified when the
+    /// connection fails, so the pool replaces it at once.
+    pub async fn connect(
+        addr: &str,
+        id: u64,
+        settings: ConnSettings,
+        metrics: UpstreamMetrics,
+        closed: Arc<Notify>,
+        connect_timeout: Duration,
+    ) -> Result<UpstreamConn, UpstreamError> {
+        let stream = tokio::time::timeout(connect_timeout, TcpStream::connect(addr))
+            .await
+            .map_err(|_| UpstreamError::ConnectTimeout(connect_timeout))?
+            .map_err(UpstreamError::Connect)?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let state = Arc::new(ConnState::default());
+        let span = tracing::debug_span!("upstream", provider = %settings.label, conn = id);
+        let cap = settings.max_in_flight;
+        let sweep = (settings.call_timeout / 20).clamp(SWEEP_MIN, SWEEP_MAX);
+        let task = ConnTask {
+            io: FramedIo::new(stream, FrameCodec::new(settings.max_body_len)),
+            rx,
+            state: state.clone(),
+            table: InFlight::default(),
+            heartbeats: Vec::new(),
+            next_heartbeat_id: 1,
+            settings,
+            metrics,
+            closed,
+        };
+        tracing::debug!(parent: &span, "connected");
+        tokio::spawn(task.run(sweep).instrument(span));
+        Ok(UpstreamConn { tx, state, cap })
+    }
+
+    /// Queues a call. On refusal the call is handed back untouched.
+    pub fn try_forward(&self, fwd: Forward) -> Result<(), (Forward, Refused)> {
+        if self.state.closed.load(Ordering::Relaxed) {
+            return Err((fwd, Refused::Closed));
+        }
+        if self.state.in_flight.fetch_add(1, Ordering::Relaxed) >= self.cap {
+            self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+            return Err((fwd, Refused::Full));
+        }
+        self.tx.send(Command::Call(fwd)).map_err(|e| {
+            self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+            match e.0 {
+                Command::Call(fwd) => (fwd, Refused::Closed),
+                Command::Heartbeat(_) => unreachable!("a call was sent"),
+            }
+        })
+    }
+
+    /// A heartbeat round trip, for the pool's health check.
+    pub async fn heartbeat(&self, timeout: Duration) -> Result<(), UpstreamError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Heartbeat(tx))
+            .map_err(|_| UpstreamError::Closed)?;
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) => Err(UpstreamError::Closed),
+            Err(_) => Err(UpstreamError::HeartbeatTimeout(timeout)),
+        }
+    }
+
+    /// True once the connection failed or was closed.
+    pub fn is_closed(&self) -> bool {
+        self.state.closed.load(Ordering::Relaxed)
+    }
+
+    /// Calls queued or in flight on this connection.
+    pub fn load(&self) -> usize {
+        self.state.in_flight.load(Ordering::Relaxed)
+    }
+}
+
+/// A call written upstream and waiting for its reply.
+struct Slot {
+    id: u64,
+    info: CallInfo,
+    reply_to: ReplyTx,
+    deadline: Instant,
+}
+
+/// Calls in flight, by upstream request id = generation << 32 | slot index. The
+/// generation makes a late reply for a reused slot miss instead of hitting a stranger.
+#[derive(Default)]
+struct InFlight {
+    slots: Vec<Option<Slot>>,
+    free: Vec<u32>,
+    len: usize,
+    generation: u32,
+}
+
+impl InFlight {
+    fn insert(&mut self, mut slot: Slot) -> u64 {
+        self.generation = self.generation.wrapping_add(1);
+        let idx = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.slots.push(None);
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let id = (u64::from(self.generation) << 32) | u64::from(idx);
+        slot.id = id;
+        self.slots[idx as usize] = Some(slot);
+        self.len += 1;
+        id
+    }
+
+    fn take(&mut self, id: u64) -> Option<Slot> {
+        let idx = (id & 0xffff_ffff) as usize;
+        let entry = self.slots.get_mut(idx)?;
+        if entry.as_ref().is_some_and(|s| s.id == id) {
+            self.free.push(idx as u32);
+            self.len -= 1;
+            entry.take()
+        } else {
+            None
+        }
+    }
+
+    fn take_expired(&mut self, now: Instant, out: &mut Vec<Slot>) {
+        for (idx, entry) in self.slots.iter_mut().enumerate() {
+            if entry.as_ref().is_some_and(|s| s.deadline <= now) {
+                out.extend(entry.take());
+                self.free.push(idx as u32);
+                self.len -= 1;
+            }
+        }
+    }
+
+    fn drain(&mut self) -> impl Iterator<Item = Slot> + '_ {
+        self.len = 0;
+        self.free.clear();
+        let slots = std::mem::take(&mut self.slots);
+        slots.into_iter().flatten()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+struct ConnTask {
+    io: FramedIo,
+    rx: mpsc::UnboundedReceiver<Command>,
+    state: Arc<ConnState>,
+    table: InFlight,
+    heartbeats: Vec<(u64, oneshot::Sender<()>)>,
+    next_heartbeat_id: u64,
+    settings: ConnSettings,
+    metrics: UpstreamMetrics,
+    closed: Arc<Notify>,
+}
+
+impl ConnTask {
+    async fn run(mut self, sweep: Duration) {
+        let mut sweeper = tokio::time::interval(sweep);
+        sweeper.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut queue_open = true;
+        let mut expired = Vec::new();
+        let cause: Cow<'static, str> = loop {
+            tokio::select! {
+                biased;
+                ready = self.io.ready(true) => match ready {
+                    Ok(r) if r.is_readable() || r.is_read_closed() => {
+                        if let Err(cause) = self.read() {
+                            break cause;
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(e) => break format!("socket error: {e}").into(),
+                },
+                cmd = self.rx.recv(), if queue_open => match cmd {
+                    Some(cmd) => {
+                        self.on_command(cmd);
+                        for _ in 0..COMMAND_BATCH {
+                            match self.rx.try_recv() {
+                                Ok(cmd) => self.on_command(cmd),
+                                Err(_) => break,
+                            }
+                        }
+                    }
+                    // Every handle is gone: finish what is in flight, then close.
+                    None => queue_open = false,
+                },
+                _ = sweeper.tick(), if !self.table.is_empty() => {
+                    self.table.take_expired(Instant::now(), &mut expired);
+                    for slot in expired.drain(..) {
+                        self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+                        self.metrics.errors.inc(ErrorKind::Timeout);
+                        let msg = format!(
+                            "no reply from provider {} within {:?}",
+                            self.settings.label, self.settings.call_timeout
+                        );
+                        answer(&slot.reply_to, slot.info, Err((Status::Timeout, msg.into())));
+                    }
+                }
+            }
+            if let Err(e) = self.io.try_flush() {
+                break format!("write failed: {e}").into();
+            }
+            self.metrics.wire.add(self.io.take_counts());
+            if !queue_open && self.table.is_empty() && self.heartbeats.is_empty() {
+                break Cow::Borrowed("");
+            }
+        };
+        self.close(cause);
+    }
+
+    fn read(&mut self) -> Result<(), Cow<'static, str>> {
+        match self.io.try_read() {
+            Ok(ReadStatus::WouldBlock) => return Ok(()),
+            Ok(ReadStatus::Data(_) | ReadStatus::Eof) => {}
+            Err(e) => return Err(format!("read failed: {e}").into()),
+        }
+        loop {
+            match self.io.next_frame() {
+                Ok(Some(frame)) => self.on_frame(frame),
+                Ok(None) => break,
+                Err(e) => {
+                    self.metrics.errors.inc(ErrorKind::of_frame(&e));
+                    tracing::warn!(error = %e, "bad frame from provider");
+                    if e.is_fatal() {
+                        return Err(format!("bad frames from provider: {e}").into());
+                    }
+                }
+            }
+        }
+        if self.io.is_eof() {
+            return Err("closed by provider".into());
+        }
+        Ok(())
+    }
+
+    fn on_command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Call(fwd) => self.write_call(fwd),
+            Command::Heartbeat(tx) => {
+                // Heartbeat ids count down from the top so they never meet call ids.
+                let id = u64::MAX - self.next_heartbeat_id;
+                self.next_heartbeat_id += 1;
+                let hb = Heartbeat {
+                    service_name: "broker".into(),
+                    node_id: "rpcmesh-broker".into(),
+                    timestamp_ms: now_ms(),
+                    extra: Vec::new(),
+                };
+                if hb.put(self.io.wbuf(), id).is_ok() {
+                    self.heartbeats.push((id, tx));
+                }
+            }
+        }
+    }
+
+    fn write_call(&mut self, fwd: Forward) {
+        let now = Instant::now();
+        if now >= fwd.deadline {
+            self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+            self.metrics.errors.inc(ErrorKind::Timeout);
+            let msg = "call timed out waiting for a provider connection";
+            return answer(&fwd.reply_to, fwd.info, Err((Status::Timeout, msg.into())));
+        }
+        let flags = if self.settings.ext {
+            // Ask for extended statuses always: the session degrades them for v1 callers,
+            // and an "unavailable" from the provider tells the pool it is draining.
+            fwd.frame.header.flags | Flags::EXT_STATUS
+        } else {
+            Flags::NONE
+        };
+        let id = self.table.insert(Slot {
+            id: 0,
+            info: fwd.info,
+            reply_to: fwd.reply_to,
+            deadline: fwd.deadline,
+        });
+        let header = Header {
+            msg_type: MsgType::Request,
+            flags,
+            body_len: fwd.frame.header.body_len,
+            req_id: id,
+        };
+        put_frame(self.io.wbuf(), &header, &fwd.frame.body);
+    }
+
+    fn on_frame(&mut self, frame: Frame) {
+        match frame.header.msg_type {
+            MsgType::Response => {
+                let Some(slot) = self.table.take(frame.header.req_id) else {
+                    self.metrics.errors.inc(ErrorKind::LateReply);
+                    tracing::debug!(
+                        req_id = frame.header.req_id,
+                        "reply for no call in flight (late) dropped"
+                    );
+                    return;
+                };
+                self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+                let outcome = if frame.body.len() < 5 {
+                    self.metrics.errors.inc(ErrorKind::BadBody);
+                    Err((
+                        Status::Failed,
+                        Cow::Borrowed("malformed reply from provider"),
+                    ))
+                } else {
+                    if frame.body[0] == Status::Unavailable as u8 {
+                        // The provider is going away: send no more calls here.
+                        self.mark_closed();
+                    }
+                    Ok(frame)
+                };
+                answer(&slot.reply_to, slot.info, outcome);
+            }
+            MsgType::Heartbeat => {
+                if let Some(i) = self
+                    .heartbeats
+                    .iter()
+                    .position(|(id, _)| *id == frame.header.req_id)
+                {
+                    let (_, tx) = self.heartbeats.swap_remove(i);
+                    let _ = tx.send(());
+                }
+            }
+            MsgType::Request => {
+                self.metrics.errors.inc(ErrorKind::Unexpected);
+                tracing::debug!("request frame from a provider dropped");
+            }
+        }
+    }
+
+    fn mark_closed(&self) {
+        if !self.state.closed.swap(true, Ordering::Relaxed) {
+            self.closed.notify_one();
+        }
+    }
+
+    /// Ends the connection: every call in flight is answered with the cause, every call
+    /// still queued goes back to its session to be routed again.
+    fn close(mut self, cause: Cow<'static, str>) {
+        self.mark_closed();
+        self.rx.close();
+        let failed = self.table.len;
+        for slot in self.table.drain() {
+            self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+            self.metrics.errors.inc(ErrorKind::Unavailable);
+            let msg = format!(
+                "connection to provider {} lost with the call in flight: {cause}",
+                self.settings.label
+            );
+            answer(
+                &slot.reply_to,
+                slot.info,
+                Err((Status::Unavailable, msg.into())),
+            );
+        }
+        let mut requeued = 0;
+        while let Ok(cmd) = self.rx.try_recv() {
+            if let Command::Call(fwd) = cmd {
+                self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+                requeued += 1;
+                let to = fwd.reply_to.clone();
+                let _ = to.send(Reply::Retry(fwd));
+            }
+        }
+        if cause.is_empty() {
+            tracing::debug!("closed");
+        } else {
+            tracing::warn!(%cause, failed, requeued, "provider connection lost");
+        }
+    }
+}
+
+fn answer(to: &ReplyTx, info: CallInfo, outcome: Result<Frame, (Status, Cow<'static, str>)>) {
+    // A send fails only when the caller's session is gone; nobody is left to answer.
+    let _ = to.send(Reply::Done { info, outcome });
+}

@@ -1,0 +1,213 @@
+//! The broker's side towards providers: per provider, a pool of multiplexed connections.
+//!
+//! - [`connection`]: one connection and the task that owns its calls in flight.
+//! - [`ProviderPool`] (here): the connections of one provider. `bb8` owns their life:
+//!   connecting, validating each with a heartbeat round trip on checkout, dropping broken
+//!   ones and reconnecting. A keeper task checks all of them out every health interval
+//!   (and at once when one fails) and publishes the healthy set in an `ArcSwap`, which is
+//!   all the per-call path reads: no lock, no checkout per call.
+
+pub(crate) mod connection;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use rpcmesh_common::shutdown::CancellationToken;
+use tokio::sync::Notify;
+
+use crate::config::{BrokerConfig, UpstreamSpec};
+use crate::metrics::UpstreamMetrics;
+pub(crate) use connection::{ConnSettings, Refused, UpstreamConn};
+
+/// Why an upstream connection could not be made or kept.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    /// TCP connect failed.
+    #[error("connect failed: {0}")]
+    Connect(std::io::Error),
+    /// TCP connect took too long.
+    #[error("connect timed out after {0:?}")]
+    ConnectTimeout(Duration),
+    /// The health-check heartbeat was not answered in time.
+    #[error("heartbeat not answered within {0:?}")]
+    HeartbeatTimeout(Duration),
+    /// The connection is closed.
+    #[error("connection closed")]
+    Closed,
+}
+
+/// bb8's view of a provider: how to make, check and judge its connections.
+struct Manager {
+    spec: UpstreamSpec,
+    settings: ConnSettings,
+    connect_timeout: Duration,
+    health_timeout: Duration,
+    metrics: UpstreamMetrics,
+    closed: Arc<Notify>,
+    next_id: AtomicU64,
+}
+
+impl bb8::ManageConnection for Manager {
+    type Connection = Arc<UpstreamConn>;
+    type Error = UpstreamError;
+
+    async fn connect(&self) -> Result<Arc<UpstreamConn>, UpstreamError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let r = UpstreamConn::connect(
+            &self.spec.addr,
+            id,
+            self.settings.clone(),
+            self.metrics.clone(),
+            self.closed.clone(),
+            self.connect_timeout,
+        )
+        .await;
+        match &r {
+            Ok(_) => self.metrics.conns_opened.increment(1),
+            Err(e) => {
+                self.metrics.connect_failures.increment(1);
+                tracing::debug!(provider = %self.spec.addr, error = %e, "connect failed");
+            }
+        }
+        r.map(Arc::new)
+    }
+
+    async fn is_valid(&self, conn: &mut Arc<UpstreamConn>) -> Result<(), UpstreamError> {
+        if conn.is_closed() {
+            return Err(UpstreamError::Closed);
+        }
+        conn.heartbeat(self.health_timeout).await
+    }
+
+    fn has_broken(&self, conn: &mut Arc<UpstreamConn>) -> bool {
+        conn.is_closed()
+    }
+}
+
+/// The connections of one provider.
+pub(crate) struct ProviderPool {
+    pub spec: UpstreamSpec,
+    ready: ArcSwap<Vec<Arc<UpstreamConn>>>,
+    pool: bb8::Pool<Manager>,
+    closed: Arc<Notify>,
+    size: u32,
+    health_interval: Duration,
+    metrics: UpstreamMetrics,
+}
+
+impl std::fmt::Debug for ProviderPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProviderPool")
+            .field("spec", &self.spec)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ProviderPool {
+    /// Builds the pool (connections are made in the background).
+    pub fn new(
+        spec: UpstreamSpec,
+        config: &BrokerConfig,
+        metrics: UpstreamMetrics,
+    ) -> Arc<ProviderPool> {
+        let closed = Arc::new(Notify::new());
+        let settings = ConnSettings {
+            label: Arc::from(spec.label()),
+            ext: spec.ext,
+            max_body_len: config.max_body_len,
+            max_in_flight: config.max_in_flight_per_upstream_conn,
+            call_timeout: config.call_timeout,
+        };
+        let manager = Manager {
+            spec: spec.clone(),
+            settings,
+            connect_timeout: config.connect_timeout,
+            health_timeout: config.health_timeout,
+            metrics: metrics.clone(),
+            closed: closed.clone(),
+            next_id: AtomicU64::new(1),
+        };
+        let pool = bb8::Pool::builder()
+            .max_size(config.pool_size)
+            .min_idle(Some(config.pool_size))
+            .test_on_check_out(true)
+            // The keeper checks connections out and in every health interval, so bb8's
+            // idle and lifetime reapers would only close busy connections.
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .connection_timeout(config.connect_timeout + config.health_timeout)
+            .build_unchecked(manager);
+        Arc::new(ProviderPool {
+            spec,
+            ready: ArcSwap::from_pointee(Vec::new()),
+            pool,
+            closed,
+            size: config.pool_size,
+            health_interval: config.health_interval,
+            metrics,
+        })
+    }
+
+    /// The connections to use now (some may have closed since; check `is_closed`).
+    pub fn ready(&self) -> arc_swap::Guard<Arc<Vec<Arc<UpstreamConn>>>> {
+        self.ready.load()
+    }
+
+    /// Calls queued or in flight on this provider; `usize::MAX` when it has no open
+    /// connection.
+    pub fn load(&self) -> usize {
+        let conns = self.ready.load();
+        let mut open = false;
+        let mut sum = 0;
+        for c in conns.iter().filter(|c| !c.is_closed()) {
+            open = true;
+            sum += c.load();
+        }
+        if open { sum } else { usize::MAX }
+    }
+
+    /// Keeps the published set of healthy connections current until `stop`.
+    pub async fn keep(self: Arc<Self>, stop: CancellationToken) {
+        let mut healthy_before = usize::MAX;
+        loop {
+            let mut held = Vec::with_capacity(self.size as usize);
+            let mut last_error = None;
+            for _ in 0..self.size {
+                tokio::select! {
+                    got = self.pool.get_owned() => match got {
+                        Ok(c) => held.push(c),
+                        Err(e) => { last_error = Some(e); break; }
+                    },
+                    () = stop.cancelled() => break,
+                }
+            }
+            let conns: Vec<Arc<UpstreamConn>> = held.iter().map(|c| Arc::clone(&**c)).collect();
+            let healthy = conns.len();
+            self.ready.store(Arc::new(conns));
+            drop(held);
+            self.metrics.publish_pool(&self.pool.state(), healthy);
+            if healthy != healthy_before {
+                match (healthy, &last_error) {
+                    (0, Some(e)) => {
+                        tracing::warn!(provider = %self.spec.addr, error = ?e, "provider unreachable")
+                    }
+                    (0, None) => {
+                        tracing::warn!(provider = %self.spec.addr, "provider has no healthy connection")
+                    }
+                    (n, _) => {
+                        tracing::info!(provider = %self.spec.addr, connections = n, "provider connections ready")
+                    }
+                }
+                healthy_before = healthy;
+            }
+            tokio::select! {
+                () = tokio::time::sleep(self.health_interval) => {}
+                () = self.closed.notified() => {}
+                () = stop.cancelled() => break,
+            }
+        }
+        self.ready.store(Arc::new(Vec::new()));
+    }
+}

@@ -1,0 +1,512 @@
+//! Black-box tests of the broker in front of real providers, all on 127.0.0.1: calls and
+//! fan-out through it, v1 interop, compression, bad input, balancing and fail-over,
+//! several brokers, shedding and timeouts.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use rpcmesh_broker::UpstreamSpec;
+use rpcmesh_common::Status;
+use rpcmesh_common::client::{Client, ClientConfig};
+use rpcmesh_common::compress::CompressionConfig;
+use rpcmesh_common::frame::Request;
+use rpcmesh_common::proto::platform::{QueryRequest, QueryResponse};
+use rpcmesh_common::proto::rpc::{EchoRequest, EchoResponse};
+use rpcmesh_common::telemetry::sample;
+use rpcmesh_common::testkit;
+use rpcmesh_provider::ProviderConfig;
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+fn query() -> QueryRequest {
+    QueryRequest {
+        system_id: "PL".into(),
+        app_version: "qq.qq.qq".into(),
+        company_id: "12".into(),
+        source_ip: "DESKTOP-NDOHT79".into(),
+        dest_ip: "DESKTOP-NDOHT79".into(),
+        spider_opts: Default::default(),
+        company_name: "機構1".into(),
+        create_date: "20160101".into(),
+        company_type: 1,
+    }
+}
+
+fn echo(m: &str) -> EchoRequest {
+    EchoRequest { message: m.into() }
+}
+
+#[tokio::test]
+async fn echo_and_platform_calls_go_through_the_broker() {
+    let p = provider(ProviderConfig::default()).await;
+    let b = broker(broker_config(&[p.addr])).await;
+    let c = client(b.addr).await;
+    until_ready(&c).await;
+    let r = c
+        .call("EchoService", "Echo", &echo("through"))
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Success);
+    assert_eq!(r.decode::<EchoResponse>().unwrap().message, "through");
+    let r = c
+        .call("PlatformService", "doQuery", &query())
+        .await
+        .unwrap();
+    let q: QueryResponse = r.decode().unwrap();
+    assert_eq!(q.nodes.len(), 2);
+    // the provider saw the calls, the broker counted them
+    assert!(
+        sample(
+            &p.telemetry.render(),
+            "rpcmesh_calls_total",
+            &[("service", "PlatformService"), ("status", "ok")]
+        )
+        .unwrap()
+            >= 1.0
+    );
+    assert!(
+        sample(
+            &b.telemetry.render(),
+            "rpcmesh_calls_total",
+            &[("service", "PlatformService"), ("status", "ok")]
+        )
+        .unwrap()
+            >= 1.0
+    );
+    b.stop().await;
+    p.stop().await;
+}
+
+/// The reference workload's request shape: 5 calls in a row per user request, many users
+/// at once on one multiplexed connection; and the parallel variant.
+#[tokio::test]
+async fn five_call_fan_out_requests_complete_through_the_broker() {
+    let p = provider(ProviderConfig::default()).await;
+    let b = broker(broker_config(&[p.addr])).await;
+    let c = client(b.addr).await;
+    until_ready(&c).await;
+    let users: Vec<_> = (0..50)
+        .map(|u| {
+            let c = c.clone();
+            tokio::spawn(async move {
+                for req in 0..4 {
+                    for call in 0..5 {
+                        let r = c
+                            .call("PlatformService", "doQuery", &query())
+                            .await
+                            .unwrap();
+                        assert_eq!(
+                            r.status,
+                            Status::Success,
+                            "user {u} request {req} call {call}"
+                        );
+                    }
+                    let parallel: Vec<_> = (0..5)
+                        .map(|i| {
+                            let c = c.clone();
+                            tokio::spawn(async move {
+                                c.call("EchoService", "Echo", &echo(&format!("{u}-{i}")))
+                                    .await
+                            })
+                        })
+                        .collect();
+                    for (i, h) in parallel.into_iter().enumerate() {
+                        let r = h.await.unwrap().unwrap();
+                        assert_eq!(
+                            r.decode::<EchoResponse>().unwrap().message,
+                            format!("{u}-{i}")
+                        );
+                    }
+                }
+            })
+        })
+        .collect();
+    for u in users {
+        u.await.unwrap();
+    }
+    assert_eq!(b.calls("ok"), p.calls("ok"));
+    assert!(b.calls("ok") >= 2000.0);
+    b.stop().await;
+    p.stop().await;
+}
+
+/// A plain v1 client sending the reference's golden request through the broker gets the
+/// reference's golden reply, byte for byte: the broker's id remapping is invisible.
+#[tokio::test]
+async fn a_v1_client_gets_byte_identical_v1_replies_through_the_broker() {
+    let p = provider(ProviderConfig::default()).await;
+    let b = broker(broker_config(&[p.addr])).await;
+    until_ready(&client(b.addr).await).await;
+    let hex = |s: &str| -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
+    };
+    let req = hex(
+        "525043460100000000200000000000000001000b4563686f5365727669636500044563686f000000090a070a0568656c6c6ff1dddcbe",
+    );
+    let want = hex("525043460101000000100000000000000001000000000b080112070a0568656c6c6f0e154d52");
+    let mut s = TcpStream::connect(b.addr).await.unwrap();
+    s.write_all(&req).await.unwrap();
+    let mut got = vec![0u8; want.len()];
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut got))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(got, want);
+    b.stop().await;
+    p.stop().await;
+}
+
+#[tokio::test]
+async fn compression_gives_identical_replies_and_fewer_bytes_for_the_platform_workload() {
+    let p = provider(ProviderConfig::default()).await;
+    let b = broker(broker_config(&[p.addr])).await;
+    let plain = client(b.addr).await;
+    until_ready(&plain).await;
+    let zipped = Client::connect(
+        b.addr,
+        ClientConfig {
+            compression: Some(CompressionConfig::default()),
+            ..ClientConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    let wire = || {
+        sample(
+            &b.telemetry.render(),
+            "rpcmesh_wire_bytes_total",
+            &[("side", "inbound")],
+        )
+        .unwrap_or(0.0)
+    };
+    const N: usize = 200;
+    let w0 = wire();
+    let mut plain_replies = Vec::new();
+    for _ in 0..N {
+        plain_replies.push(
+            plain
+                .call("PlatformService", "doQuery", &query())
+                .await
+                .unwrap(),
+        );
+    }
+    let w1 = wire();
+    let mut zipped_replies = Vec::new();
+    for _ in 0..N {
+        zipped_replies.push(
+            zipped
+                .call("PlatformService", "doQuery", &query())
+                .await
+                .unwrap(),
+        );
+    }
+    let w2 = wire();
+    for (a, z) in plain_replies.iter().zip(&zipped_replies) {
+        assert_eq!(a.status, Status::Success);
+        assert_eq!(z.status, Status::Success);
+        assert_eq!(a.payload, z.payload, "identical replies");
+        assert!(!a.compressed);
+        assert!(z.compressed);
+    }
+    let (plain_bytes, zipped_bytes) = (w1 - w0, w2 - w1);
+    println!("platform x{N}: plain {plain_bytes} B, compressed {zipped_bytes} B on the wire");
+    assert!(
+        zipped_bytes < plain_bytes,
+        "compression saves bytes: {zipped_bytes} vs {plain_bytes}"
+    );
+    b.stop().await;
+    p.stop().await;
+}
+
+#[tokio::test]
+async fn unknown_service_fails_with_a_message() {
+    let p = provider(ProviderConfig::default()).await;
+    // One route with named services: the broker itself knows the rest are unknown.
+    let mut cfg = broker_config(&[]);
+    cfg.upstreams = vec![UpstreamSpec::parse(&format!("EchoService={}", p.addr), true).unwrap()];
+    let b = broker(cfg).await;
+    let c = Client::connect(b.addr, ClientConfig::plain_v1())
+        .await
+        .unwrap();
+    until_ready(&c).await;
+    let r = c.call("Nope", "x", &echo("?")).await.unwrap();
+    assert_eq!(r.status, Status::Failed);
+    assert_eq!(r.error_msg, "service not found: Nope");
+    assert_eq!(b.errors("unknown_service"), 1.0);
+    b.stop().await;
+
+    // With an any-service upstream the provider answers, in the same words.
+    let b = broker(broker_config(&[p.addr])).await;
+    let c = Client::connect(b.addr, ClientConfig::plain_v1())
+        .await
+        .unwrap();
+    until_ready(&c).await;
+    let r = c.call("Nope", "x", &echo("?")).await.unwrap();
+    assert_eq!(r.status, Status::Failed);
+    assert_eq!(r.error_msg, "service not found: Nope");
+    b.stop().await;
+    p.stop().await;
+}
+
+#[tokio::test]
+async fn bad_input_to_the_broker_gets_an_error_reply_or_a_close_and_is_counted() {
+    let max = 4096;
+    let p = provider(ProviderConfig::default()).await;
+    let mut cfg = broker_config(&[p.addr]);
+    cfg.max_body_len = max;
+    let b = broker(cfg).await;
+    let good = client(b.addr).await;
+    until_ready(&good).await;
+    for input in testkit::bad_inputs(max) {
+        let before = b.errors(input.kind.label());
+        let seen = testkit::probe(b.addr, &input).await.unwrap();
+        assert_eq!(seen.closed, input.closes, "{}: {seen:?}", input.name);
+        if let Some(id) = input.reply_to {
+            let f = seen
+                .frames
+                .iter()
+                .find(|f| f.header.req_id == id)
+                .unwrap_or_else(|| panic!("{}: no error reply", input.name));
+            assert!(Request::parse(&f.body).is_err());
+        }
+        if let Some(id) = input.then_answered {
+            assert!(
+                seen.frames.iter().any(|f| f.header.req_id == id),
+                "{}: next frame not answered",
+                input.name
+            );
+        }
+        assert_eq!(
+            b.errors(input.kind.label()),
+            before + 1.0,
+            "{} not counted",
+            input.name
+        );
+        let r = good
+            .call("EchoService", "Echo", &echo(input.name))
+            .await
+            .unwrap();
+        assert_eq!(r.status, Status::Success, "{}", input.name);
+    }
+    b.stop().await;
+    p.stop().await;
+}
+
+#[tokio::test]
+async fn two_providers_share_the_calls_and_one_stopping_sends_all_to_the_other() {
+    let p1 = provider(ProviderConfig::default()).await;
+    let p2 = provider(ProviderConfig::default()).await;
+    let b = broker(broker_config(&[p1.addr, p2.addr])).await;
+    let c = client(b.addr).await;
+    until_ready(&c).await;
+    // wait until both pools are up
+    for _ in 0..100 {
+        let healthy = sample(
+            &b.telemetry.render(),
+            "rpcmesh_pool_healthy_connections",
+            &[],
+        )
+        .unwrap_or(0.0);
+        if healthy >= 8.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let run = |n: usize| {
+        let c = c.clone();
+        async move {
+            let hs: Vec<_> = (0..n)
+                .map(|i| {
+                    let c = c.clone();
+                    tokio::spawn(async move {
+                        c.call("EchoService", "Echo", &echo(&i.to_string()))
+                            .await
+                            .unwrap()
+                            .status
+                    })
+                })
+                .collect();
+            let mut statuses = Vec::new();
+            for h in hs {
+                statuses.push(h.await.unwrap());
+            }
+            statuses
+        }
+    };
+    let s = run(400).await;
+    assert!(s.iter().all(|s| *s == Status::Success));
+    let (c1, c2) = (p1.calls("ok"), p2.calls("ok"));
+    println!("shared: provider 1 {c1}, provider 2 {c2}");
+    assert!(
+        c1 >= 50.0 && c2 >= 50.0,
+        "both providers take calls: {c1} / {c2}"
+    );
+
+    let p1_before = p1.calls("ok");
+    p1.stop().await;
+    // Calls racing the stop may fail ("unavailable"), but each gets an answer; once the
+    // broker has noticed, every call goes to provider 2.
+    let _ = run(50).await;
+    let p2_before = p2.calls("ok");
+    let s = run(300).await;
+    assert!(s.iter().all(|s| *s == Status::Success), "{s:?}");
+    assert_eq!(p2.calls("ok") - p2_before, 300.0);
+    assert!(p1_before > 0.0);
+    b.stop().await;
+    p2.stop().await;
+}
+
+#[tokio::test]
+async fn two_brokers_in_front_of_one_provider_both_serve() {
+    let p = provider(ProviderConfig::default()).await;
+    let b1 = broker(broker_config(&[p.addr])).await;
+    let b2 = broker(broker_config(&[p.addr])).await;
+    let c1 = client(b1.addr).await;
+    let c2 = client(b2.addr).await;
+    until_ready(&c1).await;
+    until_ready(&c2).await;
+    for i in 0..50 {
+        let (ea, eb) = (echo(&format!("a{i}")), echo(&format!("b{i}")));
+        let (a, b) = tokio::join!(
+            c1.call("EchoService", "Echo", &ea),
+            c2.call("EchoService", "Echo", &eb)
+        );
+        assert_eq!(
+            a.unwrap().decode::<EchoResponse>().unwrap().message,
+            format!("a{i}")
+        );
+        assert_eq!(
+            b.unwrap().decode::<EchoResponse>().unwrap().message,
+            format!("b{i}")
+        );
+    }
+    assert!(b1.calls("ok") >= 50.0 && b2.calls("ok") >= 50.0);
+    b1.stop().await;
+    b2.stop().await;
+    p.stop().await;
+}
+
+#[tokio::test]
+async fn over_the_in_flight_cap_calls_are_answered_overloaded_at_once() {
+    let p = provider(ProviderConfig {
+        service_time: Duration::from_millis(1500),
+        ..ProviderConfig::default()
+    })
+    .await;
+    let mut cfg = broker_config(&[p.addr]);
+    cfg.max_in_flight_per_conn = 1;
+    let b = broker(cfg).await;
+    let ext = client(b.addr).await;
+    let v1 = Client::connect(b.addr, ClientConfig::plain_v1())
+        .await
+        .unwrap();
+    until_ready(&ext).await;
+    let slow = {
+        let c = ext.clone();
+        tokio::spawn(async move { c.call("EchoService", "Echo", &echo("slow")).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let t = Instant::now();
+    let r = ext
+        .call("EchoService", "Echo", &echo("shed me"))
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Overloaded);
+    assert!(
+        t.elapsed() < Duration::from_millis(700),
+        "answered at once, not after the slow call"
+    );
+    // A plain v1 client sees status failed, with a message that says overloaded.
+    let v1_slow = {
+        let c = v1.clone();
+        tokio::spawn(async move { c.call("EchoService", "Echo", &echo("slow")).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let r = v1
+        .call("EchoService", "Echo", &echo("shed me"))
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Failed);
+    assert!(r.error_msg.starts_with("overloaded"), "{}", r.error_msg);
+    assert_eq!(slow.await.unwrap().unwrap().status, Status::Success);
+    assert_eq!(v1_slow.await.unwrap().unwrap().status, Status::Success);
+    assert_eq!(b.errors("overloaded"), 2.0);
+    b.stop().await;
+    p.stop().await;
+}
+
+#[tokio::test]
+async fn a_call_past_its_timeout_is_answered_timeout_and_the_late_reply_is_dropped() {
+    let p = provider(ProviderConfig {
+        service_time: Duration::from_millis(800),
+        ..ProviderConfig::default()
+    })
+    .await;
+    let mut cfg = broker_config(&[p.addr]);
+    cfg.call_timeout = Duration::from_millis(300);
+    let b = broker(cfg).await;
+    let c = client(b.addr).await;
+    // ready-check with the slow provider: the first call times out too, that's fine
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t = Instant::now();
+    let r = c.call("EchoService", "Echo", &echo("late")).await.unwrap();
+    let took = t.elapsed();
+    assert_eq!(r.status, Status::Timeout, "{}", r.error_msg);
+    assert!(
+        took < Duration::from_millis(700),
+        "timed out near 300 ms, took {took:?}"
+    );
+    // the provider's answer arrives later and is dropped, counted
+    let mut late = 0.0;
+    for _ in 0..100 {
+        late = b.errors("late_reply");
+        if late >= 1.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(late >= 1.0, "late reply counted");
+    assert!(b.errors("timeout") >= 1.0);
+    b.stop().await;
+    p.stop().await;
+}
+
+#[tokio::test]
+async fn no_healthy_provider_is_answered_unavailable_at_once() {
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let b = broker(broker_config(&[dead])).await;
+    let c = client(b.addr).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t = Instant::now();
+    let r = c
+        .call("EchoService", "Echo", &echo("anyone?"))
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Unavailable);
+    assert!(
+        r.error_msg.contains("no healthy provider"),
+        "{}",
+        r.error_msg
+    );
+    assert!(t.elapsed() < Duration::from_millis(500));
+    b.stop().await;
+}
+
+#[tokio::test]
+async fn the_broker_answers_heartbeats() {
+    let p = provider(ProviderConfig::default()).await;
+    let b = broker(broker_config(&[p.addr])).await;
+    let c = client(b.addr).await;
+    let hb = c.heartbeat().await.unwrap();
+    assert_eq!(hb.service_name, "broker");
+    b.stop().await;
+    p.stop().await;
+}
