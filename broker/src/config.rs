@@ -10,6 +10,8 @@ use rpcmesh_common::runtime::{ConfigProblems, parse_duration};
 
 /// Where the broker listens unless told otherwise: every interface, port 7700.
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:7700";
+/// Where the broker serves `/metrics` unless told otherwise (`off` disables it).
+pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:9770";
 /// Client connections open at once. The reference workload runs 200 users per driver;
 /// 10,000 leaves room for fifty such drivers. Beyond it, connections are accepted and
 /// closed at once.
@@ -108,6 +110,9 @@ pub struct Args {
     /// Address to listen on for client connections.
     #[arg(long, env = "RPCMESH_BROKER_LISTEN", default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
+    /// Address of the Prometheus `/metrics` endpoint, or `off`.
+    #[arg(long, env = "RPCMESH_METRICS_LISTEN", default_value = DEFAULT_METRICS_LISTEN)]
+    pub metrics_listen: rpcmesh_common::telemetry::MetricsListen,
     /// An rpcmesh provider: HOST:PORT (any service) or SERVICE[,SERVICE]=HOST:PORT.
     /// Repeatable.
     #[arg(long = "upstream", env = "RPCMESH_UPSTREAMS", value_delimiter = ' ')]

@@ -15,7 +15,15 @@ fn main() -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
             .with_context(|| format!("binding {}", args.listen))?;
-        rpcmesh_broker::run(config, listener, rpcmesh_common::shutdown::signal()).await;
+        let telemetry = rpcmesh_common::telemetry::start(args.metrics_listen)
+            .context("starting the metrics endpoint")?;
+        rpcmesh_broker::run_with(
+            config,
+            telemetry,
+            listener,
+            rpcmesh_common::shutdown::signal(),
+        )
+        .await;
         Ok(())
     })
 }

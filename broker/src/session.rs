@@ -21,7 +21,7 @@ use rpcmesh_common::codec::FrameCodec;
 use rpcmesh_common::frame::{
     Flags, Frame, FrameError, Heartbeat, MsgType, put_forwarded_response, request_names,
 };
-use rpcmesh_common::io::{FramedIo, ReadStatus};
+use rpcmesh_common::io::{FramedIo, IoEvent};
 use rpcmesh_common::shutdown::CancellationToken;
 use rpcmesh_common::telemetry::{CallCounters, ErrorKind};
 use tokio::net::TcpStream;
@@ -127,25 +127,24 @@ impl Session {
             let reading = !self.io.is_eof() && self.io.pending_write() < WRITE_BACKLOG_LIMIT;
             tokio::select! {
                 biased;
-                Some(r) = self.replies.recv() => {
-                    self.on_reply(r);
-                    for _ in 0..REPLY_BATCH {
-                        match self.replies.try_recv() {
-                            Ok(r) => self.on_reply(r),
-                            Err(_) => break,
-                        }
-                    }
-                }
-                ready = self.io.ready(reading) => {
-                    let ready = ready?;
-                    if reading && (ready.is_readable() || ready.is_read_closed()) {
-                        self.read()?;
+                Some(r) = self.replies.recv() => self.on_reply(r),
+                ev = self.io.wait_io(reading) => {
+                    if let IoEvent::Read(_) = ev? {
+                        self.take_frames()?;
                     }
                 }
                 () = shutdown.cancelled(), if !self.draining => {
                     tracing::debug!(in_flight = self.in_flight, "draining");
                     self.draining = true;
                 }
+            }
+            // Replies that came meanwhile leave in the same write; before writing, let
+            // the other ready tasks run once, so that upstream connections woken by the
+            // same poll add theirs.
+            self.take_replies();
+            if self.io.pending_write() > 0 {
+                tokio::task::yield_now().await;
+                self.take_replies();
             }
             self.io.try_flush()?;
             self.report();
@@ -158,10 +157,18 @@ impl Session {
         }
     }
 
-    fn read(&mut self) -> Result<(), SessionError> {
-        if self.io.try_read()? == ReadStatus::WouldBlock {
-            return Ok(());
+    /// Handles the replies arrived so far (up to a batch).
+    fn take_replies(&mut self) {
+        for _ in 0..REPLY_BATCH {
+            match self.replies.try_recv() {
+                Ok(r) => self.on_reply(r),
+                Err(_) => break,
+            }
         }
+    }
+
+    /// Handles every whole frame read so far.
+    fn take_frames(&mut self) -> Result<(), SessionError> {
         let now = Instant::now();
         loop {
             match self.io.next_frame() {

@@ -2,6 +2,8 @@
 //! fan-out through it, v1 interop, compression, bad input, balancing and fail-over,
 //! several brokers, shedding and timeouts.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use std::time::{Duration, Instant};

@@ -17,7 +17,7 @@ use crate::call::{CallCodec, CallError, IncomingReply};
 use crate::codec::FrameCodec;
 use crate::compress::{CompressionConfig, DEFAULT_MAX_INFLATED_LEN};
 use crate::frame::{DEFAULT_MAX_BODY_LEN, Flags, FrameError, Heartbeat, MsgType};
-use crate::io::{FramedIo, ReadStatus};
+use crate::io::{FramedIo, IoEvent};
 use crate::status::Status;
 
 /// How long a call waits for its reply unless configured otherwise: long enough for any
@@ -250,20 +250,18 @@ async fn run_connection(stream: TcpStream, config: ClientConfig, mut ops: mpsc::
         }
         tokio::select! {
             biased;
-            ready = io.ready(true) => {
-                match ready {
-                    Ok(r) if r.is_readable() || r.is_read_closed() => {
-                        if let Err(e) = read_replies(&mut io, &mut codec, &mut waiting) {
-                            break Some(e);
-                        }
-                        if io.is_eof() {
-                            break Some("closed by peer".to_string());
-                        }
+            ev = io.wait_io(true) => match ev {
+                Ok(IoEvent::Read(_)) => {
+                    if let Err(e) = read_replies(&mut io, &mut codec, &mut waiting) {
+                        break Some(e);
                     }
-                    Ok(_) => {}
-                    Err(e) => break Some(e.to_string()),
+                    if io.is_eof() {
+                        break Some("closed by peer".to_string());
+                    }
                 }
-            }
+                Ok(IoEvent::Wrote) => {}
+                Err(e) => break Some(e.to_string()),
+            },
             op = ops.recv(), if ops_open => match op {
                 None => ops_open = false,
                 Some(op) => {
@@ -306,11 +304,6 @@ fn read_replies(
     codec: &mut CallCodec,
     waiting: &mut HashMap<u64, Waiter>,
 ) -> Result<(), String> {
-    match io.try_read() {
-        Ok(ReadStatus::Data(_) | ReadStatus::Eof) => {}
-        Ok(ReadStatus::WouldBlock) => return Ok(()),
-        Err(e) => return Err(e.to_string()),
-    }
     loop {
         let frame = match io.next_frame() {
             Ok(Some(f)) => f,

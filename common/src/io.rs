@@ -3,14 +3,17 @@
 //! calls as the socket allows.
 //!
 //! Owns the syscalls and the buffers; what the frames mean, and who waits for them, is the
-//! session's (in each program). Built for the readiness style (`ready` → `try_read` /
-//! `try_flush`), so that one task can own a connection's reads, writes and in-flight table
-//! without locks or a second task.
+//! session's (in each program). One task owns a connection's reads, writes and in-flight
+//! table without locks or a second task: it waits in [`FramedIo::wait_io`] (beside its
+//! other event sources), takes the frames read, appends replies, and calls
+//! [`FramedIo::try_flush`] once per round.
 
 use std::io;
 
 use bytes::{Buf, BytesMut};
-use tokio::io::{Interest, Ready};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
 use tokio::net::TcpStream;
 
 use crate::codec::FrameCodec;
@@ -29,6 +32,15 @@ pub enum ReadStatus {
     WouldBlock,
     /// The peer closed its side.
     Eof,
+}
+
+/// What [`FramedIo::wait_io`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IoEvent {
+    /// A read happened (data or end of stream).
+    Read(ReadStatus),
+    /// Pending bytes were written (some or all).
+    Wrote,
 }
 
 /// Running byte and syscall counts of one connection.
@@ -107,20 +119,44 @@ impl FramedIo {
         std::mem::take(&mut self.counts)
     }
 
-    /// Waits until the socket is readable (when `read` is true), or writable while there
-    /// are bytes waiting to go out.
-    pub async fn ready(&self, read: bool) -> io::Result<Ready> {
-        let interest = match (read && !self.eof, !self.wbuf.is_empty()) {
-            (true, true) => Interest::READABLE | Interest::WRITABLE,
-            (true, false) => Interest::READABLE,
-            (false, true) => Interest::WRITABLE,
-            // Nothing to wait for: never resolves, so a `select!` waits on its other arms.
-            (false, false) => return std::future::pending().await,
-        };
-        self.stream.ready(interest).await
+    /// Waits until the socket can make progress and makes it: writes pending bytes when
+    /// it is writable, reads once into the read buffer when it is readable (and `read`).
+    /// A read that does not fill the buffer tells the reactor the socket is drained, so
+    /// the next wait costs no extra `read` that would only return "would block".
+    ///
+    /// Cancel-safe: bytes read are in the read buffer by the time it returns.
+    pub async fn wait_io(&mut self, read: bool) -> io::Result<IoEvent> {
+        std::future::poll_fn(|cx| self.poll_io(cx, read)).await
     }
 
-    /// One `read` call into the read buffer.
+    fn poll_io(&mut self, cx: &mut Context<'_>, read: bool) -> Poll<io::Result<IoEvent>> {
+        if !self.wbuf.is_empty() {
+            if let Poll::Ready(r) = self.stream.poll_write_ready(cx) {
+                r?;
+                self.try_flush()?;
+                return Poll::Ready(Ok(IoEvent::Wrote));
+            }
+        }
+        if read && !self.eof {
+            self.rbuf.reserve(READ_CHUNK);
+            match tokio_util::io::poll_read_buf(Pin::new(&mut self.stream), cx, &mut self.rbuf) {
+                Poll::Ready(Ok(0)) => {
+                    self.eof = true;
+                    return Poll::Ready(Ok(IoEvent::Read(ReadStatus::Eof)));
+                }
+                Poll::Ready(Ok(n)) => {
+                    self.counts.bytes_read += n as u64;
+                    self.counts.reads += 1;
+                    return Poll::Ready(Ok(IoEvent::Read(ReadStatus::Data(n))));
+                }
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => {}
+            }
+        }
+        Poll::Pending
+    }
+
+    /// One `read` call into the read buffer, without waiting.
     pub fn try_read(&mut self) -> io::Result<ReadStatus> {
         if self.eof {
             return Ok(ReadStatus::Eof);

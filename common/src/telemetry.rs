@@ -60,6 +60,28 @@ impl Telemetry {
         }
     }
 
+    /// A recorder whose `/metrics` is served over HTTP on `addr` (Prometheus text format),
+    /// with its upkeep running every few seconds. Must be called inside a Tokio runtime.
+    pub fn serve_http(
+        addr: std::net::SocketAddr,
+    ) -> Result<Self, metrics_exporter_prometheus::BuildError> {
+        let (recorder, exporter) = PrometheusBuilder::new()
+            .set_buckets(LATENCY_BUCKETS)?
+            .with_http_listener(addr)
+            .build()?;
+        tokio::spawn(async move {
+            if let Err(e) = exporter.await {
+                tracing::error!(error = ?e, "metrics endpoint stopped");
+            }
+        });
+        tracing::info!(%addr, "metrics served at /metrics");
+        let handle = recorder.handle();
+        Ok(Telemetry {
+            recorder: Arc::new(recorder),
+            handle,
+        })
+    }
+
     /// Registers (or finds) a counter.
     pub fn counter(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Counter {
         self.recorder
@@ -283,25 +305,26 @@ impl crate::listener::AcceptObserver for ConnCounters {
     }
 }
 
-/// Bytes on the wire: `rpcmesh_wire_bytes_total{role, side, direction="in"|"out"}`.
+/// Bytes on the wire, `rpcmesh_wire_bytes_total{role, side, direction="in"|"out"}`, and
+/// the `read`/`write` calls that moved them, `rpcmesh_wire_syscalls_total{...}` (calls per
+/// syscall is how well frames are batched).
 #[derive(Clone, Debug)]
 pub struct WireCounters {
     read: Counter,
     written: Counter,
+    reads: Counter,
+    writes: Counter,
 }
 
 impl WireCounters {
     /// Registers the counters.
     pub fn new(t: &Telemetry, role: &'static str, side: &'static str) -> Self {
+        let l = |d| [("role", role), ("side", side), ("direction", d)];
         WireCounters {
-            read: t.counter(
-                "rpcmesh_wire_bytes_total",
-                &[("role", role), ("side", side), ("direction", "in")],
-            ),
-            written: t.counter(
-                "rpcmesh_wire_bytes_total",
-                &[("role", role), ("side", side), ("direction", "out")],
-            ),
+            read: t.counter("rpcmesh_wire_bytes_total", &l("in")),
+            written: t.counter("rpcmesh_wire_bytes_total", &l("out")),
+            reads: t.counter("rpcmesh_wire_syscalls_total", &l("in")),
+            writes: t.counter("rpcmesh_wire_syscalls_total", &l("out")),
         }
     }
 
@@ -312,6 +335,12 @@ impl WireCounters {
         }
         if c.bytes_written > 0 {
             self.written.increment(c.bytes_written);
+        }
+        if c.reads > 0 {
+            self.reads.increment(c.reads);
+        }
+        if c.writes > 0 {
+            self.writes.increment(c.writes);
         }
     }
 }
@@ -396,6 +425,31 @@ impl CallCounters {
     /// Counts one finished call.
     pub fn inc(&self, status: crate::status::Status) {
         self.0[status as usize].increment(1);
+    }
+}
+
+/// A `--metrics-listen` value: `HOST:PORT`, or `off`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MetricsListen(pub Option<std::net::SocketAddr>);
+
+impl std::str::FromStr for MetricsListen {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.eq_ignore_ascii_case("off") || s.eq_ignore_ascii_case("none") {
+            return Ok(MetricsListen(None));
+        }
+        s.parse()
+            .map(|a| MetricsListen(Some(a)))
+            .map_err(|e| format!("{s}: {e} (expected HOST:PORT or off)"))
+    }
+}
+
+/// The telemetry of a program: served over HTTP when an address is given, in memory only
+/// otherwise.
+pub fn start(listen: MetricsListen) -> Result<Telemetry, metrics_exporter_prometheus::BuildError> {
+    match listen.0 {
+        Some(a) => Telemetry::serve_http(a),
+        None => Ok(Telemetry::new()),
     }
 }
 

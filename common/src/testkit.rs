@@ -72,9 +72,9 @@ pub fn garbage(len: usize, seed: u64) -> Vec<u8> {
             (x >> 24) as u8
         })
         .collect();
-    for i in 0..v.len() {
-        if v[i] == b'R' {
-            v[i] = b'r';
+    for b in &mut v {
+        if *b == b'R' {
+            *b = b'r';
         }
     }
     v

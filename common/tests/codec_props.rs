@@ -2,6 +2,8 @@
 //! the stream is cut, and arbitrary bytes never panic the decoder: every input ends in
 //! frames, a request for more bytes, or a typed error.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use bytes::{Bytes, BytesMut};
 use proptest::prelude::*;
 use rpcmesh_common::codec::FrameCodec;

@@ -1,6 +1,8 @@
 //! Every golden frame from the reference implementation decodes, means what its name says,
 //! and re-encodes (through the typed bodies, not by copying bytes) to the same bytes.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::path::PathBuf;
 
 use bytes::{Bytes, BytesMut};

@@ -13,6 +13,8 @@ use rpcmesh_common::runtime::{ConfigProblems, parse_duration, parse_on_off};
 /// Where the provider listens unless told otherwise: every interface, port 7800 (the
 /// broker's default upstream).
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:7800";
+/// Where the provider serves `/metrics` unless told otherwise (`off` disables it).
+pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:9780";
 /// Open connections at once. Providers are mostly reached through a few pooled broker
 /// connections; 4096 leaves room for many direct clients, and a flood beyond it gets
 /// closed connections instead of an accept loop failing on "too many open files".
@@ -35,6 +37,9 @@ pub struct Args {
     /// Address to listen on for calls.
     #[arg(long, env = "RPCMESH_PROVIDER_LISTEN", default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
+    /// Address of the Prometheus `/metrics` endpoint, or `off`.
+    #[arg(long, env = "RPCMESH_METRICS_LISTEN", default_value = DEFAULT_METRICS_LISTEN)]
+    pub metrics_listen: rpcmesh_common::telemetry::MetricsListen,
     /// Name of this node, sent in heartbeats (default: the host name).
     #[arg(long, env = "RPCMESH_NODE_ID")]
     pub node_id: Option<String>,
@@ -42,7 +47,7 @@ pub struct Args {
     #[arg(long, env = "RPCMESH_THREADS", default_value_t = 0)]
     pub threads: usize,
     /// Compress replies to callers that accept it: on|off.
-    #[arg(long, env = "RPCMESH_COMPRESS", default_value = "on", value_parser = parse_on_off)]
+    #[arg(long, env = "RPCMESH_COMPRESS", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
     pub compress: bool,
     /// Replies with a payload shorter than this many bytes are sent plain.
     #[arg(long, env = "RPCMESH_COMPRESS_THRESHOLD", default_value_t = DEFAULT_COMPRESS_THRESHOLD)]

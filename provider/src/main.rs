@@ -15,7 +15,17 @@ fn main() -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
             .with_context(|| format!("binding {}", args.listen))?;
-        rpcmesh_provider::run(config, listener, rpcmesh_common::shutdown::signal()).await;
+        let telemetry = rpcmesh_common::telemetry::start(args.metrics_listen)
+            .context("starting the metrics endpoint")?;
+        let registry = rpcmesh_provider::Registry::builtin();
+        rpcmesh_provider::run_with(
+            config,
+            registry,
+            telemetry,
+            listener,
+            rpcmesh_common::shutdown::signal(),
+        )
+        .await;
         Ok(())
     })
 }

@@ -20,7 +20,7 @@ use rpcmesh_common::call::{CallCodec, put_error_response, service_not_found};
 use rpcmesh_common::client::now_ms;
 use rpcmesh_common::codec::FrameCodec;
 use rpcmesh_common::frame::{Flags, Frame, FrameError, Heartbeat, MsgType};
-use rpcmesh_common::io::{FramedIo, ReadStatus};
+use rpcmesh_common::io::{FramedIo, IoEvent};
 use rpcmesh_common::shutdown::CancellationToken;
 use rpcmesh_common::telemetry::ErrorKind;
 use tokio::net::TcpStream;
@@ -122,10 +122,9 @@ impl Session {
                         self.finish(done);
                     }
                 }
-                ready = self.io.ready(reading) => {
-                    let ready = ready?;
-                    if reading && (ready.is_readable() || ready.is_read_closed()) {
-                        self.read()?;
+                ev = self.io.wait_io(reading) => {
+                    if let IoEvent::Read(_) = ev? {
+                        self.take_frames()?;
                     }
                 }
                 () = shutdown.cancelled(), if !self.draining => {
@@ -145,10 +144,8 @@ impl Session {
         }
     }
 
-    fn read(&mut self) -> Result<(), SessionError> {
-        if self.io.try_read()? == ReadStatus::WouldBlock {
-            return Ok(());
-        }
+    /// Handles every whole frame read so far.
+    fn take_frames(&mut self) -> Result<(), SessionError> {
         loop {
             match self.io.next_frame() {
                 Ok(Some(frame)) => self.on_frame(frame),

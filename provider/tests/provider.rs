@@ -1,6 +1,8 @@
 //! Black-box tests of the provider over real TCP on 127.0.0.1: the built-in services,
 //! v1 interop byte for byte, errors, compression, bad input, shedding and shutdown.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::net::SocketAddr;
 use std::time::Duration;
 

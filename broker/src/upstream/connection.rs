@@ -22,7 +22,7 @@ use rpcmesh_common::Status;
 use rpcmesh_common::client::now_ms;
 use rpcmesh_common::codec::FrameCodec;
 use rpcmesh_common::frame::{Flags, Frame, Header, Heartbeat, MsgType, put_frame};
-use rpcmesh_common::io::{FramedIo, ReadStatus};
+use rpcmesh_common::io::{FramedIo, IoEvent};
 use rpcmesh_common::telemetry::ErrorKind;
 use tokio::net::TcpStream;
 use tokio::sync::{Notify, mpsc, oneshot};
@@ -257,25 +257,17 @@ impl ConnTask {
         let cause: Cow<'static, str> = loop {
             tokio::select! {
                 biased;
-                ready = self.io.ready(true) => match ready {
-                    Ok(r) if r.is_readable() || r.is_read_closed() => {
-                        if let Err(cause) = self.read() {
+                ev = self.io.wait_io(true) => match ev {
+                    Ok(IoEvent::Read(_)) => {
+                        if let Err(cause) = self.take_frames() {
                             break cause;
                         }
                     }
-                    Ok(_) => {}
+                    Ok(IoEvent::Wrote) => {}
                     Err(e) => break format!("socket error: {e}").into(),
                 },
                 cmd = self.rx.recv(), if queue_open => match cmd {
-                    Some(cmd) => {
-                        self.on_command(cmd);
-                        for _ in 0..COMMAND_BATCH {
-                            match self.rx.try_recv() {
-                                Ok(cmd) => self.on_command(cmd),
-                                Err(_) => break,
-                            }
-                        }
-                    }
+                    Some(cmd) => self.on_command(cmd),
                     // Every handle is gone: finish what is in flight, then close.
                     None => queue_open = false,
                 },
@@ -292,6 +284,14 @@ impl ConnTask {
                     }
                 }
             }
+            // Calls queued meanwhile leave in the same write. Before writing, let every
+            // other task that is ready run once: sessions woken by the same poll add their
+            // calls, and one write carries them all.
+            self.take_commands();
+            if self.io.pending_write() > 0 {
+                tokio::task::yield_now().await;
+                self.take_commands();
+            }
             if let Err(e) = self.io.try_flush() {
                 break format!("write failed: {e}").into();
             }
@@ -303,12 +303,18 @@ impl ConnTask {
         self.close(cause);
     }
 
-    fn read(&mut self) -> Result<(), Cow<'static, str>> {
-        match self.io.try_read() {
-            Ok(ReadStatus::WouldBlock) => return Ok(()),
-            Ok(ReadStatus::Data(_) | ReadStatus::Eof) => {}
-            Err(e) => return Err(format!("read failed: {e}").into()),
+    /// Handles the calls queued so far (up to a batch).
+    fn take_commands(&mut self) {
+        for _ in 0..COMMAND_BATCH {
+            match self.rx.try_recv() {
+                Ok(cmd) => self.on_command(cmd),
+                Err(_) => break,
+            }
         }
+    }
+
+    /// Handles every whole frame read so far.
+    fn take_frames(&mut self) -> Result<(), Cow<'static, str>> {
         loop {
             match self.io.next_frame() {
                 Ok(Some(frame)) => self.on_frame(frame),

@@ -1,5 +1,6 @@
 //! Starting providers and brokers in the test process, on 127.0.0.1 port 0.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 #![allow(dead_code)]
 
 use std::net::SocketAddr;

@@ -96,10 +96,13 @@ pub enum Lookup<'a> {
     NoMethod,
 }
 
+/// The methods of one service: name → handler and index.
+type Methods = HashMap<Box<[u8]>, (Arc<dyn Handler>, MethodId)>;
+
 /// (service, method) → handler.
 #[derive(Default)]
 pub struct Registry {
-    services: HashMap<Box<[u8]>, HashMap<Box<[u8]>, (Arc<dyn Handler>, MethodId)>>,
+    services: HashMap<Box<[u8]>, Methods>,
     names: Vec<(String, String)>,
 }
 

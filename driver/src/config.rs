@@ -1,0 +1,332 @@
+//! Driver configuration: the command line (each flag with an environment fallback), the
+//! defaults and why they are what they are, and validation into [`DriverConfig`].
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use rpcmesh_common::compress::{
+    CompressionConfig, DEFAULT_COMPRESS_LEVEL, DEFAULT_COMPRESS_THRESHOLD,
+};
+use rpcmesh_common::runtime::{ConfigProblems, parse_duration, parse_on_off};
+
+/// Users (closed-loop callers) unless told otherwise: the 200 of the reference report.
+pub const DEFAULT_CONCURRENCY: usize = 200;
+/// Calls per user request: the reference workload's 5 calls in a row.
+pub const DEFAULT_FANOUT: u32 = 5;
+/// Connections per run: enough to spread over a broker's threads, few enough that each
+/// carries many calls per write (the batching that multiplexing is for).
+pub const DEFAULT_CONNECTIONS: usize = 8;
+/// Measured time of a run against given targets.
+pub const DEFAULT_DURATION: Duration = Duration::from_secs(10);
+/// Measured time of the embedded demo run (no target given): a few seconds, so that the
+/// README's first command finishes quickly.
+pub const DEFAULT_EMBEDDED_DURATION: Duration = Duration::from_secs(5);
+/// Time run before measuring, so that connections, pools, caches and the CPU governor
+/// settle; its calls are made but not counted.
+pub const DEFAULT_WARMUP: Duration = Duration::from_secs(1);
+/// How long a call may wait for its reply before it counts as timed out: above the
+/// broker's own 5 s timeout, so a broker's "timeout" answer arrives first.
+pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Echo message size: 32 bytes, the size of the published echo benchmarks.
+pub const DEFAULT_ECHO_SIZE: usize = 32;
+/// Most users one connection may carry (bounds its in-flight table).
+pub const MAX_USERS_PER_CONNECTION: usize = 65_536;
+
+/// Which calls the users make.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkloadKind {
+    /// `PlatformService.doQuery` with the reference request (shared/workloads.md §1).
+    Platform,
+    /// `EchoService.Echo` with a message of `--payload-size` bytes.
+    Echo,
+}
+
+/// How progress is shown while running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ProgressMode {
+    /// A live line on a terminal, plain lines otherwise.
+    Auto,
+    /// One line per second.
+    Plain,
+    /// Nothing until the report.
+    Off,
+}
+
+/// When a run stops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stop {
+    /// After this long of measuring.
+    Duration(Duration),
+    /// After this many measured requests.
+    Requests(u64),
+}
+
+/// The driver's command line.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "driver",
+    version,
+    about = "rpcmesh driver: closed-loop fan-out load against brokers or providers, with HDR percentiles",
+    long_about = "rpcmesh driver: closed-loop fan-out load against brokers or providers, with HDR percentiles.\n\n\
+                  With no --target it starts a provider and a broker on 127.0.0.1 itself and runs the \
+                  reference workload (200 users, 5 platform calls per request) for a few seconds."
+)]
+pub struct Args {
+    /// Broker or provider to call (HOST:PORT). Repeatable; connections are spread over
+    /// them. None = start a local provider and broker and call those.
+    #[arg(long = "target", env = "RPCMESH_TARGETS", value_delimiter = ' ')]
+    pub targets: Vec<String>,
+    /// The calls to make.
+    #[arg(long, env = "RPCMESH_WORKLOAD", value_enum, default_value = "platform")]
+    pub workload: WorkloadKind,
+    /// Echo message size in bytes.
+    #[arg(long, env = "RPCMESH_PAYLOAD_SIZE", default_value_t = DEFAULT_ECHO_SIZE)]
+    pub payload_size: usize,
+    /// Calls per user request.
+    #[arg(long, env = "RPCMESH_FANOUT", default_value_t = DEFAULT_FANOUT)]
+    pub fanout: u32,
+    /// Make a request's calls all at once instead of one after another.
+    #[arg(long, env = "RPCMESH_PARALLEL")]
+    pub parallel: bool,
+    /// Users, each making one request after another (closed loop).
+    #[arg(long, env = "RPCMESH_CONCURRENCY", default_value_t = DEFAULT_CONCURRENCY)]
+    pub concurrency: usize,
+    /// TCP connections the users share.
+    #[arg(long, env = "RPCMESH_CONNECTIONS", default_value_t = DEFAULT_CONNECTIONS)]
+    pub connections: usize,
+    /// How long to measure (e.g. 30s) [default: 10s, 5s without --target].
+    #[arg(long, env = "RPCMESH_DURATION", value_parser = parse_duration, conflicts_with = "requests")]
+    pub duration: Option<Duration>,
+    /// Stop after this many measured requests instead of after a duration.
+    #[arg(long, env = "RPCMESH_REQUESTS")]
+    pub requests: Option<u64>,
+    /// Time to run before measuring.
+    #[arg(long, env = "RPCMESH_WARMUP", default_value = "1s", value_parser = parse_duration)]
+    pub warmup: Duration,
+    /// Compress request payloads and accept compressed replies: on|off.
+    #[arg(long, env = "RPCMESH_COMPRESS", default_value = "off", value_parser = parse_on_off, action = clap::ArgAction::Set)]
+    pub compress: bool,
+    /// Payloads shorter than this many bytes are sent plain.
+    #[arg(long, env = "RPCMESH_COMPRESS_THRESHOLD", default_value_t = DEFAULT_COMPRESS_THRESHOLD)]
+    pub compress_threshold: usize,
+    /// zlib level, 0-9.
+    #[arg(long, env = "RPCMESH_COMPRESS_LEVEL", default_value_t = DEFAULT_COMPRESS_LEVEL)]
+    pub compress_level: u32,
+    /// Send plain RPCF v1 frames only (no extension flags), as an existing v1 client does.
+    #[arg(long, env = "RPCMESH_V1")]
+    pub v1: bool,
+    /// Per-call timeout.
+    #[arg(long, env = "RPCMESH_CALL_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub timeout: Duration,
+    /// Write the report as JSON to this file.
+    #[arg(long, env = "RPCMESH_JSON")]
+    pub json: Option<PathBuf>,
+    /// Progress while running.
+    #[arg(long, env = "RPCMESH_PROGRESS", value_enum, default_value = "auto")]
+    pub progress: ProgressMode,
+    /// Tokio worker threads of the driver (0 = one per CPU).
+    #[arg(long, env = "RPCMESH_THREADS", default_value_t = 0)]
+    pub threads: usize,
+}
+
+/// Validated driver settings, as `run` takes them.
+#[derive(Debug, Clone)]
+pub struct DriverConfig {
+    /// Targets; empty = start an embedded provider and broker.
+    pub targets: Vec<String>,
+    /// The calls to make.
+    pub workload: WorkloadKind,
+    /// Echo message size.
+    pub payload_size: usize,
+    /// Calls per request.
+    pub fanout: u32,
+    /// Calls of a request at once.
+    pub parallel: bool,
+    /// Users.
+    pub concurrency: usize,
+    /// Connections.
+    pub connections: usize,
+    /// When to stop.
+    pub stop: Stop,
+    /// Unmeasured lead-in.
+    pub warmup: Duration,
+    /// Request compression (`None` = plain).
+    pub compression: Option<CompressionConfig>,
+    /// Send extension flags (false = plain v1 frames).
+    pub ext: bool,
+    /// Per-call timeout.
+    pub call_timeout: Duration,
+    /// Where to write the JSON report.
+    pub json: Option<PathBuf>,
+    /// Progress display.
+    pub progress: ProgressMode,
+}
+
+impl Default for DriverConfig {
+    fn default() -> Self {
+        DriverConfig {
+            targets: Vec::new(),
+            workload: WorkloadKind::Platform,
+            payload_size: DEFAULT_ECHO_SIZE,
+            fanout: DEFAULT_FANOUT,
+            parallel: false,
+            concurrency: DEFAULT_CONCURRENCY,
+            connections: DEFAULT_CONNECTIONS,
+            stop: Stop::Duration(DEFAULT_EMBEDDED_DURATION),
+            warmup: DEFAULT_WARMUP,
+            compression: None,
+            ext: true,
+            call_timeout: DEFAULT_CALL_TIMEOUT,
+            json: None,
+            progress: ProgressMode::Auto,
+        }
+    }
+}
+
+impl Args {
+    /// Checks every setting and lists all problems at once.
+    pub fn config(&self) -> Result<DriverConfig, ConfigProblems> {
+        let mut p = ConfigProblems::default();
+        let targets: Vec<String> = self
+            .targets
+            .iter()
+            .filter(|t| !t.trim().is_empty())
+            .cloned()
+            .collect();
+        for t in &targets {
+            let ok = t
+                .rsplit_once(':')
+                .is_some_and(|(h, port)| !h.is_empty() && port.parse::<u16>().is_ok());
+            p.check(!ok, || format!("--target {t:?}: expected HOST:PORT"));
+        }
+        p.check(self.fanout == 0 || self.fanout > 255, || {
+            format!("--fanout {} must be 1-255", self.fanout)
+        });
+        p.check(self.concurrency == 0, || {
+            "--concurrency must be at least 1".into()
+        });
+        p.check(self.connections == 0, || {
+            "--connections must be at least 1".into()
+        });
+        let connections = self.connections.min(self.concurrency.max(1));
+        p.check(self.concurrency > connections * MAX_USERS_PER_CONNECTION, || {
+            format!("--concurrency {} needs more connections (at most {MAX_USERS_PER_CONNECTION} users each)", self.concurrency)
+        });
+        p.check(self.duration.is_some_and(|d| d.is_zero()), || {
+            "--duration must be above zero".into()
+        });
+        p.check(self.requests == Some(0), || {
+            "--requests must be at least 1".into()
+        });
+        p.check(self.timeout.is_zero(), || {
+            "--timeout must be above zero".into()
+        });
+        p.check(self.compress_level > 9, || {
+            format!(
+                "--compress-level {} is not a zlib level (0-9)",
+                self.compress_level
+            )
+        });
+        p.check(self.compress && self.v1, || {
+            "--compress on needs the extension flags: drop --v1".into()
+        });
+        p.check(self.payload_size > 8 * 1024 * 1024, || {
+            "--payload-size is above the 8 MiB a frame can carry".into()
+        });
+        let stop = match (self.requests, self.duration) {
+            (Some(n), _) => Stop::Requests(n),
+            (None, Some(d)) => Stop::Duration(d),
+            (None, None) if targets.is_empty() => Stop::Duration(DEFAULT_EMBEDDED_DURATION),
+            (None, None) => Stop::Duration(DEFAULT_DURATION),
+        };
+        p.into_result(DriverConfig {
+            targets,
+            workload: self.workload,
+            payload_size: self.payload_size,
+            fanout: self.fanout,
+            parallel: self.parallel,
+            concurrency: self.concurrency,
+            connections,
+            stop,
+            warmup: self.warmup,
+            compression: self.compress.then_some(CompressionConfig {
+                threshold: self.compress_threshold,
+                level: self.compress_level,
+            }),
+            ext: !self.v1,
+            call_timeout: self.timeout,
+            json: self.json.clone(),
+            progress: self.progress,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn no_target_means_the_embedded_demo_with_the_reference_shape() {
+        let c = Args::parse_from(["driver"]).config().unwrap();
+        assert!(c.targets.is_empty());
+        assert_eq!(c.concurrency, 200);
+        assert_eq!(c.fanout, 5);
+        assert_eq!(c.workload, WorkloadKind::Platform);
+        assert_eq!(c.stop, Stop::Duration(DEFAULT_EMBEDDED_DURATION));
+    }
+
+    #[test]
+    fn the_cli_contract_parses() {
+        let c = Args::parse_from([
+            "driver",
+            "--target",
+            "10.0.0.1:7700",
+            "--target",
+            "10.0.0.2:7700",
+            "--workload",
+            "echo",
+            "--fanout",
+            "3",
+            "--concurrency",
+            "64",
+            "--duration",
+            "30",
+            "--compress",
+            "on",
+            "--json",
+            "out.json",
+        ])
+        .config()
+        .unwrap();
+        assert_eq!(c.targets.len(), 2);
+        assert_eq!(c.stop, Stop::Duration(Duration::from_secs(30)));
+        assert!(c.compression.is_some());
+        assert_eq!(c.json.as_deref(), Some(std::path::Path::new("out.json")));
+    }
+
+    #[test]
+    fn problems_are_listed_together() {
+        let e = Args::parse_from([
+            "driver",
+            "--target",
+            "nope",
+            "--fanout",
+            "0",
+            "--concurrency",
+            "0",
+        ])
+        .config()
+        .unwrap_err();
+        assert_eq!(e.0.len(), 3, "{e}");
+    }
+
+    #[test]
+    fn connections_never_exceed_users() {
+        let c = Args::parse_from(["driver", "--concurrency", "2", "--connections", "8"])
+            .config()
+            .unwrap();
+        assert_eq!(c.connections, 2);
+    }
+}

@@ -1,0 +1,187 @@
+//! rpcmesh driver: the client and load generator. Closed-loop users make fan-out requests
+//! (K calls each, in a row or at once) over a few multiplexed connections to brokers or
+//! providers; latencies go into HdrHistograms; a line a second shows progress; the report
+//! comes as text and JSON.
+//!
+//! - [`config`]: command line, defaults, validation.
+//! - [`workload`]: the calls (platform query, echo).
+//! - `worker`: one connection and its users: the engine.
+//! - [`stats`]: histograms and counts, apart from I/O.
+//! - `progress`: the per-second line.
+//! - [`report`]: the figures, as text and JSON.
+//! - [`embedded`]: the local provider + broker of the default run.
+
+pub mod config;
+pub mod embedded;
+mod progress;
+pub mod report;
+pub mod stats;
+mod worker;
+pub mod workload;
+
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use rpcmesh_common::shutdown::CancellationToken;
+
+pub use config::{Args, DriverConfig, Stop, WorkloadKind};
+pub use report::Report;
+
+use crate::stats::Tally;
+use crate::worker::{Plan, RunShared};
+
+/// Runs the load described by `config` and returns its report. With no target, starts an
+/// embedded provider and broker first. `stop` ends the run early (what has been measured
+/// is reported).
+pub async fn run(mut config: DriverConfig, stop: CancellationToken) -> anyhow::Result<Report> {
+    let embedded = if config.targets.is_empty() {
+        let mesh = embedded::Embedded::start().await?;
+        tracing::info!(broker = %mesh.broker, provider = %mesh.provider, "embedded provider and broker started");
+        config.targets = vec![mesh.broker.to_string()];
+        Some(mesh)
+    } else {
+        None
+    };
+    let report = drive(config, embedded.is_some(), stop).await;
+    if let Some(mesh) = embedded {
+        tokio::task::spawn_blocking(move || mesh.stop()).await?;
+    }
+    Ok(report)
+}
+
+async fn drive(config: DriverConfig, embedded: bool, stop: CancellationToken) -> Report {
+    let started = Instant::now();
+    let started_unix = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let measure_from = started + config.warmup;
+    let (until, budget) = match config.stop {
+        Stop::Duration(d) => (Some(measure_from + d), None),
+        Stop::Requests(n) => (None, Some(AtomicU64::new(n))),
+    };
+    let n = config.connections;
+    let plans: Vec<Plan> = (0..n)
+        .map(|i| Plan {
+            index: i,
+            target: config.targets[i % config.targets.len()].clone(),
+            users: config.concurrency / n + usize::from(i < config.concurrency % n),
+        })
+        .collect();
+    let shared = Arc::new(RunShared {
+        workload: workload::Workload::new(config.workload, config.payload_size),
+        measure_from,
+        until,
+        budget,
+        stop,
+        intervals: (0..n).map(|_| Mutex::new(Tally::interval())).collect(),
+        config,
+    });
+    let progress_done = CancellationToken::new();
+    let progress = tokio::spawn(progress::show(
+        shared.clone(),
+        started,
+        progress_done.clone(),
+    ));
+    let workers: Vec<_> = plans
+        .into_iter()
+        .map(|p| tokio::spawn(worker::run(p, shared.clone())))
+        .collect();
+    let mut total = Tally::default();
+    let (mut late, mut connect_failures, mut last_done) = (0, 0, None::<Instant>);
+    for w in workers {
+        match w.await {
+            Ok(o) => {
+                total.add(&o.tally);
+                late += o.late_replies;
+                connect_failures += o.connect_failures;
+                last_done = last_done.max(o.last_done);
+            }
+            Err(e) => tracing::error!(error = %e, "a worker task failed"),
+        }
+    }
+    let ended = Instant::now();
+    progress_done.cancel();
+    let _ = progress.await;
+    let window_end = match shared.until {
+        Some(u) if !shared.stop.is_cancelled() => u,
+        _ => last_done.unwrap_or(ended),
+    };
+    let secs = window_end
+        .saturating_duration_since(measure_from)
+        .as_secs_f64()
+        .max(1e-9);
+    build_report(
+        &shared.config,
+        embedded,
+        started_unix,
+        secs,
+        &total,
+        late,
+        connect_failures,
+    )
+}
+
+fn build_report(
+    c: &DriverConfig,
+    embedded: bool,
+    started_unix: u64,
+    secs: f64,
+    t: &Tally,
+    late: u64,
+    connect_failures: u64,
+) -> Report {
+    use report::*;
+    let completed = t.requests_ok + t.requests_failed;
+    Report {
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        started_unix,
+        setup: Setup {
+            workload: match c.workload {
+                WorkloadKind::Platform => "platform".into(),
+                WorkloadKind::Echo => "echo".into(),
+            },
+            payload_size: c.payload_size,
+            targets: c.targets.clone(),
+            embedded,
+            concurrency: c.concurrency,
+            connections: c.connections,
+            fanout: c.fanout,
+            parallel: c.parallel,
+            compression: c.compression.is_some(),
+            plain_v1: !c.ext,
+            warmup_seconds: c.warmup.as_secs_f64(),
+        },
+        measured_seconds: secs,
+        requests: RequestFigures {
+            completed,
+            ok: t.requests_ok,
+            failed: t.requests_failed,
+            per_second: completed as f64 / secs,
+            latency: t.requests.summary(),
+        },
+        calls: CallFigures {
+            sent: t.sent,
+            ok: t.ok,
+            errors: t.errors.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            per_second: t.sent as f64 / secs,
+            ok_per_second: t.ok as f64 / secs,
+            latency: t.calls.summary(),
+            late_replies: late,
+            connect_failures,
+        },
+        bytes: ByteFigures {
+            wire_out: t.wire_out,
+            wire_in: t.wire_in,
+            payload_out_plain: t.payload_out_plain,
+            payload_out_wire: t.payload_out_wire,
+            payload_in_plain: t.payload_in_plain,
+            payload_in_wire: t.payload_in_wire,
+            wire_per_call: if t.sent > 0 {
+                (t.wire_out + t.wire_in) as f64 / t.sent as f64
+            } else {
+                0.0
+            },
+        },
+    }
+}

@@ -1,0 +1,279 @@
+//! The run's report: figures computed from the merged tally, rendered as text for a person
+//! and as JSON for scripts (`--json FILE`).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::{Deserialize, Serialize};
+
+use crate::stats::LatencySummary;
+
+/// Everything a run measured.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Report {
+    /// rpcmesh version that produced it.
+    pub version: String,
+    /// Unix time the run started, seconds.
+    pub started_unix: u64,
+    /// What was run.
+    pub setup: Setup,
+    /// Measured time, seconds (excludes the warm-up).
+    pub measured_seconds: f64,
+    /// User requests (fan-out of `fanout` calls).
+    pub requests: RequestFigures,
+    /// Single calls.
+    pub calls: CallFigures,
+    /// Bytes.
+    pub bytes: ByteFigures,
+}
+
+/// How the run was set up.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Setup {
+    /// `platform` or `echo`.
+    pub workload: String,
+    /// Echo message size (echo only).
+    pub payload_size: usize,
+    /// Targets called.
+    pub targets: Vec<String>,
+    /// True when the driver started its own provider and broker.
+    pub embedded: bool,
+    /// Users.
+    pub concurrency: usize,
+    /// Connections.
+    pub connections: usize,
+    /// Calls per request.
+    pub fanout: u32,
+    /// Calls of a request made at once.
+    pub parallel: bool,
+    /// Request compression on.
+    pub compression: bool,
+    /// Plain v1 frames only.
+    pub plain_v1: bool,
+    /// Warm-up, seconds.
+    pub warmup_seconds: f64,
+}
+
+/// Figures of user requests.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct RequestFigures {
+    /// Requests completed (every call answered).
+    pub completed: u64,
+    /// Of which every call succeeded.
+    pub ok: u64,
+    /// Of which at least one call failed.
+    pub failed: u64,
+    /// Completed requests per second.
+    pub per_second: f64,
+    /// Request latency (all calls), ms.
+    pub latency: LatencySummary,
+}
+
+/// Figures of calls.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct CallFigures {
+    /// Calls sent in the measured window. Each has exactly one outcome:
+    /// `sent = ok + sum(errors)`.
+    pub sent: u64,
+    /// Successful calls.
+    pub ok: u64,
+    /// Failed calls by kind: a status (`failed`, `timeout`, `unavailable`, `overloaded`,
+    /// `bad_request`) or a driver-side cause (`timeout` with no reply, `connection`,
+    /// `bad_reply`).
+    pub errors: BTreeMap<String, u64>,
+    /// Calls sent per second.
+    pub per_second: f64,
+    /// Successful calls per second.
+    pub ok_per_second: f64,
+    /// Latency of successful calls, ms.
+    pub latency: LatencySummary,
+    /// Replies that arrived after their call had timed out.
+    pub late_replies: u64,
+    /// Failed connection attempts.
+    pub connect_failures: u64,
+}
+
+/// Bytes of the measured window.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ByteFigures {
+    /// Written to the wire.
+    pub wire_out: u64,
+    /// Read from the wire.
+    pub wire_in: u64,
+    /// Request payloads before compression.
+    pub payload_out_plain: u64,
+    /// Request payloads as sent.
+    pub payload_out_wire: u64,
+    /// Reply payloads after inflation.
+    pub payload_in_plain: u64,
+    /// Reply payloads as received.
+    pub payload_in_wire: u64,
+    /// Wire bytes (both ways) per call.
+    pub wire_per_call: f64,
+}
+
+impl Report {
+    /// The report as text.
+    pub fn render_text(&self) -> String {
+        let s = &self.setup;
+        let mut o = String::new();
+        let target = if s.embedded {
+            format!(
+                "embedded provider + broker on 127.0.0.1 ({})",
+                s.targets.join(", ")
+            )
+        } else {
+            s.targets.join(", ")
+        };
+        let _ = writeln!(
+            o,
+            "rpcmesh driver {} — {} workload against {}",
+            self.version, s.workload, target
+        );
+        let _ = writeln!(
+            o,
+            "  {} users on {} connections, {} call{} per request ({}), compression {}{}, {:.1} s measured after {:.1} s warm-up",
+            s.concurrency,
+            s.connections,
+            s.fanout,
+            if s.fanout == 1 { "" } else { "s" },
+            if s.parallel { "at once" } else { "in a row" },
+            if s.compression { "on" } else { "off" },
+            if s.plain_v1 { ", plain v1 frames" } else { "" },
+            self.measured_seconds,
+            s.warmup_seconds
+        );
+        let _ = writeln!(o);
+        let _ = writeln!(
+            o,
+            "              {:>12} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+            "per second", "p50", "p90", "p99", "p99.9", "p99.99", "max", "mean"
+        );
+        let row = |o: &mut String, name: &str, rate: f64, l: &LatencySummary| {
+            let _ = writeln!(
+                o,
+                "  {name:<10} {:>12} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+                thousands(rate),
+                ms(l.p50_ms),
+                ms(l.p90_ms),
+                ms(l.p99_ms),
+                ms(l.p999_ms),
+                ms(l.p9999_ms),
+                ms(l.max_ms),
+                ms(l.mean_ms)
+            );
+        };
+        row(
+            &mut o,
+            "requests",
+            self.requests.per_second,
+            &self.requests.latency,
+        );
+        row(
+            &mut o,
+            "calls",
+            self.calls.ok_per_second,
+            &self.calls.latency,
+        );
+        let _ = writeln!(o, "  (latency in ms; calls: successful ones)");
+        let _ = writeln!(o);
+        let failed: u64 = self.calls.errors.values().sum();
+        let _ = writeln!(
+            o,
+            "  calls: {} sent, {} ok, {} failed ({:.3} %){}",
+            self.calls.sent,
+            self.calls.ok,
+            failed,
+            if self.calls.sent > 0 {
+                failed as f64 * 100.0 / self.calls.sent as f64
+            } else {
+                0.0
+            },
+            if self.calls.errors.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    ": {}",
+                    self.calls
+                        .errors
+                        .iter()
+                        .map(|(k, v)| format!("{k} {v}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            }
+        );
+        let _ = writeln!(
+            o,
+            "  requests: {} completed, {} ok, {} with a failed call",
+            self.requests.completed, self.requests.ok, self.requests.failed
+        );
+        if self.calls.late_replies > 0 || self.calls.connect_failures > 0 {
+            let _ = writeln!(
+                o,
+                "  late replies {}, failed connection attempts {}",
+                self.calls.late_replies, self.calls.connect_failures
+            );
+        }
+        let b = &self.bytes;
+        let _ = writeln!(
+            o,
+            "  wire: {} out, {} in ({:.0} B per call); payload out {} → {}, in {} → {}",
+            bytes(b.wire_out),
+            bytes(b.wire_in),
+            b.wire_per_call,
+            bytes(b.payload_out_plain),
+            bytes(b.payload_out_wire),
+            bytes(b.payload_in_wire),
+            bytes(b.payload_in_plain)
+        );
+        o
+    }
+}
+
+fn ms(v: f64) -> String {
+    if v >= 100.0 {
+        format!("{v:.0}")
+    } else if v >= 10.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.3}")
+    }
+}
+
+fn thousands(v: f64) -> String {
+    let n = v.round() as u64;
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, ch) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
+}
+
+fn bytes(n: u64) -> String {
+    match n {
+        n if n >= 10 << 30 => format!("{:.1} GiB", n as f64 / (1u64 << 30) as f64),
+        n if n >= 10 << 20 => format!("{:.1} MiB", n as f64 / (1u64 << 20) as f64),
+        n if n >= 10 << 10 => format!("{:.1} KiB", n as f64 / 1024.0),
+        n => format!("{n} B"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_are_readable() {
+        assert_eq!(thousands(1234567.4), "1,234,567");
+        assert_eq!(thousands(999.0), "999");
+        assert_eq!(ms(0.0421), "0.042");
+        assert_eq!(ms(123.4), "123");
+        assert_eq!(bytes(512), "512 B");
+        assert_eq!(bytes(20 << 20), "20.0 MiB");
+    }
+}

@@ -1,0 +1,487 @@
+//! One connection and the users that share it: the load generator's engine.
+//!
+//! Each user is a small state machine (closed loop: one request after another, each
+//! request `fanout` calls in a row or at once) run by the connection's own task: a reply
+//! is matched to its call by request id in a flat table, and the user's next call is
+//! encoded straight into the connection's write buffer in the same round. No task per
+//! user, no channel or allocation per call; every call issued in a round leaves in one
+//! `write`. Statistics go into the worker's own [`Tally`], and every tick into the shared
+//! per-second tally that the progress line reads.
+
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use rpcmesh_common::Status;
+use rpcmesh_common::call::CallCodec;
+use rpcmesh_common::codec::FrameCodec;
+use rpcmesh_common::compress::DEFAULT_MAX_INFLATED_LEN;
+use rpcmesh_common::frame::{DEFAULT_MAX_BODY_LEN, Flags, Frame, MsgType};
+use rpcmesh_common::io::{FramedIo, IoEvent};
+use rpcmesh_common::shutdown::CancellationToken;
+use tokio::net::TcpStream;
+
+use crate::config::DriverConfig;
+use crate::stats::Tally;
+use crate::workload::Workload;
+
+/// How often a worker checks deadlines and hands its figures to the progress line.
+const TICK: Duration = Duration::from_millis(100);
+/// Timeout of one connection attempt.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// First and longest pause between connection attempts.
+const RECONNECT_MIN: Duration = Duration::from_millis(50);
+const RECONNECT_MAX: Duration = Duration::from_secs(1);
+
+/// What all workers of a run share.
+#[derive(Debug)]
+pub(crate) struct RunShared {
+    pub config: DriverConfig,
+    pub workload: Workload,
+    /// Calls and requests started from here on are measured.
+    pub measure_from: Instant,
+    /// No request starts after this (duration mode).
+    pub until: Option<Instant>,
+    /// Measured requests left to start (count mode).
+    pub budget: Option<AtomicU64>,
+    /// Cancelled to stop starting requests (Ctrl-C).
+    pub stop: CancellationToken,
+    /// Each worker's figures since the progress line last took them.
+    pub intervals: Vec<Mutex<Tally>>,
+}
+
+impl RunShared {
+    /// Whether a new request may start now (claims one from the budget if so).
+    fn may_start(&self, now: Instant) -> bool {
+        if self.stop.is_cancelled() || self.until.is_some_and(|u| now >= u) {
+            return false;
+        }
+        match &self.budget {
+            Some(b) if now >= self.measure_from => b
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+                .is_ok(),
+            _ => true,
+        }
+    }
+
+    fn give_up_by(&self) -> Option<Instant> {
+        self.until
+    }
+}
+
+/// What one worker does.
+#[derive(Debug, Clone)]
+pub(crate) struct Plan {
+    pub index: usize,
+    pub target: String,
+    pub users: usize,
+}
+
+/// What a worker hands back.
+#[derive(Debug, Default)]
+pub(crate) struct Outcome {
+    pub tally: Tally,
+    /// Connection attempts that failed.
+    pub connect_failures: u64,
+    /// Replies that came after their call had timed out.
+    pub late_replies: u64,
+    /// When the last measured call finished.
+    pub last_done: Option<Instant>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct User {
+    started: Instant,
+    next_call: u32,
+    replies: u32,
+    failed: bool,
+    measured: bool,
+    active: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    id: u64,
+    sent: Instant,
+    user: u32,
+    measured: bool,
+}
+
+/// Runs one connection's users until the run ends; returns their figures.
+pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> Outcome {
+    let c = &shared.config;
+    let fanout = c.fanout as usize;
+    let mut flags = Flags::NONE;
+    if c.ext {
+        flags = flags | Flags::EXT_STATUS;
+        if c.compression.is_some() {
+            flags = flags | Flags::ACCEPT_COMPRESSED;
+        }
+    }
+    let now = Instant::now();
+    let mut w = Worker {
+        codec: CallCodec::new(c.compression, DEFAULT_MAX_INFLATED_LEN),
+        users: vec![
+            User {
+                started: now,
+                next_call: 0,
+                replies: 0,
+                failed: false,
+                measured: false,
+                active: false,
+            };
+            plan.users
+        ],
+        slots: vec![None; plan.users * fanout],
+        fanout,
+        parallel: c.parallel,
+        flags,
+        generation: 0,
+        in_flight: 0,
+        out: Outcome::default(),
+        interval: Tally::interval(),
+        shared: shared.clone(),
+        plan,
+    };
+    w.run().await;
+    w.out
+}
+
+struct Worker {
+    plan: Plan,
+    shared: Arc<RunShared>,
+    codec: CallCodec,
+    users: Vec<User>,
+    slots: Vec<Option<Slot>>,
+    fanout: usize,
+    parallel: bool,
+    flags: Flags,
+    generation: u32,
+    in_flight: usize,
+    out: Outcome,
+    interval: Tally,
+}
+
+impl Worker {
+    async fn run(&mut self) {
+        let Some(mut io) = self.connect().await else {
+            self.publish();
+            return;
+        };
+        let now = Instant::now();
+        for u in 0..self.users.len() {
+            if self.shared.may_start(now) {
+                self.start_request(u, now, &mut io);
+            }
+        }
+        let mut tick = tokio::time::interval(TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            if self.in_flight == 0 && !self.users.iter().any(|u| u.active) {
+                break;
+            }
+            let failed = tokio::select! {
+                biased;
+                ev = io.wait_io(true) => match ev {
+                    Ok(IoEvent::Read(_)) => self.take_frames(&mut io).err(),
+                    Ok(IoEvent::Wrote) => None,
+                    Err(e) => Some(format!("socket: {e}")),
+                },
+                _ = tick.tick() => {
+                    self.on_tick(&mut io);
+                    None
+                }
+            };
+            let failed = failed.or_else(|| io.try_flush().err().map(|e| format!("write: {e}")));
+            self.count_bytes(&mut io);
+            if let Some(cause) = failed {
+                tracing::debug!(worker = self.plan.index, %cause, "connection lost");
+                match self.reconnect(cause).await {
+                    Some(new) => io = new,
+                    None => break,
+                }
+            }
+        }
+        self.publish();
+    }
+
+    /// Connects, retrying until the run would end anyway.
+    async fn connect(&mut self) -> Option<FramedIo> {
+        let mut pause = RECONNECT_MIN;
+        let give_up = self
+            .shared
+            .give_up_by()
+            .unwrap_or_else(|| Instant::now() + self.shared.config.call_timeout);
+        loop {
+            let error =
+                match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&self.plan.target))
+                    .await
+                {
+                    Ok(Ok(s)) => {
+                        return Some(FramedIo::new(s, FrameCodec::new(DEFAULT_MAX_BODY_LEN)));
+                    }
+                    Ok(Err(e)) => e.to_string(),
+                    Err(_) => format!("timed out after {CONNECT_TIMEOUT:?}"),
+                };
+            self.out.connect_failures += 1;
+            // One line per worker and outage; the count goes in the report.
+            if self.out.connect_failures == 1 {
+                tracing::warn!(worker = self.plan.index, target = %self.plan.target, %error, "connect failed; retrying");
+            } else {
+                tracing::debug!(worker = self.plan.index, target = %self.plan.target, %error, "connect failed");
+            }
+            if Instant::now() + pause >= give_up || self.shared.stop.is_cancelled() {
+                return None;
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(RECONNECT_MAX);
+        }
+    }
+
+    /// The connection failed: every call on it fails, then the users carry on over a new
+    /// connection (or stop, if none can be made in time).
+    async fn reconnect(&mut self, cause: String) -> Option<FramedIo> {
+        let lost: Vec<Slot> = self.slots.iter_mut().filter_map(Option::take).collect();
+        self.in_flight = 0;
+        tracing::warn!(worker = self.plan.index, calls = lost.len(), %cause, "connection lost; reconnecting");
+        let io = self.connect().await;
+        let now = Instant::now();
+        match io {
+            Some(mut io) => {
+                for s in lost {
+                    self.call_done(s, Err("connection"), now, Some(&mut io));
+                }
+                Some(io)
+            }
+            None => {
+                for s in lost {
+                    self.call_done(s, Err("connection"), now, None);
+                }
+                for u in &mut self.users {
+                    u.active = false;
+                }
+                None
+            }
+        }
+    }
+
+    /// Handles every whole frame read so far.
+    fn take_frames(&mut self, io: &mut FramedIo) -> Result<(), String> {
+        let now = Instant::now();
+        loop {
+            match io.next_frame() {
+                Ok(Some(frame)) => self.on_frame(frame, now, io),
+                Ok(None) => break,
+                Err(e) if !e.is_fatal() => tracing::warn!(error = %e, "bad frame skipped"),
+                Err(e) => return Err(format!("bad frames: {e}")),
+            }
+        }
+        if io.is_eof() {
+            return Err("closed by peer".into());
+        }
+        Ok(())
+    }
+
+    fn on_frame(&mut self, frame: Frame, now: Instant, io: &mut FramedIo) {
+        if frame.header.msg_type != MsgType::Response {
+            return;
+        }
+        let Some(slot) = self.take_slot(frame.header.req_id) else {
+            self.out.late_replies += 1;
+            return;
+        };
+        let outcome = match self.codec.decode_response(&frame) {
+            Ok(r) => {
+                if slot.measured {
+                    self.out.tally.payload_in_plain += r.size.plain as u64;
+                    self.out.tally.payload_in_wire += r.size.wire as u64;
+                }
+                match r.status {
+                    Status::Success => self
+                        .shared
+                        .workload
+                        .check(r.rpc.payload)
+                        .map_err(|_| "bad_reply"),
+                    s => Err(s.label()),
+                }
+            }
+            Err(_) => Err("bad_reply"),
+        };
+        self.call_done(slot, outcome, now, Some(io));
+    }
+
+    fn take_slot(&mut self, id: u64) -> Option<Slot> {
+        let idx = (id & 0xffff_ffff) as usize;
+        let entry = self.slots.get_mut(idx)?;
+        if entry.is_some_and(|s| s.id == id) {
+            self.in_flight -= 1;
+            entry.take()
+        } else {
+            None
+        }
+    }
+
+    fn on_tick(&mut self, io: &mut FramedIo) {
+        let now = Instant::now();
+        let timeout = self.shared.config.call_timeout;
+        for i in 0..self.slots.len() {
+            if let Some(s) = self.slots[i] {
+                if now.duration_since(s.sent) >= timeout {
+                    self.slots[i] = None;
+                    self.in_flight -= 1;
+                    self.call_done(s, Err("timeout"), now, Some(io));
+                }
+            }
+        }
+        self.publish();
+    }
+
+    /// Hands the figures since the last tick to the progress line.
+    fn publish(&mut self) {
+        if let Some(m) = self.shared.intervals.get(self.plan.index) {
+            let mut shared = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            shared.add(&self.interval);
+            self.interval.clear();
+        }
+    }
+
+    fn count_bytes(&mut self, io: &mut FramedIo) {
+        let c = io.take_counts();
+        if Instant::now() >= self.shared.measure_from {
+            self.out.tally.wire_out += c.bytes_written;
+            self.out.tally.wire_in += c.bytes_read;
+        }
+    }
+
+    fn start_request(&mut self, u: usize, now: Instant, io: &mut FramedIo) {
+        self.users[u] = User {
+            started: now,
+            next_call: 0,
+            replies: 0,
+            failed: false,
+            measured: now >= self.shared.measure_from,
+            active: true,
+        };
+        let calls = if self.parallel { self.fanout } else { 1 };
+        for _ in 0..calls {
+            self.issue_call(u, now, io);
+        }
+    }
+
+    fn issue_call(&mut self, u: usize, now: Instant, io: &mut FramedIo) {
+        let call = self.users[u].next_call as usize;
+        self.users[u].next_call += 1;
+        let idx = u * self.fanout + call;
+        self.generation = self.generation.wrapping_add(1);
+        let id = (u64::from(self.generation) << 32) | idx as u64;
+        let measured = now >= self.shared.measure_from;
+        match self
+            .shared
+            .workload
+            .encode(&mut self.codec, io.wbuf(), id, self.flags)
+        {
+            Ok(size) => {
+                self.slots[idx] = Some(Slot {
+                    id,
+                    sent: now,
+                    user: u as u32,
+                    measured,
+                });
+                self.in_flight += 1;
+                self.interval.sent += 1;
+                if measured {
+                    self.out.tally.sent += 1;
+                    self.out.tally.payload_out_plain += size.plain as u64;
+                    self.out.tally.payload_out_wire += size.wire as u64;
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "request not encodable");
+                let slot = Slot {
+                    id,
+                    sent: now,
+                    user: u as u32,
+                    measured,
+                };
+                if measured {
+                    self.out.tally.sent += 1;
+                }
+                self.call_done(slot, Err("encode"), now, Some(io));
+            }
+        }
+    }
+
+    /// A call has its outcome: count it, and move its user on.
+    fn call_done(
+        &mut self,
+        slot: Slot,
+        outcome: Result<(), &'static str>,
+        now: Instant,
+        io: Option<&mut FramedIo>,
+    ) {
+        // The progress line shows the warm-up too; the report only what is measured.
+        let us = now.saturating_duration_since(slot.sent).as_micros() as u64;
+        match outcome {
+            Ok(()) => {
+                self.interval.ok += 1;
+                self.interval.calls.record_us(us);
+            }
+            Err(kind) => self.interval.error(kind),
+        }
+        if slot.measured {
+            match outcome {
+                Ok(()) => {
+                    self.out.tally.ok += 1;
+                    self.out.tally.calls.record_us(us);
+                }
+                Err(kind) => self.out.tally.error(kind),
+            }
+            self.out.last_done = Some(now);
+        }
+        let u = slot.user as usize;
+        let user = &mut self.users[u];
+        user.replies += 1;
+        user.failed |= outcome.is_err();
+        let finished = user.replies as usize == self.fanout;
+        let Some(io) = io else {
+            // No connection to make the rest of the request's calls on: the request ends
+            // here, failed; its unsent calls are not counted as sent.
+            if finished || !self.parallel {
+                self.users[u].failed = true;
+                self.request_done(u, now, None);
+            }
+            return;
+        };
+        if finished {
+            self.request_done(u, now, Some(io));
+        } else if !self.parallel {
+            self.issue_call(u, now, io);
+        }
+    }
+
+    fn request_done(&mut self, u: usize, now: Instant, io: Option<&mut FramedIo>) {
+        let user = self.users[u];
+        let us = now.saturating_duration_since(user.started).as_micros() as u64;
+        self.interval.requests.record_us(us);
+        if user.failed {
+            self.interval.requests_failed += 1;
+        } else {
+            self.interval.requests_ok += 1;
+        }
+        if user.measured {
+            self.out.tally.requests.record_us(us);
+            if user.failed {
+                self.out.tally.requests_failed += 1;
+            } else {
+                self.out.tally.requests_ok += 1;
+            }
+        }
+        self.users[u].active = false;
+        if let Some(io) = io {
+            if self.shared.may_start(now) {
+                self.start_request(u, now, io);
+            }
+        }
+    }
+}

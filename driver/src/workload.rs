@@ -1,0 +1,175 @@
+//! The calls the driver's users make: the reference "platform query" and echo of a given
+//! size. Builds each request message once and encodes it for every call (as a real client
+//! would), and checks each reply's application message.
+
+use std::collections::HashMap;
+
+use bytes::{Bytes, BytesMut};
+use prost::Message;
+use rpcmesh_common::call::{CallCodec, PayloadSize};
+use rpcmesh_common::frame::{Flags, FrameError};
+use rpcmesh_common::proto::platform::{QueryRequest, QueryResponse};
+use rpcmesh_common::proto::rpc::{EchoRequest, EchoResponse};
+
+use crate::config::WorkloadKind;
+
+/// The reference workload's request (shared/workloads.md §1).
+pub fn reference_query() -> QueryRequest {
+    QueryRequest {
+        system_id: "PL".into(),
+        app_version: "qq.qq.qq".into(),
+        company_id: "12".into(),
+        source_ip: "DESKTOP-NDOHT79".into(),
+        dest_ip: "DESKTOP-NDOHT79".into(),
+        spider_opts: HashMap::new(),
+        company_name: "機構1".into(),
+        create_date: "20160101".into(),
+        company_type: 1,
+    }
+}
+
+/// Why a reply's application message was not the expected one.
+#[derive(Debug, thiserror::Error)]
+pub enum BadReply {
+    /// It did not decode.
+    #[error("reply does not decode: {0}")]
+    Decode(#[from] prost::DecodeError),
+    /// It decoded to something else than the service answers.
+    #[error("unexpected reply: {0}")]
+    Content(&'static str),
+}
+
+/// A workload, ready to encode calls.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    kind: WorkloadKind,
+    echo: EchoRequest,
+    query: QueryRequest,
+    metadata: HashMap<String, String>,
+}
+
+impl Workload {
+    /// Builds the request message once.
+    pub fn new(kind: WorkloadKind, payload_size: usize) -> Self {
+        Workload {
+            kind,
+            echo: EchoRequest {
+                message: "x".repeat(payload_size),
+            },
+            query: reference_query(),
+            metadata: HashMap::new(),
+        }
+    }
+
+    /// The kind.
+    pub fn kind(&self) -> WorkloadKind {
+        self.kind
+    }
+
+    /// `(service, method)` called.
+    pub fn target(&self) -> (&'static str, &'static str) {
+        match self.kind {
+            WorkloadKind::Platform => ("PlatformService", "doQuery"),
+            WorkloadKind::Echo => ("EchoService", "Echo"),
+        }
+    }
+
+    /// Appends one call's request frame.
+    pub fn encode(
+        &self,
+        codec: &mut CallCodec,
+        dst: &mut BytesMut,
+        req_id: u64,
+        flags: Flags,
+    ) -> Result<PayloadSize, FrameError> {
+        let (s, m) = self.target();
+        match self.kind {
+            WorkloadKind::Platform => codec.put_request(
+                dst,
+                req_id,
+                flags,
+                s.as_bytes(),
+                m.as_bytes(),
+                &self.query,
+                &self.metadata,
+            ),
+            WorkloadKind::Echo => codec.put_request(
+                dst,
+                req_id,
+                flags,
+                s.as_bytes(),
+                m.as_bytes(),
+                &self.echo,
+                &self.metadata,
+            ),
+        }
+    }
+
+    /// Checks a successful reply's application message.
+    pub fn check(&self, payload: Bytes) -> Result<(), BadReply> {
+        match self.kind {
+            WorkloadKind::Platform => {
+                let r = QueryResponse::decode(payload)?;
+                if r.nodes.len() != 2 {
+                    return Err(BadReply::Content("platform reply without its two entries"));
+                }
+            }
+            WorkloadKind::Echo => {
+                let r = EchoResponse::decode(payload)?;
+                if r.message.len() != self.echo.message.len() {
+                    return Err(BadReply::Content("echo reply of another length"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Encoded size of the application message (before the envelope).
+    pub fn message_len(&self) -> usize {
+        match self.kind {
+            WorkloadKind::Platform => self.query.encoded_len(),
+            WorkloadKind::Echo => self.echo.encoded_len(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rpcmesh_common::frame::Frame;
+
+    #[test]
+    fn requests_decode_as_the_service_expects() {
+        for kind in [WorkloadKind::Platform, WorkloadKind::Echo] {
+            let w = Workload::new(kind, 32);
+            let mut codec = CallCodec::new(None, 1 << 20);
+            let mut b = BytesMut::new();
+            w.encode(&mut codec, &mut b, 9, Flags::NONE).unwrap();
+            let f = Frame::from_bytes(b.freeze()).unwrap();
+            let call = codec.decode_request(&f).unwrap();
+            assert_eq!(call.request.service_name(), w.target().0);
+            match kind {
+                WorkloadKind::Platform => assert_eq!(
+                    QueryRequest::decode(call.rpc.payload).unwrap(),
+                    reference_query()
+                ),
+                WorkloadKind::Echo => assert_eq!(
+                    EchoRequest::decode(call.rpc.payload).unwrap().message.len(),
+                    32
+                ),
+            }
+        }
+    }
+
+    #[test]
+    fn replies_are_checked() {
+        let w = Workload::new(WorkloadKind::Platform, 0);
+        let good = rpcmesh_provider::service::platform::fixed_response().encode_to_vec();
+        assert!(w.check(good.into()).is_ok());
+        assert!(
+            w.check(QueryResponse::default().encode_to_vec().into())
+                .is_err()
+        );
+        assert!(w.check(Bytes::from_static(&[0xff, 0xff])).is_err());
+    }
+}

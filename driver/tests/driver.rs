@@ -1,0 +1,263 @@
+//! Black-box tests of the driver: the embedded default run, runs against real providers
+//! and brokers on 127.0.0.1, counts that add up, failures counted by kind, and the CLI with
+//! its JSON report.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use rpcmesh_common::shutdown::CancellationToken;
+use rpcmesh_driver::config::ProgressMode;
+use rpcmesh_driver::{DriverConfig, Report, Stop, WorkloadKind};
+use rpcmesh_provider::ProviderConfig;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+async fn provider(
+    config: ProviderConfig,
+) -> (
+    SocketAddr,
+    oneshot::Sender<()>,
+    tokio::task::JoinHandle<rpcmesh_common::listener::ServeSummary>,
+) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let (tx, rx) = oneshot::channel::<()>();
+    let h = tokio::spawn(rpcmesh_provider::run(config, l, async {
+        let _ = rx.await;
+    }));
+    (addr, tx, h)
+}
+
+fn quick(targets: Vec<String>) -> DriverConfig {
+    DriverConfig {
+        targets,
+        stop: Stop::Duration(Duration::from_millis(700)),
+        warmup: Duration::ZERO,
+        progress: ProgressMode::Off,
+        concurrency: 20,
+        connections: 4,
+        ..DriverConfig::default()
+    }
+}
+
+fn assert_counts_add_up(r: &Report) {
+    let failed: u64 = r.calls.errors.values().sum();
+    assert_eq!(
+        r.calls.sent,
+        r.calls.ok + failed,
+        "every call has exactly one outcome: {r:#?}"
+    );
+    assert_eq!(r.requests.completed, r.requests.ok + r.requests.failed);
+    // No warm-up: every call belongs to a measured request, and every request finishes.
+    assert_eq!(
+        r.calls.sent,
+        r.requests.completed * u64::from(r.setup.fanout),
+        "{r:#?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_run_starts_its_own_mesh_and_reports() {
+    let mut c = quick(Vec::new());
+    c.stop = Stop::Duration(Duration::from_secs(1));
+    let r = rpcmesh_driver::run(c, CancellationToken::new())
+        .await
+        .unwrap();
+    assert!(r.setup.embedded);
+    assert_eq!(r.setup.workload, "platform");
+    assert_eq!(r.setup.fanout, 5);
+    assert!(r.calls.ok > 100, "{r:#?}");
+    assert!(r.calls.errors.is_empty(), "{:?}", r.calls.errors);
+    assert!(r.requests.latency.p50_ms > 0.0);
+    assert!(r.requests.latency.p50_ms >= r.calls.latency.p50_ms);
+    assert!(r.bytes.wire_out > 0 && r.bytes.wire_in > 0);
+    assert_counts_add_up(&r);
+    let text = r.render_text();
+    assert!(
+        text.contains("requests") && text.contains("p99.99"),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_direct_to_a_provider_with_parallel_fan_out() {
+    let (addr, stop, h) = provider(ProviderConfig::default()).await;
+    let mut c = quick(vec![addr.to_string()]);
+    c.workload = WorkloadKind::Echo;
+    c.payload_size = 100;
+    c.fanout = 3;
+    c.parallel = true;
+    let r = rpcmesh_driver::run(c, CancellationToken::new())
+        .await
+        .unwrap();
+    assert!(r.calls.ok > 100);
+    assert!(r.calls.errors.is_empty(), "{:?}", r.calls.errors);
+    assert_counts_add_up(&r);
+    let _ = stop.send(());
+    h.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_count_run_makes_exactly_that_many_requests() {
+    let (addr, stop, h) = provider(ProviderConfig::default()).await;
+    let mut c = quick(vec![addr.to_string()]);
+    c.stop = Stop::Requests(777);
+    let r = rpcmesh_driver::run(c, CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(r.requests.completed, 777);
+    assert_eq!(r.calls.sent, 777 * 5);
+    assert_counts_add_up(&r);
+    let _ = stop.send(());
+    h.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compression_sends_fewer_bytes_for_the_platform_workload() {
+    let (addr, stop, h) = provider(ProviderConfig::default()).await;
+    let run = |compress: bool| {
+        let mut c = quick(vec![addr.to_string()]);
+        c.stop = Stop::Requests(400);
+        c.compression = compress.then(Default::default);
+        rpcmesh_driver::run(c, CancellationToken::new())
+    };
+    let plain = run(false).await.unwrap();
+    let zipped = run(true).await.unwrap();
+    assert!(plain.calls.errors.is_empty() && zipped.calls.errors.is_empty());
+    let per_call = |r: &Report| r.bytes.wire_per_call;
+    println!(
+        "wire bytes per call: plain {:.1}, compressed {:.1}",
+        per_call(&plain),
+        per_call(&zipped)
+    );
+    assert!(per_call(&zipped) < per_call(&plain));
+    assert!(
+        zipped.bytes.payload_in_wire < zipped.bytes.payload_in_plain,
+        "replies arrive compressed"
+    );
+    let _ = stop.send(());
+    h.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_replies_past_the_timeout_count_as_timeouts() {
+    let (addr, stop, h) = provider(ProviderConfig {
+        service_time: Duration::from_millis(400),
+        ..ProviderConfig::default()
+    })
+    .await;
+    let mut c = quick(vec![addr.to_string()]);
+    c.call_timeout = Duration::from_millis(150);
+    c.fanout = 1;
+    c.stop = Stop::Duration(Duration::from_millis(500));
+    let r = rpcmesh_driver::run(c, CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(r.calls.ok, 0);
+    assert!(
+        r.calls.errors.get("timeout").copied().unwrap_or(0) >= 20,
+        "{:?}",
+        r.calls.errors
+    );
+    assert_counts_add_up(&r);
+    let _ = stop.send(());
+    h.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_going_away_mid_run_is_counted_and_the_run_ends() {
+    let (addr, stop, h) = provider(ProviderConfig::default()).await;
+    let mut c = quick(vec![addr.to_string()]);
+    c.stop = Stop::Duration(Duration::from_millis(1500));
+    c.call_timeout = Duration::from_secs(1);
+    let run = tokio::spawn(rpcmesh_driver::run(c, CancellationToken::new()));
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let _ = stop.send(());
+    h.await.unwrap();
+    let r = tokio::time::timeout(Duration::from_secs(10), run)
+        .await
+        .expect("the run ends")
+        .unwrap()
+        .unwrap();
+    assert!(r.calls.ok > 0);
+    let failed: u64 = r.calls.errors.values().sum();
+    assert!(failed > 0 || r.calls.connect_failures > 0, "{r:#?}");
+    // Every call sent has one outcome; requests cut short by the outage end failed,
+    // without their unsent calls.
+    assert_eq!(r.calls.sent, r.calls.ok + failed);
+    assert!(r.calls.sent <= r.requests.completed * 5);
+    assert!(r.requests.failed > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_runs_against_a_target_and_writes_json() {
+    let (addr, stop, h) = provider(ProviderConfig::default()).await;
+    let dir = std::env::temp_dir().join(format!("rpcmesh-driver-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("report.json");
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_driver"))
+        .args([
+            "--target",
+            &addr.to_string(),
+            "--workload",
+            "echo",
+            "--fanout",
+            "2",
+            "--concurrency",
+            "8",
+            "--duration",
+            "0.5",
+            "--warmup",
+            "0",
+            "--compress",
+            "on",
+            "--progress",
+            "plain",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("calls") && stdout.contains("p99"),
+        "{stdout}"
+    );
+    let r: Report = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(r.setup.workload, "echo");
+    assert!(r.setup.compression);
+    assert!(r.calls.ok > 0);
+    assert_counts_add_up(&r);
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = stop.send(());
+    h.await.unwrap();
+}
+
+#[test]
+fn every_program_answers_help() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_driver"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("--target"));
+    for (name, must) in [("provider", "--listen"), ("broker", "--upstream")] {
+        let out = std::process::Command::new(rpcmesh_common::testkit::bin_path(name))
+            .arg("--help")
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains(must),
+            "{name}"
+        );
+    }
+}
