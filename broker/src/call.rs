@@ -27,6 +27,10 @@ pub(crate) struct CallInfo {
     pub tag: u32,
     /// When the session read the request.
     pub admitted: Instant,
+    /// When the session handed it to routing (stages on only).
+    pub routed: Option<Instant>,
+    /// When its reply was read from the provider (stages on only).
+    pub replied: Option<Instant>,
 }
 
 /// A call handed to an upstream connection.

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use rpcmesh_common::frame::DEFAULT_MAX_BODY_LEN;
-use rpcmesh_common::runtime::{ConfigProblems, parse_duration};
+use rpcmesh_common::runtime::{ConfigProblems, parse_duration, parse_on_off};
 
 /// Where the broker listens unless told otherwise: every interface, port 7700.
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:7700";
@@ -163,6 +163,9 @@ pub struct Args {
     /// Grace period for calls in flight on SIGTERM/SIGINT.
     #[arg(long, env = "RPCMESH_GRACE", default_value = "10s", value_parser = parse_duration)]
     pub grace: Duration,
+    /// Record per-stage latency histograms (off: the hot path takes no timestamps).
+    #[arg(long, env = "RPCMESH_STAGE_METRICS", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
+    pub stage_metrics: bool,
 }
 
 /// Validated broker settings, as `run` takes them.
@@ -194,6 +197,8 @@ pub struct BrokerConfig {
     pub max_body_len: u32,
     /// Drain time on shutdown.
     pub grace: Duration,
+    /// Per-stage latency histograms on.
+    pub stage_metrics: bool,
 }
 
 impl BrokerConfig {
@@ -220,6 +225,7 @@ impl BrokerConfig {
             max_in_flight_per_upstream_conn: DEFAULT_MAX_IN_FLIGHT_PER_UPSTREAM_CONN,
             max_body_len: DEFAULT_MAX_BODY_LEN,
             grace: DEFAULT_GRACE,
+            stage_metrics: true,
         }
     }
 }
@@ -287,6 +293,7 @@ impl Args {
             max_in_flight_per_upstream_conn: self.max_in_flight_per_upstream_conn,
             max_body_len: self.max_body_bytes,
             grace: self.grace,
+            stage_metrics: self.stage_metrics,
         })
     }
 }

@@ -28,6 +28,7 @@ use std::sync::atomic::AtomicUsize;
 
 use rpcmesh_common::listener::{self, AcceptConfig, ServeSummary};
 use rpcmesh_common::shutdown::{self, CancellationToken};
+use rpcmesh_common::sysmetrics;
 use rpcmesh_common::telemetry::Telemetry;
 use tokio::net::TcpListener;
 
@@ -51,11 +52,17 @@ pub async fn run_with(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> ServeSummary {
-    let metrics = BrokerMetrics::new(telemetry);
+    let metrics = BrokerMetrics::new(telemetry, config.stage_metrics);
     let pools: Vec<_> = config
         .upstreams
         .iter()
-        .map(|u| upstream::ProviderPool::new(u.clone(), &config, metrics.upstream(u.label())))
+        .map(|u| {
+            upstream::ProviderPool::new(
+                u.clone(),
+                &config,
+                metrics.upstream(u.label(), config.pool_size),
+            )
+        })
         .collect();
     let keepers_stop = CancellationToken::new();
     let keepers: Vec<_> = pools
@@ -81,6 +88,12 @@ pub async fn run_with(
         in_flight: AtomicUsize::new(0),
     });
     let token = shutdown::token_from(shutdown);
+    let system = sysmetrics::spawn(
+        shared.metrics.telemetry.clone(),
+        metrics::ROLE,
+        sysmetrics::DEFAULT_INTERVAL,
+        token.clone(),
+    );
     let summary = listener::serve(
         listener,
         accept,
@@ -89,6 +102,7 @@ pub async fn run_with(
         move |stream, peer, stop| session::serve(stream, peer, shared.clone(), stop),
     )
     .await;
+    system.abort();
     keepers_stop.cancel();
     for k in keepers {
         let _ = k.await;

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use metrics::{Counter, Gauge, Histogram};
 use rpcmesh_common::telemetry::{
-    CallCounters, ConnCounters, ErrorCounters, Telemetry, WireCounters,
+    CallCounters, ConnCounters, ErrorCounters, Stages, Telemetry, WireCounters,
 };
 
 /// Value of the `role` label on every broker metric.
@@ -14,6 +14,21 @@ pub const ROLE: &str = "broker";
 /// Distinct (service, method) label pairs before further names are counted as `_other`:
 /// callers choose the names, so they must not be able to grow the series count at will.
 pub const MAX_CALL_LABELS: usize = 256;
+
+/// Stage: from the read that brought a request to handing it to routing (names read,
+/// caps checked).
+pub const ADMIT: usize = 0;
+/// Stage: from routing to the write that sent it to the provider (the upstream
+/// connection's queue and write buffer).
+pub const QUEUE: usize = 1;
+/// Stage: from that write to the read that brought the provider's reply.
+pub const UPSTREAM: usize = 2;
+/// Stage: from that read to the write that took the reply to the caller.
+pub const WRITE_BACK: usize = 3;
+/// Stage: from the read that brought the request to the write that took its reply.
+pub const TOTAL: usize = 4;
+/// Names of the stages, by index.
+pub const STAGES: [&str; 5] = ["admit", "queue", "upstream", "write_back", "total"];
 
 /// Handles the sessions update.
 #[derive(Debug, Clone)]
@@ -28,24 +43,22 @@ pub struct BrokerMetrics {
     pub conns: Arc<ConnCounters>,
     /// Bytes on client connections.
     pub wire: WireCounters,
-    /// Time in the broker, from reading a request to writing its reply.
-    pub stage_total: Histogram,
+    /// Per-stage latency.
+    pub stages: Stages,
     calls: Arc<CallLabels>,
 }
 
 impl BrokerMetrics {
-    /// Registers the handles.
-    pub fn new(telemetry: Telemetry) -> Self {
+    /// Registers the handles; `stages` off makes the per-stage histograms no-ops.
+    pub fn new(telemetry: Telemetry, stages: bool) -> Self {
         let t = &telemetry;
+        rpcmesh_common::catalogue::describe_all(t);
         BrokerMetrics {
             errors: ErrorCounters::new(t, ROLE),
             in_flight: t.gauge("rpcmesh_calls_in_flight", &[("role", ROLE)]),
             conns: Arc::new(ConnCounters::new(t, ROLE, "inbound")),
             wire: WireCounters::new(t, ROLE, "inbound"),
-            stage_total: t.histogram(
-                "rpcmesh_stage_seconds",
-                &[("role", ROLE), ("stage", "total")],
-            ),
+            stages: Stages::new(t, ROLE, &STAGES, stages),
             calls: Arc::new(CallLabels {
                 seen: Mutex::new(HashMap::new()),
                 other: Arc::new(CallCounters::new(
@@ -84,21 +97,34 @@ impl BrokerMetrics {
         self.calls.other.clone()
     }
 
-    /// Handles for one upstream.
-    pub fn upstream(&self, label: &str) -> UpstreamMetrics {
+    /// Handles for one upstream with `pool_size` pooled connections.
+    pub fn upstream(&self, label: &str, pool_size: u32) -> UpstreamMetrics {
         let t = &self.telemetry;
         let l = [("role", ROLE), ("upstream", label)];
         UpstreamMetrics {
+            stages: self.stages.clone(),
             errors: self.errors.clone(),
             wire: WireCounters::new(t, ROLE, "upstream"),
-            conns_opened: t.counter("rpcmesh_upstream_connects_total", &l),
+            conns: Arc::new(ConnCounters::new(t, ROLE, "upstream")),
             connect_failures: t.counter("rpcmesh_upstream_connect_failures_total", &l),
             pool_connections: t.gauge("rpcmesh_pool_connections", &l),
             pool_idle: t.gauge("rpcmesh_pool_idle_connections", &l),
             pool_healthy: t.gauge("rpcmesh_pool_healthy_connections", &l),
             pool_gets_waited: t.counter("rpcmesh_pool_gets_waited_total", &l),
             pool_gets_timed_out: t.counter("rpcmesh_pool_gets_timed_out_total", &l),
-            pool_wait_seconds: t.counter("rpcmesh_pool_get_wait_seconds_total", &l),
+            pool_wait_seconds: t.histogram("rpcmesh_pool_get_wait_seconds", &l),
+            pool_waited_before: std::sync::Arc::new(std::sync::Mutex::new(
+                std::time::Duration::ZERO,
+            )),
+            conn_in_flight: (0..pool_size)
+                .map(|i| {
+                    let conn = i.to_string();
+                    t.gauge(
+                        "rpcmesh_upstream_calls_in_flight",
+                        &[("role", ROLE), ("upstream", label), ("conn", &conn)],
+                    )
+                })
+                .collect(),
             pool_closed_broken: t.counter(
                 "rpcmesh_pool_connections_closed_total",
                 &[("role", ROLE), ("upstream", label), ("reason", "broken")],
@@ -120,12 +146,14 @@ struct CallLabels {
 /// Handles of one upstream (provider) and its pool.
 #[derive(Debug, Clone)]
 pub struct UpstreamMetrics {
+    /// Per-stage latency (the `queue` and `upstream` stages are recorded here).
+    pub stages: Stages,
     /// Errors by kind.
     pub errors: ErrorCounters,
     /// Bytes on the upstream connections.
     pub wire: WireCounters,
-    /// Connections made.
-    pub conns_opened: Counter,
+    /// Connections to providers (all upstreams share the series).
+    pub conns: Arc<ConnCounters>,
     /// Connection attempts that failed.
     pub connect_failures: Counter,
     pool_connections: Gauge,
@@ -133,12 +161,23 @@ pub struct UpstreamMetrics {
     pool_healthy: Gauge,
     pool_gets_waited: Counter,
     pool_gets_timed_out: Counter,
-    pool_wait_seconds: Counter,
+    pool_wait_seconds: Histogram,
+    /// bb8's total wait time at the last publish (its statistics are cumulative).
+    pool_waited_before: std::sync::Arc<std::sync::Mutex<std::time::Duration>>,
+    conn_in_flight: Vec<Gauge>,
     pool_closed_broken: Counter,
     pool_closed_invalid: Counter,
 }
 
 impl UpstreamMetrics {
+    /// Sets the calls in flight of each pooled connection, by position.
+    pub(crate) fn publish_conn_loads(&self, loads: impl Iterator<Item = usize>) {
+        let mut loads = loads;
+        for g in &self.conn_in_flight {
+            g.set(loads.next().unwrap_or(0) as f64);
+        }
+    }
+
     /// Copies bb8's view of the pool into the gauges and counters.
     pub(crate) fn publish_pool(&self, state: &bb8::State, healthy: usize) {
         let s = &state.statistics;
@@ -147,7 +186,15 @@ impl UpstreamMetrics {
         self.pool_healthy.set(healthy as f64);
         self.pool_gets_waited.absolute(s.get_waited);
         self.pool_gets_timed_out.absolute(s.get_timed_out);
-        self.pool_wait_seconds.absolute(s.get_wait_time.as_secs());
+        let mut before = self
+            .pool_waited_before
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if s.get_wait_time > *before {
+            self.pool_wait_seconds
+                .record((s.get_wait_time - *before).as_secs_f64());
+            *before = s.get_wait_time;
+        }
         self.pool_closed_broken
             .absolute(s.connections_closed_broken);
         self.pool_closed_invalid

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use rpcmesh_common::frame::Flags;
+use rpcmesh_common::frame::{Flags, request_service};
 
 use crate::call::Forward;
 use crate::config::Balance;
@@ -78,15 +78,12 @@ impl Router {
             .map_or(&self.any, Vec::as_slice)
     }
 
-    /// Hands `fwd` to a connection of a provider of `service`, or gives it back with the
-    /// reason none took it.
-    pub fn forward(
-        &self,
-        service: &[u8],
-        mut fwd: Forward,
-        picker: &mut Picker,
-    ) -> Result<(), (Forward, NoRoute)> {
-        let cands = self.candidates(service);
+    /// Hands `fwd` to a connection of a provider of its service, or gives it back with
+    /// the reason none took it.
+    // A refused call is handed back by value (no allocation on the per-call path).
+    #[allow(clippy::result_large_err)]
+    pub fn forward(&self, mut fwd: Forward, picker: &mut Picker) -> Result<(), (Forward, NoRoute)> {
+        let cands = self.candidates(request_service(&fwd.frame.body));
         if cands.is_empty() {
             return Err((fwd, NoRoute::UnknownService));
         }
@@ -135,6 +132,8 @@ impl Router {
 
 /// Offers the call to the less loaded of two open connections of `pool`, then to the
 /// others. `None` in the error = the pool has no open connection.
+// A refused call is handed back by value (no allocation on the per-call path).
+#[allow(clippy::result_large_err)]
 fn try_pool(
     pool: &ProviderPool,
     mut fwd: Forward,

@@ -20,6 +20,7 @@ use rpcmesh_common::client::now_ms;
 use rpcmesh_common::codec::FrameCodec;
 use rpcmesh_common::frame::{
     Flags, Frame, FrameError, Heartbeat, MsgType, put_forwarded_response, request_names,
+    request_service,
 };
 use rpcmesh_common::io::{FramedIo, IoEvent};
 use rpcmesh_common::shutdown::CancellationToken;
@@ -30,7 +31,7 @@ use tracing::Instrument;
 
 use crate::BrokerConfig;
 use crate::call::{CallInfo, Forward, Reply};
-use crate::metrics::BrokerMetrics;
+use crate::metrics::{ADMIT, BrokerMetrics, TOTAL, WRITE_BACK};
 use crate::route::{NoRoute, Picker, Router};
 
 /// Replies waiting to be written beyond which the session stops reading requests until
@@ -39,6 +40,9 @@ use crate::route::{NoRoute, Picker, Router};
 pub const WRITE_BACKLOG_LIMIT: usize = 8 * 1024 * 1024;
 /// Replies taken from the channel per round before the socket is served again.
 const REPLY_BATCH: usize = 1024;
+/// Times the session lets the other ready tasks run before writing, while each turn
+/// brings more replies (replies from several upstream connections then share a write).
+const GATHER_YIELDS: usize = 1;
 /// How often a call handed back unsent (its connection closed) is routed again.
 const MAX_RETRIES: u8 = 2;
 /// How long a closing session waits to deliver its last replies.
@@ -102,6 +106,8 @@ struct Session {
     /// (service, method) bytes → tag; tag → counters.
     tags: HashMap<Bytes, u32>,
     counters: Vec<Arc<CallCounters>>,
+    /// (read, reply read) times of the calls answered this round, for the stages.
+    written: Vec<(Instant, Option<Instant>)>,
 }
 
 impl Session {
@@ -118,6 +124,7 @@ impl Session {
             bad_input_seen: 0,
             tags: HashMap::new(),
             counters: vec![shared.metrics.calls_other()],
+            written: Vec::new(),
             shared,
         }
     }
@@ -143,10 +150,15 @@ impl Session {
             // same poll add theirs.
             self.take_replies();
             if self.io.pending_write() > 0 {
-                tokio::task::yield_now().await;
-                self.take_replies();
+                for _ in 0..GATHER_YIELDS {
+                    tokio::task::yield_now().await;
+                    if self.take_replies() == 0 {
+                        break;
+                    }
+                }
             }
             self.io.try_flush()?;
+            self.record_stages();
             self.report();
             let done = (self.io.is_eof() || self.draining)
                 && self.in_flight == 0
@@ -158,13 +170,14 @@ impl Session {
     }
 
     /// Handles the replies arrived so far (up to a batch).
-    fn take_replies(&mut self) {
-        for _ in 0..REPLY_BATCH {
+    fn take_replies(&mut self) -> usize {
+        for n in 0..REPLY_BATCH {
             match self.replies.try_recv() {
                 Ok(r) => self.on_reply(r),
-                Err(_) => break,
+                Err(_) => return n,
             }
         }
+        REPLY_BATCH
     }
 
     /// Handles every whole frame read so far.
@@ -255,6 +268,8 @@ impl Session {
                 client_flags: flags,
                 tag,
                 admitted: now,
+                routed: self.shared.metrics.stages.on().then(Instant::now),
+                replied: None,
             },
             reply_to: self.replies_tx.clone(),
             deadline: now + cfg.call_timeout,
@@ -264,12 +279,14 @@ impl Session {
     }
 
     fn route(&mut self, fwd: Forward) {
-        let body = fwd.frame.body.clone();
-        let (service, _, _) =
-            request_names(&body).expect("names were read when the call was admitted");
-        let service = &body[service];
-        if let Err((fwd, why)) = self.shared.router.forward(service, fwd, &mut self.picker) {
-            let name = String::from_utf8_lossy(service);
+        if let Some(routed) = fwd.info.routed {
+            self.shared
+                .metrics
+                .stages
+                .record_span(ADMIT, fwd.info.admitted, routed);
+        }
+        if let Err((fwd, why)) = self.shared.router.forward(fwd, &mut self.picker) {
+            let name = String::from_utf8_lossy(request_service(&fwd.frame.body)).into_owned();
             let (status, kind, msg) = match why {
                 NoRoute::UnknownService => (
                     Status::Failed,
@@ -316,10 +333,9 @@ impl Session {
     fn finish(&mut self, info: CallInfo, outcome: Result<Frame, (Status, Cow<'static, str>)>) {
         self.in_flight -= 1;
         self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
-        self.shared
-            .metrics
-            .stage_total
-            .record(info.admitted.elapsed());
+        if self.shared.metrics.stages.on() {
+            self.written.push((info.admitted, info.replied));
+        }
         match outcome {
             Ok(frame) => {
                 let status = self.write_reply(&frame, info);
@@ -369,6 +385,22 @@ impl Session {
             .push(self.shared.metrics.calls(&service, &method));
         self.tags.insert(names.clone(), tag);
         tag
+    }
+
+    /// Records `write_back` and `total` of every call answered this round, once the
+    /// replies have been handed to the socket.
+    fn record_stages(&mut self) {
+        if self.written.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let stages = &self.shared.metrics.stages;
+        for (admitted, replied) in self.written.drain(..) {
+            if let Some(r) = replied {
+                stages.record_span(WRITE_BACK, r, now);
+            }
+            stages.record_span(TOTAL, admitted, now);
+        }
     }
 
     fn report(&mut self) {

@@ -91,12 +91,39 @@ pub struct IncomingReply {
     pub size: PayloadSize,
 }
 
+/// Histograms of the time spent compressing and inflating payloads
+/// (`rpcmesh_compression_seconds{role, op}`): their `_sum` is the CPU time compression costs.
+#[derive(Debug, Clone)]
+pub struct CompressionTimers {
+    /// Time to compress one payload.
+    pub compress: metrics::Histogram,
+    /// Time to inflate one payload.
+    pub inflate: metrics::Histogram,
+}
+
+impl CompressionTimers {
+    /// Registers the two histograms for `role`.
+    pub fn new(t: &crate::telemetry::Telemetry, role: &'static str) -> Self {
+        CompressionTimers {
+            compress: t.histogram(
+                "rpcmesh_compression_seconds",
+                &[("role", role), ("op", "compress")],
+            ),
+            inflate: t.histogram(
+                "rpcmesh_compression_seconds",
+                &[("role", role), ("op", "inflate")],
+            ),
+        }
+    }
+}
+
 /// Per-connection encoding state: the reused zlib state and scratch buffers.
 #[derive(Debug)]
 pub struct CallCodec {
     compressor: Option<Compressor>,
     inflater: Inflater,
     scratch: BytesMut,
+    timers: Option<CompressionTimers>,
 }
 
 impl CallCodec {
@@ -107,7 +134,14 @@ impl CallCodec {
             compressor: compression.map(Compressor::new),
             inflater: Inflater::new(max_inflated),
             scratch: BytesMut::new(),
+            timers: None,
         }
+    }
+
+    /// Times every compression and inflation into `timers`.
+    pub fn timed(mut self, timers: CompressionTimers) -> Self {
+        self.timers = Some(timers);
+        self
     }
 
     /// True when this side compresses.
@@ -215,7 +249,12 @@ impl CallCodec {
                 self.scratch.clear();
                 encode(&mut self.scratch);
                 let at = dst.len();
-                if !c.compress_into(&self.scratch, dst) {
+                let started = self.timers.as_ref().map(|_| std::time::Instant::now());
+                let compressed = c.compress_into(&self.scratch, dst);
+                if let (Some(t), Some(s)) = (&self.timers, started) {
+                    t.compress.record(s.elapsed().as_secs_f64());
+                }
+                if !compressed {
                     dst.extend_from_slice(&self.scratch);
                 }
                 PayloadSize {
@@ -261,7 +300,12 @@ impl CallCodec {
     ) -> Result<(Bytes, usize), CallError> {
         if flags.contains(Flags::COMPRESSED) {
             self.scratch.clear();
-            self.inflater.inflate_into(payload, &mut self.scratch)?;
+            let started = self.timers.as_ref().map(|_| std::time::Instant::now());
+            let inflated = self.inflater.inflate_into(payload, &mut self.scratch);
+            if let (Some(t), Some(s)) = (&self.timers, started) {
+                t.inflate.record(s.elapsed().as_secs_f64());
+            }
+            inflated?;
             Ok((self.scratch.split().freeze(), payload.len()))
         } else {
             Ok((payload.clone(), payload.len()))

@@ -559,6 +559,14 @@ pub fn request_names(
     Ok((service, method, payload_at))
 }
 
+/// The service name of a request body whose names were already checked
+/// ([`request_names`]); empty if the body is too short.
+pub fn request_service(body: &[u8]) -> &[u8] {
+    short_str_range(body, 0)
+        .and_then(|r| body.get(r))
+        .unwrap_or_default()
+}
+
 /// A response body.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Response {

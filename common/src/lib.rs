@@ -12,11 +12,14 @@
 //! - [`client`]: a small multiplexed client for tests and tools.
 //! - [`listener`]: the accept loop, with its connection cap and drain on shutdown.
 //!
-//! [`proto`] holds the generated protobuf types; [`shutdown`] the signal handling;
-//! [`telemetry`] the per-instance Prometheus recorder; [`runtime`] what every `main` sets
-//! up (logging, the Tokio runtime, duration parsing).
+//! Beside them: [`proto`], the generated protobuf types; [`shutdown`], the signal handling;
+//! [`runtime`], what every `main` sets up (logging, the Tokio runtime, duration parsing);
+//! [`telemetry`], the per-instance Prometheus recorder and the shared metric handles;
+//! [`sysmetrics`], the softirq, CPU-time and process metrics read from /proc; and
+//! [`catalogue`], the name and meaning of every metric.
 
 pub mod call;
+pub mod catalogue;
 pub mod client;
 pub mod codec;
 pub mod compress;
@@ -27,6 +30,7 @@ pub mod proto;
 pub mod runtime;
 pub mod shutdown;
 pub mod status;
+pub mod sysmetrics;
 pub mod telemetry;
 #[cfg(feature = "test-support")]
 pub mod testkit;

@@ -105,6 +105,17 @@ impl Telemetry {
             .describe_counter(name.into(), unit, help.into());
     }
 
+    /// Attaches help text to a histogram's name.
+    pub fn describe_histogram(
+        &self,
+        name: &'static str,
+        unit: Option<metrics::Unit>,
+        help: &'static str,
+    ) {
+        self.recorder
+            .describe_histogram(name.into(), unit, help.into());
+    }
+
     /// The Prometheus text exposition of everything recorded so far.
     pub fn render(&self) -> String {
         self.handle.render()
@@ -120,6 +131,62 @@ impl Telemetry {
     /// `metrics::with_local_recorder`).
     pub fn recorder(&self) -> &PrometheusRecorder {
         &self.recorder
+    }
+}
+
+/// Per-stage latency histograms of one role, `rpcmesh_stage_seconds{role, stage}`: one
+/// family across the three programs, with the same stage name wherever it means the same
+/// thing (see `docs/metrics.md` for where each stage starts and ends).
+///
+/// Built disabled (`--stage-metrics off`), every handle is a no-op and [`Stages::on`] is
+/// false, so callers also skip taking the timestamps: the hot path then pays nothing.
+#[derive(Clone)]
+pub struct Stages {
+    hists: Vec<Histogram>,
+    on: bool,
+}
+
+impl std::fmt::Debug for Stages {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stages")
+            .field("on", &self.on)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Stages {
+    /// Registers one histogram per stage name, in order (index = the caller's stage enum).
+    pub fn new(t: &Telemetry, role: &'static str, names: &[&'static str], on: bool) -> Self {
+        Stages {
+            hists: names
+                .iter()
+                .map(|s| {
+                    if on {
+                        t.histogram("rpcmesh_stage_seconds", &[("role", role), ("stage", s)])
+                    } else {
+                        Histogram::noop()
+                    }
+                })
+                .collect(),
+            on,
+        }
+    }
+
+    /// True when stages are recorded (take timestamps only then).
+    pub fn on(&self) -> bool {
+        self.on
+    }
+
+    /// Records one stage's duration.
+    pub fn record(&self, stage: usize, d: std::time::Duration) {
+        if let Some(h) = self.hists.get(stage) {
+            h.record(d.as_secs_f64());
+        }
+    }
+
+    /// Records `to - from` (zero if `to` is earlier).
+    pub fn record_span(&self, stage: usize, from: std::time::Instant, to: std::time::Instant) {
+        self.record(stage, to.saturating_duration_since(from));
     }
 }
 

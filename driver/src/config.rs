@@ -29,6 +29,9 @@ pub const DEFAULT_WARMUP: Duration = Duration::from_secs(1);
 pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Echo message size: 32 bytes, the size of the published echo benchmarks.
 pub const DEFAULT_ECHO_SIZE: usize = 32;
+/// Where the driver serves `/metrics` unless told otherwise (`off` disables it). A driver
+/// that cannot bind it warns and runs without: the run matters more than its metrics.
+pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:9790";
 /// Most users one connection may carry (bounds its in-flight table).
 pub const MAX_USERS_PER_CONNECTION: usize = 65_536;
 
@@ -128,6 +131,16 @@ pub struct Args {
     /// Tokio worker threads of the driver (0 = one per CPU).
     #[arg(long, env = "RPCMESH_THREADS", default_value_t = 0)]
     pub threads: usize,
+    /// Address of the Prometheus `/metrics` endpoint, or `off`.
+    #[arg(long, env = "RPCMESH_METRICS_LISTEN", default_value = DEFAULT_METRICS_LISTEN)]
+    pub metrics_listen: rpcmesh_common::telemetry::MetricsListen,
+    /// Record per-stage latency histograms (off: the hot path takes no timestamps).
+    #[arg(long, env = "RPCMESH_STAGE_METRICS", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
+    pub stage_metrics: bool,
+    /// After the report, keep serving `/metrics` this long, so that Prometheus scrapes the
+    /// final figures (e.g. 15s).
+    #[arg(long, env = "RPCMESH_LINGER", default_value = "0s", value_parser = parse_duration)]
+    pub linger: Duration,
 }
 
 /// Validated driver settings, as `run` takes them.
@@ -161,6 +174,8 @@ pub struct DriverConfig {
     pub json: Option<PathBuf>,
     /// Progress display.
     pub progress: ProgressMode,
+    /// Per-stage latency histograms on.
+    pub stage_metrics: bool,
 }
 
 impl Default for DriverConfig {
@@ -180,6 +195,7 @@ impl Default for DriverConfig {
             call_timeout: DEFAULT_CALL_TIMEOUT,
             json: None,
             progress: ProgressMode::Auto,
+            stage_metrics: true,
         }
     }
 }
@@ -258,6 +274,7 @@ impl Args {
             call_timeout: self.timeout,
             json: self.json.clone(),
             progress: self.progress,
+            stage_metrics: self.stage_metrics,
         })
     }
 }

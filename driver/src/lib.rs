@@ -13,6 +13,7 @@
 
 pub mod config;
 pub mod embedded;
+pub mod metrics;
 mod progress;
 pub mod report;
 pub mod stats;
@@ -24,6 +25,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use rpcmesh_common::shutdown::CancellationToken;
+use rpcmesh_common::telemetry::Telemetry;
 
 pub use config::{Args, DriverConfig, Stop, WorkloadKind};
 pub use report::Report;
@@ -34,7 +36,16 @@ use crate::worker::{Plan, RunShared};
 /// Runs the load described by `config` and returns its report. With no target, starts an
 /// embedded provider and broker first. `stop` ends the run early (what has been measured
 /// is reported).
-pub async fn run(mut config: DriverConfig, stop: CancellationToken) -> anyhow::Result<Report> {
+pub async fn run(config: DriverConfig, stop: CancellationToken) -> anyhow::Result<Report> {
+    run_with(config, Telemetry::new(), stop).await
+}
+
+/// As [`run`], recording metrics into `telemetry` (served on `/metrics` by `main`).
+pub async fn run_with(
+    mut config: DriverConfig,
+    telemetry: Telemetry,
+    stop: CancellationToken,
+) -> anyhow::Result<Report> {
     let embedded = if config.targets.is_empty() {
         let mesh = embedded::Embedded::start().await?;
         tracing::info!(broker = %mesh.broker, provider = %mesh.provider, "embedded provider and broker started");
@@ -43,14 +54,29 @@ pub async fn run(mut config: DriverConfig, stop: CancellationToken) -> anyhow::R
     } else {
         None
     };
-    let report = drive(config, embedded.is_some(), stop).await;
+    let system_stop = CancellationToken::new();
+    let system = rpcmesh_common::sysmetrics::spawn(
+        telemetry.clone(),
+        metrics::ROLE,
+        rpcmesh_common::sysmetrics::DEFAULT_INTERVAL,
+        system_stop.clone(),
+    );
+    let report = drive(config, telemetry, embedded.is_some(), stop).await;
+    // One last reading, so that a scrape after the run sees the whole run's CPU time.
+    system_stop.cancel();
+    let _ = system.await;
     if let Some(mesh) = embedded {
         tokio::task::spawn_blocking(move || mesh.stop()).await?;
     }
     Ok(report)
 }
 
-async fn drive(config: DriverConfig, embedded: bool, stop: CancellationToken) -> Report {
+async fn drive(
+    config: DriverConfig,
+    telemetry: Telemetry,
+    embedded: bool,
+    stop: CancellationToken,
+) -> Report {
     let started = Instant::now();
     let started_unix = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -68,8 +94,13 @@ async fn drive(config: DriverConfig, embedded: bool, stop: CancellationToken) ->
             users: config.concurrency / n + usize::from(i < config.concurrency % n),
         })
         .collect();
+    let workload = workload::Workload::new(config.workload, config.payload_size);
+    let (service, method) = workload.target();
+    let metrics = metrics::DriverMetrics::new(telemetry, service, method, config.stage_metrics);
+    metrics.users.set(config.concurrency as f64);
     let shared = Arc::new(RunShared {
-        workload: workload::Workload::new(config.workload, config.payload_size),
+        workload,
+        metrics,
         measure_from,
         until,
         budget,

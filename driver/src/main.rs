@@ -21,13 +21,34 @@ fn main() -> anyhow::Result<()> {
             rpcmesh_common::shutdown::signal().await;
             s.cancel();
         });
-        rpcmesh_driver::run(config, stop).await
+        let telemetry = match rpcmesh_common::telemetry::start(args.metrics_listen) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!(error = %e, "metrics endpoint not started; running without it");
+                rpcmesh_common::telemetry::Telemetry::new()
+            }
+        };
+        rpcmesh_driver::run_with(config, telemetry, stop).await
     })?;
     print!("{}", report.render_text());
     if let Some(path) = json {
         let text = serde_json::to_string_pretty(&report)?;
         std::fs::write(&path, text + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if !args.linger.is_zero() {
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        tracing::info!(
+            seconds = args.linger.as_secs_f64(),
+            "lingering so that the last figures get scraped"
+        );
+        rt.block_on(async {
+            tokio::select! {
+                () = tokio::time::sleep(args.linger) => {}
+                () = rpcmesh_common::shutdown::signal() => {}
+            }
+        });
     }
     Ok(())
 }

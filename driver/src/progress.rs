@@ -12,12 +12,10 @@ use crate::config::ProgressMode;
 use crate::stats::Tally;
 use crate::worker::RunShared;
 
-/// Prints a line a second until `done`.
+/// Each second until `done`: updates the rate gauges and prints a line (unless progress
+/// is off).
 pub(crate) async fn show(shared: Arc<RunShared>, started: Instant, done: CancellationToken) {
     let mode = shared.config.progress;
-    if mode == ProgressMode::Off {
-        return;
-    }
     let live = mode == ProgressMode::Auto && std::io::stderr().is_terminal();
     let mut tick = tokio::time::interval_at(
         (started + Duration::from_secs(1)).into(),
@@ -40,6 +38,12 @@ pub(crate) async fn show(shared: Arc<RunShared>, started: Instant, done: Cancell
         }
         let secs = now.duration_since(last).as_secs_f64().max(1e-3);
         last = now;
+        let m = &shared.metrics;
+        m.offered_rate.set(second.sent as f64 / secs);
+        m.achieved_rate.set(second.ok as f64 / secs);
+        if mode == ProgressMode::Off {
+            continue;
+        }
         // The phase of the second just past (its middle).
         let mid = now.checked_sub(Duration::from_millis(500)).unwrap_or(now);
         let phase = if mid < shared.measure_from {

@@ -19,10 +19,13 @@ use rpcmesh_common::codec::FrameCodec;
 use rpcmesh_common::compress::DEFAULT_MAX_INFLATED_LEN;
 use rpcmesh_common::frame::{DEFAULT_MAX_BODY_LEN, Flags, Frame, MsgType};
 use rpcmesh_common::io::{FramedIo, IoEvent};
+use rpcmesh_common::listener::AcceptObserver;
 use rpcmesh_common::shutdown::CancellationToken;
+use rpcmesh_common::telemetry::ErrorKind;
 use tokio::net::TcpStream;
 
 use crate::config::DriverConfig;
+use crate::metrics::{CALL, CONNECTION_WAIT, DECODE, DriverMetrics, ENCODE, REQUEST, ROUND_TRIP};
 use crate::stats::Tally;
 use crate::workload::Workload;
 
@@ -49,6 +52,8 @@ pub(crate) struct RunShared {
     pub stop: CancellationToken,
     /// Each worker's figures since the progress line last took them.
     pub intervals: Vec<Mutex<Tally>>,
+    /// Metric handles.
+    pub metrics: DriverMetrics,
 }
 
 impl RunShared {
@@ -103,9 +108,14 @@ struct User {
 #[derive(Debug, Clone, Copy)]
 struct Slot {
     id: u64,
+    /// When the call was issued (the round's time): latency is measured from here.
     sent: Instant,
     user: u32,
     measured: bool,
+    /// Stage stamps (stages on only): encoding began, encoding ended, write returned.
+    encoding: Option<Instant>,
+    encoded: Option<Instant>,
+    written: Option<Instant>,
 }
 
 /// Runs one connection's users until the run ends; returns their figures.
@@ -121,7 +131,8 @@ pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> Outcome {
     }
     let now = Instant::now();
     let mut w = Worker {
-        codec: CallCodec::new(c.compression, DEFAULT_MAX_INFLATED_LEN),
+        codec: CallCodec::new(c.compression, DEFAULT_MAX_INFLATED_LEN)
+            .timed(shared.metrics.compression.clone()),
         users: vec![
             User {
                 started: now,
@@ -139,6 +150,8 @@ pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> Outcome {
         flags,
         generation: 0,
         in_flight: 0,
+        in_flight_reported: 0,
+        round: Vec::new(),
         out: Outcome::default(),
         interval: Tally::interval(),
         shared: shared.clone(),
@@ -159,8 +172,11 @@ struct Worker {
     flags: Flags,
     generation: u32,
     in_flight: usize,
+    in_flight_reported: usize,
     out: Outcome,
     interval: Tally,
+    /// Ids of the calls encoded this round (stages on only).
+    round: Vec<u64>,
 }
 
 impl Worker {
@@ -194,15 +210,21 @@ impl Worker {
                 }
             };
             let failed = failed.or_else(|| io.try_flush().err().map(|e| format!("write: {e}")));
+            self.record_written();
             self.count_bytes(&mut io);
             if let Some(cause) = failed {
                 tracing::debug!(worker = self.plan.index, %cause, "connection lost");
+                self.shared.metrics.conns.closed();
                 match self.reconnect(cause).await {
                     Some(new) => io = new,
-                    None => break,
+                    None => {
+                        self.publish();
+                        return;
+                    }
                 }
             }
         }
+        self.shared.metrics.conns.closed();
         self.publish();
     }
 
@@ -219,12 +241,14 @@ impl Worker {
                     .await
                 {
                     Ok(Ok(s)) => {
+                        self.shared.metrics.conns.opened();
                         return Some(FramedIo::new(s, FrameCodec::new(DEFAULT_MAX_BODY_LEN)));
                     }
                     Ok(Err(e)) => e.to_string(),
                     Err(_) => format!("timed out after {CONNECT_TIMEOUT:?}"),
                 };
             self.out.connect_failures += 1;
+            self.shared.metrics.errors.inc(ErrorKind::Io);
             // One line per worker and outage; the count goes in the report.
             if self.out.connect_failures == 1 {
                 tracing::warn!(worker = self.plan.index, target = %self.plan.target, %error, "connect failed; retrying");
@@ -289,10 +313,13 @@ impl Worker {
         }
         let Some(slot) = self.take_slot(frame.header.req_id) else {
             self.out.late_replies += 1;
+            self.shared.metrics.errors.inc(ErrorKind::LateReply);
             return;
         };
+        let decoding = slot.written.map(|_| Instant::now());
         let outcome = match self.codec.decode_response(&frame) {
             Ok(r) => {
+                self.shared.metrics.payload.received(r.size);
                 if slot.measured {
                     self.out.tally.payload_in_plain += r.size.plain as u64;
                     self.out.tally.payload_in_wire += r.size.wire as u64;
@@ -308,7 +335,38 @@ impl Worker {
             }
             Err(_) => Err("bad_reply"),
         };
+        if let (Some(decoding), Some(written)) = (decoding, slot.written) {
+            let decoded = Instant::now();
+            let st = &self.shared.metrics.stages;
+            st.record_span(ROUND_TRIP, written, now);
+            st.record_span(DECODE, decoding, decoded);
+            if let Some(e) = slot.encoding {
+                st.record_span(CALL, e, decoded);
+            }
+        }
         self.call_done(slot, outcome, now, Some(io));
+    }
+
+    /// Stamps the calls written this round and records their `connection_wait` stage.
+    fn record_written(&mut self) {
+        if self.round.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        for id in std::mem::take(&mut self.round) {
+            let idx = (id & 0xffff_ffff) as usize;
+            if let Some(Some(slot)) = self.slots.get_mut(idx) {
+                if slot.id == id {
+                    slot.written = Some(now);
+                    if let Some(e) = slot.encoded {
+                        self.shared
+                            .metrics
+                            .stages
+                            .record_span(CONNECTION_WAIT, e, now);
+                    }
+                }
+            }
+        }
     }
 
     fn take_slot(&mut self, id: u64) -> Option<Slot> {
@@ -348,6 +406,12 @@ impl Worker {
 
     fn count_bytes(&mut self, io: &mut FramedIo) {
         let c = io.take_counts();
+        self.shared.metrics.wire.add(c);
+        if self.in_flight != self.in_flight_reported {
+            let delta = self.in_flight as f64 - self.in_flight_reported as f64;
+            self.shared.metrics.in_flight.increment(delta);
+            self.in_flight_reported = self.in_flight;
+        }
         if Instant::now() >= self.shared.measure_from {
             self.out.tally.wire_out += c.bytes_written;
             self.out.tally.wire_in += c.bytes_read;
@@ -376,17 +440,29 @@ impl Worker {
         self.generation = self.generation.wrapping_add(1);
         let id = (u64::from(self.generation) << 32) | idx as u64;
         let measured = now >= self.shared.measure_from;
-        match self
+        let m = &self.shared.metrics;
+        let encoding = m.stages.on().then(Instant::now);
+        let encoded = self
             .shared
             .workload
-            .encode(&mut self.codec, io.wbuf(), id, self.flags)
-        {
+            .encode(&mut self.codec, io.wbuf(), id, self.flags);
+        match encoded {
             Ok(size) => {
+                let encoded = encoding.map(|_| Instant::now());
+                if let (Some(a), Some(b)) = (encoding, encoded) {
+                    m.stages.record_span(ENCODE, a, b);
+                    self.round.push(id);
+                }
+                m.sent.increment(1);
+                m.payload.sent(size);
                 self.slots[idx] = Some(Slot {
                     id,
                     sent: now,
                     user: u as u32,
                     measured,
+                    encoding,
+                    encoded,
+                    written: None,
                 });
                 self.in_flight += 1;
                 self.interval.sent += 1;
@@ -403,6 +479,9 @@ impl Worker {
                     sent: now,
                     user: u as u32,
                     measured,
+                    encoding: None,
+                    encoded: None,
+                    written: None,
                 };
                 if measured {
                     self.out.tally.sent += 1;
@@ -420,6 +499,19 @@ impl Worker {
         now: Instant,
         io: Option<&mut FramedIo>,
     ) {
+        let m = &self.shared.metrics;
+        match outcome {
+            Ok(()) => m.call_done("ok"),
+            Err(kind) => {
+                m.call_done(kind);
+                match kind {
+                    "timeout" => m.errors.inc(ErrorKind::Timeout),
+                    "bad_reply" => m.errors.inc(ErrorKind::Decode),
+                    "connection" => m.errors.inc(ErrorKind::Io),
+                    _ => {}
+                }
+            }
+        }
         // The progress line shows the warm-up too; the report only what is measured.
         let us = now.saturating_duration_since(slot.sent).as_micros() as u64;
         match outcome {
@@ -463,6 +555,13 @@ impl Worker {
     fn request_done(&mut self, u: usize, now: Instant, io: Option<&mut FramedIo>) {
         let user = self.users[u];
         let us = now.saturating_duration_since(user.started).as_micros() as u64;
+        let m = &self.shared.metrics;
+        if user.failed {
+            m.requests_failed.increment(1);
+        } else {
+            m.requests_ok.increment(1);
+        }
+        m.stages.record_span(REQUEST, user.started, now);
         self.interval.requests.record_us(us);
         if user.failed {
             self.interval.requests_failed += 1;

@@ -73,6 +73,9 @@ pub struct Args {
     /// Grace period for calls in flight on SIGTERM/SIGINT.
     #[arg(long, env = "RPCMESH_GRACE", default_value = "10s", value_parser = parse_duration)]
     pub grace: Duration,
+    /// Record per-stage latency histograms (off: the hot path takes no timestamps).
+    #[arg(long, env = "RPCMESH_STAGE_METRICS", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
+    pub stage_metrics: bool,
 }
 
 /// Validated provider settings, as `run` takes them.
@@ -94,6 +97,8 @@ pub struct ProviderConfig {
     pub max_inflated: usize,
     /// Drain time on shutdown.
     pub grace: Duration,
+    /// Per-stage latency histograms on.
+    pub stage_metrics: bool,
 }
 
 impl Default for ProviderConfig {
@@ -107,6 +112,7 @@ impl Default for ProviderConfig {
             max_body_len: DEFAULT_MAX_BODY_LEN,
             max_inflated: DEFAULT_MAX_INFLATED_LEN,
             grace: DEFAULT_GRACE,
+            stage_metrics: true,
         }
     }
 }
@@ -148,6 +154,7 @@ impl Args {
             max_body_len: self.max_body_bytes,
             max_inflated: self.max_inflated_bytes,
             grace: self.grace,
+            stage_metrics: self.stage_metrics,
         })
     }
 }

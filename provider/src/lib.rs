@@ -18,8 +18,8 @@ use std::future::Future;
 use std::sync::Arc;
 
 use rpcmesh_common::listener::{self, AcceptConfig, ServeSummary};
-use rpcmesh_common::shutdown;
 use rpcmesh_common::telemetry::Telemetry;
+use rpcmesh_common::{shutdown, sysmetrics};
 use tokio::net::TcpListener;
 
 pub use config::{Args, ProviderConfig};
@@ -52,7 +52,7 @@ pub async fn run_with(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> ServeSummary {
     let registry = registry.with_service_time(config.service_time);
-    let metrics = ProviderMetrics::new(telemetry, &registry);
+    let metrics = ProviderMetrics::new(telemetry, &registry, config.stage_metrics);
     let accept = AcceptConfig {
         max_connections: config.max_connections,
         grace: config.grace,
@@ -71,6 +71,12 @@ pub async fn run_with(
         metrics,
     });
     let token = shutdown::token_from(shutdown);
+    let system = sysmetrics::spawn(
+        shared.metrics.telemetry.clone(),
+        metrics::ROLE,
+        sysmetrics::DEFAULT_INTERVAL,
+        token.clone(),
+    );
     let summary = listener::serve(
         listener,
         accept,
@@ -79,6 +85,7 @@ pub async fn run_with(
         move |stream, peer, stop| session::serve(stream, peer, shared.clone(), stop),
     )
     .await;
+    system.abort();
     tracing::info!(?summary, "provider stopped");
     summary
 }

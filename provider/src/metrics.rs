@@ -4,14 +4,29 @@
 use std::sync::Arc;
 
 use metrics::Gauge;
+use rpcmesh_common::call::CompressionTimers;
 use rpcmesh_common::telemetry::{
-    CallCounters, ConnCounters, ErrorCounters, PayloadCounters, Telemetry, WireCounters,
+    CallCounters, ConnCounters, ErrorCounters, PayloadCounters, Stages, Telemetry, WireCounters,
 };
 
 use crate::service::{MethodId, Registry};
 
 /// Value of the `role` label on every provider metric.
 pub const ROLE: &str = "provider";
+
+/// Stage: from the read that brought a request to the start of its decoding (waiting
+/// behind the other requests of the same read).
+pub const QUEUE: usize = 0;
+/// Stage: decoding the call (inflation and the envelope).
+pub const DECODE: usize = 1;
+/// Stage: the handler, from the decoded call to its answer (service time included).
+pub const HANDLER: usize = 2;
+/// Stage: encoding the reply into the write buffer (compression included).
+pub const ENCODE: usize = 3;
+/// Stage: from the read that brought the request to the write that took its reply.
+pub const TOTAL: usize = 4;
+/// Names of the stages, by index.
+pub const STAGES: [&str; 5] = ["queue", "decode", "handler", "encode", "total"];
 
 /// Handles the sessions update.
 #[derive(Debug, Clone)]
@@ -30,12 +45,18 @@ pub struct ProviderMetrics {
     pub wire: WireCounters,
     /// Payload bytes before and after compression.
     pub payload: PayloadCounters,
+    /// Per-stage latency.
+    pub stages: Stages,
+    /// Time spent compressing and inflating.
+    pub compression: CompressionTimers,
 }
 
 impl ProviderMetrics {
-    /// Registers every handle for the methods in `registry`.
-    pub fn new(telemetry: Telemetry, registry: &Registry) -> Self {
+    /// Registers every handle for the methods in `registry`; `stages` off makes the
+    /// per-stage histograms no-ops.
+    pub fn new(telemetry: Telemetry, registry: &Registry, stages: bool) -> Self {
         let t = &telemetry;
+        rpcmesh_common::catalogue::describe_all(t);
         ProviderMetrics {
             calls: registry
                 .methods()
@@ -48,6 +69,8 @@ impl ProviderMetrics {
             conns: Arc::new(ConnCounters::new(t, ROLE, "inbound")),
             wire: WireCounters::new(t, ROLE, "inbound"),
             payload: PayloadCounters::new(t, ROLE),
+            stages: Stages::new(t, ROLE, &STAGES, stages),
+            compression: CompressionTimers::new(t, ROLE),
             telemetry,
         }
     }

@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -22,12 +22,12 @@ use rpcmesh_common::codec::FrameCodec;
 use rpcmesh_common::frame::{Flags, Frame, FrameError, Heartbeat, MsgType};
 use rpcmesh_common::io::{FramedIo, IoEvent};
 use rpcmesh_common::shutdown::CancellationToken;
-use rpcmesh_common::telemetry::ErrorKind;
+use rpcmesh_common::telemetry::{ErrorKind, Stages};
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
 use crate::ProviderConfig;
-use crate::metrics::ProviderMetrics;
+use crate::metrics::{DECODE, ENCODE, HANDLER, ProviderMetrics, QUEUE, TOTAL};
 use crate::service::{HandlerFuture, Lookup, MethodId, Outcome, Registry, ServiceError};
 
 /// Replies waiting to be written beyond which the session stops reading requests until
@@ -93,6 +93,8 @@ struct Session {
     draining: bool,
     in_flight_reported: usize,
     bad_input_seen: u64,
+    /// Read times of the calls answered this round (for the `total` stage).
+    answered: Vec<Instant>,
 }
 
 impl Session {
@@ -100,12 +102,14 @@ impl Session {
         let c = &shared.config;
         Session {
             io: FramedIo::new(stream, FrameCodec::new(c.max_body_len)),
-            calls: CallCodec::new(c.compression, c.max_inflated),
+            calls: CallCodec::new(c.compression, c.max_inflated)
+                .timed(shared.metrics.compression.clone()),
             pending: FuturesUnordered::new(),
             scratch: BytesMut::with_capacity(1024),
             draining: false,
             in_flight_reported: 0,
             bad_input_seen: 0,
+            answered: Vec::new(),
             shared,
         }
     }
@@ -133,6 +137,7 @@ impl Session {
                 }
             }
             self.io.try_flush()?;
+            self.record_totals();
             self.report();
             self.report_in_flight(self.pending.len());
             let done = (self.io.is_eof() || self.draining)
@@ -146,9 +151,10 @@ impl Session {
 
     /// Handles every whole frame read so far.
     fn take_frames(&mut self) -> Result<(), SessionError> {
+        let read_at = self.stamp();
         loop {
             match self.io.next_frame() {
-                Ok(Some(frame)) => self.on_frame(frame),
+                Ok(Some(frame)) => self.on_frame(frame, read_at),
                 Ok(None) => return Ok(()),
                 Err(e) => {
                     self.on_bad_input(&e);
@@ -172,9 +178,13 @@ impl Session {
         }
     }
 
-    fn on_frame(&mut self, frame: Frame) {
+    fn on_frame(&mut self, frame: Frame, read_at: Option<Instant>) {
         match frame.header.msg_type {
-            MsgType::Request => self.on_request(frame),
+            MsgType::Request => {
+                if self.on_request(frame, read_at) {
+                    self.answered.extend(read_at);
+                }
+            }
             MsgType::Heartbeat => self.on_heartbeat(&frame),
             MsgType::Response => {
                 self.shared.metrics.errors.inc(ErrorKind::Unexpected);
@@ -201,30 +211,39 @@ impl Session {
         }
     }
 
-    fn on_request(&mut self, frame: Frame) {
+    /// Serves one request; true when it was answered now (false: a handler works on it).
+    fn on_request(&mut self, frame: Frame, read_at: Option<Instant>) -> bool {
         let (id, flags) = (frame.header.req_id, frame.header.flags);
         if self.draining {
-            return self.reply_error(
+            self.reply_error(
                 id,
                 flags,
                 None,
                 Status::Unavailable,
                 "provider shutting down",
             );
+            return true;
         }
         let cap = self.shared.config.max_in_flight_per_conn;
         if self.pending.len() >= cap {
             self.shared.metrics.errors.inc(ErrorKind::Overloaded);
             let msg = format!("provider has {cap} calls in flight on this connection");
-            return self.reply_error(id, flags, None, Status::Overloaded, &msg);
+            self.reply_error(id, flags, None, Status::Overloaded, &msg);
+            return true;
         }
+        let started = self.stamp();
         let call = match self.calls.decode_request(&frame) {
             Ok(c) => c,
             Err(e) => {
                 self.shared.metrics.errors.inc(ErrorKind::of_call(&e));
-                return self.reply_error(id, flags, None, Status::BadRequest, &e.to_string());
+                self.reply_error(id, flags, None, Status::BadRequest, &e.to_string());
+                return true;
             }
         };
+        let decoded = self.stamp();
+        let stages = &self.shared.metrics.stages;
+        stage(stages, QUEUE, read_at, started);
+        stage(stages, DECODE, started, decoded);
         let shared = &*self.shared;
         shared.metrics.payload.received(call.size);
         let (handler, method) = match shared
@@ -235,7 +254,8 @@ impl Session {
             Lookup::NoService => {
                 shared.metrics.errors.inc(ErrorKind::UnknownService);
                 let msg = service_not_found(call.request.service_name());
-                return self.reply_error(id, flags, None, Status::Failed, &msg);
+                self.reply_error(id, flags, None, Status::Failed, &msg);
+                return true;
             }
             Lookup::NoMethod => {
                 shared.metrics.errors.inc(ErrorKind::UnknownMethod);
@@ -244,30 +264,63 @@ impl Session {
                     call.request.service_name(),
                     call.request.method_name()
                 );
-                return self.reply_error(id, flags, None, Status::Failed, &msg);
+                self.reply_error(id, flags, None, Status::Failed, &msg);
+                return true;
             }
         };
         self.scratch.clear();
-        match handler.call(call.rpc, &mut self.scratch) {
+        let outcome = handler.call(call.rpc, &mut self.scratch);
+        match outcome {
             Outcome::Ready(Ok(())) => {
+                let handled = self.stamp();
                 let answer = std::mem::take(&mut self.scratch);
                 self.reply_ok(id, flags, method, &answer);
                 self.scratch = answer;
+                let stages = &self.shared.metrics.stages;
+                stage(stages, HANDLER, decoded, handled);
+                stage(stages, ENCODE, handled, self.stamp());
             }
             Outcome::Ready(Err(e)) => self.reply_service_error(id, flags, method, &e),
-            Outcome::Later(fut) => self.pending.push(Pending {
-                fut,
-                req_id: id,
-                flags,
-                method,
-            }),
+            Outcome::Later(fut) => {
+                self.pending.push(Pending {
+                    fut,
+                    req_id: id,
+                    flags,
+                    method,
+                    read_at,
+                    decoded,
+                });
+                return false;
+            }
         }
+        true
     }
 
     fn finish(&mut self, done: Finished) {
+        let handled = self.stamp();
+        stage(&self.shared.metrics.stages, HANDLER, done.decoded, handled);
         match done.result {
-            Ok(answer) => self.reply_ok(done.req_id, done.flags, done.method, &answer),
+            Ok(answer) => {
+                self.reply_ok(done.req_id, done.flags, done.method, &answer);
+                stage(&self.shared.metrics.stages, ENCODE, handled, self.stamp());
+            }
             Err(e) => self.reply_service_error(done.req_id, done.flags, done.method, &e),
+        }
+        self.answered.extend(done.read_at);
+    }
+
+    /// Now, when stages are recorded.
+    fn stamp(&self) -> Option<Instant> {
+        self.shared.metrics.stages.on().then(Instant::now)
+    }
+
+    /// Records the total time of every call answered this round, once its reply has been
+    /// handed to the socket.
+    fn record_totals(&mut self) {
+        if let Some(now) = self.stamp() {
+            for read_at in self.answered.drain(..) {
+                self.shared.metrics.stages.record_span(TOTAL, read_at, now);
+            }
         }
     }
 
@@ -327,18 +380,29 @@ impl Session {
     }
 }
 
+/// Records a stage when both ends were stamped.
+fn stage(stages: &Stages, which: usize, from: Option<Instant>, to: Option<Instant>) {
+    if let (Some(f), Some(t)) = (from, to) {
+        stages.record_span(which, f, t);
+    }
+}
+
 /// A call whose handler answers later, with what its reply needs.
 struct Pending {
     fut: HandlerFuture,
     req_id: u64,
     flags: Flags,
     method: MethodId,
+    read_at: Option<Instant>,
+    decoded: Option<Instant>,
 }
 
 struct Finished {
     req_id: u64,
     flags: Flags,
     method: MethodId,
+    read_at: Option<Instant>,
+    decoded: Option<Instant>,
     result: Result<Bytes, ServiceError>,
 }
 
@@ -350,6 +414,8 @@ impl Future for Pending {
             req_id: self.req_id,
             flags: self.flags,
             method: self.method,
+            read_at: self.read_at,
+            decoded: self.decoded,
             result,
         })
     }

@@ -28,13 +28,19 @@ use tokio::net::TcpStream;
 use tokio::sync::{Notify, mpsc, oneshot};
 use tracing::Instrument;
 
+use rpcmesh_common::listener::AcceptObserver;
+
 use crate::call::{CallInfo, Forward, Reply, ReplyTx};
-use crate::metrics::UpstreamMetrics;
+use crate::metrics::{QUEUE, UPSTREAM, UpstreamMetrics};
 use crate::upstream::UpstreamError;
 
 /// Commands taken from the queue per round before the socket is served again: enough to
 /// batch a burst into one write, few enough that replies are not held back by a flood.
 const COMMAND_BATCH: usize = 512;
+/// Times the task lets the other ready tasks run before writing, while each turn brings
+/// more calls: sessions woken by the same poll add theirs and one write carries them all
+/// (measured: about half the upstream writes of writing at once, for one extra poll).
+const GATHER_YIELDS: usize = 4;
 /// Finest and coarsest interval of the deadline sweep (it runs at a twentieth of the call
 /// timeout, within these bounds): timeouts fire at most this late.
 const SWEEP_MIN: Duration = Duration::from_millis(1);
@@ -116,6 +122,7 @@ impl UpstreamConn {
             table: InFlight::default(),
             heartbeats: Vec::new(),
             next_heartbeat_id: 1,
+            round: Vec::new(),
             settings,
             metrics,
             closed,
@@ -126,6 +133,8 @@ impl UpstreamConn {
     }
 
     /// Queues a call. On refusal the call is handed back untouched.
+    // A refused call is handed back by value (no allocation on the per-call path).
+    #[allow(clippy::result_large_err)]
     pub fn try_forward(&self, fwd: Forward) -> Result<(), (Forward, Refused)> {
         if self.state.closed.load(Ordering::Relaxed) {
             return Err((fwd, Refused::Closed));
@@ -173,6 +182,8 @@ struct Slot {
     info: CallInfo,
     reply_to: ReplyTx,
     deadline: Instant,
+    /// When the write that carried it returned (stages on only).
+    sent: Option<Instant>,
 }
 
 /// Calls in flight, by upstream request id = generation << 32 | slot index. The
@@ -214,6 +225,11 @@ impl InFlight {
         }
     }
 
+    fn get_mut(&mut self, id: u64) -> Option<&mut Slot> {
+        let idx = (id & 0xffff_ffff) as usize;
+        self.slots.get_mut(idx)?.as_mut().filter(|s| s.id == id)
+    }
+
     fn take_expired(&mut self, now: Instant, out: &mut Vec<Slot>) {
         for (idx, entry) in self.slots.iter_mut().enumerate() {
             if entry.as_ref().is_some_and(|s| s.deadline <= now) {
@@ -243,6 +259,8 @@ struct ConnTask {
     table: InFlight,
     heartbeats: Vec<(u64, oneshot::Sender<()>)>,
     next_heartbeat_id: u64,
+    /// Ids of the calls written this round (stages on only).
+    round: Vec<u64>,
     settings: ConnSettings,
     metrics: UpstreamMetrics,
     closed: Arc<Notify>,
@@ -289,12 +307,17 @@ impl ConnTask {
             // calls, and one write carries them all.
             self.take_commands();
             if self.io.pending_write() > 0 {
-                tokio::task::yield_now().await;
-                self.take_commands();
+                for _ in 0..GATHER_YIELDS {
+                    tokio::task::yield_now().await;
+                    if self.take_commands() == 0 {
+                        break;
+                    }
+                }
             }
             if let Err(e) = self.io.try_flush() {
                 break format!("write failed: {e}").into();
             }
+            self.record_sent();
             self.metrics.wire.add(self.io.take_counts());
             if !queue_open && self.table.is_empty() && self.heartbeats.is_empty() {
                 break Cow::Borrowed("");
@@ -303,21 +326,39 @@ impl ConnTask {
         self.close(cause);
     }
 
-    /// Handles the calls queued so far (up to a batch).
-    fn take_commands(&mut self) {
-        for _ in 0..COMMAND_BATCH {
-            match self.rx.try_recv() {
-                Ok(cmd) => self.on_command(cmd),
-                Err(_) => break,
+    /// Stamps the calls written this round and records their `queue` stage.
+    fn record_sent(&mut self) {
+        if self.round.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        for id in self.round.drain(..) {
+            if let Some(slot) = self.table.get_mut(id) {
+                slot.sent = Some(now);
+                if let Some(routed) = slot.info.routed {
+                    self.metrics.stages.record_span(QUEUE, routed, now);
+                }
             }
         }
     }
 
+    /// Handles the calls queued so far (up to a batch).
+    fn take_commands(&mut self) -> usize {
+        for n in 0..COMMAND_BATCH {
+            match self.rx.try_recv() {
+                Ok(cmd) => self.on_command(cmd),
+                Err(_) => return n,
+            }
+        }
+        COMMAND_BATCH
+    }
+
     /// Handles every whole frame read so far.
     fn take_frames(&mut self) -> Result<(), Cow<'static, str>> {
+        let read_at = self.metrics.stages.on().then(Instant::now);
         loop {
             match self.io.next_frame() {
-                Ok(Some(frame)) => self.on_frame(frame),
+                Ok(Some(frame)) => self.on_frame(frame, read_at),
                 Ok(None) => break,
                 Err(e) => {
                     self.metrics.errors.inc(ErrorKind::of_frame(&e));
@@ -374,7 +415,11 @@ impl ConnTask {
             info: fwd.info,
             reply_to: fwd.reply_to,
             deadline: fwd.deadline,
+            sent: None,
         });
+        if self.metrics.stages.on() {
+            self.round.push(id);
+        }
         let header = Header {
             msg_type: MsgType::Request,
             flags,
@@ -384,10 +429,10 @@ impl ConnTask {
         put_frame(self.io.wbuf(), &header, &fwd.frame.body);
     }
 
-    fn on_frame(&mut self, frame: Frame) {
+    fn on_frame(&mut self, frame: Frame, read_at: Option<Instant>) {
         match frame.header.msg_type {
             MsgType::Response => {
-                let Some(slot) = self.table.take(frame.header.req_id) else {
+                let Some(mut slot) = self.table.take(frame.header.req_id) else {
                     self.metrics.errors.inc(ErrorKind::LateReply);
                     tracing::debug!(
                         req_id = frame.header.req_id,
@@ -396,6 +441,10 @@ impl ConnTask {
                     return;
                 };
                 self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+                if let (Some(sent), Some(read)) = (slot.sent, read_at) {
+                    self.metrics.stages.record_span(UPSTREAM, sent, read);
+                }
+                slot.info.replied = read_at;
                 let outcome = if frame.body.len() < 5 {
                     self.metrics.errors.inc(ErrorKind::BadBody);
                     Err((
@@ -438,6 +487,7 @@ impl ConnTask {
     /// still queued goes back to its session to be routed again.
     fn close(mut self, cause: Cow<'static, str>) {
         self.mark_closed();
+        self.metrics.conns.closed();
         self.rx.close();
         let failed = self.table.len;
         for slot in self.table.drain() {

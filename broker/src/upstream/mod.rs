@@ -17,6 +17,8 @@ use arc_swap::ArcSwap;
 use rpcmesh_common::shutdown::CancellationToken;
 use tokio::sync::Notify;
 
+use rpcmesh_common::listener::AcceptObserver;
+
 use crate::config::{BrokerConfig, UpstreamSpec};
 use crate::metrics::UpstreamMetrics;
 pub(crate) use connection::{ConnSettings, Refused, UpstreamConn};
@@ -65,7 +67,7 @@ impl bb8::ManageConnection for Manager {
         )
         .await;
         match &r {
-            Ok(_) => self.metrics.conns_opened.increment(1),
+            Ok(_) => self.metrics.conns.opened(),
             Err(e) => {
                 self.metrics.connect_failures.increment(1);
                 tracing::debug!(provider = %self.spec.addr, error = %e, "connect failed");
@@ -185,6 +187,8 @@ impl ProviderPool {
             }
             let conns: Vec<Arc<UpstreamConn>> = held.iter().map(|c| Arc::clone(&**c)).collect();
             let healthy = conns.len();
+            self.metrics
+                .publish_conn_loads(conns.iter().map(|c| c.load()));
             self.ready.store(Arc::new(conns));
             drop(held);
             self.metrics.publish_pool(&self.pool.state(), healthy);

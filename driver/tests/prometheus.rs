@@ -1,0 +1,350 @@
+//! The metrics of the three programs as Prometheus sees them: a real provider, broker and
+//! driver (processes on 127.0.0.1, stopped by PID) under a fan-out run, `promtool check
+//! metrics` on each `/metrics`, and a real Prometheus server (its own config and data
+//! folder, stopped by PID) scraping them all, queried through its HTTP API.
+//!
+//! Needs `promtool` and `prometheus` (Debian package `prometheus`; `scripts/deps` installs
+//! it).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use rpcmesh_common::catalogue::{CATALOGUE, Kind};
+use rpcmesh_common::testkit::{self, ChildGuard};
+
+fn addr(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+fn need(tool: &str) -> PathBuf {
+    for dir in std::env::var("PATH").unwrap_or_default().split(':') {
+        let p = Path::new(dir).join(tool);
+        if p.exists() {
+            return p;
+        }
+    }
+    panic!("{tool} is not installed: run scripts/deps (Debian package prometheus)");
+}
+
+/// A plain HTTP/1.0 GET on 127.0.0.1; the body, or None if nothing answers.
+fn http_get(to: SocketAddr, path: &str) -> Option<String> {
+    let mut s = TcpStream::connect_timeout(&to, Duration::from_secs(2)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    head.starts_with("HTTP/1.").then(|| body.to_string())
+}
+
+fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// An instant query; the result vector as (labels, value) pairs.
+fn query(prom: SocketAddr, q: &str) -> Vec<(serde_json::Value, f64)> {
+    let body = http_get(prom, &format!("/api/v1/query?query={}", urlencode(q)))
+        .unwrap_or_else(|| panic!("no answer to {q}"));
+    let v: serde_json::Value =
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("{q}: {e}: {body}"));
+    assert_eq!(v["status"], "success", "{q}: {body}");
+    v["data"]["result"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|r| {
+            let val = r["value"][1]
+                .as_str()
+                .unwrap_or("NaN")
+                .parse::<f64>()
+                .unwrap_or(f64::NAN);
+            (r["metric"].clone(), val)
+        })
+        .collect()
+}
+
+fn scalar(prom: SocketAddr, q: &str) -> f64 {
+    let r = query(prom, q);
+    assert_eq!(r.len(), 1, "{q}: expected one series, got {r:?}");
+    r[0].1
+}
+
+fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let end = Instant::now() + timeout;
+    while Instant::now() < end {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+fn promtool_check(promtool: &Path, name: &str, text: &str) {
+    assert!(text.contains("rpcmesh_"), "{name}: empty /metrics");
+    for forbidden in ["instance=\"", "job=\""] {
+        assert!(
+            !text.contains(forbidden),
+            "{name}: exports a label {forbidden}"
+        );
+    }
+    let mut child = Command::new(promtool)
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && said.trim().is_empty(),
+        "promtool on {name}'s /metrics:\n{said}"
+    );
+}
+
+#[test]
+fn prometheus_scrapes_all_three_programs_and_promtool_finds_no_problem() {
+    let promtool = need("promtool");
+    let prometheus = need("prometheus");
+    let dir = std::env::temp_dir().join(format!("rpcmesh-prom-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("data")).unwrap();
+    let port = |_| testkit::free_port();
+    let (p, pm, b, bm, dm, pw) = (port(0), port(1), port(2), port(3), port(4), port(5));
+
+    let _provider = ChildGuard::spawn(
+        &testkit::bin_path("provider"),
+        &[
+            "--listen",
+            &addr(p).to_string(),
+            "--metrics-listen",
+            &addr(pm).to_string(),
+            "--threads",
+            "1",
+        ],
+    )
+    .unwrap();
+    let _broker = ChildGuard::spawn(
+        &testkit::bin_path("broker"),
+        &[
+            "--listen",
+            &addr(b).to_string(),
+            "--upstream",
+            &addr(p).to_string(),
+            "--metrics-listen",
+            &addr(bm).to_string(),
+            "--threads",
+            "1",
+            "--health-interval",
+            "200ms",
+        ],
+    )
+    .unwrap();
+    wait_until("the broker's pool", Duration::from_secs(20), || {
+        http_get(addr(bm), "/metrics").is_some_and(|t| {
+            rpcmesh_common::telemetry::sample(&t, "rpcmesh_pool_healthy_connections", &[])
+                .unwrap_or(0.0)
+                > 0.0
+        })
+    });
+
+    let config = format!(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: provider\n    static_configs: [{{targets: ['{}']}}]\n  - job_name: broker\n    static_configs: [{{targets: ['{}']}}]\n  - job_name: driver\n    static_configs: [{{targets: ['{}']}}]\n",
+        addr(pm),
+        addr(bm),
+        addr(dm)
+    );
+    std::fs::write(dir.join("prometheus.yml"), config).unwrap();
+    let _prom = ChildGuard::spawn(
+        &prometheus,
+        &[
+            &format!("--config.file={}", dir.join("prometheus.yml").display()),
+            &format!("--storage.tsdb.path={}", dir.join("data").display()),
+            &format!("--web.listen-address={}", addr(pw)),
+            "--log.level=warn",
+        ],
+    )
+    .unwrap();
+
+    let report = dir.join("report.json");
+    let mut driver = ChildGuard::spawn(
+        Path::new(env!("CARGO_BIN_EXE_driver")),
+        &[
+            "--target",
+            &addr(b).to_string(),
+            "--workload",
+            "platform",
+            "--fanout",
+            "5",
+            "--concurrency",
+            "40",
+            "--connections",
+            "4",
+            "--duration",
+            "6s",
+            "--warmup",
+            "0",
+            "--compress",
+            "on",
+            "--progress",
+            "off",
+            "--threads",
+            "1",
+            "--metrics-listen",
+            &addr(dm).to_string(),
+            "--linger",
+            "60s",
+            "--json",
+            &report.display().to_string(),
+        ],
+    )
+    .unwrap();
+
+    // Prometheus is up and has scraped all three.
+    let prom = addr(pw);
+    wait_until(
+        "Prometheus to scrape all three programs",
+        Duration::from_secs(30),
+        || {
+            http_get(prom, "/-/ready").is_some() && {
+                let up = query(prom, "up");
+                up.len() == 3 && up.iter().all(|(_, v)| *v == 1.0)
+            }
+        },
+    );
+
+    // Under load: promtool finds no problem in any program's /metrics.
+    std::thread::sleep(Duration::from_secs(2));
+    for (name, port) in [("provider", pm), ("broker", bm), ("driver", dm)] {
+        let text =
+            http_get(addr(port), "/metrics").unwrap_or_else(|| panic!("{name}: no /metrics"));
+        promtool_check(&promtool, name, &text);
+    }
+
+    // The run ends; its figures are scraped.
+    wait_until("the driver's report", Duration::from_secs(30), || {
+        report.exists()
+    });
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let sent = r["calls"]["sent"].as_f64().unwrap();
+    assert!(sent > 100.0, "{r}");
+    wait_until(
+        "a scrape of the driver's final figures",
+        Duration::from_secs(20),
+        || {
+            query(prom, "sum(rpcmesh_calls_total{job=\"driver\"})")
+                .first()
+                .is_some_and(|(_, v)| *v == sent)
+        },
+    );
+    std::thread::sleep(Duration::from_millis(2500));
+
+    // Every metric of docs/metrics.md has samples, from every program that exports it.
+    for d in CATALOGUE {
+        let series = if d.kind == Kind::Histogram {
+            format!("{}_count", d.name)
+        } else {
+            d.name.to_string()
+        };
+        let roles: Vec<&str> = if d.roles == "all" {
+            vec!["provider", "broker", "driver"]
+        } else {
+            d.roles.split(", ").collect()
+        };
+        for role in roles {
+            let n = query(prom, &format!("count({series}{{job=\"{role}\"}})"));
+            assert!(
+                !n.is_empty() && n[0].1 > 0.0,
+                "{} has no samples from {role}",
+                d.name
+            );
+        }
+    }
+
+    // histogram_quantile gives a number for every stage of every program.
+    for (role, stages) in [
+        ("provider", &rpcmesh_provider::metrics::STAGES[..]),
+        ("broker", &rpcmesh_broker::metrics::STAGES[..]),
+        ("driver", &rpcmesh_driver::metrics::STAGES[..]),
+    ] {
+        for stage in stages {
+            let q = format!(
+                "histogram_quantile(0.99, sum by (le) (rpcmesh_stage_seconds_bucket{{job=\"{role}\", stage=\"{stage}\"}}))"
+            );
+            let v = scalar(prom, &q);
+            assert!(v.is_finite() && v > 0.0, "{role} {stage}: p99 = {v}");
+        }
+    }
+
+    // The three programs agree on the calls (nothing is in flight once the run is over).
+    let calls = |job: &str| scalar(prom, &format!("sum(rpcmesh_calls_total{{job=\"{job}\"}})"));
+    let in_flight = scalar(prom, "sum(rpcmesh_calls_in_flight)");
+    let (d, b_, p_) = (calls("driver"), calls("broker"), calls("provider"));
+    println!("calls: driver {d}, broker {b_}, provider {p_}, in flight {in_flight}, report {sent}");
+    assert_eq!(d, sent);
+    assert!((d - b_).abs() <= in_flight, "driver {d} vs broker {b_}");
+    assert!((b_ - p_).abs() <= in_flight, "broker {b_} vs provider {p_}");
+    let ok = |job: &str| {
+        scalar(
+            prom,
+            &format!("sum(rpcmesh_calls_total{{job=\"{job}\", status=\"ok\"}})"),
+        )
+    };
+    assert_eq!(ok("driver"), r["calls"]["ok"].as_f64().unwrap());
+
+    // Softirq and CPU series, from each program.
+    for job in ["provider", "broker", "driver"] {
+        for q in [
+            format!("rpcmesh_softirqs_total{{job=\"{job}\", vector=\"net_rx\"}}"),
+            format!("rpcmesh_softirqs_total{{job=\"{job}\", vector=\"net_tx\"}}"),
+            format!("rpcmesh_cpu_seconds_total{{job=\"{job}\", mode=\"softirq\"}}"),
+            format!("rpcmesh_cpu_seconds_total{{job=\"{job}\", mode=\"user\"}}"),
+            format!("rpcmesh_process_cpu_seconds_sum{{job=\"{job}\"}}"),
+        ] {
+            assert!(!query(prom, &q).is_empty(), "no series for {q}");
+        }
+        // The softirq share is one expression and gives a number.
+        let share = scalar(
+            prom,
+            &format!(
+                "sum(rpcmesh_cpu_seconds_total{{job=\"{job}\", mode=\"softirq\"}}) / sum(rpcmesh_cpu_seconds_total{{job=\"{job}\"}})"
+            ),
+        );
+        assert!((0.0..=1.0).contains(&share), "{job}: softirq share {share}");
+    }
+    // The process did work: its fractional CPU time is above zero.
+    assert!(scalar(prom, "sum(rpcmesh_process_cpu_seconds_sum{job=\"broker\"})") > 0.0);
+
+    driver.signal("TERM");
+    let _ = driver.wait_timeout(Duration::from_secs(5));
+    let _ = std::fs::remove_dir_all(&dir);
+}
