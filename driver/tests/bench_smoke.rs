@@ -1,0 +1,139 @@
+//! The benchmark command, `scripts/bench`, in its smoke mode: one short repeat of echo at 8
+//! calls in flight over each of the three paths (direct, through the broker, through
+//! HAProxy), so that the command cannot rot. Nothing about speed is asserted: only that the
+//! command exits 0 and that its JSON report has calls on every path.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The smoke run takes a few seconds; this only catches a hang (the script bounds every
+/// wait itself, and its processes die with it).
+const SMOKE_TIMEOUT: Duration = Duration::from_secs(180);
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the driver crate sits in the workspace")
+        .to_path_buf()
+}
+
+/// The bench uses `target/release/{provider,broker,driver}`: build them as the bench itself
+/// would (it runs with `--no-build` here), through the cargo that runs this test.
+fn build_release_binaries(root: &Path) {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(cargo)
+        .args(["build", "--quiet", "--release", "--locked", "--bins"])
+        .arg("--manifest-path")
+        .arg(root.join("Cargo.toml"))
+        .status()
+        .expect("run cargo build");
+    assert!(
+        status.success(),
+        "cargo build --release --locked --bins failed"
+    );
+}
+
+/// Whether HAProxy is installed: on `PATH`, or where Debian puts it (`/usr/sbin`, often
+/// missing from a non-root `PATH`; the bench looks there too).
+fn haproxy_installed() -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|paths| std::env::split_paths(&paths).any(|d| d.join("haproxy").is_file()))
+        || Path::new("/usr/sbin/haproxy").is_file()
+}
+
+/// HAProxy is one of the three paths; `scripts/deps` installs it when it can (as root or
+/// through sudo, as on CI).
+fn ensure_haproxy(root: &Path) {
+    if haproxy_installed() {
+        return;
+    }
+    let status = Command::new(root.join("scripts/deps"))
+        .current_dir(root)
+        .status();
+    assert!(
+        status.is_ok_and(|s| s.success()) && haproxy_installed(),
+        "haproxy is missing and scripts/deps could not install it (it needs root or sudo): \
+         install the Debian package `haproxy` and rerun"
+    );
+}
+
+#[test]
+fn bench_smoke_mode_reports_calls_on_all_three_paths() {
+    let root = workspace_root();
+    build_release_binaries(&root);
+    ensure_haproxy(&root);
+
+    let out =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("bench-smoke-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out).unwrap();
+    // Output to files, not pipes: nothing can block on a full pipe while we wait.
+    let stdout = out.join("stdout.txt");
+    let stderr = out.join("stderr.txt");
+    let mut child = Command::new(root.join("scripts/bench"))
+        .args(["--smoke", "--no-build", "--out"])
+        .arg(&out)
+        .current_dir(&root)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&stdout).unwrap())
+        .stderr(std::fs::File::create(&stderr).unwrap())
+        .spawn()
+        .expect("run scripts/bench (python3 must be installed)");
+    let deadline = Instant::now() + SMOKE_TIMEOUT;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("scripts/bench --smoke still running after {SMOKE_TIMEOUT:?}; killed");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let output = format!(
+        "--- stdout\n{}\n--- stderr\n{}",
+        std::fs::read_to_string(&stdout).unwrap_or_default(),
+        std::fs::read_to_string(&stderr).unwrap_or_default()
+    );
+    assert!(
+        status.success(),
+        "scripts/bench --smoke failed ({status})\n{output}"
+    );
+
+    let reports: Vec<PathBuf> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("bench-"))
+        })
+        .collect();
+    let json = reports
+        .iter()
+        .find(|p| p.extension().is_some_and(|e| e == "json"))
+        .unwrap_or_else(|| panic!("no bench-*.json in {}\n{output}", out.display()));
+    assert!(
+        reports
+            .iter()
+            .any(|p| p.extension().is_some_and(|e| e == "md")),
+        "no bench-*.md in {}\n{output}",
+        out.display()
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    assert_eq!(report["mode"], "smoke");
+    let runs = report["runs"].as_array().expect("runs is a list");
+    for path in ["direct", "broker", "haproxy"] {
+        let ok: u64 = runs
+            .iter()
+            .filter(|r| r["path"] == path)
+            .map(|r| r["calls_ok"].as_u64().unwrap_or(0))
+            .sum();
+        assert!(ok > 0, "no successful call on the {path} path\n{output}");
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}
