@@ -166,6 +166,9 @@ pub struct Args {
     /// Record per-stage latency histograms (off: the hot path takes no timestamps).
     #[arg(long, env = "RPCMESH_STAGE_METRICS", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
     pub stage_metrics: bool,
+    /// Time the stages of one call in this many (1 = every call).
+    #[arg(long, env = "RPCMESH_STAGE_SAMPLE", default_value_t = rpcmesh_common::telemetry::DEFAULT_STAGE_SAMPLE)]
+    pub stage_sample: u32,
 }
 
 /// Validated broker settings, as `run` takes them.
@@ -197,8 +200,8 @@ pub struct BrokerConfig {
     pub max_body_len: u32,
     /// Drain time on shutdown.
     pub grace: Duration,
-    /// Per-stage latency histograms on.
-    pub stage_metrics: bool,
+    /// Stages are timed on one call in this many; 0 = not at all.
+    pub stage_sample: u32,
 }
 
 impl BrokerConfig {
@@ -225,7 +228,7 @@ impl BrokerConfig {
             max_in_flight_per_upstream_conn: DEFAULT_MAX_IN_FLIGHT_PER_UPSTREAM_CONN,
             max_body_len: DEFAULT_MAX_BODY_LEN,
             grace: DEFAULT_GRACE,
-            stage_metrics: true,
+            stage_sample: rpcmesh_common::telemetry::DEFAULT_STAGE_SAMPLE,
         }
     }
 }
@@ -293,7 +296,11 @@ impl Args {
             max_in_flight_per_upstream_conn: self.max_in_flight_per_upstream_conn,
             max_body_len: self.max_body_bytes,
             grace: self.grace,
-            stage_metrics: self.stage_metrics,
+            stage_sample: if self.stage_metrics {
+                self.stage_sample.max(1)
+            } else {
+                0
+            },
         })
     }
 }

@@ -52,7 +52,7 @@ pub async fn run_with(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> ServeSummary {
-    let metrics = BrokerMetrics::new(telemetry, config.stage_metrics);
+    let metrics = BrokerMetrics::new(telemetry, config.stage_sample);
     let pools: Vec<_> = config
         .upstreams
         .iter()
@@ -88,6 +88,7 @@ pub async fn run_with(
         in_flight: AtomicUsize::new(0),
     });
     let token = shutdown::token_from(shutdown);
+    let upkeep = shared.metrics.telemetry.spawn_upkeep(token.clone());
     let system = sysmetrics::spawn(
         shared.metrics.telemetry.clone(),
         metrics::ROLE,
@@ -103,6 +104,7 @@ pub async fn run_with(
     )
     .await;
     system.abort();
+    upkeep.abort();
     keepers_stop.cancel();
     for k in keepers {
         let _ = k.await;

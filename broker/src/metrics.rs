@@ -49,8 +49,8 @@ pub struct BrokerMetrics {
 }
 
 impl BrokerMetrics {
-    /// Registers the handles; `stages` off makes the per-stage histograms no-ops.
-    pub fn new(telemetry: Telemetry, stages: bool) -> Self {
+    /// Registers the handles; stages are timed on one call in `stage_sample` (0: never).
+    pub fn new(telemetry: Telemetry, stage_sample: u32) -> Self {
         let t = &telemetry;
         rpcmesh_common::catalogue::describe_all(t);
         BrokerMetrics {
@@ -58,7 +58,7 @@ impl BrokerMetrics {
             in_flight: t.gauge("rpcmesh_calls_in_flight", &[("role", ROLE)]),
             conns: Arc::new(ConnCounters::new(t, ROLE, "inbound")),
             wire: WireCounters::new(t, ROLE, "inbound"),
-            stages: Stages::new(t, ROLE, &STAGES, stages),
+            stages: Stages::new(t, ROLE, &STAGES, stage_sample),
             calls: Arc::new(CallLabels {
                 seen: Mutex::new(HashMap::new()),
                 other: Arc::new(CallCounters::new(

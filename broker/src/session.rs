@@ -24,7 +24,7 @@ use rpcmesh_common::frame::{
 };
 use rpcmesh_common::io::{FramedIo, IoEvent};
 use rpcmesh_common::shutdown::CancellationToken;
-use rpcmesh_common::telemetry::{CallCounters, ErrorKind};
+use rpcmesh_common::telemetry::{CallCounters, ErrorKind, Sampler};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tracing::Instrument;
@@ -106,8 +106,10 @@ struct Session {
     /// (service, method) bytes → tag; tag → counters.
     tags: HashMap<Bytes, u32>,
     counters: Vec<Arc<CallCounters>>,
-    /// (read, reply read) times of the calls answered this round, for the stages.
+    /// (read, reply read) times of the timed calls answered this round, for the stages.
     written: Vec<(Instant, Option<Instant>)>,
+    /// Picks the calls whose stages are timed.
+    sampler: Sampler,
 }
 
 impl Session {
@@ -125,6 +127,7 @@ impl Session {
             tags: HashMap::new(),
             counters: vec![shared.metrics.calls_other()],
             written: Vec::new(),
+            sampler: shared.metrics.stages.sampler(),
             shared,
         }
     }
@@ -268,7 +271,8 @@ impl Session {
                 client_flags: flags,
                 tag,
                 admitted: now,
-                routed: self.shared.metrics.stages.on().then(Instant::now),
+                // Set on the sample of calls whose stages are timed.
+                routed: self.sampler.stamp(),
                 replied: None,
             },
             reply_to: self.replies_tx.clone(),
@@ -333,7 +337,7 @@ impl Session {
     fn finish(&mut self, info: CallInfo, outcome: Result<Frame, (Status, Cow<'static, str>)>) {
         self.in_flight -= 1;
         self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
-        if self.shared.metrics.stages.on() {
+        if info.routed.is_some() {
             self.written.push((info.admitted, info.replied));
         }
         match outcome {

@@ -137,6 +137,9 @@ pub struct Args {
     /// Record per-stage latency histograms (off: the hot path takes no timestamps).
     #[arg(long, env = "RPCMESH_STAGE_METRICS", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
     pub stage_metrics: bool,
+    /// Time the stages of one call in this many (1 = every call).
+    #[arg(long, env = "RPCMESH_STAGE_SAMPLE", default_value_t = rpcmesh_common::telemetry::DEFAULT_STAGE_SAMPLE)]
+    pub stage_sample: u32,
     /// After the report, keep serving `/metrics` this long, so that Prometheus scrapes the
     /// final figures (e.g. 15s).
     #[arg(long, env = "RPCMESH_LINGER", default_value = "0s", value_parser = parse_duration)]
@@ -174,8 +177,8 @@ pub struct DriverConfig {
     pub json: Option<PathBuf>,
     /// Progress display.
     pub progress: ProgressMode,
-    /// Per-stage latency histograms on.
-    pub stage_metrics: bool,
+    /// Stages are timed on one call in this many; 0 = not at all.
+    pub stage_sample: u32,
 }
 
 impl Default for DriverConfig {
@@ -195,7 +198,7 @@ impl Default for DriverConfig {
             call_timeout: DEFAULT_CALL_TIMEOUT,
             json: None,
             progress: ProgressMode::Auto,
-            stage_metrics: true,
+            stage_sample: rpcmesh_common::telemetry::DEFAULT_STAGE_SAMPLE,
         }
     }
 }
@@ -274,7 +277,11 @@ impl Args {
             call_timeout: self.timeout,
             json: self.json.clone(),
             progress: self.progress,
-            stage_metrics: self.stage_metrics,
+            stage_sample: if self.stage_metrics {
+                self.stage_sample.max(1)
+            } else {
+                0
+            },
         })
     }
 }

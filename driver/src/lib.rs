@@ -61,10 +61,12 @@ pub async fn run_with(
         rpcmesh_common::sysmetrics::DEFAULT_INTERVAL,
         system_stop.clone(),
     );
+    let upkeep = telemetry.spawn_upkeep(system_stop.clone());
     let report = drive(config, telemetry, embedded.is_some(), stop).await;
     // One last reading, so that a scrape after the run sees the whole run's CPU time.
     system_stop.cancel();
     let _ = system.await;
+    let _ = upkeep.await;
     if let Some(mesh) = embedded {
         tokio::task::spawn_blocking(move || mesh.stop()).await?;
     }
@@ -96,7 +98,7 @@ async fn drive(
         .collect();
     let workload = workload::Workload::new(config.workload, config.payload_size);
     let (service, method) = workload.target();
-    let metrics = metrics::DriverMetrics::new(telemetry, service, method, config.stage_metrics);
+    let metrics = metrics::DriverMetrics::new(telemetry, service, method, config.stage_sample);
     metrics.users.set(config.concurrency as f64);
     let shared = Arc::new(RunShared {
         workload,

@@ -76,7 +76,7 @@ pub struct DriverMetrics {
 
 impl DriverMetrics {
     /// Registers every handle for the workload's `service.method`.
-    pub fn new(telemetry: Telemetry, service: &str, method: &str, stages: bool) -> Self {
+    pub fn new(telemetry: Telemetry, service: &str, method: &str, stage_sample: u32) -> Self {
         let t = &telemetry;
         rpcmesh_common::catalogue::describe_all(t);
         let call = |status: &str| {
@@ -115,7 +115,7 @@ impl DriverMetrics {
             wire: WireCounters::new(t, ROLE, "outbound"),
             payload: PayloadCounters::new(t, ROLE),
             errors: ErrorCounters::new(t, ROLE),
-            stages: Stages::new(t, ROLE, &STAGES, stages),
+            stages: Stages::new(t, ROLE, &STAGES, stage_sample),
             compression: CompressionTimers::new(t, ROLE),
             offered_rate: t.gauge("rpcmesh_driver_offered_calls_per_second", &[("role", ROLE)]),
             achieved_rate: t.gauge(

@@ -21,7 +21,7 @@ use rpcmesh_common::frame::{DEFAULT_MAX_BODY_LEN, Flags, Frame, MsgType};
 use rpcmesh_common::io::{FramedIo, IoEvent};
 use rpcmesh_common::listener::AcceptObserver;
 use rpcmesh_common::shutdown::CancellationToken;
-use rpcmesh_common::telemetry::ErrorKind;
+use rpcmesh_common::telemetry::{ErrorKind, Sampler};
 use tokio::net::TcpStream;
 
 use crate::config::DriverConfig;
@@ -103,6 +103,8 @@ struct User {
     failed: bool,
     measured: bool,
     active: bool,
+    /// The request's stage is timed (a sample of requests is).
+    timed: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -141,6 +143,7 @@ pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> Outcome {
                 failed: false,
                 measured: false,
                 active: false,
+                timed: false,
             };
             plan.users
         ],
@@ -152,6 +155,8 @@ pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> Outcome {
         in_flight: 0,
         in_flight_reported: 0,
         round: Vec::new(),
+        sampler: shared.metrics.stages.sampler(),
+        request_sampler: shared.metrics.stages.sampler(),
         out: Outcome::default(),
         interval: Tally::interval(),
         shared: shared.clone(),
@@ -175,8 +180,11 @@ struct Worker {
     in_flight_reported: usize,
     out: Outcome,
     interval: Tally,
-    /// Ids of the calls encoded this round (stages on only).
+    /// Ids of the timed calls encoded this round.
     round: Vec<u64>,
+    /// Pick the calls and requests whose stages are timed.
+    sampler: Sampler,
+    request_sampler: Sampler,
 }
 
 impl Worker {
@@ -426,6 +434,7 @@ impl Worker {
             failed: false,
             measured: now >= self.shared.measure_from,
             active: true,
+            timed: self.request_sampler.pick(),
         };
         let calls = if self.parallel { self.fanout } else { 1 };
         for _ in 0..calls {
@@ -440,8 +449,8 @@ impl Worker {
         self.generation = self.generation.wrapping_add(1);
         let id = (u64::from(self.generation) << 32) | idx as u64;
         let measured = now >= self.shared.measure_from;
+        let encoding = self.sampler.stamp();
         let m = &self.shared.metrics;
-        let encoding = m.stages.on().then(Instant::now);
         let encoded = self
             .shared
             .workload
@@ -561,7 +570,9 @@ impl Worker {
         } else {
             m.requests_ok.increment(1);
         }
-        m.stages.record_span(REQUEST, user.started, now);
+        if user.timed {
+            m.stages.record_span(REQUEST, user.started, now);
+        }
         self.interval.requests.record_us(us);
         if user.failed {
             self.interval.requests_failed += 1;

@@ -76,6 +76,9 @@ pub struct Args {
     /// Record per-stage latency histograms (off: the hot path takes no timestamps).
     #[arg(long, env = "RPCMESH_STAGE_METRICS", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
     pub stage_metrics: bool,
+    /// Time the stages of one call in this many (1 = every call).
+    #[arg(long, env = "RPCMESH_STAGE_SAMPLE", default_value_t = rpcmesh_common::telemetry::DEFAULT_STAGE_SAMPLE)]
+    pub stage_sample: u32,
 }
 
 /// Validated provider settings, as `run` takes them.
@@ -97,8 +100,8 @@ pub struct ProviderConfig {
     pub max_inflated: usize,
     /// Drain time on shutdown.
     pub grace: Duration,
-    /// Per-stage latency histograms on.
-    pub stage_metrics: bool,
+    /// Stages are timed on one call in this many; 0 = not at all.
+    pub stage_sample: u32,
 }
 
 impl Default for ProviderConfig {
@@ -112,7 +115,7 @@ impl Default for ProviderConfig {
             max_body_len: DEFAULT_MAX_BODY_LEN,
             max_inflated: DEFAULT_MAX_INFLATED_LEN,
             grace: DEFAULT_GRACE,
-            stage_metrics: true,
+            stage_sample: rpcmesh_common::telemetry::DEFAULT_STAGE_SAMPLE,
         }
     }
 }
@@ -154,7 +157,11 @@ impl Args {
             max_body_len: self.max_body_bytes,
             max_inflated: self.max_inflated_bytes,
             grace: self.grace,
-            stage_metrics: self.stage_metrics,
+            stage_sample: if self.stage_metrics {
+                self.stage_sample.max(1)
+            } else {
+                0
+            },
         })
     }
 }

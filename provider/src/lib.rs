@@ -52,7 +52,7 @@ pub async fn run_with(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> ServeSummary {
     let registry = registry.with_service_time(config.service_time);
-    let metrics = ProviderMetrics::new(telemetry, &registry, config.stage_metrics);
+    let metrics = ProviderMetrics::new(telemetry, &registry, config.stage_sample);
     let accept = AcceptConfig {
         max_connections: config.max_connections,
         grace: config.grace,
@@ -71,6 +71,7 @@ pub async fn run_with(
         metrics,
     });
     let token = shutdown::token_from(shutdown);
+    let upkeep = shared.metrics.telemetry.spawn_upkeep(token.clone());
     let system = sysmetrics::spawn(
         shared.metrics.telemetry.clone(),
         metrics::ROLE,
@@ -86,6 +87,7 @@ pub async fn run_with(
     )
     .await;
     system.abort();
+    upkeep.abort();
     tracing::info!(?summary, "provider stopped");
     summary
 }

@@ -52,9 +52,9 @@ pub struct ProviderMetrics {
 }
 
 impl ProviderMetrics {
-    /// Registers every handle for the methods in `registry`; `stages` off makes the
-    /// per-stage histograms no-ops.
-    pub fn new(telemetry: Telemetry, registry: &Registry, stages: bool) -> Self {
+    /// Registers every handle for the methods in `registry`; stages are timed on one call
+    /// in `stage_sample` (0: never, and the histograms are no-ops).
+    pub fn new(telemetry: Telemetry, registry: &Registry, stage_sample: u32) -> Self {
         let t = &telemetry;
         rpcmesh_common::catalogue::describe_all(t);
         ProviderMetrics {
@@ -69,7 +69,7 @@ impl ProviderMetrics {
             conns: Arc::new(ConnCounters::new(t, ROLE, "inbound")),
             wire: WireCounters::new(t, ROLE, "inbound"),
             payload: PayloadCounters::new(t, ROLE),
-            stages: Stages::new(t, ROLE, &STAGES, stages),
+            stages: Stages::new(t, ROLE, &STAGES, stage_sample),
             compression: CompressionTimers::new(t, ROLE),
             telemetry,
         }

@@ -22,7 +22,7 @@ use rpcmesh_common::codec::FrameCodec;
 use rpcmesh_common::frame::{Flags, Frame, FrameError, Heartbeat, MsgType};
 use rpcmesh_common::io::{FramedIo, IoEvent};
 use rpcmesh_common::shutdown::CancellationToken;
-use rpcmesh_common::telemetry::{ErrorKind, Stages};
+use rpcmesh_common::telemetry::{ErrorKind, Sampler, Stages};
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
@@ -93,8 +93,10 @@ struct Session {
     draining: bool,
     in_flight_reported: usize,
     bad_input_seen: u64,
-    /// Read times of the calls answered this round (for the `total` stage).
+    /// Read times of the timed calls answered this round (for the `total` stage).
     answered: Vec<Instant>,
+    /// Picks the calls whose stages are timed.
+    sampler: Sampler,
 }
 
 impl Session {
@@ -110,6 +112,7 @@ impl Session {
             in_flight_reported: 0,
             bad_input_seen: 0,
             answered: Vec::new(),
+            sampler: shared.metrics.stages.sampler(),
             shared,
         }
     }
@@ -151,7 +154,8 @@ impl Session {
 
     /// Handles every whole frame read so far.
     fn take_frames(&mut self) -> Result<(), SessionError> {
-        let read_at = self.stamp();
+        // One timestamp per read, taken only when stages are recorded at all.
+        let read_at = self.shared.metrics.stages.on().then(Instant::now);
         loop {
             match self.io.next_frame() {
                 Ok(Some(frame)) => self.on_frame(frame, read_at),
@@ -181,6 +185,8 @@ impl Session {
     fn on_frame(&mut self, frame: Frame, read_at: Option<Instant>) {
         match frame.header.msg_type {
             MsgType::Request => {
+                // Only a sample of the calls is timed.
+                let read_at = read_at.filter(|_| self.sampler.pick());
                 if self.on_request(frame, read_at) {
                     self.answered.extend(read_at);
                 }
@@ -212,7 +218,9 @@ impl Session {
     }
 
     /// Serves one request; true when it was answered now (false: a handler works on it).
+    /// `read_at` is set when this call's stages are timed.
     fn on_request(&mut self, frame: Frame, read_at: Option<Instant>) -> bool {
+        let stamp = || read_at.map(|_| Instant::now());
         let (id, flags) = (frame.header.req_id, frame.header.flags);
         if self.draining {
             self.reply_error(
@@ -231,7 +239,7 @@ impl Session {
             self.reply_error(id, flags, None, Status::Overloaded, &msg);
             return true;
         }
-        let started = self.stamp();
+        let started = stamp();
         let call = match self.calls.decode_request(&frame) {
             Ok(c) => c,
             Err(e) => {
@@ -240,7 +248,7 @@ impl Session {
                 return true;
             }
         };
-        let decoded = self.stamp();
+        let decoded = stamp();
         let stages = &self.shared.metrics.stages;
         stage(stages, QUEUE, read_at, started);
         stage(stages, DECODE, started, decoded);
@@ -272,13 +280,13 @@ impl Session {
         let outcome = handler.call(call.rpc, &mut self.scratch);
         match outcome {
             Outcome::Ready(Ok(())) => {
-                let handled = self.stamp();
+                let handled = stamp();
                 let answer = std::mem::take(&mut self.scratch);
                 self.reply_ok(id, flags, method, &answer);
                 self.scratch = answer;
                 let stages = &self.shared.metrics.stages;
                 stage(stages, HANDLER, decoded, handled);
-                stage(stages, ENCODE, handled, self.stamp());
+                stage(stages, ENCODE, handled, stamp());
             }
             Outcome::Ready(Err(e)) => self.reply_service_error(id, flags, method, &e),
             Outcome::Later(fut) => {
@@ -297,30 +305,28 @@ impl Session {
     }
 
     fn finish(&mut self, done: Finished) {
-        let handled = self.stamp();
+        let stamp = || done.read_at.map(|_| Instant::now());
+        let handled = stamp();
         stage(&self.shared.metrics.stages, HANDLER, done.decoded, handled);
         match done.result {
             Ok(answer) => {
                 self.reply_ok(done.req_id, done.flags, done.method, &answer);
-                stage(&self.shared.metrics.stages, ENCODE, handled, self.stamp());
+                stage(&self.shared.metrics.stages, ENCODE, handled, stamp());
             }
             Err(e) => self.reply_service_error(done.req_id, done.flags, done.method, &e),
         }
         self.answered.extend(done.read_at);
     }
 
-    /// Now, when stages are recorded.
-    fn stamp(&self) -> Option<Instant> {
-        self.shared.metrics.stages.on().then(Instant::now)
-    }
-
-    /// Records the total time of every call answered this round, once its reply has been
-    /// handed to the socket.
+    /// Records the total time of every timed call answered this round, once its reply
+    /// has been handed to the socket.
     fn record_totals(&mut self) {
-        if let Some(now) = self.stamp() {
-            for read_at in self.answered.drain(..) {
-                self.shared.metrics.stages.record_span(TOTAL, read_at, now);
-            }
+        if self.answered.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        for read_at in self.answered.drain(..) {
+            self.shared.metrics.stages.record_span(TOTAL, read_at, now);
         }
     }
 

@@ -417,7 +417,7 @@ impl ConnTask {
             deadline: fwd.deadline,
             sent: None,
         });
-        if self.metrics.stages.on() {
+        if fwd.info.routed.is_some() {
             self.round.push(id);
         }
         let header = Header {
@@ -444,7 +444,7 @@ impl ConnTask {
                 if let (Some(sent), Some(read)) = (slot.sent, read_at) {
                     self.metrics.stages.record_span(UPSTREAM, sent, read);
                 }
-                slot.info.replied = read_at;
+                slot.info.replied = read_at.filter(|_| slot.info.routed.is_some());
                 let outcome = if frame.body.len() < 5 {
                     self.metrics.errors.inc(ErrorKind::BadBody);
                     Err((
