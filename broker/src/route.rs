@@ -29,17 +29,34 @@ pub(crate) enum NoRoute {
 }
 
 /// Per-session balancing state (so that balancing shares nothing between sessions).
+///
+/// The calls a session reads together go to one connection together: the choice is made
+/// for the first call of a read and kept for the rest ([`Picker::new_batch`] starts a new
+/// one). Calls that arrived in one segment then leave in one write and come back in one,
+/// instead of being spread thin over the pool and trickling back; balancing still acts
+/// on every read.
 #[derive(Debug)]
 pub(crate) struct Picker {
     rng: fastrand::Rng,
     turn: usize,
+    /// (pool, connection) that took the current batch's calls.
+    batch: Option<(usize, usize)>,
 }
 
 impl Picker {
     pub fn new() -> Self {
         let mut rng = fastrand::Rng::new();
         let turn = rng.usize(..1024);
-        Picker { rng, turn }
+        Picker {
+            rng,
+            turn,
+            batch: None,
+        }
+    }
+
+    /// The next calls belong to a new batch: choose afresh.
+    pub fn new_batch(&mut self) {
+        self.batch = None;
     }
 }
 
@@ -88,6 +105,19 @@ impl Router {
             return Err((fwd, NoRoute::UnknownService));
         }
         let needs_ext = fwd.frame.header.flags.contains(Flags::COMPRESSED);
+        // The connection that took this batch's earlier calls, if it serves this one.
+        if let Some((pool_idx, conn_idx)) = picker.batch {
+            let pool = &self.pools[pool_idx];
+            if cands.contains(&pool_idx) && (pool.spec.ext || !needs_ext) {
+                match try_pool(pool, fwd, picker, Some(conn_idx)) {
+                    Ok(c) => {
+                        picker.batch = Some((pool_idx, c));
+                        return Ok(());
+                    }
+                    Err((f, _)) => fwd = f,
+                }
+            }
+        }
         let n = cands.len();
         // Order of providers to try: the better of two random ones (or the next in turn)
         // first, then all the others in order.
@@ -109,15 +139,19 @@ impl Router {
         };
         let mut why = NoRoute::NoHealthy;
         for k in 0..n {
-            let pool = &self.pools[cands[(first + k) % n]];
+            let pool_idx = cands[(first + k) % n];
+            let pool = &self.pools[pool_idx];
             if needs_ext && !pool.spec.ext {
                 if why == NoRoute::NoHealthy {
                     why = NoRoute::NeedsExtension;
                 }
                 continue;
             }
-            match try_pool(pool, fwd, picker) {
-                Ok(()) => return Ok(()),
+            match try_pool(pool, fwd, picker, None) {
+                Ok(c) => {
+                    picker.batch = Some((pool_idx, c));
+                    return Ok(());
+                }
                 Err((f, r)) => {
                     fwd = f;
                     if r == Some(Refused::Full) {
@@ -130,21 +164,25 @@ impl Router {
     }
 }
 
-/// Offers the call to the less loaded of two open connections of `pool`, then to the
-/// others. `None` in the error = the pool has no open connection.
+/// Offers the call to `prefer` (a connection index), else to the less loaded of two open
+/// connections of `pool`, then to the others; returns the index that took it. `None` in
+/// the error = the pool has no open connection.
 // A refused call is handed back by value (no allocation on the per-call path).
 #[allow(clippy::result_large_err)]
 fn try_pool(
     pool: &ProviderPool,
     mut fwd: Forward,
     picker: &mut Picker,
-) -> Result<(), (Forward, Option<Refused>)> {
+    prefer: Option<usize>,
+) -> Result<usize, (Forward, Option<Refused>)> {
     let conns = pool.ready();
     let n = conns.len();
     if n == 0 {
         return Err((fwd, None));
     }
-    let start = if n > 1 {
+    let start = if let Some(p) = prefer.filter(|p| *p < n) {
+        p
+    } else if n > 1 {
         let a = picker.rng.usize(..n);
         let b = (a + 1) % n;
         if load(&conns[b]) < load(&conns[a]) {
@@ -157,12 +195,13 @@ fn try_pool(
     };
     let mut refused = None;
     for k in 0..n {
-        let c = &conns[(start + k) % n];
+        let i = (start + k) % n;
+        let c = &conns[i];
         if c.is_closed() {
             continue;
         }
         match c.try_forward(fwd) {
-            Ok(()) => return Ok(()),
+            Ok(()) => return Ok(i),
             Err((f, r)) => {
                 fwd = f;
                 if r == Refused::Full {

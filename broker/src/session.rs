@@ -186,6 +186,7 @@ impl Session {
     /// Handles every whole frame read so far.
     fn take_frames(&mut self) -> Result<(), SessionError> {
         let now = Instant::now();
+        self.picker.new_batch();
         loop {
             match self.io.next_frame() {
                 Ok(Some(frame)) => self.on_frame(frame, now),
