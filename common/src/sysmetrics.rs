@@ -652,6 +652,9 @@ pub fn spawn(
     stop: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
+        if !telemetry.is_recording() {
+            return;
+        }
         let mut metrics = SystemMetrics::new(&telemetry, role);
         let mut ticker = tokio::time::interval(interval.max(MIN_INTERVAL));
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

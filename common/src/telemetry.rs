@@ -31,16 +31,18 @@ pub const UPKEEP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(
 
 const METADATA: Metadata<'static> = Metadata::new("rpcmesh", metrics::Level::INFO, None);
 
-/// A recorder of one program instance, and the handle that renders it.
+/// A recorder of one program instance, and the handle that renders it; or nothing at all
+/// ([`Telemetry::discard`]), when no one can read the metrics.
 #[derive(Clone)]
 pub struct Telemetry {
-    recorder: Arc<PrometheusRecorder>,
-    handle: PrometheusHandle,
+    inner: Option<(Arc<PrometheusRecorder>, PrometheusHandle)>,
 }
 
 impl std::fmt::Debug for Telemetry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Telemetry").finish_non_exhaustive()
+        f.debug_struct("Telemetry")
+            .field("recording", &self.inner.is_some())
+            .finish_non_exhaustive()
     }
 }
 
@@ -51,7 +53,8 @@ impl Default for Telemetry {
 }
 
 impl Telemetry {
-    /// A fresh recorder with rpcmesh's histogram buckets.
+    /// A fresh recorder with rpcmesh's histogram buckets, kept in memory (tests read it
+    /// with [`Telemetry::render`]).
     pub fn new() -> Self {
         let recorder = PrometheusBuilder::new()
             .set_buckets(LATENCY_BUCKETS)
@@ -59,9 +62,19 @@ impl Telemetry {
             .build_recorder();
         let handle = recorder.handle();
         Telemetry {
-            recorder: Arc::new(recorder),
-            handle,
+            inner: Some((Arc::new(recorder), handle)),
         }
+    }
+
+    /// No recorder: every handle is a no-op (the metrics endpoint is off, so nothing
+    /// recorded could be read, and the hot path pays nothing for it).
+    pub fn discard() -> Self {
+        Telemetry { inner: None }
+    }
+
+    /// True when metrics are recorded.
+    pub fn is_recording(&self) -> bool {
+        self.inner.is_some()
     }
 
     /// A recorder whose `/metrics` is served over HTTP on `addr` (Prometheus text format),
@@ -81,32 +94,40 @@ impl Telemetry {
         tracing::info!(%addr, "metrics served at /metrics");
         let handle = recorder.handle();
         Ok(Telemetry {
-            recorder: Arc::new(recorder),
-            handle,
+            inner: Some((Arc::new(recorder), handle)),
         })
     }
 
     /// Registers (or finds) a counter.
     pub fn counter(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Counter {
-        self.recorder
-            .register_counter(&key(name, labels), &METADATA)
+        match &self.inner {
+            Some((r, _)) => r.register_counter(&key(name, labels), &METADATA),
+            None => Counter::noop(),
+        }
     }
 
     /// Registers (or finds) a gauge.
     pub fn gauge(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Gauge {
-        self.recorder.register_gauge(&key(name, labels), &METADATA)
+        match &self.inner {
+            Some((r, _)) => r.register_gauge(&key(name, labels), &METADATA),
+            None => Gauge::noop(),
+        }
     }
 
     /// Registers (or finds) a histogram.
     pub fn histogram(&self, name: &'static str, labels: &[(&'static str, &str)]) -> Histogram {
-        self.recorder
-            .register_histogram(&key(name, labels), &METADATA)
+        match &self.inner {
+            Some((r, _)) => r.register_histogram(&key(name, labels), &METADATA),
+            None => Histogram::noop(),
+        }
     }
 
-    /// Attaches help text to a metric name.
+    /// Attaches help text to a metric name (the exporter keeps one description per name,
+    /// whatever its kind).
     pub fn describe(&self, name: &'static str, unit: Option<metrics::Unit>, help: &'static str) {
-        self.recorder
-            .describe_counter(name.into(), unit, help.into());
+        if let Some((r, _)) = &self.inner {
+            r.describe_counter(name.into(), unit, help.into());
+        }
     }
 
     /// Attaches help text to a histogram's name.
@@ -116,19 +137,24 @@ impl Telemetry {
         unit: Option<metrics::Unit>,
         help: &'static str,
     ) {
-        self.recorder
-            .describe_histogram(name.into(), unit, help.into());
+        if let Some((r, _)) = &self.inner {
+            r.describe_histogram(name.into(), unit, help.into());
+        }
     }
 
     /// The Prometheus text exposition of everything recorded so far.
     pub fn render(&self) -> String {
-        self.handle.render()
+        self.inner
+            .as_ref()
+            .map_or_else(String::new, |(_, h)| h.render())
     }
 
     /// Drains histogram samples into their buckets; run it periodically so that samples
     /// do not pile up between scrapes.
     pub fn run_upkeep(&self) {
-        self.handle.run_upkeep();
+        if let Some((_, h)) = &self.inner {
+            h.run_upkeep();
+        }
     }
 
     /// Runs [`Telemetry::run_upkeep`] every [`UPKEEP_INTERVAL`] until `stop`: without it,
@@ -137,8 +163,9 @@ impl Telemetry {
         &self,
         stop: crate::shutdown::CancellationToken,
     ) -> tokio::task::JoinHandle<()> {
-        let handle = self.handle.clone();
+        let handle = self.inner.as_ref().map(|(_, h)| h.clone());
         tokio::spawn(async move {
+            let Some(handle) = handle else { return };
             let mut tick = tokio::time::interval(UPKEEP_INTERVAL);
             loop {
                 tokio::select! {
@@ -147,12 +174,6 @@ impl Telemetry {
                 }
             }
         })
-    }
-
-    /// The recorder, for code that records through the `metrics` macros (wrap a call in
-    /// `metrics::with_local_recorder`).
-    pub fn recorder(&self) -> &PrometheusRecorder {
-        &self.recorder
     }
 }
 
@@ -582,12 +603,12 @@ impl std::str::FromStr for MetricsListen {
     }
 }
 
-/// The telemetry of a program: served over HTTP when an address is given, in memory only
+/// The telemetry of a program: served over HTTP when an address is given, discarded
 /// otherwise.
 pub fn start(listen: MetricsListen) -> Result<Telemetry, metrics_exporter_prometheus::BuildError> {
     match listen.0 {
         Some(a) => Telemetry::serve_http(a),
-        None => Ok(Telemetry::new()),
+        None => Ok(Telemetry::discard()),
     }
 }
 

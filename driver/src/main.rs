@@ -29,7 +29,7 @@ fn main() -> anyhow::Result<()> {
             Ok(t) => t,
             Err(e) => {
                 tracing::warn!(error = %e, "metrics endpoint not started; running without it");
-                rpcmesh_common::telemetry::Telemetry::new()
+                rpcmesh_common::telemetry::Telemetry::discard()
             }
         };
         rpcmesh_driver::run_with(config, telemetry, stop).await

@@ -336,7 +336,7 @@ impl Worker {
                     Status::Success => self
                         .shared
                         .workload
-                        .check(r.rpc.payload)
+                        .check(&r.rpc.payload)
                         .map_err(|_| "bad_reply"),
                     s => Err(s.label()),
                 }
