@@ -117,6 +117,21 @@ impl CompressionTimers {
     }
 }
 
+/// A response read in place: the envelope's fields borrow the frame (or the inflated
+/// copy), so reading it costs no allocation and no reference count. What a load
+/// generator needs for every reply.
+#[derive(Debug)]
+pub struct ReplyView<'a> {
+    /// The status as sent.
+    pub status: Status,
+    /// `RpcResponse.success`.
+    pub success: bool,
+    /// `RpcResponse.payload`: the application message.
+    pub payload: &'a [u8],
+    /// Payload sizes.
+    pub size: PayloadSize,
+}
+
 /// Per-connection encoding state: the reused zlib state and scratch buffers.
 #[derive(Debug)]
 pub struct CallCodec {
@@ -293,6 +308,49 @@ impl CallCodec {
         Ok(IncomingReply { status, rpc, size })
     }
 
+    /// Reads a response frame in place (see [`ReplyView`]).
+    pub fn view_response<'a>(&'a mut self, frame: &'a Frame) -> Result<ReplyView<'a>, CallError> {
+        expect_type(frame, MsgType::Response)?;
+        let body = &frame.body[..];
+        let bad = |reason| {
+            CallError::Frame(FrameError::BadBody {
+                what: "response",
+                reason,
+            })
+        };
+        let (&raw, rest) = body.split_first().ok_or_else(|| bad("empty body"))?;
+        let status = Status::from_wire(raw).ok_or(CallError::UnknownStatus(raw))?;
+        let (len, payload) = rest
+            .split_first_chunk::<4>()
+            .ok_or_else(|| bad("payload length overruns the body"))?;
+        if u32::from_be_bytes(*len) as usize != payload.len() {
+            return Err(bad("payload length does not match the body length"));
+        }
+        let wire = payload.len();
+        let envelope: &[u8] = if frame.header.flags.contains(Flags::COMPRESSED) {
+            self.scratch.clear();
+            let started = self.timers.as_ref().map(|_| std::time::Instant::now());
+            let inflated = self.inflater.inflate_into(payload, &mut self.scratch);
+            if let (Some(t), Some(s)) = (&self.timers, started) {
+                t.inflate.record(s.elapsed().as_secs_f64());
+            }
+            inflated?;
+            &self.scratch
+        } else {
+            payload
+        };
+        let (success, payload) = read_response_envelope(envelope)?;
+        Ok(ReplyView {
+            status,
+            success,
+            payload,
+            size: PayloadSize {
+                plain: envelope.len(),
+                wire,
+            },
+        })
+    }
+
     fn plain_payload(
         &mut self,
         flags: Flags,
@@ -311,6 +369,33 @@ impl CallCodec {
             Ok((payload.clone(), payload.len()))
         }
     }
+}
+
+/// `RpcResponse { success, payload }` read from its bytes without building it (the other
+/// fields are skipped).
+fn read_response_envelope(mut buf: &[u8]) -> Result<(bool, &[u8]), CallError> {
+    use prost::encoding::{DecodeContext, decode_key, decode_varint, skip_field};
+    let (mut success, mut payload): (bool, &[u8]) = (false, &[]);
+    while !buf.is_empty() {
+        let (tag, wire_type) = decode_key(&mut buf)?;
+        match (tag, wire_type) {
+            (1, WireType::Varint) => success = decode_varint(&mut buf)? != 0,
+            (2, WireType::LengthDelimited) => {
+                let n = decode_varint(&mut buf)? as usize;
+                if n > buf.len() {
+                    return Err(CallError::Frame(FrameError::BadBody {
+                        what: "response envelope",
+                        reason: "payload overruns the envelope",
+                    }));
+                }
+                let (p, rest) = buf.split_at(n);
+                payload = p;
+                buf = rest;
+            }
+            _ => skip_field(wire_type, tag, &mut buf, DecodeContext::default())?,
+        }
+    }
+    Ok((success, payload))
 }
 
 fn expect_type(frame: &Frame, expected: MsgType) -> Result<(), CallError> {
@@ -459,6 +544,39 @@ mod tests {
             .put_ok_response(&mut b, 1, Flags::NONE, &inner)
             .unwrap();
         assert!(frame(b).header.flags.is_empty());
+    }
+
+    #[test]
+    fn a_reply_read_in_place_matches_the_decoded_one() {
+        let mut codec = CallCodec::new(
+            Some(CompressionConfig {
+                threshold: 1,
+                level: 6,
+            }),
+            1 << 20,
+        );
+        let inner = EchoResponse {
+            message: "in place in place in place".into(),
+        }
+        .encode_to_vec();
+        for flags in [Flags::NONE, Flags::ACCEPT_COMPRESSED] {
+            let mut b = BytesMut::new();
+            codec.put_ok_response(&mut b, 9, flags, &inner).unwrap();
+            let f = frame(b);
+            let decoded = codec.decode_response(&f).unwrap();
+            let view = codec.view_response(&f).unwrap();
+            assert_eq!(view.status, decoded.status);
+            assert_eq!(view.success, decoded.rpc.success);
+            assert_eq!(view.payload, &decoded.rpc.payload[..]);
+            assert_eq!(view.size, decoded.size);
+        }
+        let mut b = BytesMut::new();
+        put_error_response(&mut b, 3, Flags::EXT_STATUS, Status::Overloaded, "busy");
+        let f = frame(b);
+        let view = codec.view_response(&f).unwrap();
+        assert_eq!(view.status, Status::Overloaded);
+        assert!(!view.success);
+        assert!(view.payload.is_empty());
     }
 
     #[test]

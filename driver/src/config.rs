@@ -95,6 +95,10 @@ pub struct Args {
     /// Users, each making one request after another (closed loop).
     #[arg(long, env = "RPCMESH_CONCURRENCY", default_value_t = DEFAULT_CONCURRENCY)]
     pub concurrency: usize,
+    /// Open loop: start this many requests per second in all, whatever the replies
+    /// (`--concurrency` then caps the requests in flight). Without it: closed loop.
+    #[arg(long, env = "RPCMESH_RATE")]
+    pub rate: Option<f64>,
     /// TCP connections the users share.
     #[arg(long, env = "RPCMESH_CONNECTIONS", default_value_t = DEFAULT_CONNECTIONS)]
     pub connections: usize,
@@ -159,8 +163,10 @@ pub struct DriverConfig {
     pub fanout: u32,
     /// Calls of a request at once.
     pub parallel: bool,
-    /// Users.
+    /// Users (closed loop), or most requests in flight (open loop).
     pub concurrency: usize,
+    /// Open loop: requests per second in all; `None` = closed loop.
+    pub rate: Option<f64>,
     /// Connections.
     pub connections: usize,
     /// When to stop.
@@ -190,6 +196,7 @@ impl Default for DriverConfig {
             fanout: DEFAULT_FANOUT,
             parallel: false,
             concurrency: DEFAULT_CONCURRENCY,
+            rate: None,
             connections: DEFAULT_CONNECTIONS,
             stop: Stop::Duration(DEFAULT_EMBEDDED_DURATION),
             warmup: DEFAULT_WARMUP,
@@ -225,6 +232,10 @@ impl Args {
         p.check(self.concurrency == 0, || {
             "--concurrency must be at least 1".into()
         });
+        p.check(
+            self.rate.is_some_and(|r| !(r.is_finite() && r > 0.0)),
+            || "--rate must be a number of requests per second above zero".into(),
+        );
         p.check(self.connections == 0, || {
             "--connections must be at least 1".into()
         });
@@ -266,6 +277,7 @@ impl Args {
             fanout: self.fanout,
             parallel: self.parallel,
             concurrency: self.concurrency,
+            rate: self.rate,
             connections,
             stop,
             warmup: self.warmup,

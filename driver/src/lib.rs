@@ -92,6 +92,10 @@ async fn drive(
     let plans: Vec<Plan> = (0..n)
         .map(|i| Plan {
             index: i,
+            // Each connection paces its share of the rate.
+            every: config
+                .rate
+                .map(|r| std::time::Duration::from_secs_f64(n as f64 / r)),
             target: config.targets[i % config.targets.len()].clone(),
             users: config.concurrency / n + usize::from(i < config.concurrency % n),
         })
@@ -122,6 +126,7 @@ async fn drive(
         .collect();
     let mut total = Tally::default();
     let (mut late, mut connect_failures, mut last_done) = (0, 0, None::<Instant>);
+    let (mut not_started, mut lag) = (0, stats::Latency::default());
     for w in workers {
         match w.await {
             Ok(o) => {
@@ -129,6 +134,8 @@ async fn drive(
                 late += o.late_replies;
                 connect_failures += o.connect_failures;
                 last_done = last_done.max(o.last_done);
+                not_started += o.not_started;
+                lag.add(&o.lag);
             }
             Err(e) => tracing::error!(error = %e, "a worker task failed"),
         }
@@ -144,15 +151,21 @@ async fn drive(
         .saturating_duration_since(measure_from)
         .as_secs_f64()
         .max(1e-9);
-    build_report(
-        &shared.config,
-        embedded,
-        started_unix,
-        secs,
-        &total,
+    let end = RunEnd {
         late,
         connect_failures,
-    )
+        not_started,
+        lag,
+    };
+    build_report(&shared.config, embedded, started_unix, secs, &total, &end)
+}
+
+/// The figures a run gathers beside its tally.
+struct RunEnd {
+    late: u64,
+    connect_failures: u64,
+    not_started: u64,
+    lag: stats::Latency,
 }
 
 fn build_report(
@@ -161,10 +174,10 @@ fn build_report(
     started_unix: u64,
     secs: f64,
     t: &Tally,
-    late: u64,
-    connect_failures: u64,
+    end: &RunEnd,
 ) -> Report {
     use report::*;
+    let (late, connect_failures) = (end.late, end.connect_failures);
     let completed = t.requests_ok + t.requests_failed;
     Report {
         version: env!("CARGO_PKG_VERSION").to_string(),
@@ -184,6 +197,7 @@ fn build_report(
             compression: c.compression.is_some(),
             plain_v1: !c.ext,
             warmup_seconds: c.warmup.as_secs_f64(),
+            rate: c.rate,
         },
         measured_seconds: secs,
         requests: RequestFigures {
@@ -191,6 +205,8 @@ fn build_report(
             ok: t.requests_ok,
             failed: t.requests_failed,
             per_second: completed as f64 / secs,
+            not_started: end.not_started,
+            start_lag: c.rate.map(|_| end.lag.summary()),
             latency: t.requests.summary(),
         },
         calls: CallFigures {

@@ -1,6 +1,7 @@
 //! `driver`: parses the command line, starts logging and the runtime, runs the load (with
 //! an embedded provider and broker when no target is given), prints the report and writes
-//! it as JSON when asked. Ctrl-C ends the run early and still reports.
+//! it as JSON when asked. Ctrl-C ends the run early and still reports. Exits 1 when no
+//! call succeeded.
 
 use anyhow::Context;
 use clap::Parser;
@@ -53,6 +54,14 @@ fn main() -> anyhow::Result<()> {
                 () = rpcmesh_common::shutdown::signal() => {}
             }
         });
+    }
+    if report.calls.ok == 0 {
+        // A run that measured nothing is a failure, for scripts as for people.
+        anyhow::bail!(
+            "no call succeeded ({} sent, {} failed connection attempts)",
+            report.calls.sent,
+            report.calls.connect_failures
+        );
     }
     Ok(())
 }

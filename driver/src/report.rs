@@ -52,6 +52,9 @@ pub struct Setup {
     pub plain_v1: bool,
     /// Warm-up, seconds.
     pub warmup_seconds: f64,
+    /// Open loop: requests started per second in all; `None` = closed loop.
+    #[serde(default)]
+    pub rate: Option<f64>,
 }
 
 /// Figures of user requests.
@@ -65,6 +68,13 @@ pub struct RequestFigures {
     pub failed: u64,
     /// Completed requests per second.
     pub per_second: f64,
+    /// Open loop: requests due while every slot (`concurrency`) was busy, not started.
+    #[serde(default)]
+    pub not_started: u64,
+    /// Open loop: how late requests started after their intended time, ms (the driver's
+    /// own pacing; latency is counted from the actual start).
+    #[serde(default)]
+    pub start_lag: Option<LatencySummary>,
     /// Request latency (all calls), ms.
     pub latency: LatencySummary,
 }
@@ -130,10 +140,18 @@ impl Report {
             "rpcmesh driver {} — {} workload against {}",
             self.version, s.workload, target
         );
+        let load = match s.rate {
+            Some(r) => format!(
+                "open loop at {} requests/s (at most {} in flight)",
+                thousands(r),
+                s.concurrency
+            ),
+            None => format!("{} users", s.concurrency),
+        };
         let _ = writeln!(
             o,
-            "  {} users on {} connections, {} call{} per request ({}), compression {}{}, {:.1} s measured after {:.1} s warm-up",
-            s.concurrency,
+            "  {} on {} connections, {} call{} per request ({}), compression {}{}, {:.1} s measured after {:.1} s warm-up",
+            load,
             s.connections,
             s.fanout,
             if s.fanout == 1 { "" } else { "s" },
@@ -208,6 +226,17 @@ impl Report {
             "  requests: {} completed, {} ok, {} with a failed call",
             self.requests.completed, self.requests.ok, self.requests.failed
         );
+        if let Some(lag) = &self.requests.start_lag {
+            let _ = writeln!(
+                o,
+                "  open loop: {} due but not started (all {} slots busy); start lag p50 {} ms, p99 {} ms, max {} ms",
+                self.requests.not_started,
+                s.concurrency,
+                ms(lag.p50_ms),
+                ms(lag.p99_ms),
+                ms(lag.max_ms)
+            );
+        }
         if self.calls.late_replies > 0 || self.calls.connect_failures > 0 {
             let _ = writeln!(
                 o,

@@ -79,6 +79,9 @@ impl RunShared {
 #[derive(Debug, Clone)]
 pub(crate) struct Plan {
     pub index: usize,
+    /// Open loop: start a request every this long (users are then slots, at most that
+    /// many requests in flight). `None`: closed loop.
+    pub every: Option<Duration>,
     pub target: String,
     pub users: usize,
 }
@@ -93,6 +96,10 @@ pub(crate) struct Outcome {
     pub late_replies: u64,
     /// When the last measured call finished.
     pub last_done: Option<Instant>,
+    /// Open loop: measured requests due that found every slot busy (not started).
+    pub not_started: u64,
+    /// Open loop: how late measured requests started after their intended time, µs.
+    pub lag: crate::stats::Latency,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -157,6 +164,10 @@ pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> Outcome {
         round: Vec::new(),
         sampler: shared.metrics.stages.sampler(),
         request_sampler: shared.metrics.stages.sampler(),
+        active: 0,
+        free: Vec::new(),
+        next_due: None,
+        last_read: now,
         out: Outcome::default(),
         interval: Tally::interval(),
         shared: shared.clone(),
@@ -185,6 +196,14 @@ struct Worker {
     /// Pick the calls and requests whose stages are timed.
     sampler: Sampler,
     request_sampler: Sampler,
+    /// Users with a request under way.
+    active: usize,
+    /// Open loop: slots without a request, and when the next request is due (`None` once
+    /// no more may start).
+    free: Vec<usize>,
+    next_due: Option<Instant>,
+    /// When the last read returned (the clock of the byte counts).
+    last_read: Instant,
 }
 
 impl Worker {
@@ -194,15 +213,36 @@ impl Worker {
             return;
         };
         let now = Instant::now();
-        for u in 0..self.users.len() {
-            if self.shared.may_start(now) {
-                self.start_request(u, now, &mut io);
+        match self.plan.every {
+            None => {
+                for u in 0..self.users.len() {
+                    if self.shared.may_start(now) {
+                        self.start_request(u, now, &mut io);
+                    }
+                }
+            }
+            Some(_) => {
+                self.free = (0..self.users.len()).rev().collect();
+                self.next_due = Some(now);
             }
         }
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let pace = tokio::time::sleep_until(now.into());
+        tokio::pin!(pace);
+        let mut armed = None;
         loop {
-            if self.in_flight == 0 && !self.users.iter().any(|u| u.active) {
+            if self.next_due.is_some() {
+                self.start_due(Instant::now(), &mut io);
+                // Re-arm the pacing timer only when the next due time moved.
+                if self.next_due != armed {
+                    if let Some(due) = self.next_due {
+                        pace.as_mut().reset(due.into());
+                    }
+                    armed = self.next_due;
+                }
+            }
+            if self.in_flight == 0 && self.active == 0 && self.next_due.is_none() {
                 break;
             }
             let failed = tokio::select! {
@@ -212,6 +252,7 @@ impl Worker {
                     Ok(IoEvent::Wrote) => None,
                     Err(e) => Some(format!("socket: {e}")),
                 },
+                () = &mut pace, if self.next_due.is_some() => None,
                 _ = tick.tick() => {
                     self.on_tick(&mut io);
                     None
@@ -234,6 +275,35 @@ impl Worker {
         }
         self.shared.metrics.conns.closed();
         self.publish();
+    }
+
+    /// Open loop: starts every request whose time has come, each on a free slot; one due
+    /// while every slot is busy is not started (and counted). Latency is measured from
+    /// the actual start; how late that was after the intended time is kept as the lag.
+    fn start_due(&mut self, now: Instant, io: &mut FramedIo) {
+        let (Some(every), Some(mut due)) = (self.plan.every, self.next_due) else {
+            return;
+        };
+        while due <= now {
+            if !self.shared.may_start(due) {
+                self.next_due = None;
+                return;
+            }
+            let measured = due >= self.shared.measure_from;
+            match self.free.pop() {
+                Some(u) => {
+                    if measured {
+                        let lag = now.saturating_duration_since(due).as_micros() as u64;
+                        self.out.lag.record_us(lag);
+                    }
+                    self.start_request(u, now, io);
+                }
+                None if measured => self.out.not_started += 1,
+                None => {}
+            }
+            due += every;
+        }
+        self.next_due = Some(due);
     }
 
     /// Connects, retrying until the run would end anyway.
@@ -293,6 +363,8 @@ impl Worker {
                 for u in &mut self.users {
                     u.active = false;
                 }
+                self.active = 0;
+                self.next_due = None;
                 None
             }
         }
@@ -301,6 +373,7 @@ impl Worker {
     /// Handles every whole frame read so far.
     fn take_frames(&mut self, io: &mut FramedIo) -> Result<(), String> {
         let now = Instant::now();
+        self.last_read = now;
         loop {
             match io.next_frame() {
                 Ok(Some(frame)) => self.on_frame(frame, now, io),
@@ -325,7 +398,7 @@ impl Worker {
             return;
         };
         let decoding = slot.written.map(|_| Instant::now());
-        let outcome = match self.codec.decode_response(&frame) {
+        let outcome = match self.codec.view_response(&frame) {
             Ok(r) => {
                 self.shared.metrics.payload.received(r.size);
                 if slot.measured {
@@ -336,7 +409,7 @@ impl Worker {
                     Status::Success => self
                         .shared
                         .workload
-                        .check(&r.rpc.payload)
+                        .check(r.payload)
                         .map_err(|_| "bad_reply"),
                     s => Err(s.label()),
                 }
@@ -420,13 +493,14 @@ impl Worker {
             self.shared.metrics.in_flight.increment(delta);
             self.in_flight_reported = self.in_flight;
         }
-        if Instant::now() >= self.shared.measure_from {
+        if self.last_read >= self.shared.measure_from {
             self.out.tally.wire_out += c.bytes_written;
             self.out.tally.wire_in += c.bytes_read;
         }
     }
 
     fn start_request(&mut self, u: usize, now: Instant, io: &mut FramedIo) {
+        self.active += 1;
         self.users[u] = User {
             started: now,
             next_call: 0,
@@ -588,6 +662,12 @@ impl Worker {
             }
         }
         self.users[u].active = false;
+        self.active -= 1;
+        if self.plan.every.is_some() {
+            // Open loop: the slot waits for the pacer.
+            self.free.push(u);
+            return;
+        }
         if let Some(io) = io {
             if self.shared.may_start(now) {
                 self.start_request(u, now, io);

@@ -261,3 +261,47 @@ fn every_program_answers_help() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_loop_starts_requests_at_the_rate_whatever_the_replies() {
+    let (addr, stop, h) = provider(ProviderConfig::default()).await;
+    let mut c = quick(vec![addr.to_string()]);
+    c.rate = Some(2000.0);
+    c.concurrency = 64;
+    c.stop = Stop::Duration(Duration::from_secs(1));
+    let r = rpcmesh_driver::run(c, CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(r.setup.rate, Some(2000.0));
+    // About 2000 requests in the second (pacing and the window's edges allow some slack).
+    let done = r.requests.completed as f64;
+    assert!((1500.0..=2500.0).contains(&done), "{done} requests: {r:#?}");
+    assert!(r.requests.start_lag.is_some());
+    assert_counts_add_up(&r);
+    let _ = stop.send(());
+    h.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_loop_counts_requests_it_could_not_start() {
+    // A slow provider and two slots: most due requests find no free slot.
+    let (addr, stop, h) = provider(ProviderConfig {
+        service_time: Duration::from_millis(100),
+        ..ProviderConfig::default()
+    })
+    .await;
+    let mut c = quick(vec![addr.to_string()]);
+    c.rate = Some(200.0);
+    c.concurrency = 2;
+    c.connections = 2;
+    c.fanout = 1;
+    c.stop = Stop::Duration(Duration::from_millis(800));
+    let r = rpcmesh_driver::run(c, CancellationToken::new())
+        .await
+        .unwrap();
+    assert!(r.requests.not_started > 50, "{r:#?}");
+    assert!(r.requests.completed <= 20, "{r:#?}");
+    assert_counts_add_up(&r);
+    let _ = stop.send(());
+    h.await.unwrap();
+}

@@ -97,6 +97,8 @@ struct Session {
     answered: Vec<Instant>,
     /// Picks the calls whose stages are timed.
     sampler: Sampler,
+    /// The (service, method) of the last call and its index in the registry.
+    last_method: Option<(Bytes, Bytes, MethodId)>,
 }
 
 impl Session {
@@ -113,6 +115,7 @@ impl Session {
             bad_input_seen: 0,
             answered: Vec::new(),
             sampler: shared.metrics.stages.sampler(),
+            last_method: None,
             shared,
         }
     }
@@ -254,11 +257,31 @@ impl Session {
         stage(stages, DECODE, started, decoded);
         let shared = &*self.shared;
         shared.metrics.payload.received(call.size);
-        let (handler, method) = match shared
-            .registry
-            .lookup(&call.request.service, &call.request.method)
-        {
-            Lookup::Found(h, m) => (h, m),
+        // Most connections call one method over and over: remember the last one.
+        let cached = self
+            .last_method
+            .as_ref()
+            .filter(|(s, m, _)| *s == call.request.service && *m == call.request.method)
+            .map(|(_, _, id)| *id);
+        let found = match cached {
+            Some(id) => shared.registry.handler(id).map(|h| (h, id)),
+            None => None,
+        };
+        let (handler, method) = match found.map_or_else(
+            || {
+                shared
+                    .registry
+                    .lookup(&call.request.service, &call.request.method)
+            },
+            |(h, id)| Lookup::Found(h, id),
+        ) {
+            Lookup::Found(h, m) => {
+                if cached.is_none() {
+                    self.last_method =
+                        Some((call.request.service.clone(), call.request.method.clone(), m));
+                }
+                (h, m)
+            }
             Lookup::NoService => {
                 shared.metrics.errors.inc(ErrorKind::UnknownService);
                 let msg = service_not_found(call.request.service_name());

@@ -96,13 +96,15 @@ pub enum Lookup<'a> {
     NoMethod,
 }
 
-/// The methods of one service: name → handler and index.
-type Methods = HashMap<Box<[u8]>, (Arc<dyn Handler>, MethodId)>;
+/// The methods of one service: name → index into the registry's handlers.
+type Methods = HashMap<Box<[u8]>, MethodId>;
 
 /// (service, method) → handler.
 #[derive(Default)]
 pub struct Registry {
+    /// service → method → index into `handlers` and `names`.
     services: HashMap<Box<[u8]>, Methods>,
+    handlers: Vec<Arc<dyn Handler>>,
     names: Vec<(String, String)>,
 }
 
@@ -135,14 +137,14 @@ impl Registry {
 
     fn register_arc(&mut self, service: &str, method: &str, handler: Arc<dyn Handler>) {
         let methods = self.services.entry(service.as_bytes().into()).or_default();
-        let id = match methods.get(method.as_bytes()) {
-            Some((_, id)) => *id,
+        match methods.get(method.as_bytes()) {
+            Some(id) => self.handlers[*id] = handler,
             None => {
                 self.names.push((service.to_owned(), method.to_owned()));
-                self.names.len() - 1
+                self.handlers.push(handler);
+                methods.insert(method.as_bytes().into(), self.names.len() - 1);
             }
-        };
-        methods.insert(method.as_bytes().into(), (handler, id));
+        }
     }
 
     /// Finds the handler for a call.
@@ -150,10 +152,15 @@ impl Registry {
         match self.services.get(service) {
             None => Lookup::NoService,
             Some(m) => match m.get(method) {
-                Some((h, id)) => Lookup::Found(h, *id),
+                Some(id) => Lookup::Found(&self.handlers[*id], *id),
                 None => Lookup::NoMethod,
             },
         }
+    }
+
+    /// The handler of a method index (from an earlier [`Registry::lookup`]).
+    pub fn handler(&self, id: MethodId) -> Option<&Arc<dyn Handler>> {
+        self.handlers.get(id)
     }
 
     /// (service, method) names by method index.
@@ -178,13 +185,11 @@ impl Registry {
         if delay.is_zero() {
             return self;
         }
-        for methods in self.services.values_mut() {
-            for (h, _) in methods.values_mut() {
-                *h = Arc::new(Delayed {
-                    inner: h.clone(),
-                    delay,
-                });
-            }
+        for h in &mut self.handlers {
+            *h = Arc::new(Delayed {
+                inner: h.clone(),
+                delay,
+            });
         }
         self
     }
