@@ -148,11 +148,11 @@ impl Session {
                     self.draining = true;
                 }
             }
-            // Replies that came meanwhile leave in the same write; before writing, let
-            // the other ready tasks run once, so that upstream connections woken by the
-            // same poll add theirs.
+            // Replies that came meanwhile leave in the same write; before writing, when
+            // more replies are due on this connection, let the other ready tasks run once,
+            // so that upstream connections woken by the same poll add theirs.
             self.take_replies();
-            if self.io.pending_write() > 0 {
+            if self.io.pending_write() > 0 && self.in_flight > 0 {
                 for _ in 0..GATHER_YIELDS {
                     tokio::task::yield_now().await;
                     if self.take_replies() == 0 {

@@ -123,6 +123,7 @@ impl UpstreamConn {
             heartbeats: Vec::new(),
             next_heartbeat_id: 1,
             round: Vec::new(),
+            written_now: 0,
             settings,
             metrics,
             closed,
@@ -259,8 +260,10 @@ struct ConnTask {
     table: InFlight,
     heartbeats: Vec<(u64, oneshot::Sender<()>)>,
     next_heartbeat_id: u64,
-    /// Ids of the calls written this round (stages on only).
+    /// Ids of the timed calls written this round.
     round: Vec<u64>,
+    /// Calls put in the write buffer this round.
+    written_now: usize,
     settings: ConnSettings,
     metrics: UpstreamMetrics,
     closed: Arc<Notify>,
@@ -302,11 +305,13 @@ impl ConnTask {
                     }
                 }
             }
-            // Calls queued meanwhile leave in the same write. Before writing, let every
-            // other task that is ready run once: sessions woken by the same poll add their
-            // calls, and one write carries them all.
+            // Calls queued meanwhile leave in the same write. Before writing, when other
+            // calls are in flight on this connection (traffic is concurrent), let every
+            // other ready task run: sessions woken by the same poll add their calls, and
+            // one write carries them all. A lone call goes out at once.
             self.take_commands();
-            if self.io.pending_write() > 0 {
+            let concurrent = self.state.in_flight.load(Ordering::Relaxed) > self.written_now;
+            if self.io.pending_write() > 0 && concurrent {
                 for _ in 0..GATHER_YIELDS {
                     tokio::task::yield_now().await;
                     if self.take_commands() == 0 {
@@ -317,6 +322,7 @@ impl ConnTask {
             if let Err(e) = self.io.try_flush() {
                 break format!("write failed: {e}").into();
             }
+            self.written_now = 0;
             self.record_sent();
             self.metrics.wire.add(self.io.take_counts());
             if !queue_open && self.table.is_empty() && self.heartbeats.is_empty() {
@@ -427,6 +433,7 @@ impl ConnTask {
             req_id: id,
         };
         put_frame(self.io.wbuf(), &header, &fwd.frame.body);
+        self.written_now += 1;
     }
 
     fn on_frame(&mut self, frame: Frame, read_at: Option<Instant>) {
