@@ -1,0 +1,240 @@
+//! Hot paths of the wire layer, measured with criterion: frame encode and decode, CRC32,
+//! the header rewrite a broker does when it forwards a frame, and compress / inflate of the
+//! reference workload's payloads.
+//!
+//! `cargo bench -p rpcmesh-common` runs them (the HTML report lands in
+//! `target/criterion/`).
+
+use std::collections::HashMap;
+use std::hint::black_box;
+
+use bytes::{Bytes, BytesMut};
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use prost::Message;
+use rpcmesh_common::call::CallCodec;
+use rpcmesh_common::codec::FrameCodec;
+use rpcmesh_common::compress::{CompressionConfig, Compressor, Inflater};
+use rpcmesh_common::frame::{Flags, Header, MsgType, put_forwarded_response, put_frame};
+use rpcmesh_common::proto::platform::{NodeInfo, QueryRequest, QueryResponse};
+use rpcmesh_common::proto::rpc::{EchoRequest, RpcResponse};
+
+fn query() -> QueryRequest {
+    QueryRequest {
+        system_id: "PL".into(),
+        app_version: "qq.qq.qq".into(),
+        company_id: "12".into(),
+        source_ip: "DESKTOP-NDOHT79".into(),
+        dest_ip: "DESKTOP-NDOHT79".into(),
+        spider_opts: HashMap::new(),
+        company_name: "機構1".into(),
+        create_date: "20160101".into(),
+        company_type: 1,
+    }
+}
+
+fn answer() -> Vec<u8> {
+    let node = NodeInfo {
+        node_id: 100_001,
+        node_name: "機構100001".into(),
+        company_id: "1200".into(),
+        create_date: "20160101".into(),
+    };
+    RpcResponse {
+        success: true,
+        payload: QueryResponse {
+            nodes: vec![node.clone(), node],
+        }
+        .encode_to_vec()
+        .into(),
+        error_msg: String::new(),
+    }
+    .encode_to_vec()
+}
+
+fn echo_frame() -> BytesMut {
+    let mut codec = CallCodec::new(None, 1 << 20);
+    let mut b = BytesMut::new();
+    codec
+        .put_request(
+            &mut b,
+            7,
+            Flags::NONE,
+            b"EchoService",
+            b"Echo",
+            &EchoRequest {
+                message: "x".repeat(32),
+            },
+            &HashMap::new(),
+        )
+        .expect("encodes");
+    b
+}
+
+fn frames(c: &mut Criterion) {
+    let mut g = c.benchmark_group("frame");
+    g.throughput(Throughput::Elements(1));
+    let mut codec = CallCodec::new(None, 1 << 20);
+    let msg = EchoRequest {
+        message: "x".repeat(32),
+    };
+    let md = HashMap::new();
+    let mut out = BytesMut::with_capacity(1 << 16);
+    g.bench_function("encode echo 32 B request", |b| {
+        b.iter(|| {
+            out.clear();
+            codec
+                .put_request(
+                    &mut out,
+                    black_box(7),
+                    Flags::NONE,
+                    b"EchoService",
+                    b"Echo",
+                    &msg,
+                    &md,
+                )
+                .expect("encodes");
+        })
+    });
+    let q = query();
+    g.bench_function("encode platform request", |b| {
+        b.iter(|| {
+            out.clear();
+            codec
+                .put_request(
+                    &mut out,
+                    black_box(7),
+                    Flags::NONE,
+                    b"PlatformService",
+                    b"doQuery",
+                    &q,
+                    &md,
+                )
+                .expect("encodes");
+        })
+    });
+    let one = echo_frame();
+    let fc = FrameCodec::default();
+    g.bench_function("decode echo 32 B request frame", |b| {
+        b.iter(|| {
+            let mut buf = one.clone();
+            black_box(fc.decode_frame(&mut buf).expect("valid").expect("whole"));
+        })
+    });
+    let frame = fc
+        .decode_frame(&mut one.clone())
+        .expect("valid")
+        .expect("whole");
+    g.bench_function("decode echo 32 B call (envelope + message)", |b| {
+        b.iter(|| {
+            let call = codec.decode_request(black_box(&frame)).expect("decodes");
+            black_box(EchoRequest::decode(call.rpc.payload).expect("echo"));
+        })
+    });
+    g.finish();
+}
+
+fn crc(c: &mut Criterion) {
+    let mut g = c.benchmark_group("crc32");
+    for size in [64usize, 256, 4096] {
+        let data = vec![0x5au8; size];
+        g.throughput(Throughput::Bytes(size as u64));
+        g.bench_function(format!("{size} B"), |b| {
+            b.iter(|| crc32fast::hash(black_box(&data)))
+        });
+    }
+    g.finish();
+}
+
+fn forwarding(c: &mut Criterion) {
+    let mut g = c.benchmark_group("forward");
+    g.throughput(Throughput::Elements(1));
+    let fc = FrameCodec::default();
+    let req = fc
+        .decode_frame(&mut echo_frame())
+        .expect("valid")
+        .expect("whole");
+    let mut out = BytesMut::with_capacity(1 << 16);
+    g.bench_function(
+        "rewrite request header (new id, flags) + copy body + CRC",
+        |b| {
+            let mut id = 0u64;
+            b.iter(|| {
+                out.clear();
+                id += 1;
+                let h = Header {
+                    msg_type: MsgType::Request,
+                    flags: Flags::EXT_STATUS,
+                    body_len: req.header.body_len,
+                    req_id: id,
+                };
+                put_frame(&mut out, &h, black_box(&req.body));
+            })
+        },
+    );
+    let body: Bytes = {
+        let mut b = BytesMut::new();
+        b.extend_from_slice(&[0]);
+        let a = answer();
+        b.extend_from_slice(&(a.len() as u32).to_be_bytes());
+        b.extend_from_slice(&a);
+        b.freeze()
+    };
+    g.bench_function("rewrite platform reply to the caller's id + CRC", |b| {
+        b.iter(|| {
+            out.clear();
+            put_forwarded_response(&mut out, black_box(9), Flags::NONE, &body, 0);
+        })
+    });
+    g.finish();
+}
+
+fn compression(c: &mut Criterion) {
+    let mut g = c.benchmark_group("zlib");
+    let request = rpcmesh_common::proto::rpc::RpcRequest {
+        payload: query().encode_to_vec().into(),
+        metadata: HashMap::new(),
+    }
+    .encode_to_vec();
+    let reply = answer();
+    let mut z = Compressor::new(CompressionConfig {
+        threshold: 1,
+        level: 6,
+    });
+    let mut inflater = Inflater::new(1 << 20);
+    let mut out = BytesMut::with_capacity(4096);
+    for (name, payload) in [("platform request", &request), ("platform reply", &reply)] {
+        g.throughput(Throughput::Bytes(payload.len() as u64));
+        g.bench_function(format!("compress {name} ({} B)", payload.len()), |b| {
+            b.iter(|| {
+                out.clear();
+                black_box(z.compress_into(black_box(payload), &mut out));
+            })
+        });
+    }
+    // The reply is the one that shrinks: inflate its compressed form.
+    let mut zipped = BytesMut::new();
+    assert!(
+        z.compress_into(&reply, &mut zipped),
+        "the platform reply compresses"
+    );
+    g.throughput(Throughput::Bytes(reply.len() as u64));
+    g.bench_function(
+        format!(
+            "inflate platform reply ({} → {} B)",
+            zipped.len(),
+            reply.len()
+        ),
+        |b| {
+            b.iter(|| {
+                out.clear();
+                inflater
+                    .inflate_into(black_box(&zipped), &mut out)
+                    .expect("inflates");
+            })
+        },
+    );
+    g.finish();
+}
+
+criterion_group!(benches, frames, crc, forwarding, compression);
+criterion_main!(benches);
