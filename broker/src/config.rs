@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use rpcmesh_common::frame::DEFAULT_MAX_BODY_LEN;
-use rpcmesh_common::runtime::{ConfigProblems, parse_duration, parse_on_off};
+use rpcmesh_common::runtime::{ConfigProblems, parse_duration};
 
 /// Where the broker listens unless told otherwise: every interface, port 7700.
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:7700";
@@ -163,12 +163,9 @@ pub struct Args {
     /// Grace period for calls in flight on SIGTERM/SIGINT.
     #[arg(long, env = "RPCMESH_GRACE", default_value = "10s", value_parser = parse_duration)]
     pub grace: Duration,
-    /// Record per-stage latency histograms (off: the hot path takes no timestamps).
-    #[arg(long, env = "RPCMESH_STAGE_METRICS", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
-    pub stage_metrics: bool,
-    /// Time the stages of one call in this many (1 = every call).
-    #[arg(long, env = "RPCMESH_STAGE_SAMPLE", default_value_t = rpcmesh_common::telemetry::DEFAULT_STAGE_SAMPLE)]
-    pub stage_sample: u32,
+    /// Per-stage latency timing.
+    #[command(flatten)]
+    pub stages: rpcmesh_common::telemetry::StageArgs,
 }
 
 /// Validated broker settings, as `run` takes them.
@@ -296,11 +293,7 @@ impl Args {
             max_in_flight_per_upstream_conn: self.max_in_flight_per_upstream_conn,
             max_body_len: self.max_body_bytes,
             grace: self.grace,
-            stage_sample: if self.stage_metrics {
-                self.stage_sample.max(1)
-            } else {
-                0
-            },
+            stage_sample: self.stages.every(),
         })
     }
 }

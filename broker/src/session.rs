@@ -24,7 +24,7 @@ use rpcmesh_common::frame::{
 };
 use rpcmesh_common::io::{FramedIo, IoEvent};
 use rpcmesh_common::shutdown::CancellationToken;
-use rpcmesh_common::telemetry::{CallCounters, ErrorKind, Sampler};
+use rpcmesh_common::telemetry::{BadInputLog, CallCounters, ErrorKind, Sampler};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tracing::Instrument;
@@ -47,9 +47,6 @@ const GATHER_YIELDS: usize = 1;
 const MAX_RETRIES: u8 = 2;
 /// How long a closing session waits to deliver its last replies.
 const FINAL_FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
-/// Bad-input log lines per connection before they are thinned out.
-const LOG_FIRST: u64 = 10;
-const LOG_THIN_EVERY: u64 = 1000;
 
 /// What every session of one broker shares.
 #[derive(Debug)]
@@ -102,7 +99,7 @@ struct Session {
     in_flight: usize,
     in_flight_reported: usize,
     draining: bool,
-    bad_input_seen: u64,
+    bad_input: BadInputLog,
     /// (service, method) bytes → tag; tag → counters.
     tags: HashMap<Bytes, u32>,
     counters: Vec<Arc<CallCounters>>,
@@ -123,7 +120,7 @@ impl Session {
             in_flight: 0,
             in_flight_reported: 0,
             draining: false,
-            bad_input_seen: 0,
+            bad_input: BadInputLog::default(),
             tags: HashMap::new(),
             counters: vec![shared.metrics.calls_other()],
             written: Vec::new(),
@@ -202,14 +199,11 @@ impl Session {
     }
 
     fn on_bad_input(&mut self, e: &FrameError) {
-        self.shared.metrics.errors.inc(ErrorKind::of_frame(e));
-        self.bad_input_seen += 1;
-        let n = self.bad_input_seen;
-        if n <= LOG_FIRST || n % LOG_THIN_EVERY == 0 {
-            tracing::warn!(error = %e, fatal = e.is_fatal(), seen = n, "bad input from client");
-        }
-        if let Some(id) = e.request_id() {
-            self.fail(id, e.flags(), 0, Status::BadRequest, &e.to_string());
+        if let Some((id, flags)) = self
+            .bad_input
+            .record(e, &self.shared.metrics.errors, "client")
+        {
+            self.fail(id, flags, 0, Status::BadRequest, &e.to_string());
         }
     }
 

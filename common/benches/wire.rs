@@ -15,37 +15,19 @@ use rpcmesh_common::call::CallCodec;
 use rpcmesh_common::codec::FrameCodec;
 use rpcmesh_common::compress::{CompressionConfig, Compressor, Inflater};
 use rpcmesh_common::frame::{Flags, Header, MsgType, put_forwarded_response, put_frame};
-use rpcmesh_common::proto::platform::{NodeInfo, QueryRequest, QueryResponse};
+use rpcmesh_common::proto::platform::QueryRequest;
 use rpcmesh_common::proto::rpc::{EchoRequest, RpcResponse};
 
 fn query() -> QueryRequest {
-    QueryRequest {
-        system_id: "PL".into(),
-        app_version: "qq.qq.qq".into(),
-        company_id: "12".into(),
-        source_ip: "DESKTOP-NDOHT79".into(),
-        dest_ip: "DESKTOP-NDOHT79".into(),
-        spider_opts: HashMap::new(),
-        company_name: "機構1".into(),
-        create_date: "20160101".into(),
-        company_type: 1,
-    }
+    rpcmesh_common::proto::platform::reference_query()
 }
 
 fn answer() -> Vec<u8> {
-    let node = NodeInfo {
-        node_id: 100_001,
-        node_name: "機構100001".into(),
-        company_id: "1200".into(),
-        create_date: "20160101".into(),
-    };
     RpcResponse {
         success: true,
-        payload: QueryResponse {
-            nodes: vec![node.clone(), node],
-        }
-        .encode_to_vec()
-        .into(),
+        payload: rpcmesh_common::proto::platform::reference_answer()
+            .encode_to_vec()
+            .into(),
         error_msg: String::new(),
     }
     .encode_to_vec()

@@ -252,6 +252,28 @@ impl Stages {
     }
 }
 
+/// The stage-timing flags every program takes.
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct StageArgs {
+    /// Record per-stage latency histograms (off: the hot path takes no timestamps).
+    #[arg(long, env = "RPCMESH_STAGE_METRICS", default_value = "on", value_parser = crate::runtime::parse_on_off, action = clap::ArgAction::Set)]
+    pub stage_metrics: bool,
+    /// Time the stages of one call in this many (1 = every call).
+    #[arg(long, env = "RPCMESH_STAGE_SAMPLE", default_value_t = DEFAULT_STAGE_SAMPLE)]
+    pub stage_sample: u32,
+}
+
+impl StageArgs {
+    /// One call in how many is timed; 0 = none.
+    pub fn every(&self) -> u32 {
+        if self.stage_metrics {
+            self.stage_sample.max(1)
+        } else {
+            0
+        }
+    }
+}
+
 /// Picks the calls whose stages are timed: one in `every`, in turn.
 #[derive(Clone, Debug)]
 pub struct Sampler {
@@ -390,6 +412,38 @@ impl ErrorKind {
             C::Decode(_) | C::UnknownStatus(_) => ErrorKind::Decode,
             C::WrongType { .. } => ErrorKind::Unexpected,
         }
+    }
+}
+
+/// Bad input seen on one connection: each event is counted and logged (the first
+/// [`BadInputLog::FIRST`], then one in [`BadInputLog::THIN_EVERY`], so a peer cannot flood
+/// the log), and the request an error reply is due to is returned.
+#[derive(Debug, Default)]
+pub struct BadInputLog {
+    seen: u64,
+}
+
+impl BadInputLog {
+    /// Log lines per connection before they are thinned: enough to diagnose.
+    pub const FIRST: u64 = 10;
+    /// After that, one line in this many.
+    pub const THIN_EVERY: u64 = 1000;
+
+    /// Counts and logs `e` (from a `peer` such as "client"); returns the id and flags of
+    /// the request to answer with an error, when there is one.
+    pub fn record(
+        &mut self,
+        e: &crate::frame::FrameError,
+        errors: &ErrorCounters,
+        peer: &'static str,
+    ) -> Option<(u64, crate::frame::Flags)> {
+        errors.inc(ErrorKind::of_frame(e));
+        self.seen += 1;
+        let n = self.seen;
+        if n <= Self::FIRST || n % Self::THIN_EVERY == 0 {
+            tracing::warn!(error = %e, fatal = e.is_fatal(), seen = n, peer, "bad input");
+        }
+        e.request_id().map(|id| (id, e.flags()))
     }
 }
 

@@ -138,12 +138,9 @@ pub struct Args {
     /// Address of the Prometheus `/metrics` endpoint, or `off`.
     #[arg(long, env = "RPCMESH_METRICS_LISTEN", default_value = DEFAULT_METRICS_LISTEN)]
     pub metrics_listen: rpcmesh_common::telemetry::MetricsListen,
-    /// Record per-stage latency histograms (off: the hot path takes no timestamps).
-    #[arg(long, env = "RPCMESH_STAGE_METRICS", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
-    pub stage_metrics: bool,
-    /// Time the stages of one call in this many (1 = every call).
-    #[arg(long, env = "RPCMESH_STAGE_SAMPLE", default_value_t = rpcmesh_common::telemetry::DEFAULT_STAGE_SAMPLE)]
-    pub stage_sample: u32,
+    /// Per-stage latency timing.
+    #[command(flatten)]
+    pub stages: rpcmesh_common::telemetry::StageArgs,
     /// After the report, keep serving `/metrics` this long, so that Prometheus scrapes the
     /// final figures (e.g. 15s).
     #[arg(long, env = "RPCMESH_LINGER", default_value = "0s", value_parser = parse_duration)]
@@ -289,11 +286,7 @@ impl Args {
             call_timeout: self.timeout,
             json: self.json.clone(),
             progress: self.progress,
-            stage_sample: if self.stage_metrics {
-                self.stage_sample.max(1)
-            } else {
-                0
-            },
+            stage_sample: self.stages.every(),
         })
     }
 }

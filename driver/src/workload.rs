@@ -13,20 +13,7 @@ use rpcmesh_common::proto::rpc::{EchoRequest, EchoResponse};
 
 use crate::config::WorkloadKind;
 
-/// The reference workload's request (shared/workloads.md §1).
-pub fn reference_query() -> QueryRequest {
-    QueryRequest {
-        system_id: "PL".into(),
-        app_version: "qq.qq.qq".into(),
-        company_id: "12".into(),
-        source_ip: "DESKTOP-NDOHT79".into(),
-        dest_ip: "DESKTOP-NDOHT79".into(),
-        spider_opts: HashMap::new(),
-        company_name: "機構1".into(),
-        create_date: "20160101".into(),
-        company_type: 1,
-    }
-}
+pub use rpcmesh_common::proto::platform::reference_query;
 
 /// Why a reply's application message was not the expected one.
 #[derive(Debug, thiserror::Error)]
@@ -56,7 +43,7 @@ impl Workload {
         let message = "x".repeat(payload_size);
         let expected = match kind {
             WorkloadKind::Platform => {
-                rpcmesh_provider::service::platform::fixed_response().encode_to_vec()
+                rpcmesh_common::proto::platform::reference_answer().encode_to_vec()
             }
             WorkloadKind::Echo => EchoResponse {
                 message: message.clone(),
@@ -175,7 +162,7 @@ mod tests {
     #[test]
     fn replies_are_checked() {
         let w = Workload::new(WorkloadKind::Platform, 0);
-        let good = rpcmesh_provider::service::platform::fixed_response().encode_to_vec();
+        let good = rpcmesh_common::proto::platform::reference_answer().encode_to_vec();
         assert!(w.check(&good).is_ok());
         assert!(w.check(&QueryResponse::default().encode_to_vec()).is_err());
         assert!(matches!(w.check(&[0xff, 0xff]), Err(BadReply::Decode(_))));

@@ -73,12 +73,9 @@ pub struct Args {
     /// Grace period for calls in flight on SIGTERM/SIGINT.
     #[arg(long, env = "RPCMESH_GRACE", default_value = "10s", value_parser = parse_duration)]
     pub grace: Duration,
-    /// Record per-stage latency histograms (off: the hot path takes no timestamps).
-    #[arg(long, env = "RPCMESH_STAGE_METRICS", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
-    pub stage_metrics: bool,
-    /// Time the stages of one call in this many (1 = every call).
-    #[arg(long, env = "RPCMESH_STAGE_SAMPLE", default_value_t = rpcmesh_common::telemetry::DEFAULT_STAGE_SAMPLE)]
-    pub stage_sample: u32,
+    /// Per-stage latency timing.
+    #[command(flatten)]
+    pub stages: rpcmesh_common::telemetry::StageArgs,
 }
 
 /// Validated provider settings, as `run` takes them.
@@ -157,11 +154,7 @@ impl Args {
             max_body_len: self.max_body_bytes,
             max_inflated: self.max_inflated_bytes,
             grace: self.grace,
-            stage_sample: if self.stage_metrics {
-                self.stage_sample.max(1)
-            } else {
-                0
-            },
+            stage_sample: self.stages.every(),
         })
     }
 }

@@ -22,7 +22,7 @@ use rpcmesh_common::codec::FrameCodec;
 use rpcmesh_common::frame::{Flags, Frame, FrameError, Heartbeat, MsgType};
 use rpcmesh_common::io::{FramedIo, IoEvent};
 use rpcmesh_common::shutdown::CancellationToken;
-use rpcmesh_common::telemetry::{ErrorKind, Sampler, Stages};
+use rpcmesh_common::telemetry::{BadInputLog, ErrorKind, Sampler, Stages};
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
@@ -37,10 +37,6 @@ pub const WRITE_BACKLOG_LIMIT: usize = 8 * 1024 * 1024;
 /// How long a closing session waits to deliver its last replies (e.g. the error reply to a
 /// too-large frame) before dropping the socket.
 pub const FINAL_FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
-/// Bad-input log lines per connection before they are thinned to one in
-/// [`LOG_THIN_EVERY`]: enough to diagnose, too few to flood the log.
-const LOG_FIRST: u64 = 10;
-const LOG_THIN_EVERY: u64 = 1000;
 
 /// What every session of one provider shares (read-only).
 #[derive(Debug)]
@@ -92,7 +88,7 @@ struct Session {
     scratch: BytesMut,
     draining: bool,
     in_flight_reported: usize,
-    bad_input_seen: u64,
+    bad_input: BadInputLog,
     /// Read times of the timed calls answered this round (for the `total` stage).
     answered: Vec<Instant>,
     /// Picks the calls whose stages are timed.
@@ -112,7 +108,7 @@ impl Session {
             scratch: BytesMut::with_capacity(1024),
             draining: false,
             in_flight_reported: 0,
-            bad_input_seen: 0,
+            bad_input: BadInputLog::default(),
             answered: Vec::new(),
             sampler: shared.metrics.stages.sampler(),
             last_method: None,
@@ -174,14 +170,11 @@ impl Session {
     }
 
     fn on_bad_input(&mut self, e: &FrameError) {
-        self.shared.metrics.errors.inc(ErrorKind::of_frame(e));
-        self.bad_input_seen += 1;
-        let n = self.bad_input_seen;
-        if n <= LOG_FIRST || n % LOG_THIN_EVERY == 0 {
-            tracing::warn!(error = %e, fatal = e.is_fatal(), seen = n, "bad input from caller");
-        }
-        if let Some(id) = e.request_id() {
-            self.reply_error(id, e.flags(), None, Status::BadRequest, &e.to_string());
+        if let Some((id, flags)) = self
+            .bad_input
+            .record(e, &self.shared.metrics.errors, "caller")
+        {
+            self.reply_error(id, flags, None, Status::BadRequest, &e.to_string());
         }
     }
 

@@ -69,17 +69,7 @@ impl Running {
 }
 
 fn query() -> QueryRequest {
-    QueryRequest {
-        system_id: "PL".into(),
-        app_version: "qq.qq.qq".into(),
-        company_id: "12".into(),
-        source_ip: "DESKTOP-NDOHT79".into(),
-        dest_ip: "DESKTOP-NDOHT79".into(),
-        spider_opts: Default::default(),
-        company_name: "機構1".into(),
-        create_date: "20160101".into(),
-        company_type: 1,
-    }
+    rpcmesh_common::proto::platform::reference_query()
 }
 
 #[tokio::test]

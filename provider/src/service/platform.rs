@@ -4,7 +4,7 @@
 
 use bytes::BytesMut;
 use prost::Message;
-use rpcmesh_common::proto::platform::{NodeInfo, QueryRequest, QueryResponse};
+use rpcmesh_common::proto::platform::{QueryRequest, QueryResponse, reference_answer};
 use rpcmesh_common::proto::rpc::RpcRequest;
 
 use super::{ServiceError, decode};
@@ -16,15 +16,7 @@ pub const METHOD: &str = "doQuery";
 
 /// The answer of the reference workload: two identical entries.
 pub fn fixed_response() -> QueryResponse {
-    let node = NodeInfo {
-        node_id: 100_001,
-        node_name: "機構100001".to_string(),
-        company_id: "1200".to_string(),
-        create_date: "20160101".to_string(),
-    };
-    QueryResponse {
-        nodes: vec![node.clone(), node],
-    }
+    reference_answer()
 }
 
 /// The handler. Builds the response anew for every call, as the reference did.
