@@ -30,6 +30,8 @@ async fn a_provider_killed_with_calls_in_flight_leaves_no_call_without_an_outcom
         &[
             "--listen",
             &listen,
+            "--metrics-listen",
+            "off",
             "--service-time",
             "400ms",
             "--threads",
@@ -149,6 +151,8 @@ async fn sigterm_drains_a_broker_process_and_it_exits_zero() {
             &listen,
             "--upstream",
             &up,
+            "--metrics-listen",
+            "off",
             "--grace",
             "5s",
             "--threads",

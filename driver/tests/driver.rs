@@ -213,6 +213,8 @@ async fn the_cli_runs_against_a_target_and_writes_json() {
             "0",
             "--compress",
             "on",
+            "--metrics-listen",
+            "off",
             "--progress",
             "plain",
             "--json",
