@@ -23,6 +23,7 @@ use rpcmesh_common::frame::{
     request_service,
 };
 use rpcmesh_common::io::{FramedIo, IoEvent};
+use rpcmesh_common::listener::Drain;
 use rpcmesh_common::shutdown::CancellationToken;
 use rpcmesh_common::telemetry::{BadInputLog, CallCounters, ErrorKind, Sampler};
 use tokio::net::TcpStream;
@@ -99,6 +100,7 @@ struct Session {
     in_flight: usize,
     in_flight_reported: usize,
     draining: bool,
+    drain: Drain,
     bad_input: BadInputLog,
     /// (service, method) bytes → tag; tag → counters.
     tags: HashMap<Bytes, u32>,
@@ -120,6 +122,7 @@ impl Session {
             in_flight: 0,
             in_flight_reported: 0,
             draining: false,
+            drain: Drain::default(),
             bad_input: BadInputLog::default(),
             tags: HashMap::new(),
             counters: vec![shared.metrics.calls_other()],
@@ -140,6 +143,7 @@ impl Session {
                         self.take_frames()?;
                     }
                 }
+                () = self.drain.lingered(), if self.draining => {}
                 () = shutdown.cancelled(), if !self.draining => {
                     tracing::debug!(in_flight = self.in_flight, "draining");
                     self.draining = true;
@@ -160,10 +164,11 @@ impl Session {
             self.io.try_flush()?;
             self.record_stages();
             self.report();
-            let done = (self.io.is_eof() || self.draining)
-                && self.in_flight == 0
-                && self.io.pending_write() == 0;
-            if done {
+            let idle = self.in_flight == 0 && self.io.pending_write() == 0;
+            if idle && self.io.is_eof() {
+                return Ok(());
+            }
+            if self.drain.should_close(self.draining, idle) {
                 return Ok(());
             }
         }

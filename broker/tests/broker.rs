@@ -502,3 +502,137 @@ async fn the_broker_answers_heartbeats() {
     b.stop().await;
     p.stop().await;
 }
+
+/// A provider reply over the broker's frame limit fails its own call only: the pooled
+/// connection, and every other call on it, carry on.
+#[tokio::test]
+async fn an_oversized_reply_fails_its_call_and_spares_the_connection() {
+    use bytes::BytesMut;
+    use prost::Message;
+    use rpcmesh_common::compress::{CompressionConfig, Compressor};
+    use rpcmesh_common::frame::Flags;
+    use rpcmesh_common::proto::rpc::RpcRequest;
+    let p = provider(ProviderConfig::default()).await;
+    let mut cfg = broker_config(&[p.addr]);
+    cfg.max_body_len = 4096;
+    cfg.pool_size = 1;
+    let b = broker(cfg).await;
+    let others = client(b.addr).await;
+    until_ready(&others).await;
+    // A small compressed request whose plain echo is 5,000 bytes; no compressed reply taken.
+    let inner = RpcRequest {
+        payload: EchoRequest {
+            message: "x".repeat(5000),
+        }
+        .encode_to_vec()
+        .into(),
+        metadata: Default::default(),
+    }
+    .encode_to_vec();
+    let mut z = BytesMut::new();
+    assert!(
+        Compressor::new(CompressionConfig {
+            threshold: 1,
+            level: 6
+        })
+        .compress_into(&inner, &mut z)
+    );
+    let mut frame = BytesMut::new();
+    Request {
+        service: bytes::Bytes::from_static(b"EchoService"),
+        method: bytes::Bytes::from_static(b"Echo"),
+        payload: z.freeze(),
+    }
+    .put(&mut frame, Flags::COMPRESSED | Flags::EXT_STATUS, 77)
+    .unwrap();
+    let mut s = TcpStream::connect(b.addr).await.unwrap();
+    s.write_all(&frame).await.unwrap();
+    let calls: Vec<_> = (0..50)
+        .map(|i| {
+            let c = others.clone();
+            tokio::spawn(async move { c.call("EchoService", "Echo", &echo(&i.to_string())).await })
+        })
+        .collect();
+    let fc = rpcmesh_common::codec::FrameCodec::default();
+    let mut buf = BytesMut::new();
+    let f = loop {
+        tokio::time::timeout(Duration::from_secs(5), s.read_buf(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        if let Some(f) = fc.decode_frame(&mut buf).unwrap() {
+            break f;
+        }
+    };
+    let r = rpcmesh_common::call::CallCodec::new(None, 1 << 20)
+        .decode_response(&f)
+        .unwrap();
+    assert_eq!(f.header.req_id, 77);
+    assert_eq!(r.status, Status::Failed);
+    assert!(r.rpc.error_msg.contains("too large"), "{}", r.rpc.error_msg);
+    for c in calls {
+        assert_eq!(c.await.unwrap().unwrap().status, Status::Success);
+    }
+    let closed = sample(
+        &b.telemetry.render(),
+        "rpcmesh_connections_closed_total",
+        &[("side", "upstream")],
+    )
+    .unwrap_or(0.0);
+    assert_eq!(closed, 0.0, "the pooled connection was kept");
+    b.stop().await;
+    p.stop().await;
+}
+
+/// A provider that accepts connections and never answers: connections that fail their
+/// health check are closed, not left behind one per health interval.
+#[tokio::test]
+async fn connections_to_a_silent_provider_are_not_leaked() {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = silent.local_addr().unwrap();
+    let hold = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = silent.accept().await {
+            held.push(s);
+        }
+    });
+    let mut cfg = broker_config(&[addr]);
+    cfg.pool_size = 2;
+    cfg.health_interval = Duration::from_millis(50);
+    cfg.health_timeout = Duration::from_millis(50);
+    let b = broker(cfg).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let text = b.telemetry.render();
+    let opened = sample(
+        &text,
+        "rpcmesh_connections_opened_total",
+        &[("side", "upstream")],
+    )
+    .unwrap_or(0.0);
+    let open = sample(&text, "rpcmesh_connections_open", &[("side", "upstream")]).unwrap_or(0.0);
+    println!("silent provider: {opened} opened, {open} open");
+    assert!(
+        opened >= 4.0,
+        "the broker kept trying ({opened} connections)"
+    );
+    assert!(open <= 4.0, "{open} connections left open after {opened}");
+    b.stop().await;
+    hold.abort();
+}
+
+/// Requests a caller sends while the broker drains are answered "unavailable", not lost
+/// with a closed connection.
+#[tokio::test]
+async fn a_draining_broker_answers_late_requests_unavailable() {
+    let p = provider(ProviderConfig::default()).await;
+    let b = broker(broker_config(&[p.addr])).await;
+    let c = client(b.addr).await;
+    until_ready(&c).await;
+    let stopping = tokio::spawn(b.stop());
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let r = c.call("EchoService", "Echo", &echo("late")).await.unwrap();
+    assert_eq!(r.status, Status::Unavailable);
+    assert!(r.error_msg.contains("shutting down"), "{}", r.error_msg);
+    stopping.await.unwrap();
+    p.stop().await;
+}

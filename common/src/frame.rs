@@ -161,6 +161,20 @@ impl FrameError {
         }
     }
 
+    /// Request id and message type of the frame the error concerns, whatever its type,
+    /// when the header could be read (too large, CRC mismatch).
+    pub fn frame_id(&self) -> Option<(u64, Option<MsgType>)> {
+        match *self {
+            FrameError::TooLarge {
+                req_id, raw_type, ..
+            }
+            | FrameError::Crc {
+                req_id, raw_type, ..
+            } => Some((req_id, MsgType::from_low_bits(raw_type & TYPE_MASK))),
+            _ => None,
+        }
+    }
+
     /// Flags of the frame the error concerns (for choosing the reply's status codes).
     pub fn flags(&self) -> Flags {
         match *self {

@@ -23,6 +23,15 @@ use crate::frame::{Frame, FrameError};
 /// connection reads a whole batch per `read` call.
 pub const READ_CHUNK: usize = 64 * 1024;
 
+/// Idle time before the first keepalive probe: a minute, long beyond any pause in a
+/// healthy conversation, short enough that a dead peer's connection is freed within
+/// about a minute and a half (with the probes below) instead of never.
+pub const KEEPALIVE_IDLE: std::time::Duration = std::time::Duration::from_secs(60);
+/// Time between keepalive probes.
+pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+/// Unanswered probes before the kernel gives the connection up.
+pub const KEEPALIVE_PROBES: u32 = 3;
+
 /// What a read got.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReadStatus {
@@ -64,15 +73,25 @@ pub struct FramedIo {
     rbuf: BytesMut,
     wbuf: BytesMut,
     eof: bool,
+    /// Bytes still to drop (see [`FramedIo::skip`]).
+    discard: usize,
     counts: IoCounts,
 }
 
 impl FramedIo {
-    /// Wraps a connected socket and turns on `TCP_NODELAY` (frames are batched here, so
-    /// Nagle would only add delay).
+    /// Wraps a connected socket, turns on `TCP_NODELAY` (frames are batched here, so
+    /// Nagle would only add delay) and TCP keepalive (so that a peer that vanished without
+    /// closing, a crashed host or a dropped NAT entry, is found and its connection freed).
     pub fn new(stream: TcpStream, codec: FrameCodec) -> Self {
         if let Err(e) = stream.set_nodelay(true) {
             tracing::warn!(error = %e, "could not set TCP_NODELAY");
+        }
+        let keepalive = socket2::TcpKeepalive::new()
+            .with_time(KEEPALIVE_IDLE)
+            .with_interval(KEEPALIVE_INTERVAL)
+            .with_retries(KEEPALIVE_PROBES);
+        if let Err(e) = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive) {
+            tracing::warn!(error = %e, "could not set TCP keepalive");
         }
         FramedIo {
             stream,
@@ -80,6 +99,7 @@ impl FramedIo {
             rbuf: BytesMut::with_capacity(READ_CHUNK),
             wbuf: BytesMut::with_capacity(READ_CHUNK),
             eof: false,
+            discard: 0,
             counts: IoCounts::default(),
         }
     }
@@ -181,6 +201,14 @@ impl FramedIo {
     /// bytes are gone and this may be called again. At end of stream, leftover bytes are
     /// reported once as [`FrameError::Truncated`] and dropped.
     pub fn next_frame(&mut self) -> Result<Option<Frame>, FrameError> {
+        if self.discard > 0 {
+            let n = self.discard.min(self.rbuf.len());
+            self.rbuf.advance(n);
+            self.discard -= n;
+            if self.discard > 0 {
+                return Ok(None);
+            }
+        }
         match self.codec.decode_frame(&mut self.rbuf) {
             Ok(None) if self.eof && !self.rbuf.is_empty() => {
                 let e = self.codec.check_eof(&self.rbuf);
@@ -189,6 +217,15 @@ impl FramedIo {
             }
             other => other,
         }
+    }
+
+    /// Drops the next `len` bytes of the stream, as they arrive: a whole frame that was
+    /// refused on its header (too large) and is to be skipped instead of ending the
+    /// connection.
+    pub fn skip(&mut self, len: usize) {
+        let n = len.min(self.rbuf.len());
+        self.rbuf.advance(n);
+        self.discard = len - n;
     }
 
     /// Writes as much of the write buffer as the socket takes now.

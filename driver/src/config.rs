@@ -229,10 +229,17 @@ impl Args {
         p.check(self.concurrency == 0, || {
             "--concurrency must be at least 1".into()
         });
-        p.check(
-            self.rate.is_some_and(|r| !(r.is_finite() && r > 0.0)),
-            || "--rate must be a number of requests per second above zero".into(),
-        );
+        // Each connection starts a request every `connections / rate`: keep that between
+        // 1 µs and an hour.
+        let every = self.rate.map(|r| self.connections.max(1) as f64 / r);
+        p.check(every.is_some_and(|e| !(e.is_finite() && (1e-6..=3600.0).contains(&e))), || {
+            format!(
+                "--rate {} is out of range: each of the {} connections would start a request every {:.3e} s (1 µs to 1 h)",
+                self.rate.unwrap_or_default(),
+                self.connections,
+                every.unwrap_or_default()
+            )
+        });
         p.check(self.connections == 0, || {
             "--connections must be at least 1".into()
         });
@@ -349,6 +356,23 @@ mod tests {
         .config()
         .unwrap_err();
         assert_eq!(e.0.len(), 3, "{e}");
+    }
+
+    #[test]
+    fn rates_that_cannot_be_paced_are_refused() {
+        for bad in ["1e10", "1e-300", "0", "inf", "NaN"] {
+            assert!(
+                Args::parse_from(["driver", "--rate", bad])
+                    .config()
+                    .is_err(),
+                "{bad}"
+            );
+        }
+        assert!(
+            Args::parse_from(["driver", "--rate", "5000"])
+                .config()
+                .is_ok()
+        );
     }
 
     #[test]

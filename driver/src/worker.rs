@@ -168,6 +168,9 @@ pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> Outcome {
         free: Vec::new(),
         next_due: None,
         last_read: now,
+        replied_since_connect: false,
+        reconnect_pause: RECONNECT_MIN,
+        lost_connections: 0,
         out: Outcome::default(),
         interval: Tally::interval(),
         shared: shared.clone(),
@@ -204,6 +207,12 @@ struct Worker {
     next_due: Option<Instant>,
     /// When the last read returned (the clock of the byte counts).
     last_read: Instant,
+    /// The current connection has brought a reply (else losing it counts as a failure).
+    replied_since_connect: bool,
+    /// Pause before the next reconnection when connections keep dying unanswered.
+    reconnect_pause: Duration,
+    /// Connections lost so far (for thinning the log).
+    lost_connections: u64,
 }
 
 impl Worker {
@@ -320,6 +329,7 @@ impl Worker {
                 {
                     Ok(Ok(s)) => {
                         self.shared.metrics.conns.opened();
+                        self.replied_since_connect = false;
                         return Some(FramedIo::new(s, FrameCodec::new(DEFAULT_MAX_BODY_LEN)));
                     }
                     Ok(Err(e)) => e.to_string(),
@@ -343,11 +353,40 @@ impl Worker {
 
     /// The connection failed: every call on it fails, then the users carry on over a new
     /// connection (or stop, if none can be made in time).
+    ///
+    /// A connection that died before bringing any reply counts as a failed attempt, and
+    /// the next one waits (doubling up to a second): a server that accepts and closes at
+    /// once (a broker at its connection cap does) is not hammered.
     async fn reconnect(&mut self, cause: String) -> Option<FramedIo> {
         let lost: Vec<Slot> = self.slots.iter_mut().filter_map(Option::take).collect();
         self.in_flight = 0;
-        tracing::warn!(worker = self.plan.index, calls = lost.len(), %cause, "connection lost; reconnecting");
-        let io = self.connect().await;
+        self.lost_connections += 1;
+        if self.lost_connections <= 3 {
+            tracing::warn!(worker = self.plan.index, calls = lost.len(), %cause, "connection lost; reconnecting");
+        } else {
+            tracing::debug!(worker = self.plan.index, calls = lost.len(), %cause, "connection lost; reconnecting");
+        }
+        let mut may_retry = true;
+        if self.replied_since_connect {
+            self.reconnect_pause = RECONNECT_MIN;
+        } else {
+            self.out.connect_failures += 1;
+            let pause = self.reconnect_pause;
+            self.reconnect_pause = (pause * 2).min(RECONNECT_MAX);
+            let give_up = self
+                .shared
+                .give_up_by()
+                .unwrap_or_else(|| Instant::now() + self.shared.config.call_timeout);
+            may_retry = Instant::now() + pause < give_up && !self.shared.stop.is_cancelled();
+            if may_retry {
+                tokio::time::sleep(pause).await;
+            }
+        }
+        let io = if may_retry {
+            self.connect().await
+        } else {
+            None
+        };
         let now = Instant::now();
         match io {
             Some(mut io) => {
@@ -392,6 +431,7 @@ impl Worker {
         if frame.header.msg_type != MsgType::Response {
             return;
         }
+        self.replied_since_connect = true;
         let Some(slot) = self.take_slot(frame.header.req_id) else {
             self.out.late_replies += 1;
             self.shared.metrics.errors.inc(ErrorKind::LateReply);

@@ -307,3 +307,31 @@ async fn open_loop_counts_requests_it_could_not_start() {
     let _ = stop.send(());
     h.await.unwrap();
 }
+
+/// A server that accepts and closes at once (a broker at its connection cap does): the
+/// driver backs off instead of reconnecting in a tight loop, and counts the failures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_that_die_unanswered_are_retried_with_backoff() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = accepted.clone();
+    let server = tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            drop(s);
+        }
+    });
+    let mut c = quick(vec![addr.to_string()]);
+    c.connections = 4;
+    c.stop = Stop::Duration(Duration::from_secs(1));
+    let r = rpcmesh_driver::run(c, CancellationToken::new())
+        .await
+        .unwrap();
+    let n = accepted.load(std::sync::atomic::Ordering::Relaxed);
+    println!("{n} connections accepted in 1 s");
+    assert!(n < 100, "{n} connections in a second: no backoff");
+    assert!(r.calls.connect_failures > 0, "{r:#?}");
+    assert_eq!(r.calls.ok, 0);
+    server.abort();
+}

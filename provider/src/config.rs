@@ -20,8 +20,10 @@ pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:9780";
 /// closed connections instead of an accept loop failing on "too many open files".
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 /// Calls waiting on a handler per connection. The broker multiplexes hundreds of callers
-/// onto one connection, so the cap is generous; over it, calls are answered "overloaded".
-pub const DEFAULT_MAX_IN_FLIGHT_PER_CONN: usize = 8192;
+/// onto one connection, and lets up to 16,384 calls be in flight on it: the provider takes
+/// as many, so that the broker, which can move calls to another connection, is the one to
+/// shed. Over it, calls are answered "overloaded".
+pub const DEFAULT_MAX_IN_FLIGHT_PER_CONN: usize = 16_384;
 /// How long SIGTERM waits for calls in flight: longer than any sane handler, shorter than
 /// the 30 s after which process supervisors usually send SIGKILL.
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);

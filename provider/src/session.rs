@@ -19,8 +19,9 @@ use rpcmesh_common::Status;
 use rpcmesh_common::call::{CallCodec, put_error_response, service_not_found};
 use rpcmesh_common::client::now_ms;
 use rpcmesh_common::codec::FrameCodec;
-use rpcmesh_common::frame::{Flags, Frame, FrameError, Heartbeat, MsgType};
+use rpcmesh_common::frame::{FRAME_OVERHEAD, Flags, Frame, FrameError, Heartbeat, MsgType};
 use rpcmesh_common::io::{FramedIo, IoEvent};
+use rpcmesh_common::listener::Drain;
 use rpcmesh_common::shutdown::CancellationToken;
 use rpcmesh_common::telemetry::{BadInputLog, ErrorKind, Sampler, Stages};
 use tokio::net::TcpStream;
@@ -87,6 +88,7 @@ struct Session {
     pending: FuturesUnordered<Pending>,
     scratch: BytesMut,
     draining: bool,
+    drain: Drain,
     in_flight_reported: usize,
     bad_input: BadInputLog,
     /// Read times of the timed calls answered this round (for the `total` stage).
@@ -107,6 +109,7 @@ impl Session {
             pending: FuturesUnordered::new(),
             scratch: BytesMut::with_capacity(1024),
             draining: false,
+            drain: Drain::default(),
             in_flight_reported: 0,
             bad_input: BadInputLog::default(),
             answered: Vec::new(),
@@ -133,6 +136,7 @@ impl Session {
                         self.take_frames()?;
                     }
                 }
+                () = self.drain.lingered(), if self.draining => {}
                 () = shutdown.cancelled(), if !self.draining => {
                     tracing::debug!(in_flight = self.pending.len(), "draining");
                     self.draining = true;
@@ -142,10 +146,11 @@ impl Session {
             self.record_totals();
             self.report();
             self.report_in_flight(self.pending.len());
-            let done = (self.io.is_eof() || self.draining)
-                && self.pending.is_empty()
-                && self.io.pending_write() == 0;
-            if done {
+            let idle = self.pending.is_empty() && self.io.pending_write() == 0;
+            if idle && self.io.is_eof() {
+                return Ok(());
+            }
+            if self.drain.should_close(self.draining, idle) {
                 return Ok(());
             }
         }
@@ -348,11 +353,22 @@ impl Session {
 
     fn reply_ok(&mut self, id: u64, flags: Flags, method: MethodId, answer: &[u8]) {
         let m = &self.shared.metrics;
+        let start = self.io.pending_write();
         match self
             .calls
             .put_ok_response(self.io.wbuf(), id, flags, answer)
         {
             Ok(size) => {
+                // A reply over the frame limit would be refused by the caller (a broker
+                // would lose it and, worse, might drop the connection): answer "failed".
+                let body = self.io.pending_write() - start - FRAME_OVERHEAD;
+                let max = self.shared.config.max_body_len as usize;
+                if body > max {
+                    self.io.wbuf().truncate(start);
+                    m.errors.inc(ErrorKind::TooLarge);
+                    let msg = format!("reply of {body} bytes exceeds the frame limit of {max}");
+                    return self.reply_error(id, flags, Some(method), Status::Failed, &msg);
+                }
                 m.payload.sent(size);
                 m.calls(Some(method)).inc(Status::Success);
             }

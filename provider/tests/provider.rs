@@ -435,3 +435,117 @@ async fn shutdown_finishes_calls_in_flight_and_refuses_new_connections() {
     let summary = stopping.await.unwrap();
     assert_eq!(summary.aborted, 0);
 }
+
+/// A reply over the frame limit is not sent (the caller would refuse it): the call is
+/// answered "failed" with the reason.
+#[tokio::test]
+async fn a_reply_over_the_frame_limit_is_answered_failed() {
+    let p = Running::start(ProviderConfig {
+        max_body_len: 4096,
+        ..ProviderConfig::default()
+    })
+    .await;
+    // A compressed request of 5,000 x's fits in the limit; its plain echo does not.
+    let c = Client::connect(
+        p.addr,
+        ClientConfig {
+            compression: Some(CompressionConfig {
+                threshold: 16,
+                level: 6,
+            }),
+            ..ClientConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    let mut s = TcpStream::connect(p.addr).await.unwrap();
+    let inner = RpcRequest {
+        payload: EchoRequest {
+            message: "x".repeat(5000),
+        }
+        .encode_to_vec()
+        .into(),
+        metadata: Default::default(),
+    }
+    .encode_to_vec();
+    let mut z = BytesMut::new();
+    let mut comp = rpcmesh_common::compress::Compressor::new(CompressionConfig {
+        threshold: 1,
+        level: 6,
+    });
+    assert!(comp.compress_into(&inner, &mut z));
+    let mut b = BytesMut::new();
+    Request {
+        service: bytes::Bytes::from_static(b"EchoService"),
+        method: bytes::Bytes::from_static(b"Echo"),
+        payload: z.freeze(),
+    }
+    // compressed, but the caller does not take compressed replies
+    .put(&mut b, Flags::COMPRESSED | Flags::EXT_STATUS, 1)
+    .unwrap();
+    s.write_all(&b).await.unwrap();
+    let fc = rpcmesh_common::codec::FrameCodec::default();
+    let mut buf = BytesMut::new();
+    let f = loop {
+        tokio::time::timeout(Duration::from_secs(5), s.read_buf(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        if let Some(f) = fc.decode_frame(&mut buf).unwrap() {
+            break f;
+        }
+    };
+    let mut codec = rpcmesh_common::call::CallCodec::new(None, 1 << 20);
+    let r = codec.decode_response(&f).unwrap();
+    assert_eq!(r.status, Status::Failed);
+    assert!(
+        r.rpc.error_msg.contains("exceeds the frame limit of 4096"),
+        "{}",
+        r.rpc.error_msg
+    );
+    assert_eq!(p.errors("too_large"), 1.0);
+    // The same call with compressed replies accepted fits, and succeeds.
+    let ok = c
+        .call(
+            "EchoService",
+            "Echo",
+            &EchoRequest {
+                message: "x".repeat(5000),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(ok.status, Status::Success);
+    p.stop().await;
+}
+
+#[tokio::test]
+async fn a_draining_provider_answers_late_requests_unavailable_instead_of_dropping_them() {
+    let p = Running::start(ProviderConfig::default()).await;
+    let c = Client::connect(p.addr, ClientConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        c.call("EchoService", "Echo", &EchoRequest::default())
+            .await
+            .unwrap()
+            .status,
+        Status::Success
+    );
+    let Running {
+        addr: _,
+        telemetry: _,
+        mut stop,
+        task,
+    } = p;
+    let _ = stop.take().unwrap().send(());
+    // Sent after the drain began, on the open connection: answered, not lost.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let r = c
+        .call("EchoService", "Echo", &EchoRequest::default())
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Unavailable);
+    assert!(r.error_msg.contains("shutting down"), "{}", r.error_msg);
+    task.await.unwrap();
+}

@@ -21,7 +21,9 @@ use std::time::{Duration, Instant};
 use rpcmesh_common::Status;
 use rpcmesh_common::client::now_ms;
 use rpcmesh_common::codec::FrameCodec;
-use rpcmesh_common::frame::{Flags, Frame, Header, Heartbeat, MsgType, put_frame};
+use rpcmesh_common::frame::{
+    FRAME_OVERHEAD, Flags, Frame, FrameError, Header, Heartbeat, MsgType, put_frame,
+};
 use rpcmesh_common::io::{FramedIo, IoEvent};
 use rpcmesh_common::telemetry::ErrorKind;
 use tokio::net::TcpStream;
@@ -41,6 +43,9 @@ const COMMAND_BATCH: usize = 512;
 /// more calls: sessions woken by the same poll add theirs and one write carries them all
 /// (measured: about half the upstream writes of writing at once, for one extra poll).
 const GATHER_YIELDS: usize = 4;
+/// How far past the frame limit a provider's reply may be and still be skipped (failing
+/// its call alone); beyond that the length is taken for garbage and the connection ends.
+const SKIP_FACTOR: u64 = 4;
 /// Finest and coarsest interval of the deadline sweep (it runs at a twentieth of the call
 /// timeout, within these bounds): timeouts fire at most this late.
 const SWEEP_MIN: Duration = Duration::from_millis(1);
@@ -164,6 +169,12 @@ impl UpstreamConn {
             Ok(Err(_)) => Err(UpstreamError::Closed),
             Err(_) => Err(UpstreamError::HeartbeatTimeout(timeout)),
         }
+    }
+
+    /// Takes the connection out of service: no new call is queued on it (those in flight
+    /// finish or time out). For a connection that failed its health check.
+    pub fn retire(&self) {
+        self.state.closed.store(true, Ordering::Relaxed);
     }
 
     /// True once the connection failed or was closed.
@@ -292,7 +303,9 @@ impl ConnTask {
                     // Every handle is gone: finish what is in flight, then close.
                     None => queue_open = false,
                 },
-                _ = sweeper.tick(), if !self.table.is_empty() => {
+                _ = sweeper.tick(), if !self.table.is_empty() || !self.heartbeats.is_empty() => {
+                    // Health checks whose waiter gave up (timed out) are forgotten.
+                    self.heartbeats.retain(|(_, tx)| !tx.is_closed());
                     self.table.take_expired(Instant::now(), &mut expired);
                     for slot in expired.drain(..) {
                         self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -325,7 +338,7 @@ impl ConnTask {
             self.written_now = 0;
             self.record_sent();
             self.metrics.wire.add(self.io.take_counts());
-            if !queue_open && self.table.is_empty() && self.heartbeats.is_empty() {
+            if !queue_open && self.table.is_empty() {
                 break Cow::Borrowed("");
             }
         };
@@ -369,6 +382,21 @@ impl ConnTask {
                 Err(e) => {
                     self.metrics.errors.inc(ErrorKind::of_frame(&e));
                     tracing::warn!(error = %e, "bad frame from provider");
+                    // A reply that cannot be used but whose header could be read fails
+                    // its own call only; the others on this connection go on.
+                    if let Some((id, Some(MsgType::Response))) = e.frame_id() {
+                        if let FrameError::TooLarge { body_len, max, .. } = e {
+                            if u64::from(body_len) > u64::from(max) * SKIP_FACTOR {
+                                return Err(format!("bad frames from provider: {e}").into());
+                            }
+                            self.io.skip(FRAME_OVERHEAD + body_len as usize);
+                        }
+                        self.fail_call(
+                            id,
+                            &format!("reply from provider {} refused: {e}", self.settings.label),
+                        );
+                        continue;
+                    }
                     if e.is_fatal() {
                         return Err(format!("bad frames from provider: {e}").into());
                     }
@@ -481,6 +509,18 @@ impl ConnTask {
                 self.metrics.errors.inc(ErrorKind::Unexpected);
                 tracing::debug!("request frame from a provider dropped");
             }
+        }
+    }
+
+    /// Answers one call "failed" (its reply was unusable).
+    fn fail_call(&mut self, id: u64, msg: &str) {
+        if let Some(slot) = self.table.take(id) {
+            self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+            answer(
+                &slot.reply_to,
+                slot.info,
+                Err((Status::Failed, msg.to_owned().into())),
+            );
         }
     }
 

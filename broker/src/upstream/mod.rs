@@ -80,7 +80,11 @@ impl bb8::ManageConnection for Manager {
         if conn.is_closed() {
             return Err(UpstreamError::Closed);
         }
-        conn.heartbeat(self.health_timeout).await
+        let r = conn.heartbeat(self.health_timeout).await;
+        if r.is_err() {
+            conn.retire();
+        }
+        r
     }
 
     fn has_broken(&self, conn: &mut Arc<UpstreamConn>) -> bool {
