@@ -636,3 +636,119 @@ async fn a_draining_broker_answers_late_requests_unavailable() {
     stopping.await.unwrap();
     p.stop().await;
 }
+
+/// A strict RPCF v1 server behind the broker (`--upstream-v1`): it drops any frame with
+/// extension bits, as v1 peers skip unknown types. The broker strips the bits of extended
+/// callers before forwarding, and refuses compressed payloads, which v1 cannot read.
+#[tokio::test]
+async fn a_plain_v1_server_can_sit_behind_the_broker() {
+    use bytes::BytesMut;
+    use rpcmesh_common::call::CallCodec;
+    use rpcmesh_common::codec::FrameCodec;
+    use rpcmesh_common::frame::{Flags, Heartbeat, MsgType};
+    use rpcmesh_common::proto::rpc::EchoRequest as Req;
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let v1 = l.local_addr().unwrap();
+    let flagged_seen = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = flagged_seen.clone();
+    let server = tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let fc = FrameCodec::default();
+                let mut codec = CallCodec::new(None, 1 << 20);
+                let mut buf = BytesMut::new();
+                loop {
+                    match s.read_buf(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) => {}
+                    }
+                    let mut out = BytesMut::new();
+                    while let Ok(Some(f)) = fc.decode_frame(&mut buf) {
+                        if !f.header.flags.is_empty() {
+                            seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            continue; // what a v1 peer does with an unknown type
+                        }
+                        match f.header.msg_type {
+                            MsgType::Heartbeat => {
+                                Heartbeat::default().put(&mut out, f.header.req_id).unwrap()
+                            }
+                            MsgType::Request => {
+                                let call = codec.decode_request(&f).unwrap();
+                                let msg =
+                                    <Req as prost::Message>::decode(call.rpc.payload).unwrap();
+                                let inner = prost::Message::encode_to_vec(&EchoResponse {
+                                    message: msg.message,
+                                });
+                                codec
+                                    .put_ok_response(&mut out, f.header.req_id, Flags::NONE, &inner)
+                                    .unwrap();
+                            }
+                            MsgType::Response => {}
+                        }
+                    }
+                    if s.write_all(&out).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let mut cfg = broker_config(&[]);
+    cfg.upstreams = vec![UpstreamSpec::parse(&v1.to_string(), false).unwrap()];
+    let b = broker(cfg).await;
+    // An rpcmesh client (extended statuses, compressed replies accepted) and a plain one.
+    let ext = Client::connect(
+        b.addr,
+        ClientConfig {
+            compression: Some(CompressionConfig {
+                threshold: 100_000,
+                level: 6,
+            }),
+            ..ClientConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    until_ready(&ext).await;
+    let plain = Client::connect(b.addr, ClientConfig::plain_v1())
+        .await
+        .unwrap();
+    for c in [&ext, &plain] {
+        let r = c
+            .call("EchoService", "Echo", &echo("to a v1 server"))
+            .await
+            .unwrap();
+        assert_eq!(r.status, Status::Success);
+        assert_eq!(
+            r.decode::<EchoResponse>().unwrap().message,
+            "to a v1 server"
+        );
+    }
+    assert_eq!(
+        flagged_seen.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "the v1 server never saw an extension bit"
+    );
+    // A compressed payload cannot go to a v1 server: refused at once, with the reason.
+    let zipped = Client::connect(
+        b.addr,
+        ClientConfig {
+            compression: Some(CompressionConfig {
+                threshold: 1,
+                level: 6,
+            }),
+            ..ClientConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    let r = zipped
+        .call("EchoService", "Echo", &echo(&"z".repeat(200)))
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::BadRequest);
+    assert!(r.error_msg.contains("compressed"), "{}", r.error_msg);
+    b.stop().await;
+    server.abort();
+}
