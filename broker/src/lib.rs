@@ -88,13 +88,7 @@ pub async fn run_with(
         in_flight: AtomicUsize::new(0),
     });
     let token = shutdown::token_from(shutdown);
-    let upkeep = shared.metrics.telemetry.spawn_upkeep(token.clone());
-    let system = sysmetrics::spawn(
-        shared.metrics.telemetry.clone(),
-        metrics::ROLE,
-        sysmetrics::DEFAULT_INTERVAL,
-        token.clone(),
-    );
+    let housekeeping = sysmetrics::Housekeeping::start(&shared.metrics.telemetry, metrics::ROLE);
     let summary = listener::serve(
         listener,
         accept,
@@ -103,8 +97,7 @@ pub async fn run_with(
         move |stream, peer, stop| session::serve(stream, peer, shared.clone(), stop),
     )
     .await;
-    system.abort();
-    upkeep.abort();
+    drop(housekeeping);
     keepers_stop.cancel();
     for k in keepers {
         let _ = k.await;

@@ -685,6 +685,41 @@ pub fn spawn(
     })
 }
 
+/// The background work of a program's telemetry: draining histogram samples
+/// ([`Telemetry::spawn_upkeep`]) and collecting the system metrics ([`spawn`]). Stops when
+/// dropped, or after a last collection with [`Housekeeping::finish`].
+#[derive(Debug)]
+pub struct Housekeeping {
+    stop: CancellationToken,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Housekeeping {
+    /// Starts both for a program of `role` (inside a Tokio runtime).
+    pub fn start(telemetry: &Telemetry, role: &'static str) -> Self {
+        let stop = CancellationToken::new();
+        let tasks = vec![
+            telemetry.spawn_upkeep(stop.clone()),
+            spawn(telemetry.clone(), role, DEFAULT_INTERVAL, stop.clone()),
+        ];
+        Housekeeping { stop, tasks }
+    }
+
+    /// Stops, after one last collection (so that a scrape after a run sees all of it).
+    pub async fn finish(mut self) {
+        self.stop.cancel();
+        for t in std::mem::take(&mut self.tasks) {
+            let _ = t.await;
+        }
+    }
+}
+
+impl Drop for Housekeeping {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
 fn read(path: &'static str) -> Result<String, SysError> {
     std::fs::read_to_string(path).map_err(|source| SysError::Read { path, source })
 }

@@ -54,19 +54,10 @@ pub async fn run_with(
     } else {
         None
     };
-    let system_stop = CancellationToken::new();
-    let system = rpcmesh_common::sysmetrics::spawn(
-        telemetry.clone(),
-        metrics::ROLE,
-        rpcmesh_common::sysmetrics::DEFAULT_INTERVAL,
-        system_stop.clone(),
-    );
-    let upkeep = telemetry.spawn_upkeep(system_stop.clone());
+    let housekeeping = rpcmesh_common::sysmetrics::Housekeeping::start(&telemetry, metrics::ROLE);
     let report = drive(config, telemetry, embedded.is_some(), stop).await;
     // One last reading, so that a scrape after the run sees the whole run's CPU time.
-    system_stop.cancel();
-    let _ = system.await;
-    let _ = upkeep.await;
+    housekeeping.finish().await;
     if let Some(mesh) = embedded {
         tokio::task::spawn_blocking(move || mesh.stop()).await?;
     }
