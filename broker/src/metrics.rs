@@ -72,9 +72,20 @@ impl BrokerMetrics {
         }
     }
 
-    /// The call counters of `service.method` (names not yet seen are registered, up to
-    /// [`MAX_CALL_LABELS`]). Sessions cache the result, so this runs once per name per
-    /// connection.
+    /// The call counters of `service.method`, when that pair has its own labels already.
+    pub fn known_calls(&self, service: &str, method: &str) -> Option<Arc<CallCounters>> {
+        let seen = self
+            .calls
+            .seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        seen.get(&(service.to_owned(), method.to_owned())).cloned()
+    }
+
+    /// The call counters of `service.method`, registering the pair (up to
+    /// [`MAX_CALL_LABELS`]; then `_other`). Sessions call it only once a call of that pair
+    /// has succeeded, so callers cannot use up the labels with names nobody serves, and
+    /// cache the result, so it runs once per name per connection.
     pub fn calls(&self, service: &str, method: &str) -> Arc<CallCounters> {
         let mut seen = self
             .calls

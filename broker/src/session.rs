@@ -44,6 +44,8 @@ const REPLY_BATCH: usize = 1024;
 /// Times the session lets the other ready tasks run before writing, while each turn
 /// brings more replies (replies from several upstream connections then share a write).
 const GATHER_YIELDS: usize = 1;
+/// Tag bit of a call whose (service, method) has no labels yet.
+const PENDING: u32 = 1 << 31;
 /// How often a call handed back unsent (its connection closed) is routed again.
 const MAX_RETRIES: u8 = 2;
 /// How long a closing session waits to deliver its last replies.
@@ -105,6 +107,8 @@ struct Session {
     /// (service, method) bytes → tag; tag → counters.
     tags: HashMap<Bytes, u32>,
     counters: Vec<Arc<CallCounters>>,
+    /// Names of calls in flight whose (service, method) has no labels yet.
+    unlabelled: Vec<Option<(Bytes, usize)>>,
     /// (read, reply read) times of the timed calls answered this round, for the stages.
     written: Vec<(Instant, Option<Instant>)>,
     /// Picks the calls whose stages are timed.
@@ -127,6 +131,7 @@ impl Session {
             tags: HashMap::new(),
             counters: vec![shared.metrics.calls_other()],
             written: Vec::new(),
+            unlabelled: Vec::new(),
             sampler: shared.metrics.stages.sampler(),
             shared,
         }
@@ -343,7 +348,7 @@ impl Session {
         match outcome {
             Ok(frame) => {
                 let status = self.write_reply(&frame, info);
-                self.counters[info.tag as usize].inc(status);
+                self.counters_for(info.tag, status).inc(status);
             }
             Err((status, msg)) => {
                 self.fail(info.client_id, info.client_flags, info.tag, status, &msg)
@@ -369,26 +374,66 @@ impl Session {
     /// Answers a call the broker could not forward (or that failed on the way).
     fn fail(&mut self, id: u64, flags: Flags, tag: u32, status: Status, msg: &str) {
         put_error_response(self.io.wbuf(), id, flags, status, msg);
-        self.counters[tag as usize].inc(status);
+        self.counters_for(tag, status).inc(status);
     }
 
-    /// The session's tag for a (service, method) pair: an index into its counters.
+    /// The session's tag for a (service, method) pair: an index into its counters, or,
+    /// for a pair that has no labels yet, [`PENDING`] plus the index of its names among
+    /// the calls waiting to show that the pair exists (see [`Session::counters_for`]).
     fn tag(&mut self, names: &Bytes, service_len: usize) -> u32 {
         if let Some(t) = self.tags.get(names) {
             return *t;
         }
+        let (service, method) = split_names(names, service_len);
+        if let Some(c) = self.shared.metrics.known_calls(&service, &method) {
+            return self.cache_tag(names, c);
+        }
+        let slot = match self.unlabelled.iter().position(Option::is_none) {
+            Some(i) => i,
+            None => {
+                self.unlabelled.push(None);
+                self.unlabelled.len() - 1
+            }
+        };
+        self.unlabelled[slot] = Some((names.clone(), service_len));
+        PENDING | slot as u32
+    }
+
+    fn cache_tag(&mut self, names: &Bytes, counters: Arc<CallCounters>) -> u32 {
         // As many names per session as label pairs overall; beyond, they count as other.
         if self.tags.len() >= crate::metrics::MAX_CALL_LABELS {
             return 0;
         }
-        // names = service + 2-byte method length + method
-        let service = String::from_utf8_lossy(&names[..service_len]);
-        let method = String::from_utf8_lossy(&names[service_len + 2..]);
         let tag = self.counters.len() as u32;
-        self.counters
-            .push(self.shared.metrics.calls(&service, &method));
+        self.counters.push(counters);
         self.tags.insert(names.clone(), tag);
         tag
+    }
+
+    /// The counters a finished call counts in. A call of a pair without labels gives it
+    /// labels if it succeeded (the pair exists), else counts as `_other`.
+    fn counters_for(&mut self, tag: u32, status: Status) -> &CallCounters {
+        let mut tag = tag;
+        if tag & PENDING != 0 {
+            let names = self
+                .unlabelled
+                .get_mut((tag & !PENDING) as usize)
+                .and_then(Option::take);
+            tag = match names {
+                Some((names, service_len)) if status == Status::Success => {
+                    match self.tags.get(&names) {
+                        Some(t) => *t,
+                        None => {
+                            let (service, method) = split_names(&names, service_len);
+                            let c = self.shared.metrics.calls(&service, &method);
+                            self.cache_tag(&names, c)
+                        }
+                    }
+                }
+                _ => 0,
+            };
+        }
+        &self.counters[tag as usize]
     }
 
     /// Records `write_back` and `total` of every call answered this round, once the
@@ -425,4 +470,12 @@ impl Session {
             self.in_flight = 0;
         }
     }
+}
+
+/// Service and method of a request's names (`service`, 2-byte length, `method`).
+fn split_names(names: &[u8], service_len: usize) -> (String, String) {
+    (
+        String::from_utf8_lossy(&names[..service_len]).into_owned(),
+        String::from_utf8_lossy(names.get(service_len + 2..).unwrap_or_default()).into_owned(),
+    )
 }

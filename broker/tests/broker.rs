@@ -752,3 +752,42 @@ async fn a_plain_v1_server_can_sit_behind_the_broker() {
     b.stop().await;
     server.abort();
 }
+
+/// Callers choose the service and method names; only names that have been answered
+/// successfully get their own labels, so bogus names cannot use up the label budget.
+#[tokio::test]
+async fn only_names_that_succeed_get_their_own_labels() {
+    let p = provider(ProviderConfig::default()).await;
+    let b = broker(broker_config(&[p.addr])).await;
+    let c = client(b.addr).await;
+    until_ready(&c).await;
+    for i in 0..300 {
+        let r = c.call(&format!("Bogus{i}"), "x", &echo("?")).await.unwrap();
+        assert_eq!(r.status, Status::Failed);
+    }
+    let r = c
+        .call("PlatformService", "doQuery", &query())
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Success);
+    let text = b.telemetry.render();
+    assert!(!text.contains("Bogus"), "bogus names got labels");
+    assert_eq!(
+        sample(
+            &text,
+            "rpcmesh_calls_total",
+            &[("service", "PlatformService"), ("status", "ok")]
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "rpcmesh_calls_total",
+            &[("service", "_other"), ("status", "failed")]
+        ),
+        Some(300.0)
+    );
+    b.stop().await;
+    p.stop().await;
+}
