@@ -107,6 +107,8 @@ struct Session {
     /// (service, method) bytes → tag; tag → counters.
     tags: HashMap<Bytes, u32>,
     counters: Vec<Arc<CallCounters>>,
+    /// The names and tag of the last labelled call.
+    last_tag: Option<(Bytes, u32)>,
     /// Names of calls in flight whose (service, method) has no labels yet.
     unlabelled: Vec<Option<(Bytes, usize)>>,
     /// (read, reply read) times of the timed calls answered this round, for the stages.
@@ -132,6 +134,7 @@ impl Session {
             counters: vec![shared.metrics.calls_other()],
             written: Vec::new(),
             unlabelled: Vec::new(),
+            last_tag: None,
             sampler: shared.metrics.stages.sampler(),
             shared,
         }
@@ -381,8 +384,16 @@ impl Session {
     /// for a pair that has no labels yet, [`PENDING`] plus the index of its names among
     /// the calls waiting to show that the pair exists (see [`Session::counters_for`]).
     fn tag(&mut self, names: &Bytes, service_len: usize) -> u32 {
-        if let Some(t) = self.tags.get(names) {
-            return *t;
+        // Most connections call one method over and over: try the last one first.
+        if let Some((last, t)) = &self.last_tag {
+            if last == names {
+                return *t;
+            }
+        }
+        if let Some(t) = self.tags.get(names).copied() {
+            // Owned copies: a slice would pin the read buffer it came from.
+            self.last_tag = Some((Bytes::copy_from_slice(names), t));
+            return t;
         }
         let (service, method) = split_names(names, service_len);
         if let Some(c) = self.shared.metrics.known_calls(&service, &method) {
@@ -406,7 +417,7 @@ impl Session {
         }
         let tag = self.counters.len() as u32;
         self.counters.push(counters);
-        self.tags.insert(names.clone(), tag);
+        self.tags.insert(Bytes::copy_from_slice(names), tag);
         tag
     }
 

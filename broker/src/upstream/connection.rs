@@ -299,7 +299,7 @@ impl ConnTask {
                     Err(e) => break format!("socket error: {e}").into(),
                 },
                 cmd = self.rx.recv(), if queue_open => match cmd {
-                    Some(cmd) => self.on_command(cmd),
+                    Some(cmd) => self.on_command(cmd, Instant::now()),
                     // Every handle is gone: finish what is in flight, then close.
                     None => queue_open = false,
                 },
@@ -363,9 +363,14 @@ impl ConnTask {
 
     /// Handles the calls queued so far (up to a batch).
     fn take_commands(&mut self) -> usize {
+        // One clock read for the batch: deadlines are checked against it.
+        let mut now = None;
         for n in 0..COMMAND_BATCH {
             match self.rx.try_recv() {
-                Ok(cmd) => self.on_command(cmd),
+                Ok(cmd) => {
+                    let t = *now.get_or_insert_with(Instant::now);
+                    self.on_command(cmd, t);
+                }
                 Err(_) => return n,
             }
         }
@@ -409,9 +414,9 @@ impl ConnTask {
         Ok(())
     }
 
-    fn on_command(&mut self, cmd: Command) {
+    fn on_command(&mut self, cmd: Command, now: Instant) {
         match cmd {
-            Command::Call(fwd) => self.write_call(fwd),
+            Command::Call(fwd) => self.write_call(fwd, now),
             Command::Heartbeat(tx) => {
                 // Heartbeat ids count down from the top so they never meet call ids.
                 let id = u64::MAX - self.next_heartbeat_id;
@@ -429,8 +434,7 @@ impl ConnTask {
         }
     }
 
-    fn write_call(&mut self, fwd: Forward) {
-        let now = Instant::now();
+    fn write_call(&mut self, fwd: Forward, now: Instant) {
         if now >= fwd.deadline {
             self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
             self.metrics.errors.inc(ErrorKind::Timeout);
