@@ -275,8 +275,12 @@ impl Session {
         ) {
             Lookup::Found(h, m) => {
                 if cached.is_none() {
-                    self.last_method =
-                        Some((call.request.service.clone(), call.request.method.clone(), m));
+                    // Owned copies: slices would pin the read buffer they came from.
+                    self.last_method = Some((
+                        Bytes::copy_from_slice(&call.request.service),
+                        Bytes::copy_from_slice(&call.request.method),
+                        m,
+                    ));
                 }
                 (h, m)
             }
