@@ -508,10 +508,7 @@ async fn the_broker_answers_heartbeats() {
 #[tokio::test]
 async fn an_oversized_reply_fails_its_call_and_spares_the_connection() {
     use bytes::BytesMut;
-    use prost::Message;
-    use rpcmesh_common::compress::{CompressionConfig, Compressor};
     use rpcmesh_common::frame::Flags;
-    use rpcmesh_common::proto::rpc::RpcRequest;
     let p = provider(ProviderConfig::default()).await;
     let mut cfg = broker_config(&[p.addr]);
     cfg.max_body_len = 4096;
@@ -520,31 +517,10 @@ async fn an_oversized_reply_fails_its_call_and_spares_the_connection() {
     let others = client(b.addr).await;
     until_ready(&others).await;
     // A small compressed request whose plain echo is 5,000 bytes; no compressed reply taken.
-    let inner = RpcRequest {
-        payload: EchoRequest {
-            message: "x".repeat(5000),
-        }
-        .encode_to_vec()
-        .into(),
-        metadata: Default::default(),
-    }
-    .encode_to_vec();
-    let mut z = BytesMut::new();
-    assert!(
-        Compressor::new(CompressionConfig {
-            threshold: 1,
-            level: 6
-        })
-        .compress_into(&inner, &mut z)
-    );
-    let mut frame = BytesMut::new();
-    Request {
-        service: bytes::Bytes::from_static(b"EchoService"),
-        method: bytes::Bytes::from_static(b"Echo"),
-        payload: z.freeze(),
-    }
-    .put(&mut frame, Flags::COMPRESSED | Flags::EXT_STATUS, 77)
-    .unwrap();
+    let big = EchoRequest {
+        message: "x".repeat(5000),
+    };
+    let frame = testkit::compressed_request(77, Flags::EXT_STATUS, "EchoService", "Echo", &big);
     let mut s = TcpStream::connect(b.addr).await.unwrap();
     s.write_all(&frame).await.unwrap();
     let calls: Vec<_> = (0..50)
@@ -553,17 +529,10 @@ async fn an_oversized_reply_fails_its_call_and_spares_the_connection() {
             tokio::spawn(async move { c.call("EchoService", "Echo", &echo(&i.to_string())).await })
         })
         .collect();
-    let fc = rpcmesh_common::codec::FrameCodec::default();
-    let mut buf = BytesMut::new();
-    let f = loop {
-        tokio::time::timeout(Duration::from_secs(5), s.read_buf(&mut buf))
-            .await
-            .unwrap()
-            .unwrap();
-        if let Some(f) = fc.decode_frame(&mut buf).unwrap() {
-            break f;
-        }
-    };
+    let f = testkit::read_frames(&mut s, &mut BytesMut::new(), 1)
+        .await
+        .unwrap()
+        .remove(0);
     let r = rpcmesh_common::call::CallCodec::new(None, 1 << 20)
         .decode_response(&f)
         .unwrap();

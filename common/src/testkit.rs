@@ -309,3 +309,62 @@ pub async fn wait_listening(addr: std::net::SocketAddr, timeout: Duration) -> bo
     }
     false
 }
+
+/// A request frame whose payload is the zlib of `RpcRequest { payload: inner }`, flagged
+/// `COMPRESSED` plus `flags`: small on the wire whatever `inner` inflates to.
+pub fn compressed_request(
+    req_id: u64,
+    flags: Flags,
+    service: &'static str,
+    method: &'static str,
+    inner: &impl prost::Message,
+) -> BytesMut {
+    let envelope = prost::Message::encode_to_vec(&crate::proto::rpc::RpcRequest {
+        payload: prost::Message::encode_to_vec(inner).into(),
+        metadata: Default::default(),
+    });
+    let mut z = BytesMut::new();
+    let mut c = crate::compress::Compressor::new(crate::compress::CompressionConfig {
+        threshold: 1,
+        level: 6,
+    });
+    assert!(c.compress_into(&envelope, &mut z), "the payload compresses");
+    let mut b = BytesMut::new();
+    Request {
+        service: Bytes::from_static(service.as_bytes()),
+        method: Bytes::from_static(method.as_bytes()),
+        payload: z.freeze(),
+    }
+    .put(&mut b, flags | Flags::COMPRESSED, req_id)
+    .expect("a small request encodes");
+    b
+}
+
+/// Reads frames from `s` into `buf` until `n` whole ones have arrived (each read waits at
+/// most [`PROBE_TIMEOUT`]).
+pub async fn read_frames(
+    s: &mut TcpStream,
+    buf: &mut BytesMut,
+    n: usize,
+) -> std::io::Result<Vec<Frame>> {
+    let codec = FrameCodec::default();
+    let mut frames = Vec::new();
+    while frames.len() < n {
+        while let Some(f) = codec
+            .decode_frame(buf)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?
+        {
+            frames.push(f);
+        }
+        if frames.len() >= n {
+            break;
+        }
+        let read = tokio::time::timeout(PROBE_TIMEOUT, s.read_buf(buf))
+            .await
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+        if read == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(frames)
+}

@@ -7,12 +7,11 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::BytesMut;
-use prost::Message;
 use rpcmesh_common::client::{Client, ClientConfig};
 use rpcmesh_common::compress::CompressionConfig;
 use rpcmesh_common::frame::{Flags, Request};
 use rpcmesh_common::proto::platform::{QueryRequest, QueryResponse};
-use rpcmesh_common::proto::rpc::{EchoRequest, EchoResponse, RpcRequest};
+use rpcmesh_common::proto::rpc::{EchoRequest, EchoResponse};
 use rpcmesh_common::telemetry::{Telemetry, sample};
 use rpcmesh_common::testkit;
 use rpcmesh_common::{Status, listener::ServeSummary};
@@ -242,44 +241,31 @@ async fn bad_or_oversized_compressed_payloads_fail_with_a_message() {
     .await;
     let mut s = TcpStream::connect(p.addr).await.unwrap();
     let mut b = BytesMut::new();
-    let req = |payload: Vec<u8>| Request {
+    Request {
         service: bytes::Bytes::from_static(b"EchoService"),
         method: bytes::Bytes::from_static(b"Echo"),
-        payload: payload.into(),
-    };
-    req(b"this is not zlib".to_vec())
-        .put(&mut b, Flags::COMPRESSED, 1)
-        .unwrap();
-    let big = RpcRequest {
-        payload: EchoRequest {
-            message: "x".repeat(5000),
-        }
-        .encode_to_vec()
-        .into(),
-        metadata: Default::default(),
+        payload: bytes::Bytes::from_static(b"this is not zlib"),
     }
-    .encode_to_vec();
-    let mut z = BytesMut::new();
-    let mut c = rpcmesh_common::compress::Compressor::new(CompressionConfig {
-        threshold: 1,
-        level: 6,
-    });
-    assert!(c.compress_into(&big, &mut z));
-    req(z.to_vec()).put(&mut b, Flags::COMPRESSED, 2).unwrap();
+    .put(&mut b, Flags::COMPRESSED, 1)
+    .unwrap();
+    let big = EchoRequest {
+        message: "x".repeat(5000),
+    };
+    b.extend_from_slice(&testkit::compressed_request(
+        2,
+        Flags::NONE,
+        "EchoService",
+        "Echo",
+        &big,
+    ));
     s.write_all(&b).await.unwrap();
     let mut codec = rpcmesh_common::call::CallCodec::new(None, 1 << 20);
-    let fc = rpcmesh_common::codec::FrameCodec::default();
-    let mut buf = BytesMut::new();
-    let mut replies = Vec::new();
-    while replies.len() < 2 {
-        tokio::time::timeout(Duration::from_secs(5), s.read_buf(&mut buf))
-            .await
-            .unwrap()
-            .unwrap();
-        while let Some(f) = fc.decode_frame(&mut buf).unwrap() {
-            replies.push((f.header.req_id, codec.decode_response(&f).unwrap()));
-        }
-    }
+    let mut replies: Vec<_> = testkit::read_frames(&mut s, &mut BytesMut::new(), 2)
+        .await
+        .unwrap()
+        .iter()
+        .map(|f| (f.header.req_id, codec.decode_response(f).unwrap()))
+        .collect();
     replies.sort_by_key(|r| r.0);
     assert_eq!(replies[0].1.status, Status::Failed);
     assert!(
@@ -459,42 +445,16 @@ async fn a_reply_over_the_frame_limit_is_answered_failed() {
     .await
     .unwrap();
     let mut s = TcpStream::connect(p.addr).await.unwrap();
-    let inner = RpcRequest {
-        payload: EchoRequest {
-            message: "x".repeat(5000),
-        }
-        .encode_to_vec()
-        .into(),
-        metadata: Default::default(),
-    }
-    .encode_to_vec();
-    let mut z = BytesMut::new();
-    let mut comp = rpcmesh_common::compress::Compressor::new(CompressionConfig {
-        threshold: 1,
-        level: 6,
-    });
-    assert!(comp.compress_into(&inner, &mut z));
-    let mut b = BytesMut::new();
-    Request {
-        service: bytes::Bytes::from_static(b"EchoService"),
-        method: bytes::Bytes::from_static(b"Echo"),
-        payload: z.freeze(),
-    }
-    // compressed, but the caller does not take compressed replies
-    .put(&mut b, Flags::COMPRESSED | Flags::EXT_STATUS, 1)
-    .unwrap();
-    s.write_all(&b).await.unwrap();
-    let fc = rpcmesh_common::codec::FrameCodec::default();
-    let mut buf = BytesMut::new();
-    let f = loop {
-        tokio::time::timeout(Duration::from_secs(5), s.read_buf(&mut buf))
-            .await
-            .unwrap()
-            .unwrap();
-        if let Some(f) = fc.decode_frame(&mut buf).unwrap() {
-            break f;
-        }
+    let big = EchoRequest {
+        message: "x".repeat(5000),
     };
+    // compressed, but the caller does not take compressed replies
+    let b = testkit::compressed_request(1, Flags::EXT_STATUS, "EchoService", "Echo", &big);
+    s.write_all(&b).await.unwrap();
+    let f = testkit::read_frames(&mut s, &mut BytesMut::new(), 1)
+        .await
+        .unwrap()
+        .remove(0);
     let mut codec = rpcmesh_common::call::CallCodec::new(None, 1 << 20);
     let r = codec.decode_response(&f).unwrap();
     assert_eq!(r.status, Status::Failed);
