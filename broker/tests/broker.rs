@@ -131,22 +131,8 @@ async fn a_v1_client_gets_byte_identical_v1_replies_through_the_broker() {
     let p = provider(ProviderConfig::default()).await;
     let b = broker(broker_config(&[p.addr])).await;
     until_ready(&client(b.addr).await).await;
-    let hex = |s: &str| -> Vec<u8> {
-        (0..s.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-            .collect()
-    };
-    let req = hex(
-        "525043460100000000200000000000000001000b4563686f5365727669636500044563686f000000090a070a0568656c6c6ff1dddcbe",
-    );
-    let want = hex("525043460101000000100000000000000001000000000b080112070a0568656c6c6f0e154d52");
-    let mut s = TcpStream::connect(b.addr).await.unwrap();
-    s.write_all(&req).await.unwrap();
-    let mut got = vec![0u8; want.len()];
-    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut got))
+    let (got, want) = testkit::golden_exchange(b.addr, "echo_request_id1", "echo_response_ok_id1")
         .await
-        .unwrap()
         .unwrap();
     assert_eq!(got, want);
     b.stop().await;

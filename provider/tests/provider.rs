@@ -16,7 +16,7 @@ use rpcmesh_common::telemetry::{Telemetry, sample};
 use rpcmesh_common::testkit;
 use rpcmesh_common::{Status, listener::ServeSummary};
 use rpcmesh_provider::{ProviderConfig, Registry};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -116,22 +116,8 @@ async fn platform_query_returns_the_fixed_two_entry_list() {
 #[tokio::test]
 async fn golden_v1_request_gets_the_golden_v1_reply() {
     let p = Running::start(ProviderConfig::default()).await;
-    let hex = |s: &str| -> Vec<u8> {
-        (0..s.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-            .collect()
-    };
-    let req = hex(
-        "525043460100000000200000000000000001000b4563686f5365727669636500044563686f000000090a070a0568656c6c6ff1dddcbe",
-    );
-    let want = hex("525043460101000000100000000000000001000000000b080112070a0568656c6c6f0e154d52");
-    let mut s = TcpStream::connect(p.addr).await.unwrap();
-    s.write_all(&req).await.unwrap();
-    let mut got = vec![0u8; want.len()];
-    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut got))
+    let (got, want) = testkit::golden_exchange(p.addr, "echo_request_id1", "echo_response_ok_id1")
         .await
-        .unwrap()
         .unwrap();
     assert_eq!(got, want);
     p.stop().await;
