@@ -2,9 +2,11 @@
 //!
 //! A service's providers are those configured for it by name, else those configured for
 //! any service. Among them the broker picks by least outstanding calls of two chosen at
-//! random (the default) or in turn, and within the provider the less loaded of two of its
-//! connections. A provider with no open connection is passed over; a full one too, and
-//! the call goes to the next. Only when no provider takes it is the caller answered.
+//! random (the default) or in turn. Within the provider, calls are packed: the oldest
+//! connection with fewer than [`PACK_IN_FLIGHT`] calls takes the call, and only when all
+//! are that busy does the less loaded of two. A provider with no open connection is
+//! passed over; a full one too, and the call goes to the next. Only when no provider
+//! takes it is the caller answered.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -27,6 +29,18 @@ pub(crate) enum NoRoute {
     /// The payload is compressed and only plain v1 servers serve the service.
     NeedsExtension,
 }
+
+/// A provider's connections are filled in order up to this many calls in flight each;
+/// only when every one has that many does the less loaded of two take the next call.
+///
+/// Calls packed onto one connection pile up in one socket while the provider is busy and
+/// are read, answered and written back in large batches: on a 2-core machine at 64 calls
+/// in flight, packing instead of spreading over four connections cut the provider's CPU
+/// per call from 1.15 to 0.73 µs and raised the broker path's calls/s by 10–15 %
+/// (docs/performance.md). One provider thread keeps up with about this many calls in
+/// flight at loopback latency; beyond that a provider with several threads needs more
+/// connections to use them, and gets them.
+pub(crate) const PACK_IN_FLIGHT: usize = 64;
 
 /// Per-session balancing state (so that balancing shares nothing between sessions).
 ///
@@ -164,8 +178,8 @@ impl Router {
     }
 }
 
-/// Offers the call to `prefer` (a connection index), else to the less loaded of two open
-/// connections of `pool`, then to the others; returns the index that took it. `None` in
+/// Offers the call to `prefer` (a connection index), else to the first open connection of
+/// `pool` under [`PACK_IN_FLIGHT`], else to the less loaded of two, then to the others; returns the index that took it. `None` in
 /// the error = the pool has no open connection.
 // A refused call is handed back by value (no allocation on the per-call path).
 #[allow(clippy::result_large_err)]
@@ -182,6 +196,11 @@ fn try_pool(
     }
     let start = if let Some(p) = prefer.filter(|p| *p < n) {
         p
+    } else if let Some(i) = conns
+        .iter()
+        .position(|c| !c.is_closed() && c.load() < PACK_IN_FLIGHT)
+    {
+        i
     } else if n > 1 {
         let a = picker.rng.usize(..n);
         let b = (a + 1) % n;

@@ -19,7 +19,7 @@ use rpcmesh_common::telemetry::sample;
 use rpcmesh_common::testkit;
 use rpcmesh_provider::ProviderConfig;
 use support::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 fn query() -> QueryRequest {
@@ -597,58 +597,8 @@ async fn a_draining_broker_answers_late_requests_unavailable() {
 /// callers before forwarding, and refuses compressed payloads, which v1 cannot read.
 #[tokio::test]
 async fn a_plain_v1_server_can_sit_behind_the_broker() {
-    use bytes::BytesMut;
-    use rpcmesh_common::call::CallCodec;
-    use rpcmesh_common::codec::FrameCodec;
-    use rpcmesh_common::frame::{Flags, Heartbeat, MsgType};
-    use rpcmesh_common::proto::rpc::EchoRequest as Req;
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let v1 = l.local_addr().unwrap();
-    let flagged_seen = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let seen = flagged_seen.clone();
-    let server = tokio::spawn(async move {
-        while let Ok((mut s, _)) = l.accept().await {
-            let seen = seen.clone();
-            tokio::spawn(async move {
-                let fc = FrameCodec::default();
-                let mut codec = CallCodec::new(None, 1 << 20);
-                let mut buf = BytesMut::new();
-                loop {
-                    match s.read_buf(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(_) => {}
-                    }
-                    let mut out = BytesMut::new();
-                    while let Ok(Some(f)) = fc.decode_frame(&mut buf) {
-                        if !f.header.flags.is_empty() {
-                            seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                            continue; // what a v1 peer does with an unknown type
-                        }
-                        match f.header.msg_type {
-                            MsgType::Heartbeat => {
-                                Heartbeat::default().put(&mut out, f.header.req_id).unwrap()
-                            }
-                            MsgType::Request => {
-                                let call = codec.decode_request(&f).unwrap();
-                                let msg =
-                                    <Req as prost::Message>::decode(call.rpc.payload).unwrap();
-                                let inner = prost::Message::encode_to_vec(&EchoResponse {
-                                    message: msg.message,
-                                });
-                                codec
-                                    .put_ok_response(&mut out, f.header.req_id, Flags::NONE, &inner)
-                                    .unwrap();
-                            }
-                            MsgType::Response => {}
-                        }
-                    }
-                    if s.write_all(&out).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
+    let server = V1Server::start().await;
+    let v1 = server.addr;
     let mut cfg = broker_config(&[]);
     cfg.upstreams = vec![UpstreamSpec::parse(&v1.to_string(), false).unwrap()];
     let b = broker(cfg).await;
@@ -681,7 +631,7 @@ async fn a_plain_v1_server_can_sit_behind_the_broker() {
         );
     }
     assert_eq!(
-        flagged_seen.load(std::sync::atomic::Ordering::Relaxed),
+        server.flagged.load(std::sync::atomic::Ordering::Relaxed),
         0,
         "the v1 server never saw an extension bit"
     );
@@ -705,7 +655,70 @@ async fn a_plain_v1_server_can_sit_behind_the_broker() {
     assert_eq!(r.status, Status::BadRequest);
     assert!(r.error_msg.contains("compressed"), "{}", r.error_msg);
     b.stop().await;
-    server.abort();
+    server.stop();
+}
+
+/// Calls are packed onto a provider's oldest connection (so that they travel in large
+/// batches) until it has `PACK_IN_FLIGHT` (64) in flight; more spread over the others
+/// (a client's read of many calls still goes to one connection, so the split is uneven).
+#[tokio::test]
+async fn calls_are_packed_onto_one_connection_until_it_is_busy() {
+    let server = V1Server::start().await;
+    let mut cfg = broker_config(&[]);
+    cfg.upstreams = vec![UpstreamSpec::parse(&server.addr.to_string(), false).unwrap()];
+    cfg.pool_size = 4;
+    let b = broker(cfg).await;
+    let c = client(b.addr).await;
+    until_ready(&c).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while server.counts().len() < 4 {
+        assert!(
+            Instant::now() < deadline,
+            "the pool never opened 4 connections"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A few health intervals, so that all four are published.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let run = |n: usize| {
+        let calls: Vec<_> = (0..n)
+            .map(|i| {
+                let c = c.clone();
+                tokio::spawn(
+                    async move { c.call("EchoService", "Echo", &echo(&i.to_string())).await },
+                )
+            })
+            .collect();
+        async move {
+            for call in calls {
+                assert_eq!(call.await.unwrap().unwrap().status, Status::Success);
+            }
+        }
+    };
+    let delta = |before: &[usize], after: &[usize]| -> Vec<usize> {
+        after.iter().zip(before).map(|(a, b)| a - b).collect()
+    };
+    // 40 at a time, 5 times: all on one connection.
+    let before = server.counts();
+    for _ in 0..5 {
+        run(40).await;
+    }
+    let light = delta(&before, &server.counts());
+    println!("40 in flight: requests per connection {light:?}");
+    assert_eq!(light.iter().sum::<usize>(), 200);
+    assert_eq!(light.iter().filter(|n| **n > 0).count(), 1, "{light:?}");
+    // 300 at once on a slow server: the first connection fills, the rest spread.
+    server
+        .delay_ms
+        .store(50, std::sync::atomic::Ordering::Relaxed);
+    let before = server.counts();
+    run(300).await;
+    let heavy = delta(&before, &server.counts());
+    println!("300 in flight: requests per connection {heavy:?}");
+    assert_eq!(heavy.iter().sum::<usize>(), 300);
+    assert!(heavy.iter().filter(|n| **n > 0).count() >= 2, "{heavy:?}");
+    b.stop().await;
+    server.stop();
 }
 
 /// Callers choose the service and method names; only names that have been answered

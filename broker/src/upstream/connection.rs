@@ -86,6 +86,8 @@ enum Command {
 /// the calls in flight and close the socket.
 #[derive(Debug)]
 pub(crate) struct UpstreamConn {
+    /// Unique per provider, in the order the connections were made.
+    id: u64,
     tx: mpsc::UnboundedSender<Command>,
     state: Arc<ConnState>,
     cap: usize,
@@ -135,7 +137,7 @@ impl UpstreamConn {
         };
         tracing::debug!(parent: &span, "connected");
         tokio::spawn(task.run(sweep).instrument(span));
-        Ok(UpstreamConn { tx, state, cap })
+        Ok(UpstreamConn { id, tx, state, cap })
     }
 
     /// Queues a call. On refusal the call is handed back untouched.
@@ -180,6 +182,11 @@ impl UpstreamConn {
     /// True once the connection failed or was closed.
     pub fn is_closed(&self) -> bool {
         self.state.closed.load(Ordering::Relaxed)
+    }
+
+    /// The connection's number: unique per provider, in the order they were made.
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// Calls queued or in flight on this connection.

@@ -189,7 +189,10 @@ impl ProviderPool {
                     () = stop.cancelled() => break,
                 }
             }
-            let conns: Vec<Arc<UpstreamConn>> = held.iter().map(|c| Arc::clone(&**c)).collect();
+            let mut conns: Vec<Arc<UpstreamConn>> = held.iter().map(|c| Arc::clone(&**c)).collect();
+            // Oldest first, in a stable order: the router packs calls onto the first
+            // connections, and they should not move between connections at every check.
+            conns.sort_unstable_by_key(|c| c.id());
             let healthy = conns.len();
             self.metrics
                 .publish_conn_loads(conns.iter().map(|c| c.load()));

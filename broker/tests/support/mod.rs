@@ -4,16 +4,24 @@
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use bytes::BytesMut;
 
 use rpcmesh_broker::BrokerConfig;
 use rpcmesh_common::Status;
+use rpcmesh_common::call::CallCodec;
 use rpcmesh_common::client::{Client, ClientConfig};
+use rpcmesh_common::codec::FrameCodec;
+use rpcmesh_common::frame::{Flags, Heartbeat, MsgType};
 use rpcmesh_common::listener::ServeSummary;
-use rpcmesh_common::proto::rpc::EchoRequest;
+use rpcmesh_common::proto::rpc::{EchoRequest, EchoResponse};
 use rpcmesh_common::telemetry::{Telemetry, sample};
 use rpcmesh_provider::{ProviderConfig, Registry};
-use tokio::net::TcpListener;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -132,4 +140,105 @@ pub async fn until_ready(c: &Client) {
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     panic!("broker never became ready");
+}
+
+/// A plain RPCF v1 echo server, written here from the protocol alone (not rpcmesh's
+/// provider). It counts the requests of each accepted connection and every frame with an
+/// extension bit (which it ignores, as a v1 peer does), and answers each read's requests
+/// after `delay_ms`.
+pub struct V1Server {
+    pub addr: SocketAddr,
+    /// Requests answered, per accepted connection in accept order.
+    pub per_conn: Arc<Mutex<Vec<usize>>>,
+    /// Frames seen with an extension bit set.
+    pub flagged: Arc<AtomicUsize>,
+    /// Milliseconds to wait before answering a read's requests.
+    pub delay_ms: Arc<AtomicU64>,
+    task: JoinHandle<()>,
+}
+
+impl V1Server {
+    pub async fn start() -> V1Server {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let per_conn = Arc::new(Mutex::new(Vec::new()));
+        let flagged = Arc::new(AtomicUsize::new(0));
+        let delay_ms = Arc::new(AtomicU64::new(0));
+        let (pc, fl, dl) = (per_conn.clone(), flagged.clone(), delay_ms.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((s, _)) = l.accept().await {
+                let n = {
+                    let mut v = pc.lock().unwrap();
+                    v.push(0);
+                    v.len() - 1
+                };
+                tokio::spawn(v1_echo(s, n, pc.clone(), fl.clone(), dl.clone()));
+            }
+        });
+        V1Server {
+            addr,
+            per_conn,
+            flagged,
+            delay_ms,
+            task,
+        }
+    }
+
+    /// Requests answered so far, per connection.
+    pub fn counts(&self) -> Vec<usize> {
+        self.per_conn.lock().unwrap().clone()
+    }
+
+    pub fn stop(self) {
+        self.task.abort();
+    }
+}
+
+async fn v1_echo(
+    mut s: TcpStream,
+    n: usize,
+    per_conn: Arc<Mutex<Vec<usize>>>,
+    flagged: Arc<AtomicUsize>,
+    delay_ms: Arc<AtomicU64>,
+) {
+    let fc = FrameCodec::default();
+    let mut codec = CallCodec::new(None, 1 << 20);
+    let mut buf = BytesMut::new();
+    loop {
+        match s.read_buf(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        let mut out = BytesMut::new();
+        let mut requests = 0;
+        while let Ok(Some(f)) = fc.decode_frame(&mut buf) {
+            if !f.header.flags.is_empty() {
+                flagged.fetch_add(1, Ordering::Relaxed);
+                continue; // what a v1 peer does with an unknown type
+            }
+            match f.header.msg_type {
+                MsgType::Heartbeat => Heartbeat::default().put(&mut out, f.header.req_id).unwrap(),
+                MsgType::Request => {
+                    let call = codec.decode_request(&f).unwrap();
+                    let msg = <EchoRequest as prost::Message>::decode(call.rpc.payload).unwrap();
+                    let inner = prost::Message::encode_to_vec(&EchoResponse {
+                        message: msg.message,
+                    });
+                    codec
+                        .put_ok_response(&mut out, f.header.req_id, Flags::NONE, &inner)
+                        .unwrap();
+                    requests += 1;
+                }
+                MsgType::Response => {}
+            }
+        }
+        let delay = delay_ms.load(Ordering::Relaxed);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+        }
+        per_conn.lock().unwrap()[n] += requests;
+        if s.write_all(&out).await.is_err() {
+            return;
+        }
+    }
 }
