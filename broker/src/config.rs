@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use rpcmesh_common::frame::DEFAULT_MAX_BODY_LEN;
-use rpcmesh_common::runtime::{ConfigProblems, parse_duration};
+use rpcmesh_common::runtime::{ConfigProblems, parse_duration, parse_duration_or_off};
 
 /// Where the broker listens unless told otherwise: every interface, port 7700.
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:7700";
@@ -42,6 +42,15 @@ pub const DEFAULT_HEALTH_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long SIGTERM waits for calls in flight: above the call timeout, so every call in
 /// flight gets its answer or its timeout before the broker exits.
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
+
+/// How long a worker keeps polling for I/O after a read before it sleeps (`--busy-poll`).
+/// A call's next step (the provider's reply, the caller's next request) arrives within
+/// tens of microseconds on a fast network; 50 µs covers that, so a broker under steady
+/// traffic never sleeps and its peers never pay to wake it, and an idle one stops
+/// spinning 50 µs after the last read. Measured on 2 vCPUs (docs/performance.md): the
+/// broker's added latency at 1 call in flight fell from ~30 µs to below zero (its peers
+/// were spared their wake-up costs) and calls/s at 64 in flight rose by a quarter.
+pub const DEFAULT_BUSY_POLL: Duration = Duration::from_micros(50);
 
 /// How calls are spread over the providers of a service.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -163,6 +172,12 @@ pub struct Args {
     /// Grace period for calls in flight on SIGTERM/SIGINT.
     #[arg(long, env = "RPCMESH_GRACE", default_value = "10s", value_parser = parse_duration)]
     pub grace: Duration,
+    /// Keep polling for I/O this long after each read instead of sleeping, or `off`.
+    /// Spares peers the cost of waking the broker and cuts its latency, at the price of one
+    /// busy core while traffic flows.
+    // Spelled out so that clap takes the parser's `Option` as the value, not as "optional".
+    #[arg(long, env = "RPCMESH_BUSY_POLL", default_value = "50us", value_parser = parse_duration_or_off)]
+    pub busy_poll: std::option::Option<Duration>,
     /// Per-stage latency timing.
     #[command(flatten)]
     pub stages: rpcmesh_common::telemetry::StageArgs,
@@ -197,6 +212,8 @@ pub struct BrokerConfig {
     pub max_body_len: u32,
     /// Drain time on shutdown.
     pub grace: Duration,
+    /// Busy-polling window after each read; `None` = sleep at once.
+    pub busy_poll: Option<Duration>,
     /// Stages are timed on one call in this many; 0 = not at all.
     pub stage_sample: u32,
 }
@@ -225,6 +242,7 @@ impl BrokerConfig {
             max_in_flight_per_upstream_conn: DEFAULT_MAX_IN_FLIGHT_PER_UPSTREAM_CONN,
             max_body_len: DEFAULT_MAX_BODY_LEN,
             grace: DEFAULT_GRACE,
+            busy_poll: Some(DEFAULT_BUSY_POLL),
             stage_sample: rpcmesh_common::telemetry::DEFAULT_STAGE_SAMPLE,
         }
     }
@@ -293,6 +311,7 @@ impl Args {
             max_in_flight_per_upstream_conn: self.max_in_flight_per_upstream_conn,
             max_body_len: self.max_body_bytes,
             grace: self.grace,
+            busy_poll: self.busy_poll,
             stage_sample: self.stages.every(),
         })
     }

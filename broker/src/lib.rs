@@ -26,6 +26,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 
+use rpcmesh_common::busy_poll;
 use rpcmesh_common::listener::{self, AcceptConfig, ServeSummary};
 use rpcmesh_common::shutdown::{self, CancellationToken};
 use rpcmesh_common::sysmetrics;
@@ -88,6 +89,10 @@ pub async fn run_with(
         in_flight: AtomicUsize::new(0),
     });
     let token = shutdown::token_from(shutdown);
+    let spinner = shared
+        .config
+        .busy_poll
+        .map(|window| busy_poll::spawn(window, token.child_token()));
     let housekeeping = sysmetrics::Housekeeping::start(&shared.metrics.telemetry, metrics::ROLE);
     let summary = listener::serve(
         listener,
@@ -98,6 +103,9 @@ pub async fn run_with(
     )
     .await;
     drop(housekeeping);
+    if let Some(s) = spinner {
+        s.abort();
+    }
     keepers_stop.cancel();
     for k in keepers {
         let _ = k.await;

@@ -167,6 +167,7 @@ impl FramedIo {
                 Poll::Ready(Ok(n)) => {
                     self.counts.bytes_read += n as u64;
                     self.counts.reads += 1;
+                    crate::busy_poll::note_read();
                     return Poll::Ready(Ok(IoEvent::Read(ReadStatus::Data(n))));
                 }
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
@@ -190,6 +191,7 @@ impl FramedIo {
             Ok(n) => {
                 self.counts.bytes_read += n as u64;
                 self.counts.reads += 1;
+                crate::busy_poll::note_read();
                 Ok(ReadStatus::Data(n))
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(ReadStatus::WouldBlock),

@@ -18,6 +18,7 @@
 //! [`sysmetrics`], the softirq, CPU-time and process metrics read from /proc; and
 //! [`catalogue`], the name and meaning of every metric.
 
+pub mod busy_poll;
 pub mod call;
 pub mod catalogue;
 pub mod client;

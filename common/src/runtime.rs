@@ -63,6 +63,15 @@ mod tests {
     }
 }
 
+/// Parses a duration as [`parse_duration`] does, or `off` (`None`).
+pub fn parse_duration_or_off(s: &str) -> Result<Option<Duration>, String> {
+    if s.eq_ignore_ascii_case("off") {
+        Ok(None)
+    } else {
+        parse_duration(s).map(Some)
+    }
+}
+
 /// Parses `on` / `off` (also `true`/`false`, `yes`/`no`, `1`/`0`) for clap.
 pub fn parse_on_off(s: &str) -> Result<bool, String> {
     match s.to_ascii_lowercase().as_str() {
