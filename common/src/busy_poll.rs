@@ -65,7 +65,10 @@ pub fn spawn(window: Duration, stop: CancellationToken) -> JoinHandle<()> {
             }
             SPINNING.store(true, Ordering::Relaxed);
             ACTIVE.store(false, Ordering::Relaxed);
-            let mut last = Instant::now();
+            // When the first round without a read was; the clock is read only on rounds
+            // without one, so a busy spinner costs no clock reads.
+            let mut idle_since = Instant::now();
+            let mut idle = true;
             loop {
                 // Deferred to after the worker has polled the reactor without blocking
                 // and run every task that made ready.
@@ -74,10 +77,12 @@ pub fn spawn(window: Duration, stop: CancellationToken) -> JoinHandle<()> {
                     SPINNING.store(false, Ordering::Relaxed);
                     return;
                 }
-                let now = Instant::now();
                 if ACTIVE.swap(false, Ordering::Relaxed) {
-                    last = now;
-                } else if now.duration_since(last) >= window {
+                    idle = false;
+                } else if !idle {
+                    idle = true;
+                    idle_since = Instant::now();
+                } else if idle_since.elapsed() >= window {
                     break;
                 }
             }
