@@ -335,6 +335,26 @@ mod tests {
     }
 
     #[test]
+    fn busy_polling_is_on_by_default_and_can_be_set_or_turned_off() {
+        let config = |extra: &[&str]| {
+            let mut argv = vec!["broker", "--upstream", "127.0.0.1:7800"];
+            argv.extend_from_slice(extra);
+            Args::parse_from(argv).config().unwrap().busy_poll
+        };
+        assert_eq!(config(&[]), Some(DEFAULT_BUSY_POLL));
+        assert_eq!(
+            config(&["--busy-poll", "200us"]),
+            Some(Duration::from_micros(200))
+        );
+        assert_eq!(config(&["--busy-poll", "off"]), None);
+        assert_eq!(
+            BrokerConfig::with_upstreams(["x:1"]).busy_poll,
+            Some(DEFAULT_BUSY_POLL)
+        );
+        assert!(Args::try_parse_from(["broker", "--busy-poll", "soon"]).is_err());
+    }
+
+    #[test]
     fn every_problem_is_listed_at_once() {
         let a = Args::parse_from(["broker", "--pool-size", "0", "--upstream", "bad"]);
         let e = a.config().unwrap_err();

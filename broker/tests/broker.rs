@@ -342,8 +342,11 @@ async fn two_providers_share_the_calls_and_one_stopping_sends_all_to_the_other()
 #[tokio::test]
 async fn two_brokers_in_front_of_one_provider_both_serve() {
     let p = provider(ProviderConfig::default()).await;
+    // One busy-polls (the default), the other sleeps at once.
     let b1 = broker(broker_config(&[p.addr])).await;
-    let b2 = broker(broker_config(&[p.addr])).await;
+    let mut quiet = broker_config(&[p.addr]);
+    quiet.busy_poll = None;
+    let b2 = broker(quiet).await;
     let c1 = client(b1.addr).await;
     let c2 = client(b2.addr).await;
     until_ready(&c1).await;
