@@ -89,10 +89,13 @@ pub async fn run_with(
         in_flight: AtomicUsize::new(0),
     });
     let token = shutdown::token_from(shutdown);
-    let spinner = shared
-        .config
-        .busy_poll
-        .map(|window| busy_poll::spawn(window, token.child_token()));
+    let spinner = shared.config.busy_poll.map(|window| {
+        let idle = shared
+            .metrics
+            .telemetry
+            .histogram("rpcmesh_busy_poll_idle_seconds", &[("role", metrics::ROLE)]);
+        busy_poll::spawn(window, token.child_token(), idle)
+    });
     let housekeeping = sysmetrics::Housekeeping::start(&shared.metrics.telemetry, metrics::ROLE);
     let summary = listener::serve(
         listener,

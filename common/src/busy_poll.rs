@@ -15,6 +15,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use metrics::Histogram;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
@@ -54,7 +55,10 @@ pub fn note_read() {
 ///
 /// One spinner per process: it keeps one worker awake, which is what a process with one
 /// worker thread (the benchmark's set-up) or a lightly loaded one needs.
-pub fn spawn(window: Duration, stop: CancellationToken) -> JoinHandle<()> {
+///
+/// `idle` gets the length of each stretch of polling that found no read (up to `window`
+/// each): its sum is the CPU time busy polling cost beyond the work itself.
+pub fn spawn(window: Duration, stop: CancellationToken, idle: Histogram) -> JoinHandle<()> {
     ENABLED.store(true, Ordering::Relaxed);
     tokio::spawn(async move {
         loop {
@@ -65,10 +69,9 @@ pub fn spawn(window: Duration, stop: CancellationToken) -> JoinHandle<()> {
             }
             SPINNING.store(true, Ordering::Relaxed);
             ACTIVE.store(false, Ordering::Relaxed);
-            // When the first round without a read was; the clock is read only on rounds
-            // without one, so a busy spinner costs no clock reads.
-            let mut idle_since = Instant::now();
-            let mut idle = true;
+            // The first and the latest round of the current stretch without a read; the
+            // clock is read only on such rounds, so a busy spinner costs no clock reads.
+            let mut stretch: Option<(Instant, Instant)> = None;
             loop {
                 // Deferred to after the worker has polled the reactor without blocking
                 // and run every task that made ready.
@@ -78,12 +81,19 @@ pub fn spawn(window: Duration, stop: CancellationToken) -> JoinHandle<()> {
                     return;
                 }
                 if ACTIVE.swap(false, Ordering::Relaxed) {
-                    idle = false;
-                } else if !idle {
-                    idle = true;
-                    idle_since = Instant::now();
-                } else if idle_since.elapsed() >= window {
-                    break;
+                    if let Some((first, latest)) = stretch.take() {
+                        idle.record(latest.duration_since(first).as_secs_f64());
+                    }
+                    continue;
+                }
+                let now = Instant::now();
+                match stretch {
+                    None => stretch = Some((now, now)),
+                    Some((first, _)) if now.duration_since(first) >= window => {
+                        idle.record(now.duration_since(first).as_secs_f64());
+                        break;
+                    }
+                    Some((first, _)) => stretch = Some((first, now)),
                 }
             }
         }
@@ -97,7 +107,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_read_starts_the_spinning_and_it_stops_after_the_window_and_on_stop() {
         let stop = CancellationToken::new();
-        let task = spawn(Duration::from_millis(30), stop.clone());
+        let task = spawn(Duration::from_millis(30), stop.clone(), Histogram::noop());
         let wait_for = |want: bool| async move {
             for _ in 0..400 {
                 if is_spinning() == want {

@@ -223,6 +223,13 @@ pub const CATALOGUE: &[MetricDoc] = &[
         "Time pool checkouts waited, per health-check cycle (bb8); _sum is the total wait.",
     ),
     m(
+        "rpcmesh_busy_poll_idle_seconds",
+        Histogram,
+        "role",
+        "broker",
+        "Stretches of busy polling (--busy-poll) that found nothing to read, each up to the window; _sum is the CPU time polling cost beyond the work.",
+    ),
+    m(
         "rpcmesh_pool_connections_closed_total",
         Counter,
         "role, upstream, reason",
