@@ -43,14 +43,53 @@ pub const DEFAULT_HEALTH_TIMEOUT: Duration = Duration::from_secs(1);
 /// flight gets its answer or its timeout before the broker exits.
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
 
-/// How long a worker keeps polling for I/O after a read before it sleeps (`--busy-poll`).
-/// A call's next step (the provider's reply, the caller's next request) arrives within
-/// tens of microseconds on a fast network; 50 µs covers that, so a broker under steady
-/// traffic never sleeps and its peers never pay to wake it, and an idle one stops
-/// spinning 50 µs after the last read. Measured on 2 vCPUs (docs/performance.md): the
-/// broker's added latency at 1 call in flight fell from ~30 µs to below zero (its peers
-/// were spared their wake-up costs) and calls/s at 64 in flight rose by a quarter.
+/// How long a worker keeps polling for I/O after a read before it sleeps (`--busy-poll`,
+/// `auto` with one worker thread). A call's next step (the provider's reply, the caller's
+/// next request) arrives within tens of microseconds on a fast network; 50 µs covers that,
+/// so a broker under steady traffic never sleeps and its peers never pay to wake it, and
+/// an idle one stops spinning 50 µs after the last read. Measured on 2 vCPUs
+/// (docs/performance.md): the broker's added latency at 1 call in flight fell from ~30 µs
+/// to below zero (its peers were spared their wake-up costs) and calls/s at 64 in flight
+/// rose by a quarter; windows from 10 to 200 µs did the same within the noise.
 pub const DEFAULT_BUSY_POLL: Duration = Duration::from_micros(50);
+/// Calls in flight up to which a provider's connections are filled one after the other
+/// (`--pack-in-flight`); see `route::Router` for why.
+pub const DEFAULT_PACK_IN_FLIGHT: usize = 64;
+
+/// Whether the broker busy-polls after reads (`--busy-poll`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BusyPoll {
+    /// [`DEFAULT_BUSY_POLL`] when the runtime has one worker thread, else off: with
+    /// several, a spinning worker cannot take the reactor from one blocked in `epoll_wait`,
+    /// and busy polling costs more than a core for little (see `rpcmesh_common::busy_poll`).
+    Auto,
+    /// Sleep at once when there is nothing to do.
+    Off,
+    /// Poll this long after each read, whatever the thread count.
+    Window(Duration),
+}
+
+impl BusyPoll {
+    /// The window to use with `workers` runtime worker threads; `None` = off.
+    pub fn window(self, workers: usize) -> Option<Duration> {
+        match self {
+            BusyPoll::Auto => (workers == 1).then_some(DEFAULT_BUSY_POLL),
+            BusyPoll::Off => None,
+            BusyPoll::Window(w) => Some(w),
+        }
+    }
+}
+
+/// Parses `--busy-poll`: `auto`, `off`, or a duration (`0` = off).
+pub fn parse_busy_poll(s: &str) -> Result<BusyPoll, String> {
+    if s.eq_ignore_ascii_case("auto") {
+        return Ok(BusyPoll::Auto);
+    }
+    match parse_duration_or_off(s)? {
+        Some(d) if !d.is_zero() => Ok(BusyPoll::Window(d)),
+        _ => Ok(BusyPoll::Off),
+    }
+}
 
 /// How calls are spread over the providers of a service.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -172,12 +211,18 @@ pub struct Args {
     /// Grace period for calls in flight on SIGTERM/SIGINT.
     #[arg(long, env = "RPCMESH_GRACE", default_value = "10s", value_parser = parse_duration)]
     pub grace: Duration,
-    /// Keep polling for I/O this long after each read instead of sleeping, or `off`.
-    /// Spares peers the cost of waking the broker and cuts its latency, at the price of one
-    /// busy core while traffic flows.
-    // Spelled out so that clap takes the parser's `Option` as the value, not as "optional".
-    #[arg(long, env = "RPCMESH_BUSY_POLL", default_value = "50us", value_parser = parse_duration_or_off)]
-    pub busy_poll: std::option::Option<Duration>,
+    /// Keep polling for I/O this long after each read instead of sleeping (e.g. 50us),
+    /// `off`, or `auto`: 50us when the broker runs one worker thread (`--threads 1`), else
+    /// off. Spares peers the cost of waking the broker and cuts its latency, at the price
+    /// of one busy core while traffic flows.
+    #[arg(long, env = "RPCMESH_BUSY_POLL", default_value = "auto", value_parser = parse_busy_poll)]
+    pub busy_poll: BusyPoll,
+    /// Calls in flight up to which a provider's connections are filled one after the
+    /// other (fewer, larger batches); 0 = always the less loaded of two. Lower it for
+    /// providers with CPU-heavy handlers on several threads. Plain v1 upstreams are never
+    /// packed.
+    #[arg(long, env = "RPCMESH_PACK_IN_FLIGHT", default_value_t = DEFAULT_PACK_IN_FLIGHT)]
+    pub pack_in_flight: usize,
     /// Per-stage latency timing.
     #[command(flatten)]
     pub stages: rpcmesh_common::telemetry::StageArgs,
@@ -212,8 +257,10 @@ pub struct BrokerConfig {
     pub max_body_len: u32,
     /// Drain time on shutdown.
     pub grace: Duration,
-    /// Busy-polling window after each read; `None` = sleep at once.
-    pub busy_poll: Option<Duration>,
+    /// Busy polling after reads.
+    pub busy_poll: BusyPoll,
+    /// Calls in flight up to which a provider's connections are filled in order; 0 = off.
+    pub pack_in_flight: usize,
     /// Stages are timed on one call in this many; 0 = not at all.
     pub stage_sample: u32,
 }
@@ -242,7 +289,8 @@ impl BrokerConfig {
             max_in_flight_per_upstream_conn: DEFAULT_MAX_IN_FLIGHT_PER_UPSTREAM_CONN,
             max_body_len: DEFAULT_MAX_BODY_LEN,
             grace: DEFAULT_GRACE,
-            busy_poll: Some(DEFAULT_BUSY_POLL),
+            busy_poll: BusyPoll::Auto,
+            pack_in_flight: DEFAULT_PACK_IN_FLIGHT,
             stage_sample: rpcmesh_common::telemetry::DEFAULT_STAGE_SAMPLE,
         }
     }
@@ -312,6 +360,7 @@ impl Args {
             max_body_len: self.max_body_bytes,
             grace: self.grace,
             busy_poll: self.busy_poll,
+            pack_in_flight: self.pack_in_flight,
             stage_sample: self.stages.every(),
         })
     }
@@ -335,21 +384,24 @@ mod tests {
     }
 
     #[test]
-    fn busy_polling_is_on_by_default_and_can_be_set_or_turned_off() {
+    fn busy_polling_is_auto_by_default_and_can_be_set_or_turned_off() {
         let config = |extra: &[&str]| {
             let mut argv = vec!["broker", "--upstream", "127.0.0.1:7800"];
             argv.extend_from_slice(extra);
             Args::parse_from(argv).config().unwrap().busy_poll
         };
-        assert_eq!(config(&[]), Some(DEFAULT_BUSY_POLL));
-        assert_eq!(
-            config(&["--busy-poll", "200us"]),
-            Some(Duration::from_micros(200))
-        );
-        assert_eq!(config(&["--busy-poll", "off"]), None);
+        assert_eq!(config(&[]), BusyPoll::Auto);
+        assert_eq!(BusyPoll::Auto.window(1), Some(DEFAULT_BUSY_POLL));
+        assert_eq!(BusyPoll::Auto.window(2), None);
+        let set = config(&["--busy-poll", "200us"]);
+        assert_eq!(set, BusyPoll::Window(Duration::from_micros(200)));
+        assert_eq!(set.window(4), Some(Duration::from_micros(200)));
+        assert_eq!(config(&["--busy-poll", "off"]), BusyPoll::Off);
+        assert_eq!(config(&["--busy-poll", "0"]), BusyPoll::Off);
+        assert_eq!(BusyPoll::Off.window(1), None);
         assert_eq!(
             BrokerConfig::with_upstreams(["x:1"]).busy_poll,
-            Some(DEFAULT_BUSY_POLL)
+            BusyPoll::Auto
         );
         assert!(Args::try_parse_from(["broker", "--busy-poll", "soon"]).is_err());
     }

@@ -26,14 +26,14 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 
-use rpcmesh_common::busy_poll;
+use rpcmesh_common::busy_poll::{self, Activity};
 use rpcmesh_common::listener::{self, AcceptConfig, ServeSummary};
 use rpcmesh_common::shutdown::{self, CancellationToken};
 use rpcmesh_common::sysmetrics;
 use rpcmesh_common::telemetry::Telemetry;
 use tokio::net::TcpListener;
 
-pub use config::{Args, Balance, BrokerConfig, UpstreamSpec};
+pub use config::{Args, Balance, BrokerConfig, BusyPoll, UpstreamSpec};
 pub use metrics::BrokerMetrics;
 
 /// Serves `listener` until `shutdown` resolves, then stops accepting, lets calls in
@@ -54,6 +54,10 @@ pub async fn run_with(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> ServeSummary {
     let metrics = BrokerMetrics::new(telemetry, config.stage_sample);
+    let workers = tokio::runtime::Handle::current().metrics().num_workers();
+    let busy_poll = config.busy_poll.window(workers);
+    // Every socket of this broker, client and provider side, tells its spinner of reads.
+    let activity = busy_poll.map(|_| Activity::new());
     let pools: Vec<_> = config
         .upstreams
         .iter()
@@ -62,6 +66,7 @@ pub async fn run_with(
                 u.clone(),
                 &config,
                 metrics.upstream(u.label(), config.pool_size),
+                activity.clone(),
             )
         })
         .collect();
@@ -75,6 +80,8 @@ pub async fn run_with(
         upstreams = ?config.upstreams.iter().map(|u| u.addr.as_str()).collect::<Vec<_>>(),
         pool_size = config.pool_size,
         balance = ?config.balance,
+        ?busy_poll,
+        workers,
         "broker listening"
     );
     let accept = AcceptConfig {
@@ -83,19 +90,21 @@ pub async fn run_with(
     };
     let observer = metrics.conns.clone();
     let shared = Arc::new(session::Shared {
-        router: route::Router::new(pools, config.balance),
+        router: route::Router::new(pools, config.balance, config.pack_in_flight),
+        activity: activity.clone(),
         config,
         metrics,
         in_flight: AtomicUsize::new(0),
     });
     let token = shutdown::token_from(shutdown);
-    let spinner = shared.config.busy_poll.map(|window| {
-        let idle = shared
-            .metrics
-            .telemetry
-            .histogram("rpcmesh_busy_poll_idle_seconds", &[("role", metrics::ROLE)]);
-        busy_poll::spawn(window, token.child_token(), idle)
-    });
+    // Registered whether or not the broker busy-polls, so that the series is there.
+    let idle = shared
+        .metrics
+        .telemetry
+        .histogram("rpcmesh_busy_poll_idle_seconds", &[("role", metrics::ROLE)]);
+    let spinner = busy_poll
+        .zip(activity)
+        .map(|(window, activity)| busy_poll::spawn(activity, window, token.child_token(), idle));
     let housekeeping = sysmetrics::Housekeeping::start(&shared.metrics.telemetry, metrics::ROLE);
     let summary = listener::serve(
         listener,

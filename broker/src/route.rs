@@ -2,9 +2,10 @@
 //!
 //! A service's providers are those configured for it by name, else those configured for
 //! any service. Among them the broker picks by least outstanding calls of two chosen at
-//! random (the default) or in turn. Within the provider, calls are packed: the oldest
-//! connection with fewer than [`PACK_IN_FLIGHT`] calls takes the call, and only when all
-//! are that busy does the less loaded of two. A provider with no open connection is
+//! random (the default) or in turn. Within an rpcmesh provider, calls are packed: the
+//! oldest connection with fewer than `--pack-in-flight` (64) calls takes the call, and only
+//! when all are that busy does the less loaded of two (see [`Router`]). Plain v1 servers,
+//! which may work through a connection one call at a time, get the less loaded of two. A provider with no open connection is
 //! passed over; a full one too, and the call goes to the next. Only when no provider
 //! takes it is the caller answered.
 
@@ -29,18 +30,6 @@ pub(crate) enum NoRoute {
     /// The payload is compressed and only plain v1 servers serve the service.
     NeedsExtension,
 }
-
-/// A provider's connections are filled in order up to this many calls in flight each;
-/// only when every one has that many does the less loaded of two take the next call.
-///
-/// Calls packed onto one connection pile up in one socket while the provider is busy and
-/// are read, answered and written back in large batches: on a 2-core machine at 64 calls
-/// in flight, packing instead of spreading over four connections cut the provider's CPU
-/// per call from 1.15 to 0.73 µs and raised the broker path's calls/s by 10–15 %
-/// (docs/performance.md). One provider thread keeps up with about this many calls in
-/// flight at loopback latency; beyond that a provider with several threads needs more
-/// connections to use them, and gets them.
-pub(crate) const PACK_IN_FLIGHT: usize = 64;
 
 /// Per-session balancing state (so that balancing shares nothing between sessions).
 ///
@@ -75,16 +64,27 @@ impl Picker {
 }
 
 /// Services → providers.
+///
+/// Packing: a provider's connections are filled in order up to `pack` calls in flight
+/// each; only when every one has that many does the less loaded of two take the next
+/// call. Calls packed onto one connection pile up in one socket while the provider is
+/// busy and are read, answered and written back in large batches: on a 2-core machine at
+/// 64 calls in flight, packing instead of spreading over four connections cut the
+/// provider's CPU per call from 1.15 to 0.73 µs and raised the broker path's calls/s by
+/// 10–15 % (docs/performance.md). The price is parallelism below `pack` calls: an rpcmesh
+/// provider runs a connection's handlers on one thread, so a provider whose handlers are
+/// CPU-heavy and spread over several threads wants a lower `--pack-in-flight` (or 0).
 #[derive(Debug)]
 pub(crate) struct Router {
     pools: Vec<Arc<ProviderPool>>,
     by_service: HashMap<Box<[u8]>, Vec<usize>>,
     any: Vec<usize>,
     balance: Balance,
+    pack: usize,
 }
 
 impl Router {
-    pub fn new(pools: Vec<Arc<ProviderPool>>, balance: Balance) -> Self {
+    pub fn new(pools: Vec<Arc<ProviderPool>>, balance: Balance, pack: usize) -> Self {
         let mut by_service: HashMap<Box<[u8]>, Vec<usize>> = HashMap::new();
         let mut any = Vec::new();
         for (i, p) in pools.iter().enumerate() {
@@ -100,6 +100,7 @@ impl Router {
             by_service,
             any,
             balance,
+            pack,
         }
     }
 
@@ -123,7 +124,7 @@ impl Router {
         if let Some((pool_idx, conn_idx)) = picker.batch {
             let pool = &self.pools[pool_idx];
             if cands.contains(&pool_idx) && (pool.spec.ext || !needs_ext) {
-                match try_pool(pool, fwd, picker, Some(conn_idx)) {
+                match try_pool(pool, fwd, picker, Some(conn_idx), self.pack) {
                     Ok(c) => {
                         picker.batch = Some((pool_idx, c));
                         return Ok(());
@@ -161,7 +162,7 @@ impl Router {
                 }
                 continue;
             }
-            match try_pool(pool, fwd, picker, None) {
+            match try_pool(pool, fwd, picker, None, self.pack) {
                 Ok(c) => {
                     picker.batch = Some((pool_idx, c));
                     return Ok(());
@@ -179,7 +180,8 @@ impl Router {
 }
 
 /// Offers the call to `prefer` (a connection index), else to the first open connection of
-/// `pool` under [`PACK_IN_FLIGHT`], else to the less loaded of two, then to the others; returns the index that took it. `None` in
+/// `pool` under `pack` calls in flight (rpcmesh providers only; 0 = never), else to the
+/// less loaded of two, then to the others; returns the index that took it. `None` in
 /// the error = the pool has no open connection.
 // A refused call is handed back by value (no allocation on the per-call path).
 #[allow(clippy::result_large_err)]
@@ -188,6 +190,7 @@ fn try_pool(
     mut fwd: Forward,
     picker: &mut Picker,
     prefer: Option<usize>,
+    pack: usize,
 ) -> Result<usize, (Forward, Option<Refused>)> {
     let conns = pool.ready();
     let n = conns.len();
@@ -196,9 +199,9 @@ fn try_pool(
     }
     let start = if let Some(p) = prefer.filter(|p| *p < n) {
         p
-    } else if let Some(i) = conns
-        .iter()
-        .position(|c| !c.is_closed() && c.load() < PACK_IN_FLIGHT)
+    } else if let Some(i) = (pool.spec.ext && pack > 0)
+        .then(|| conns.iter().position(|c| !c.is_closed() && c.load() < pack))
+        .flatten()
     {
         i
     } else if n > 1 {

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use rpcmesh_common::Status;
+use rpcmesh_common::busy_poll::Activity;
 use rpcmesh_common::call::{put_error_response, service_not_found};
 use rpcmesh_common::client::now_ms;
 use rpcmesh_common::codec::FrameCodec;
@@ -59,6 +60,8 @@ pub(crate) struct Shared {
     pub metrics: BrokerMetrics,
     /// Calls in flight in the whole broker (the global shedding cap).
     pub in_flight: AtomicUsize,
+    /// Reads are reported here when the broker busy-polls.
+    pub activity: Option<Arc<Activity>>,
 }
 
 pub(crate) async fn serve(
@@ -121,7 +124,8 @@ impl Session {
     fn new(stream: TcpStream, shared: Arc<Shared>) -> Self {
         let (replies_tx, replies) = mpsc::unbounded_channel();
         Session {
-            io: FramedIo::new(stream, FrameCodec::new(shared.config.max_body_len)),
+            io: FramedIo::new(stream, FrameCodec::new(shared.config.max_body_len))
+                .with_activity(shared.activity.clone()),
             replies_tx,
             replies,
             picker: Picker::new(),

@@ -345,7 +345,7 @@ async fn two_brokers_in_front_of_one_provider_both_serve() {
     // One busy-polls (the default), the other sleeps at once.
     let b1 = broker(broker_config(&[p.addr])).await;
     let mut quiet = broker_config(&[p.addr]);
-    quiet.busy_poll = None;
+    quiet.busy_poll = rpcmesh_broker::BusyPoll::Off;
     let b2 = broker(quiet).await;
     let c1 = client(b1.addr).await;
     let c2 = client(b2.addr).await;
@@ -600,7 +600,7 @@ async fn a_draining_broker_answers_late_requests_unavailable() {
 /// callers before forwarding, and refuses compressed payloads, which v1 cannot read.
 #[tokio::test]
 async fn a_plain_v1_server_can_sit_behind_the_broker() {
-    let server = V1Server::start().await;
+    let server = V1Server::start(false).await;
     let v1 = server.addr;
     let mut cfg = broker_config(&[]);
     cfg.upstreams = vec![UpstreamSpec::parse(&v1.to_string(), false).unwrap()];
@@ -662,14 +662,17 @@ async fn a_plain_v1_server_can_sit_behind_the_broker() {
 }
 
 /// Calls are packed onto a provider's oldest connection (so that they travel in large
-/// batches) until it has `PACK_IN_FLIGHT` (64) in flight; more spread over the others
+/// batches) until it has `--pack-in-flight` (64) in flight; more spread over the others
 /// (a client's read of many calls still goes to one connection, so the split is uneven).
 #[tokio::test]
 async fn calls_are_packed_onto_one_connection_until_it_is_busy() {
-    let server = V1Server::start().await;
-    let mut cfg = broker_config(&[]);
-    cfg.upstreams = vec![UpstreamSpec::parse(&server.addr.to_string(), false).unwrap()];
+    let server = V1Server::start(true).await;
+    let mut cfg = broker_config(&[server.addr]);
     cfg.pool_size = 4;
+    // The slow phase holds each read's replies for 50 ms: no call or heartbeat may time
+    // out behind them on a slow machine.
+    cfg.call_timeout = Duration::from_secs(30);
+    cfg.health_timeout = Duration::from_secs(10);
     let b = broker(cfg).await;
     let c = client(b.addr).await;
     until_ready(&c).await;
@@ -698,8 +701,13 @@ async fn calls_are_packed_onto_one_connection_until_it_is_busy() {
             }
         }
     };
+    // Requests per connection since `before` (connections opened since count in full).
     let delta = |before: &[usize], after: &[usize]| -> Vec<usize> {
-        after.iter().zip(before).map(|(a, b)| a - b).collect()
+        after
+            .iter()
+            .enumerate()
+            .map(|(i, a)| a - before.get(i).copied().unwrap_or(0))
+            .collect()
     };
     // 40 at a time, 5 times: all on one connection.
     let before = server.counts();

@@ -227,7 +227,7 @@ pub const CATALOGUE: &[MetricDoc] = &[
         Histogram,
         "role",
         "broker",
-        "Stretches of busy polling (--busy-poll) that found nothing to read, each up to the window; _sum is the CPU time polling cost beyond the work.",
+        "Time busy polling (--busy-poll) found nothing to read, recorded in chunks of about 10 ms; _sum is roughly the CPU time polling cost beyond the work (empty when the broker does not busy-poll).",
     ),
     m(
         "rpcmesh_pool_connections_closed_total",

@@ -9,6 +9,7 @@
 //! [`FramedIo::try_flush`] once per round.
 
 use std::io;
+use std::sync::Arc;
 
 use bytes::{Buf, BytesMut};
 use std::pin::Pin;
@@ -16,6 +17,7 @@ use std::task::{Context, Poll};
 
 use tokio::net::TcpStream;
 
+use crate::busy_poll::Activity;
 use crate::codec::FrameCodec;
 use crate::frame::{Frame, FrameError};
 
@@ -76,6 +78,8 @@ pub struct FramedIo {
     /// Bytes still to drop (see [`FramedIo::skip`]).
     discard: usize,
     counts: IoCounts,
+    /// Told of every read that returned data (busy polling), if set.
+    activity: Option<Arc<Activity>>,
 }
 
 impl FramedIo {
@@ -101,7 +105,15 @@ impl FramedIo {
             eof: false,
             discard: 0,
             counts: IoCounts::default(),
+            activity: None,
         }
+    }
+
+    /// Tells `activity` of every read that returns data, so that its busy poller keeps
+    /// polling while this socket has traffic (see [`crate::busy_poll`]).
+    pub fn with_activity(mut self, activity: Option<Arc<Activity>>) -> Self {
+        self.activity = activity;
+        self
     }
 
     /// The socket.
@@ -167,7 +179,9 @@ impl FramedIo {
                 Poll::Ready(Ok(n)) => {
                     self.counts.bytes_read += n as u64;
                     self.counts.reads += 1;
-                    crate::busy_poll::note_read();
+                    if let Some(a) = &self.activity {
+                        a.note_read();
+                    }
                     return Poll::Ready(Ok(IoEvent::Read(ReadStatus::Data(n))));
                 }
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
@@ -191,7 +205,9 @@ impl FramedIo {
             Ok(n) => {
                 self.counts.bytes_read += n as u64;
                 self.counts.reads += 1;
-                crate::busy_poll::note_read();
+                if let Some(a) = &self.activity {
+                    a.note_read();
+                }
                 Ok(ReadStatus::Data(n))
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(ReadStatus::WouldBlock),

@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use rpcmesh_common::Status;
+use rpcmesh_common::busy_poll::Activity;
 use rpcmesh_common::client::now_ms;
 use rpcmesh_common::codec::FrameCodec;
 use rpcmesh_common::frame::{
@@ -68,6 +69,8 @@ pub(crate) struct ConnSettings {
     pub max_body_len: u32,
     pub max_in_flight: usize,
     pub call_timeout: Duration,
+    /// Reads are reported here when the broker busy-polls.
+    pub activity: Option<Arc<Activity>>,
 }
 
 /// State shared by the handle and the task.
@@ -123,7 +126,8 @@ impl UpstreamConn {
         let cap = settings.max_in_flight;
         let sweep = (settings.call_timeout / 20).clamp(SWEEP_MIN, SWEEP_MAX);
         let task = ConnTask {
-            io: FramedIo::new(stream, FrameCodec::new(settings.max_body_len)),
+            io: FramedIo::new(stream, FrameCodec::new(settings.max_body_len))
+                .with_activity(settings.activity.clone()),
             rx,
             state: state.clone(),
             table: InFlight::default(),

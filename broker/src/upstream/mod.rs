@@ -17,6 +17,7 @@ use arc_swap::ArcSwap;
 use rpcmesh_common::shutdown::CancellationToken;
 use tokio::sync::Notify;
 
+use rpcmesh_common::busy_poll::Activity;
 use rpcmesh_common::listener::AcceptObserver;
 
 use crate::config::{BrokerConfig, UpstreamSpec};
@@ -117,6 +118,7 @@ impl ProviderPool {
         spec: UpstreamSpec,
         config: &BrokerConfig,
         metrics: UpstreamMetrics,
+        activity: Option<Arc<Activity>>,
     ) -> Arc<ProviderPool> {
         let closed = Arc::new(Notify::new());
         let settings = ConnSettings {
@@ -125,6 +127,7 @@ impl ProviderPool {
             max_body_len: config.max_body_len,
             max_in_flight: config.max_in_flight_per_upstream_conn,
             call_timeout: config.call_timeout,
+            activity,
         };
         let manager = Manager {
             spec: spec.clone(),
