@@ -1,17 +1,96 @@
-//! Test support shared by the provider's and broker's black-box tests (feature
-//! `test-support`): the catalogue of bad inputs every server must survive, and a probe that
-//! sends one on a fresh connection and reports what came back.
+//! Test support shared by the provider's, broker's and driver's black-box tests (feature
+//! `test-support`): servers run in the test process ([`InProcess`]), the catalogue of bad
+//! inputs every server must survive, and a probe that sends one on a fresh connection and
+//! reports what came back.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
 
 use crate::codec::FrameCodec;
 use crate::frame::{Flags, Frame, Request};
 use crate::proto::rpc::EchoRequest;
-use crate::telemetry::ErrorKind;
+use crate::telemetry::{ErrorKind, Telemetry, sample};
+
+/// A server (a provider's or a broker's `run_with`) running in the test process on
+/// 127.0.0.1 port 0, with its own metrics, until [`InProcess::stop`].
+#[derive(Debug)]
+pub struct InProcess<T> {
+    /// Where it listens.
+    pub addr: std::net::SocketAddr,
+    /// Its metrics.
+    pub telemetry: Telemetry,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<T>,
+}
+
+/// The shutdown signal [`InProcess::start`] hands to the server.
+pub type StopSignal = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+impl<T: Send + 'static> InProcess<T> {
+    /// Binds a listener and spawns `run(listener, telemetry, stop)`.
+    pub async fn start<F, Fut>(run: F) -> InProcess<T>
+    where
+        F: FnOnce(TcpListener, Telemetry, StopSignal) -> Fut,
+        Fut: Future<Output = T> + Send + 'static,
+    {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind 127.0.0.1:0");
+        let addr = listener.local_addr().expect("local address");
+        let telemetry = Telemetry::new();
+        let (stop, rx) = oneshot::channel::<()>();
+        let signal: StopSignal = Box::pin(async {
+            let _ = rx.await;
+        });
+        let task = tokio::spawn(run(listener, telemetry.clone(), signal));
+        InProcess {
+            addr,
+            telemetry,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    /// `rpcmesh_errors_total{kind}` so far.
+    pub fn errors(&self, kind: &str) -> f64 {
+        sample(
+            &self.telemetry.render(),
+            "rpcmesh_errors_total",
+            &[("kind", kind)],
+        )
+        .unwrap_or(0.0)
+    }
+
+    /// `rpcmesh_calls_total{status}` so far.
+    pub fn calls(&self, status: &str) -> f64 {
+        sample(
+            &self.telemetry.render(),
+            "rpcmesh_calls_total",
+            &[("status", status)],
+        )
+        .unwrap_or(0.0)
+    }
+
+    /// Tells it to stop (it drains), without waiting.
+    pub fn signal_stop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+
+    /// Tells it to stop and waits for what it returns.
+    pub async fn stop(mut self) -> T {
+        self.signal_stop();
+        self.task.await.expect("server task")
+    }
+}
 
 /// How long a probe waits for the server to answer or close.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);

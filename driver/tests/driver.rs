@@ -4,30 +4,21 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
+use rpcmesh_common::listener::ServeSummary;
 use rpcmesh_common::shutdown::CancellationToken;
+use rpcmesh_common::testkit::InProcess;
 use rpcmesh_driver::config::ProgressMode;
 use rpcmesh_driver::{DriverConfig, Report, Stop, WorkloadKind};
-use rpcmesh_provider::ProviderConfig;
+use rpcmesh_provider::{ProviderConfig, Registry};
 use tokio::net::TcpListener;
-use tokio::sync::oneshot;
 
-async fn provider(
-    config: ProviderConfig,
-) -> (
-    SocketAddr,
-    oneshot::Sender<()>,
-    tokio::task::JoinHandle<rpcmesh_common::listener::ServeSummary>,
-) {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    let (tx, rx) = oneshot::channel::<()>();
-    let h = tokio::spawn(rpcmesh_provider::run(config, l, async {
-        let _ = rx.await;
-    }));
-    (addr, tx, h)
+async fn provider(config: ProviderConfig) -> InProcess<ServeSummary> {
+    InProcess::start(|listener, telemetry, stop| {
+        rpcmesh_provider::run_with(config, Registry::builtin(), telemetry, listener, stop)
+    })
+    .await
 }
 
 fn quick(targets: Vec<String>) -> DriverConfig {
@@ -83,8 +74,8 @@ async fn the_default_run_starts_its_own_mesh_and_reports() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn echo_direct_to_a_provider_with_parallel_fan_out() {
-    let (addr, stop, h) = provider(ProviderConfig::default()).await;
-    let mut c = quick(vec![addr.to_string()]);
+    let p = provider(ProviderConfig::default()).await;
+    let mut c = quick(vec![p.addr.to_string()]);
     c.workload = WorkloadKind::Echo;
     c.payload_size = 100;
     c.fanout = 3;
@@ -95,14 +86,13 @@ async fn echo_direct_to_a_provider_with_parallel_fan_out() {
     assert!(r.calls.ok > 100);
     assert!(r.calls.errors.is_empty(), "{:?}", r.calls.errors);
     assert_counts_add_up(&r);
-    let _ = stop.send(());
-    h.await.unwrap();
+    p.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_count_run_makes_exactly_that_many_requests() {
-    let (addr, stop, h) = provider(ProviderConfig::default()).await;
-    let mut c = quick(vec![addr.to_string()]);
+    let p = provider(ProviderConfig::default()).await;
+    let mut c = quick(vec![p.addr.to_string()]);
     c.stop = Stop::Requests(777);
     let r = rpcmesh_driver::run(c, CancellationToken::new())
         .await
@@ -110,15 +100,14 @@ async fn a_count_run_makes_exactly_that_many_requests() {
     assert_eq!(r.requests.completed, 777);
     assert_eq!(r.calls.sent, 777 * 5);
     assert_counts_add_up(&r);
-    let _ = stop.send(());
-    h.await.unwrap();
+    p.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compression_sends_fewer_bytes_for_the_platform_workload() {
-    let (addr, stop, h) = provider(ProviderConfig::default()).await;
+    let p = provider(ProviderConfig::default()).await;
     let run = |compress: bool| {
-        let mut c = quick(vec![addr.to_string()]);
+        let mut c = quick(vec![p.addr.to_string()]);
         c.stop = Stop::Requests(400);
         c.compression = compress.then(Default::default);
         rpcmesh_driver::run(c, CancellationToken::new())
@@ -137,18 +126,17 @@ async fn compression_sends_fewer_bytes_for_the_platform_workload() {
         zipped.bytes.payload_in_wire < zipped.bytes.payload_in_plain,
         "replies arrive compressed"
     );
-    let _ = stop.send(());
-    h.await.unwrap();
+    p.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_replies_past_the_timeout_count_as_timeouts() {
-    let (addr, stop, h) = provider(ProviderConfig {
+    let p = provider(ProviderConfig {
         service_time: Duration::from_millis(400),
         ..ProviderConfig::default()
     })
     .await;
-    let mut c = quick(vec![addr.to_string()]);
+    let mut c = quick(vec![p.addr.to_string()]);
     c.call_timeout = Duration::from_millis(150);
     c.fanout = 1;
     c.stop = Stop::Duration(Duration::from_millis(500));
@@ -162,20 +150,18 @@ async fn slow_replies_past_the_timeout_count_as_timeouts() {
         r.calls.errors
     );
     assert_counts_add_up(&r);
-    let _ = stop.send(());
-    h.await.unwrap();
+    p.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_provider_going_away_mid_run_is_counted_and_the_run_ends() {
-    let (addr, stop, h) = provider(ProviderConfig::default()).await;
-    let mut c = quick(vec![addr.to_string()]);
+    let p = provider(ProviderConfig::default()).await;
+    let mut c = quick(vec![p.addr.to_string()]);
     c.stop = Stop::Duration(Duration::from_millis(1500));
     c.call_timeout = Duration::from_secs(1);
     let run = tokio::spawn(rpcmesh_driver::run(c, CancellationToken::new()));
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let _ = stop.send(());
-    h.await.unwrap();
+    p.stop().await;
     let r = tokio::time::timeout(Duration::from_secs(10), run)
         .await
         .expect("the run ends")
@@ -193,14 +179,14 @@ async fn a_provider_going_away_mid_run_is_counted_and_the_run_ends() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cli_runs_against_a_target_and_writes_json() {
-    let (addr, stop, h) = provider(ProviderConfig::default()).await;
+    let p = provider(ProviderConfig::default()).await;
     let dir = std::env::temp_dir().join(format!("rpcmesh-driver-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("report.json");
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_driver"))
         .args([
             "--target",
-            &addr.to_string(),
+            &p.addr.to_string(),
             "--workload",
             "echo",
             "--fanout",
@@ -239,8 +225,7 @@ async fn the_cli_runs_against_a_target_and_writes_json() {
     assert!(r.calls.ok > 0);
     assert_counts_add_up(&r);
     let _ = std::fs::remove_dir_all(&dir);
-    let _ = stop.send(());
-    h.await.unwrap();
+    p.stop().await;
 }
 
 #[test]
@@ -266,8 +251,8 @@ fn every_program_answers_help() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn open_loop_starts_requests_at_the_rate_whatever_the_replies() {
-    let (addr, stop, h) = provider(ProviderConfig::default()).await;
-    let mut c = quick(vec![addr.to_string()]);
+    let p = provider(ProviderConfig::default()).await;
+    let mut c = quick(vec![p.addr.to_string()]);
     c.rate = Some(2000.0);
     c.concurrency = 64;
     c.stop = Stop::Duration(Duration::from_secs(1));
@@ -280,19 +265,18 @@ async fn open_loop_starts_requests_at_the_rate_whatever_the_replies() {
     assert!((1500.0..=2500.0).contains(&done), "{done} requests: {r:#?}");
     assert!(r.requests.start_lag.is_some());
     assert_counts_add_up(&r);
-    let _ = stop.send(());
-    h.await.unwrap();
+    p.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn open_loop_counts_requests_it_could_not_start() {
     // A slow provider and two slots: most due requests find no free slot.
-    let (addr, stop, h) = provider(ProviderConfig {
+    let p = provider(ProviderConfig {
         service_time: Duration::from_millis(100),
         ..ProviderConfig::default()
     })
     .await;
-    let mut c = quick(vec![addr.to_string()]);
+    let mut c = quick(vec![p.addr.to_string()]);
     c.rate = Some(200.0);
     c.concurrency = 2;
     c.connections = 2;
@@ -304,8 +288,7 @@ async fn open_loop_counts_requests_it_could_not_start() {
     assert!(r.requests.not_started > 50, "{r:#?}");
     assert!(r.requests.completed <= 20, "{r:#?}");
     assert_counts_add_up(&r);
-    let _ = stop.send(());
-    h.await.unwrap();
+    p.stop().await;
 }
 
 /// A server that accepts and closes at once (a broker at its connection cap does): the

@@ -3,7 +3,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -12,59 +11,19 @@ use rpcmesh_common::compress::CompressionConfig;
 use rpcmesh_common::frame::{Flags, Request};
 use rpcmesh_common::proto::platform::{QueryRequest, QueryResponse};
 use rpcmesh_common::proto::rpc::{EchoRequest, EchoResponse};
-use rpcmesh_common::telemetry::{Telemetry, sample};
-use rpcmesh_common::testkit;
+use rpcmesh_common::testkit::{self, InProcess};
 use rpcmesh_common::{Status, listener::ServeSummary};
 use rpcmesh_provider::{ProviderConfig, Registry};
 use tokio::io::AsyncWriteExt;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
+use tokio::net::TcpStream;
 
-struct Running {
-    addr: SocketAddr,
-    telemetry: Telemetry,
-    stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<ServeSummary>,
-}
+type Running = InProcess<ServeSummary>;
 
-impl Running {
-    async fn start(config: ProviderConfig) -> Running {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let telemetry = Telemetry::new();
-        let (stop, rx) = oneshot::channel::<()>();
-        let t = telemetry.clone();
-        let task = tokio::spawn(rpcmesh_provider::run_with(
-            config,
-            Registry::builtin(),
-            t,
-            listener,
-            async {
-                let _ = rx.await;
-            },
-        ));
-        Running {
-            addr,
-            telemetry,
-            stop: Some(stop),
-            task,
-        }
-    }
-
-    fn errors(&self, kind: &str) -> f64 {
-        sample(
-            &self.telemetry.render(),
-            "rpcmesh_errors_total",
-            &[("kind", kind)],
-        )
-        .unwrap_or(0.0)
-    }
-
-    async fn stop(mut self) -> ServeSummary {
-        let _ = self.stop.take().unwrap().send(());
-        self.task.await.unwrap()
-    }
+async fn start(config: ProviderConfig) -> Running {
+    InProcess::start(|listener, telemetry, stop| {
+        rpcmesh_provider::run_with(config, Registry::builtin(), telemetry, listener, stop)
+    })
+    .await
 }
 
 fn query() -> QueryRequest {
@@ -73,7 +32,7 @@ fn query() -> QueryRequest {
 
 #[tokio::test]
 async fn echo_answers_the_message() {
-    let p = Running::start(ProviderConfig::default()).await;
+    let p = start(ProviderConfig::default()).await;
     let c = Client::connect(p.addr, ClientConfig::default())
         .await
         .unwrap();
@@ -94,7 +53,7 @@ async fn echo_answers_the_message() {
 
 #[tokio::test]
 async fn platform_query_returns_the_fixed_two_entry_list() {
-    let p = Running::start(ProviderConfig::default()).await;
+    let p = start(ProviderConfig::default()).await;
     let c = Client::connect(p.addr, ClientConfig::default())
         .await
         .unwrap();
@@ -115,7 +74,7 @@ async fn platform_query_returns_the_fixed_two_entry_list() {
 /// reply, byte for byte.
 #[tokio::test]
 async fn golden_v1_request_gets_the_golden_v1_reply() {
-    let p = Running::start(ProviderConfig::default()).await;
+    let p = start(ProviderConfig::default()).await;
     let (got, want) = testkit::golden_exchange(p.addr, "echo_request_id1", "echo_response_ok_id1")
         .await
         .unwrap();
@@ -125,7 +84,7 @@ async fn golden_v1_request_gets_the_golden_v1_reply() {
 
 #[tokio::test]
 async fn unknown_service_and_method_fail_with_a_message() {
-    let p = Running::start(ProviderConfig::default()).await;
+    let p = start(ProviderConfig::default()).await;
     let c = Client::connect(p.addr, ClientConfig::plain_v1())
         .await
         .unwrap();
@@ -149,7 +108,7 @@ async fn unknown_service_and_method_fail_with_a_message() {
 
 #[tokio::test]
 async fn payload_that_does_not_decode_fails_with_a_message() {
-    let p = Running::start(ProviderConfig::default()).await;
+    let p = start(ProviderConfig::default()).await;
     let c = Client::connect(p.addr, ClientConfig::plain_v1())
         .await
         .unwrap();
@@ -170,7 +129,7 @@ async fn payload_that_does_not_decode_fails_with_a_message() {
 
 #[tokio::test]
 async fn heartbeat_is_answered_with_the_same_id() {
-    let p = Running::start(ProviderConfig {
+    let p = start(ProviderConfig {
         node_id: "p1".into(),
         ..ProviderConfig::default()
     })
@@ -185,7 +144,7 @@ async fn heartbeat_is_answered_with_the_same_id() {
 
 #[tokio::test]
 async fn compressed_and_plain_calls_get_identical_answers() {
-    let p = Running::start(ProviderConfig::default()).await;
+    let p = start(ProviderConfig::default()).await;
     let plain = Client::connect(p.addr, ClientConfig::default())
         .await
         .unwrap();
@@ -220,7 +179,7 @@ async fn compressed_and_plain_calls_get_identical_answers() {
 
 #[tokio::test]
 async fn bad_or_oversized_compressed_payloads_fail_with_a_message() {
-    let p = Running::start(ProviderConfig {
+    let p = start(ProviderConfig {
         max_inflated: 1000,
         ..ProviderConfig::default()
     })
@@ -279,7 +238,7 @@ async fn bad_or_oversized_compressed_payloads_fail_with_a_message() {
 #[tokio::test]
 async fn bad_input_gets_an_error_reply_or_a_close_and_is_counted() {
     let max = 4096;
-    let p = Running::start(ProviderConfig {
+    let p = start(ProviderConfig {
         max_body_len: max,
         ..ProviderConfig::default()
     })
@@ -328,7 +287,7 @@ async fn bad_input_gets_an_error_reply_or_a_close_and_is_counted() {
 
 #[tokio::test]
 async fn over_the_in_flight_cap_calls_are_shed_at_once() {
-    let p = Running::start(ProviderConfig {
+    let p = start(ProviderConfig {
         max_in_flight_per_conn: 1,
         service_time: Duration::from_secs(2),
         ..ProviderConfig::default()
@@ -368,7 +327,7 @@ async fn over_the_in_flight_cap_calls_are_shed_at_once() {
 
 #[tokio::test]
 async fn shutdown_finishes_calls_in_flight_and_refuses_new_connections() {
-    let p = Running::start(ProviderConfig {
+    let p = start(ProviderConfig {
         service_time: Duration::from_millis(500),
         ..ProviderConfig::default()
     })
@@ -412,7 +371,7 @@ async fn shutdown_finishes_calls_in_flight_and_refuses_new_connections() {
 /// answered "failed" with the reason.
 #[tokio::test]
 async fn a_reply_over_the_frame_limit_is_answered_failed() {
-    let p = Running::start(ProviderConfig {
+    let p = start(ProviderConfig {
         max_body_len: 4096,
         ..ProviderConfig::default()
     })
@@ -467,7 +426,7 @@ async fn a_reply_over_the_frame_limit_is_answered_failed() {
 
 #[tokio::test]
 async fn a_draining_provider_answers_late_requests_unavailable_instead_of_dropping_them() {
-    let p = Running::start(ProviderConfig::default()).await;
+    let mut p = start(ProviderConfig::default()).await;
     let c = Client::connect(p.addr, ClientConfig::default())
         .await
         .unwrap();
@@ -478,13 +437,7 @@ async fn a_draining_provider_answers_late_requests_unavailable_instead_of_droppi
             .status,
         Status::Success
     );
-    let Running {
-        addr: _,
-        telemetry: _,
-        mut stop,
-        task,
-    } = p;
-    let _ = stop.take().unwrap().send(());
+    p.signal_stop();
     // Sent after the drain began, on the open connection: answered, not lost.
     tokio::time::sleep(Duration::from_millis(50)).await;
     let r = c
@@ -493,5 +446,5 @@ async fn a_draining_provider_answers_late_requests_unavailable_instead_of_droppi
         .unwrap();
     assert_eq!(r.status, Status::Unavailable);
     assert!(r.error_msg.contains("shutting down"), "{}", r.error_msg);
-    task.await.unwrap();
+    p.stop().await;
 }

@@ -18,68 +18,20 @@ use rpcmesh_common::codec::FrameCodec;
 use rpcmesh_common::frame::{Flags, Heartbeat, MsgType};
 use rpcmesh_common::listener::ServeSummary;
 use rpcmesh_common::proto::rpc::{EchoRequest, EchoResponse};
-use rpcmesh_common::telemetry::{Telemetry, sample};
+use rpcmesh_common::testkit::InProcess;
 use rpcmesh_provider::{ProviderConfig, Registry};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-/// A server running in this process.
-pub struct Running {
-    pub addr: SocketAddr,
-    pub telemetry: Telemetry,
-    stop: Option<oneshot::Sender<()>>,
-    pub task: JoinHandle<ServeSummary>,
-}
-
-impl Running {
-    pub fn errors(&self, kind: &str) -> f64 {
-        sample(
-            &self.telemetry.render(),
-            "rpcmesh_errors_total",
-            &[("kind", kind)],
-        )
-        .unwrap_or(0.0)
-    }
-
-    pub fn calls(&self, status: &str) -> f64 {
-        sample(
-            &self.telemetry.render(),
-            "rpcmesh_calls_total",
-            &[("status", status)],
-        )
-        .unwrap_or(0.0)
-    }
-
-    pub async fn stop(mut self) -> ServeSummary {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        self.task.await.expect("server task")
-    }
-}
+/// A provider or broker running in this process.
+pub type Running = InProcess<ServeSummary>;
 
 pub async fn provider(config: ProviderConfig) -> Running {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let telemetry = Telemetry::new();
-    let (stop, rx) = oneshot::channel::<()>();
-    let task = tokio::spawn(rpcmesh_provider::run_with(
-        config,
-        Registry::builtin(),
-        telemetry.clone(),
-        listener,
-        async {
-            let _ = rx.await;
-        },
-    ));
-    Running {
-        addr,
-        telemetry,
-        stop: Some(stop),
-        task,
-    }
+    InProcess::start(|listener, telemetry, stop| {
+        rpcmesh_provider::run_with(config, Registry::builtin(), telemetry, listener, stop)
+    })
+    .await
 }
 
 /// Test-friendly broker settings: fast health checks, so that the pool notices changes
@@ -94,24 +46,10 @@ pub fn broker_config(upstreams: &[SocketAddr]) -> BrokerConfig {
 }
 
 pub async fn broker(config: BrokerConfig) -> Running {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let telemetry = Telemetry::new();
-    let (stop, rx) = oneshot::channel::<()>();
-    let task = tokio::spawn(rpcmesh_broker::run_with(
-        config,
-        telemetry.clone(),
-        listener,
-        async {
-            let _ = rx.await;
-        },
-    ));
-    Running {
-        addr,
-        telemetry,
-        stop: Some(stop),
-        task,
-    }
+    InProcess::start(|listener, telemetry, stop| {
+        rpcmesh_broker::run_with(config, telemetry, listener, stop)
+    })
+    .await
 }
 
 pub async fn client(addr: SocketAddr) -> Client {
