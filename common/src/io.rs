@@ -24,6 +24,11 @@ use crate::frame::{Frame, FrameError};
 /// Bytes a read may fill at once: 64 KiB holds about a thousand small frames, so a busy
 /// connection reads a whole batch per `read` call.
 pub const READ_CHUNK: usize = 64 * 1024;
+/// The read buffer grows (by [`READ_CHUNK`]) only when less room than this is left. Frames
+/// split off the buffer share its allocation while they live, so growing it before every
+/// read would allocate a fresh 64 KiB buffer per read whenever one is still in flight
+/// (the broker keeps forwarded requests until their upstream write).
+const MIN_READ_ROOM: usize = 4096;
 
 /// Idle time before the first keepalive probe: a minute, long beyond any pause in a
 /// healthy conversation, short enough that a dead peer's connection is freed within
@@ -170,7 +175,7 @@ impl FramedIo {
             }
         }
         if read && !self.eof {
-            self.rbuf.reserve(READ_CHUNK);
+            self.make_read_room();
             match tokio_util::io::poll_read_buf(Pin::new(&mut self.stream), cx, &mut self.rbuf) {
                 Poll::Ready(Ok(0)) => {
                     self.eof = true;
@@ -191,12 +196,18 @@ impl FramedIo {
         Poll::Pending
     }
 
+    fn make_read_room(&mut self) {
+        if self.rbuf.capacity() - self.rbuf.len() < MIN_READ_ROOM {
+            self.rbuf.reserve(READ_CHUNK);
+        }
+    }
+
     /// One `read` call into the read buffer, without waiting.
     pub fn try_read(&mut self) -> io::Result<ReadStatus> {
         if self.eof {
             return Ok(ReadStatus::Eof);
         }
-        self.rbuf.reserve(READ_CHUNK);
+        self.make_read_room();
         match self.stream.try_read_buf(&mut self.rbuf) {
             Ok(0) => {
                 self.eof = true;
