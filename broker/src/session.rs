@@ -151,7 +151,7 @@ impl Session {
                 biased;
                 Some(r) = self.replies.recv() => self.on_reply(r),
                 ev = self.io.wait_io(reading) => {
-                    if let IoEvent::Read(_) = ev? {
+                    if let IoEvent::Read = ev? {
                         self.take_frames()?;
                     }
                 }

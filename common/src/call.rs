@@ -46,20 +46,6 @@ pub enum CallError {
     },
 }
 
-impl CallError {
-    /// Short, bounded name for metrics.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            CallError::Frame(e) => e.kind(),
-            CallError::Inflate(CompressError::TooLarge { .. }) => "inflate_too_large",
-            CallError::Inflate(CompressError::Corrupt(_)) => "inflate",
-            CallError::Decode(_) => "decode",
-            CallError::UnknownStatus(_) => "unknown_status",
-            CallError::WrongType { .. } => "wrong_type",
-        }
-    }
-}
-
 /// Payload sizes of one encoded or decoded message: before compression and on the wire.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PayloadSize {
@@ -614,6 +600,9 @@ mod tests {
         .put(&mut b, Flags::COMPRESSED, 1)
         .unwrap();
         let e = codec.decode_request(&frame(b)).unwrap_err();
-        assert_eq!(e.kind(), "inflate");
+        assert_eq!(
+            crate::telemetry::ErrorKind::of_call(&e),
+            crate::telemetry::ErrorKind::Inflate
+        );
     }
 }

@@ -251,7 +251,7 @@ async fn run_connection(stream: TcpStream, config: ClientConfig, mut ops: mpsc::
         tokio::select! {
             biased;
             ev = io.wait_io(true) => match ev {
-                Ok(IoEvent::Read(_)) => {
+                Ok(IoEvent::Read) => {
                     if let Err(e) = read_replies(&mut io, &mut codec, &mut waiting) {
                         break Some(e);
                     }

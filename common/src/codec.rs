@@ -1,4 +1,4 @@
-//! Splits a byte stream into [`Frame`]s: the `tokio_util` codec every connection uses.
+//! Splits a byte stream into [`Frame`]s: the frame decoder every connection uses.
 //!
 //! Owns the stream-level rules: the body-length limit, checked on the header *before*
 //! anything is reserved for the body; zero-copy bodies (each frame is `split_to` off the
@@ -19,7 +19,6 @@
 //! | end of stream inside a frame | [`FrameError::Truncated`]                | fatal  |
 
 use bytes::{Buf, BytesMut};
-use tokio_util::codec::{Decoder, Encoder};
 
 use crate::frame::{
     DEFAULT_MAX_BODY_LEN, FRAME_OVERHEAD, Frame, FrameError, HEADER_LEN, MAGIC, Prefix, VERSION,
@@ -31,7 +30,7 @@ pub const RESYNC_SCAN_LIMIT: usize = 1024;
 
 const MAGIC_BYTES: [u8; 4] = MAGIC.to_be_bytes();
 
-/// Decoder and encoder of RPCF v1 frames with a body-length limit.
+/// Decoder of RPCF v1 frames with a body-length limit (frames are written by `frame`).
 #[derive(Clone, Copy, Debug)]
 pub struct FrameCodec {
     max_body_len: u32,
@@ -47,11 +46,6 @@ impl FrameCodec {
     /// A codec that refuses bodies longer than `max_body_len` bytes.
     pub fn new(max_body_len: u32) -> Self {
         FrameCodec { max_body_len }
-    }
-
-    /// The configured body limit.
-    pub fn max_body_len(&self) -> u32 {
-        self.max_body_len
     }
 
     /// Takes the next frame off the front of `src`, if a whole one is there.
@@ -126,36 +120,6 @@ impl FrameCodec {
                 buffered: src.len(),
             })
         }
-    }
-}
-
-impl Decoder for FrameCodec {
-    type Item = Frame;
-    type Error = FrameError;
-
-    fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, FrameError> {
-        self.decode_frame(src)
-    }
-
-    fn decode_eof(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, FrameError> {
-        match self.decode_frame(src)? {
-            Some(f) => Ok(Some(f)),
-            None => self.check_eof(src).map(|()| None),
-        }
-    }
-}
-
-impl Encoder<&Frame> for FrameCodec {
-    type Error = FrameError;
-
-    fn encode(&mut self, frame: &Frame, dst: &mut BytesMut) -> Result<(), FrameError> {
-        if frame.body.len() > self.max_body_len as usize {
-            return Err(FrameError::Unencodable {
-                len: frame.body.len(),
-            });
-        }
-        frame.put(dst);
-        Ok(())
     }
 }
 
@@ -239,11 +203,11 @@ mod tests {
 
     #[test]
     fn eof_inside_a_frame_is_truncated() {
-        let mut codec = FrameCodec::default();
+        let codec = FrameCodec::default();
         let whole = req(6, b"abc");
         let mut b = BytesMut::from(&whole[..whole.len() - 2]);
         assert!(matches!(
-            codec.decode_eof(&mut b),
+            codec.decode_frame(&mut b).and_then(|_| codec.check_eof(&b)),
             Err(FrameError::Truncated { .. })
         ));
     }

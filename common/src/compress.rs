@@ -65,11 +65,6 @@ impl Compressor {
         }
     }
 
-    /// The configuration.
-    pub fn config(&self) -> CompressionConfig {
-        self.config
-    }
-
     /// Appends the zlib stream of `input` to `dst` and returns true, when `input` is at
     /// least the threshold long and its compressed form is strictly shorter. Otherwise
     /// leaves `dst` as it was and returns false: the caller sends the payload plain.
@@ -114,11 +109,6 @@ impl Inflater {
             limit,
             z: Decompress::new(true),
         }
-    }
-
-    /// The configured limit.
-    pub fn limit(&self) -> usize {
-        self.limit
     }
 
     /// Appends the inflated form of the zlib stream `input` to `dst`.

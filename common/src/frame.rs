@@ -114,9 +114,6 @@ pub enum FrameError {
         /// The body length that was attempted.
         len: usize,
     },
-    /// The socket failed (only from the `tokio_util` codec path).
-    #[error("i/o error: {0}")]
-    Io(#[from] std::io::Error),
 }
 
 impl FrameError {
@@ -130,21 +127,6 @@ impl FrameError {
                 | FrameError::UnknownType { .. }
                 | FrameError::BadBody { .. }
         )
-    }
-
-    /// Short, bounded name for metrics and logs.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            FrameError::BadMagic { .. } | FrameError::Resynced { .. } => "bad_magic",
-            FrameError::BadVersion { .. } => "bad_version",
-            FrameError::TooLarge { .. } => "too_large",
-            FrameError::Crc { .. } => "crc",
-            FrameError::UnknownType { .. } => "unknown_type",
-            FrameError::Truncated { .. } => "truncated",
-            FrameError::BadBody { .. } => "bad_body",
-            FrameError::Unencodable { .. } => "unencodable",
-            FrameError::Io(_) => "io",
-        }
     }
 
     /// The request this error concerns, when it was a request and its id is known: the
@@ -476,12 +458,6 @@ impl FrameWriter {
         w
     }
 
-    /// Offset in `dst` where the payload begins (only for requests and responses).
-    pub fn payload_start(&self) -> usize {
-        self.payload_len_at
-            .map_or(self.start + HEADER_LEN, |at| at + 4)
-    }
-
     /// Patches `body_len` (and the payload length), then appends the CRC.
     pub fn finish(self, dst: &mut BytesMut) -> Result<(), FrameError> {
         let body_len = dst.len() - self.start - HEADER_LEN;
@@ -783,7 +759,10 @@ mod tests {
         b[n - 1] ^= 0xff;
         let e = Frame::from_bytes(b.freeze()).unwrap_err();
         assert_eq!(e.request_id(), Some(42));
-        assert_eq!(e.kind(), "crc");
+        assert_eq!(
+            crate::telemetry::ErrorKind::of_frame(&e),
+            crate::telemetry::ErrorKind::Crc
+        );
     }
 
     #[test]

@@ -39,22 +39,12 @@ pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_se
 /// Unanswered probes before the kernel gives the connection up.
 pub const KEEPALIVE_PROBES: u32 = 3;
 
-/// What a read got.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ReadStatus {
-    /// This many bytes were added to the read buffer.
-    Data(usize),
-    /// Nothing to read now.
-    WouldBlock,
-    /// The peer closed its side.
-    Eof,
-}
-
 /// What [`FramedIo::wait_io`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IoEvent {
-    /// A read happened (data or end of stream).
-    Read(ReadStatus),
+    /// A read happened: data was added to the read buffer, or the stream ended
+    /// ([`FramedIo::is_eof`]).
+    Read,
     /// Pending bytes were written (some or all).
     Wrote,
 }
@@ -121,16 +111,6 @@ impl FramedIo {
         self
     }
 
-    /// The socket.
-    pub fn stream(&self) -> &TcpStream {
-        &self.stream
-    }
-
-    /// The frame codec in use.
-    pub fn codec(&self) -> &FrameCodec {
-        &self.codec
-    }
-
     /// The write buffer: append whole frames to it, then call [`FramedIo::try_flush`].
     pub fn wbuf(&mut self) -> &mut BytesMut {
         &mut self.wbuf
@@ -139,11 +119,6 @@ impl FramedIo {
     /// Bytes waiting to be written.
     pub fn pending_write(&self) -> usize {
         self.wbuf.len()
-    }
-
-    /// Bytes read but not yet taken as frames.
-    pub fn pending_read(&self) -> usize {
-        self.rbuf.len()
     }
 
     /// True once the peer closed its side.
@@ -179,7 +154,7 @@ impl FramedIo {
             match tokio_util::io::poll_read_buf(Pin::new(&mut self.stream), cx, &mut self.rbuf) {
                 Poll::Ready(Ok(0)) => {
                     self.eof = true;
-                    return Poll::Ready(Ok(IoEvent::Read(ReadStatus::Eof)));
+                    return Poll::Ready(Ok(IoEvent::Read));
                 }
                 Poll::Ready(Ok(n)) => {
                     self.counts.bytes_read += n as u64;
@@ -187,7 +162,7 @@ impl FramedIo {
                     if let Some(a) = &self.activity {
                         a.note_read();
                     }
-                    return Poll::Ready(Ok(IoEvent::Read(ReadStatus::Data(n))));
+                    return Poll::Ready(Ok(IoEvent::Read));
                 }
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                 Poll::Pending => {}
@@ -199,30 +174,6 @@ impl FramedIo {
     fn make_read_room(&mut self) {
         if self.rbuf.capacity() - self.rbuf.len() < MIN_READ_ROOM {
             self.rbuf.reserve(READ_CHUNK);
-        }
-    }
-
-    /// One `read` call into the read buffer, without waiting.
-    pub fn try_read(&mut self) -> io::Result<ReadStatus> {
-        if self.eof {
-            return Ok(ReadStatus::Eof);
-        }
-        self.make_read_room();
-        match self.stream.try_read_buf(&mut self.rbuf) {
-            Ok(0) => {
-                self.eof = true;
-                Ok(ReadStatus::Eof)
-            }
-            Ok(n) => {
-                self.counts.bytes_read += n as u64;
-                self.counts.reads += 1;
-                if let Some(a) = &self.activity {
-                    a.note_read();
-                }
-                Ok(ReadStatus::Data(n))
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(ReadStatus::WouldBlock),
-            Err(e) => Err(e),
         }
     }
 

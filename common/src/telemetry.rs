@@ -14,9 +14,6 @@ use std::sync::Arc;
 use metrics::{Counter, Gauge, Histogram, Key, Label, Metadata, Recorder};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
 
-/// Prefix of every metric rpcmesh exports.
-pub const PREFIX: &str = "rpcmesh_";
-
 /// Upper bounds (seconds) of every latency histogram: a 1-2-5 series from 10 µs to 10 s,
 /// so that one set of buckets covers a loopback hop (tens of µs) and a timed-out call
 /// (seconds) with at most a factor 2.5 between neighbours.
@@ -399,7 +396,6 @@ impl ErrorKind {
             F::UnknownType { .. } => ErrorKind::UnknownType,
             F::Truncated { .. } => ErrorKind::Truncated,
             F::BadBody { .. } | F::Unencodable { .. } => ErrorKind::BadBody,
-            F::Io(_) => ErrorKind::Io,
         }
     }
 

@@ -257,7 +257,7 @@ impl Worker {
             let failed = tokio::select! {
                 biased;
                 ev = io.wait_io(true) => match ev {
-                    Ok(IoEvent::Read(_)) => self.take_frames(&mut io).err(),
+                    Ok(IoEvent::Read) => self.take_frames(&mut io).err(),
                     Ok(IoEvent::Wrote) => None,
                     Err(e) => Some(format!("socket: {e}")),
                 },

@@ -132,7 +132,7 @@ impl Session {
                     }
                 }
                 ev = self.io.wait_io(reading) => {
-                    if let IoEvent::Read(_) = ev? {
+                    if let IoEvent::Read = ev? {
                         self.take_frames()?;
                     }
                 }

@@ -301,7 +301,7 @@ impl ConnTask {
             tokio::select! {
                 biased;
                 ev = self.io.wait_io(true) => match ev {
-                    Ok(IoEvent::Read(_)) => {
+                    Ok(IoEvent::Read) => {
                         if let Err(cause) = self.take_frames() {
                             break cause;
                         }
