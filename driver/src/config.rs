@@ -229,21 +229,22 @@ impl Args {
         p.check(self.concurrency == 0, || {
             "--concurrency must be at least 1".into()
         });
+        // Connections beyond the users are never opened.
+        let connections = self.connections.min(self.concurrency.max(1));
         // Each connection starts a request every `connections / rate`: keep that between
         // 1 µs and an hour.
-        let every = self.rate.map(|r| self.connections.max(1) as f64 / r);
+        let every = self.rate.map(|r| connections.max(1) as f64 / r);
         p.check(every.is_some_and(|e| !(e.is_finite() && (1e-6..=3600.0).contains(&e))), || {
             format!(
                 "--rate {} is out of range: each of the {} connections would start a request every {:.3e} s (1 µs to 1 h)",
                 self.rate.unwrap_or_default(),
-                self.connections,
+                connections,
                 every.unwrap_or_default()
             )
         });
         p.check(self.connections == 0, || {
             "--connections must be at least 1".into()
         });
-        let connections = self.connections.min(self.concurrency.max(1));
         p.check(self.concurrency > connections * MAX_USERS_PER_CONNECTION, || {
             format!("--concurrency {} needs more connections (at most {MAX_USERS_PER_CONNECTION} users each)", self.concurrency)
         });
@@ -372,6 +373,21 @@ mod tests {
             Args::parse_from(["driver", "--rate", "5000"])
                 .config()
                 .is_ok()
+        );
+        // Judged with the connections actually opened (2, one per user), not the 8 asked:
+        // a request every 0.4 µs per connection cannot be paced.
+        assert!(
+            Args::parse_from([
+                "driver",
+                "--rate",
+                "5e6",
+                "--concurrency",
+                "2",
+                "--connections",
+                "8"
+            ])
+            .config()
+            .is_err()
         );
     }
 

@@ -109,7 +109,6 @@ struct User {
     replies: u32,
     failed: bool,
     measured: bool,
-    active: bool,
     /// The request's stage is timed (a sample of requests is).
     timed: bool,
 }
@@ -149,7 +148,6 @@ pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> Outcome {
                 replies: 0,
                 failed: false,
                 measured: false,
-                active: false,
                 timed: false,
             };
             plan.users
@@ -399,9 +397,6 @@ impl Worker {
                 for s in lost {
                     self.call_done(s, Err("connection"), now, None);
                 }
-                for u in &mut self.users {
-                    u.active = false;
-                }
                 self.active = 0;
                 self.next_due = None;
                 None
@@ -474,16 +469,15 @@ impl Worker {
             return;
         }
         let now = Instant::now();
-        for id in std::mem::take(&mut self.round) {
+        let stages = &self.shared.metrics.stages;
+        // Drained, not taken: the round's buffer is kept for the next round.
+        for id in self.round.drain(..) {
             let idx = (id & 0xffff_ffff) as usize;
             if let Some(Some(slot)) = self.slots.get_mut(idx) {
                 if slot.id == id {
                     slot.written = Some(now);
                     if let Some(e) = slot.encoded {
-                        self.shared
-                            .metrics
-                            .stages
-                            .record_span(CONNECTION_WAIT, e, now);
+                        stages.record_span(CONNECTION_WAIT, e, now);
                     }
                 }
             }
@@ -547,7 +541,6 @@ impl Worker {
             replies: 0,
             failed: false,
             measured: now >= self.shared.measure_from,
-            active: true,
             timed: self.request_sampler.pick(),
         };
         let calls = if self.parallel { self.fanout } else { 1 };
@@ -606,6 +599,7 @@ impl Worker {
                     encoded: None,
                     written: None,
                 };
+                self.interval.sent += 1;
                 if measured {
                     self.out.tally.sent += 1;
                 }
@@ -701,7 +695,6 @@ impl Worker {
                 self.out.tally.requests_ok += 1;
             }
         }
-        self.users[u].active = false;
         self.active -= 1;
         if self.plan.every.is_some() {
             // Open loop: the slot waits for the pacer.

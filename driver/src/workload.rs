@@ -59,11 +59,6 @@ impl Workload {
         }
     }
 
-    /// The kind.
-    pub fn kind(&self) -> WorkloadKind {
-        self.kind
-    }
-
     /// `(service, method)` called.
     pub fn target(&self) -> (&'static str, &'static str) {
         match self.kind {
@@ -120,14 +115,6 @@ impl Workload {
             }
         }
         Err(BadReply::Content("not the answer the service gives"))
-    }
-
-    /// Encoded size of the application message (before the envelope).
-    pub fn message_len(&self) -> usize {
-        match self.kind {
-            WorkloadKind::Platform => self.query.encoded_len(),
-            WorkloadKind::Echo => self.echo.encoded_len(),
-        }
     }
 }
 
