@@ -120,16 +120,25 @@ impl Router {
             return Err((fwd, NoRoute::UnknownService));
         }
         let needs_ext = fwd.frame.header.flags.contains(Flags::COMPRESSED);
-        // The connection that took this batch's earlier calls, if it serves this one.
+        let mut why = NoRoute::NoHealthy;
+        // The provider that took this batch's earlier calls, tried first (on all its
+        // connections, the batch's one first) and not again below.
+        let mut tried = None;
         if let Some((pool_idx, conn_idx)) = picker.batch {
             let pool = &self.pools[pool_idx];
             if cands.contains(&pool_idx) && (pool.spec.ext || !needs_ext) {
+                tried = Some(pool_idx);
                 match try_pool(pool, fwd, picker, Some(conn_idx), self.pack) {
                     Ok(c) => {
                         picker.batch = Some((pool_idx, c));
                         return Ok(());
                     }
-                    Err((f, _)) => fwd = f,
+                    Err((f, r)) => {
+                        fwd = f;
+                        if r == Some(Refused::Full) {
+                            why = NoRoute::Full;
+                        }
+                    }
                 }
             }
         }
@@ -152,9 +161,11 @@ impl Router {
                 picker.turn % n
             }
         };
-        let mut why = NoRoute::NoHealthy;
         for k in 0..n {
             let pool_idx = cands[(first + k) % n];
+            if tried == Some(pool_idx) {
+                continue;
+            }
             let pool = &self.pools[pool_idx];
             if needs_ext && !pool.spec.ext {
                 if why == NoRoute::NoHealthy {

@@ -394,9 +394,10 @@ impl Session {
                 return *t;
             }
         }
-        if let Some(t) = self.tags.get(names).copied() {
-            // Owned copies: a slice would pin the read buffer it came from.
-            self.last_tag = Some((Bytes::copy_from_slice(names), t));
+        if let Some((key, &t)) = self.tags.get_key_value(names) {
+            // The map's key is an owned copy (a slice of `names` would pin the read buffer
+            // it came from): sharing it costs no allocation.
+            self.last_tag = Some((key.clone(), t));
             return t;
         }
         let (service, method) = split_names(names, service_len);
