@@ -72,34 +72,42 @@ impl BrokerMetrics {
         }
     }
 
-    /// The call counters of `service.method`, when that pair has its own labels already.
-    pub fn known_calls(&self, service: &str, method: &str) -> Option<Arc<CallCounters>> {
+    /// The call counters of a (service, method) pair, given as the request's names bytes
+    /// ([`request_names`](rpcmesh_common::frame::request_names)), when the pair has its
+    /// own labels already, or `_other` when no more pairs can get labels.
+    pub fn known_calls(&self, names: &[u8]) -> Option<Arc<CallCounters>> {
         let seen = self
             .calls
             .seen
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        seen.get(&(service.to_owned(), method.to_owned())).cloned()
+        seen.get(names)
+            .cloned()
+            .or_else(|| (seen.len() >= MAX_CALL_LABELS).then(|| self.calls.other.clone()))
     }
 
-    /// The call counters of `service.method`, registering the pair (up to
-    /// [`MAX_CALL_LABELS`]; then `_other`). Sessions call it only once a call of that pair
-    /// has succeeded, so callers cannot use up the labels with names nobody serves, and
-    /// cache the result, so it runs once per name per connection.
-    pub fn calls(&self, service: &str, method: &str) -> Arc<CallCounters> {
+    /// The call counters of the pair whose names bytes are `names` (the service name is
+    /// its first `service_len` bytes), registering the pair (up to [`MAX_CALL_LABELS`];
+    /// then `_other`). Sessions call it only once a call of that pair has succeeded, so
+    /// callers cannot use up the labels with names nobody serves, and cache the result, so
+    /// it runs once per name per connection.
+    pub fn calls(&self, names: &[u8], service_len: usize) -> Arc<CallCounters> {
         let mut seen = self
             .calls
             .seen
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(c) = seen.get(&(service.to_owned(), method.to_owned())) {
+        if let Some(c) = seen.get(names) {
             return c.clone();
         }
         if seen.len() >= MAX_CALL_LABELS {
             return self.calls.other.clone();
         }
-        let c = Arc::new(CallCounters::new(&self.telemetry, ROLE, service, method));
-        seen.insert((service.to_owned(), method.to_owned()), c.clone());
+        // `names` = service, 2-byte length, method.
+        let service = String::from_utf8_lossy(&names[..service_len]);
+        let method = String::from_utf8_lossy(names.get(service_len + 2..).unwrap_or_default());
+        let c = Arc::new(CallCounters::new(&self.telemetry, ROLE, &service, &method));
+        seen.insert(names.into(), c.clone());
         c
     }
 
@@ -150,7 +158,8 @@ impl BrokerMetrics {
 
 #[derive(Debug)]
 struct CallLabels {
-    seen: Mutex<HashMap<(String, String), Arc<CallCounters>>>,
+    /// By the request's names bytes (service and method, as on the wire).
+    seen: Mutex<HashMap<Box<[u8]>, Arc<CallCounters>>>,
     other: Arc<CallCounters>,
 }
 

@@ -400,8 +400,7 @@ impl Session {
             self.last_tag = Some((key.clone(), t));
             return t;
         }
-        let (service, method) = split_names(names, service_len);
-        if let Some(c) = self.shared.metrics.known_calls(&service, &method) {
+        if let Some(c) = self.shared.metrics.known_calls(names) {
             return self.cache_tag(names, c);
         }
         let slot = match self.unlabelled.iter().position(Option::is_none) {
@@ -440,8 +439,7 @@ impl Session {
                     match self.tags.get(&names) {
                         Some(t) => *t,
                         None => {
-                            let (service, method) = split_names(&names, service_len);
-                            let c = self.shared.metrics.calls(&service, &method);
+                            let c = self.shared.metrics.calls(&names, service_len);
                             self.cache_tag(&names, c)
                         }
                     }
@@ -486,12 +484,4 @@ impl Session {
             self.in_flight = 0;
         }
     }
-}
-
-/// Service and method of a request's names (`service`, 2-byte length, `method`).
-fn split_names(names: &[u8], service_len: usize) -> (String, String) {
-    (
-        String::from_utf8_lossy(&names[..service_len]).into_owned(),
-        String::from_utf8_lossy(names.get(service_len + 2..).unwrap_or_default()).into_owned(),
-    )
 }
