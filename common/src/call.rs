@@ -198,7 +198,7 @@ impl CallCodec {
         let flags = flags.without(Flags::COMPRESSED);
         let start = dst.len();
         let w = FrameWriter::begin_request(dst, flags, req_id, service, method)?;
-        let size = self.put_payload(dst, encode);
+        let size = self.put_payload(dst, true, encode);
         if size.plain != size.wire {
             dst[start + 5] |= Flags::COMPRESSED.bits();
         }
@@ -218,14 +218,9 @@ impl CallCodec {
     ) -> Result<PayloadSize, FrameError> {
         let start = dst.len();
         let w = FrameWriter::begin_response(dst, Flags::NONE, req_id, Status::Success as u8);
-        let size = if request_flags.contains(Flags::ACCEPT_COMPRESSED) {
-            self.put_payload(dst, |b| put_ok_envelope(b, inner))
-        } else {
-            let at = dst.len();
-            put_ok_envelope(dst, inner);
-            let n = dst.len() - at;
-            PayloadSize { plain: n, wire: n }
-        };
+        let size = self.put_payload(dst, request_flags.contains(Flags::ACCEPT_COMPRESSED), |b| {
+            put_ok_envelope(b, inner)
+        });
         if size.plain != size.wire {
             dst[start + 5] |= Flags::COMPRESSED.bits();
         }
@@ -233,36 +228,40 @@ impl CallCodec {
         Ok(size)
     }
 
-    /// Writes the payload made by `encode`, compressed when that pays.
+    /// Writes the payload made by `encode` straight into `dst`, then, when `compress` is
+    /// allowed, this side compresses and the payload reaches the threshold, replaces it by
+    /// its compressed form if that is shorter. Payloads under the threshold cost no copy and
+    /// no timing.
     fn put_payload(
         &mut self,
         dst: &mut BytesMut,
+        compress: bool,
         encode: impl FnOnce(&mut BytesMut),
     ) -> PayloadSize {
-        match &mut self.compressor {
-            None => {
-                let at = dst.len();
-                encode(dst);
-                let n = dst.len() - at;
-                PayloadSize { plain: n, wire: n }
-            }
-            Some(c) => {
-                self.scratch.clear();
-                encode(&mut self.scratch);
-                let at = dst.len();
-                let started = self.timers.as_ref().map(|_| std::time::Instant::now());
-                let compressed = c.compress_into(&self.scratch, dst);
-                if let (Some(t), Some(s)) = (&self.timers, started) {
-                    t.compress.record(s.elapsed().as_secs_f64());
-                }
-                if !compressed {
-                    dst.extend_from_slice(&self.scratch);
-                }
-                PayloadSize {
-                    plain: self.scratch.len(),
-                    wire: dst.len() - at,
-                }
-            }
+        let at = dst.len();
+        encode(dst);
+        let plain = dst.len() - at;
+        let Some(c) = self
+            .compressor
+            .as_mut()
+            .filter(|c| compress && plain >= c.threshold())
+        else {
+            return PayloadSize { plain, wire: plain };
+        };
+        self.scratch.clear();
+        self.scratch.extend_from_slice(&dst[at..]);
+        dst.truncate(at);
+        let started = self.timers.as_ref().map(|_| std::time::Instant::now());
+        let compressed = c.compress_into(&self.scratch, dst);
+        if let (Some(t), Some(s)) = (&self.timers, started) {
+            t.compress.record(s.elapsed().as_secs_f64());
+        }
+        if !compressed {
+            dst.extend_from_slice(&self.scratch);
+        }
+        PayloadSize {
+            plain,
+            wire: dst.len() - at,
         }
     }
 

@@ -65,11 +65,16 @@ impl Compressor {
         }
     }
 
+    /// Payloads shorter than this are never compressed.
+    pub fn threshold(&self) -> usize {
+        self.config.threshold.max(1)
+    }
+
     /// Appends the zlib stream of `input` to `dst` and returns true, when `input` is at
     /// least the threshold long and its compressed form is strictly shorter. Otherwise
     /// leaves `dst` as it was and returns false: the caller sends the payload plain.
     pub fn compress_into(&mut self, input: &[u8], dst: &mut BytesMut) -> bool {
-        if input.len() < self.config.threshold.max(1) {
+        if input.len() < self.threshold() {
             return false;
         }
         self.z.reset();
