@@ -17,7 +17,6 @@ use bytes::Bytes;
 use rpcmesh_common::Status;
 use rpcmesh_common::busy_poll::Activity;
 use rpcmesh_common::call::{put_error_response, service_not_found};
-use rpcmesh_common::client::now_ms;
 use rpcmesh_common::codec::FrameCodec;
 use rpcmesh_common::frame::{
     Flags, Frame, FrameError, Heartbeat, MsgType, put_forwarded_response, request_names,
@@ -228,13 +227,12 @@ impl Session {
         match frame.header.msg_type {
             MsgType::Request => self.on_request(frame, now),
             MsgType::Heartbeat => {
-                let hb = Heartbeat {
-                    service_name: "broker".into(),
-                    node_id: "rpcmesh-broker".into(),
-                    timestamp_ms: now_ms(),
-                    extra: Vec::new(),
-                };
-                let _ = hb.put(self.io.wbuf(), frame.header.req_id);
+                let _ = Heartbeat::put_now(
+                    self.io.wbuf(),
+                    frame.header.req_id,
+                    "broker",
+                    "rpcmesh-broker",
+                );
             }
             MsgType::Response => {
                 self.shared.metrics.errors.inc(ErrorKind::Unexpected);

@@ -275,8 +275,7 @@ async fn run_connection(stream: TcpStream, config: ClientConfig, mut ops: mpsc::
                             }
                         }
                         Op::Heartbeat { reply } => {
-                            let hb = Heartbeat { service_name: "client".into(), node_id: "rpcmesh-client".into(), timestamp_ms: now_ms(), extra: vec![] };
-                            match hb.put(io.wbuf(), id) {
+                            match Heartbeat::put_now(io.wbuf(), id, "client", "rpcmesh-client") {
                                 Ok(()) => { waiting.insert(id, Waiter::Heartbeat(reply)); }
                                 Err(e) => drop(reply.send(Err(e.into()))),
                             }
@@ -337,11 +336,4 @@ fn read_replies(
             ))),
         }
     }
-}
-
-/// Milliseconds since the Unix epoch (0 if the clock is before it).
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }

@@ -642,27 +642,62 @@ impl Heartbeat {
 
     /// Appends this heartbeat as a whole frame.
     pub fn put(&self, dst: &mut BytesMut, req_id: u64) -> Result<(), FrameError> {
-        let w = FrameWriter::begin(dst, MsgType::Heartbeat, Flags::NONE, req_id);
-        let body = (|| {
-            put_short_str(dst, self.service_name.as_bytes())?;
-            put_short_str(dst, self.node_id.as_bytes())?;
-            dst.put_u64(self.timestamp_ms);
-            let n = u16::try_from(self.extra.len()).map_err(|_| FrameError::Unencodable {
-                len: self.extra.len(),
-            })?;
-            dst.put_u16(n);
-            for (k, v) in &self.extra {
-                put_short_str(dst, k.as_bytes())?;
-                put_short_str(dst, v.as_bytes())?;
-            }
-            Ok(())
-        })();
-        match body {
-            Ok(()) => w.finish(dst),
-            Err(e) => {
-                w.abandon(dst);
-                Err(e)
-            }
+        put_heartbeat(
+            dst,
+            req_id,
+            &self.service_name,
+            &self.node_id,
+            self.timestamp_ms,
+            &self.extra,
+        )
+    }
+
+    /// Appends the heartbeat every rpcmesh program sends and answers with: from
+    /// `service_name` on `node_id`, stamped now, no extra pairs (nothing allocated).
+    pub fn put_now(
+        dst: &mut BytesMut,
+        req_id: u64,
+        service_name: &str,
+        node_id: &str,
+    ) -> Result<(), FrameError> {
+        put_heartbeat(dst, req_id, service_name, node_id, now_ms(), &[])
+    }
+}
+
+/// Milliseconds since the Unix epoch (0 if the clock is before it).
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn put_heartbeat(
+    dst: &mut BytesMut,
+    req_id: u64,
+    service_name: &str,
+    node_id: &str,
+    timestamp_ms: u64,
+    extra: &[(String, String)],
+) -> Result<(), FrameError> {
+    let w = FrameWriter::begin(dst, MsgType::Heartbeat, Flags::NONE, req_id);
+    let body = (|| {
+        put_short_str(dst, service_name.as_bytes())?;
+        put_short_str(dst, node_id.as_bytes())?;
+        dst.put_u64(timestamp_ms);
+        let n =
+            u16::try_from(extra.len()).map_err(|_| FrameError::Unencodable { len: extra.len() })?;
+        dst.put_u16(n);
+        for (k, v) in extra {
+            put_short_str(dst, k.as_bytes())?;
+            put_short_str(dst, v.as_bytes())?;
+        }
+        Ok(())
+    })();
+    match body {
+        Ok(()) => w.finish(dst),
+        Err(e) => {
+            w.abandon(dst);
+            Err(e)
         }
     }
 }

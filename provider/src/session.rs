@@ -17,7 +17,6 @@ use bytes::{Bytes, BytesMut};
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use rpcmesh_common::Status;
 use rpcmesh_common::call::{CallCodec, put_error_response, service_not_found};
-use rpcmesh_common::client::now_ms;
 use rpcmesh_common::codec::FrameCodec;
 use rpcmesh_common::frame::{FRAME_OVERHEAD, Flags, Frame, FrameError, Heartbeat, MsgType};
 use rpcmesh_common::io::{FramedIo, IoEvent};
@@ -207,13 +206,9 @@ impl Session {
         if let Err(e) = Heartbeat::parse(&frame.body) {
             self.on_bad_input(&e);
         }
-        let hb = Heartbeat {
-            service_name: "provider".into(),
-            node_id: self.shared.config.node_id.clone(),
-            timestamp_ms: now_ms(),
-            extra: Vec::new(),
-        };
-        if let Err(e) = hb.put(self.io.wbuf(), frame.header.req_id) {
+        let node_id = &self.shared.config.node_id;
+        if let Err(e) = Heartbeat::put_now(self.io.wbuf(), frame.header.req_id, "provider", node_id)
+        {
             tracing::warn!(error = %e, "heartbeat reply not encodable (node id too long?)");
         }
     }

@@ -20,7 +20,6 @@ use std::time::{Duration, Instant};
 
 use rpcmesh_common::Status;
 use rpcmesh_common::busy_poll::Activity;
-use rpcmesh_common::client::now_ms;
 use rpcmesh_common::codec::FrameCodec;
 use rpcmesh_common::frame::{
     FRAME_OVERHEAD, Flags, Frame, FrameError, Header, Heartbeat, MsgType, put_frame,
@@ -432,13 +431,7 @@ impl ConnTask {
                 // Heartbeat ids count down from the top so they never meet call ids.
                 let id = u64::MAX - self.next_heartbeat_id;
                 self.next_heartbeat_id += 1;
-                let hb = Heartbeat {
-                    service_name: "broker".into(),
-                    node_id: "rpcmesh-broker".into(),
-                    timestamp_ms: now_ms(),
-                    extra: Vec::new(),
-                };
-                if hb.put(self.io.wbuf(), id).is_ok() {
+                if Heartbeat::put_now(self.io.wbuf(), id, "broker", "rpcmesh-broker").is_ok() {
                     self.heartbeats.push((id, tx));
                 }
             }
