@@ -32,10 +32,7 @@ fn echo(m: &str) -> EchoRequest {
 
 #[tokio::test]
 async fn echo_and_platform_calls_go_through_the_broker() {
-    let p = provider(ProviderConfig::default()).await;
-    let b = broker(broker_config(&[p.addr])).await;
-    let c = client(b.addr).await;
-    until_ready(&c).await;
+    let Mesh { p, b, c } = mesh(|_| {}).await;
     let r = c
         .call("EchoService", "Echo", &echo("through"))
         .await
@@ -75,10 +72,7 @@ async fn echo_and_platform_calls_go_through_the_broker() {
 /// at once on one multiplexed connection; and the parallel variant.
 #[tokio::test]
 async fn five_call_fan_out_requests_complete_through_the_broker() {
-    let p = provider(ProviderConfig::default()).await;
-    let b = broker(broker_config(&[p.addr])).await;
-    let c = client(b.addr).await;
-    until_ready(&c).await;
+    let Mesh { p, b, c } = mesh(|_| {}).await;
     let users: Vec<_> = (0..50)
         .map(|u| {
             let c = c.clone();
@@ -141,10 +135,7 @@ async fn a_v1_client_gets_byte_identical_v1_replies_through_the_broker() {
 
 #[tokio::test]
 async fn compression_gives_identical_replies_and_fewer_bytes_for_the_platform_workload() {
-    let p = provider(ProviderConfig::default()).await;
-    let b = broker(broker_config(&[p.addr])).await;
-    let plain = client(b.addr).await;
-    until_ready(&plain).await;
+    let Mesh { p, b, c: plain } = mesh(|_| {}).await;
     let zipped = Client::connect(
         b.addr,
         ClientConfig {
@@ -298,20 +289,9 @@ async fn two_providers_share_the_calls_and_one_stopping_sends_all_to_the_other()
     let run = |n: usize| {
         let c = c.clone();
         async move {
-            let hs: Vec<_> = (0..n)
-                .map(|i| {
-                    let c = c.clone();
-                    tokio::spawn(async move {
-                        c.call("EchoService", "Echo", &echo(&i.to_string()))
-                            .await
-                            .unwrap()
-                            .status
-                    })
-                })
-                .collect();
             let mut statuses = Vec::new();
-            for h in hs {
-                statuses.push(h.await.unwrap());
+            for h in testkit::echo_calls(&c, n) {
+                statuses.push(h.await.unwrap().unwrap().status);
             }
             statuses
         }
@@ -498,13 +478,11 @@ async fn the_broker_answers_heartbeats() {
 async fn an_oversized_reply_fails_its_call_and_spares_the_connection() {
     use bytes::BytesMut;
     use rpcmesh_common::frame::Flags;
-    let p = provider(ProviderConfig::default()).await;
-    let mut cfg = broker_config(&[p.addr]);
-    cfg.max_body_len = 4096;
-    cfg.pool_size = 1;
-    let b = broker(cfg).await;
-    let others = client(b.addr).await;
-    until_ready(&others).await;
+    let Mesh { p, b, c: others } = mesh(|cfg| {
+        cfg.max_body_len = 4096;
+        cfg.pool_size = 1;
+    })
+    .await;
     // A small compressed request whose plain echo is 5,000 bytes; no compressed reply taken.
     let big = EchoRequest {
         message: "x".repeat(5000),
@@ -512,12 +490,7 @@ async fn an_oversized_reply_fails_its_call_and_spares_the_connection() {
     let frame = testkit::compressed_request(77, Flags::EXT_STATUS, "EchoService", "Echo", &big);
     let mut s = TcpStream::connect(b.addr).await.unwrap();
     s.write_all(&frame).await.unwrap();
-    let calls: Vec<_> = (0..50)
-        .map(|i| {
-            let c = others.clone();
-            tokio::spawn(async move { c.call("EchoService", "Echo", &echo(&i.to_string())).await })
-        })
-        .collect();
+    let calls = testkit::echo_calls(&others, 50);
     let f = testkit::read_frames(&mut s, &mut BytesMut::new(), 1)
         .await
         .unwrap()
@@ -582,10 +555,7 @@ async fn connections_to_a_silent_provider_are_not_leaked() {
 /// with a closed connection.
 #[tokio::test]
 async fn a_draining_broker_answers_late_requests_unavailable() {
-    let p = provider(ProviderConfig::default()).await;
-    let b = broker(broker_config(&[p.addr])).await;
-    let c = client(b.addr).await;
-    until_ready(&c).await;
+    let Mesh { p, b, c } = mesh(|_| {}).await;
     let stopping = tokio::spawn(b.stop());
     tokio::time::sleep(Duration::from_millis(50)).await;
     let r = c.call("EchoService", "Echo", &echo("late")).await.unwrap();
@@ -606,18 +576,9 @@ async fn a_plain_v1_server_can_sit_behind_the_broker() {
     cfg.upstreams = vec![UpstreamSpec::parse(&v1.to_string(), false).unwrap()];
     let b = broker(cfg).await;
     // An rpcmesh client (extended statuses, compressed replies accepted) and a plain one.
-    let ext = Client::connect(
-        b.addr,
-        ClientConfig {
-            compression: Some(CompressionConfig {
-                threshold: 100_000,
-                level: 6,
-            }),
-            ..ClientConfig::default()
-        },
-    )
-    .await
-    .unwrap();
+    let ext = Client::connect(b.addr, ClientConfig::compressed(100_000))
+        .await
+        .unwrap();
     until_ready(&ext).await;
     let plain = Client::connect(b.addr, ClientConfig::plain_v1())
         .await
@@ -639,18 +600,9 @@ async fn a_plain_v1_server_can_sit_behind_the_broker() {
         "the v1 server never saw an extension bit"
     );
     // A compressed payload cannot go to a v1 server: refused at once, with the reason.
-    let zipped = Client::connect(
-        b.addr,
-        ClientConfig {
-            compression: Some(CompressionConfig {
-                threshold: 1,
-                level: 6,
-            }),
-            ..ClientConfig::default()
-        },
-    )
-    .await
-    .unwrap();
+    let zipped = Client::connect(b.addr, ClientConfig::compressed(1))
+        .await
+        .unwrap();
     let r = zipped
         .call("EchoService", "Echo", &echo(&"z".repeat(200)))
         .await
@@ -687,14 +639,7 @@ async fn calls_are_packed_onto_one_connection_until_it_is_busy() {
     // A few health intervals, so that all four are published.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let run = |n: usize| {
-        let calls: Vec<_> = (0..n)
-            .map(|i| {
-                let c = c.clone();
-                tokio::spawn(
-                    async move { c.call("EchoService", "Echo", &echo(&i.to_string())).await },
-                )
-            })
-            .collect();
+        let calls = testkit::echo_calls(&c, n);
         async move {
             for call in calls {
                 assert_eq!(call.await.unwrap().unwrap().status, Status::Success);
@@ -736,10 +681,7 @@ async fn calls_are_packed_onto_one_connection_until_it_is_busy() {
 /// successfully get their own labels, so bogus names cannot use up the label budget.
 #[tokio::test]
 async fn only_names_that_succeed_get_their_own_labels() {
-    let p = provider(ProviderConfig::default()).await;
-    let b = broker(broker_config(&[p.addr])).await;
-    let c = client(b.addr).await;
-    until_ready(&c).await;
+    let Mesh { p, b, c } = mesh(|_| {}).await;
     for i in 0..300 {
         let r = c.call(&format!("Bogus{i}"), "x", &echo("?")).await.unwrap();
         assert_eq!(r.status, Status::Failed);

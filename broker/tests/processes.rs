@@ -171,21 +171,7 @@ async fn sigterm_drains_a_broker_process_and_it_exits_zero() {
         .unwrap();
     until_ready(&c).await;
 
-    let calls: Vec<_> = (0..20)
-        .map(|i| {
-            let c = c.clone();
-            tokio::spawn(async move {
-                c.call(
-                    "EchoService",
-                    "Echo",
-                    &EchoRequest {
-                        message: format!("m{i}"),
-                    },
-                )
-                .await
-            })
-        })
-        .collect();
+    let calls = testkit::echo_calls(&c, 20);
     tokio::time::sleep(Duration::from_millis(200)).await;
     let t = Instant::now();
     broker.signal("TERM");

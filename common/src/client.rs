@@ -65,6 +65,18 @@ impl ClientConfig {
         }
     }
 
+    /// A client that compresses request payloads of `threshold` bytes or more (default
+    /// level) and accepts compressed replies.
+    pub fn compressed(threshold: usize) -> Self {
+        ClientConfig {
+            compression: Some(CompressionConfig {
+                threshold,
+                ..CompressionConfig::default()
+            }),
+            ..ClientConfig::default()
+        }
+    }
+
     fn flags(&self) -> Flags {
         let mut f = Flags::NONE;
         if self.ext_status {

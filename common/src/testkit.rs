@@ -13,6 +13,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+use crate::client::{Client, ClientError, Reply};
 use crate::codec::FrameCodec;
 use crate::frame::{Flags, Frame, Request};
 use crate::proto::rpc::EchoRequest;
@@ -90,6 +91,26 @@ impl<T: Send + 'static> InProcess<T> {
         self.signal_stop();
         self.task.await.expect("server task")
     }
+}
+
+/// Starts `n` echo calls at once on `c`, call `i` carrying the message `m{i}`; await the
+/// handles in order to check each reply.
+pub fn echo_calls(c: &Client, n: usize) -> Vec<JoinHandle<Result<Reply, ClientError>>> {
+    (0..n)
+        .map(|i| {
+            let c = c.clone();
+            tokio::spawn(async move {
+                c.call(
+                    "EchoService",
+                    "Echo",
+                    &EchoRequest {
+                        message: format!("m{i}"),
+                    },
+                )
+                .await
+            })
+        })
+        .collect()
 }
 
 /// How long a probe waits for the server to answer or close.

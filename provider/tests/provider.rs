@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use rpcmesh_common::client::{Client, ClientConfig};
-use rpcmesh_common::compress::CompressionConfig;
 use rpcmesh_common::frame::{Flags, Request};
 use rpcmesh_common::proto::platform::{QueryRequest, QueryResponse};
 use rpcmesh_common::proto::rpc::{EchoRequest, EchoResponse};
@@ -148,18 +147,9 @@ async fn compressed_and_plain_calls_get_identical_answers() {
     let plain = Client::connect(p.addr, ClientConfig::default())
         .await
         .unwrap();
-    let zipped = Client::connect(
-        p.addr,
-        ClientConfig {
-            compression: Some(CompressionConfig {
-                threshold: 16,
-                level: 6,
-            }),
-            ..ClientConfig::default()
-        },
-    )
-    .await
-    .unwrap();
+    let zipped = Client::connect(p.addr, ClientConfig::compressed(16))
+        .await
+        .unwrap();
     let a = plain
         .call("PlatformService", "doQuery", &query())
         .await
@@ -336,21 +326,7 @@ async fn shutdown_finishes_calls_in_flight_and_refuses_new_connections() {
     let c = Client::connect(addr, ClientConfig::default())
         .await
         .unwrap();
-    let calls: Vec<_> = (0..10)
-        .map(|i| {
-            let c = c.clone();
-            tokio::spawn(async move {
-                c.call(
-                    "EchoService",
-                    "Echo",
-                    &EchoRequest {
-                        message: format!("m{i}"),
-                    },
-                )
-                .await
-            })
-        })
-        .collect();
+    let calls = testkit::echo_calls(&c, 10);
     tokio::time::sleep(Duration::from_millis(100)).await;
     let stopping = tokio::spawn(p.stop());
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -377,18 +353,9 @@ async fn a_reply_over_the_frame_limit_is_answered_failed() {
     })
     .await;
     // A compressed request of 5,000 x's fits in the limit; its plain echo does not.
-    let c = Client::connect(
-        p.addr,
-        ClientConfig {
-            compression: Some(CompressionConfig {
-                threshold: 16,
-                level: 6,
-            }),
-            ..ClientConfig::default()
-        },
-    )
-    .await
-    .unwrap();
+    let c = Client::connect(p.addr, ClientConfig::compressed(16))
+        .await
+        .unwrap();
     let mut s = TcpStream::connect(p.addr).await.unwrap();
     let big = EchoRequest {
         message: "x".repeat(5000),

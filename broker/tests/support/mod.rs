@@ -52,6 +52,32 @@ pub async fn broker(config: BrokerConfig) -> Running {
     .await
 }
 
+/// A provider, a broker in front of it with test settings changed by `tune`, and a client
+/// of the broker that has made a successful call.
+pub struct Mesh {
+    pub p: Running,
+    pub b: Running,
+    pub c: Client,
+}
+
+pub async fn mesh(tune: impl FnOnce(&mut BrokerConfig)) -> Mesh {
+    let p = provider(ProviderConfig::default()).await;
+    let mut cfg = broker_config(&[p.addr]);
+    tune(&mut cfg);
+    let b = broker(cfg).await;
+    let c = client(b.addr).await;
+    until_ready(&c).await;
+    Mesh { p, b, c }
+}
+
+impl Mesh {
+    /// Stops the broker, then the provider.
+    pub async fn stop(self) {
+        self.b.stop().await;
+        self.p.stop().await;
+    }
+}
+
 pub async fn client(addr: SocketAddr) -> Client {
     Client::connect(addr, ClientConfig::default())
         .await
