@@ -25,7 +25,9 @@ use rpcmesh_common::telemetry::{ErrorKind, Sampler};
 use tokio::net::TcpStream;
 
 use crate::config::DriverConfig;
-use crate::metrics::{CALL, CONNECTION_WAIT, DECODE, DriverMetrics, ENCODE, REQUEST, ROUND_TRIP};
+use crate::metrics::{
+    CALL, CONNECTION_WAIT, CountBatch, DECODE, DriverMetrics, ENCODE, REQUEST, ROUND_TRIP,
+};
 use crate::stats::Tally;
 use crate::workload::Workload;
 
@@ -171,6 +173,7 @@ pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> Outcome {
         lost_connections: 0,
         out: Outcome::default(),
         interval: Tally::interval(),
+        counts: shared.metrics.batch(),
         shared: shared.clone(),
         plan,
     };
@@ -192,6 +195,8 @@ struct Worker {
     in_flight_reported: usize,
     out: Outcome,
     interval: Tally,
+    /// Per-call counts not yet added to the shared metrics (see [`CountBatch`]).
+    counts: CountBatch,
     /// Ids of the timed calls encoded this round.
     round: Vec<u64>,
     /// Pick the calls and requests whose stages are timed.
@@ -435,7 +440,7 @@ impl Worker {
         let decoding = slot.written.map(|_| Instant::now());
         let outcome = match self.codec.view_response(&frame) {
             Ok(r) => {
-                self.shared.metrics.payload.received(r.size);
+                self.counts.received(r.size);
                 if slot.measured {
                     self.out.tally.payload_in_plain += r.size.plain as u64;
                     self.out.tally.payload_in_wire += r.size.wire as u64;
@@ -517,6 +522,7 @@ impl Worker {
             shared.add(&self.interval);
             self.interval.clear();
         }
+        self.shared.metrics.flush(&mut self.counts);
     }
 
     fn count_bytes(&mut self, io: &mut FramedIo) {
@@ -569,8 +575,7 @@ impl Worker {
                     m.stages.record_span(ENCODE, a, b);
                     self.round.push(id);
                 }
-                m.sent.increment(1);
-                m.payload.sent(size);
+                self.counts.sent(size);
                 self.slots[idx] = Some(Slot {
                     id,
                     sent: now,
@@ -618,9 +623,9 @@ impl Worker {
     ) {
         let m = &self.shared.metrics;
         match outcome {
-            Ok(()) => m.call_done("ok"),
+            Ok(()) => self.counts.call_done(m, "ok"),
             Err(kind) => {
-                m.call_done(kind);
+                self.counts.call_done(m, kind);
                 match kind {
                     "timeout" => m.errors.inc(ErrorKind::Timeout),
                     "bad_reply" => m.errors.inc(ErrorKind::Decode),
@@ -673,11 +678,7 @@ impl Worker {
         let user = self.users[u];
         let us = now.saturating_duration_since(user.started).as_micros() as u64;
         let m = &self.shared.metrics;
-        if user.failed {
-            m.requests_failed.increment(1);
-        } else {
-            m.requests_ok.increment(1);
-        }
+        self.counts.request_done(user.failed);
         if user.timed {
             m.stages.record_span(REQUEST, user.started, now);
         }
