@@ -318,13 +318,12 @@ impl ConnTask {
                     self.heartbeats.retain(|(_, tx)| !tx.is_closed());
                     self.table.take_expired(Instant::now(), &mut expired);
                     for slot in expired.drain(..) {
-                        self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
                         self.metrics.errors.inc(ErrorKind::Timeout);
                         let msg = format!(
                             "no reply from provider {} within {:?}",
                             self.settings.label, self.settings.call_timeout
                         );
-                        answer(&slot.reply_to, slot.info, Err((Status::Timeout, msg.into())));
+                        settle(&self.state, &slot.reply_to, slot.info, Err((Status::Timeout, msg.into())));
                     }
                 }
             }
@@ -440,10 +439,14 @@ impl ConnTask {
 
     fn write_call(&mut self, fwd: Forward, now: Instant) {
         if now >= fwd.deadline {
-            self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
             self.metrics.errors.inc(ErrorKind::Timeout);
             let msg = "call timed out waiting for a provider connection";
-            return answer(&fwd.reply_to, fwd.info, Err((Status::Timeout, msg.into())));
+            return settle(
+                &self.state,
+                &fwd.reply_to,
+                fwd.info,
+                Err((Status::Timeout, msg.into())),
+            );
         }
         let flags = if self.settings.ext {
             // Ask for extended statuses always: the session degrades them for v1 callers,
@@ -483,7 +486,6 @@ impl ConnTask {
                     );
                     return;
                 };
-                self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
                 if let (Some(sent), Some(read)) = (slot.sent, read_at) {
                     self.metrics.stages.record_span(UPSTREAM, sent, read);
                 }
@@ -501,7 +503,7 @@ impl ConnTask {
                     }
                     Ok(frame)
                 };
-                answer(&slot.reply_to, slot.info, outcome);
+                settle(&self.state, &slot.reply_to, slot.info, outcome);
             }
             MsgType::Heartbeat => {
                 if let Some(i) = self
@@ -523,8 +525,8 @@ impl ConnTask {
     /// Answers one call "failed" (its reply was unusable).
     fn fail_call(&mut self, id: u64, msg: &str) {
         if let Some(slot) = self.table.take(id) {
-            self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
-            answer(
+            settle(
+                &self.state,
                 &slot.reply_to,
                 slot.info,
                 Err((Status::Failed, msg.to_owned().into())),
@@ -546,13 +548,13 @@ impl ConnTask {
         self.rx.close();
         let failed = self.table.len;
         for slot in self.table.drain() {
-            self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
             self.metrics.errors.inc(ErrorKind::Unavailable);
             let msg = format!(
                 "connection to provider {} lost with the call in flight: {cause}",
                 self.settings.label
             );
-            answer(
+            settle(
+                &self.state,
                 &slot.reply_to,
                 slot.info,
                 Err((Status::Unavailable, msg.into())),
@@ -575,7 +577,15 @@ impl ConnTask {
     }
 }
 
-fn answer(to: &ReplyTx, info: CallInfo, outcome: Result<Frame, (Status, Cow<'static, str>)>) {
+/// Gives a call taken off this connection its outcome: it no longer counts against the
+/// connection's load, and its session gets the answer.
+fn settle(
+    state: &ConnState,
+    to: &ReplyTx,
+    info: CallInfo,
+    outcome: Result<Frame, (Status, Cow<'static, str>)>,
+) {
+    state.in_flight.fetch_sub(1, Ordering::Relaxed);
     // A send fails only when the caller's session is gone; nobody is left to answer.
     let _ = to.send(Reply::Done { info, outcome });
 }
