@@ -17,7 +17,9 @@ use prost::Message;
 use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint};
 
 use crate::compress::{CompressError, CompressionConfig, Compressor, Inflater};
-use crate::frame::{Flags, Frame, FrameError, FrameWriter, MsgType, Request, Response};
+use crate::frame::{
+    Flags, Frame, FrameError, FrameWriter, MsgType, Request, Response, payload_range,
+};
 use crate::proto::rpc::{RpcRequest, RpcResponse};
 use crate::status::Status;
 
@@ -303,23 +305,12 @@ impl CallCodec {
                 reason,
             })
         };
-        let (&raw, rest) = body.split_first().ok_or_else(|| bad("empty body"))?;
+        let &raw = body.first().ok_or_else(|| bad("empty body"))?;
         let status = Status::from_wire(raw).ok_or(CallError::UnknownStatus(raw))?;
-        let (len, payload) = rest
-            .split_first_chunk::<4>()
-            .ok_or_else(|| bad("payload length overruns the body"))?;
-        if u32::from_be_bytes(*len) as usize != payload.len() {
-            return Err(bad("payload length does not match the body length"));
-        }
+        let payload = &body[payload_range(body, 1, "response")?];
         let wire = payload.len();
         let envelope: &[u8] = if frame.header.flags.contains(Flags::COMPRESSED) {
-            self.scratch.clear();
-            let started = self.timers.as_ref().map(|_| std::time::Instant::now());
-            let inflated = self.inflater.inflate_into(payload, &mut self.scratch);
-            if let (Some(t), Some(s)) = (&self.timers, started) {
-                t.inflate.record(s.elapsed().as_secs_f64());
-            }
-            inflated?;
+            self.inflate_timed(payload)?;
             &self.scratch
         } else {
             payload
@@ -336,19 +327,24 @@ impl CallCodec {
         })
     }
 
+    /// Inflates `payload` into the scratch buffer (emptied first), timed.
+    fn inflate_timed(&mut self, payload: &[u8]) -> Result<(), CompressError> {
+        self.scratch.clear();
+        let started = self.timers.as_ref().map(|_| std::time::Instant::now());
+        let inflated = self.inflater.inflate_into(payload, &mut self.scratch);
+        if let (Some(t), Some(s)) = (&self.timers, started) {
+            t.inflate.record(s.elapsed().as_secs_f64());
+        }
+        inflated
+    }
+
     fn plain_payload(
         &mut self,
         flags: Flags,
         payload: &Bytes,
     ) -> Result<(Bytes, usize), CallError> {
         if flags.contains(Flags::COMPRESSED) {
-            self.scratch.clear();
-            let started = self.timers.as_ref().map(|_| std::time::Instant::now());
-            let inflated = self.inflater.inflate_into(payload, &mut self.scratch);
-            if let (Some(t), Some(s)) = (&self.timers, started) {
-                t.inflate.record(s.elapsed().as_secs_f64());
-            }
-            inflated?;
+            self.inflate_timed(payload)?;
             Ok((self.scratch.split().freeze(), payload.len()))
         } else {
             Ok((payload.clone(), payload.len()))

@@ -717,6 +717,15 @@ fn short_str_range(body: &[u8], at: usize) -> Option<std::ops::Range<usize>> {
 }
 
 fn read_payload(body: &Bytes, at: usize, what: &'static str) -> Result<Bytes, FrameError> {
+    Ok(body.slice(payload_range(body, at, what)?))
+}
+
+/// Where the length-prefixed payload that starts at `at` and must end the body lies.
+pub(crate) fn payload_range(
+    body: &[u8],
+    at: usize,
+    what: &'static str,
+) -> Result<std::ops::Range<usize>, FrameError> {
     let bad = |reason| FrameError::BadBody { what, reason };
     let p = body
         .get(at..at + 4)
@@ -725,7 +734,7 @@ fn read_payload(body: &Bytes, at: usize, what: &'static str) -> Result<Bytes, Fr
     if start + be_u32(p) as usize != body.len() {
         return Err(bad("payload length does not match the body length"));
     }
-    Ok(body.slice(start..))
+    Ok(start..body.len())
 }
 
 pub(crate) fn be_u32(b: &[u8]) -> u32 {
