@@ -132,38 +132,34 @@ impl FrameError {
     /// The request this error concerns, when it was a request and its id is known: the
     /// caller can then be sent an error reply instead of waiting for its timeout.
     pub fn request_id(&self) -> Option<u64> {
-        match *self {
-            FrameError::TooLarge {
-                req_id, raw_type, ..
-            }
-            | FrameError::Crc {
-                req_id, raw_type, ..
-            } if raw_type & TYPE_MASK == MsgType::Request as u8 => Some(req_id),
-            _ => None,
-        }
+        self.frame_id()
+            .filter(|(_, t)| *t == Some(MsgType::Request))
+            .map(|(id, _)| id)
     }
 
     /// Request id and message type of the frame the error concerns, whatever its type,
     /// when the header could be read (too large, CRC mismatch).
     pub fn frame_id(&self) -> Option<(u64, Option<MsgType>)> {
+        self.raw_header()
+            .map(|(id, raw)| (id, MsgType::from_low_bits(raw & TYPE_MASK)))
+    }
+
+    /// Flags of the frame the error concerns (for choosing the reply's status codes).
+    pub fn flags(&self) -> Flags {
+        self.raw_header()
+            .map_or(Flags::NONE, |(_, raw)| Flags::from_bits(raw))
+    }
+
+    /// Request id and raw `msg_type` byte, when the header could be read.
+    fn raw_header(&self) -> Option<(u64, u8)> {
         match *self {
             FrameError::TooLarge {
                 req_id, raw_type, ..
             }
             | FrameError::Crc {
                 req_id, raw_type, ..
-            } => Some((req_id, MsgType::from_low_bits(raw_type & TYPE_MASK))),
+            } => Some((req_id, raw_type)),
             _ => None,
-        }
-    }
-
-    /// Flags of the frame the error concerns (for choosing the reply's status codes).
-    pub fn flags(&self) -> Flags {
-        match *self {
-            FrameError::TooLarge { raw_type, .. } | FrameError::Crc { raw_type, .. } => {
-                Flags::from_bits(raw_type)
-            }
-            _ => Flags::NONE,
         }
     }
 }
