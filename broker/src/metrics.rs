@@ -132,9 +132,6 @@ impl BrokerMetrics {
             pool_gets_waited: t.counter("rpcmesh_pool_gets_waited_total", &l),
             pool_gets_timed_out: t.counter("rpcmesh_pool_gets_timed_out_total", &l),
             pool_wait_seconds: t.histogram("rpcmesh_pool_get_wait_seconds", &l),
-            pool_waited_before: std::sync::Arc::new(std::sync::Mutex::new(
-                std::time::Duration::ZERO,
-            )),
             conn_in_flight: (0..pool_size)
                 .map(|i| {
                     let conn = i.to_string();
@@ -182,8 +179,6 @@ pub struct UpstreamMetrics {
     pool_gets_waited: Counter,
     pool_gets_timed_out: Counter,
     pool_wait_seconds: Histogram,
-    /// bb8's total wait time at the last publish (its statistics are cumulative).
-    pool_waited_before: std::sync::Arc<std::sync::Mutex<std::time::Duration>>,
     conn_in_flight: Vec<Gauge>,
     pool_closed_broken: Counter,
     pool_closed_invalid: Counter,
@@ -198,18 +193,22 @@ impl UpstreamMetrics {
         }
     }
 
-    /// Copies bb8's view of the pool into the gauges and counters.
-    pub(crate) fn publish_pool(&self, state: &bb8::State, healthy: usize) {
+    /// Copies bb8's view of the pool into the gauges and counters. `waited_before` is
+    /// bb8's total wait time at the last call (its statistics are cumulative); the keeper
+    /// that calls this every health interval owns it.
+    pub(crate) fn publish_pool(
+        &self,
+        state: &bb8::State,
+        healthy: usize,
+        waited_before: &mut std::time::Duration,
+    ) {
+        let before = waited_before;
         let s = &state.statistics;
         self.pool_connections.set(f64::from(state.connections));
         self.pool_idle.set(f64::from(state.idle_connections));
         self.pool_healthy.set(healthy as f64);
         self.pool_gets_waited.absolute(s.get_waited);
         self.pool_gets_timed_out.absolute(s.get_timed_out);
-        let mut before = self
-            .pool_waited_before
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if s.get_wait_time > *before {
             self.pool_wait_seconds
                 .record((s.get_wait_time - *before).as_secs_f64());

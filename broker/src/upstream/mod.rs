@@ -180,6 +180,7 @@ impl ProviderPool {
     /// Keeps the published set of healthy connections current until `stop`.
     pub async fn keep(self: Arc<Self>, stop: CancellationToken) {
         let mut healthy_before = usize::MAX;
+        let mut waited_before = Duration::ZERO;
         loop {
             let mut held = Vec::with_capacity(self.size as usize);
             let mut last_error = None;
@@ -201,7 +202,8 @@ impl ProviderPool {
                 .publish_conn_loads(conns.iter().map(|c| c.load()));
             self.ready.store(Arc::new(conns));
             drop(held);
-            self.metrics.publish_pool(&self.pool.state(), healthy);
+            self.metrics
+                .publish_pool(&self.pool.state(), healthy, &mut waited_before);
             if healthy != healthy_before {
                 match (healthy, &last_error) {
                     (0, Some(e)) => {
