@@ -94,8 +94,8 @@ struct Session {
     answered: Vec<Instant>,
     /// Picks the calls whose stages are timed.
     sampler: Sampler,
-    /// The (service, method) of the last call and its index in the registry.
-    last_method: Option<(Bytes, Bytes, MethodId)>,
+    /// The registry index of the last call's method.
+    last_method: Option<MethodId>,
 }
 
 impl Session {
@@ -250,33 +250,18 @@ impl Session {
         stage(stages, DECODE, started, decoded);
         let shared = &*self.shared;
         shared.metrics.payload.received(call.size);
-        // Most connections call one method over and over: remember the last one.
-        let cached = self
-            .last_method
-            .as_ref()
-            .filter(|(s, m, _)| *s == call.request.service && *m == call.request.method)
-            .map(|(_, _, id)| *id);
-        let found = match cached {
-            Some(id) => shared.registry.handler(id).map(|h| (h, id)),
-            None => None,
+        // Most connections call one method over and over: try the last one first (its
+        // names are the registry's, so nothing is copied or kept from the read buffer).
+        let registry = &shared.registry;
+        let lookup = match self.last_method {
+            Some(id) if registry.is_method(id, &call.request.service, &call.request.method) => {
+                Lookup::Found(registry.handler(id), id)
+            }
+            _ => registry.lookup(&call.request.service, &call.request.method),
         };
-        let (handler, method) = match found.map_or_else(
-            || {
-                shared
-                    .registry
-                    .lookup(&call.request.service, &call.request.method)
-            },
-            |(h, id)| Lookup::Found(h, id),
-        ) {
+        let (handler, method) = match lookup {
             Lookup::Found(h, m) => {
-                if cached.is_none() {
-                    // Owned copies: slices would pin the read buffer they came from.
-                    self.last_method = Some((
-                        Bytes::copy_from_slice(&call.request.service),
-                        Bytes::copy_from_slice(&call.request.method),
-                        m,
-                    ));
-                }
+                self.last_method = Some(m);
                 (h, m)
             }
             Lookup::NoService => {

@@ -159,8 +159,15 @@ impl Registry {
     }
 
     /// The handler of a method index (from an earlier [`Registry::lookup`]).
-    pub fn handler(&self, id: MethodId) -> Option<&Arc<dyn Handler>> {
-        self.handlers.get(id)
+    pub fn handler(&self, id: MethodId) -> &Arc<dyn Handler> {
+        &self.handlers[id]
+    }
+
+    /// Whether method index `id` is `service.method`.
+    pub fn is_method(&self, id: MethodId, service: &[u8], method: &[u8]) -> bool {
+        self.names
+            .get(id)
+            .is_some_and(|(s, m)| s.as_bytes() == service && m.as_bytes() == method)
     }
 
     /// (service, method) names by method index.
