@@ -297,11 +297,13 @@ impl Session {
             Outcome::Later(fut) => {
                 self.pending.push(Pending {
                     fut,
-                    req_id: id,
-                    flags,
-                    method,
-                    read_at,
-                    decoded,
+                    meta: CallMeta {
+                        req_id: id,
+                        flags,
+                        method,
+                        read_at,
+                        decoded,
+                    },
                 });
                 return false;
             }
@@ -309,11 +311,11 @@ impl Session {
         true
     }
 
-    fn finish(&mut self, done: Finished) {
+    fn finish(&mut self, (done, result): (CallMeta, Result<Bytes, ServiceError>)) {
         let stamp = || done.read_at.map(|_| Instant::now());
         let handled = stamp();
         stage(&self.shared.metrics.stages, HANDLER, done.decoded, handled);
-        match done.result {
+        match result {
             Ok(answer) => {
                 self.reply_ok(done.req_id, done.flags, done.method, &answer);
                 stage(&self.shared.metrics.stages, ENCODE, handled, stamp());
@@ -409,9 +411,9 @@ fn stage(stages: &Stages, which: usize, from: Option<Instant>, to: Option<Instan
     }
 }
 
-/// A call whose handler answers later, with what its reply needs.
-struct Pending {
-    fut: HandlerFuture,
+/// What the reply to a call needs besides the handler's answer.
+#[derive(Clone, Copy)]
+struct CallMeta {
     req_id: u64,
     flags: Flags,
     method: MethodId,
@@ -419,26 +421,16 @@ struct Pending {
     decoded: Option<Instant>,
 }
 
-struct Finished {
-    req_id: u64,
-    flags: Flags,
-    method: MethodId,
-    read_at: Option<Instant>,
-    decoded: Option<Instant>,
-    result: Result<Bytes, ServiceError>,
+/// A call whose handler answers later.
+struct Pending {
+    fut: HandlerFuture,
+    meta: CallMeta,
 }
 
 impl Future for Pending {
-    type Output = Finished;
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Finished> {
+    type Output = (CallMeta, Result<Bytes, ServiceError>);
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let result = std::task::ready!(self.fut.as_mut().poll(cx));
-        Poll::Ready(Finished {
-            req_id: self.req_id,
-            flags: self.flags,
-            method: self.method,
-            read_at: self.read_at,
-            decoded: self.decoded,
-            result,
-        })
+        Poll::Ready((self.meta, result))
     }
 }
