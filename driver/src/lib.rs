@@ -115,19 +115,10 @@ async fn drive(
         .into_iter()
         .map(|p| tokio::spawn(worker::run(p, shared.clone())))
         .collect();
-    let mut total = Tally::default();
-    let (mut late, mut connect_failures, mut last_done) = (0, 0, None::<Instant>);
-    let (mut not_started, mut lag) = (0, stats::Latency::default());
+    let mut total = worker::Outcome::default();
     for w in workers {
         match w.await {
-            Ok(o) => {
-                total.add(&o.tally);
-                late += o.late_replies;
-                connect_failures += o.connect_failures;
-                last_done = last_done.max(o.last_done);
-                not_started += o.not_started;
-                lag.add(&o.lag);
-            }
+            Ok(o) => total.add(&o),
             Err(e) => tracing::error!(error = %e, "a worker task failed"),
         }
     }
@@ -136,27 +127,13 @@ async fn drive(
     let _ = progress.await;
     let window_end = match shared.until {
         Some(u) if !shared.stop.is_cancelled() => u,
-        _ => last_done.unwrap_or(ended),
+        _ => total.last_done.unwrap_or(ended),
     };
     let secs = window_end
         .saturating_duration_since(measure_from)
         .as_secs_f64()
         .max(1e-9);
-    let end = RunEnd {
-        late,
-        connect_failures,
-        not_started,
-        lag,
-    };
-    build_report(&shared.config, embedded, started_unix, secs, &total, &end)
-}
-
-/// The figures a run gathers beside its tally.
-struct RunEnd {
-    late: u64,
-    connect_failures: u64,
-    not_started: u64,
-    lag: stats::Latency,
+    build_report(&shared.config, embedded, started_unix, secs, &total)
 }
 
 fn build_report(
@@ -164,11 +141,11 @@ fn build_report(
     embedded: bool,
     started_unix: u64,
     secs: f64,
-    t: &Tally,
-    end: &RunEnd,
+    end: &worker::Outcome,
 ) -> Report {
     use report::*;
-    let (late, connect_failures) = (end.late, end.connect_failures);
+    let t = &end.tally;
+    let (late, connect_failures) = (end.late_replies, end.connect_failures);
     let completed = t.requests_ok + t.requests_failed;
     Report {
         version: env!("CARGO_PKG_VERSION").to_string(),

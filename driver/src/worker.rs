@@ -104,6 +104,18 @@ pub(crate) struct Outcome {
     pub lag: crate::stats::Latency,
 }
 
+impl Outcome {
+    /// Adds another worker's outcome (the run's is the sum of its workers').
+    pub fn add(&mut self, o: &Outcome) {
+        self.tally.add(&o.tally);
+        self.connect_failures += o.connect_failures;
+        self.late_replies += o.late_replies;
+        self.last_done = self.last_done.max(o.last_done);
+        self.not_started += o.not_started;
+        self.lag.add(&o.lag);
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct User {
     started: Instant,
