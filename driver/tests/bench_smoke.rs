@@ -1,7 +1,8 @@
 //! The benchmark command, `scripts/bench`, in its smoke mode: one short repeat of echo at 8
 //! calls in flight over each of the three paths (direct, through the broker, through
 //! HAProxy), so that the command cannot rot. Nothing about speed is asserted: only that the
-//! command exits 0 and that its JSON report has calls on every path.
+//! command exits 0, that its JSON report has calls on every path and, for every run, where
+//! the CPU of each process on the path went.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -135,5 +136,36 @@ fn bench_smoke_mode_reports_calls_on_all_three_paths() {
             .sum();
         assert!(ok > 0, "no successful call on the {path} path\n{output}");
     }
+    // Where the CPU went: user and kernel µs and context switches per call, for the driver
+    // and each server on the run's path.
+    let on_path = |path: &str| match path {
+        "direct" => vec!["driver", "provider"],
+        "broker" => vec!["driver", "broker", "provider"],
+        _ => vec!["driver", "haproxy", "provider"],
+    };
+    for run in runs {
+        let path = run["path"].as_str().expect("a run names its path");
+        let mut cpu_us = 0.0;
+        for process in on_path(path) {
+            let split = &run["per_call"][process];
+            for field in ["user_us", "system_us", "switches"] {
+                let v = split[field].as_f64().unwrap_or_else(|| {
+                    panic!("run on {path}: no per_call.{process}.{field}\n{output}")
+                });
+                assert!(v >= 0.0, "run on {path}: per_call.{process}.{field} = {v}");
+            }
+            cpu_us += split["user_us"].as_f64().unwrap() + split["system_us"].as_f64().unwrap();
+        }
+        assert!(
+            cpu_us > 0.0,
+            "run on {path}: no CPU time counted at all\n{output}"
+        );
+    }
+    assert!(
+        std::fs::read_to_string(&stdout)
+            .unwrap_or_default()
+            .contains("Where the CPU goes"),
+        "the text report lacks the CPU split table\n{output}"
+    );
     let _ = std::fs::remove_dir_all(&out);
 }
