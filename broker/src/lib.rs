@@ -92,6 +92,7 @@ pub async fn run_with(
     let shared = Arc::new(session::Shared {
         router: route::Router::new(pools, config.balance, config.pack_in_flight),
         activity: activity.clone(),
+        shed: session::ShedMessages::new(&config),
         config,
         metrics,
         in_flight: AtomicUsize::new(0),

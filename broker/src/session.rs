@@ -61,6 +61,28 @@ pub(crate) struct Shared {
     pub in_flight: AtomicUsize,
     /// Reads are reported here when the broker busy-polls.
     pub activity: Option<Arc<Activity>>,
+    /// The shedding replies' messages, written once: shedding happens under overload,
+    /// when a per-call allocation costs most.
+    pub shed: ShedMessages,
+}
+
+/// The messages of the two shedding replies (they name the configured caps).
+#[derive(Debug)]
+pub(crate) struct ShedMessages {
+    per_conn: String,
+    total: String,
+}
+
+impl ShedMessages {
+    pub fn new(config: &BrokerConfig) -> Self {
+        ShedMessages {
+            per_conn: format!(
+                "broker has {} calls in flight on this connection",
+                config.max_in_flight_per_conn
+            ),
+            total: format!("broker has {} calls in flight", config.max_in_flight),
+        }
+    }
 }
 
 pub(crate) async fn serve(
@@ -261,17 +283,14 @@ impl Session {
         let cfg = &self.shared.config;
         if self.in_flight >= cfg.max_in_flight_per_conn {
             self.shared.metrics.errors.inc(ErrorKind::Overloaded);
-            let msg = format!(
-                "broker has {} calls in flight on this connection",
-                cfg.max_in_flight_per_conn
-            );
-            return self.fail(id, flags, tag, Status::Overloaded, &msg);
+            let shared = self.shared.clone();
+            return self.fail(id, flags, tag, Status::Overloaded, &shared.shed.per_conn);
         }
         if self.shared.in_flight.fetch_add(1, Ordering::Relaxed) >= cfg.max_in_flight {
             self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
             self.shared.metrics.errors.inc(ErrorKind::Overloaded);
-            let msg = format!("broker has {} calls in flight", cfg.max_in_flight);
-            return self.fail(id, flags, tag, Status::Overloaded, &msg);
+            let shared = self.shared.clone();
+            return self.fail(id, flags, tag, Status::Overloaded, &shared.shed.total);
         }
         self.in_flight += 1;
         let fwd = Forward {
