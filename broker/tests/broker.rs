@@ -379,6 +379,11 @@ async fn over_the_in_flight_cap_calls_are_answered_overloaded_at_once() {
         .unwrap();
     assert_eq!(r.status, Status::Overloaded);
     assert!(
+        r.error_msg.contains("1 calls in flight on this connection"),
+        "the reply names the cap: {}",
+        r.error_msg
+    );
+    assert!(
         t.elapsed() < Duration::from_millis(700),
         "answered at once, not after the slow call"
     );
