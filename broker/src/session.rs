@@ -283,14 +283,16 @@ impl Session {
         let cfg = &self.shared.config;
         if self.in_flight >= cfg.max_in_flight_per_conn {
             self.shared.metrics.errors.inc(ErrorKind::Overloaded);
-            let shared = self.shared.clone();
-            return self.fail(id, flags, tag, Status::Overloaded, &shared.shed.per_conn);
+            let msg = &self.shared.shed.per_conn;
+            put_error_response(self.io.wbuf(), id, flags, Status::Overloaded, msg);
+            return self.counted(tag, Status::Overloaded);
         }
         if self.shared.in_flight.fetch_add(1, Ordering::Relaxed) >= cfg.max_in_flight {
             self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
             self.shared.metrics.errors.inc(ErrorKind::Overloaded);
-            let shared = self.shared.clone();
-            return self.fail(id, flags, tag, Status::Overloaded, &shared.shed.total);
+            let msg = &self.shared.shed.total;
+            put_error_response(self.io.wbuf(), id, flags, Status::Overloaded, msg);
+            return self.counted(tag, Status::Overloaded);
         }
         self.in_flight += 1;
         let fwd = Forward {
@@ -398,6 +400,11 @@ impl Session {
     /// Answers a call the broker could not forward (or that failed on the way).
     fn fail(&mut self, id: u64, flags: Flags, tag: u32, status: Status, msg: &str) {
         put_error_response(self.io.wbuf(), id, flags, status, msg);
+        self.counted(tag, status);
+    }
+
+    /// Counts an answered call's outcome.
+    fn counted(&mut self, tag: u32, status: Status) {
         self.counters_for(tag, status).inc(status);
     }
 

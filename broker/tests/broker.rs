@@ -407,6 +407,48 @@ async fn over_the_in_flight_cap_calls_are_answered_overloaded_at_once() {
 }
 
 #[tokio::test]
+async fn over_the_broker_wide_cap_a_call_on_any_connection_is_answered_overloaded() {
+    let p = provider(ProviderConfig {
+        service_time: Duration::from_millis(1000),
+        ..ProviderConfig::default()
+    })
+    .await;
+    let mut cfg = broker_config(&[p.addr]);
+    cfg.max_in_flight = 1;
+    let b = broker(cfg).await;
+    let first = client(b.addr).await;
+    let second = client(b.addr).await;
+    until_ready(&first).await;
+    let slow = {
+        let c = first.clone();
+        tokio::spawn(async move { c.call("EchoService", "Echo", &echo("slow")).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The other connection has nothing in flight: the broker-wide cap sheds it.
+    let r = second
+        .call("EchoService", "Echo", &echo("shed me"))
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Overloaded);
+    assert!(
+        r.error_msg.contains("broker has 1 calls in flight")
+            && !r.error_msg.contains("on this connection"),
+        "the reply names the broker-wide cap: {}",
+        r.error_msg
+    );
+    assert_eq!(slow.await.unwrap().unwrap().status, Status::Success);
+    // The slow call's slot is free again.
+    let r = second
+        .call("EchoService", "Echo", &echo("now"))
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Success);
+    assert_eq!(b.errors("overloaded"), 1.0);
+    b.stop().await;
+    p.stop().await;
+}
+
+#[tokio::test]
 async fn a_call_past_its_timeout_is_answered_timeout_and_the_late_reply_is_dropped() {
     let p = provider(ProviderConfig {
         service_time: Duration::from_millis(800),
