@@ -22,15 +22,17 @@ pub fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-/// The Tokio runtime with `threads` workers (0 = one per CPU), named after the program so
-/// that `top -H` shows who is busy.
+/// The Tokio runtime with `threads` workers (0 = one per CPU). Its threads are named after
+/// the program so that `top -H` shows who is busy.
 ///
-/// One worker gets the current-thread scheduler, not a multi-thread one with one worker:
-/// it has no work-stealing queues, no cross-thread wake-ups and no clock read per batch
-/// of polled tasks (the multi-thread scheduler's queue tuning). The broker at one thread,
-/// behind and in front of one-thread peers, did about a tenth more calls per second on
-/// the 64-in-flight echo bench (docs/performance.md). The program's main future runs on
-/// the same thread as every task, so nothing may block it, as on any worker.
+/// One worker (`threads` 1, or 0 on a one-CPU machine) gets the current-thread scheduler,
+/// not a multi-thread one with one worker: it has no work-stealing queues, no cross-thread
+/// wake-ups and no clock read per batch of polled tasks (the multi-thread scheduler's
+/// queue tuning). With all three programs at one thread, the broker path did about a
+/// sixth more calls per second on the 64-in-flight echo bench (docs/performance.md).
+/// Tasks then run on the thread that calls `block_on` (so `thread_name` names only the
+/// blocking pool's threads), and only while it is inside `block_on`; nothing may block
+/// that thread, as on any worker.
 pub fn build(name: &str, threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
     let threads = if threads == 0 {
         default_threads()
