@@ -2,7 +2,7 @@
 //! calls in flight over each of the three paths (direct, through the broker, through
 //! HAProxy), so that the command cannot rot. Nothing about speed is asserted: only that the
 //! command exits 0, that its JSON report has calls on every path and, for every run, where
-//! the CPU of each process on the path went.
+//! the CPU of each process on the path went, and that the machine's stall probe ran.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -127,6 +127,14 @@ fn bench_smoke_mode_reports_calls_on_all_three_paths() {
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
     assert_eq!(report["mode"], "smoke");
+    // The stall probe ran one clock-reading spinner per CPU.
+    let stalls = &report["stall_probe"];
+    assert!(
+        stalls["spinners"].as_u64().is_some_and(|n| n >= 1)
+            && stalls["stalls"].as_u64().is_some()
+            && stalls["largest_us"].is_array(),
+        "no stall probe in the report: {stalls}\n{output}"
+    );
     let runs = report["runs"].as_array().expect("runs is a list");
     for path in ["direct", "broker", "haproxy"] {
         let ok: u64 = runs
