@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use rpcmesh_broker::UpstreamSpec;
 use rpcmesh_common::Status;
-use rpcmesh_common::client::{Client, ClientConfig};
+use rpcmesh_common::client::{Client, ClientConfig, ClientError, Reply};
 use rpcmesh_common::compress::CompressionConfig;
 use rpcmesh_common::frame::Request;
 use rpcmesh_common::proto::platform::{QueryRequest, QueryResponse};
@@ -352,26 +352,25 @@ async fn two_brokers_in_front_of_one_provider_both_serve() {
     p.stop().await;
 }
 
+/// Starts a call on `c` in the background and gives the broker time to admit it.
+async fn admitted_call(c: &Client) -> tokio::task::JoinHandle<Result<Reply, ClientError>> {
+    let c = c.clone();
+    let call = tokio::spawn(async move { c.call("EchoService", "Echo", &echo("slow")).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    call
+}
+
 #[tokio::test]
 async fn over_the_in_flight_cap_calls_are_answered_overloaded_at_once() {
-    let p = provider(ProviderConfig {
-        service_time: Duration::from_millis(1500),
-        ..ProviderConfig::default()
+    let m = slow_mesh(Duration::from_millis(1500), |cfg| {
+        cfg.max_in_flight_per_conn = 1
     })
     .await;
-    let mut cfg = broker_config(&[p.addr]);
-    cfg.max_in_flight_per_conn = 1;
-    let b = broker(cfg).await;
-    let ext = client(b.addr).await;
+    let (b, ext) = (&m.b, &m.c);
     let v1 = Client::connect(b.addr, ClientConfig::plain_v1())
         .await
         .unwrap();
-    until_ready(&ext).await;
-    let slow = {
-        let c = ext.clone();
-        tokio::spawn(async move { c.call("EchoService", "Echo", &echo("slow")).await })
-    };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let slow = admitted_call(ext).await;
     let t = Instant::now();
     let r = ext
         .call("EchoService", "Echo", &echo("shed me"))
@@ -388,11 +387,7 @@ async fn over_the_in_flight_cap_calls_are_answered_overloaded_at_once() {
         "answered at once, not after the slow call"
     );
     // A plain v1 client sees status failed, with a message that says overloaded.
-    let v1_slow = {
-        let c = v1.clone();
-        tokio::spawn(async move { c.call("EchoService", "Echo", &echo("slow")).await })
-    };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let v1_slow = admitted_call(&v1).await;
     let r = v1
         .call("EchoService", "Echo", &echo("shed me"))
         .await
@@ -402,28 +397,14 @@ async fn over_the_in_flight_cap_calls_are_answered_overloaded_at_once() {
     assert_eq!(slow.await.unwrap().unwrap().status, Status::Success);
     assert_eq!(v1_slow.await.unwrap().unwrap().status, Status::Success);
     assert_eq!(b.errors("overloaded"), 2.0);
-    b.stop().await;
-    p.stop().await;
+    m.stop().await;
 }
 
 #[tokio::test]
 async fn over_the_broker_wide_cap_a_call_on_any_connection_is_answered_overloaded() {
-    let p = provider(ProviderConfig {
-        service_time: Duration::from_millis(1000),
-        ..ProviderConfig::default()
-    })
-    .await;
-    let mut cfg = broker_config(&[p.addr]);
-    cfg.max_in_flight = 1;
-    let b = broker(cfg).await;
-    let first = client(b.addr).await;
-    let second = client(b.addr).await;
-    until_ready(&first).await;
-    let slow = {
-        let c = first.clone();
-        tokio::spawn(async move { c.call("EchoService", "Echo", &echo("slow")).await })
-    };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let m = slow_mesh(Duration::from_millis(1000), |cfg| cfg.max_in_flight = 1).await;
+    let second = client(m.b.addr).await;
+    let slow = admitted_call(&m.c).await;
     // The other connection has nothing in flight: the broker-wide cap sheds it.
     let r = second
         .call("EchoService", "Echo", &echo("shed me"))
@@ -443,9 +424,8 @@ async fn over_the_broker_wide_cap_a_call_on_any_connection_is_answered_overloade
         .await
         .unwrap();
     assert_eq!(r.status, Status::Success);
-    assert_eq!(b.errors("overloaded"), 1.0);
-    b.stop().await;
-    p.stop().await;
+    assert_eq!(m.b.errors("overloaded"), 1.0);
+    m.stop().await;
 }
 
 #[tokio::test]

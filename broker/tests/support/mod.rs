@@ -61,7 +61,20 @@ pub struct Mesh {
 }
 
 pub async fn mesh(tune: impl FnOnce(&mut BrokerConfig)) -> Mesh {
-    let p = provider(ProviderConfig::default()).await;
+    mesh_with(ProviderConfig::default(), tune).await
+}
+
+/// As [`mesh`], with a provider whose every call takes `service_time`.
+pub async fn slow_mesh(service_time: Duration, tune: impl FnOnce(&mut BrokerConfig)) -> Mesh {
+    let config = ProviderConfig {
+        service_time,
+        ..ProviderConfig::default()
+    };
+    mesh_with(config, tune).await
+}
+
+async fn mesh_with(provider_config: ProviderConfig, tune: impl FnOnce(&mut BrokerConfig)) -> Mesh {
+    let p = provider(provider_config).await;
     let mut cfg = broker_config(&[p.addr]);
     tune(&mut cfg);
     let b = broker(cfg).await;
