@@ -90,13 +90,7 @@ async fn five_call_fan_out_requests_complete_through_the_broker() {
                         );
                     }
                     let parallel: Vec<_> = (0..5)
-                        .map(|i| {
-                            let c = c.clone();
-                            tokio::spawn(async move {
-                                c.call("EchoService", "Echo", &echo(&format!("{u}-{i}")))
-                                    .await
-                            })
-                        })
+                        .map(|i| testkit::echo_call(&c, format!("{u}-{i}")))
                         .collect();
                     for (i, h) in parallel.into_iter().enumerate() {
                         let r = h.await.unwrap().unwrap();
@@ -354,8 +348,7 @@ async fn two_brokers_in_front_of_one_provider_both_serve() {
 
 /// Starts a call on `c` in the background and gives the broker time to admit it.
 async fn admitted_call(c: &Client) -> tokio::task::JoinHandle<Result<Reply, ClientError>> {
-    let c = c.clone();
-    let call = tokio::spawn(async move { c.call("EchoService", "Echo", &echo("slow")).await });
+    let call = testkit::echo_call(c, "slow");
     tokio::time::sleep(Duration::from_millis(200)).await;
     call
 }

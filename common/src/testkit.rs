@@ -93,24 +93,19 @@ impl<T: Send + 'static> InProcess<T> {
     }
 }
 
+/// Starts an echo call carrying `message` on `c`, in the background.
+pub fn echo_call(c: &Client, message: impl Into<String>) -> JoinHandle<Result<Reply, ClientError>> {
+    let (c, message) = (c.clone(), message.into());
+    tokio::spawn(async move {
+        c.call("EchoService", "Echo", &EchoRequest { message })
+            .await
+    })
+}
+
 /// Starts `n` echo calls at once on `c`, call `i` carrying the message `m{i}`; await the
 /// handles in order to check each reply.
 pub fn echo_calls(c: &Client, n: usize) -> Vec<JoinHandle<Result<Reply, ClientError>>> {
-    (0..n)
-        .map(|i| {
-            let c = c.clone();
-            tokio::spawn(async move {
-                c.call(
-                    "EchoService",
-                    "Echo",
-                    &EchoRequest {
-                        message: format!("m{i}"),
-                    },
-                )
-                .await
-            })
-        })
-        .collect()
+    (0..n).map(|i| echo_call(c, format!("m{i}"))).collect()
 }
 
 /// How long a probe waits for the server to answer or close.

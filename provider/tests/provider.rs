@@ -286,19 +286,7 @@ async fn over_the_in_flight_cap_calls_are_shed_at_once() {
     let c = Client::connect(p.addr, ClientConfig::default())
         .await
         .unwrap();
-    let slow = {
-        let c = c.clone();
-        tokio::spawn(async move {
-            c.call(
-                "EchoService",
-                "Echo",
-                &EchoRequest {
-                    message: "slow".into(),
-                },
-            )
-            .await
-        })
-    };
+    let slow = testkit::echo_call(&c, "slow");
     tokio::time::sleep(Duration::from_millis(200)).await;
     let started = std::time::Instant::now();
     let r = c
