@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::hint::black_box;
+use std::sync::LazyLock;
 
 use bytes::{Bytes, BytesMut};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
@@ -33,22 +34,39 @@ fn answer() -> Vec<u8> {
     .encode_to_vec()
 }
 
-fn echo_frame() -> BytesMut {
-    let mut codec = CallCodec::new(None, 1 << 20);
-    let mut b = BytesMut::new();
+fn echo_32() -> EchoRequest {
+    EchoRequest {
+        message: "x".repeat(32),
+    }
+}
+
+/// Puts one request frame for `service`.`method` (no metadata) in `out`, emptied first.
+fn put_request(
+    codec: &mut CallCodec,
+    out: &mut BytesMut,
+    service: &[u8],
+    method: &[u8],
+    msg: &impl Message,
+) {
+    static NO_METADATA: LazyLock<HashMap<String, String>> = LazyLock::new(HashMap::new);
+    out.clear();
     codec
         .put_request(
-            &mut b,
-            7,
+            out,
+            black_box(7),
             Flags::NONE,
-            b"EchoService",
-            b"Echo",
-            &EchoRequest {
-                message: "x".repeat(32),
-            },
-            &HashMap::new(),
+            service,
+            method,
+            msg,
+            &NO_METADATA,
         )
         .expect("encodes");
+}
+
+fn echo_frame() -> BytesMut {
+    let mut b = BytesMut::new();
+    let mut codec = CallCodec::new(None, 1 << 20);
+    put_request(&mut codec, &mut b, b"EchoService", b"Echo", &echo_32());
     b
 }
 
@@ -56,43 +74,14 @@ fn frames(c: &mut Criterion) {
     let mut g = c.benchmark_group("frame");
     g.throughput(Throughput::Elements(1));
     let mut codec = CallCodec::new(None, 1 << 20);
-    let msg = EchoRequest {
-        message: "x".repeat(32),
-    };
-    let md = HashMap::new();
     let mut out = BytesMut::with_capacity(1 << 16);
+    let msg = echo_32();
     g.bench_function("encode echo 32 B request", |b| {
-        b.iter(|| {
-            out.clear();
-            codec
-                .put_request(
-                    &mut out,
-                    black_box(7),
-                    Flags::NONE,
-                    b"EchoService",
-                    b"Echo",
-                    &msg,
-                    &md,
-                )
-                .expect("encodes");
-        })
+        b.iter(|| put_request(&mut codec, &mut out, b"EchoService", b"Echo", &msg))
     });
     let q = query();
     g.bench_function("encode platform request", |b| {
-        b.iter(|| {
-            out.clear();
-            codec
-                .put_request(
-                    &mut out,
-                    black_box(7),
-                    Flags::NONE,
-                    b"PlatformService",
-                    b"doQuery",
-                    &q,
-                    &md,
-                )
-                .expect("encodes");
-        })
+        b.iter(|| put_request(&mut codec, &mut out, b"PlatformService", b"doQuery", &q))
     });
     let one = echo_frame();
     let fc = FrameCodec::default();
