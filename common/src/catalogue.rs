@@ -85,7 +85,7 @@ pub const CATALOGUE: &[MetricDoc] = &[
         Counter,
         "role",
         "driver",
-        "Calls the driver wrote: the offered load.",
+        "Calls the driver issued, the offered load: each ends once in rpcmesh_calls_total (one that cannot be encoded as status encode).",
     ),
     m(
         "rpcmesh_requests_total",

@@ -11,6 +11,8 @@ use rpcmesh_common::telemetry::{
     ConnCounters, ErrorCounters, PayloadCounters, Stages, Telemetry, WireCounters,
 };
 
+use crate::stats::Tally;
+
 /// Value of the `role` label on every driver metric.
 pub const ROLE: &str = "driver";
 
@@ -127,71 +129,25 @@ impl DriverMetrics {
         }
     }
 
-    /// An empty batch of this run's per-call counts.
-    pub fn batch(&self) -> CountBatch {
-        CountBatch {
-            calls: vec![0; self.calls.len()],
-            ..CountBatch::default()
-        }
-    }
-
-    /// Adds `batch` to the shared counters and empties it.
-    pub fn flush(&self, batch: &mut CountBatch) {
-        let b = std::mem::replace(batch, self.batch());
-        for ((_, c), n) in self.calls.iter().zip(b.calls) {
-            if n > 0 {
+    /// Adds a worker's figures since its last tick to the shared counters: one atomic
+    /// add per counter per tick instead of several per call.
+    pub fn add(&self, t: &Tally) {
+        self.sent.increment(t.sent);
+        let outcomes = std::iter::once(("ok", &t.ok)).chain(t.errors.iter().map(|(k, n)| (*k, n)));
+        for (outcome, &n) in outcomes {
+            if let Some((_, c)) = self.calls.iter().find(|(l, _)| *l == outcome) {
                 c.increment(n);
             }
         }
-        self.sent.increment(b.sent);
-        self.requests_ok.increment(b.requests_ok);
-        self.requests_failed.increment(b.requests_failed);
-        self.payload.sent(b.payload_out);
-        self.payload.received(b.payload_in);
-    }
-}
-
-/// Per-call counts a worker adds up between flushes (every progress tick and when it
-/// stops), so that the counters shared by all workers take one atomic add per tick
-/// instead of several per call.
-#[derive(Debug, Default)]
-pub struct CountBatch {
-    /// Finished calls, by outcome, in the order of [`DriverMetrics`]'s call counters.
-    calls: Vec<u64>,
-    sent: u64,
-    requests_ok: u64,
-    requests_failed: u64,
-    payload_out: PayloadSize,
-    payload_in: PayloadSize,
-}
-
-impl CountBatch {
-    /// One call finished with `outcome` (`ok`, a status, or a driver-side failure).
-    pub fn call_done(&mut self, metrics: &DriverMetrics, outcome: &str) {
-        if let Some(i) = metrics.calls.iter().position(|(l, _)| *l == outcome) {
-            self.calls[i] += 1;
-        }
-    }
-
-    /// One call written, its payload `size`.
-    pub fn sent(&mut self, size: PayloadSize) {
-        self.sent += 1;
-        self.payload_out.plain += size.plain;
-        self.payload_out.wire += size.wire;
-    }
-
-    /// A reply's payload received.
-    pub fn received(&mut self, size: PayloadSize) {
-        self.payload_in.plain += size.plain;
-        self.payload_in.wire += size.wire;
-    }
-
-    /// One request finished.
-    pub fn request_done(&mut self, failed: bool) {
-        if failed {
-            self.requests_failed += 1;
-        } else {
-            self.requests_ok += 1;
-        }
+        self.requests_ok.increment(t.requests_ok);
+        self.requests_failed.increment(t.requests_failed);
+        self.payload.sent(PayloadSize {
+            plain: t.payload_out_plain as usize,
+            wire: t.payload_out_wire as usize,
+        });
+        self.payload.received(PayloadSize {
+            plain: t.payload_in_plain as usize,
+            wire: t.payload_in_wire as usize,
+        });
     }
 }

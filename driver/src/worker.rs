@@ -25,9 +25,7 @@ use rpcmesh_common::telemetry::{ErrorKind, Sampler};
 use tokio::net::TcpStream;
 
 use crate::config::DriverConfig;
-use crate::metrics::{
-    CALL, CONNECTION_WAIT, CountBatch, DECODE, DriverMetrics, ENCODE, REQUEST, ROUND_TRIP,
-};
+use crate::metrics::{CALL, CONNECTION_WAIT, DECODE, DriverMetrics, ENCODE, REQUEST, ROUND_TRIP};
 use crate::stats::Tally;
 use crate::workload::Workload;
 
@@ -185,7 +183,6 @@ pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> Outcome {
         lost_connections: 0,
         out: Outcome::default(),
         interval: Tally::interval(),
-        counts: shared.metrics.batch(),
         shared: shared.clone(),
         plan,
     };
@@ -206,9 +203,8 @@ struct Worker {
     in_flight: usize,
     in_flight_reported: usize,
     out: Outcome,
+    /// Figures since the last tick: for the progress line and the shared metrics.
     interval: Tally,
-    /// Per-call counts not yet added to the shared metrics (see [`CountBatch`]).
-    counts: CountBatch,
     /// Ids of the timed calls encoded this round.
     round: Vec<u64>,
     /// Pick the calls and requests whose stages are timed.
@@ -452,7 +448,8 @@ impl Worker {
         let decoding = slot.written.map(|_| Instant::now());
         let outcome = match self.codec.view_response(&frame) {
             Ok(r) => {
-                self.counts.received(r.size);
+                self.interval.payload_in_plain += r.size.plain as u64;
+                self.interval.payload_in_wire += r.size.wire as u64;
                 if slot.measured {
                     self.out.tally.payload_in_plain += r.size.plain as u64;
                     self.out.tally.payload_in_wire += r.size.wire as u64;
@@ -527,14 +524,14 @@ impl Worker {
         self.publish();
     }
 
-    /// Hands the figures since the last tick to the progress line.
+    /// Hands the figures since the last tick to the shared metrics and the progress line.
     fn publish(&mut self) {
+        self.shared.metrics.add(&self.interval);
         if let Some(m) = self.shared.intervals.get(self.plan.index) {
             let mut shared = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             shared.add(&self.interval);
-            self.interval.clear();
         }
-        self.shared.metrics.flush(&mut self.counts);
+        self.interval.clear();
     }
 
     fn count_bytes(&mut self, io: &mut FramedIo) {
@@ -580,6 +577,11 @@ impl Worker {
             .shared
             .workload
             .encode(&mut self.codec, io.wbuf(), id, self.flags);
+        // Sent, whether or not it encodes: every call sent gets exactly one outcome.
+        self.interval.sent += 1;
+        if measured {
+            self.out.tally.sent += 1;
+        }
         match encoded {
             Ok(size) => {
                 let encoded = encoding.map(|_| Instant::now());
@@ -587,7 +589,6 @@ impl Worker {
                     m.stages.record_span(ENCODE, a, b);
                     self.round.push(id);
                 }
-                self.counts.sent(size);
                 self.slots[idx] = Some(Slot {
                     id,
                     sent: now,
@@ -598,9 +599,9 @@ impl Worker {
                     written: None,
                 });
                 self.in_flight += 1;
-                self.interval.sent += 1;
+                self.interval.payload_out_plain += size.plain as u64;
+                self.interval.payload_out_wire += size.wire as u64;
                 if measured {
-                    self.out.tally.sent += 1;
                     self.out.tally.payload_out_plain += size.plain as u64;
                     self.out.tally.payload_out_wire += size.wire as u64;
                 }
@@ -616,10 +617,6 @@ impl Worker {
                     encoded: None,
                     written: None,
                 };
-                self.interval.sent += 1;
-                if measured {
-                    self.out.tally.sent += 1;
-                }
                 self.call_done(slot, Err("encode"), now, Some(io));
             }
         }
@@ -635,16 +632,10 @@ impl Worker {
     ) {
         let m = &self.shared.metrics;
         match outcome {
-            Ok(()) => self.counts.call_done(m, "ok"),
-            Err(kind) => {
-                self.counts.call_done(m, kind);
-                match kind {
-                    "timeout" => m.errors.inc(ErrorKind::Timeout),
-                    "bad_reply" => m.errors.inc(ErrorKind::Decode),
-                    "connection" => m.errors.inc(ErrorKind::Io),
-                    _ => {}
-                }
-            }
+            Err("timeout") => m.errors.inc(ErrorKind::Timeout),
+            Err("bad_reply") => m.errors.inc(ErrorKind::Decode),
+            Err("connection") => m.errors.inc(ErrorKind::Io),
+            _ => {}
         }
         // The progress line shows the warm-up too; the report only what is measured.
         let us = now.saturating_duration_since(slot.sent).as_micros() as u64;
@@ -690,7 +681,6 @@ impl Worker {
         let user = self.users[u];
         let us = now.saturating_duration_since(user.started).as_micros() as u64;
         let m = &self.shared.metrics;
-        self.counts.request_done(user.failed);
         if user.timed {
             m.stages.record_span(REQUEST, user.started, now);
         }
