@@ -127,6 +127,9 @@ pub struct CallCodec {
     inflater: Inflater,
     scratch: BytesMut,
     timers: Option<CompressionTimers>,
+    /// Largest frame body this side writes: a bigger one is refused here, since the peer
+    /// would refuse it.
+    max_body: u32,
 }
 
 impl CallCodec {
@@ -138,7 +141,15 @@ impl CallCodec {
             inflater: Inflater::new(max_inflated),
             scratch: BytesMut::new(),
             timers: None,
+            max_body: u32::MAX,
         }
+    }
+
+    /// Refuses to write a frame whose body exceeds `max` (the peer's frame limit) with
+    /// [`FrameError::TooLarge`], leaving `dst` as it was.
+    pub fn with_max_body(mut self, max: u32) -> Self {
+        self.max_body = max;
+        self
     }
 
     /// Times every compression and inflation into `timers`.
@@ -198,13 +209,9 @@ impl CallCodec {
         encode: impl FnOnce(&mut BytesMut),
     ) -> Result<PayloadSize, FrameError> {
         let flags = flags.without(Flags::COMPRESSED);
-        let start = dst.len();
         let w = FrameWriter::begin_request(dst, flags, req_id, service, method)?;
-        let size = self.put_payload(dst, true, encode);
-        if size.plain != size.wire {
-            dst[start + 5] |= Flags::COMPRESSED.bits();
-        }
-        w.finish(dst)?;
+        let size = self.put_payload(dst, &w, true, encode);
+        w.finish_within(dst, self.max_body)?;
         Ok(size)
     }
 
@@ -218,25 +225,21 @@ impl CallCodec {
         request_flags: Flags,
         inner: &[u8],
     ) -> Result<PayloadSize, FrameError> {
-        let start = dst.len();
         let w = FrameWriter::begin_response(dst, Flags::NONE, req_id, Status::Success as u8);
-        let size = self.put_payload(dst, request_flags.contains(Flags::ACCEPT_COMPRESSED), |b| {
-            put_ok_envelope(b, inner)
-        });
-        if size.plain != size.wire {
-            dst[start + 5] |= Flags::COMPRESSED.bits();
-        }
-        w.finish(dst)?;
+        let compress = request_flags.contains(Flags::ACCEPT_COMPRESSED);
+        let size = self.put_payload(dst, &w, compress, |b| put_ok_envelope(b, inner));
+        w.finish_within(dst, self.max_body)?;
         Ok(size)
     }
 
-    /// Writes the payload made by `encode` straight into `dst`, then, when `compress` is
+    /// Writes the payload made by `encode` straight into `dst` (in `frame`), then, when `compress` is
     /// allowed, this side compresses and the payload reaches the threshold, replaces it by
     /// its compressed form if that is shorter. Payloads under the threshold cost no copy and
     /// no timing.
     fn put_payload(
         &mut self,
         dst: &mut BytesMut,
+        frame: &FrameWriter,
         compress: bool,
         encode: impl FnOnce(&mut BytesMut),
     ) -> PayloadSize {
@@ -258,7 +261,9 @@ impl CallCodec {
         if let (Some(t), Some(s)) = (&self.timers, started) {
             t.compress.record(s.elapsed().as_secs_f64());
         }
-        if !compressed {
+        if compressed {
+            frame.add_flags(dst, Flags::COMPRESSED);
+        } else {
             dst.extend_from_slice(&self.scratch);
         }
         PayloadSize {
@@ -525,6 +530,25 @@ mod tests {
             .put_ok_response(&mut b, 1, Flags::NONE, &inner)
             .unwrap();
         assert!(frame(b).header.flags.is_empty());
+    }
+
+    #[test]
+    fn a_frame_over_the_body_limit_is_refused_and_leaves_the_buffer_as_it_was() {
+        let mut codec = CallCodec::new(None, 1 << 20).with_max_body(64);
+        let mut b = BytesMut::from(&b"earlier frames"[..]);
+        let e = codec
+            .put_ok_response(&mut b, 5, Flags::NONE, &[7u8; 100])
+            .unwrap_err();
+        assert!(
+            matches!(e, FrameError::TooLarge { max: 64, req_id: 5, body_len, .. } if body_len > 100),
+            "{e:?}"
+        );
+        assert_eq!(&b[..], b"earlier frames");
+        // Within the limit it is written as before.
+        codec
+            .put_ok_response(&mut b, 6, Flags::NONE, &[7u8; 8])
+            .unwrap();
+        assert_eq!(frame(b.split_off(14)).header.req_id, 6);
     }
 
     #[test]

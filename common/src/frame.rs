@@ -32,6 +32,8 @@ pub const FRAME_OVERHEAD: usize = HEADER_LEN + TRAILER_LEN;
 /// peers enforce, so anything rpcmesh accepts they accept too.
 pub const DEFAULT_MAX_BODY_LEN: u32 = 10 * 1024 * 1024;
 
+/// Offset of the `msg_type` byte (type in the low bits, flags in the high ones).
+const TYPE_AT: usize = 5;
 /// Offset of `body_len` in the header.
 const BODY_LEN_AT: usize = 6;
 /// Offset of `req_id` in the header.
@@ -284,7 +286,7 @@ impl Prefix {
         Prefix {
             magic: be_u32(&buf[0..4]),
             version: buf[4],
-            raw_type: buf[5],
+            raw_type: buf[TYPE_AT],
             body_len: be_u32(&buf[BODY_LEN_AT..BODY_LEN_AT + 4]),
             req_id: be_u64(&buf[REQ_ID_AT..REQ_ID_AT + 8]),
         }
@@ -468,6 +470,29 @@ impl FrameWriter {
         let crc = crc32fast::hash(&dst[self.start..]);
         dst.put_u32(crc);
         Ok(())
+    }
+
+    /// As [`finish`](Self::finish), but a body over `max` bytes, which the peer would
+    /// refuse, is taken back out of `dst` and refused here with
+    /// [`FrameError::TooLarge`].
+    pub fn finish_within(self, dst: &mut BytesMut, max: u32) -> Result<(), FrameError> {
+        let body_len = dst.len() - self.start - HEADER_LEN;
+        if body_len > max as usize {
+            let p = Prefix::read(&dst[self.start..]);
+            self.abandon(dst);
+            return Err(FrameError::TooLarge {
+                body_len: u32::try_from(body_len).unwrap_or(u32::MAX),
+                max,
+                req_id: p.req_id,
+                raw_type: p.raw_type,
+            });
+        }
+        self.finish(dst)
+    }
+
+    /// Sets `flags` in the frame's header, e.g. `COMPRESSED` once the payload is written.
+    pub fn add_flags(&self, dst: &mut BytesMut, flags: Flags) {
+        dst[self.start + TYPE_AT] |= flags.bits();
     }
 
     /// Drops a half-written frame from the buffer (after an encoding error).

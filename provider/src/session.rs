@@ -18,7 +18,7 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use rpcmesh_common::Status;
 use rpcmesh_common::call::{CallCodec, put_error_response, service_not_found};
 use rpcmesh_common::codec::FrameCodec;
-use rpcmesh_common::frame::{FRAME_OVERHEAD, Flags, Frame, FrameError, Heartbeat, MsgType};
+use rpcmesh_common::frame::{Flags, Frame, FrameError, Heartbeat, MsgType};
 use rpcmesh_common::io::{FramedIo, IoEvent};
 use rpcmesh_common::listener::Drain;
 use rpcmesh_common::shutdown::CancellationToken;
@@ -104,7 +104,8 @@ impl Session {
         Session {
             io: FramedIo::new(stream, FrameCodec::new(c.max_body_len)),
             calls: CallCodec::new(c.compression, c.max_inflated)
-                .timed(shared.metrics.compression.clone()),
+                .timed(shared.metrics.compression.clone())
+                .with_max_body(c.max_body_len),
             pending: FuturesUnordered::new(),
             scratch: BytesMut::with_capacity(1024),
             draining: false,
@@ -339,24 +340,20 @@ impl Session {
 
     fn reply_ok(&mut self, id: u64, flags: Flags, method: MethodId, answer: &[u8]) {
         let m = &self.shared.metrics;
-        let start = self.io.pending_write();
         match self
             .calls
             .put_ok_response(self.io.wbuf(), id, flags, answer)
         {
             Ok(size) => {
-                // A reply over the frame limit would be refused by the caller (a broker
-                // would lose it and, worse, might drop the connection): answer "failed".
-                let body = self.io.pending_write() - start - FRAME_OVERHEAD;
-                let max = self.shared.config.max_body_len as usize;
-                if body > max {
-                    self.io.wbuf().truncate(start);
-                    m.errors.inc(ErrorKind::TooLarge);
-                    let msg = format!("reply of {body} bytes exceeds the frame limit of {max}");
-                    return self.reply_error(id, flags, Some(method), Status::Failed, &msg);
-                }
                 m.payload.sent(size);
                 m.calls(Some(method)).inc(Status::Success);
+            }
+            // A reply over the frame limit would be refused by the caller (a broker would
+            // lose it): the codec has left it unwritten; answer "failed".
+            Err(FrameError::TooLarge { body_len, max, .. }) => {
+                m.errors.inc(ErrorKind::TooLarge);
+                let msg = format!("reply of {body_len} bytes exceeds the frame limit of {max}");
+                self.reply_error(id, flags, Some(method), Status::Failed, &msg);
             }
             Err(e) => {
                 tracing::warn!(error = %e, "reply not encodable");
