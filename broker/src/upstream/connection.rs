@@ -25,7 +25,7 @@ use rpcmesh_common::frame::{
     FRAME_OVERHEAD, Flags, Frame, FrameError, Header, Heartbeat, MsgType, put_frame,
 };
 use rpcmesh_common::io::{FramedIo, IoEvent};
-use rpcmesh_common::telemetry::ErrorKind;
+use rpcmesh_common::telemetry::{BadInputLog, ErrorKind};
 use tokio::net::TcpStream;
 use tokio::sync::{Notify, mpsc, oneshot};
 use tracing::Instrument;
@@ -137,6 +137,7 @@ impl UpstreamConn {
             settings,
             metrics,
             closed,
+            bad_input: BadInputLog::default(),
         };
         tracing::debug!(parent: &span, "connected");
         tokio::spawn(task.run(sweep).instrument(span));
@@ -288,6 +289,8 @@ struct ConnTask {
     settings: ConnSettings,
     metrics: UpstreamMetrics,
     closed: Arc<Notify>,
+    /// Bad frames from the provider: counted, and logged thinned.
+    bad_input: BadInputLog,
 }
 
 impl ConnTask {
@@ -393,28 +396,7 @@ impl ConnTask {
             match self.io.next_frame() {
                 Ok(Some(frame)) => self.on_frame(frame, read_at),
                 Ok(None) => break,
-                Err(e) => {
-                    self.metrics.errors.inc(ErrorKind::of_frame(&e));
-                    tracing::warn!(error = %e, "bad frame from provider");
-                    // A reply that cannot be used but whose header could be read fails
-                    // its own call only; the others on this connection go on.
-                    if let Some((id, Some(MsgType::Response))) = e.frame_id() {
-                        if let FrameError::TooLarge { body_len, max, .. } = e {
-                            if u64::from(body_len) > u64::from(max) * SKIP_FACTOR {
-                                return Err(format!("bad frames from provider: {e}").into());
-                            }
-                            self.io.skip(FRAME_OVERHEAD + body_len as usize);
-                        }
-                        self.fail_call(
-                            id,
-                            &format!("reply from provider {} refused: {e}", self.settings.label),
-                        );
-                        continue;
-                    }
-                    if e.is_fatal() {
-                        return Err(format!("bad frames from provider: {e}").into());
-                    }
-                }
+                Err(e) => self.on_bad_frame(e)?,
             }
         }
         if self.io.is_eof() {
@@ -523,13 +505,35 @@ impl ConnTask {
     }
 
     /// Answers one call "failed" (its reply was unusable).
-    fn fail_call(&mut self, id: u64, msg: &str) {
+    /// Counts and logs (thinned) a frame from the provider that cannot be used. A reply
+    /// whose header could be read fails its own call only and the others on this
+    /// connection go on; the connection ends on input it cannot get past.
+    fn on_bad_frame(&mut self, e: FrameError) -> Result<(), Cow<'static, str>> {
+        self.bad_input.record(&e, &self.metrics.errors, "provider");
+        let Some((id, Some(MsgType::Response))) = e.frame_id() else {
+            if e.is_fatal() {
+                return Err(format!("bad frames from provider: {e}").into());
+            }
+            return Ok(());
+        };
+        if let FrameError::TooLarge { body_len, max, .. } = e {
+            if u64::from(body_len) > u64::from(max) * SKIP_FACTOR {
+                return Err(format!("bad frames from provider: {e}").into());
+            }
+            self.io.skip(FRAME_OVERHEAD + body_len as usize);
+        }
+        let msg = format!("reply from provider {} refused: {e}", self.settings.label);
+        self.fail_call(id, msg.into());
+        Ok(())
+    }
+
+    fn fail_call(&mut self, id: u64, msg: Cow<'static, str>) {
         if let Some(slot) = self.table.take(id) {
             settle(
                 &self.state,
                 &slot.reply_to,
                 slot.info,
-                Err((Status::Failed, msg.to_owned().into())),
+                Err((Status::Failed, msg)),
             );
         }
     }
