@@ -282,17 +282,11 @@ impl Session {
         }
         let cfg = &self.shared.config;
         if self.in_flight >= cfg.max_in_flight_per_conn {
-            self.shared.metrics.errors.inc(ErrorKind::Overloaded);
-            let msg = &self.shared.shed.per_conn;
-            put_error_response(self.io.wbuf(), id, flags, Status::Overloaded, msg);
-            return self.counted(tag, Status::Overloaded);
+            return self.shed(id, flags, tag, |m| &m.per_conn);
         }
         if self.shared.in_flight.fetch_add(1, Ordering::Relaxed) >= cfg.max_in_flight {
             self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
-            self.shared.metrics.errors.inc(ErrorKind::Overloaded);
-            let msg = &self.shared.shed.total;
-            put_error_response(self.io.wbuf(), id, flags, Status::Overloaded, msg);
-            return self.counted(tag, Status::Overloaded);
+            return self.shed(id, flags, tag, |m| &m.total);
         }
         self.in_flight += 1;
         let fwd = Forward {
@@ -374,7 +368,7 @@ impl Session {
         match outcome {
             Ok(frame) => {
                 let status = self.write_reply(&frame, info);
-                self.counters_for(info.tag, status).inc(status);
+                self.counted(info.tag, status);
             }
             Err((status, msg)) => {
                 self.fail(info.client_id, info.client_flags, info.tag, status, &msg)
@@ -401,6 +395,14 @@ impl Session {
     fn fail(&mut self, id: u64, flags: Flags, tag: u32, status: Status, msg: &str) {
         put_error_response(self.io.wbuf(), id, flags, status, msg);
         self.counted(tag, status);
+    }
+
+    /// Answers "overloaded" to a call over one of the caps; `which` picks the cap's message.
+    fn shed(&mut self, id: u64, flags: Flags, tag: u32, which: fn(&ShedMessages) -> &str) {
+        self.shared.metrics.errors.inc(ErrorKind::Overloaded);
+        let msg = which(&self.shared.shed);
+        put_error_response(self.io.wbuf(), id, flags, Status::Overloaded, msg);
+        self.counted(tag, Status::Overloaded);
     }
 
     /// Counts an answered call's outcome.
