@@ -46,24 +46,9 @@ async fn echo_and_platform_calls_go_through_the_broker() {
     let q: QueryResponse = r.decode().unwrap();
     assert_eq!(q.nodes.len(), 2);
     // the provider saw the calls, the broker counted them
-    assert!(
-        sample(
-            &p.telemetry.render(),
-            "rpcmesh_calls_total",
-            &[("service", "PlatformService"), ("status", "ok")]
-        )
-        .unwrap()
-            >= 1.0
-    );
-    assert!(
-        sample(
-            &b.telemetry.render(),
-            "rpcmesh_calls_total",
-            &[("service", "PlatformService"), ("status", "ok")]
-        )
-        .unwrap()
-            >= 1.0
-    );
+    let platform_ok = [("service", "PlatformService"), ("status", "ok")];
+    assert!(p.metric("rpcmesh_calls_total", &platform_ok) >= 1.0);
+    assert!(b.metric("rpcmesh_calls_total", &platform_ok) >= 1.0);
     b.stop().await;
     p.stop().await;
 }
@@ -139,14 +124,7 @@ async fn compression_gives_identical_replies_and_fewer_bytes_for_the_platform_wo
     )
     .await
     .unwrap();
-    let wire = || {
-        sample(
-            &b.telemetry.render(),
-            "rpcmesh_wire_bytes_total",
-            &[("side", "inbound")],
-        )
-        .unwrap_or(0.0)
-    };
+    let wire = || b.metric("rpcmesh_wire_bytes_total", &[("side", "inbound")]);
     const N: usize = 200;
     let w0 = wire();
     let mut plain_replies = Vec::new();
@@ -269,12 +247,7 @@ async fn two_providers_share_the_calls_and_one_stopping_sends_all_to_the_other()
     until_ready(&c).await;
     // wait until both pools are up
     for _ in 0..100 {
-        let healthy = sample(
-            &b.telemetry.render(),
-            "rpcmesh_pool_healthy_connections",
-            &[],
-        )
-        .unwrap_or(0.0);
+        let healthy = b.metric("rpcmesh_pool_healthy_connections", &[]);
         if healthy >= 8.0 {
             break;
         }
@@ -524,12 +497,7 @@ async fn an_oversized_reply_fails_its_call_and_spares_the_connection() {
     for c in calls {
         assert_eq!(c.await.unwrap().unwrap().status, Status::Success);
     }
-    let closed = sample(
-        &b.telemetry.render(),
-        "rpcmesh_connections_closed_total",
-        &[("side", "upstream")],
-    )
-    .unwrap_or(0.0);
+    let closed = b.metric("rpcmesh_connections_closed_total", &[("side", "upstream")]);
     assert_eq!(closed, 0.0, "the pooled connection was kept");
     b.stop().await;
     p.stop().await;

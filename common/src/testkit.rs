@@ -59,24 +59,20 @@ impl<T: Send + 'static> InProcess<T> {
         }
     }
 
+    /// The sum of the samples of metric `name` whose labels include `labels`, so far
+    /// (0 when there is none).
+    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        sample(&self.telemetry.render(), name, labels).unwrap_or(0.0)
+    }
+
     /// `rpcmesh_errors_total{kind}` so far.
     pub fn errors(&self, kind: &str) -> f64 {
-        sample(
-            &self.telemetry.render(),
-            "rpcmesh_errors_total",
-            &[("kind", kind)],
-        )
-        .unwrap_or(0.0)
+        self.metric("rpcmesh_errors_total", &[("kind", kind)])
     }
 
     /// `rpcmesh_calls_total{status}` so far.
     pub fn calls(&self, status: &str) -> f64 {
-        sample(
-            &self.telemetry.render(),
-            "rpcmesh_calls_total",
-            &[("status", status)],
-        )
-        .unwrap_or(0.0)
+        self.metric("rpcmesh_calls_total", &[("status", status)])
     }
 
     /// Tells it to stop (it drains), without waiting.
