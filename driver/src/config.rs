@@ -35,6 +35,12 @@ pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:9790";
 /// Most users one connection may carry (bounds its in-flight table).
 pub const MAX_USERS_PER_CONNECTION: usize = 65_536;
 
+/// Open loop: seconds between the requests each of `connections` starts, so that
+/// together they start `rate` per second.
+pub fn pace_seconds(connections: usize, rate: f64) -> f64 {
+    connections.max(1) as f64 / rate
+}
+
 /// Which calls the users make.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -233,7 +239,7 @@ impl Args {
         let connections = self.connections.min(self.concurrency.max(1));
         // Each connection starts a request every `connections / rate`: keep that between
         // 1 µs and an hour.
-        let every = self.rate.map(|r| connections.max(1) as f64 / r);
+        let every = self.rate.map(|r| pace_seconds(connections, r));
         p.check(every.is_some_and(|e| !(e.is_finite() && (1e-6..=3600.0).contains(&e))), || {
             format!(
                 "--rate {} is out of range: each of the {} connections would start a request every {:.3e} s (1 µs to 1 h)",

@@ -86,7 +86,7 @@ async fn drive(
             // Each connection paces its share of the rate.
             every: config
                 .rate
-                .map(|r| std::time::Duration::from_secs_f64(n as f64 / r)),
+                .map(|r| std::time::Duration::from_secs_f64(config::pace_seconds(n, r))),
             target: config.targets[i % config.targets.len()].clone(),
             users: config.concurrency / n + usize::from(i < config.concurrency % n),
         })

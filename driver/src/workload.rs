@@ -13,7 +13,7 @@ use rpcmesh_common::proto::rpc::{EchoRequest, EchoResponse};
 
 use crate::config::WorkloadKind;
 
-pub use rpcmesh_common::proto::platform::reference_query;
+use rpcmesh_common::proto::platform::reference_query;
 
 /// Why a reply's application message was not the expected one.
 #[derive(Debug, thiserror::Error)]

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::BytesMut;
 use rpcmesh_common::client::{Client, ClientConfig};
 use rpcmesh_common::frame::{Flags, Request};
-use rpcmesh_common::proto::platform::{QueryRequest, QueryResponse};
+use rpcmesh_common::proto::platform::{QueryResponse, reference_query};
 use rpcmesh_common::proto::rpc::{EchoRequest, EchoResponse};
 use rpcmesh_common::testkit::{self, InProcess};
 use rpcmesh_common::{Status, listener::ServeSummary};
@@ -23,10 +23,6 @@ async fn start(config: ProviderConfig) -> Running {
         rpcmesh_provider::run_with(config, Registry::builtin(), telemetry, listener, stop)
     })
     .await
-}
-
-fn query() -> QueryRequest {
-    rpcmesh_common::proto::platform::reference_query()
 }
 
 #[tokio::test]
@@ -57,7 +53,7 @@ async fn platform_query_returns_the_fixed_two_entry_list() {
         .await
         .unwrap();
     let r = c
-        .call("PlatformService", "doQuery", &query())
+        .call("PlatformService", "doQuery", &reference_query())
         .await
         .unwrap();
     assert_eq!(r.status, Status::Success);
@@ -151,11 +147,11 @@ async fn compressed_and_plain_calls_get_identical_answers() {
         .await
         .unwrap();
     let a = plain
-        .call("PlatformService", "doQuery", &query())
+        .call("PlatformService", "doQuery", &reference_query())
         .await
         .unwrap();
     let b = zipped
-        .call("PlatformService", "doQuery", &query())
+        .call("PlatformService", "doQuery", &reference_query())
         .await
         .unwrap();
     assert!(!a.compressed);

@@ -4,7 +4,7 @@
 
 use bytes::BytesMut;
 use prost::Message;
-use rpcmesh_common::proto::platform::{QueryRequest, QueryResponse, reference_answer};
+use rpcmesh_common::proto::platform::{QueryRequest, reference_answer};
 use rpcmesh_common::proto::rpc::RpcRequest;
 
 use super::{ServiceError, decode};
@@ -14,15 +14,11 @@ pub const SERVICE: &str = "PlatformService";
 /// Method name.
 pub const METHOD: &str = "doQuery";
 
-/// The answer of the reference workload: two identical entries.
-pub fn fixed_response() -> QueryResponse {
-    reference_answer()
-}
-
 /// The handler. Builds the response anew for every call, as the reference did.
 pub fn do_query(request: RpcRequest, out: &mut BytesMut) -> Result<(), ServiceError> {
     let _query: QueryRequest = decode(request.payload, "platform.QueryRequest")?;
-    fixed_response()
+    // The answer of the reference workload: two identical entries.
+    reference_answer()
         .encode(out)
         .map_err(|e| ServiceError::Failed(e.to_string()))
 }
