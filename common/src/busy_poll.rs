@@ -101,9 +101,14 @@ pub fn spawn(
                 idle.record(idle_unrecorded.as_secs_f64());
                 idle_unrecorded = Duration::ZERO;
             }
-            tokio::select! {
-                () = a.wake.notified() => {}
-                () = stop.cancelled() => return,
+            // A read that came after the last look but saw `spinning` still set did not
+            // wake us: spin again rather than sleep past it. (What is left of that race
+            // costs a spin window, never a read: the reactor still delivers it.)
+            if !a.active.load(Ordering::Relaxed) {
+                tokio::select! {
+                    () = a.wake.notified() => {}
+                    () = stop.cancelled() => return,
+                }
             }
             a.spinning.store(true, Ordering::Relaxed);
             a.active.store(false, Ordering::Relaxed);
