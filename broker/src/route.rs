@@ -123,24 +123,12 @@ impl Router {
         let mut why = NoRoute::NoHealthy;
         // The provider that took this batch's earlier calls, tried first (on all its
         // connections, the batch's one first) and not again below.
-        let mut tried = None;
-        if let Some((pool_idx, conn_idx)) = picker.batch {
-            let pool = &self.pools[pool_idx];
-            if cands.contains(&pool_idx) && (pool.spec.ext || !needs_ext) {
-                tried = Some(pool_idx);
-                match try_pool(pool, fwd, picker, Some(conn_idx), self.pack) {
-                    Ok(c) => {
-                        picker.batch = Some((pool_idx, c));
-                        return Ok(());
-                    }
-                    Err((f, r)) => {
-                        fwd = f;
-                        if r == Some(Refused::Full) {
-                            why = NoRoute::Full;
-                        }
-                    }
-                }
-            }
+        let batch = picker.batch.filter(|(p, _)| cands.contains(p));
+        if let Some((pool_idx, conn_idx)) = batch {
+            fwd = match self.offer(pool_idx, fwd, picker, Some(conn_idx), needs_ext, &mut why) {
+                Ok(()) => return Ok(()),
+                Err(f) => f,
+            };
         }
         let n = cands.len();
         // Order of providers to try: the better of two random ones (or the next in turn)
@@ -163,30 +151,50 @@ impl Router {
         };
         for k in 0..n {
             let pool_idx = cands[(first + k) % n];
-            if tried == Some(pool_idx) {
+            if batch.is_some_and(|(b, _)| b == pool_idx) {
                 continue;
             }
-            let pool = &self.pools[pool_idx];
-            if needs_ext && !pool.spec.ext {
-                if why == NoRoute::NoHealthy {
-                    why = NoRoute::NeedsExtension;
-                }
-                continue;
-            }
-            match try_pool(pool, fwd, picker, None, self.pack) {
-                Ok(c) => {
-                    picker.batch = Some((pool_idx, c));
-                    return Ok(());
-                }
-                Err((f, r)) => {
-                    fwd = f;
-                    if r == Some(Refused::Full) {
-                        why = NoRoute::Full;
-                    }
-                }
-            }
+            fwd = match self.offer(pool_idx, fwd, picker, None, needs_ext, &mut why) {
+                Ok(()) => return Ok(()),
+                Err(f) => f,
+            };
         }
         Err((fwd, why))
+    }
+
+    /// Offers `fwd` to provider `pool_idx` (see [`try_pool`]); on success it becomes the
+    /// batch's provider. A refusal updates `why`: `Full` wins, else `NeedsExtension` when
+    /// the provider cannot take a compressed call.
+    // A refused call is handed back by value (no allocation on the per-call path).
+    #[allow(clippy::result_large_err)]
+    fn offer(
+        &self,
+        pool_idx: usize,
+        fwd: Forward,
+        picker: &mut Picker,
+        prefer: Option<usize>,
+        needs_ext: bool,
+        why: &mut NoRoute,
+    ) -> Result<(), Forward> {
+        let pool = &self.pools[pool_idx];
+        if needs_ext && !pool.spec.ext {
+            if *why == NoRoute::NoHealthy {
+                *why = NoRoute::NeedsExtension;
+            }
+            return Err(fwd);
+        }
+        match try_pool(pool, fwd, picker, prefer, self.pack) {
+            Ok(c) => {
+                picker.batch = Some((pool_idx, c));
+                Ok(())
+            }
+            Err((fwd, refused)) => {
+                if refused == Some(Refused::Full) {
+                    *why = NoRoute::Full;
+                }
+                Err(fwd)
+            }
+        }
     }
 }
 
@@ -211,7 +219,7 @@ fn try_pool(
     let start = if let Some(p) = prefer.filter(|p| *p < n) {
         p
     } else if let Some(i) = (pool.spec.ext && pack > 0)
-        .then(|| conns.iter().position(|c| !c.is_closed() && c.load() < pack))
+        .then(|| conns.iter().position(|c| load(c) < pack))
         .flatten()
     {
         i
