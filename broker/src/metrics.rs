@@ -76,14 +76,7 @@ impl BrokerMetrics {
     /// ([`request_names`](rpcmesh_common::frame::request_names)), when the pair has its
     /// own labels already, or `_other` when no more pairs can get labels.
     pub fn known_calls(&self, names: &[u8]) -> Option<Arc<CallCounters>> {
-        let seen = self
-            .calls
-            .seen
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        seen.get(names)
-            .cloned()
-            .or_else(|| (seen.len() >= MAX_CALL_LABELS).then(|| self.calls.other.clone()))
+        self.calls.known(&self.calls.lock(), names)
     }
 
     /// The call counters of the pair whose names bytes are `names` (the service name is
@@ -92,16 +85,9 @@ impl BrokerMetrics {
     /// callers cannot use up the labels with names nobody serves, and cache the result, so
     /// it runs once per name per connection.
     pub fn calls(&self, names: &[u8], service_len: usize) -> Arc<CallCounters> {
-        let mut seen = self
-            .calls
-            .seen
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(c) = seen.get(names) {
-            return c.clone();
-        }
-        if seen.len() >= MAX_CALL_LABELS {
-            return self.calls.other.clone();
+        let mut seen = self.calls.lock();
+        if let Some(c) = self.calls.known(&seen, names) {
+            return c;
         }
         // `names` = service, 2-byte length, method.
         let service = String::from_utf8_lossy(&names[..service_len]);
@@ -156,8 +142,25 @@ impl BrokerMetrics {
 #[derive(Debug)]
 struct CallLabels {
     /// By the request's names bytes (service and method, as on the wire).
-    seen: Mutex<HashMap<Box<[u8]>, Arc<CallCounters>>>,
+    seen: Mutex<LabelTable>,
     other: Arc<CallCounters>,
+}
+
+type LabelTable = HashMap<Box<[u8]>, Arc<CallCounters>>;
+
+impl CallLabels {
+    fn lock(&self) -> std::sync::MutexGuard<'_, LabelTable> {
+        self.seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The pair's counters if it has labels, `_other` once no more pairs can get them.
+    fn known(&self, seen: &LabelTable, names: &[u8]) -> Option<Arc<CallCounters>> {
+        seen.get(names)
+            .cloned()
+            .or_else(|| (seen.len() >= MAX_CALL_LABELS).then(|| self.other.clone()))
+    }
 }
 
 /// Handles of one upstream (provider) and its pool.
