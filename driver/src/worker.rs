@@ -329,10 +329,7 @@ impl Worker {
     /// Connects, retrying until the run would end anyway.
     async fn connect(&mut self) -> Option<FramedIo> {
         let mut pause = RECONNECT_MIN;
-        let give_up = self
-            .shared
-            .give_up_by()
-            .unwrap_or_else(|| Instant::now() + self.shared.config.call_timeout);
+        let give_up = self.give_up_by();
         loop {
             let error =
                 match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&self.plan.target))
@@ -354,12 +351,28 @@ impl Worker {
             } else {
                 tracing::debug!(worker = self.plan.index, target = %self.plan.target, %error, "connect failed");
             }
-            if Instant::now() + pause >= give_up || self.shared.stop.is_cancelled() {
+            if !self.wait_to_retry(pause, give_up).await {
                 return None;
             }
-            tokio::time::sleep(pause).await;
             pause = (pause * 2).min(RECONNECT_MAX);
         }
+    }
+
+    /// When to stop trying to connect: the run's end, or one call timeout from now.
+    fn give_up_by(&self) -> Instant {
+        self.shared
+            .give_up_by()
+            .unwrap_or_else(|| Instant::now() + self.shared.config.call_timeout)
+    }
+
+    /// Sleeps `pause` before another attempt; false, at once, when that would pass
+    /// `give_up` or the run is stopping.
+    async fn wait_to_retry(&self, pause: Duration, give_up: Instant) -> bool {
+        if Instant::now() + pause >= give_up || self.shared.stop.is_cancelled() {
+            return false;
+        }
+        tokio::time::sleep(pause).await;
+        true
     }
 
     /// The connection failed: every call on it fails, then the users carry on over a new
@@ -377,22 +390,15 @@ impl Worker {
         } else {
             tracing::debug!(worker = self.plan.index, calls = lost.len(), %cause, "connection lost; reconnecting");
         }
-        let mut may_retry = true;
-        if self.replied_since_connect {
+        let may_retry = if self.replied_since_connect {
             self.reconnect_pause = RECONNECT_MIN;
+            true
         } else {
             self.out.connect_failures += 1;
             let pause = self.reconnect_pause;
             self.reconnect_pause = (pause * 2).min(RECONNECT_MAX);
-            let give_up = self
-                .shared
-                .give_up_by()
-                .unwrap_or_else(|| Instant::now() + self.shared.config.call_timeout);
-            may_retry = Instant::now() + pause < give_up && !self.shared.stop.is_cancelled();
-            if may_retry {
-                tokio::time::sleep(pause).await;
-            }
-        }
+            self.wait_to_retry(pause, self.give_up_by()).await
+        };
         let io = if may_retry {
             self.connect().await
         } else {
