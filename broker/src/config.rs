@@ -24,7 +24,8 @@ pub const DEFAULT_MAX_IN_FLIGHT_PER_CONN: usize = 4096;
 /// frame) at a few tens of MB for small calls.
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 65_536;
 /// Calls in flight per upstream connection (waiting to be written or for the reply).
-pub const DEFAULT_MAX_IN_FLIGHT_PER_UPSTREAM_CONN: usize = 16_384;
+pub const DEFAULT_MAX_IN_FLIGHT_PER_UPSTREAM_CONN: usize =
+    rpcmesh_common::call::DEFAULT_MAX_IN_FLIGHT_PER_LINK;
 /// Pooled connections per provider. The reference report recommends 2-4 per core; 4
 /// gives a 2-4 core provider one busy connection per core with room to spare, and each
 /// connection carries thousands of calls at once.

@@ -48,6 +48,12 @@ pub enum CallError {
     },
 }
 
+/// Calls in flight on one multiplexed connection between a broker and a provider, by
+/// default: the broker puts up to this many on one pooled connection and the provider
+/// takes as many, so that the broker, which can move calls to another connection, is the
+/// one to shed.
+pub const DEFAULT_MAX_IN_FLIGHT_PER_LINK: usize = 16_384;
+
 /// Payload sizes of one encoded or decoded message: before compression and on the wire.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PayloadSize {

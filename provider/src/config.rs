@@ -20,10 +20,10 @@ pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:9780";
 /// closed connections instead of an accept loop failing on "too many open files".
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 /// Calls waiting on a handler per connection. The broker multiplexes hundreds of callers
-/// onto one connection, and lets up to 16,384 calls be in flight on it: the provider takes
-/// as many, so that the broker, which can move calls to another connection, is the one to
-/// shed. Over it, calls are answered "overloaded".
-pub const DEFAULT_MAX_IN_FLIGHT_PER_CONN: usize = 16_384;
+/// onto one connection, and lets up to as many calls be in flight on it as the provider
+/// takes (see the shared constant). Over it, calls are answered "overloaded".
+pub const DEFAULT_MAX_IN_FLIGHT_PER_CONN: usize =
+    rpcmesh_common::call::DEFAULT_MAX_IN_FLIGHT_PER_LINK;
 /// How long SIGTERM waits for calls in flight: longer than any sane handler, shorter than
 /// the 30 s after which process supervisors usually send SIGKILL.
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
