@@ -178,7 +178,9 @@ impl UpstreamConn {
     }
 
     /// Takes the connection out of service: no new call is queued on it (those in flight
-    /// finish or time out). For a connection that failed its health check.
+    /// finish or time out). For a connection that failed its health check. It sets the
+    /// same `closed` flag a failure sets, so a later real failure of the retired
+    /// connection no longer notifies the keeper, which has already let it go.
     pub fn retire(&self) {
         self.state.closed.store(true, Ordering::Relaxed);
     }
