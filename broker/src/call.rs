@@ -6,12 +6,12 @@
 //! own request id. The reply travels as the frame the upstream connection read; the
 //! session copies it once, into its write buffer, under the caller's request id.
 
-use std::borrow::Cow;
 use std::time::Instant;
 
-use rpcmesh_common::Status;
-use rpcmesh_common::frame::{Flags, Frame};
+use rpcmesh_wire::frame::{Flags, Frame};
 use tokio::sync::mpsc;
+
+use crate::failure::Failure;
 
 /// Where an upstream connection sends a call's outcome: the session that admitted it.
 pub(crate) type ReplyTx = mpsc::UnboundedSender<Reply>;
@@ -52,7 +52,7 @@ pub(crate) enum Reply {
     /// Answered: by the provider (`Ok`, the provider's response frame) or by the broker.
     Done {
         info: CallInfo,
-        outcome: Result<Frame, (Status, Cow<'static, str>)>,
+        outcome: Result<Frame, Failure>,
     },
     /// Never written upstream (its connection closed first): safe to route again.
     Retry(Forward),

@@ -2,16 +2,29 @@
 //! defaults and why they are what they are, the upstream syntax, and validation into
 //! [`BrokerConfig`].
 
-use std::net::SocketAddr;
+use std::fmt;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::str::FromStr;
 use std::time::Duration;
 
-use rpcmesh_common::frame::DEFAULT_MAX_BODY_LEN;
-use rpcmesh_common::runtime::{ConfigProblems, parse_duration, parse_duration_or_off};
+use rpcmesh_common::cli::flags::{RuntimeArgs, StageArgs};
+use rpcmesh_common::cli::values::parse_duration_or_off;
+use rpcmesh_common::cli::{ConfigProblems, DurationArg, MetricsListen};
+use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
+use rpcmesh_common::net::session::DEFAULT_MAX_IN_FLIGHT_PER_LINK;
+use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
 
 /// Where the broker listens unless told otherwise: every interface, port 7700.
-pub const DEFAULT_LISTEN: &str = "0.0.0.0:7700";
-/// Where the broker serves `/metrics` unless told otherwise (`off` disables it).
-pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:9770";
+pub const DEFAULT_LISTEN: SocketAddr =
+    SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 7700));
+/// Where the broker serves `/metrics` unless told otherwise (`off` disables it): port
+/// 9770, beside the provider's 9780 and the driver's 9790, so all three fit on one host.
+pub const DEFAULT_METRICS_LISTEN: MetricsListen = MetricsListen(Some(SocketAddr::V4(
+    SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 9770),
+)));
+/// Balancing unless told otherwise: the less loaded of two providers picked at random,
+/// which keeps load even without a shared view (each session picks on its own).
+pub const DEFAULT_BALANCE: Balance = Balance::P2c;
 /// Client connections open at once. The reference workload runs 200 users per driver;
 /// 10,000 leaves room for fifty such drivers. Beyond it, connections are accepted and
 /// closed at once.
@@ -24,8 +37,7 @@ pub const DEFAULT_MAX_IN_FLIGHT_PER_CONN: usize = 4096;
 /// frame) at a few tens of MB for small calls.
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 65_536;
 /// Calls in flight per upstream connection (waiting to be written or for the reply).
-pub const DEFAULT_MAX_IN_FLIGHT_PER_UPSTREAM_CONN: usize =
-    rpcmesh_common::call::DEFAULT_MAX_IN_FLIGHT_PER_LINK;
+pub const DEFAULT_MAX_IN_FLIGHT_PER_UPSTREAM_CONN: usize = DEFAULT_MAX_IN_FLIGHT_PER_LINK;
 /// Pooled connections per provider. The reference report recommends 2-4 per core; 4
 /// gives a 2-4 core provider one busy connection per core with room to spare, and each
 /// connection carries thousands of calls at once.
@@ -81,14 +93,27 @@ impl BusyPoll {
     }
 }
 
-/// Parses `--busy-poll`: `auto`, `off`, or a duration (`0` = off).
-pub fn parse_busy_poll(s: &str) -> Result<BusyPoll, String> {
-    if s.eq_ignore_ascii_case("auto") {
-        return Ok(BusyPoll::Auto);
+/// `--busy-poll`: `auto`, `off`, or a duration (`0` = off).
+impl FromStr for BusyPoll {
+    type Err = String;
+    fn from_str(s: &str) -> Result<BusyPoll, String> {
+        if s.eq_ignore_ascii_case("auto") {
+            return Ok(BusyPoll::Auto);
+        }
+        match parse_duration_or_off(s)? {
+            Some(d) if !d.is_zero() => Ok(BusyPoll::Window(d)),
+            _ => Ok(BusyPoll::Off),
+        }
     }
-    match parse_duration_or_off(s)? {
-        Some(d) if !d.is_zero() => Ok(BusyPoll::Window(d)),
-        _ => Ok(BusyPoll::Off),
+}
+
+impl fmt::Display for BusyPoll {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BusyPoll::Auto => f.write_str("auto"),
+            BusyPoll::Off => f.write_str("off"),
+            BusyPoll::Window(w) => write!(f, "{}", DurationArg(*w)),
+        }
     }
 }
 
@@ -157,11 +182,11 @@ impl UpstreamSpec {
 )]
 pub struct Args {
     /// Address to listen on for client connections.
-    #[arg(long, env = "RPCMESH_BROKER_LISTEN", default_value = DEFAULT_LISTEN)]
+    #[arg(long, env = "RPCMESH_BROKER_LISTEN", default_value_t = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
     /// Address of the Prometheus `/metrics` endpoint, or `off`.
-    #[arg(long, env = "RPCMESH_METRICS_LISTEN", default_value = DEFAULT_METRICS_LISTEN)]
-    pub metrics_listen: rpcmesh_common::telemetry::MetricsListen,
+    #[arg(long, env = "RPCMESH_METRICS_LISTEN", default_value_t = DEFAULT_METRICS_LISTEN)]
+    pub metrics_listen: MetricsListen,
     /// An rpcmesh provider: HOST:PORT (any service) or SERVICE[,SERVICE]=HOST:PORT.
     /// Repeatable.
     #[arg(long = "upstream", env = "RPCMESH_UPSTREAMS", value_delimiter = ' ')]
@@ -174,26 +199,26 @@ pub struct Args {
     )]
     pub upstreams_v1: Vec<String>,
     /// How calls are spread over the providers of a service.
-    #[arg(long, env = "RPCMESH_BALANCE", value_enum, default_value = "p2c")]
+    #[arg(long, env = "RPCMESH_BALANCE", value_enum, default_value_t = DEFAULT_BALANCE)]
     pub balance: Balance,
-    /// Tokio worker threads (0 = one per CPU).
-    #[arg(long, env = "RPCMESH_THREADS", default_value_t = 0)]
-    pub threads: usize,
+    /// The runtime.
+    #[command(flatten)]
+    pub runtime: RuntimeArgs,
     /// Pooled connections per provider.
     #[arg(long, env = "RPCMESH_POOL_SIZE", default_value_t = DEFAULT_POOL_SIZE)]
     pub pool_size: u32,
     /// Per-call timeout (e.g. 5s, 500ms).
-    #[arg(long, env = "RPCMESH_CALL_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
-    pub call_timeout: Duration,
+    #[arg(long, env = "RPCMESH_CALL_TIMEOUT", default_value_t = DurationArg(DEFAULT_CALL_TIMEOUT))]
+    pub call_timeout: DurationArg,
     /// Timeout for connecting to a provider.
-    #[arg(long, env = "RPCMESH_CONNECT_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
-    pub connect_timeout: Duration,
+    #[arg(long, env = "RPCMESH_CONNECT_TIMEOUT", default_value_t = DurationArg(DEFAULT_CONNECT_TIMEOUT))]
+    pub connect_timeout: DurationArg,
     /// Interval of the heartbeat check on pooled connections.
-    #[arg(long, env = "RPCMESH_HEALTH_INTERVAL", default_value = "1s", value_parser = parse_duration)]
-    pub health_interval: Duration,
+    #[arg(long, env = "RPCMESH_HEALTH_INTERVAL", default_value_t = DurationArg(DEFAULT_HEALTH_INTERVAL))]
+    pub health_interval: DurationArg,
     /// Timeout of one health-check heartbeat.
-    #[arg(long, env = "RPCMESH_HEALTH_TIMEOUT", default_value = "1s", value_parser = parse_duration)]
-    pub health_timeout: Duration,
+    #[arg(long, env = "RPCMESH_HEALTH_TIMEOUT", default_value_t = DurationArg(DEFAULT_HEALTH_TIMEOUT))]
+    pub health_timeout: DurationArg,
     /// Client connections open at once.
     #[arg(long, env = "RPCMESH_MAX_CONNECTIONS", default_value_t = DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
@@ -210,13 +235,13 @@ pub struct Args {
     #[arg(long, env = "RPCMESH_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_LEN)]
     pub max_body_bytes: u32,
     /// Grace period for calls in flight on SIGTERM/SIGINT.
-    #[arg(long, env = "RPCMESH_GRACE", default_value = "10s", value_parser = parse_duration)]
-    pub grace: Duration,
+    #[arg(long, env = "RPCMESH_GRACE", default_value_t = DurationArg(DEFAULT_GRACE))]
+    pub grace: DurationArg,
     /// Keep polling for I/O this long after each read instead of sleeping (e.g. 50us),
     /// `off`, or `auto`: 50us when the broker runs one worker thread (`--threads 1`), else
     /// off. Spares peers the cost of waking the broker and cuts its latency, at the price
     /// of one busy core while traffic flows.
-    #[arg(long, env = "RPCMESH_BUSY_POLL", default_value = "auto", value_parser = parse_busy_poll)]
+    #[arg(long, env = "RPCMESH_BUSY_POLL", default_value_t = BusyPoll::Auto)]
     pub busy_poll: BusyPoll,
     /// Calls in flight up to which a provider's connections are filled one after the
     /// other (fewer, larger batches); 0 = always the less loaded of two. Lower it for
@@ -226,11 +251,11 @@ pub struct Args {
     pub pack_in_flight: usize,
     /// Per-stage latency timing.
     #[command(flatten)]
-    pub stages: rpcmesh_common::telemetry::StageArgs,
+    pub stages: StageArgs,
 }
 
 /// Validated broker settings, as `run` takes them.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BrokerConfig {
     /// Providers.
     pub upstreams: Vec<UpstreamSpec>,
@@ -278,7 +303,7 @@ impl BrokerConfig {
                     ext: true,
                 })
                 .collect(),
-            balance: Balance::P2c,
+            balance: DEFAULT_BALANCE,
             pool_size: DEFAULT_POOL_SIZE,
             call_timeout: DEFAULT_CALL_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
@@ -292,7 +317,7 @@ impl BrokerConfig {
             grace: DEFAULT_GRACE,
             busy_poll: BusyPoll::Auto,
             pack_in_flight: DEFAULT_PACK_IN_FLIGHT,
-            stage_sample: rpcmesh_common::telemetry::DEFAULT_STAGE_SAMPLE,
+            stage_sample: DEFAULT_STAGE_SAMPLE,
         }
     }
 }
@@ -316,16 +341,16 @@ impl Args {
         p.check(self.pool_size == 0, || {
             "--pool-size must be at least 1".into()
         });
-        p.check(self.call_timeout.is_zero(), || {
+        p.check(self.call_timeout.0.is_zero(), || {
             "--call-timeout must be above zero".into()
         });
-        p.check(self.connect_timeout.is_zero(), || {
+        p.check(self.connect_timeout.0.is_zero(), || {
             "--connect-timeout must be above zero".into()
         });
-        p.check(self.health_interval.is_zero(), || {
+        p.check(self.health_interval.0.is_zero(), || {
             "--health-interval must be above zero".into()
         });
-        p.check(self.health_timeout.is_zero(), || {
+        p.check(self.health_timeout.0.is_zero(), || {
             "--health-timeout must be above zero".into()
         });
         p.check(self.max_connections == 0, || {
@@ -350,19 +375,19 @@ impl Args {
             upstreams,
             balance: self.balance,
             pool_size: self.pool_size,
-            call_timeout: self.call_timeout,
-            connect_timeout: self.connect_timeout,
-            health_interval: self.health_interval,
-            health_timeout: self.health_timeout,
+            call_timeout: self.call_timeout.0,
+            connect_timeout: self.connect_timeout.0,
+            health_interval: self.health_interval.0,
+            health_timeout: self.health_timeout.0,
             max_connections: self.max_connections,
             max_in_flight_per_conn: self.max_in_flight_per_conn,
             max_in_flight: self.max_in_flight,
             max_in_flight_per_upstream_conn: self.max_in_flight_per_upstream_conn,
             max_body_len: self.max_body_bytes,
-            grace: self.grace,
+            grace: self.grace.0,
             busy_poll: self.busy_poll,
             pack_in_flight: self.pack_in_flight,
-            stage_sample: self.stages.every(),
+            stage_sample: self.stages.every(self.metrics_listen),
         })
     }
 }
@@ -405,6 +430,28 @@ mod tests {
             BusyPoll::Auto
         );
         assert!(Args::try_parse_from(["broker", "--busy-poll", "soon"]).is_err());
+    }
+
+    #[test]
+    fn an_upstream_and_no_other_flag_give_the_default_config() {
+        let c = Args::parse_from(["broker", "--upstream", "127.0.0.1:7800"])
+            .config()
+            .unwrap();
+        assert_eq!(c, BrokerConfig::with_upstreams(["127.0.0.1:7800"]));
+        // No flag at all is refused: a broker needs a provider.
+        let e = Args::parse_from(["broker"]).config().unwrap_err();
+        assert_eq!(e.0, ["no provider: give at least one --upstream HOST:PORT"]);
+    }
+
+    #[test]
+    fn busy_poll_values_read_back_what_they_print() {
+        for b in [
+            BusyPoll::Auto,
+            BusyPoll::Off,
+            BusyPoll::Window(DEFAULT_BUSY_POLL),
+        ] {
+            assert_eq!(b.to_string().parse::<BusyPoll>(), Ok(b), "{b}");
+        }
     }
 
     #[test]

@@ -5,11 +5,13 @@
 //! The request path, in modules (see `docs/architecture.md`):
 //!
 //! - `session`: a client connection: frames in, names read, caps checked, routed;
-//!   replies back under the caller's id.
+//!   replies back under the caller's id (the protocol run by the shared server-session
+//!   skeleton, `rpcmesh_common::net::session`).
 //! - `route`: which provider and which of its connections takes a call.
 //! - `upstream`: the pools (`bb8`) and the connection tasks that own calls in flight,
 //!   remap request ids and time calls out.
 //! - `call`: the messages between sessions and upstream connections.
+//! - `failure`: every answer the broker makes itself, with its side and retry safety.
 //! - [`config`], [`metrics`].
 //!
 //! [`run`] serves a bound listener until its shutdown future resolves, then drains; tests
@@ -17,6 +19,7 @@
 
 mod call;
 pub mod config;
+mod failure;
 pub mod metrics;
 mod route;
 mod session;
@@ -26,11 +29,11 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 
-use rpcmesh_common::busy_poll::{self, Activity};
-use rpcmesh_common::listener::{self, AcceptConfig, ServeSummary};
-use rpcmesh_common::shutdown::{self, CancellationToken};
-use rpcmesh_common::sysmetrics;
-use rpcmesh_common::telemetry::Telemetry;
+use rpcmesh_common::metrics::Telemetry;
+use rpcmesh_common::metrics::system::Housekeeping;
+use rpcmesh_common::net::busy_poll::{self, Activity};
+use rpcmesh_common::net::listener::{self, AcceptConfig, ServeSummary};
+use rpcmesh_common::net::shutdown::{self, CancellationToken};
 use tokio::net::TcpListener;
 
 pub use config::{Args, Balance, BrokerConfig, BusyPoll, UpstreamSpec};
@@ -92,21 +95,17 @@ pub async fn run_with(
     let shared = Arc::new(session::Shared {
         router: route::Router::new(pools, config.balance, config.pack_in_flight),
         activity: activity.clone(),
-        shed: session::ShedMessages::new(&config),
         config,
         metrics,
         in_flight: AtomicUsize::new(0),
     });
     let token = shutdown::token_from(shutdown);
-    // Registered whether or not the broker busy-polls, so that the series is there.
-    let idle = shared
-        .metrics
-        .telemetry
-        .histogram("rpcmesh_busy_poll_idle_seconds", &[("role", metrics::ROLE)]);
-    let spinner = busy_poll
-        .zip(activity)
-        .map(|(window, activity)| busy_poll::spawn(activity, window, token.child_token(), idle));
-    let housekeeping = sysmetrics::Housekeeping::start(&shared.metrics.telemetry, metrics::ROLE);
+    let idle = shared.metrics.busy_poll_idle.clone();
+    let spinner = busy_poll.zip(activity).map(|(window, activity)| {
+        let record = move |d: std::time::Duration| idle.record(d.as_secs_f64());
+        busy_poll::spawn(activity, window, token.child_token(), record)
+    });
+    let housekeeping = Housekeeping::start(&shared.metrics.telemetry, metrics::ROLE);
     let summary = listener::serve(
         listener,
         accept,

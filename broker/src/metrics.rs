@@ -1,16 +1,23 @@
 //! The broker's metric handles, registered once per instance on its own recorder (per
-//! upstream for the pool metrics). Names and meanings are listed in `docs/metrics.md`.
+//! upstream for the pool metrics), from the catalogue's families
+//! (`rpcmesh_common::metrics::catalogue`, where names and meanings are written down;
+//! `docs/metrics.md` lists them).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use metrics::{Counter, Gauge, Histogram};
-use rpcmesh_common::telemetry::{
-    CallCounters, ConnCounters, ErrorCounters, Stages, Telemetry, WireCounters,
+use rpcmesh_common::metrics::catalogue::{
+    BUSY_POLL_IDLE_SECONDS, CALLS_IN_FLIGHT, POOL_CONNECTIONS, POOL_CONNECTIONS_CLOSED_TOTAL,
+    POOL_GET_WAIT_SECONDS, POOL_GETS_TIMED_OUT_TOTAL, POOL_GETS_WAITED_TOTAL,
+    POOL_HEALTHY_CONNECTIONS, POOL_IDLE_CONNECTIONS, UPSTREAM_CALLS_IN_FLIGHT,
+    UPSTREAM_CONNECT_FAILURES_TOTAL,
 };
+use rpcmesh_common::metrics::families::{CallCounters, ConnCounters, Stages, WireCounters};
+use rpcmesh_common::metrics::{ErrorCounters, Role, Telemetry};
 
-/// Value of the `role` label on every broker metric.
-pub const ROLE: &str = "broker";
+/// The `role` of every broker metric.
+pub const ROLE: Role = Role::Broker;
 /// Distinct (service, method) label pairs before further names are counted as `_other`:
 /// callers choose the names, so they must not be able to grow the series count at will.
 pub const MAX_CALL_LABELS: usize = 256;
@@ -35,8 +42,11 @@ pub const STAGES: [&str; 5] = ["admit", "queue", "upstream", "write_back", "tota
 pub struct BrokerMetrics {
     /// The recorder they live in.
     pub telemetry: Telemetry,
-    /// Errors by kind (both sides; upstream connections count into the same family).
+    /// Errors by kind and side (upstream connections count into the same family).
     pub errors: ErrorCounters,
+    /// `rpcmesh_busy_poll_idle_seconds`, registered whether or not the broker busy-polls,
+    /// so that the series is there.
+    pub busy_poll_idle: Histogram,
     /// Calls admitted and not yet answered.
     pub in_flight: Gauge,
     /// Client connections.
@@ -52,11 +62,12 @@ impl BrokerMetrics {
     /// Registers the handles; stages are timed on one call in `stage_sample` (0: never).
     pub fn new(telemetry: Telemetry, stage_sample: u32) -> Self {
         let t = &telemetry;
-        rpcmesh_common::catalogue::describe_all(t);
+        let role = [("role", ROLE.label())];
         BrokerMetrics {
             errors: ErrorCounters::new(t, ROLE),
-            in_flight: t.gauge("rpcmesh_calls_in_flight", &[("role", ROLE)]),
-            conns: Arc::new(ConnCounters::new(t, ROLE, "inbound")),
+            busy_poll_idle: t.histogram(&BUSY_POLL_IDLE_SECONDS, &role),
+            in_flight: t.gauge(&CALLS_IN_FLIGHT, &role),
+            conns: Arc::new(ConnCounters::inbound(t, ROLE)),
             wire: WireCounters::new(t, ROLE, "inbound"),
             stages: Stages::new(t, ROLE, &STAGES, stage_sample),
             calls: Arc::new(CallLabels {
@@ -73,7 +84,7 @@ impl BrokerMetrics {
     }
 
     /// The call counters of a (service, method) pair, given as the request's names bytes
-    /// ([`request_names`](rpcmesh_common::frame::request_names)), when the pair has its
+    /// ([`request_names`](rpcmesh_wire::body::request_names)), when the pair has its
     /// own labels already, or `_other` when no more pairs can get labels.
     pub fn known_calls(&self, names: &[u8]) -> Option<Arc<CallCounters>> {
         self.calls.known(&self.calls.lock(), names)
@@ -105,35 +116,43 @@ impl BrokerMetrics {
     /// Handles for one upstream with `pool_size` pooled connections.
     pub fn upstream(&self, label: &str, pool_size: u32) -> UpstreamMetrics {
         let t = &self.telemetry;
-        let l = [("role", ROLE), ("upstream", label)];
+        let l = [("role", ROLE.label()), ("upstream", label)];
         UpstreamMetrics {
             stages: self.stages.clone(),
             errors: self.errors.clone(),
             wire: WireCounters::new(t, ROLE, "upstream"),
-            conns: Arc::new(ConnCounters::new(t, ROLE, "upstream")),
-            connect_failures: t.counter("rpcmesh_upstream_connect_failures_total", &l),
-            pool_connections: t.gauge("rpcmesh_pool_connections", &l),
-            pool_idle: t.gauge("rpcmesh_pool_idle_connections", &l),
-            pool_healthy: t.gauge("rpcmesh_pool_healthy_connections", &l),
-            pool_gets_waited: t.counter("rpcmesh_pool_gets_waited_total", &l),
-            pool_gets_timed_out: t.counter("rpcmesh_pool_gets_timed_out_total", &l),
-            pool_wait_seconds: t.histogram("rpcmesh_pool_get_wait_seconds", &l),
+            conns: Arc::new(ConnCounters::outbound(t, ROLE, "upstream")),
+            connect_failures: t.counter(&UPSTREAM_CONNECT_FAILURES_TOTAL, &l),
+            pool_connections: t.gauge(&POOL_CONNECTIONS, &l),
+            pool_idle: t.gauge(&POOL_IDLE_CONNECTIONS, &l),
+            pool_healthy: t.gauge(&POOL_HEALTHY_CONNECTIONS, &l),
+            pool_gets_waited: t.counter(&POOL_GETS_WAITED_TOTAL, &l),
+            pool_gets_timed_out: t.counter(&POOL_GETS_TIMED_OUT_TOTAL, &l),
+            pool_wait_seconds: t.histogram(&POOL_GET_WAIT_SECONDS, &l),
             conn_in_flight: (0..pool_size)
                 .map(|i| {
                     let conn = i.to_string();
                     t.gauge(
-                        "rpcmesh_upstream_calls_in_flight",
-                        &[("role", ROLE), ("upstream", label), ("conn", &conn)],
+                        &UPSTREAM_CALLS_IN_FLIGHT,
+                        &[("role", ROLE.label()), ("upstream", label), ("conn", &conn)],
                     )
                 })
                 .collect(),
             pool_closed_broken: t.counter(
-                "rpcmesh_pool_connections_closed_total",
-                &[("role", ROLE), ("upstream", label), ("reason", "broken")],
+                &POOL_CONNECTIONS_CLOSED_TOTAL,
+                &[
+                    ("role", ROLE.label()),
+                    ("upstream", label),
+                    ("reason", "broken"),
+                ],
             ),
             pool_closed_invalid: t.counter(
-                "rpcmesh_pool_connections_closed_total",
-                &[("role", ROLE), ("upstream", label), ("reason", "invalid")],
+                &POOL_CONNECTIONS_CLOSED_TOTAL,
+                &[
+                    ("role", ROLE.label()),
+                    ("upstream", label),
+                    ("reason", "invalid"),
+                ],
             ),
         }
     }
@@ -168,7 +187,7 @@ impl CallLabels {
 pub struct UpstreamMetrics {
     /// Per-stage latency (the `queue` and `upstream` stages are recorded here).
     pub stages: Stages,
-    /// Errors by kind.
+    /// Errors by kind and side.
     pub errors: ErrorCounters,
     /// Bytes on the upstream connections.
     pub wire: WireCounters,

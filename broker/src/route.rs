@@ -12,7 +12,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use rpcmesh_common::frame::{Flags, request_service};
+use rpcmesh_wire::body::request_service;
+use rpcmesh_wire::frame::Flags;
 
 use crate::call::Forward;
 use crate::config::Balance;

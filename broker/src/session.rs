@@ -3,42 +3,40 @@
 //! connection, and writes each reply back under the caller's request id as it comes,
 //! batched into as few writes as the socket allows.
 //!
-//! One task owns the socket, the write buffer and the session's count of calls in flight.
+//! The broker's [`Protocol`] over the shared server-session skeleton
+//! (`rpcmesh_common::net::session`: the loop, backlog limit, drain and final flush). One
+//! task owns the socket, the write buffer and the session's count of calls in flight.
 //! Replies reach it through its own channel from the upstream connections' tasks.
 
-use std::borrow::Cow;
 use std::collections::HashMap;
+use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
-use rpcmesh_common::Status;
-use rpcmesh_common::busy_poll::Activity;
-use rpcmesh_common::call::{put_error_response, service_not_found};
-use rpcmesh_common::codec::FrameCodec;
-use rpcmesh_common::frame::{
-    Flags, Frame, FrameError, Heartbeat, MsgType, put_forwarded_response, request_names,
-    request_service,
-};
-use rpcmesh_common::io::{FramedIo, IoEvent};
-use rpcmesh_common::listener::Drain;
-use rpcmesh_common::shutdown::CancellationToken;
-use rpcmesh_common::telemetry::{BadInputLog, CallCounters, ErrorKind, Sampler};
+use rpcmesh_common::metrics::families::{CallCounters, Sampler};
+use rpcmesh_common::metrics::{BadInputLog, ErrorKind, Side};
+use rpcmesh_common::net::busy_poll::Activity;
+use rpcmesh_common::net::connection::FramedIo;
+use rpcmesh_common::net::session::{self, Protocol};
+use rpcmesh_common::net::shutdown::CancellationToken;
+use rpcmesh_wire::Status;
+use rpcmesh_wire::body::{Heartbeat, request_names, request_service};
+use rpcmesh_wire::codec::FrameCodec;
+use rpcmesh_wire::envelope::put_error_response;
+use rpcmesh_wire::frame::{Flags, Frame, FrameError, put_forwarded_response};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
 use crate::BrokerConfig;
 use crate::call::{CallInfo, Forward, Reply};
+use crate::failure::{Cap, Failure};
 use crate::metrics::{ADMIT, BrokerMetrics, TOTAL, WRITE_BACK};
 use crate::route::{NoRoute, Picker, Router};
 
-/// Replies waiting to be written beyond which the session stops reading requests until
-/// the caller reads (8 MiB): a caller that stops reading cannot make the broker buffer
-/// without end.
-pub const WRITE_BACKLOG_LIMIT: usize = 8 * 1024 * 1024;
 /// Replies taken from the channel per round before the socket is served again.
 const REPLY_BATCH: usize = 1024;
 /// Times the session lets the other ready tasks run before writing, while each turn
@@ -48,8 +46,6 @@ const GATHER_YIELDS: usize = 1;
 const PENDING: u32 = 1 << 31;
 /// How often a call handed back unsent (its connection closed) is routed again.
 const MAX_RETRIES: u8 = 2;
-/// How long a closing session waits to deliver its last replies.
-const FINAL_FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// What every session of one broker shares.
 #[derive(Debug)]
@@ -61,73 +57,37 @@ pub(crate) struct Shared {
     pub in_flight: AtomicUsize,
     /// Reads are reported here when the broker busy-polls.
     pub activity: Option<Arc<Activity>>,
-    /// The shedding replies' messages, written once: shedding happens under overload,
-    /// when a per-call allocation costs most.
-    pub shed: ShedMessages,
 }
 
-/// The messages of the two shedding replies (they name the configured caps).
-#[derive(Debug)]
-pub(crate) struct ShedMessages {
-    per_conn: String,
-    total: String,
-}
-
-impl ShedMessages {
-    pub fn new(config: &BrokerConfig) -> Self {
-        ShedMessages {
-            per_conn: format!(
-                "broker has {} calls in flight on this connection",
-                config.max_in_flight_per_conn
-            ),
-            total: format!("broker has {} calls in flight", config.max_in_flight),
-        }
-    }
-}
-
+/// Serves one client connection until the caller leaves, the input is beyond repair, or
+/// shutdown drained it.
 pub(crate) async fn serve(
     stream: TcpStream,
     peer: SocketAddr,
     shared: Arc<Shared>,
     shutdown: CancellationToken,
 ) {
+    let io = FramedIo::new(stream, FrameCodec::new(shared.config.max_body_len))
+        .with_activity(shared.activity.clone());
     let span = tracing::debug_span!("client", %peer);
-    async move {
-        let mut s = Session::new(stream, shared);
-        let end = s.run(&shutdown).await;
-        match &end {
-            Ok(()) => tracing::debug!("connection closed"),
-            Err(e) => tracing::debug!(error = %e, "connection ended"),
-        }
-        // Calls still in flight when the caller left: their replies find no one; count
-        // them out of the global cap as they would have been.
-        s.forget_in_flight();
-        let _ = tokio::time::timeout(FINAL_FLUSH_TIMEOUT, s.io.shutdown()).await;
-        s.report();
-    }
-    .instrument(span)
-    .await
-}
-
-#[derive(Debug, thiserror::Error)]
-enum SessionError {
-    #[error("socket: {0}")]
-    Io(#[from] std::io::Error),
-    #[error("input beyond repair: {0}")]
-    BadInput(FrameError),
+    session::serve(io, Session::new(shared), shutdown)
+        .instrument(span)
+        .await
 }
 
 struct Session {
-    io: FramedIo,
     shared: Arc<Shared>,
     replies_tx: mpsc::UnboundedSender<Reply>,
     replies: mpsc::UnboundedReceiver<Reply>,
     picker: Picker,
     in_flight: usize,
     in_flight_reported: usize,
-    draining: bool,
-    drain: Drain,
     bad_input: BadInputLog,
+    /// When the current read returned.
+    read_at: Instant,
+    /// The message of the answer being written (reused: shedding happens under overload,
+    /// when a per-call allocation costs most).
+    message: String,
     /// (service, method) bytes → tag; tag → counters.
     tags: HashMap<Bytes, u32>,
     counters: Vec<Arc<CallCounters>>,
@@ -141,20 +101,104 @@ struct Session {
     sampler: Sampler,
 }
 
+impl Protocol for Session {
+    type Event = Reply;
+
+    async fn next_event(&mut self) -> Reply {
+        match self.replies.recv().await {
+            Some(r) => r,
+            // The session holds a sender itself: the channel never closes while it lives.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn on_event(&mut self, reply: Reply, io: &mut FramedIo) {
+        self.on_reply(reply, io);
+    }
+
+    fn on_read(&mut self) {
+        self.read_at = Instant::now();
+        self.picker.new_batch();
+    }
+
+    fn on_request(&mut self, frame: Frame, io: &mut FramedIo, draining: bool) {
+        self.admit(frame, io, draining);
+    }
+
+    fn on_heartbeat(&mut self, frame: Frame, io: &mut FramedIo) {
+        let _ = Heartbeat::put_now(io.wbuf(), frame.header.req_id, "broker", "rpcmesh-broker");
+    }
+
+    fn on_unexpected(&mut self) {
+        self.shared
+            .metrics
+            .errors
+            .inc(ErrorKind::Unexpected, Side::Client);
+    }
+
+    fn on_bad_frame(&mut self, e: &FrameError, io: &mut FramedIo) {
+        if let Some((id, flags)) =
+            self.bad_input
+                .record(e, &self.shared.metrics.errors, Side::Client)
+        {
+            self.answer(io, id, flags, 0, &Failure::BadRequest(e.clone()));
+        }
+    }
+
+    /// Replies that came meanwhile leave in the same write; when more replies are due on
+    /// this connection, the other ready tasks run once first, so that upstream
+    /// connections woken by the same poll add theirs.
+    async fn before_write(&mut self, io: &mut FramedIo) {
+        self.take_replies(io);
+        if io.pending_write() > 0 && self.in_flight > 0 {
+            for _ in 0..GATHER_YIELDS {
+                tokio::task::yield_now().await;
+                if self.take_replies(io) == 0 {
+                    break;
+                }
+            }
+        }
+    }
+
+    fn after_write(&mut self, io: &mut FramedIo) {
+        self.record_stages();
+        self.shared.metrics.wire.add(io.take_counts());
+        if self.in_flight != self.in_flight_reported {
+            let delta = self.in_flight as f64 - self.in_flight_reported as f64;
+            self.shared.metrics.in_flight.increment(delta);
+            self.in_flight_reported = self.in_flight;
+        }
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// Calls still in flight when the caller left: their replies find no one; count them
+    /// out of the global cap as they would have been.
+    fn on_end(&mut self) {
+        if self.in_flight > 0 {
+            tracing::debug!(calls = self.in_flight, "client left with calls in flight");
+            self.shared
+                .in_flight
+                .fetch_sub(self.in_flight, Ordering::Relaxed);
+            self.in_flight = 0;
+        }
+    }
+}
+
 impl Session {
-    fn new(stream: TcpStream, shared: Arc<Shared>) -> Self {
+    fn new(shared: Arc<Shared>) -> Self {
         let (replies_tx, replies) = mpsc::unbounded_channel();
         Session {
-            io: FramedIo::new(stream, FrameCodec::new(shared.config.max_body_len))
-                .with_activity(shared.activity.clone()),
             replies_tx,
             replies,
             picker: Picker::new(),
             in_flight: 0,
             in_flight_reported: 0,
-            draining: false,
-            drain: Drain::default(),
             bad_input: BadInputLog::default(),
+            read_at: Instant::now(),
+            message: String::new(),
             tags: HashMap::new(),
             counters: vec![shared.metrics.calls_other()],
             written: Vec::new(),
@@ -165,130 +209,41 @@ impl Session {
         }
     }
 
-    async fn run(&mut self, shutdown: &CancellationToken) -> Result<(), SessionError> {
-        loop {
-            let reading = !self.io.is_eof() && self.io.pending_write() < WRITE_BACKLOG_LIMIT;
-            tokio::select! {
-                biased;
-                Some(r) = self.replies.recv() => self.on_reply(r),
-                ev = self.io.wait_io(reading) => {
-                    if let IoEvent::Read = ev? {
-                        self.take_frames()?;
-                    }
-                }
-                () = self.drain.lingered(), if self.draining => {}
-                () = shutdown.cancelled(), if !self.draining => {
-                    tracing::debug!(in_flight = self.in_flight, "draining");
-                    self.draining = true;
-                }
-            }
-            // Replies that came meanwhile leave in the same write; before writing, when
-            // more replies are due on this connection, let the other ready tasks run once,
-            // so that upstream connections woken by the same poll add theirs.
-            self.take_replies();
-            if self.io.pending_write() > 0 && self.in_flight > 0 {
-                for _ in 0..GATHER_YIELDS {
-                    tokio::task::yield_now().await;
-                    if self.take_replies() == 0 {
-                        break;
-                    }
-                }
-            }
-            self.io.try_flush()?;
-            self.record_stages();
-            self.report();
-            let idle = self.in_flight == 0 && self.io.pending_write() == 0;
-            if idle && self.io.is_eof() {
-                return Ok(());
-            }
-            if self.drain.should_close(self.draining, idle) {
-                return Ok(());
-            }
-        }
-    }
-
     /// Handles the replies arrived so far (up to a batch).
-    fn take_replies(&mut self) -> usize {
+    fn take_replies(&mut self, io: &mut FramedIo) -> usize {
         for n in 0..REPLY_BATCH {
             match self.replies.try_recv() {
-                Ok(r) => self.on_reply(r),
+                Ok(r) => self.on_reply(r, io),
                 Err(_) => return n,
             }
         }
         REPLY_BATCH
     }
 
-    /// Handles every whole frame read so far.
-    fn take_frames(&mut self) -> Result<(), SessionError> {
-        let now = Instant::now();
-        self.picker.new_batch();
-        loop {
-            match self.io.next_frame() {
-                Ok(Some(frame)) => self.on_frame(frame, now),
-                Ok(None) => return Ok(()),
-                Err(e) => {
-                    self.on_bad_input(&e);
-                    if e.is_fatal() {
-                        return Err(SessionError::BadInput(e));
-                    }
-                }
-            }
-        }
-    }
-
-    fn on_bad_input(&mut self, e: &FrameError) {
-        if let Some((id, flags)) = self
-            .bad_input
-            .record(e, &self.shared.metrics.errors, "client")
-        {
-            self.fail(id, flags, 0, Status::BadRequest, &e.to_string());
-        }
-    }
-
-    fn on_frame(&mut self, frame: Frame, now: Instant) {
-        match frame.header.msg_type {
-            MsgType::Request => self.on_request(frame, now),
-            MsgType::Heartbeat => {
-                let _ = Heartbeat::put_now(
-                    self.io.wbuf(),
-                    frame.header.req_id,
-                    "broker",
-                    "rpcmesh-broker",
-                );
-            }
-            MsgType::Response => {
-                self.shared.metrics.errors.inc(ErrorKind::Unexpected);
-                tracing::debug!(
-                    req_id = frame.header.req_id,
-                    "response frame from a client dropped"
-                );
-            }
-        }
-    }
-
-    fn on_request(&mut self, frame: Frame, now: Instant) {
+    /// Reads a request's names, sheds it over the caps, or hands it to routing.
+    fn admit(&mut self, frame: Frame, io: &mut FramedIo, draining: bool) {
         let (id, flags) = (frame.header.req_id, frame.header.flags);
         let (service, method, _) = match request_names(&frame.body) {
             Ok(r) => r,
-            Err(e) => {
-                self.shared.metrics.errors.inc(ErrorKind::BadBody);
-                return self.fail(id, flags, 0, Status::BadRequest, &e.to_string());
-            }
+            Err(e) => return self.refuse(io, id, flags, 0, Failure::BadRequest(e)),
         };
         let names = frame.body.slice(service.start..method.end);
         let tag = self.tag(&names, service.len());
-        if self.draining {
-            return self.fail(id, flags, tag, Status::Unavailable, "broker shutting down");
+        if draining {
+            return self.refuse(io, id, flags, tag, Failure::Draining);
         }
         let cfg = &self.shared.config;
         if self.in_flight >= cfg.max_in_flight_per_conn {
-            return self.shed(id, flags, tag, |m| &m.per_conn);
+            let cap = Cap::PerConnection(cfg.max_in_flight_per_conn);
+            return self.refuse(io, id, flags, tag, Failure::Shed(cap));
         }
         if self.shared.in_flight.fetch_add(1, Ordering::Relaxed) >= cfg.max_in_flight {
             self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
-            return self.shed(id, flags, tag, |m| &m.total);
+            let cap = Cap::Total(cfg.max_in_flight);
+            return self.refuse(io, id, flags, tag, Failure::Shed(cap));
         }
         self.in_flight += 1;
+        let now = self.read_at;
         let fwd = Forward {
             frame,
             info: CallInfo {
@@ -304,10 +259,10 @@ impl Session {
             deadline: now + cfg.call_timeout,
             retries: 0,
         };
-        self.route(fwd);
+        self.route(fwd, io);
     }
 
-    fn route(&mut self, fwd: Forward) {
+    fn route(&mut self, fwd: Forward, io: &mut FramedIo) {
         if let Some(routed) = fwd.info.routed {
             self.shared
                 .metrics
@@ -316,50 +271,34 @@ impl Session {
         }
         if let Err((fwd, why)) = self.shared.router.forward(fwd, &mut self.picker) {
             let name = String::from_utf8_lossy(request_service(&fwd.frame.body)).into_owned();
-            let (status, kind, msg) = match why {
-                NoRoute::UnknownService => (
-                    Status::Failed,
-                    ErrorKind::UnknownService,
-                    service_not_found(&name),
-                ),
-                NoRoute::NoHealthy => (
-                    Status::Unavailable,
-                    ErrorKind::Unavailable,
-                    format!("no healthy provider for {name}"),
-                ),
-                NoRoute::Full => (
-                    Status::Overloaded,
-                    ErrorKind::Overloaded,
-                    format!("every connection to the providers of {name} is full"),
-                ),
-                NoRoute::NeedsExtension => (
-                    Status::BadRequest,
-                    ErrorKind::BadBody,
-                    format!("no provider of {name} accepts compressed payloads"),
-                ),
+            let failure = match why {
+                NoRoute::UnknownService => Failure::UnknownService(name),
+                NoRoute::NoHealthy => Failure::NoHealthy(name),
+                NoRoute::Full => Failure::Full(name),
+                NoRoute::NeedsExtension => Failure::NeedsExtension(name),
             };
-            self.shared.metrics.errors.inc(kind);
-            self.finish(fwd.info, Err((status, msg.into())));
+            failure.count(&self.shared.metrics.errors);
+            self.finish(fwd.info, Err(failure), io);
         }
     }
 
-    fn on_reply(&mut self, reply: Reply) {
+    fn on_reply(&mut self, reply: Reply, io: &mut FramedIo) {
         match reply {
-            Reply::Done { info, outcome } => self.finish(info, outcome),
+            Reply::Done { info, outcome } => self.finish(info, outcome, io),
             Reply::Retry(mut fwd) => {
                 if fwd.retries >= MAX_RETRIES || Instant::now() >= fwd.deadline {
-                    self.shared.metrics.errors.inc(ErrorKind::Unavailable);
-                    let msg = "provider connections kept closing before the call could be sent";
-                    return self.finish(fwd.info, Err((Status::Unavailable, msg.into())));
+                    let failure = Failure::KeptClosing;
+                    failure.count(&self.shared.metrics.errors);
+                    return self.finish(fwd.info, Err(failure), io);
                 }
                 fwd.retries += 1;
-                self.route(fwd);
+                self.route(fwd, io);
             }
         }
     }
 
-    /// Writes a call's outcome to the caller and counts it out.
-    fn finish(&mut self, info: CallInfo, outcome: Result<Frame, (Status, Cow<'static, str>)>) {
+    /// Writes the outcome of an admitted call to the caller and counts it out.
+    fn finish(&mut self, info: CallInfo, outcome: Result<Frame, Failure>, io: &mut FramedIo) {
         self.in_flight -= 1;
         self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
         if info.routed.is_some() {
@@ -367,42 +306,29 @@ impl Session {
         }
         match outcome {
             Ok(frame) => {
-                let status = self.write_reply(&frame, info);
+                let status = write_reply(io, &frame, info);
                 self.counted(info.tag, status);
             }
-            Err((status, msg)) => {
-                self.fail(info.client_id, info.client_flags, info.tag, status, &msg)
-            }
+            Err(failure) => self.answer(io, info.client_id, info.client_flags, info.tag, &failure),
         }
     }
 
-    /// Copies the provider's reply to the caller under the caller's id, degrading an
-    /// extended status to "failed" for a caller that did not ask for them.
-    fn write_reply(&mut self, frame: &Frame, info: CallInfo) -> Status {
-        let status = Status::from_wire(frame.body[0]).unwrap_or(Status::Failed);
-        let wire = status.to_wire(info.client_flags.contains(Flags::EXT_STATUS));
-        put_forwarded_response(
-            self.io.wbuf(),
-            info.client_id,
-            frame.header.flags,
-            &frame.body,
-            wire,
-        );
-        status
+    /// Answers a call the broker refuses before admitting it, and counts the refusal.
+    fn refuse(&mut self, io: &mut FramedIo, id: u64, flags: Flags, tag: u32, failure: Failure) {
+        failure.count(&self.shared.metrics.errors);
+        self.answer(io, id, flags, tag, &failure);
     }
 
-    /// Answers a call the broker could not forward (or that failed on the way).
-    fn fail(&mut self, id: u64, flags: Flags, tag: u32, status: Status, msg: &str) {
-        put_error_response(self.io.wbuf(), id, flags, status, msg);
+    /// Writes the broker's own answer to a call and counts the call's outcome.
+    fn answer(&mut self, io: &mut FramedIo, id: u64, flags: Flags, tag: u32, failure: &Failure) {
+        self.message.clear();
+        let _ = write!(self.message, "{failure}");
+        let status = failure.status();
+        put_error_response(io.wbuf(), id, flags, status, &self.message);
+        if failure.retry_safe() {
+            tracing::trace!(req_id = id, %failure, "answered; the call never reached a provider");
+        }
         self.counted(tag, status);
-    }
-
-    /// Answers "overloaded" to a call over one of the caps; `which` picks the cap's message.
-    fn shed(&mut self, id: u64, flags: Flags, tag: u32, which: fn(&ShedMessages) -> &str) {
-        self.shared.metrics.errors.inc(ErrorKind::Overloaded);
-        let msg = which(&self.shared.shed);
-        put_error_response(self.io.wbuf(), id, flags, Status::Overloaded, msg);
-        self.counted(tag, Status::Overloaded);
     }
 
     /// Counts an answered call's outcome.
@@ -491,23 +417,19 @@ impl Session {
             stages.record_span(TOTAL, admitted, now);
         }
     }
+}
 
-    fn report(&mut self) {
-        self.shared.metrics.wire.add(self.io.take_counts());
-        if self.in_flight != self.in_flight_reported {
-            let delta = self.in_flight as f64 - self.in_flight_reported as f64;
-            self.shared.metrics.in_flight.increment(delta);
-            self.in_flight_reported = self.in_flight;
-        }
-    }
-
-    fn forget_in_flight(&mut self) {
-        if self.in_flight > 0 {
-            tracing::debug!(calls = self.in_flight, "client left with calls in flight");
-            self.shared
-                .in_flight
-                .fetch_sub(self.in_flight, Ordering::Relaxed);
-            self.in_flight = 0;
-        }
-    }
+/// Copies the provider's reply to the caller under the caller's id, degrading an extended
+/// status to "failed" for a caller that did not ask for them.
+fn write_reply(io: &mut FramedIo, frame: &Frame, info: CallInfo) -> Status {
+    let status = Status::from_wire(frame.body[0]).unwrap_or(Status::Failed);
+    let wire = status.to_wire(info.client_flags.contains(Flags::EXT_STATUS));
+    put_forwarded_response(
+        io.wbuf(),
+        info.client_id,
+        frame.header.flags,
+        &frame.body,
+        wire,
+    );
+    status
 }

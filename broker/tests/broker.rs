@@ -9,21 +9,21 @@ mod support;
 use std::time::{Duration, Instant};
 
 use rpcmesh_broker::UpstreamSpec;
-use rpcmesh_common::Status;
-use rpcmesh_common::client::{Client, ClientConfig, ClientError, Reply};
-use rpcmesh_common::compress::CompressionConfig;
-use rpcmesh_common::frame::Request;
-use rpcmesh_common::proto::platform::{QueryRequest, QueryResponse};
-use rpcmesh_common::proto::rpc::{EchoRequest, EchoResponse};
-use rpcmesh_common::telemetry::sample;
+use rpcmesh_common::metrics::recorder::sample;
+use rpcmesh_common::net::client::{Client, ClientConfig, ClientError, Reply};
 use rpcmesh_common::testkit;
 use rpcmesh_provider::ProviderConfig;
+use rpcmesh_wire::Status;
+use rpcmesh_wire::body::Request;
+use rpcmesh_wire::compress::CompressionConfig;
+use rpcmesh_wire::proto::platform::{QueryRequest, QueryResponse};
+use rpcmesh_wire::proto::rpc::{EchoRequest, EchoResponse};
 use support::*;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 fn query() -> QueryRequest {
-    rpcmesh_common::proto::platform::reference_query()
+    rpcmesh_wire::proto::platform::reference_query()
 }
 
 fn echo(m: &str) -> EchoRequest {
@@ -470,7 +470,7 @@ async fn the_broker_answers_heartbeats() {
 #[tokio::test]
 async fn an_oversized_reply_fails_its_call_and_spares_the_connection() {
     use bytes::BytesMut;
-    use rpcmesh_common::frame::Flags;
+    use rpcmesh_wire::frame::Flags;
     let Mesh { p, b, c: others } = mesh(|cfg| {
         cfg.max_body_len = 4096;
         cfg.pool_size = 1;
@@ -488,7 +488,7 @@ async fn an_oversized_reply_fails_its_call_and_spares_the_connection() {
         .await
         .unwrap()
         .remove(0);
-    let r = rpcmesh_common::call::CallCodec::new(None, 1 << 20)
+    let r = rpcmesh_wire::envelope::CallCodec::new(None, 1 << 20)
         .decode_response(&f)
         .unwrap();
     assert_eq!(f.header.req_id, 77);

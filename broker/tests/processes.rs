@@ -9,10 +9,10 @@ mod support;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use rpcmesh_common::Status;
-use rpcmesh_common::client::{Client, ClientConfig, ClientError};
-use rpcmesh_common::proto::rpc::{EchoRequest, EchoResponse};
+use rpcmesh_common::net::client::{Client, ClientConfig, ClientError};
 use rpcmesh_common::testkit::{self, ChildGuard};
+use rpcmesh_wire::Status;
+use rpcmesh_wire::proto::rpc::{EchoRequest, EchoResponse};
 use support::*;
 use tokio::net::TcpStream;
 

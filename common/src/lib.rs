@@ -1,40 +1,99 @@
-//! rpcmesh's shared library: the RPCF v1 wire protocol with rpcmesh's extensions, and the
-//! plumbing the provider, broker and driver share.
+//! rpcmesh's shared plumbing above the wire protocol. Three layers, each using only those
+//! below it (the wire layer is the crate `rpcmesh-wire`, in `common/wire/`):
 //!
-//! Layers, bottom up (each uses only the one below it):
+//! ```text
+//!   cli       flags and values every program takes, config problems, start-up
+//!   metrics   the catalogue of metrics, the recorder, handle groups, errors, /proc
+//!   net       framed connections, accept loop, server-session skeleton, slot table,
+//!             busy polling, a small client, shutdown
+//!   ─────────
+//!   wire      (rpcmesh-wire) frames, bodies, stream codec, envelope, compression,
+//!             statuses, protobuf: pure
+//! ```
 //!
-//! - [`frame`]: bytes ↔ frame. Header, bodies, CRC, extension flags. Pure.
-//! - [`codec`]: byte stream → frames, with the size limit and the bad-input rules. Pure.
-//! - [`compress`]: zlib of payloads, threshold, bounded inflation. Pure.
-//! - [`call`]: frame ↔ call. The `rpc.RpcRequest` / `rpc.RpcResponse` envelopes, statuses
-//!   ([`status`]) and the compression decision.
-//! - [`io`]: one TCP connection carrying frames, with batched writes.
-//! - [`client`]: a small multiplexed client for tests and tools.
-//! - [`listener`]: the accept loop, with its connection cap and drain on shutdown.
-//!
-//! Beside them: [`proto`], the generated protobuf types; [`shutdown`], the signal handling;
-//! [`runtime`], what every `main` sets up (logging, the Tokio runtime, duration parsing);
-//! [`telemetry`], the per-instance Prometheus recorder and the shared metric handles;
-//! [`sysmetrics`], the softirq, CPU-time and process metrics read from /proc; and
-//! [`catalogue`], the name and meaning of every metric.
+//! The test `layers_use_only_the_layers_below` holds the rule for the modules of this
+//! crate; `rpcmesh-wire`'s `Cargo.toml`, which has no runtime or metrics dependency, holds
+//! it for the wire layer. [`testkit`] (feature `test-support`) is shared by the programs'
+//! black-box tests.
 
-pub mod busy_poll;
-pub mod call;
-pub mod catalogue;
-pub mod client;
-pub mod codec;
-pub mod compress;
-pub mod frame;
-pub mod io;
-pub mod listener;
-pub mod proto;
-pub mod runtime;
-pub mod shutdown;
-pub mod status;
-pub mod sysmetrics;
-pub mod telemetry;
+pub mod cli;
+pub mod metrics;
+pub mod net;
 #[cfg(feature = "test-support")]
 pub mod testkit;
 
-pub use frame::{Flags, Frame, FrameError, Header, MsgType};
-pub use status::Status;
+#[cfg(test)]
+mod layering {
+    use std::path::Path;
+
+    /// Every `.rs` file under `dir`, with its text.
+    fn sources(dir: &Path) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(dir).expect("read the source folder") {
+            let path = entry.expect("a folder entry").path();
+            if path.is_dir() {
+                out.extend(sources(&path));
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path).expect("read a source file");
+                out.push((path.display().to_string(), text));
+            }
+        }
+        out
+    }
+
+    /// The code of a file, without its comments (which may name other layers).
+    fn code(text: &str) -> String {
+        text.lines()
+            .map(|l| l.split("//").next().unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    #[test]
+    fn layers_use_only_the_layers_below() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        // (layer, what it must not use); `metrics::` in net is the metrics crate or layer.
+        let rules: [(&str, &[&str]); 3] = [
+            (
+                "net",
+                &[
+                    "crate::metrics",
+                    "crate::cli",
+                    "crate::testkit",
+                    "metrics::",
+                ],
+            ),
+            ("metrics", &["crate::cli", "crate::testkit"]),
+            ("cli", &["crate::testkit"]),
+        ];
+        for (layer, banned) in rules {
+            for (path, text) in sources(&src.join(layer)) {
+                let code = code(&text);
+                for b in banned {
+                    assert!(!code.contains(b), "{path} (layer {layer}) uses {b}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_wire_layer_is_pure() {
+        let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("wire/Cargo.toml");
+        let text = std::fs::read_to_string(manifest).expect("common/wire/Cargo.toml");
+        let deps = text
+            .split("[dependencies]")
+            .nth(1)
+            .and_then(|rest| rest.split("\n[").next())
+            .expect("a [dependencies] table");
+        let names: Vec<&str> = deps
+            .lines()
+            .filter_map(|l| l.split(['.', '=', ' ']).next())
+            .filter(|n| !n.is_empty() && !n.starts_with('#'))
+            .collect();
+        assert_eq!(
+            names,
+            ["bytes", "crc32fast", "flate2", "prost", "thiserror"],
+            "the wire layer depends on nothing that does I/O, schedules or measures"
+        );
+    }
+}

@@ -13,11 +13,15 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::client::{Client, ClientError, Reply};
-use crate::codec::FrameCodec;
-use crate::frame::{Flags, Frame, Request};
-use crate::proto::rpc::EchoRequest;
-use crate::telemetry::{ErrorKind, Telemetry, sample};
+use rpcmesh_wire::body::Request;
+use rpcmesh_wire::codec::FrameCodec;
+use rpcmesh_wire::frame::{Flags, Frame};
+use rpcmesh_wire::proto::rpc::EchoRequest;
+
+use crate::metrics::catalogue::{CALLS_TOTAL, ERRORS_TOTAL};
+use crate::metrics::recorder::sample;
+use crate::metrics::{ErrorKind, Telemetry};
+use crate::net::client::{Client, ClientError, Reply};
 
 /// A server (a provider's or a broker's `run_with`) running in the test process on
 /// 127.0.0.1 port 0, with its own metrics, until [`InProcess::stop`].
@@ -65,14 +69,19 @@ impl<T: Send + 'static> InProcess<T> {
         sample(&self.telemetry.render(), name, labels).unwrap_or(0.0)
     }
 
-    /// `rpcmesh_errors_total{kind}` so far.
+    /// `rpcmesh_errors_total{kind}` so far, every side.
     pub fn errors(&self, kind: &str) -> f64 {
-        self.metric("rpcmesh_errors_total", &[("kind", kind)])
+        self.metric(ERRORS_TOTAL.name, &[("kind", kind)])
+    }
+
+    /// `rpcmesh_errors_total{kind, side}` so far.
+    pub fn errors_from(&self, kind: &str, side: &str) -> f64 {
+        self.metric(ERRORS_TOTAL.name, &[("kind", kind), ("side", side)])
     }
 
     /// `rpcmesh_calls_total{status}` so far.
     pub fn calls(&self, status: &str) -> f64 {
-        self.metric("rpcmesh_calls_total", &[("status", status)])
+        self.metric(CALLS_TOTAL.name, &[("status", status)])
     }
 
     /// Tells it to stop (it drains), without waiting.
@@ -129,7 +138,7 @@ pub struct BadInput {
 /// A well-formed echo request frame.
 pub fn echo_request(req_id: u64, message: &str) -> BytesMut {
     let mut b = BytesMut::new();
-    let payload = prost::Message::encode_to_vec(&crate::proto::rpc::RpcRequest {
+    let payload = prost::Message::encode_to_vec(&rpcmesh_wire::proto::rpc::RpcRequest {
         payload: prost::Message::encode_to_vec(&EchoRequest {
             message: message.into(),
         })
@@ -410,15 +419,16 @@ pub fn compressed_request(
     method: &'static str,
     inner: &impl prost::Message,
 ) -> BytesMut {
-    let envelope = prost::Message::encode_to_vec(&crate::proto::rpc::RpcRequest {
+    let envelope = prost::Message::encode_to_vec(&rpcmesh_wire::proto::rpc::RpcRequest {
         payload: prost::Message::encode_to_vec(inner).into(),
         metadata: Default::default(),
     });
     let mut z = BytesMut::new();
-    let mut c = crate::compress::Compressor::new(crate::compress::CompressionConfig {
-        threshold: 1,
-        level: 6,
-    });
+    let mut c =
+        rpcmesh_wire::compress::Compressor::new(rpcmesh_wire::compress::CompressionConfig {
+            threshold: 1,
+            level: 6,
+        });
     assert!(c.compress_into(&envelope, &mut z), "the payload compresses");
     let mut b = BytesMut::new();
     Request {
@@ -461,9 +471,9 @@ pub async fn read_frames(
 }
 
 /// A golden frame of the reference implementation, by its name in
-/// `common/tests/data/vectors.txt`.
+/// `common/wire/tests/data/vectors.txt`.
 pub fn golden(name: &str) -> Vec<u8> {
-    let text = include_str!("../tests/data/vectors.txt");
+    let text = include_str!("../wire/tests/data/vectors.txt");
     let hex = text
         .lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))

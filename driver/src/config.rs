@@ -1,13 +1,16 @@
 //! Driver configuration: the command line (each flag with an environment fallback), the
 //! defaults and why they are what they are, and validation into [`DriverConfig`].
 
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use rpcmesh_common::compress::{
-    CompressionConfig, DEFAULT_COMPRESS_LEVEL, DEFAULT_COMPRESS_THRESHOLD,
-};
-use rpcmesh_common::runtime::{ConfigProblems, parse_duration, parse_on_off};
+use rpcmesh_common::cli::flags::{CompressionArgs, RuntimeArgs, StageArgs};
+use rpcmesh_common::cli::values::parse_duration;
+use rpcmesh_common::cli::{ConfigProblems, DurationArg, MetricsListen, OnOff};
+use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
+use rpcmesh_wire::compress::CompressionConfig;
+use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
 
 /// Users (closed-loop callers) unless told otherwise: the 200 of the reference report.
 pub const DEFAULT_CONCURRENCY: usize = 200;
@@ -29,9 +32,26 @@ pub const DEFAULT_WARMUP: Duration = Duration::from_secs(1);
 pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Echo message size: 32 bytes, the size of the published echo benchmarks.
 pub const DEFAULT_ECHO_SIZE: usize = 32;
-/// Where the driver serves `/metrics` unless told otherwise (`off` disables it). A driver
-/// that cannot bind it warns and runs without: the run matters more than its metrics.
-pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:9790";
+/// Where the driver serves `/metrics` unless told otherwise (`off` disables it): port
+/// 9790, beside the broker's 9770 and the provider's 9780. A driver that cannot bind it
+/// warns and runs without: the run matters more than its metrics.
+pub const DEFAULT_METRICS_LISTEN: MetricsListen = MetricsListen(Some(SocketAddr::V4(
+    SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 9790),
+)));
+/// The reference workload unless told otherwise: the platform query of
+/// `shared/workloads.md` §1, the one the published figures are for.
+pub const DEFAULT_WORKLOAD: WorkloadKind = WorkloadKind::Platform;
+/// Requests are not compressed unless asked: the reference report measured plain first,
+/// and compression is the thing a capacity experiment turns on to compare.
+pub const DEFAULT_COMPRESS: bool = false;
+/// Progress unless told otherwise: a live line on a terminal, plain lines otherwise.
+pub const DEFAULT_PROGRESS: ProgressMode = ProgressMode::Auto;
+/// No lingering after the report unless asked: a run ends when it is measured.
+pub const DEFAULT_LINGER: Duration = Duration::ZERO;
+/// The largest echo message: what leaves room, within the 10 MiB frame body every RPCF v1
+/// peer accepts, for the names, the envelope's tags and lengths (64 bytes is more than
+/// they take).
+pub const MAX_PAYLOAD_SIZE: usize = DEFAULT_MAX_BODY_LEN as usize - 64;
 /// Most users one connection may carry (bounds its in-flight table).
 pub const MAX_USERS_PER_CONNECTION: usize = 65_536;
 
@@ -87,7 +107,7 @@ pub struct Args {
     #[arg(long = "target", env = "RPCMESH_TARGETS", value_delimiter = ' ')]
     pub targets: Vec<String>,
     /// The calls to make.
-    #[arg(long, env = "RPCMESH_WORKLOAD", value_enum, default_value = "platform")]
+    #[arg(long, env = "RPCMESH_WORKLOAD", value_enum, default_value_t = DEFAULT_WORKLOAD)]
     pub workload: WorkloadKind,
     /// Echo message size in bytes.
     #[arg(long, env = "RPCMESH_PAYLOAD_SIZE", default_value_t = DEFAULT_ECHO_SIZE)]
@@ -115,46 +135,43 @@ pub struct Args {
     #[arg(long, env = "RPCMESH_REQUESTS")]
     pub requests: Option<u64>,
     /// Time to run before measuring.
-    #[arg(long, env = "RPCMESH_WARMUP", default_value = "1s", value_parser = parse_duration)]
-    pub warmup: Duration,
+    #[arg(long, env = "RPCMESH_WARMUP", default_value_t = DurationArg(DEFAULT_WARMUP))]
+    pub warmup: DurationArg,
     /// Compress request payloads and accept compressed replies: on|off.
-    #[arg(long, env = "RPCMESH_COMPRESS", default_value = "off", value_parser = parse_on_off, action = clap::ArgAction::Set)]
-    pub compress: bool,
-    /// Payloads shorter than this many bytes are sent plain.
-    #[arg(long, env = "RPCMESH_COMPRESS_THRESHOLD", default_value_t = DEFAULT_COMPRESS_THRESHOLD)]
-    pub compress_threshold: usize,
-    /// zlib level, 0-9.
-    #[arg(long, env = "RPCMESH_COMPRESS_LEVEL", default_value_t = DEFAULT_COMPRESS_LEVEL)]
-    pub compress_level: u32,
+    #[arg(long, env = "RPCMESH_COMPRESS", default_value_t = OnOff(DEFAULT_COMPRESS))]
+    pub compress: OnOff,
+    /// How requests are compressed.
+    #[command(flatten)]
+    pub compression: CompressionArgs,
     /// Send plain RPCF v1 frames only (no extension flags), as an existing v1 client does.
     #[arg(long, env = "RPCMESH_V1")]
     pub v1: bool,
     /// Per-call timeout.
-    #[arg(long, env = "RPCMESH_CALL_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
-    pub timeout: Duration,
+    #[arg(long, env = "RPCMESH_CALL_TIMEOUT", default_value_t = DurationArg(DEFAULT_CALL_TIMEOUT))]
+    pub timeout: DurationArg,
     /// Write the report as JSON to this file.
     #[arg(long, env = "RPCMESH_JSON")]
     pub json: Option<PathBuf>,
     /// Progress while running.
-    #[arg(long, env = "RPCMESH_PROGRESS", value_enum, default_value = "auto")]
+    #[arg(long, env = "RPCMESH_PROGRESS", value_enum, default_value_t = DEFAULT_PROGRESS)]
     pub progress: ProgressMode,
-    /// Tokio worker threads of the driver (0 = one per CPU).
-    #[arg(long, env = "RPCMESH_THREADS", default_value_t = 0)]
-    pub threads: usize,
+    /// The driver's runtime.
+    #[command(flatten)]
+    pub runtime: RuntimeArgs,
     /// Address of the Prometheus `/metrics` endpoint, or `off`.
-    #[arg(long, env = "RPCMESH_METRICS_LISTEN", default_value = DEFAULT_METRICS_LISTEN)]
-    pub metrics_listen: rpcmesh_common::telemetry::MetricsListen,
+    #[arg(long, env = "RPCMESH_METRICS_LISTEN", default_value_t = DEFAULT_METRICS_LISTEN)]
+    pub metrics_listen: MetricsListen,
     /// Per-stage latency timing.
     #[command(flatten)]
-    pub stages: rpcmesh_common::telemetry::StageArgs,
+    pub stages: StageArgs,
     /// After the report, keep serving `/metrics` this long, so that Prometheus scrapes the
     /// final figures (e.g. 15s).
-    #[arg(long, env = "RPCMESH_LINGER", default_value = "0s", value_parser = parse_duration)]
-    pub linger: Duration,
+    #[arg(long, env = "RPCMESH_LINGER", default_value_t = DurationArg(DEFAULT_LINGER))]
+    pub linger: DurationArg,
 }
 
 /// Validated driver settings, as `run` takes them.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct DriverConfig {
     /// Targets; empty = start an embedded provider and broker.
     pub targets: Vec<String>,
@@ -194,7 +211,7 @@ impl Default for DriverConfig {
     fn default() -> Self {
         DriverConfig {
             targets: Vec::new(),
-            workload: WorkloadKind::Platform,
+            workload: DEFAULT_WORKLOAD,
             payload_size: DEFAULT_ECHO_SIZE,
             fanout: DEFAULT_FANOUT,
             parallel: false,
@@ -203,12 +220,12 @@ impl Default for DriverConfig {
             connections: DEFAULT_CONNECTIONS,
             stop: Stop::Duration(DEFAULT_EMBEDDED_DURATION),
             warmup: DEFAULT_WARMUP,
-            compression: None,
+            compression: DEFAULT_COMPRESS.then(CompressionConfig::default),
             ext: true,
             call_timeout: DEFAULT_CALL_TIMEOUT,
             json: None,
-            progress: ProgressMode::Auto,
-            stage_sample: rpcmesh_common::telemetry::DEFAULT_STAGE_SAMPLE,
+            progress: DEFAULT_PROGRESS,
+            stage_sample: DEFAULT_STAGE_SAMPLE,
         }
     }
 }
@@ -260,20 +277,18 @@ impl Args {
         p.check(self.requests == Some(0), || {
             "--requests must be at least 1".into()
         });
-        p.check(self.timeout.is_zero(), || {
+        p.check(self.timeout.0.is_zero(), || {
             "--timeout must be above zero".into()
         });
-        p.check(self.compress_level > 9, || {
-            format!(
-                "--compress-level {} is not a zlib level (0-9)",
-                self.compress_level
-            )
-        });
-        p.check(self.compress && self.v1, || {
+        let compression = self.compression.config(self.compress.0, &mut p);
+        p.check(self.compress.0 && self.v1, || {
             "--compress on needs the extension flags: drop --v1".into()
         });
-        p.check(self.payload_size > 8 * 1024 * 1024, || {
-            "--payload-size is above the 8 MiB a frame can carry".into()
+        p.check(self.payload_size > MAX_PAYLOAD_SIZE, || {
+            format!(
+                "--payload-size {} is above the {MAX_PAYLOAD_SIZE} bytes a frame (10 MiB body) can carry with its envelope",
+                self.payload_size
+            )
         });
         let stop = match (self.requests, self.duration) {
             (Some(n), _) => Stop::Requests(n),
@@ -291,16 +306,13 @@ impl Args {
             rate: self.rate,
             connections,
             stop,
-            warmup: self.warmup,
-            compression: self.compress.then_some(CompressionConfig {
-                threshold: self.compress_threshold,
-                level: self.compress_level,
-            }),
+            warmup: self.warmup.0,
+            compression,
             ext: !self.v1,
-            call_timeout: self.timeout,
+            call_timeout: self.timeout.0,
             json: self.json.clone(),
             progress: self.progress,
-            stage_sample: self.stages.every(),
+            stage_sample: self.stages.every(self.metrics_listen),
         })
     }
 }
@@ -309,6 +321,25 @@ impl Args {
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn no_flags_give_the_default_config() {
+        assert_eq!(
+            Args::parse_from(["driver"]).config().unwrap(),
+            DriverConfig::default()
+        );
+    }
+
+    #[test]
+    fn a_payload_that_fits_a_frame_is_taken_and_one_that_does_not_is_refused() {
+        let size = |n: usize| {
+            Args::parse_from(["driver", "--payload-size", &n.to_string()])
+                .config()
+                .map(|c| c.payload_size)
+        };
+        assert_eq!(size(MAX_PAYLOAD_SIZE), Ok(MAX_PAYLOAD_SIZE));
+        assert!(size(MAX_PAYLOAD_SIZE + 1).is_err());
+    }
 
     #[test]
     fn no_target_means_the_embedded_demo_with_the_reference_shape() {

@@ -7,9 +7,9 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use anyhow::Context;
-use rpcmesh_common::Status;
-use rpcmesh_common::client::{Client, ClientConfig};
-use rpcmesh_common::proto::rpc::EchoRequest;
+use rpcmesh_common::net::client::{Client, ClientConfig};
+use rpcmesh_wire::Status;
+use rpcmesh_wire::proto::rpc::EchoRequest;
 use tokio::sync::oneshot;
 
 /// Worker threads of the embedded provider and of the embedded broker each: one, so that
@@ -115,7 +115,7 @@ where
     let thread = std::thread::Builder::new()
         .name(format!("embedded-{name}"))
         .spawn(move || {
-            let rt = match rpcmesh_common::runtime::build(name, EMBEDDED_THREADS) {
+            let rt = match rpcmesh_common::cli::startup::build(name, EMBEDDED_THREADS) {
                 Ok(rt) => rt,
                 Err(e) => {
                     let _ = addr_tx.send(Err(anyhow::Error::from(e)));

@@ -5,18 +5,26 @@
 //!
 //! - [`config`]: command line, defaults, validation.
 //! - [`workload`]: the calls (platform query, echo).
-//! - `worker`: one connection and its users: the engine.
+//! - `worker`: one connection and its users: the engine, running
+//!   - [`users`]: the users' request state machine,
+//!   - [`pacer`]: the open-loop schedule,
+//!   - [`connection`]: connecting and reconnecting with back-off.
+//! - [`outcome`]: how a call ended (typed: a reply's status, or the driver's own finding).
 //! - [`stats`]: histograms and counts, apart from I/O.
 //! - `progress`: the per-second line.
 //! - [`report`]: the figures, as text and JSON.
 //! - [`embedded`]: the local provider + broker of the default run.
 
 pub mod config;
+pub mod connection;
 pub mod embedded;
 pub mod metrics;
+pub mod outcome;
+pub mod pacer;
 mod progress;
 pub mod report;
 pub mod stats;
+pub mod users;
 mod worker;
 pub mod workload;
 
@@ -24,8 +32,9 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use rpcmesh_common::shutdown::CancellationToken;
-use rpcmesh_common::telemetry::Telemetry;
+use rpcmesh_common::metrics::Telemetry;
+use rpcmesh_common::metrics::system::Housekeeping;
+use rpcmesh_common::net::shutdown::CancellationToken;
 
 pub use config::{Args, DriverConfig, Stop, WorkloadKind};
 pub use report::Report;
@@ -54,7 +63,7 @@ pub async fn run_with(
     } else {
         None
     };
-    let housekeeping = rpcmesh_common::sysmetrics::Housekeeping::start(&telemetry, metrics::ROLE);
+    let housekeeping = Housekeeping::start(&telemetry, metrics::ROLE);
     let report = drive(config, telemetry, embedded.is_some(), stop).await;
     // One last reading, so that a scrape after the run sees the whole run's CPU time.
     housekeeping.finish().await;
@@ -115,7 +124,7 @@ async fn drive(
         .into_iter()
         .map(|p| tokio::spawn(worker::run(p, shared.clone())))
         .collect();
-    let mut total = worker::Outcome::default();
+    let mut total = worker::WorkerFigures::default();
     for w in workers {
         match w.await {
             Ok(o) => total.add(&o),
@@ -141,7 +150,7 @@ fn build_report(
     embedded: bool,
     started_unix: u64,
     secs: f64,
-    end: &worker::Outcome,
+    end: &worker::WorkerFigures,
 ) -> Report {
     use report::*;
     let t = &end.tally;
@@ -179,10 +188,10 @@ fn build_report(
         },
         calls: CallFigures {
             sent: t.sent,
-            ok: t.ok,
-            errors: t.errors.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            ok: t.ok(),
+            errors: t.errors().map(|(k, v)| (k.to_string(), v)).collect(),
             per_second: t.sent as f64 / secs,
-            ok_per_second: t.ok as f64 / secs,
+            ok_per_second: t.ok() as f64 / secs,
             latency: t.calls.summary(),
             late_replies: late,
             connect_failures,

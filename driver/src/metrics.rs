@@ -1,20 +1,26 @@
 //! The driver's metric handles, registered once per run on its own recorder, so that a
 //! Prometheus server can watch a long run live (the report is the driver's own account).
-//! Names and meanings are listed in `docs/metrics.md`.
+//! Registered from the catalogue's families (`rpcmesh_common::metrics::catalogue`, where
+//! names and meanings are written down; `docs/metrics.md` lists them).
 
 use std::sync::Arc;
 
 use metrics::{Counter, Gauge};
-use rpcmesh_common::Status;
-use rpcmesh_common::call::{CompressionTimers, PayloadSize};
-use rpcmesh_common::telemetry::{
-    ConnCounters, ErrorCounters, PayloadCounters, Stages, Telemetry, WireCounters,
+use rpcmesh_common::metrics::catalogue::{
+    CALLS_IN_FLIGHT, CALLS_SENT_TOTAL, CALLS_TOTAL, DRIVER_ACHIEVED_CALLS_PER_SECOND,
+    DRIVER_OFFERED_CALLS_PER_SECOND, DRIVER_USERS, REQUESTS_TOTAL,
 };
+use rpcmesh_common::metrics::families::{
+    CompressionTimers, ConnCounters, PayloadCounters, Stages, WireCounters,
+};
+use rpcmesh_common::metrics::{ErrorCounters, Role, Telemetry};
+use rpcmesh_wire::envelope::PayloadSize;
 
+use crate::outcome::CallOutcome;
 use crate::stats::Tally;
 
-/// Value of the `role` label on every driver metric.
-pub const ROLE: &str = "driver";
+/// The `role` of every driver metric.
+pub const ROLE: Role = Role::Driver;
 
 /// Stage: encoding a call into the write buffer (compression included).
 pub const ENCODE: usize = 0;
@@ -38,16 +44,13 @@ pub const STAGES: [&str; 6] = [
     "request",
 ];
 
-/// Outcome labels of `rpcmesh_calls_total{role="driver"}` beyond the statuses: failures
-/// the driver sees itself.
-pub const DRIVER_OUTCOMES: [&str; 4] = ["timeout", "connection", "bad_reply", "encode"];
-
 /// Handles the workers update.
 #[derive(Debug, Clone)]
 pub struct DriverMetrics {
     /// The recorder they live in.
     pub telemetry: Telemetry,
-    calls: Vec<(&'static str, Counter)>,
+    /// `rpcmesh_calls_total` by outcome, indexed by [`CallOutcome::index`].
+    calls: Vec<Counter>,
     /// Calls written (offered load).
     sent: Counter,
     /// Requests finished with every call successful.
@@ -62,12 +65,13 @@ pub struct DriverMetrics {
     pub wire: WireCounters,
     /// Payload bytes before and after compression.
     pub payload: PayloadCounters,
-    /// Errors by kind.
+    /// Errors by kind and side: the server's (what came back, or did not) or the driver's
+    /// own (`client`).
     pub errors: ErrorCounters,
     /// Per-stage latency.
     pub stages: Stages,
     /// Time spent compressing and inflating.
-    pub compression: CompressionTimers,
+    pub compression: Arc<CompressionTimers>,
     /// Calls sent per second over the last second (what the driver offered).
     pub offered_rate: Gauge,
     /// Calls answered successfully per second over the last second.
@@ -80,51 +84,42 @@ impl DriverMetrics {
     /// Registers every handle for the workload's `service.method`.
     pub fn new(telemetry: Telemetry, service: &str, method: &str, stage_sample: u32) -> Self {
         let t = &telemetry;
-        rpcmesh_common::catalogue::describe_all(t);
-        let call = |status: &str| {
-            t.counter(
-                "rpcmesh_calls_total",
-                &[
-                    ("role", ROLE),
-                    ("service", service),
-                    ("method", method),
-                    ("status", status),
-                ],
-            )
-        };
-        let mut calls: Vec<(&'static str, Counter)> = Status::ALL
+        let role = [("role", ROLE.label())];
+        let calls = CallOutcome::ALL
             .iter()
-            .map(|s| (s.label(), call(s.label())))
+            .map(|o| {
+                t.counter(
+                    &CALLS_TOTAL,
+                    &[
+                        ("role", ROLE.label()),
+                        ("service", service),
+                        ("method", method),
+                        ("status", o.label()),
+                    ],
+                )
+            })
             .collect();
-        for o in DRIVER_OUTCOMES {
-            if !calls.iter().any(|(l, _)| *l == o) {
-                calls.push((o, call(o)));
-            }
-        }
         let requests = |status| {
             t.counter(
-                "rpcmesh_requests_total",
-                &[("role", ROLE), ("status", status)],
+                &REQUESTS_TOTAL,
+                &[("role", ROLE.label()), ("status", status)],
             )
         };
         DriverMetrics {
             calls,
-            sent: t.counter("rpcmesh_calls_sent_total", &[("role", ROLE)]),
+            sent: t.counter(&CALLS_SENT_TOTAL, &role),
             requests_ok: requests("ok"),
             requests_failed: requests("failed"),
-            in_flight: t.gauge("rpcmesh_calls_in_flight", &[("role", ROLE)]),
-            conns: Arc::new(ConnCounters::new(t, ROLE, "outbound")),
+            in_flight: t.gauge(&CALLS_IN_FLIGHT, &role),
+            conns: Arc::new(ConnCounters::outbound(t, ROLE, "outbound")),
             wire: WireCounters::new(t, ROLE, "outbound"),
             payload: PayloadCounters::new(t, ROLE),
             errors: ErrorCounters::new(t, ROLE),
             stages: Stages::new(t, ROLE, &STAGES, stage_sample),
             compression: CompressionTimers::new(t, ROLE),
-            offered_rate: t.gauge("rpcmesh_driver_offered_calls_per_second", &[("role", ROLE)]),
-            achieved_rate: t.gauge(
-                "rpcmesh_driver_achieved_calls_per_second",
-                &[("role", ROLE)],
-            ),
-            users: t.gauge("rpcmesh_driver_users", &[("role", ROLE)]),
+            offered_rate: t.gauge(&DRIVER_OFFERED_CALLS_PER_SECOND, &role),
+            achieved_rate: t.gauge(&DRIVER_ACHIEVED_CALLS_PER_SECOND, &role),
+            users: t.gauge(&DRIVER_USERS, &role),
             telemetry,
         }
     }
@@ -133,10 +128,13 @@ impl DriverMetrics {
     /// add per counter per tick instead of several per call.
     pub fn add(&self, t: &Tally) {
         self.sent.increment(t.sent);
-        let outcomes = std::iter::once(("ok", &t.ok)).chain(t.errors.iter().map(|(k, n)| (*k, n)));
-        for (outcome, &n) in outcomes {
-            if let Some((_, c)) = self.calls.iter().find(|(l, _)| *l == outcome) {
-                c.increment(n);
+        for (o, &n) in CallOutcome::ALL.iter().zip(&t.outcomes) {
+            if n == 0 {
+                continue;
+            }
+            self.calls[o.index()].increment(n);
+            if let Some((kind, side)) = o.error() {
+                self.errors.add(kind, side, n);
             }
         }
         self.requests_ok.increment(t.requests_ok);

@@ -6,7 +6,7 @@ use std::io::{IsTerminal, Write};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rpcmesh_common::shutdown::CancellationToken;
+use rpcmesh_common::net::shutdown::CancellationToken;
 
 use crate::config::ProgressMode;
 use crate::stats::Tally;
@@ -40,7 +40,7 @@ pub(crate) async fn show(shared: Arc<RunShared>, started: Instant, done: Cancell
         last = now;
         let m = &shared.metrics;
         m.offered_rate.set(second.sent as f64 / secs);
-        m.achieved_rate.set(second.ok as f64 / secs);
+        m.achieved_rate.set(second.ok() as f64 / secs);
         if mode == ProgressMode::Off {
             continue;
         }
@@ -58,7 +58,7 @@ pub(crate) async fn show(shared: Arc<RunShared>, started: Instant, done: Cancell
             now.duration_since(started).as_secs_f64(),
             phase,
             (second.requests_ok + second.requests_failed) as f64 / secs,
-            (second.ok + second.failed()) as f64 / secs,
+            (second.ok() + second.failed()) as f64 / secs,
             second.calls.quantile_us(0.99) as f64 / 1000.0,
             second.failed()
         );

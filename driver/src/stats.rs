@@ -1,11 +1,13 @@
 //! Statistics of a run, kept apart from I/O: latency histograms (HdrHistogram, in
-//! microseconds), outcome counts by kind, byte counts, and their summaries. Each
-//! connection worker owns one [`Tally`]; the run merges them at the end.
-
-use std::collections::BTreeMap;
+//! microseconds), call outcomes, byte counts, and their summaries. Each connection keeps
+//! its [`Books`] (the run's figures and the interval's); the run merges the workers' at
+//! the end.
 
 use hdrhistogram::Histogram;
+use rpcmesh_wire::envelope::PayloadSize;
 use serde::Serialize;
+
+use crate::outcome::CallOutcome;
 
 /// Largest latency a histogram holds exactly: 60 s, above any sane call timeout
 /// (longer values are clamped to it).
@@ -120,25 +122,23 @@ pub struct Tally {
     pub calls: Latency,
     /// Latency of requests (all K calls), successful or not.
     pub requests: Latency,
-    /// Calls written.
+    /// Calls issued. Each has exactly one outcome: `sent = ok + failed`.
     pub sent: u64,
-    /// Calls answered with success.
-    pub ok: u64,
-    /// Calls that failed, by kind (status label, `timeout`, `connection`, `decode`...).
-    pub errors: BTreeMap<&'static str, u64>,
+    /// Calls by outcome, indexed by [`CallOutcome::index`] (`ok` first).
+    pub outcomes: [u64; CallOutcome::COUNT],
     /// Requests completed with every call successful.
     pub requests_ok: u64,
     /// Requests with at least one failed call.
     pub requests_failed: u64,
-    /// Bytes written / read on the wire.
+    /// Bytes written to the wire.
     pub wire_out: u64,
-    /// Bytes read.
+    /// Bytes read from the wire.
     pub wire_in: u64,
-    /// Request payload bytes before / after compression.
+    /// Request payload bytes before compression.
     pub payload_out_plain: u64,
     /// Request payload bytes as sent.
     pub payload_out_wire: u64,
-    /// Reply payload bytes after / before inflation.
+    /// Reply payload bytes after inflation.
     pub payload_in_plain: u64,
     /// Reply payload bytes as received.
     pub payload_in_wire: u64,
@@ -156,15 +156,12 @@ impl Tally {
 
     /// Zeroes every figure, keeping the histograms' memory.
     pub fn clear(&mut self) {
-        self.calls.reset();
-        self.requests.reset();
-        self.errors.clear();
+        // Every field named, so that a new one cannot be forgotten here.
         let Tally {
-            calls: _,
-            requests: _,
-            errors: _,
+            calls,
+            requests,
             sent,
-            ok,
+            outcomes,
             requests_ok,
             requests_failed,
             wire_out,
@@ -174,9 +171,11 @@ impl Tally {
             payload_in_plain,
             payload_in_wire,
         } = self;
+        calls.reset();
+        requests.reset();
+        *outcomes = [0; CallOutcome::COUNT];
         for n in [
             sent,
-            ok,
             requests_ok,
             requests_failed,
             wire_out,
@@ -190,14 +189,40 @@ impl Tally {
         }
     }
 
-    /// Counts a failed call.
-    pub fn error(&mut self, kind: &'static str) {
-        *self.errors.entry(kind).or_default() += 1;
+    /// Counts a finished call, its latency in µs when it succeeded.
+    pub fn call(&mut self, outcome: CallOutcome, us: u64) {
+        self.outcomes[outcome.index()] += 1;
+        if outcome.is_ok() {
+            self.calls.record_us(us);
+        }
+    }
+
+    /// Counts a finished request.
+    pub fn request(&mut self, failed: bool, us: u64) {
+        self.requests.record_us(us);
+        if failed {
+            self.requests_failed += 1;
+        } else {
+            self.requests_ok += 1;
+        }
+    }
+
+    /// Successful calls.
+    pub fn ok(&self) -> u64 {
+        self.outcomes[CallOutcome::Ok.index()]
     }
 
     /// Calls that failed, all kinds.
     pub fn failed(&self) -> u64 {
-        self.errors.values().sum()
+        self.outcomes[1..].iter().sum()
+    }
+
+    /// Failed calls by outcome label, the outcomes that happened only.
+    pub fn errors(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+        CallOutcome::ALL[1..]
+            .iter()
+            .map(|o| (o.label(), self.outcomes[o.index()]))
+            .filter(|(_, n)| *n > 0)
     }
 
     /// Adds another tally.
@@ -205,9 +230,8 @@ impl Tally {
         self.calls.add(&o.calls);
         self.requests.add(&o.requests);
         self.sent += o.sent;
-        self.ok += o.ok;
-        for (k, v) in &o.errors {
-            *self.errors.entry(k).or_default() += v;
+        for (a, b) in self.outcomes.iter_mut().zip(o.outcomes) {
+            *a += b;
         }
         self.requests_ok += o.requests_ok;
         self.requests_failed += o.requests_failed;
@@ -217,6 +241,83 @@ impl Tally {
         self.payload_out_wire += o.payload_out_wire;
         self.payload_in_plain += o.payload_in_plain;
         self.payload_in_wire += o.payload_in_wire;
+    }
+}
+
+/// The two sets of figures a connection keeps: the run's (what the report gives: only
+/// what started in the measured window) and the interval's (everything since the last
+/// tick, warm-up included: the progress line and the shared metrics). Every event is
+/// entered in both by one call, so they cannot drift apart.
+#[derive(Debug)]
+pub struct Books {
+    /// The measured window's figures.
+    pub run: Tally,
+    /// Figures since the last tick.
+    pub interval: Tally,
+}
+
+impl Default for Books {
+    fn default() -> Self {
+        Books {
+            run: Tally::default(),
+            interval: Tally::interval(),
+        }
+    }
+}
+
+impl Books {
+    /// Enters `f` in the interval's figures, and in the run's when `measured`.
+    fn both(&mut self, measured: bool, f: impl Fn(&mut Tally)) {
+        f(&mut self.interval);
+        if measured {
+            f(&mut self.run);
+        }
+    }
+
+    /// A call was issued.
+    pub fn sent(&mut self, measured: bool) {
+        self.both(measured, |t| t.sent += 1);
+    }
+
+    /// A call ended with `outcome` after `us` µs.
+    pub fn call(&mut self, measured: bool, outcome: CallOutcome, us: u64) {
+        self.both(measured, |t| t.call(outcome, us));
+    }
+
+    /// A request ended after `us` µs.
+    pub fn request(&mut self, measured: bool, failed: bool, us: u64) {
+        self.both(measured, |t| t.request(failed, us));
+    }
+
+    /// A request payload was written.
+    pub fn payload_out(&mut self, measured: bool, size: PayloadSize) {
+        self.both(measured, |t| {
+            t.payload_out_plain += size.plain as u64;
+            t.payload_out_wire += size.wire as u64;
+        });
+    }
+
+    /// A reply payload was read.
+    pub fn payload_in(&mut self, measured: bool, size: PayloadSize) {
+        self.both(measured, |t| {
+            t.payload_in_plain += size.plain as u64;
+            t.payload_in_wire += size.wire as u64;
+        });
+    }
+
+    /// Bytes moved on the wire; only the run counts them (the interval's wire bytes reach
+    /// the metrics straight from the connection).
+    pub fn wire(&mut self, measured: bool, written: u64, read: u64) {
+        if measured {
+            self.run.wire_out += written;
+            self.run.wire_in += read;
+        }
+    }
+
+    /// Takes the interval's figures (for the tick), leaving it empty.
+    pub fn take_interval(&mut self, into: &mut Tally) {
+        into.add(&self.interval);
+        self.interval.clear();
     }
 }
 
@@ -253,25 +354,53 @@ mod tests {
 
     #[test]
     fn tallies_add_up() {
+        use rpcmesh_wire::Status;
         let mut a = Tally {
             sent: 3,
-            ok: 2,
             ..Tally::default()
         };
-        a.error("timeout");
-        a.calls.record_us(10);
+        a.call(CallOutcome::Ok, 10);
+        a.call(CallOutcome::Ok, 10);
+        a.call(CallOutcome::NoReply, 0);
         let mut b = Tally {
             sent: 3,
-            ok: 1,
             ..Tally::default()
         };
-        b.error("timeout");
-        b.error("overloaded");
-        b.calls.record_us(20);
+        b.call(CallOutcome::Ok, 20);
+        b.call(CallOutcome::NoReply, 0);
+        b.call(CallOutcome::Replied(Status::Overloaded), 0);
         a.add(&b);
         assert_eq!(a.sent, 6);
-        assert_eq!(a.ok + a.failed(), 6);
-        assert_eq!(a.errors["timeout"], 2);
-        assert_eq!(a.calls.count(), 2);
+        assert_eq!(a.ok() + a.failed(), 6);
+        let errors: Vec<(&str, u64)> = a.errors().collect();
+        assert_eq!(errors, [("overloaded", 1), ("no_reply", 2)]);
+        assert_eq!(a.calls.count(), 3, "latency of successful calls only");
+    }
+
+    #[test]
+    fn the_run_counts_only_what_is_measured_and_the_interval_everything() {
+        let mut b = Books::default();
+        b.sent(false);
+        b.call(false, CallOutcome::Ok, 5);
+        b.sent(true);
+        b.call(true, CallOutcome::Connection, 7);
+        b.request(true, true, 12);
+        b.wire(false, 100, 50);
+        b.wire(true, 10, 5);
+        assert_eq!((b.run.sent, b.run.ok(), b.run.failed()), (1, 0, 1));
+        assert_eq!(
+            (b.interval.sent, b.interval.ok(), b.interval.failed()),
+            (2, 1, 1)
+        );
+        assert_eq!(
+            (b.run.requests_failed, b.run.wire_out, b.run.wire_in),
+            (1, 10, 5)
+        );
+        let mut second = Tally::interval();
+        b.take_interval(&mut second);
+        assert_eq!(second.sent, 2);
+        assert_eq!(b.interval.sent, 0);
+        assert_eq!(b.interval.calls.count(), 0);
+        assert_eq!(b.run.sent, 1, "the run keeps its figures");
     }
 }

@@ -1,41 +1,43 @@
-//! One connection and the users that share it: the load generator's engine.
+//! One connection and the users that share it: the load generator's engine. The parts it
+//! runs live beside it: [`crate::users`] (the request state machine), [`crate::pacer`] (the
+//! open-loop schedule), [`crate::connection`] (dialling and reconnecting), the slot table
+//! of calls in flight (`rpcmesh_common::net::slots`), and [`crate::stats::Books`] (the
+//! figures).
 //!
-//! Each user is a small state machine (closed loop: one request after another, each
-//! request `fanout` calls in a row or at once) run by the connection's own task: a reply
-//! is matched to its call by request id in a flat table, and the user's next call is
-//! encoded straight into the connection's write buffer in the same round. No task per
-//! user, no channel or allocation per call; every call issued in a round leaves in one
-//! `write`. Statistics go into the worker's own [`Tally`], and every tick into the shared
-//! per-second tally that the progress line reads.
+//! One task per connection runs its users: a reply is matched to its call by request id
+//! in the slot table, and the user's next call is encoded straight into the connection's
+//! write buffer in the same round. No task per user, no channel or allocation per call;
+//! every call issued in a round leaves in one `write`. Every tick the worker times out
+//! calls past the deadline and hands its interval's figures to the shared metrics and the
+//! progress line.
 
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use rpcmesh_common::Status;
-use rpcmesh_common::call::CallCodec;
-use rpcmesh_common::codec::FrameCodec;
-use rpcmesh_common::compress::DEFAULT_MAX_INFLATED_LEN;
-use rpcmesh_common::frame::{DEFAULT_MAX_BODY_LEN, Flags, Frame, MsgType};
-use rpcmesh_common::io::{FramedIo, IoEvent};
-use rpcmesh_common::listener::AcceptObserver;
-use rpcmesh_common::shutdown::CancellationToken;
-use rpcmesh_common::telemetry::{ErrorKind, Sampler};
-use tokio::net::TcpStream;
+use rpcmesh_common::metrics::families::Sampler;
+use rpcmesh_common::metrics::{ErrorKind, Side};
+use rpcmesh_common::net::connection::{FramedIo, IoEvent};
+use rpcmesh_common::net::listener::AcceptObserver;
+use rpcmesh_common::net::shutdown::CancellationToken;
+use rpcmesh_common::net::slots::SlotTable;
+use rpcmesh_wire::Status;
+use rpcmesh_wire::compress::DEFAULT_MAX_INFLATED_LEN;
+use rpcmesh_wire::envelope::CallCodec;
+use rpcmesh_wire::frame::{Flags, Frame, MsgType};
 
 use crate::config::DriverConfig;
+use crate::connection::Connector;
 use crate::metrics::{CALL, CONNECTION_WAIT, DECODE, DriverMetrics, ENCODE, REQUEST, ROUND_TRIP};
-use crate::stats::Tally;
+use crate::outcome::CallOutcome;
+use crate::pacer::Pacer;
+use crate::stats::{Books, Latency, Tally};
+use crate::users::{Finished, Next, Users};
 use crate::workload::Workload;
 
 /// How often a worker checks deadlines and hands its figures to the progress line.
 const TICK: Duration = Duration::from_millis(100);
-/// Timeout of one connection attempt.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-/// First and longest pause between connection attempts.
-const RECONNECT_MIN: Duration = Duration::from_millis(50);
-const RECONNECT_MAX: Duration = Duration::from_secs(1);
 
 /// What all workers of a run share.
 #[derive(Debug)]
@@ -69,10 +71,6 @@ impl RunShared {
             _ => true,
         }
     }
-
-    fn give_up_by(&self) -> Option<Instant> {
-        self.until
-    }
 }
 
 /// What one worker does.
@@ -88,7 +86,7 @@ pub(crate) struct Plan {
 
 /// What a worker hands back.
 #[derive(Debug, Default)]
-pub(crate) struct Outcome {
+pub(crate) struct WorkerFigures {
     pub tally: Tally,
     /// Connection attempts that failed.
     pub connect_failures: u64,
@@ -99,12 +97,12 @@ pub(crate) struct Outcome {
     /// Open loop: measured requests due that found every slot busy (not started).
     pub not_started: u64,
     /// Open loop: how late measured requests started after their intended time, µs.
-    pub lag: crate::stats::Latency,
+    pub lag: Latency,
 }
 
-impl Outcome {
-    /// Adds another worker's outcome (the run's is the sum of its workers').
-    pub fn add(&mut self, o: &Outcome) {
+impl WorkerFigures {
+    /// Adds another worker's figures (the run's are the sum of its workers').
+    pub fn add(&mut self, o: &WorkerFigures) {
         self.tally.add(&o.tally);
         self.connect_failures += o.connect_failures;
         self.late_replies += o.late_replies;
@@ -114,20 +112,9 @@ impl Outcome {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
-struct User {
-    started: Instant,
-    next_call: u32,
-    replies: u32,
-    failed: bool,
-    measured: bool,
-    /// The request's stage is timed (a sample of requests is).
-    timed: bool,
-}
-
+/// A call written and waiting for its reply (its request id is its key in the table).
 #[derive(Debug, Clone, Copy)]
 struct Slot {
-    id: u64,
     /// When the call was issued (the round's time): latency is measured from here.
     sent: Instant,
     user: u32,
@@ -139,9 +126,8 @@ struct Slot {
 }
 
 /// Runs one connection's users until the run ends; returns their figures.
-pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> Outcome {
+pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> WorkerFigures {
     let c = &shared.config;
-    let fanout = c.fanout as usize;
     let mut flags = Flags::NONE;
     if c.ext {
         flags = flags | Flags::EXT_STATUS;
@@ -153,77 +139,62 @@ pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> Outcome {
     let mut w = Worker {
         codec: CallCodec::new(c.compression, DEFAULT_MAX_INFLATED_LEN)
             .timed(shared.metrics.compression.clone()),
-        users: vec![
-            User {
-                started: now,
-                next_call: 0,
-                replies: 0,
-                failed: false,
-                measured: false,
-                timed: false,
-            };
-            plan.users
-        ],
-        slots: vec![None; plan.users * fanout],
-        fanout,
-        parallel: c.parallel,
+        users: Users::new(plan.users, c.fanout, c.parallel, now),
+        table: SlotTable::with_capacity(plan.users * c.fanout as usize),
+        pacer: None,
         flags,
-        generation: 0,
-        in_flight: 0,
         in_flight_reported: 0,
         round: Vec::new(),
+        expired: Vec::new(),
         sampler: shared.metrics.stages.sampler(),
         request_sampler: shared.metrics.stages.sampler(),
-        active: 0,
-        free: Vec::new(),
-        next_due: None,
         last_read: now,
-        replied_since_connect: false,
-        reconnect_pause: RECONNECT_MIN,
-        lost_connections: 0,
-        out: Outcome::default(),
-        interval: Tally::interval(),
+        connector: Connector::new(plan.target.clone(), plan.index),
+        books: Books::default(),
+        late_replies: 0,
+        last_done: None,
+        not_started: 0,
+        lag: Latency::default(),
         shared: shared.clone(),
         plan,
     };
     w.run().await;
-    w.out
+    WorkerFigures {
+        tally: w.books.run,
+        connect_failures: w.connector.failures(),
+        late_replies: w.late_replies,
+        last_done: w.last_done,
+        not_started: w.not_started,
+        lag: w.lag,
+    }
 }
 
 struct Worker {
     plan: Plan,
     shared: Arc<RunShared>,
     codec: CallCodec,
-    users: Vec<User>,
-    slots: Vec<Option<Slot>>,
-    fanout: usize,
-    parallel: bool,
     flags: Flags,
-    generation: u32,
-    in_flight: usize,
+    users: Users,
+    /// Calls in flight on the connection.
+    table: SlotTable<Slot>,
+    /// Open loop: when requests are due.
+    pacer: Option<Pacer>,
     in_flight_reported: usize,
-    out: Outcome,
-    /// Figures since the last tick: for the progress line and the shared metrics.
-    interval: Tally,
     /// Ids of the timed calls encoded this round.
     round: Vec<u64>,
+    /// Calls past their deadline, taken out at a tick (kept for its memory).
+    expired: Vec<(u64, Slot)>,
     /// Pick the calls and requests whose stages are timed.
     sampler: Sampler,
     request_sampler: Sampler,
-    /// Users with a request under way.
-    active: usize,
-    /// Open loop: slots without a request, and when the next request is due (`None` once
-    /// no more may start).
-    free: Vec<usize>,
-    next_due: Option<Instant>,
     /// When the last read returned (the clock of the byte counts).
     last_read: Instant,
-    /// The current connection has brought a reply (else losing it counts as a failure).
-    replied_since_connect: bool,
-    /// Pause before the next reconnection when connections keep dying unanswered.
-    reconnect_pause: Duration,
-    /// Connections lost so far (for thinning the log).
-    lost_connections: u64,
+    connector: Connector,
+    books: Books,
+    late_replies: u64,
+    last_done: Option<Instant>,
+    not_started: u64,
+    lag: Latency,
 }
 
 impl Worker {
@@ -241,9 +212,9 @@ impl Worker {
                     }
                 }
             }
-            Some(_) => {
-                self.free = (0..self.users.len()).rev().collect();
-                self.next_due = Some(now);
+            Some(every) => {
+                self.users.free_all();
+                self.pacer = Some(Pacer::new(every, now));
             }
         }
         let mut tick = tokio::time::interval(TICK);
@@ -252,17 +223,20 @@ impl Worker {
         tokio::pin!(pace);
         let mut armed = None;
         loop {
-            if self.next_due.is_some() {
+            let due = self.pacer.as_ref().and_then(Pacer::next_due);
+            if due.is_some() {
                 self.start_due(Instant::now(), &mut io);
                 // Re-arm the pacing timer only when the next due time moved.
-                if self.next_due != armed {
-                    if let Some(due) = self.next_due {
+                let next = self.pacer.as_ref().and_then(Pacer::next_due);
+                if next != armed {
+                    if let Some(due) = next {
                         pace.as_mut().reset(due.into());
                     }
-                    armed = self.next_due;
+                    armed = next;
                 }
             }
-            if self.in_flight == 0 && self.active == 0 && self.next_due.is_none() {
+            let pacing = self.pacer.as_ref().and_then(Pacer::next_due).is_some();
+            if self.table.is_empty() && self.users.active() == 0 && !pacing {
                 break;
             }
             let failed = tokio::select! {
@@ -272,7 +246,7 @@ impl Worker {
                     Ok(IoEvent::Wrote) => None,
                     Err(e) => Some(format!("socket: {e}")),
                 },
-                () = &mut pace, if self.next_due.is_some() => None,
+                () = &mut pace, if pacing => None,
                 _ = tick.tick() => {
                     self.on_tick(&mut io);
                     None
@@ -301,123 +275,74 @@ impl Worker {
     /// while every slot is busy is not started (and counted). Latency is measured from
     /// the actual start; how late that was after the intended time is kept as the lag.
     fn start_due(&mut self, now: Instant, io: &mut FramedIo) {
-        let (Some(every), Some(mut due)) = (self.plan.every, self.next_due) else {
+        let Some(mut pacer) = self.pacer.take() else {
             return;
         };
-        while due <= now {
+        while let Some(due) = pacer.take_due(now) {
             if !self.shared.may_start(due) {
-                self.next_due = None;
-                return;
+                pacer.stop();
+                break;
             }
             let measured = due >= self.shared.measure_from;
-            match self.free.pop() {
+            match self.users.take_free() {
                 Some(u) => {
                     if measured {
                         let lag = now.saturating_duration_since(due).as_micros() as u64;
-                        self.out.lag.record_us(lag);
+                        self.lag.record_us(lag);
                     }
                     self.start_request(u, now, io);
                 }
-                None if measured => self.out.not_started += 1,
+                None if measured => self.not_started += 1,
                 None => {}
             }
-            due += every;
         }
-        self.next_due = Some(due);
-    }
-
-    /// Connects, retrying until the run would end anyway.
-    async fn connect(&mut self) -> Option<FramedIo> {
-        let mut pause = RECONNECT_MIN;
-        let give_up = self.give_up_by();
-        loop {
-            let error =
-                match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&self.plan.target))
-                    .await
-                {
-                    Ok(Ok(s)) => {
-                        self.shared.metrics.conns.opened();
-                        self.replied_since_connect = false;
-                        return Some(FramedIo::new(s, FrameCodec::new(DEFAULT_MAX_BODY_LEN)));
-                    }
-                    Ok(Err(e)) => e.to_string(),
-                    Err(_) => format!("timed out after {CONNECT_TIMEOUT:?}"),
-                };
-            self.out.connect_failures += 1;
-            self.shared.metrics.errors.inc(ErrorKind::Io);
-            // One line per worker and outage; the count goes in the report.
-            if self.out.connect_failures == 1 {
-                tracing::warn!(worker = self.plan.index, target = %self.plan.target, %error, "connect failed; retrying");
-            } else {
-                tracing::debug!(worker = self.plan.index, target = %self.plan.target, %error, "connect failed");
-            }
-            if !self.wait_to_retry(pause, give_up).await {
-                return None;
-            }
-            pause = (pause * 2).min(RECONNECT_MAX);
-        }
+        self.pacer = Some(pacer);
     }
 
     /// When to stop trying to connect: the run's end, or one call timeout from now.
     fn give_up_by(&self) -> Instant {
         self.shared
-            .give_up_by()
+            .until
             .unwrap_or_else(|| Instant::now() + self.shared.config.call_timeout)
     }
 
-    /// Sleeps `pause` before another attempt; false, at once, when that would pass
-    /// `give_up` or the run is stopping.
-    async fn wait_to_retry(&self, pause: Duration, give_up: Instant) -> bool {
-        if Instant::now() + pause >= give_up || self.shared.stop.is_cancelled() {
-            return false;
-        }
-        tokio::time::sleep(pause).await;
-        true
+    async fn connect(&mut self) -> Option<FramedIo> {
+        let give_up = self.give_up_by();
+        self.connector
+            .connect(give_up, &self.shared.stop, &self.shared.metrics)
+            .await
     }
 
     /// The connection failed: every call on it fails, then the users carry on over a new
     /// connection (or stop, if none can be made in time).
-    ///
-    /// A connection that died before bringing any reply counts as a failed attempt, and
-    /// the next one waits (doubling up to a second): a server that accepts and closes at
-    /// once (a broker at its connection cap does) is not hammered.
     async fn reconnect(&mut self, cause: String) -> Option<FramedIo> {
-        let lost: Vec<Slot> = self.slots.iter_mut().filter_map(Option::take).collect();
-        self.in_flight = 0;
-        self.lost_connections += 1;
-        if self.lost_connections <= 3 {
-            tracing::warn!(worker = self.plan.index, calls = lost.len(), %cause, "connection lost; reconnecting");
-        } else {
-            tracing::debug!(worker = self.plan.index, calls = lost.len(), %cause, "connection lost; reconnecting");
-        }
-        let may_retry = if self.replied_since_connect {
-            self.reconnect_pause = RECONNECT_MIN;
-            true
-        } else {
-            self.out.connect_failures += 1;
-            let pause = self.reconnect_pause;
-            self.reconnect_pause = (pause * 2).min(RECONNECT_MAX);
-            self.wait_to_retry(pause, self.give_up_by()).await
-        };
-        let io = if may_retry {
-            self.connect().await
-        } else {
-            None
-        };
+        let lost: Vec<Slot> = self.table.drain().map(|(_, s)| s).collect();
+        let give_up = self.give_up_by();
+        let io = self
+            .connector
+            .reconnect(
+                lost.len(),
+                &cause,
+                give_up,
+                &self.shared.stop,
+                &self.shared.metrics,
+            )
+            .await;
         let now = Instant::now();
         match io {
             Some(mut io) => {
                 for s in lost {
-                    self.call_done(s, Err("connection"), now, Some(&mut io));
+                    self.call_done(s, CallOutcome::Connection, now, Some(&mut io));
                 }
                 Some(io)
             }
             None => {
                 for s in lost {
-                    self.call_done(s, Err("connection"), now, None);
+                    self.call_done(s, CallOutcome::Connection, now, None);
                 }
-                self.active = 0;
-                self.next_due = None;
+                if let Some(p) = &mut self.pacer {
+                    p.stop();
+                }
                 None
             }
         }
@@ -445,31 +370,28 @@ impl Worker {
         if frame.header.msg_type != MsgType::Response {
             return;
         }
-        self.replied_since_connect = true;
-        let Some(slot) = self.take_slot(frame.header.req_id) else {
-            self.out.late_replies += 1;
-            self.shared.metrics.errors.inc(ErrorKind::LateReply);
+        self.connector.replied();
+        let Some(slot) = self.table.take(frame.header.req_id) else {
+            self.late_replies += 1;
+            self.shared
+                .metrics
+                .errors
+                .inc(ErrorKind::LateReply, Side::Server);
             return;
         };
         let decoding = slot.written.map(|_| Instant::now());
         let outcome = match self.codec.view_response(&frame) {
             Ok(r) => {
-                self.interval.payload_in_plain += r.size.plain as u64;
-                self.interval.payload_in_wire += r.size.wire as u64;
-                if slot.measured {
-                    self.out.tally.payload_in_plain += r.size.plain as u64;
-                    self.out.tally.payload_in_wire += r.size.wire as u64;
-                }
+                self.books.payload_in(slot.measured, r.size);
                 match r.status {
-                    Status::Success => self
-                        .shared
-                        .workload
-                        .check(r.payload)
-                        .map_err(|_| "bad_reply"),
-                    s => Err(s.label()),
+                    Status::Success => {
+                        let content_ok = self.shared.workload.check(r.payload).is_ok();
+                        CallOutcome::of_reply(Status::Success, content_ok)
+                    }
+                    s => CallOutcome::of_reply(s, false),
                 }
             }
-            Err(_) => Err("bad_reply"),
+            Err(_) => CallOutcome::BadReply,
         };
         if let (Some(decoding), Some(written)) = (decoding, slot.written) {
             let decoded = Instant::now();
@@ -492,138 +414,97 @@ impl Worker {
         let stages = &self.shared.metrics.stages;
         // Drained, not taken: the round's buffer is kept for the next round.
         for id in self.round.drain(..) {
-            let idx = (id & 0xffff_ffff) as usize;
-            if let Some(Some(slot)) = self.slots.get_mut(idx) {
-                if slot.id == id {
-                    slot.written = Some(now);
-                    if let Some(e) = slot.encoded {
-                        stages.record_span(CONNECTION_WAIT, e, now);
-                    }
+            if let Some(slot) = self.table.get_mut(id) {
+                slot.written = Some(now);
+                if let Some(e) = slot.encoded {
+                    stages.record_span(CONNECTION_WAIT, e, now);
                 }
             }
         }
     }
 
-    fn take_slot(&mut self, id: u64) -> Option<Slot> {
-        let idx = (id & 0xffff_ffff) as usize;
-        let entry = self.slots.get_mut(idx)?;
-        if entry.is_some_and(|s| s.id == id) {
-            self.in_flight -= 1;
-            entry.take()
-        } else {
-            None
-        }
-    }
-
+    /// Times out the calls past the deadline, then hands the interval's figures on.
     fn on_tick(&mut self, io: &mut FramedIo) {
         let now = Instant::now();
         let timeout = self.shared.config.call_timeout;
-        for i in 0..self.slots.len() {
-            if let Some(s) = self.slots[i] {
-                if now.duration_since(s.sent) >= timeout {
-                    self.slots[i] = None;
-                    self.in_flight -= 1;
-                    self.call_done(s, Err("timeout"), now, Some(io));
-                }
-            }
+        let mut expired = std::mem::take(&mut self.expired);
+        self.table
+            .take_where(|s| now.duration_since(s.sent) >= timeout, &mut expired);
+        for (_, s) in expired.drain(..) {
+            self.call_done(s, CallOutcome::NoReply, now, Some(io));
         }
+        self.expired = expired;
         self.publish();
     }
 
     /// Hands the figures since the last tick to the shared metrics and the progress line.
     fn publish(&mut self) {
-        self.shared.metrics.add(&self.interval);
-        if let Some(m) = self.shared.intervals.get(self.plan.index) {
-            let mut shared = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            shared.add(&self.interval);
+        self.shared.metrics.add(&self.books.interval);
+        match self.shared.intervals.get(self.plan.index) {
+            Some(m) => {
+                let mut shared = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                self.books.take_interval(&mut shared);
+            }
+            None => self.books.interval.clear(),
         }
-        self.interval.clear();
     }
 
     fn count_bytes(&mut self, io: &mut FramedIo) {
         let c = io.take_counts();
         self.shared.metrics.wire.add(c);
-        if self.in_flight != self.in_flight_reported {
-            let delta = self.in_flight as f64 - self.in_flight_reported as f64;
+        let in_flight = self.table.len();
+        if in_flight != self.in_flight_reported {
+            let delta = in_flight as f64 - self.in_flight_reported as f64;
             self.shared.metrics.in_flight.increment(delta);
-            self.in_flight_reported = self.in_flight;
+            self.in_flight_reported = in_flight;
         }
-        if self.last_read >= self.shared.measure_from {
-            self.out.tally.wire_out += c.bytes_written;
-            self.out.tally.wire_in += c.bytes_read;
-        }
+        let measured = self.last_read >= self.shared.measure_from;
+        self.books.wire(measured, c.bytes_written, c.bytes_read);
     }
 
     fn start_request(&mut self, u: usize, now: Instant, io: &mut FramedIo) {
-        self.active += 1;
-        self.users[u] = User {
-            started: now,
-            next_call: 0,
-            replies: 0,
-            failed: false,
-            measured: now >= self.shared.measure_from,
-            timed: self.request_sampler.pick(),
-        };
-        let calls = if self.parallel { self.fanout } else { 1 };
+        let measured = now >= self.shared.measure_from;
+        let timed = self.request_sampler.pick();
+        let calls = self.users.start(u, now, measured, timed);
         for _ in 0..calls {
             self.issue_call(u, now, io);
         }
     }
 
     fn issue_call(&mut self, u: usize, now: Instant, io: &mut FramedIo) {
-        let call = self.users[u].next_call as usize;
-        self.users[u].next_call += 1;
-        let idx = u * self.fanout + call;
-        self.generation = self.generation.wrapping_add(1);
-        let id = (u64::from(self.generation) << 32) | idx as u64;
         let measured = now >= self.shared.measure_from;
         let encoding = self.sampler.stamp();
-        let m = &self.shared.metrics;
+        let id = self.table.insert(Slot {
+            sent: now,
+            user: u as u32,
+            measured,
+            encoding,
+            encoded: None,
+            written: None,
+        });
         let encoded = self
             .shared
             .workload
             .encode(&mut self.codec, io.wbuf(), id, self.flags);
         // Sent, whether or not it encodes: every call sent gets exactly one outcome.
-        self.interval.sent += 1;
-        if measured {
-            self.out.tally.sent += 1;
-        }
+        self.books.sent(measured);
         match encoded {
             Ok(size) => {
-                let encoded = encoding.map(|_| Instant::now());
-                if let (Some(a), Some(b)) = (encoding, encoded) {
-                    m.stages.record_span(ENCODE, a, b);
+                if let Some(a) = encoding {
+                    let b = Instant::now();
+                    self.shared.metrics.stages.record_span(ENCODE, a, b);
+                    if let Some(slot) = self.table.get_mut(id) {
+                        slot.encoded = Some(b);
+                    }
                     self.round.push(id);
                 }
-                self.slots[idx] = Some(Slot {
-                    id,
-                    sent: now,
-                    user: u as u32,
-                    measured,
-                    encoding,
-                    encoded,
-                    written: None,
-                });
-                self.in_flight += 1;
-                self.interval.payload_out_plain += size.plain as u64;
-                self.interval.payload_out_wire += size.wire as u64;
-                if measured {
-                    self.out.tally.payload_out_plain += size.plain as u64;
-                    self.out.tally.payload_out_wire += size.wire as u64;
-                }
+                self.books.payload_out(measured, size);
             }
             Err(e) => {
                 tracing::error!(error = %e, "request not encodable");
-                let slot = Slot {
-                    id,
-                    sent: now,
-                    user: u as u32,
-                    measured,
-                    encoding: None,
-                    encoded: None,
-                    written: None,
-                };
-                self.call_done(slot, Err("encode"), now, Some(io));
+                if let Some(slot) = self.table.take(id) {
+                    self.call_done(slot, CallOutcome::Encode, now, Some(io));
+                }
             }
         }
     }
@@ -632,82 +513,44 @@ impl Worker {
     fn call_done(
         &mut self,
         slot: Slot,
-        outcome: Result<(), &'static str>,
+        outcome: CallOutcome,
         now: Instant,
         io: Option<&mut FramedIo>,
     ) {
-        let m = &self.shared.metrics;
-        match outcome {
-            Err("timeout") => m.errors.inc(ErrorKind::Timeout),
-            Err("bad_reply") => m.errors.inc(ErrorKind::Decode),
-            Err("connection") => m.errors.inc(ErrorKind::Io),
-            _ => {}
-        }
         // The progress line shows the warm-up too; the report only what is measured.
         let us = now.saturating_duration_since(slot.sent).as_micros() as u64;
-        match outcome {
-            Ok(()) => {
-                self.interval.ok += 1;
-                self.interval.calls.record_us(us);
-            }
-            Err(kind) => self.interval.error(kind),
-        }
+        self.books.call(slot.measured, outcome, us);
         if slot.measured {
-            match outcome {
-                Ok(()) => {
-                    self.out.tally.ok += 1;
-                    self.out.tally.calls.record_us(us);
-                }
-                Err(kind) => self.out.tally.error(kind),
-            }
-            self.out.last_done = Some(now);
+            self.last_done = Some(now);
         }
         let u = slot.user as usize;
-        let user = &mut self.users[u];
-        user.replies += 1;
-        user.failed |= outcome.is_err();
-        let finished = user.replies as usize == self.fanout;
-        let Some(io) = io else {
-            // No connection to make the rest of the request's calls on: the request ends
-            // here, failed; its unsent calls are not counted as sent.
-            if finished || !self.parallel {
-                self.users[u].failed = true;
-                self.request_done(u, now, None);
+        match self.users.call_done(u, outcome.is_ok(), io.is_some()) {
+            Next::Call => {
+                if let Some(io) = io {
+                    self.issue_call(u, now, io);
+                }
             }
-            return;
-        };
-        if finished {
-            self.request_done(u, now, Some(io));
-        } else if !self.parallel {
-            self.issue_call(u, now, io);
+            Next::Wait => {}
+            Next::Done(request) => self.request_done(u, request, now, io),
         }
     }
 
-    fn request_done(&mut self, u: usize, now: Instant, io: Option<&mut FramedIo>) {
-        let user = self.users[u];
-        let us = now.saturating_duration_since(user.started).as_micros() as u64;
-        let m = &self.shared.metrics;
-        if user.timed {
-            m.stages.record_span(REQUEST, user.started, now);
+    fn request_done(
+        &mut self,
+        u: usize,
+        request: Finished,
+        now: Instant,
+        io: Option<&mut FramedIo>,
+    ) {
+        let us = now.saturating_duration_since(request.started).as_micros() as u64;
+        if request.timed {
+            let stages = &self.shared.metrics.stages;
+            stages.record_span(REQUEST, request.started, now);
         }
-        self.interval.requests.record_us(us);
-        if user.failed {
-            self.interval.requests_failed += 1;
-        } else {
-            self.interval.requests_ok += 1;
-        }
-        if user.measured {
-            self.out.tally.requests.record_us(us);
-            if user.failed {
-                self.out.tally.requests_failed += 1;
-            } else {
-                self.out.tally.requests_ok += 1;
-            }
-        }
-        self.active -= 1;
+        self.books.request(request.measured, request.failed, us);
         if self.plan.every.is_some() {
             // Open loop: the slot waits for the pacer.
-            self.free.push(u);
+            self.users.release(u);
             return;
         }
         if let Some(io) = io {

@@ -6,14 +6,14 @@ use std::collections::HashMap;
 
 use bytes::{Bytes, BytesMut};
 use prost::Message;
-use rpcmesh_common::call::{CallCodec, PayloadSize};
-use rpcmesh_common::frame::{Flags, FrameError};
-use rpcmesh_common::proto::platform::{QueryRequest, QueryResponse};
-use rpcmesh_common::proto::rpc::{EchoRequest, EchoResponse};
+use rpcmesh_wire::envelope::{CallCodec, PayloadSize};
+use rpcmesh_wire::frame::{Flags, FrameError};
+use rpcmesh_wire::proto::platform::{QueryRequest, QueryResponse};
+use rpcmesh_wire::proto::rpc::{EchoRequest, EchoResponse};
 
 use crate::config::WorkloadKind;
 
-use rpcmesh_common::proto::platform::reference_query;
+use rpcmesh_wire::proto::platform::reference_query;
 
 /// Why a reply's application message was not the expected one.
 #[derive(Debug, thiserror::Error)]
@@ -43,7 +43,7 @@ impl Workload {
         let message = "x".repeat(payload_size);
         let expected = match kind {
             WorkloadKind::Platform => {
-                rpcmesh_common::proto::platform::reference_answer().encode_to_vec()
+                rpcmesh_wire::proto::platform::reference_answer().encode_to_vec()
             }
             WorkloadKind::Echo => EchoResponse {
                 message: message.clone(),
@@ -121,7 +121,7 @@ impl Workload {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rpcmesh_common::frame::Frame;
+    use rpcmesh_wire::frame::Frame;
 
     #[test]
     fn requests_decode_as_the_service_expects() {
@@ -149,7 +149,7 @@ mod tests {
     #[test]
     fn replies_are_checked() {
         let w = Workload::new(WorkloadKind::Platform, 0);
-        let good = rpcmesh_common::proto::platform::reference_answer().encode_to_vec();
+        let good = rpcmesh_wire::proto::platform::reference_answer().encode_to_vec();
         assert!(w.check(&good).is_ok());
         assert!(w.check(&QueryResponse::default().encode_to_vec()).is_err());
         assert!(matches!(w.check(&[0xff, 0xff]), Err(BadReply::Decode(_))));

@@ -45,19 +45,13 @@ fn haproxy_installed() -> bool {
         || Path::new("/usr/sbin/haproxy").is_file()
 }
 
-/// HAProxy is one of the three paths; `scripts/deps` installs it when it can (as root or
-/// through sudo, as on CI).
-fn ensure_haproxy(root: &Path) {
-    if haproxy_installed() {
-        return;
-    }
-    let status = Command::new(root.join("scripts/deps"))
-        .current_dir(root)
-        .status();
+/// HAProxy is one of the three paths. Tests never install anything: `scripts/test` runs
+/// `scripts/deps` first, which installs it; a test run without it fails here, saying so.
+fn require_haproxy() {
     assert!(
-        status.is_ok_and(|s| s.success()) && haproxy_installed(),
-        "haproxy is missing and scripts/deps could not install it (it needs root or sudo): \
-         install the Debian package `haproxy` and rerun"
+        haproxy_installed(),
+        "haproxy is not installed: run scripts/deps (or install the Debian package `haproxy`), \
+         or run the tests through scripts/test, which does"
     );
 }
 
@@ -65,7 +59,7 @@ fn ensure_haproxy(root: &Path) {
 fn bench_smoke_mode_reports_calls_on_all_three_paths() {
     let root = workspace_root();
     build_release_binaries(&root);
-    ensure_haproxy(&root);
+    require_haproxy();
 
     let out =
         Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("bench-smoke-{}", std::process::id()));

@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
-use rpcmesh_common::listener::ServeSummary;
-use rpcmesh_common::shutdown::CancellationToken;
+use rpcmesh_common::net::listener::ServeSummary;
+use rpcmesh_common::net::shutdown::CancellationToken;
 use rpcmesh_common::testkit::InProcess;
 use rpcmesh_driver::config::ProgressMode;
 use rpcmesh_driver::{DriverConfig, Report, Stop, WorkloadKind};
@@ -130,7 +130,7 @@ async fn compression_sends_fewer_bytes_for_the_platform_workload() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn slow_replies_past_the_timeout_count_as_timeouts() {
+async fn slow_replies_past_the_drivers_timeout_count_as_no_reply() {
     let p = provider(ProviderConfig {
         service_time: Duration::from_millis(400),
         ..ProviderConfig::default()
@@ -145,11 +145,50 @@ async fn slow_replies_past_the_timeout_count_as_timeouts() {
         .unwrap();
     assert_eq!(r.calls.ok, 0);
     assert!(
-        r.calls.errors.get("timeout").copied().unwrap_or(0) >= 20,
+        r.calls.errors.get("no_reply").copied().unwrap_or(0) >= 20,
         "{:?}",
         r.calls.errors
     );
     assert_counts_add_up(&r);
+    p.stop().await;
+}
+
+/// A timeout the broker answered is the broker's reply, not the driver's own timeout: it is
+/// counted `timeout` (the reply's status), and in the driver's errors on the server side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_the_broker_answers_is_told_apart_from_the_drivers_own() {
+    let p = provider(ProviderConfig {
+        service_time: Duration::from_millis(400),
+        ..ProviderConfig::default()
+    })
+    .await;
+    let mut bc = rpcmesh_broker::BrokerConfig::with_upstreams([p.addr.to_string()]);
+    bc.call_timeout = Duration::from_millis(100);
+    let b = InProcess::start(|listener, telemetry, stop| {
+        rpcmesh_broker::run_with(bc, telemetry, listener, stop)
+    })
+    .await;
+    let mut c = quick(vec![b.addr.to_string()]);
+    c.call_timeout = Duration::from_secs(10);
+    c.fanout = 1;
+    c.stop = Stop::Duration(Duration::from_millis(500));
+    let telemetry = rpcmesh_common::metrics::Telemetry::new();
+    let r = rpcmesh_driver::run_with(c, telemetry.clone(), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(r.calls.ok, 0);
+    let timeouts = r.calls.errors.get("timeout").copied().unwrap_or(0);
+    assert!(timeouts >= 20, "{:?}", r.calls.errors);
+    assert_eq!(r.calls.errors.get("no_reply"), None, "{:?}", r.calls.errors);
+    let text = telemetry.render();
+    let seen = rpcmesh_common::metrics::recorder::sample(
+        &text,
+        "rpcmesh_errors_total",
+        &[("kind", "timeout"), ("side", "server")],
+    );
+    assert!(seen.is_some_and(|n| n >= timeouts as f64), "{text}");
+    assert_counts_add_up(&r);
+    b.stop().await;
     p.stop().await;
 }
 

@@ -14,7 +14,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use rpcmesh_common::catalogue::{CATALOGUE, Kind};
+use rpcmesh_common::metrics::Role;
+use rpcmesh_common::metrics::catalogue::{self, CATALOGUE, Kind};
 use rpcmesh_common::testkit::{self, ChildGuard};
 
 fn addr(port: u16) -> SocketAddr {
@@ -170,7 +171,7 @@ fn prometheus_scrapes_all_three_programs_and_promtool_finds_no_problem() {
     .unwrap();
     wait_until("the broker's pool", Duration::from_secs(20), || {
         http_get(addr(bm), "/metrics").is_some_and(|t| {
-            rpcmesh_common::telemetry::sample(&t, "rpcmesh_pool_healthy_connections", &[])
+            rpcmesh_common::metrics::recorder::sample(&t, "rpcmesh_pool_healthy_connections", &[])
                 .unwrap_or(0.0)
                 > 0.0
         })
@@ -243,10 +244,15 @@ fn prometheus_scrapes_all_three_programs_and_promtool_finds_no_problem() {
 
     // Under load: promtool finds no problem in any program's /metrics.
     std::thread::sleep(Duration::from_secs(2));
-    for (name, port) in [("provider", pm), ("broker", bm), ("driver", dm)] {
+    for (role, port) in [(Role::Provider, pm), (Role::Broker, bm), (Role::Driver, dm)] {
+        let name = role.label();
         let text =
             http_get(addr(port), "/metrics").unwrap_or_else(|| panic!("{name}: no /metrics"));
         promtool_check(&promtool, name, &text);
+        // Every family it exports is catalogued for it, and every family catalogued for it
+        // is exported (the other direction is checked below, on what Prometheus scraped).
+        let problems = catalogue::mismatches(role, &text);
+        assert!(problems.is_empty(), "{problems:#?}");
     }
 
     // The run ends; its figures are scraped.
@@ -275,12 +281,7 @@ fn prometheus_scrapes_all_three_programs_and_promtool_finds_no_problem() {
         } else {
             d.name.to_string()
         };
-        let roles: Vec<&str> = if d.roles == "all" {
-            vec!["provider", "broker", "driver"]
-        } else {
-            d.roles.split(", ").collect()
-        };
-        for role in roles {
+        for role in d.roles.iter().map(|r| r.label()) {
             let n = query(prom, &format!("count({series}{{job=\"{role}\"}})"));
             assert!(
                 !n.is_empty() && n[0].1 > 0.0,

@@ -1,20 +1,31 @@
 //! Provider configuration: the command line (each flag with an environment fallback), the
 //! defaults and why they are what they are, and validation into [`ProviderConfig`].
 
-use std::net::SocketAddr;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::Duration;
 
-use rpcmesh_common::compress::{
-    CompressionConfig, DEFAULT_COMPRESS_LEVEL, DEFAULT_COMPRESS_THRESHOLD, DEFAULT_MAX_INFLATED_LEN,
-};
-use rpcmesh_common::frame::DEFAULT_MAX_BODY_LEN;
-use rpcmesh_common::runtime::{ConfigProblems, parse_duration, parse_on_off};
+use rpcmesh_common::cli::flags::{CompressionArgs, RuntimeArgs, StageArgs};
+use rpcmesh_common::cli::{ConfigProblems, DurationArg, MetricsListen, OnOff};
+use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
+use rpcmesh_common::net::session::DEFAULT_MAX_IN_FLIGHT_PER_LINK;
+use rpcmesh_wire::compress::{CompressionConfig, DEFAULT_MAX_INFLATED_LEN};
+use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
 
 /// Where the provider listens unless told otherwise: every interface, port 7800 (the
 /// broker's default upstream).
-pub const DEFAULT_LISTEN: &str = "0.0.0.0:7800";
-/// Where the provider serves `/metrics` unless told otherwise (`off` disables it).
-pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:9780";
+pub const DEFAULT_LISTEN: SocketAddr =
+    SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 7800));
+/// Where the provider serves `/metrics` unless told otherwise (`off` disables it): port
+/// 9780, beside the broker's 9770 and the driver's 9790, so all three fit on one host.
+pub const DEFAULT_METRICS_LISTEN: MetricsListen = MetricsListen(Some(SocketAddr::V4(
+    SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 9780),
+)));
+/// Replies are compressed for callers that accept it unless told otherwise: a caller asks
+/// for it per request (`ACCEPT_COMPRESSED`), so the provider's side costs nothing to
+/// others, and the reference report's WAN clients want it.
+pub const DEFAULT_COMPRESS: bool = true;
+/// No simulated service time unless asked: handlers answer at once.
+pub const DEFAULT_SERVICE_TIME: Duration = Duration::ZERO;
 /// Open connections at once. Providers are mostly reached through a few pooled broker
 /// connections; 4096 leaves room for many direct clients, and a flood beyond it gets
 /// closed connections instead of an accept loop failing on "too many open files".
@@ -22,8 +33,7 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 /// Calls waiting on a handler per connection. The broker multiplexes hundreds of callers
 /// onto one connection, and lets up to as many calls be in flight on it as the provider
 /// takes (see the shared constant). Over it, calls are answered "overloaded".
-pub const DEFAULT_MAX_IN_FLIGHT_PER_CONN: usize =
-    rpcmesh_common::call::DEFAULT_MAX_IN_FLIGHT_PER_LINK;
+pub const DEFAULT_MAX_IN_FLIGHT_PER_CONN: usize = DEFAULT_MAX_IN_FLIGHT_PER_LINK;
 /// How long SIGTERM waits for calls in flight: longer than any sane handler, shorter than
 /// the 30 s after which process supervisors usually send SIGKILL.
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
@@ -37,29 +47,26 @@ pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
 )]
 pub struct Args {
     /// Address to listen on for calls.
-    #[arg(long, env = "RPCMESH_PROVIDER_LISTEN", default_value = DEFAULT_LISTEN)]
+    #[arg(long, env = "RPCMESH_PROVIDER_LISTEN", default_value_t = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
     /// Address of the Prometheus `/metrics` endpoint, or `off`.
-    #[arg(long, env = "RPCMESH_METRICS_LISTEN", default_value = DEFAULT_METRICS_LISTEN)]
-    pub metrics_listen: rpcmesh_common::telemetry::MetricsListen,
+    #[arg(long, env = "RPCMESH_METRICS_LISTEN", default_value_t = DEFAULT_METRICS_LISTEN)]
+    pub metrics_listen: MetricsListen,
     /// Name of this node, sent in heartbeats (default: the host name).
     #[arg(long, env = "RPCMESH_NODE_ID")]
     pub node_id: Option<String>,
-    /// Tokio worker threads (0 = one per CPU).
-    #[arg(long, env = "RPCMESH_THREADS", default_value_t = 0)]
-    pub threads: usize,
+    /// The runtime.
+    #[command(flatten)]
+    pub runtime: RuntimeArgs,
     /// Compress replies to callers that accept it: on|off.
-    #[arg(long, env = "RPCMESH_COMPRESS", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
-    pub compress: bool,
-    /// Replies with a payload shorter than this many bytes are sent plain.
-    #[arg(long, env = "RPCMESH_COMPRESS_THRESHOLD", default_value_t = DEFAULT_COMPRESS_THRESHOLD)]
-    pub compress_threshold: usize,
-    /// zlib level, 0-9.
-    #[arg(long, env = "RPCMESH_COMPRESS_LEVEL", default_value_t = DEFAULT_COMPRESS_LEVEL)]
-    pub compress_level: u32,
+    #[arg(long, env = "RPCMESH_COMPRESS", default_value_t = OnOff(DEFAULT_COMPRESS))]
+    pub compress: OnOff,
+    /// How replies are compressed.
+    #[command(flatten)]
+    pub compression: CompressionArgs,
     /// Simulated service time added to every call (e.g. 5ms), for capacity experiments.
-    #[arg(long, env = "RPCMESH_SERVICE_TIME", default_value = "0s", value_parser = parse_duration)]
-    pub service_time: Duration,
+    #[arg(long, env = "RPCMESH_SERVICE_TIME", default_value_t = DurationArg(DEFAULT_SERVICE_TIME))]
+    pub service_time: DurationArg,
     /// Open connections at once; more are accepted and closed.
     #[arg(long, env = "RPCMESH_MAX_CONNECTIONS", default_value_t = DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
@@ -73,15 +80,15 @@ pub struct Args {
     #[arg(long, env = "RPCMESH_MAX_INFLATED_BYTES", default_value_t = DEFAULT_MAX_INFLATED_LEN)]
     pub max_inflated_bytes: usize,
     /// Grace period for calls in flight on SIGTERM/SIGINT.
-    #[arg(long, env = "RPCMESH_GRACE", default_value = "10s", value_parser = parse_duration)]
-    pub grace: Duration,
+    #[arg(long, env = "RPCMESH_GRACE", default_value_t = DurationArg(DEFAULT_GRACE))]
+    pub grace: DurationArg,
     /// Per-stage latency timing.
     #[command(flatten)]
-    pub stages: rpcmesh_common::telemetry::StageArgs,
+    pub stages: StageArgs,
 }
 
 /// Validated provider settings, as `run` takes them.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProviderConfig {
     /// Sent in heartbeats.
     pub node_id: String,
@@ -107,14 +114,14 @@ impl Default for ProviderConfig {
     fn default() -> Self {
         ProviderConfig {
             node_id: default_node_id(),
-            compression: Some(CompressionConfig::default()),
-            service_time: Duration::ZERO,
+            compression: DEFAULT_COMPRESS.then(CompressionConfig::default),
+            service_time: DEFAULT_SERVICE_TIME,
             max_connections: DEFAULT_MAX_CONNECTIONS,
             max_in_flight_per_conn: DEFAULT_MAX_IN_FLIGHT_PER_CONN,
             max_body_len: DEFAULT_MAX_BODY_LEN,
             max_inflated: DEFAULT_MAX_INFLATED_LEN,
             grace: DEFAULT_GRACE,
-            stage_sample: rpcmesh_common::telemetry::DEFAULT_STAGE_SAMPLE,
+            stage_sample: DEFAULT_STAGE_SAMPLE,
         }
     }
 }
@@ -123,12 +130,7 @@ impl Args {
     /// Checks every setting and lists all problems at once.
     pub fn config(&self) -> Result<ProviderConfig, ConfigProblems> {
         let mut p = ConfigProblems::default();
-        p.check(self.compress_level > 9, || {
-            format!(
-                "--compress-level {} is not a zlib level (0-9)",
-                self.compress_level
-            )
-        });
+        let compression = self.compression.config(self.compress.0, &mut p);
         p.check(self.max_connections == 0, || {
             "--max-connections must be at least 1".into()
         });
@@ -146,17 +148,14 @@ impl Args {
         });
         p.into_result(ProviderConfig {
             node_id: self.node_id.clone().unwrap_or_else(default_node_id),
-            compression: self.compress.then_some(CompressionConfig {
-                threshold: self.compress_threshold,
-                level: self.compress_level,
-            }),
-            service_time: self.service_time,
+            compression,
+            service_time: self.service_time.0,
             max_connections: self.max_connections,
             max_in_flight_per_conn: self.max_in_flight_per_conn,
             max_body_len: self.max_body_bytes,
             max_inflated: self.max_inflated_bytes,
-            grace: self.grace,
-            stage_sample: self.stages.every(),
+            grace: self.grace.0,
+            stage_sample: self.stages.every(self.metrics_listen),
         })
     }
 }
@@ -189,9 +188,18 @@ mod tests {
     }
 
     #[test]
-    fn defaults_validate() {
+    fn no_flags_give_the_default_config() {
         let c = Args::parse_from(["provider"]).config().unwrap();
+        assert_eq!(c, ProviderConfig::default());
         assert!(c.compression.is_some());
         assert_eq!(c.max_body_len, DEFAULT_MAX_BODY_LEN);
+    }
+
+    #[test]
+    fn without_a_metrics_endpoint_no_stage_is_timed() {
+        let c = Args::parse_from(["provider", "--metrics-listen", "off"])
+            .config()
+            .unwrap();
+        assert_eq!(c.stage_sample, 0);
     }
 }

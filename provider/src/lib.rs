@@ -3,7 +3,8 @@
 //!
 //! - [`config`]: command line, defaults, validation.
 //! - [`service`]: the handler interface, the registry, and the built-in services.
-//! - `session`: one connection: frames → calls → handlers → replies.
+//! - `session`: one connection: frames → calls → handlers → replies (the protocol run by
+//!   the shared server-session skeleton, `rpcmesh_common::net::session`).
 //! - [`metrics`]: the metric handles.
 //!
 //! [`run`] serves a bound listener until its shutdown future resolves, then drains; tests
@@ -17,9 +18,10 @@ mod session;
 use std::future::Future;
 use std::sync::Arc;
 
-use rpcmesh_common::listener::{self, AcceptConfig, ServeSummary};
-use rpcmesh_common::telemetry::Telemetry;
-use rpcmesh_common::{shutdown, sysmetrics};
+use rpcmesh_common::metrics::Telemetry;
+use rpcmesh_common::metrics::system::Housekeeping;
+use rpcmesh_common::net::listener::{self, AcceptConfig, ServeSummary};
+use rpcmesh_common::net::shutdown;
 use tokio::net::TcpListener;
 
 pub use config::{Args, ProviderConfig};
@@ -71,7 +73,7 @@ pub async fn run_with(
         metrics,
     });
     let token = shutdown::token_from(shutdown);
-    let housekeeping = sysmetrics::Housekeeping::start(&shared.metrics.telemetry, metrics::ROLE);
+    let housekeeping = Housekeeping::start(&shared.metrics.telemetry, metrics::ROLE);
     let summary = listener::serve(
         listener,
         accept,

@@ -1,35 +1,20 @@
-//! `provider`: parses the command line, starts logging and the runtime, binds, and runs
-//! the library until SIGTERM/SIGINT.
+//! `provider`: validates the command line and runs the library until SIGTERM/SIGINT.
 
-use anyhow::Context;
 use clap::Parser;
-use rpcmesh_common::runtime;
-use rpcmesh_provider::Args;
+use rpcmesh_common::cli::startup;
+use rpcmesh_provider::{Args, Registry};
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    runtime::init_logging("info");
-    let mut config = args.config()?;
-    if args.metrics_listen.0.is_none() {
-        // Nobody can read the histograms: do not time stages at all.
-        config.stage_sample = 0;
-    }
-    let rt = runtime::build("provider", args.threads).context("starting the runtime")?;
-    rt.block_on(async {
-        let listener = tokio::net::TcpListener::bind(args.listen)
-            .await
-            .with_context(|| format!("binding {}", args.listen))?;
-        let telemetry = rpcmesh_common::telemetry::start(args.metrics_listen)
-            .context("starting the metrics endpoint")?;
-        let registry = rpcmesh_provider::Registry::builtin();
-        rpcmesh_provider::run_with(
-            config,
-            registry,
-            telemetry,
-            listener,
-            rpcmesh_common::shutdown::signal(),
-        )
-        .await;
-        Ok(())
-    })
+    let config = args.config()?;
+    startup::serve(
+        "provider",
+        args.listen,
+        args.metrics_listen,
+        args.runtime.threads,
+        |telemetry, listener, shutdown| {
+            rpcmesh_provider::run_with(config, Registry::builtin(), telemetry, listener, shutdown)
+        },
+    )?;
+    Ok(())
 }

@@ -1,18 +1,20 @@
-//! The provider's metric handles, registered once per instance on its own recorder.
-//! Names and meanings are listed in `docs/metrics.md`.
+//! The provider's metric handles, registered once per instance on its own recorder, from
+//! the catalogue's families (`rpcmesh_common::metrics::catalogue`, where names and meanings
+//! are written down; `docs/metrics.md` lists them).
 
 use std::sync::Arc;
 
 use metrics::Gauge;
-use rpcmesh_common::call::CompressionTimers;
-use rpcmesh_common::telemetry::{
-    CallCounters, ConnCounters, ErrorCounters, PayloadCounters, Stages, Telemetry, WireCounters,
+use rpcmesh_common::metrics::catalogue::CALLS_IN_FLIGHT;
+use rpcmesh_common::metrics::families::{
+    CallCounters, CompressionTimers, ConnCounters, PayloadCounters, Stages, WireCounters,
 };
+use rpcmesh_common::metrics::{ErrorCounters, Role, Telemetry};
 
 use crate::service::{MethodId, Registry};
 
-/// Value of the `role` label on every provider metric.
-pub const ROLE: &str = "provider";
+/// The `role` of every provider metric.
+pub const ROLE: Role = Role::Provider;
 
 /// Stage: from the read that brought a request to the start of its decoding (waiting
 /// behind the other requests of the same read).
@@ -35,7 +37,11 @@ pub struct ProviderMetrics {
     pub telemetry: Telemetry,
     calls: Vec<CallCounters>,
     calls_other: CallCounters,
-    /// Errors by kind.
+    /// Errors by kind and side: the caller's ([`Side::Client`]) or the provider's own
+    /// ([`Side::Provider`]).
+    ///
+    /// [`Side::Client`]: rpcmesh_common::metrics::Side::Client
+    /// [`Side::Provider`]: rpcmesh_common::metrics::Side::Provider
     pub errors: ErrorCounters,
     /// Calls decoded and not yet answered.
     pub in_flight: Gauge,
@@ -48,7 +54,7 @@ pub struct ProviderMetrics {
     /// Per-stage latency.
     pub stages: Stages,
     /// Time spent compressing and inflating.
-    pub compression: CompressionTimers,
+    pub compression: Arc<CompressionTimers>,
 }
 
 impl ProviderMetrics {
@@ -56,7 +62,6 @@ impl ProviderMetrics {
     /// in `stage_sample` (0: never, and the histograms are no-ops).
     pub fn new(telemetry: Telemetry, registry: &Registry, stage_sample: u32) -> Self {
         let t = &telemetry;
-        rpcmesh_common::catalogue::describe_all(t);
         ProviderMetrics {
             calls: registry
                 .methods()
@@ -65,8 +70,8 @@ impl ProviderMetrics {
                 .collect(),
             calls_other: CallCounters::new(t, ROLE, CallCounters::OTHER, CallCounters::OTHER),
             errors: ErrorCounters::new(t, ROLE),
-            in_flight: t.gauge("rpcmesh_calls_in_flight", &[("role", ROLE)]),
-            conns: Arc::new(ConnCounters::new(t, ROLE, "inbound")),
+            in_flight: t.gauge(&CALLS_IN_FLIGHT, &[("role", ROLE.label())]),
+            conns: Arc::new(ConnCounters::inbound(t, ROLE)),
             wire: WireCounters::new(t, ROLE, "inbound"),
             payload: PayloadCounters::new(t, ROLE),
             stages: Stages::new(t, ROLE, &STAGES, stage_sample),

@@ -6,13 +6,15 @@
 use std::time::Duration;
 
 use bytes::BytesMut;
-use rpcmesh_common::client::{Client, ClientConfig};
-use rpcmesh_common::frame::{Flags, Request};
-use rpcmesh_common::proto::platform::{QueryResponse, reference_query};
-use rpcmesh_common::proto::rpc::{EchoRequest, EchoResponse};
+use rpcmesh_common::net::client::{Client, ClientConfig};
+use rpcmesh_common::net::listener::ServeSummary;
 use rpcmesh_common::testkit::{self, InProcess};
-use rpcmesh_common::{Status, listener::ServeSummary};
 use rpcmesh_provider::{ProviderConfig, Registry};
+use rpcmesh_wire::Status;
+use rpcmesh_wire::body::Request;
+use rpcmesh_wire::frame::Flags;
+use rpcmesh_wire::proto::platform::{QueryResponse, reference_query};
+use rpcmesh_wire::proto::rpc::{EchoRequest, EchoResponse};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
@@ -190,7 +192,7 @@ async fn bad_or_oversized_compressed_payloads_fail_with_a_message() {
         &big,
     ));
     s.write_all(&b).await.unwrap();
-    let mut codec = rpcmesh_common::call::CallCodec::new(None, 1 << 20);
+    let mut codec = rpcmesh_wire::envelope::CallCodec::new(None, 1 << 20);
     let mut replies: Vec<_> = testkit::read_frames(&mut s, &mut BytesMut::new(), 2)
         .await
         .unwrap()
@@ -351,7 +353,7 @@ async fn a_reply_over_the_frame_limit_is_answered_failed() {
         .await
         .unwrap()
         .remove(0);
-    let mut codec = rpcmesh_common::call::CallCodec::new(None, 1 << 20);
+    let mut codec = rpcmesh_wire::envelope::CallCodec::new(None, 1 << 20);
     let r = codec.decode_response(&f).unwrap();
     assert_eq!(r.status, Status::Failed);
     assert!(

@@ -13,26 +13,26 @@
 //! - when the socket fails, answers every call in flight at once with "unavailable" and
 //!   the cause, and hands calls it never wrote back to their sessions to be routed again.
 
-use std::borrow::Cow;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use rpcmesh_common::Status;
-use rpcmesh_common::busy_poll::Activity;
-use rpcmesh_common::codec::FrameCodec;
-use rpcmesh_common::frame::{
-    FRAME_OVERHEAD, Flags, Frame, FrameError, Header, Heartbeat, MsgType, put_frame,
-};
-use rpcmesh_common::io::{FramedIo, IoEvent};
-use rpcmesh_common::telemetry::{BadInputLog, ErrorKind};
+use rpcmesh_common::metrics::{BadInputLog, ErrorKind, Side};
+use rpcmesh_common::net::busy_poll::Activity;
+use rpcmesh_common::net::connection::{FramedIo, IoEvent};
+use rpcmesh_common::net::slots::SlotTable;
+use rpcmesh_wire::Status;
+use rpcmesh_wire::body::Heartbeat;
+use rpcmesh_wire::codec::FrameCodec;
+use rpcmesh_wire::frame::{FRAME_OVERHEAD, Flags, Frame, FrameError, Header, MsgType, put_frame};
 use tokio::net::TcpStream;
 use tokio::sync::{Notify, mpsc, oneshot};
 use tracing::Instrument;
 
-use rpcmesh_common::listener::AcceptObserver;
+use rpcmesh_common::net::listener::AcceptObserver;
 
 use crate::call::{CallInfo, Forward, Reply, ReplyTx};
+use crate::failure::Failure;
 use crate::metrics::{QUEUE, UPSTREAM, UpstreamMetrics};
 use crate::upstream::UpstreamError;
 
@@ -129,7 +129,7 @@ impl UpstreamConn {
                 .with_activity(settings.activity.clone()),
             rx,
             state: state.clone(),
-            table: InFlight::default(),
+            table: SlotTable::default(),
             heartbeats: Vec::new(),
             next_heartbeat_id: 1,
             round: Vec::new(),
@@ -201,9 +201,9 @@ impl UpstreamConn {
     }
 }
 
-/// A call written upstream and waiting for its reply.
+/// A call written upstream and waiting for its reply (its request id is its key in the
+/// connection's [`SlotTable`]).
 struct Slot {
-    id: u64,
     info: CallInfo,
     reply_to: ReplyTx,
     deadline: Instant,
@@ -211,77 +211,12 @@ struct Slot {
     sent: Option<Instant>,
 }
 
-/// Calls in flight, by upstream request id = generation << 32 | slot index. The
-/// generation makes a late reply for a reused slot miss instead of hitting a stranger.
-#[derive(Default)]
-struct InFlight {
-    slots: Vec<Option<Slot>>,
-    free: Vec<u32>,
-    len: usize,
-    generation: u32,
-}
-
-impl InFlight {
-    fn insert(&mut self, mut slot: Slot) -> u64 {
-        self.generation = self.generation.wrapping_add(1);
-        let idx = match self.free.pop() {
-            Some(i) => i,
-            None => {
-                self.slots.push(None);
-                (self.slots.len() - 1) as u32
-            }
-        };
-        let id = (u64::from(self.generation) << 32) | u64::from(idx);
-        slot.id = id;
-        self.slots[idx as usize] = Some(slot);
-        self.len += 1;
-        id
-    }
-
-    fn take(&mut self, id: u64) -> Option<Slot> {
-        let idx = (id & 0xffff_ffff) as usize;
-        let entry = self.slots.get_mut(idx)?;
-        if entry.as_ref().is_some_and(|s| s.id == id) {
-            self.free.push(idx as u32);
-            self.len -= 1;
-            entry.take()
-        } else {
-            None
-        }
-    }
-
-    fn get_mut(&mut self, id: u64) -> Option<&mut Slot> {
-        let idx = (id & 0xffff_ffff) as usize;
-        self.slots.get_mut(idx)?.as_mut().filter(|s| s.id == id)
-    }
-
-    fn take_expired(&mut self, now: Instant, out: &mut Vec<Slot>) {
-        for (idx, entry) in self.slots.iter_mut().enumerate() {
-            if entry.as_ref().is_some_and(|s| s.deadline <= now) {
-                out.extend(entry.take());
-                self.free.push(idx as u32);
-                self.len -= 1;
-            }
-        }
-    }
-
-    fn drain(&mut self) -> impl Iterator<Item = Slot> + '_ {
-        self.len = 0;
-        self.free.clear();
-        let slots = std::mem::take(&mut self.slots);
-        slots.into_iter().flatten()
-    }
-
-    fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
-
 struct ConnTask {
     io: FramedIo,
     rx: mpsc::UnboundedReceiver<Command>,
     state: Arc<ConnState>,
-    table: InFlight,
+    /// Calls written and waiting for their reply, by upstream request id.
+    table: SlotTable<Slot>,
     heartbeats: Vec<(u64, oneshot::Sender<()>)>,
     next_heartbeat_id: u64,
     /// Ids of the timed calls written this round.
@@ -301,17 +236,17 @@ impl ConnTask {
         sweeper.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut queue_open = true;
         let mut expired = Vec::new();
-        let cause: Cow<'static, str> = loop {
+        let cause: Option<Arc<str>> = loop {
             tokio::select! {
                 biased;
                 ev = self.io.wait_io(true) => match ev {
                     Ok(IoEvent::Read) => {
                         if let Err(cause) = self.take_frames() {
-                            break cause;
+                            break Some(cause.into());
                         }
                     }
                     Ok(IoEvent::Wrote) => {}
-                    Err(e) => break format!("socket error: {e}").into(),
+                    Err(e) => break Some(format!("socket error: {e}").into()),
                 },
                 cmd = self.rx.recv(), if queue_open => match cmd {
                     Some(cmd) => self.on_command(cmd, Instant::now()),
@@ -319,17 +254,7 @@ impl ConnTask {
                     None => queue_open = false,
                 },
                 _ = sweeper.tick(), if !self.table.is_empty() || !self.heartbeats.is_empty() => {
-                    // Health checks whose waiter gave up (timed out) are forgotten.
-                    self.heartbeats.retain(|(_, tx)| !tx.is_closed());
-                    self.table.take_expired(Instant::now(), &mut expired);
-                    for slot in expired.drain(..) {
-                        self.metrics.errors.inc(ErrorKind::Timeout);
-                        let msg = format!(
-                            "no reply from provider {} within {:?}",
-                            self.settings.label, self.settings.call_timeout
-                        );
-                        settle(&self.state, &slot.reply_to, slot.info, Err((Status::Timeout, msg.into())));
-                    }
+                    self.answer_timed_out(&mut expired);
                 }
             }
             // Calls queued meanwhile leave in the same write. Before writing, when other
@@ -347,16 +272,33 @@ impl ConnTask {
                 }
             }
             if let Err(e) = self.io.try_flush() {
-                break format!("write failed: {e}").into();
+                break Some(format!("write failed: {e}").into());
             }
             self.written_now = 0;
             self.record_sent();
             self.metrics.wire.add(self.io.take_counts());
             if !queue_open && self.table.is_empty() {
-                break Cow::Borrowed("");
+                break None;
             }
         };
         self.close(cause);
+    }
+
+    /// The deadline sweep: every call past its deadline is taken off the table and its
+    /// caller answered "timeout" (a reply that comes later finds no slot and is dropped,
+    /// counted `late_reply`). Health checks whose waiter gave up are forgotten.
+    fn answer_timed_out(&mut self, expired: &mut Vec<(u64, Slot)>) {
+        self.heartbeats.retain(|(_, tx)| !tx.is_closed());
+        let now = Instant::now();
+        self.table.take_where(|s| s.deadline <= now, expired);
+        for (_, slot) in expired.drain(..) {
+            let failure = Failure::Timeout {
+                provider: self.settings.label.clone(),
+                after: self.settings.call_timeout,
+            };
+            failure.count(&self.metrics.errors);
+            settle(&self.state, &slot.reply_to, slot.info, Err(failure));
+        }
     }
 
     /// Stamps the calls written this round and records their `queue` stage.
@@ -392,7 +334,7 @@ impl ConnTask {
     }
 
     /// Handles every whole frame read so far.
-    fn take_frames(&mut self) -> Result<(), Cow<'static, str>> {
+    fn take_frames(&mut self) -> Result<(), String> {
         let read_at = self.metrics.stages.on().then(Instant::now);
         loop {
             match self.io.next_frame() {
@@ -423,14 +365,9 @@ impl ConnTask {
 
     fn write_call(&mut self, fwd: Forward, now: Instant) {
         if now >= fwd.deadline {
-            self.metrics.errors.inc(ErrorKind::Timeout);
-            let msg = "call timed out waiting for a provider connection";
-            return settle(
-                &self.state,
-                &fwd.reply_to,
-                fwd.info,
-                Err((Status::Timeout, msg.into())),
-            );
+            let failure = Failure::TimedOutQueued;
+            failure.count(&self.metrics.errors);
+            return settle(&self.state, &fwd.reply_to, fwd.info, Err(failure));
         }
         let flags = if self.settings.ext {
             // Ask for extended statuses always: the session degrades them for v1 callers,
@@ -440,7 +377,6 @@ impl ConnTask {
             Flags::NONE
         };
         let id = self.table.insert(Slot {
-            id: 0,
             info: fwd.info,
             reply_to: fwd.reply_to,
             deadline: fwd.deadline,
@@ -463,7 +399,9 @@ impl ConnTask {
         match frame.header.msg_type {
             MsgType::Response => {
                 let Some(mut slot) = self.table.take(frame.header.req_id) else {
-                    self.metrics.errors.inc(ErrorKind::LateReply);
+                    self.metrics
+                        .errors
+                        .inc(ErrorKind::LateReply, Side::Provider);
                     tracing::debug!(
                         req_id = frame.header.req_id,
                         "reply for no call in flight (late) dropped"
@@ -475,11 +413,9 @@ impl ConnTask {
                 }
                 slot.info.replied = read_at.filter(|_| slot.info.routed.is_some());
                 let outcome = if frame.body.len() < 5 {
-                    self.metrics.errors.inc(ErrorKind::BadBody);
-                    Err((
-                        Status::Failed,
-                        Cow::Borrowed("malformed reply from provider"),
-                    ))
+                    let failure = Failure::MalformedReply;
+                    failure.count(&self.metrics.errors);
+                    Err(failure)
                 } else {
                     if frame.body[0] == Status::Unavailable as u8 {
                         // The provider is going away: send no more calls here.
@@ -500,44 +436,41 @@ impl ConnTask {
                 }
             }
             MsgType::Request => {
-                self.metrics.errors.inc(ErrorKind::Unexpected);
+                self.metrics
+                    .errors
+                    .inc(ErrorKind::Unexpected, Side::Provider);
                 tracing::debug!("request frame from a provider dropped");
             }
         }
     }
 
-    /// Answers one call "failed" (its reply was unusable).
     /// Counts and logs (thinned) a frame from the provider that cannot be used. A reply
     /// whose header could be read fails its own call only and the others on this
     /// connection go on; the connection ends on input it cannot get past.
-    fn on_bad_frame(&mut self, e: FrameError) -> Result<(), Cow<'static, str>> {
-        self.bad_input.record(&e, &self.metrics.errors, "provider");
+    fn on_bad_frame(&mut self, e: FrameError) -> Result<(), String> {
+        self.bad_input
+            .record(&e, &self.metrics.errors, Side::Provider);
         let Some((id, Some(MsgType::Response))) = e.frame_id() else {
             if e.is_fatal() {
-                return Err(format!("bad frames from provider: {e}").into());
+                return Err(format!("bad frames from provider: {e}"));
             }
             return Ok(());
         };
         if let FrameError::TooLarge { body_len, max, .. } = e {
             if u64::from(body_len) > u64::from(max) * SKIP_FACTOR {
-                return Err(format!("bad frames from provider: {e}").into());
+                return Err(format!("bad frames from provider: {e}"));
             }
             self.io.skip(FRAME_OVERHEAD + body_len as usize);
         }
-        let msg = format!("reply from provider {} refused: {e}", self.settings.label);
-        self.fail_call(id, msg.into());
-        Ok(())
-    }
-
-    fn fail_call(&mut self, id: u64, msg: Cow<'static, str>) {
+        // Counted above, as the frame error it is.
         if let Some(slot) = self.table.take(id) {
-            settle(
-                &self.state,
-                &slot.reply_to,
-                slot.info,
-                Err((Status::Failed, msg)),
-            );
+            let failure = Failure::ReplyRefused {
+                provider: self.settings.label.clone(),
+                error: e,
+            };
+            settle(&self.state, &slot.reply_to, slot.info, Err(failure));
         }
+        Ok(())
     }
 
     fn mark_closed(&self) {
@@ -546,25 +479,22 @@ impl ConnTask {
         }
     }
 
-    /// Ends the connection: every call in flight is answered with the cause, every call
-    /// still queued goes back to its session to be routed again.
-    fn close(mut self, cause: Cow<'static, str>) {
+    /// Ends the connection (`cause`: why, or `None` when every handle was dropped and the
+    /// calls were done): every call in flight is answered with the cause, every call still
+    /// queued goes back to its session to be routed again.
+    fn close(mut self, cause: Option<Arc<str>>) {
         self.mark_closed();
         self.metrics.conns.closed();
         self.rx.close();
-        let failed = self.table.len;
-        for slot in self.table.drain() {
-            self.metrics.errors.inc(ErrorKind::Unavailable);
-            let msg = format!(
-                "connection to provider {} lost with the call in flight: {cause}",
-                self.settings.label
-            );
-            settle(
-                &self.state,
-                &slot.reply_to,
-                slot.info,
-                Err((Status::Unavailable, msg.into())),
-            );
+        let failed = self.table.len();
+        let why: Arc<str> = cause.clone().unwrap_or_else(|| Arc::from("closed"));
+        for (_, slot) in self.table.drain() {
+            let failure = Failure::ConnectionLost {
+                provider: self.settings.label.clone(),
+                cause: why.clone(),
+            };
+            failure.count(&self.metrics.errors);
+            settle(&self.state, &slot.reply_to, slot.info, Err(failure));
         }
         let mut requeued = 0;
         while let Ok(cmd) = self.rx.try_recv() {
@@ -575,22 +505,16 @@ impl ConnTask {
                 let _ = to.send(Reply::Retry(fwd));
             }
         }
-        if cause.is_empty() {
-            tracing::debug!("closed");
-        } else {
-            tracing::warn!(%cause, failed, requeued, "provider connection lost");
+        match cause {
+            None => tracing::debug!("closed"),
+            Some(cause) => tracing::warn!(%cause, failed, requeued, "provider connection lost"),
         }
     }
 }
 
 /// Gives a call taken off this connection its outcome: it no longer counts against the
 /// connection's load, and its session gets the answer.
-fn settle(
-    state: &ConnState,
-    to: &ReplyTx,
-    info: CallInfo,
-    outcome: Result<Frame, (Status, Cow<'static, str>)>,
-) {
+fn settle(state: &ConnState, to: &ReplyTx, info: CallInfo, outcome: Result<Frame, Failure>) {
     state.in_flight.fetch_sub(1, Ordering::Relaxed);
     // A send fails only when the caller's session is gone; nobody is left to answer.
     let _ = to.send(Reply::Done { info, outcome });

@@ -14,11 +14,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use rpcmesh_common::shutdown::CancellationToken;
+use rpcmesh_common::net::shutdown::CancellationToken;
 use tokio::sync::Notify;
 
-use rpcmesh_common::busy_poll::Activity;
-use rpcmesh_common::listener::AcceptObserver;
+use rpcmesh_common::net::busy_poll::Activity;
+use rpcmesh_common::net::listener::AcceptObserver;
 
 use crate::config::{BrokerConfig, UpstreamSpec};
 use crate::metrics::UpstreamMetrics;

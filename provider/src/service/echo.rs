@@ -3,7 +3,7 @@
 
 use bytes::BytesMut;
 use prost::Message;
-use rpcmesh_common::proto::rpc::{EchoRequest, EchoResponse, RpcRequest};
+use rpcmesh_wire::proto::rpc::{EchoRequest, EchoResponse, RpcRequest};
 
 use super::{ServiceError, decode};
 

@@ -17,8 +17,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use rpcmesh_common::Status;
-use rpcmesh_common::proto::rpc::RpcRequest;
+use rpcmesh_wire::Status;
+use rpcmesh_wire::proto::rpc::RpcRequest;
 
 /// An answer still being worked on: resolves to the encoded application message.
 pub type HandlerFuture = Pin<Box<dyn Future<Output = Result<Bytes, ServiceError>> + Send>>;

@@ -4,8 +4,8 @@
 
 use bytes::BytesMut;
 use prost::Message;
-use rpcmesh_common::proto::platform::{QueryRequest, reference_answer};
-use rpcmesh_common::proto::rpc::RpcRequest;
+use rpcmesh_wire::proto::platform::{QueryRequest, reference_answer};
+use rpcmesh_wire::proto::rpc::RpcRequest;
 
 use super::{ServiceError, decode};
 

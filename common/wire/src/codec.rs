@@ -3,8 +3,8 @@
 //! Owns the stream-level rules: the body-length limit, checked on the header *before*
 //! anything is reserved for the body; zero-copy bodies (each frame is `split_to` off the
 //! read buffer and frozen, so bodies are `Bytes` slices of it); and what happens to bad
-//! input. It leaves the meaning of a frame to [`crate::frame`] and sockets to
-//! [`crate::io`].
+//! input. It leaves the meaning of a frame to [`crate::frame`] and sockets to the net layer
+//! (`rpcmesh_common::net::connection`).
 //!
 //! Bad input, and what the decoder does (see `docs/protocol.md`):
 //!
@@ -126,7 +126,8 @@ impl FrameCodec {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::frame::{Flags, Request};
+    use crate::body::Request;
+    use crate::frame::Flags;
     use bytes::Bytes;
 
     fn req(id: u64, payload: &'static [u8]) -> BytesMut {

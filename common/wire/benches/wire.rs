@@ -12,21 +12,21 @@ use std::sync::LazyLock;
 use bytes::{Bytes, BytesMut};
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use prost::Message;
-use rpcmesh_common::call::CallCodec;
-use rpcmesh_common::codec::FrameCodec;
-use rpcmesh_common::compress::{CompressionConfig, Compressor, Inflater};
-use rpcmesh_common::frame::{Flags, Header, MsgType, put_forwarded_response, put_frame};
-use rpcmesh_common::proto::platform::QueryRequest;
-use rpcmesh_common::proto::rpc::{EchoRequest, RpcResponse};
+use rpcmesh_wire::codec::FrameCodec;
+use rpcmesh_wire::compress::{CompressionConfig, Compressor, Inflater};
+use rpcmesh_wire::envelope::CallCodec;
+use rpcmesh_wire::frame::{Flags, Header, MsgType, put_forwarded_response, put_frame};
+use rpcmesh_wire::proto::platform::QueryRequest;
+use rpcmesh_wire::proto::rpc::{EchoRequest, RpcResponse};
 
 fn query() -> QueryRequest {
-    rpcmesh_common::proto::platform::reference_query()
+    rpcmesh_wire::proto::platform::reference_query()
 }
 
 fn answer() -> Vec<u8> {
     RpcResponse {
         success: true,
-        payload: rpcmesh_common::proto::platform::reference_answer()
+        payload: rpcmesh_wire::proto::platform::reference_answer()
             .encode_to_vec()
             .into(),
         error_msg: String::new(),
@@ -163,7 +163,7 @@ fn forwarding(c: &mut Criterion) {
 
 fn compression(c: &mut Criterion) {
     let mut g = c.benchmark_group("zlib");
-    let request = rpcmesh_common::proto::rpc::RpcRequest {
+    let request = rpcmesh_wire::proto::rpc::RpcRequest {
         payload: query().encode_to_vec().into(),
         metadata: HashMap::new(),
     }

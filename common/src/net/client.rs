@@ -13,12 +13,14 @@ use prost::Message;
 use tokio::net::{TcpStream, ToSocketAddrs};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::call::{CallCodec, CallError, IncomingReply};
-use crate::codec::FrameCodec;
-use crate::compress::{CompressionConfig, DEFAULT_MAX_INFLATED_LEN};
-use crate::frame::{DEFAULT_MAX_BODY_LEN, Flags, FrameError, Heartbeat, MsgType};
-use crate::io::{FramedIo, IoEvent};
-use crate::status::Status;
+use rpcmesh_wire::body::Heartbeat;
+use rpcmesh_wire::codec::FrameCodec;
+use rpcmesh_wire::compress::{CompressionConfig, DEFAULT_MAX_INFLATED_LEN};
+use rpcmesh_wire::envelope::{CallCodec, CallError, IncomingReply};
+use rpcmesh_wire::frame::{DEFAULT_MAX_BODY_LEN, Flags, FrameError, MsgType};
+use rpcmesh_wire::status::Status;
+
+use crate::net::connection::{FramedIo, IoEvent};
 
 /// How long a call waits for its reply unless configured otherwise: long enough for any
 /// healthy mesh, short enough that a test that goes wrong fails instead of hanging.

@@ -3,7 +3,7 @@
 //! draining on shutdown.
 //!
 //! Owns connection admission and the connection tasks' lifetimes; what a connection does
-//! is the session's, given as a closure.
+//! is the session's, given as a closure (servers run [`crate::net::session::serve`]).
 //!
 //! Shutdown: the listener is dropped at once (new connections are refused by the kernel),
 //! each connection's token is cancelled so its session stops taking new calls and finishes
@@ -26,39 +26,6 @@ use tokio_util::sync::CancellationToken;
 pub const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
 /// Longest pause between accept attempts after errors.
 pub const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
-
-/// How long a draining session, once it has nothing in flight, keeps reading and
-/// answering "unavailable" before it closes: requests its caller sent before hearing of the
-/// drain are still on their way, and closing on them would lose them (and reset the
-/// connection). 200 ms covers any LAN round trip many times.
-pub const DRAIN_LINGER: Duration = Duration::from_millis(200);
-
-/// When a session that is draining may close.
-#[derive(Debug, Default)]
-pub struct Drain {
-    deadline: Option<tokio::time::Instant>,
-}
-
-impl Drain {
-    /// True when the session should close now: draining, `idle` (no call in flight,
-    /// nothing left to write), and idle for [`DRAIN_LINGER`] since it first was.
-    pub fn should_close(&mut self, draining: bool, idle: bool) -> bool {
-        if !draining || !idle {
-            return false;
-        }
-        let now = tokio::time::Instant::now();
-        let deadline = *self.deadline.get_or_insert(now + DRAIN_LINGER);
-        now >= deadline
-    }
-
-    /// Resolves when the linger ends (never before the session first went idle).
-    pub async fn lingered(&self) {
-        match self.deadline {
-            Some(d) => tokio::time::sleep_until(d).await,
-            None => std::future::pending().await,
-        }
-    }
-}
 
 /// Limits of the accept loop.
 #[derive(Clone, Copy, Debug)]

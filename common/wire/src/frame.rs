@@ -2,9 +2,9 @@
 //! the CRC32 trailer, plus rpcmesh's extension bits.
 //!
 //! Pure: byte slices in, typed values out, typed values appended to a `BytesMut`. It never
-//! touches a socket (that is [`crate::io`]) and never looks inside a protobuf payload (that
-//! is [`crate::call`]). Splitting a byte stream into frames, with its limits, is
-//! [`crate::codec`].
+//! touches a socket (that is `rpcmesh_common::net`) and never looks inside a protobuf
+//! payload (that is [`crate::envelope`]). What the bodies hold is [`crate::body`];
+//! splitting a byte stream into frames, with its limits, is [`crate::codec`].
 //!
 //! Layout (all integers big-endian):
 //!
@@ -42,9 +42,9 @@ const REQ_ID_AT: usize = 10;
 const TYPE_MASK: u8 = 0x0f;
 
 /// Why bytes could not be read as a frame or a body. Each variant says whether the
-/// stream is still in step ([`FrameError::is_fatal`]) and has a short metric label
-/// ([`FrameError::kind`]).
-#[derive(Debug, thiserror::Error)]
+/// stream is still in step ([`FrameError::is_fatal`]); the metrics layer gives each a
+/// label (`ErrorKind::of_frame` in `rpcmesh_common::metrics`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FrameError {
     /// The stream did not start with `"RPCF"` and no magic was found in the buffered bytes.
     #[error("bad magic 0x{found:08x}: not an RPCF stream")]
@@ -409,8 +409,9 @@ pub fn put_forwarded_response(
 #[must_use = "a frame is not complete until finish() is called"]
 pub struct FrameWriter {
     start: usize,
-    /// Where the request's 4-byte payload length sits, when this is a request.
-    payload_len_at: Option<usize>,
+    /// Where the 4-byte payload length of a request or response body sits (set by the
+    /// body's `begin_*`, [`crate::body`]).
+    pub(crate) payload_len_at: Option<usize>,
 }
 
 impl FrameWriter {
@@ -429,33 +430,6 @@ impl FrameWriter {
             payload_len_at: None,
         }
     }
-
-    /// Starts a request frame and writes the service and method names; the caller then
-    /// appends the payload bytes.
-    pub fn begin_request(
-        dst: &mut BytesMut,
-        flags: Flags,
-        req_id: u64,
-        service: &[u8],
-        method: &[u8],
-    ) -> Result<Self, FrameError> {
-        let mut w = FrameWriter::begin(dst, MsgType::Request, flags, req_id);
-        put_short_str(dst, service)?;
-        put_short_str(dst, method)?;
-        w.payload_len_at = Some(dst.len());
-        dst.put_u32(0);
-        Ok(w)
-    }
-
-    /// Starts a response frame and writes the status; the caller then appends the payload.
-    pub fn begin_response(dst: &mut BytesMut, flags: Flags, req_id: u64, status: u8) -> Self {
-        let mut w = FrameWriter::begin(dst, MsgType::Response, flags, req_id);
-        dst.put_u8(status);
-        w.payload_len_at = Some(dst.len());
-        dst.put_u32(0);
-        w
-    }
-
     /// Patches `body_len` (and the payload length), then appends the CRC.
     pub fn finish(self, dst: &mut BytesMut) -> Result<(), FrameError> {
         let body_len = dst.len() - self.start - HEADER_LEN;
@@ -501,268 +475,11 @@ impl FrameWriter {
     }
 }
 
-/// A request body: `service`, `method` (both UTF-8, checked) and the payload. All three
-/// are slices of the frame body.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Request {
-    /// Service name bytes (valid UTF-8).
-    pub service: Bytes,
-    /// Method name bytes (valid UTF-8).
-    pub method: Bytes,
-    /// Protobuf `rpc.RpcRequest`, zlib-compressed when the frame says so.
-    pub payload: Bytes,
-}
-
-impl Request {
-    /// Splits a request body.
-    pub fn parse(body: &Bytes) -> Result<Request, FrameError> {
-        let (service, method, payload_at) = request_names(body)?;
-        let payload = read_payload(body, payload_at, "request")?;
-        Ok(Request {
-            service: body.slice(service),
-            method: body.slice(method),
-            payload,
-        })
-    }
-
-    /// The service name, for messages.
-    pub fn service_name(&self) -> &str {
-        std::str::from_utf8(&self.service).unwrap_or("<non-utf8>")
-    }
-
-    /// The method name, for messages.
-    pub fn method_name(&self) -> &str {
-        std::str::from_utf8(&self.method).unwrap_or("<non-utf8>")
-    }
-
-    /// Appends this request as a whole frame.
-    pub fn put(&self, dst: &mut BytesMut, flags: Flags, req_id: u64) -> Result<(), FrameError> {
-        let w = FrameWriter::begin_request(dst, flags, req_id, &self.service, &self.method)?;
-        dst.extend_from_slice(&self.payload);
-        w.finish(dst)
-    }
-}
-
-/// Reads only the service and method names of a request body, as the broker does, and
-/// checks that the payload length adds up. Returns the byte ranges of both names.
-pub fn request_names(
-    body: &[u8],
-) -> Result<(std::ops::Range<usize>, std::ops::Range<usize>, usize), FrameError> {
-    let bad = |reason| FrameError::BadBody {
-        what: "request",
-        reason,
-    };
-    let service = short_str_range(body, 0).ok_or_else(|| bad("service name overruns the body"))?;
-    let method =
-        short_str_range(body, service.end).ok_or_else(|| bad("method name overruns the body"))?;
-    if std::str::from_utf8(&body[service.clone()]).is_err()
-        || std::str::from_utf8(&body[method.clone()]).is_err()
-    {
-        return Err(bad("service or method name is not UTF-8"));
-    }
-    let payload_at = method.end;
-    let p = body
-        .get(payload_at..payload_at + 4)
-        .ok_or_else(|| bad("payload length overruns the body"))?;
-    if payload_at + 4 + be_u32(p) as usize != body.len() {
-        return Err(bad("payload length does not match the body length"));
-    }
-    Ok((service, method, payload_at))
-}
-
-/// The service name of a request body whose names were already checked
-/// ([`request_names`]); empty if the body is too short.
-pub fn request_service(body: &[u8]) -> &[u8] {
-    short_str_range(body, 0)
-        .and_then(|r| body.get(r))
-        .unwrap_or_default()
-}
-
-/// A response body.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Response {
-    /// Status byte as sent (see [`crate::status::Status`]).
-    pub status: u8,
-    /// Protobuf `rpc.RpcResponse`, zlib-compressed when the frame says so.
-    pub payload: Bytes,
-}
-
-impl Response {
-    /// Splits a response body.
-    pub fn parse(body: &Bytes) -> Result<Response, FrameError> {
-        let status = *body.first().ok_or(FrameError::BadBody {
-            what: "response",
-            reason: "empty body",
-        })?;
-        let payload = read_payload(body, 1, "response")?;
-        Ok(Response { status, payload })
-    }
-
-    /// Appends this response as a whole frame.
-    pub fn put(&self, dst: &mut BytesMut, flags: Flags, req_id: u64) -> Result<(), FrameError> {
-        let w = FrameWriter::begin_response(dst, flags, req_id, self.status);
-        dst.extend_from_slice(&self.payload);
-        w.finish(dst)
-    }
-}
-
-/// A heartbeat body. Rare, so its fields are owned.
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
-pub struct Heartbeat {
-    /// Name of the sender's service (or role).
-    pub service_name: String,
-    /// Name of the sending node.
-    pub node_id: String,
-    /// Sender's clock, milliseconds since the Unix epoch.
-    pub timestamp_ms: u64,
-    /// Extra key/value pairs, in order.
-    pub extra: Vec<(String, String)>,
-}
-
-impl Heartbeat {
-    /// Parses a heartbeat body.
-    pub fn parse(body: &[u8]) -> Result<Heartbeat, FrameError> {
-        let bad = |reason| FrameError::BadBody {
-            what: "heartbeat",
-            reason,
-        };
-        let mut at = 0;
-        let string = |at: &mut usize| -> Result<String, FrameError> {
-            let r = short_str_range(body, *at).ok_or_else(|| bad("string overruns the body"))?;
-            *at = r.end;
-            String::from_utf8(body[r].to_vec()).map_err(|_| bad("string is not UTF-8"))
-        };
-        let service_name = string(&mut at)?;
-        let node_id = string(&mut at)?;
-        let ts = body
-            .get(at..at + 8)
-            .ok_or_else(|| bad("timestamp overruns the body"))?;
-        let timestamp_ms = be_u64(ts);
-        at += 8;
-        let n = body
-            .get(at..at + 2)
-            .ok_or_else(|| bad("pair count overruns the body"))?;
-        let n = u16::from_be_bytes([n[0], n[1]]);
-        at += 2;
-        let mut extra = Vec::with_capacity(usize::from(n).min(64));
-        for _ in 0..n {
-            let k = string(&mut at)?;
-            let v = string(&mut at)?;
-            extra.push((k, v));
-        }
-        if at != body.len() {
-            return Err(bad("trailing bytes after the last pair"));
-        }
-        Ok(Heartbeat {
-            service_name,
-            node_id,
-            timestamp_ms,
-            extra,
-        })
-    }
-
-    /// Appends this heartbeat as a whole frame.
-    pub fn put(&self, dst: &mut BytesMut, req_id: u64) -> Result<(), FrameError> {
-        put_heartbeat(
-            dst,
-            req_id,
-            &self.service_name,
-            &self.node_id,
-            self.timestamp_ms,
-            &self.extra,
-        )
-    }
-
-    /// Appends the heartbeat every rpcmesh program sends and answers with: from
-    /// `service_name` on `node_id`, stamped now, no extra pairs (nothing allocated).
-    pub fn put_now(
-        dst: &mut BytesMut,
-        req_id: u64,
-        service_name: &str,
-        node_id: &str,
-    ) -> Result<(), FrameError> {
-        put_heartbeat(dst, req_id, service_name, node_id, now_ms(), &[])
-    }
-}
-
-/// Milliseconds since the Unix epoch (0 if the clock is before it).
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
-fn put_heartbeat(
-    dst: &mut BytesMut,
-    req_id: u64,
-    service_name: &str,
-    node_id: &str,
-    timestamp_ms: u64,
-    extra: &[(String, String)],
-) -> Result<(), FrameError> {
-    let w = FrameWriter::begin(dst, MsgType::Heartbeat, Flags::NONE, req_id);
-    let body = (|| {
-        put_short_str(dst, service_name.as_bytes())?;
-        put_short_str(dst, node_id.as_bytes())?;
-        dst.put_u64(timestamp_ms);
-        let n =
-            u16::try_from(extra.len()).map_err(|_| FrameError::Unencodable { len: extra.len() })?;
-        dst.put_u16(n);
-        for (k, v) in extra {
-            put_short_str(dst, k.as_bytes())?;
-            put_short_str(dst, v.as_bytes())?;
-        }
-        Ok(())
-    })();
-    match body {
-        Ok(()) => w.finish(dst),
-        Err(e) => {
-            w.abandon(dst);
-            Err(e)
-        }
-    }
-}
-
-fn put_short_str(dst: &mut BytesMut, s: &[u8]) -> Result<(), FrameError> {
-    let n = u16::try_from(s.len()).map_err(|_| FrameError::Unencodable { len: s.len() })?;
-    dst.put_u16(n);
-    dst.extend_from_slice(s);
-    Ok(())
-}
-
-fn short_str_range(body: &[u8], at: usize) -> Option<std::ops::Range<usize>> {
-    let n = body.get(at..at + 2)?;
-    let start = at + 2;
-    let end = start + usize::from(u16::from_be_bytes([n[0], n[1]]));
-    (end <= body.len()).then_some(start..end)
-}
-
-fn read_payload(body: &Bytes, at: usize, what: &'static str) -> Result<Bytes, FrameError> {
-    Ok(body.slice(payload_range(body, at, what)?))
-}
-
-/// Where the length-prefixed payload that starts at `at` and must end the body lies.
-pub(crate) fn payload_range(
-    body: &[u8],
-    at: usize,
-    what: &'static str,
-) -> Result<std::ops::Range<usize>, FrameError> {
-    let bad = |reason| FrameError::BadBody { what, reason };
-    let p = body
-        .get(at..at + 4)
-        .ok_or_else(|| bad("payload length overruns the body"))?;
-    let start = at + 4;
-    if start + be_u32(p) as usize != body.len() {
-        return Err(bad("payload length does not match the body length"));
-    }
-    Ok(start..body.len())
-}
-
 pub(crate) fn be_u32(b: &[u8]) -> u32 {
     u32::from_be_bytes([b[0], b[1], b[2], b[3]])
 }
 
-fn be_u64(b: &[u8]) -> u64 {
+pub(crate) fn be_u64(b: &[u8]) -> u64 {
     let mut a = [0u8; 8];
     a.copy_from_slice(&b[..8]);
     u64::from_be_bytes(a)
@@ -771,6 +488,7 @@ fn be_u64(b: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::body::{Request, Response};
 
     fn request_frame(flags: Flags, id: u64) -> Bytes {
         let mut b = BytesMut::new();
@@ -824,37 +542,7 @@ mod tests {
         b[n - 1] ^= 0xff;
         let e = Frame::from_bytes(b.freeze()).unwrap_err();
         assert_eq!(e.request_id(), Some(42));
-        assert_eq!(
-            crate::telemetry::ErrorKind::of_frame(&e),
-            crate::telemetry::ErrorKind::Crc
-        );
-    }
-
-    #[test]
-    fn request_body_with_lying_lengths_is_rejected() {
-        let body = Bytes::from_static(b"\x00\x05Echo");
-        assert!(Request::parse(&body).is_err());
-        let body = Bytes::from_static(b"\x00\x01S\x00\x01M\x00\x00\x00\x05ab");
-        assert!(Request::parse(&body).is_err());
-        let body = Bytes::from_static(b"\x00\x01S\x00\x01M\x00\x00\x00\x02ab");
-        assert_eq!(
-            Request::parse(&body).unwrap().payload,
-            Bytes::from_static(b"ab")
-        );
-    }
-
-    #[test]
-    fn heartbeat_round_trips() {
-        let hb = Heartbeat {
-            service_name: "broker".into(),
-            node_id: "n1".into(),
-            timestamp_ms: 1_700_000_000_000,
-            extra: vec![("k".into(), "v".into())],
-        };
-        let mut b = BytesMut::new();
-        hb.put(&mut b, 9).unwrap();
-        let f = Frame::from_bytes(b.freeze()).unwrap();
-        assert_eq!(Heartbeat::parse(&f.body).unwrap(), hb);
+        assert!(matches!(e, FrameError::Crc { .. }));
     }
 
     #[test]

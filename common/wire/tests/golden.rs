@@ -7,11 +7,12 @@ use std::path::PathBuf;
 
 use bytes::{Bytes, BytesMut};
 use prost::Message;
-use rpcmesh_common::call::CallCodec;
-use rpcmesh_common::codec::FrameCodec;
-use rpcmesh_common::frame::{Flags, Frame, Heartbeat, MsgType, Request, Response};
-use rpcmesh_common::proto::rpc::{EchoRequest, EchoResponse};
-use rpcmesh_common::status::Status;
+use rpcmesh_wire::body::{Heartbeat, Request, Response};
+use rpcmesh_wire::codec::FrameCodec;
+use rpcmesh_wire::envelope::CallCodec;
+use rpcmesh_wire::frame::{Flags, Frame, MsgType};
+use rpcmesh_wire::proto::rpc::{EchoRequest, EchoResponse};
+use rpcmesh_wire::status::Status;
 
 fn hex(s: &str) -> Vec<u8> {
     (0..s.len())
@@ -25,7 +26,7 @@ fn vector_files() -> Vec<PathBuf> {
     let mut files = vec![here.join("tests/data/vectors.txt")];
     // The shared copy beside the project, when there is one, is checked too: it is the
     // source of truth, the in-repo copy only makes the test self-contained.
-    let shared = here.join("../../shared/protocol/vectors.txt");
+    let shared = here.join("../../../shared/protocol/vectors.txt");
     if shared.exists() {
         files.push(shared);
     }
@@ -154,12 +155,12 @@ fn golden_frames_mean_what_their_names_say() {
                 assert!(!r.rpc.success);
                 assert_eq!(r.rpc.error_msg, "service not found: Nope");
                 let mut out = BytesMut::new();
-                rpcmesh_common::call::put_error_response(
+                rpcmesh_wire::envelope::put_error_response(
                     &mut out,
                     7,
                     Flags::NONE,
                     Status::Failed,
-                    &rpcmesh_common::call::service_not_found("Nope"),
+                    &rpcmesh_wire::envelope::service_not_found("Nope"),
                 );
                 assert_eq!(&out[..], &bytes[..]);
             }

@@ -6,8 +6,9 @@
 
 use bytes::{Bytes, BytesMut};
 use proptest::prelude::*;
-use rpcmesh_common::codec::FrameCodec;
-use rpcmesh_common::frame::{Flags, Frame, FrameError, Heartbeat, MsgType, Request, Response};
+use rpcmesh_wire::body::{Heartbeat, Request, Response};
+use rpcmesh_wire::codec::FrameCodec;
+use rpcmesh_wire::frame::{Flags, Frame, FrameError, MsgType};
 
 #[derive(Debug, Clone)]
 enum Body {

@@ -9,7 +9,7 @@
 //! An idle process does not spin: the window starts only when a read returned data.
 //!
 //! The sockets of a server share one [`Activity`] with its spinner ([`spawn`]):
-//! [`FramedIo`](crate::io::FramedIo) calls [`Activity::note_read`] on every read that
+//! [`FramedIo`](crate::net::connection::FramedIo) calls [`Activity::note_read`] on every read that
 //! returned data. Each server has its own, so several servers in one process (tests, the
 //! driver's embedded mesh) do not disturb one another.
 //!
@@ -23,11 +23,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use metrics::Histogram;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
-use crate::shutdown::CancellationToken;
+use crate::net::shutdown::CancellationToken;
 
 /// Idle polling is recorded in chunks of at least this much (and when the spinner goes to
 /// sleep), not per stretch: a stretch between two reads is often a single round, and a
@@ -82,14 +81,15 @@ impl Drop for NotSpinningOnDrop {
 /// polling the reactor (`epoll_wait` with a zero timeout) until `window` passes with no
 /// further read, then sleeps until the next one. Stops when `stop` is cancelled.
 ///
-/// `idle` gets the time spent polling without finding a read, in chunks of about
-/// [`IDLE_RECORD_CHUNK`]; its sum is roughly the CPU time busy polling cost beyond the
-/// work (rounds in which only other tasks ran, woken without a read, count as idle too).
+/// `idle` is told the time spent polling without finding a read, in chunks of about
+/// [`IDLE_RECORD_CHUNK`] (the broker records it as `rpcmesh_busy_poll_idle_seconds`); its
+/// sum is roughly the CPU time busy polling cost beyond the work (rounds in which only
+/// other tasks ran, woken without a read, count as idle too).
 pub fn spawn(
     activity: Arc<Activity>,
     window: Duration,
     stop: CancellationToken,
-    idle: Histogram,
+    mut idle: impl FnMut(Duration) + Send + 'static,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
         let guard = NotSpinningOnDrop(activity);
@@ -98,7 +98,7 @@ pub fn spawn(
         loop {
             a.spinning.store(false, Ordering::Relaxed);
             if !idle_unrecorded.is_zero() {
-                idle.record(idle_unrecorded.as_secs_f64());
+                idle(idle_unrecorded);
                 idle_unrecorded = Duration::ZERO;
             }
             // A read that came after the last look but saw `spinning` still set did not
@@ -126,7 +126,7 @@ pub fn spawn(
                     if let Some((first, latest)) = stretch.take() {
                         idle_unrecorded += latest - first;
                         if idle_unrecorded >= IDLE_RECORD_CHUNK {
-                            idle.record(idle_unrecorded.as_secs_f64());
+                            idle(idle_unrecorded);
                             idle_unrecorded = Duration::ZERO;
                         }
                     }
@@ -158,7 +158,7 @@ mod tests {
             activity.clone(),
             Duration::from_millis(200),
             stop.clone(),
-            Histogram::noop(),
+            |_| {},
         );
         let wait_for = |want: bool| {
             let a = activity.clone();
@@ -195,7 +195,7 @@ mod tests {
             activity.clone(),
             Duration::from_secs(60),
             CancellationToken::new(),
-            Histogram::noop(),
+            |_| {},
         );
         activity.note_read();
         for _ in 0..1000 {

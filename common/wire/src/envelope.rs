@@ -1,10 +1,12 @@
 //! Calls as the two ends see them: an application message wrapped in `rpc.RpcRequest`,
 //! optionally zlib-compressed, in a request frame; and `rpc.RpcResponse` with a status in a
-//! response frame. Used by the provider, the driver and the test client; the broker uses
-//! only [`put_error_response`], for the replies it makes itself.
+//! response frame. The provider, the driver and the test client encode and decode calls
+//! here; the broker, which never decodes a payload it forwards, uses only
+//! [`put_error_response`], for the replies it makes itself.
 //!
-//! Owns the protobuf envelope and the compression decision. Frame layout is
-//! [`crate::frame`]'s; the zlib mechanics are [`crate::compress`]'s.
+//! Owns the protobuf envelope and the compression decision. Frame and body layout are
+//! [`crate::frame`]'s and [`crate::body`]'s; the zlib mechanics are [`crate::compress`]'s;
+//! timing compression into metrics is the caller's, through [`CompressionObserver`].
 //!
 //! Encoding writes straight into the connection's write buffer: the envelope's fields are
 //! written by hand (they are two or three tags) around the inner message, so a plain call
@@ -16,10 +18,9 @@ use bytes::{BufMut, Bytes, BytesMut};
 use prost::Message;
 use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint};
 
+use crate::body::{Request, Response, payload_range};
 use crate::compress::{CompressError, CompressionConfig, Compressor, Inflater};
-use crate::frame::{
-    Flags, Frame, FrameError, FrameWriter, MsgType, Request, Response, payload_range,
-};
+use crate::frame::{Flags, Frame, FrameError, FrameWriter, MsgType};
 use crate::proto::rpc::{RpcRequest, RpcResponse};
 use crate::status::Status;
 
@@ -47,12 +48,6 @@ pub enum CallError {
         got: MsgType,
     },
 }
-
-/// Calls in flight on one multiplexed connection between a broker and a provider, by
-/// default: the broker puts up to this many on one pooled connection and the provider
-/// takes as many, so that the broker, which can move calls to another connection, is the
-/// one to shed.
-pub const DEFAULT_MAX_IN_FLIGHT_PER_LINK: usize = 16_384;
 
 /// Payload sizes of one encoded or decoded message: before compression and on the wire.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -85,30 +80,15 @@ pub struct IncomingReply {
     pub size: PayloadSize,
 }
 
-/// Histograms of the time spent compressing and inflating payloads
-/// (`rpcmesh_compression_seconds{role, op}`): their `_sum` is the CPU time compression costs.
-#[derive(Debug, Clone)]
-pub struct CompressionTimers {
-    /// Time to compress one payload.
-    pub compress: metrics::Histogram,
-    /// Time to inflate one payload.
-    pub inflate: metrics::Histogram,
-}
-
-impl CompressionTimers {
-    /// Registers the two histograms for `role`.
-    pub fn new(t: &crate::telemetry::Telemetry, role: &'static str) -> Self {
-        CompressionTimers {
-            compress: t.histogram(
-                "rpcmesh_compression_seconds",
-                &[("role", role), ("op", "compress")],
-            ),
-            inflate: t.histogram(
-                "rpcmesh_compression_seconds",
-                &[("role", role), ("op", "inflate")],
-            ),
-        }
-    }
+/// Told how long each compression and inflation took (the metrics layer records them as
+/// `rpcmesh_compression_seconds`). Called only for payloads that are compressed or
+/// inflated, so the cost of a call through it is nothing beside zlib's.
+pub trait CompressionObserver: Send + Sync + std::fmt::Debug {
+    /// One payload was compressed (or tried: it may have come out longer and been sent
+    /// plain) in `took`.
+    fn compressed(&self, took: std::time::Duration);
+    /// One payload was inflated (or tried) in `took`.
+    fn inflated(&self, took: std::time::Duration);
 }
 
 /// A response read in place: the envelope's fields borrow the frame (or the inflated
@@ -132,7 +112,7 @@ pub struct CallCodec {
     compressor: Option<Compressor>,
     inflater: Inflater,
     scratch: BytesMut,
-    timers: Option<CompressionTimers>,
+    timers: Option<std::sync::Arc<dyn CompressionObserver>>,
     /// Largest frame body this side writes: a bigger one is refused here, since the peer
     /// would refuse it.
     max_body: u32,
@@ -158,8 +138,8 @@ impl CallCodec {
         self
     }
 
-    /// Times every compression and inflation into `timers`.
-    pub fn timed(mut self, timers: CompressionTimers) -> Self {
+    /// Tells `timers` how long every compression and inflation took.
+    pub fn timed(mut self, timers: std::sync::Arc<dyn CompressionObserver>) -> Self {
         self.timers = Some(timers);
         self
     }
@@ -265,7 +245,7 @@ impl CallCodec {
         let started = self.timers.as_ref().map(|_| std::time::Instant::now());
         let compressed = c.compress_into(&self.scratch, dst);
         if let (Some(t), Some(s)) = (&self.timers, started) {
-            t.compress.record(s.elapsed().as_secs_f64());
+            t.compressed(s.elapsed());
         }
         if compressed {
             frame.add_flags(dst, Flags::COMPRESSED);
@@ -344,7 +324,7 @@ impl CallCodec {
         let started = self.timers.as_ref().map(|_| std::time::Instant::now());
         let inflated = self.inflater.inflate_into(payload, &mut self.scratch);
         if let (Some(t), Some(s)) = (&self.timers, started) {
-            t.inflate.record(s.elapsed().as_secs_f64());
+            t.inflated(s.elapsed());
         }
         inflated
     }
@@ -625,9 +605,6 @@ mod tests {
         .put(&mut b, Flags::COMPRESSED, 1)
         .unwrap();
         let e = codec.decode_request(&frame(b)).unwrap_err();
-        assert_eq!(
-            crate::telemetry::ErrorKind::of_call(&e),
-            crate::telemetry::ErrorKind::Inflate
-        );
+        assert!(matches!(e, CallError::Inflate(_)), "{e:?}");
     }
 }

@@ -3,11 +3,12 @@
 //! the process's own CPU time, memory, file descriptors and threads (`/proc/self`).
 //!
 //! Owns the parsing of `/proc/softirqs` ([`parse_softirqs`], pure: no crate parses it), the
-//! numbering of the CPUs of `/proc/stat` ([`parse_stat`]), the names, labels and help of the
-//! metrics below, their handles, and the task that refreshes them ([`spawn`]). Leaves the
-//! recorder, its rendering and the `/metrics` endpoint to [`crate::telemetry`]; the parsing
-//! of `/proc/stat` to `procfs` and of `/proc/self` to `metrics-process`; and when to start
-//! and stop collecting to each program's `run`.
+//! numbering of the CPUs of `/proc/stat` ([`parse_stat`]), the handles of the metrics
+//! below, and the task that refreshes them ([`spawn`]). Leaves their names, labels and help
+//! to the catalogue ([`crate::metrics::catalogue`]); the recorder, its rendering and the
+//! `/metrics` endpoint to [`crate::metrics::recorder`]; the parsing of `/proc/stat` to
+//! `procfs` and of `/proc/self` to `metrics-process`; and when to start and stop collecting
+//! to each program's `run`.
 //!
 //! # Metrics
 //!
@@ -53,7 +54,7 @@
 //! (one standard deviation) over `[1m]`, five times less over `[5m]`; use `[5m]` or longer
 //! for small shares. A fractional gauge under another name (`rpcmesh_cpu_seconds`) would
 //! be exact but typed wrongly for `rate()`; we keep the right name and type because they
-//! are the interface that queries are written against: once [`crate::telemetry`] can render
+//! are the interface that queries are written against: once [`crate::metrics::recorder`] can render
 //! float counters, these become exact without any query changing.
 //!
 //! `/proc/softirqs` prints each count as a 32-bit unsigned int that wraps (in about 12 h
@@ -89,11 +90,16 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use metrics::{Counter, Gauge, Unit};
+use metrics::{Counter, Gauge};
 use procfs::{CpuTime, FromReadSI, KernelStats};
 
-use crate::shutdown::CancellationToken;
-use crate::telemetry::Telemetry;
+use crate::metrics::Telemetry;
+use crate::metrics::catalogue::{
+    CPU_SECONDS_TOTAL, Family, PROCESS_CPU_SECONDS, PROCESS_CPU_SECONDS_TOTAL, PROCESS_MAX_FDS,
+    PROCESS_OPEN_FDS, PROCESS_RESIDENT_MEMORY_BYTES, PROCESS_START_TIME_SECONDS, PROCESS_THREADS,
+    PROCESS_VIRTUAL_MEMORY_BYTES, PROCESS_VIRTUAL_MEMORY_MAX_BYTES, Role, SOFTIRQS_TOTAL,
+};
+use crate::net::shutdown::CancellationToken;
 
 /// How often [`spawn`] reads `/proc` unless told otherwise: a third of Prometheus's usual
 /// 15 s scrape interval, so a scrape sees figures at most 5 s old. One collection reads a
@@ -111,76 +117,28 @@ pub const MIN_INTERVAL: Duration = Duration::from_secs(1);
 /// bounded should the file ever hold something else.
 pub const MAX_VECTORS: usize = 32;
 
-/// `rpcmesh_softirqs_total{role, cpu, vector}`: softirqs handled since boot.
-pub const SOFTIRQS_TOTAL: &str = "rpcmesh_softirqs_total";
-/// `rpcmesh_cpu_seconds_total{role, cpu, mode}`: CPU time since boot, whole seconds.
-pub const CPU_SECONDS_TOTAL: &str = "rpcmesh_cpu_seconds_total";
-/// `rpcmesh_process_cpu_seconds_total{role}`: this process's user + system CPU time, whole
-/// seconds.
-pub const PROCESS_CPU_SECONDS_TOTAL: &str = "rpcmesh_process_cpu_seconds_total";
-/// `rpcmesh_process_cpu_seconds{role}` (histogram): CPU time used per collection interval;
-/// its `_sum` is the process's CPU time in fractional seconds.
-pub const PROCESS_CPU_SECONDS: &str = "rpcmesh_process_cpu_seconds";
-
 const SOFTIRQS_PATH: &str = "/proc/softirqs";
 const STAT_PATH: &str = "/proc/stat";
 
-/// A gauge of the process: its name, unit and help.
-struct GaugeSpec {
-    name: &'static str,
-    unit: Unit,
-    help: &'static str,
-}
+/// The process gauges.
+const PROCESS_GAUGES: usize = 7;
 
-/// The process gauges, in the order [`process_gauge_values`] gives their values.
-const PROCESS_GAUGES: [GaugeSpec; 7] = [
-    GaugeSpec {
-        name: "rpcmesh_process_resident_memory_bytes",
-        unit: Unit::Bytes,
-        help: "Resident memory size of this process in bytes.",
-    },
-    GaugeSpec {
-        name: "rpcmesh_process_virtual_memory_bytes",
-        unit: Unit::Bytes,
-        help: "Virtual memory size of this process in bytes.",
-    },
-    GaugeSpec {
-        name: "rpcmesh_process_virtual_memory_max_bytes",
-        unit: Unit::Bytes,
-        help: "Limit on the virtual memory of this process in bytes (0: unlimited).",
-    },
-    GaugeSpec {
-        name: "rpcmesh_process_open_fds",
-        unit: Unit::Count,
-        help: "File descriptors this process has open.",
-    },
-    GaugeSpec {
-        name: "rpcmesh_process_max_fds",
-        unit: Unit::Count,
-        help: "Limit on the open file descriptors of this process (0: unlimited).",
-    },
-    GaugeSpec {
-        name: "rpcmesh_process_threads",
-        unit: Unit::Count,
-        help: "OS threads of this process.",
-    },
-    GaugeSpec {
-        name: "rpcmesh_process_start_time_seconds",
-        unit: Unit::Seconds,
-        help: "Start time of this process, seconds since the Unix epoch.",
-    },
-];
-
-/// The values of [`PROCESS_GAUGES`], in its order.
-fn process_gauge_values(m: &metrics_process::collector::Metrics) -> [Option<u64>; 7] {
+/// Each process gauge with its value in a `metrics-process` snapshot (the order is that of
+/// [`SystemMetrics`]'s handles).
+fn process_gauges(
+    m: &metrics_process::collector::Metrics,
+) -> [(&'static Family, Option<u64>); PROCESS_GAUGES] {
     [
-        m.resident_memory_bytes,
-        m.virtual_memory_bytes,
-        m.virtual_memory_max_bytes,
-        m.open_fds,
-        m.max_fds,
-        m.threads,
-        m.start_time_seconds,
+        (&PROCESS_RESIDENT_MEMORY_BYTES, m.resident_memory_bytes),
+        (&PROCESS_VIRTUAL_MEMORY_BYTES, m.virtual_memory_bytes),
+        (
+            &PROCESS_VIRTUAL_MEMORY_MAX_BYTES,
+            m.virtual_memory_max_bytes,
+        ),
+        (&PROCESS_OPEN_FDS, m.open_fds),
+        (&PROCESS_MAX_FDS, m.max_fds),
+        (&PROCESS_THREADS, m.threads),
+        (&PROCESS_START_TIME_SECONDS, m.start_time_seconds),
     ]
 }
 
@@ -471,7 +429,7 @@ struct Warned {
 #[derive(Debug)]
 pub struct SystemMetrics {
     telemetry: Telemetry,
-    role: &'static str,
+    role: Role,
     ticks_per_second: u64,
     /// vector → CPU → series, registered the first time the pair is seen.
     softirqs: HashMap<String, HashMap<u32, SoftirqSeries>>,
@@ -479,37 +437,14 @@ pub struct SystemMetrics {
     cpu_seconds: HashMap<u32, [Option<Counter>; CpuMode::ALL.len()]>,
     process_cpu: Option<Counter>,
     process_cpu_exact: Option<(metrics::Histogram, f64)>,
-    process_gauges: [Option<Gauge>; PROCESS_GAUGES.len()],
+    process_gauges: [Option<Gauge>; PROCESS_GAUGES],
     warned: Warned,
 }
 
 impl SystemMetrics {
-    /// Describes the metrics on `telemetry`; the series are registered by [`Self::collect`]
-    /// as it first sees them.
-    pub fn new(telemetry: &Telemetry, role: &'static str) -> Self {
-        telemetry.describe(
-            SOFTIRQS_TOTAL,
-            Some(Unit::Count),
-            "Softirqs handled by each CPU since boot, by vector (/proc/softirqs).",
-        );
-        telemetry.describe(
-            CPU_SECONDS_TOTAL,
-            Some(Unit::Seconds),
-            "Time each CPU spent in each mode since boot, in whole seconds (/proc/stat).",
-        );
-        telemetry.describe(
-            PROCESS_CPU_SECONDS_TOTAL,
-            Some(Unit::Seconds),
-            "User and system CPU time of this process, in whole seconds.",
-        );
-        telemetry.describe_histogram(
-            PROCESS_CPU_SECONDS,
-            Some(Unit::Seconds),
-            "CPU time this process used per collection interval; _sum is its CPU time in fractional seconds.",
-        );
-        for g in &PROCESS_GAUGES {
-            telemetry.describe(g.name, Some(g.unit), g.help);
-        }
+    /// The metrics of a program of `role`; the series are registered by [`Self::collect`]
+    /// as it first sees them (their help comes from the catalogue, like every other's).
+    pub fn new(telemetry: &Telemetry, role: Role) -> Self {
         SystemMetrics {
             telemetry: telemetry.clone(),
             role,
@@ -551,7 +486,7 @@ impl SystemMetrics {
                 if self.softirqs.len() >= MAX_VECTORS {
                     if !std::mem::replace(&mut self.warned.vectors, true) {
                         tracing::warn!(
-                            role,
+                            role = role.label(),
                             vector = %row.vector,
                             max = MAX_VECTORS,
                             "too many softirq vectors; ignoring the rest"
@@ -569,9 +504,9 @@ impl SystemMetrics {
                     .entry(cpu)
                     .or_insert_with(|| {
                         let counter = telemetry.counter(
-                            SOFTIRQS_TOTAL,
+                            &SOFTIRQS_TOTAL,
                             &[
-                                ("role", role),
+                                ("role", role.label()),
                                 ("cpu", &cpu.to_string()),
                                 ("vector", &row.vector),
                             ],
@@ -594,9 +529,9 @@ impl SystemMetrics {
                 handle
                     .get_or_insert_with(|| {
                         telemetry.counter(
-                            CPU_SECONDS_TOTAL,
+                            &CPU_SECONDS_TOTAL,
                             &[
-                                ("role", role),
+                                ("role", role.label()),
                                 ("cpu", &cpu.to_string()),
                                 ("mode", mode.label()),
                             ],
@@ -612,13 +547,13 @@ impl SystemMetrics {
         if let Some(seconds) = m.cpu_seconds_total {
             self.process_cpu
                 .get_or_insert_with(|| {
-                    telemetry.counter(PROCESS_CPU_SECONDS_TOTAL, &[("role", role)])
+                    telemetry.counter(&PROCESS_CPU_SECONDS_TOTAL, &[("role", role.label())])
                 })
                 // Rounds down; NaN or a negative value (never seen) becomes 0.
                 .absolute(seconds as u64);
             let (hist, last) = self.process_cpu_exact.get_or_insert_with(|| {
                 (
-                    telemetry.histogram(PROCESS_CPU_SECONDS, &[("role", role)]),
+                    telemetry.histogram(&PROCESS_CPU_SECONDS, &[("role", role.label())]),
                     0.0,
                 )
             });
@@ -627,15 +562,13 @@ impl SystemMetrics {
                 *last = seconds;
             }
         }
-        let values = process_gauge_values(m);
-        for ((spec, handle), value) in PROCESS_GAUGES
-            .iter()
+        for ((family, value), handle) in process_gauges(m)
+            .into_iter()
             .zip(self.process_gauges.iter_mut())
-            .zip(values)
         {
             if let Some(v) = value {
                 handle
-                    .get_or_insert_with(|| telemetry.gauge(spec.name, &[("role", role)]))
+                    .get_or_insert_with(|| telemetry.gauge(family, &[("role", role.label())]))
                     .set(v as f64);
             }
         }
@@ -647,7 +580,7 @@ impl SystemMetrics {
 /// listing `/proc/self/fd` takes a while when thousands of connections are open.
 pub fn spawn(
     telemetry: Telemetry,
-    role: &'static str,
+    role: Role,
     interval: Duration,
     stop: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
@@ -673,11 +606,11 @@ pub fn spawn(
                 Ok(_) if last => return,
                 Ok(m) => m,
                 Err(e) if e.is_panic() => {
-                    tracing::warn!(role, error = %e, "system metrics collection panicked; stopped");
+                    tracing::warn!(role = role.label(), error = %e, "system metrics collection panicked; stopped");
                     return;
                 }
                 Err(e) => {
-                    tracing::debug!(role, error = %e, "system metrics collection cancelled");
+                    tracing::debug!(role = role.label(), error = %e, "system metrics collection cancelled");
                     return;
                 }
             };
@@ -696,7 +629,7 @@ pub struct Housekeeping {
 
 impl Housekeeping {
     /// Starts both for a program of `role` (inside a Tokio runtime).
-    pub fn start(telemetry: &Telemetry, role: &'static str) -> Self {
+    pub fn start(telemetry: &Telemetry, role: Role) -> Self {
         let stop = CancellationToken::new();
         let tasks = vec![
             telemetry.spawn_upkeep(stop.clone()),
@@ -725,7 +658,8 @@ fn read(path: &'static str) -> Result<String, SysError> {
 }
 
 /// Logs a failed source at warn the first time, at debug after that.
-fn warn_once(warned: &mut bool, role: &'static str, e: &SysError) {
+fn warn_once(warned: &mut bool, role: Role, e: &SysError) {
+    let role = role.label();
     if std::mem::replace(warned, true) {
         tracing::debug!(role, error = %e, "system metrics source failed again");
     } else {
@@ -740,7 +674,7 @@ fn warn_once(warned: &mut bool, role: &'static str, e: &SysError) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::telemetry::sample;
+    use crate::metrics::recorder::sample;
 
     /// `cat /proc/softirqs` on the 2-CPU development VM.
     const SOFTIRQS_2CPU: &str = "                    CPU0       CPU1       
@@ -901,7 +835,7 @@ softirq 26714694 0 96402 4 26239781 76560 0 1169 143669 0 157109
         assert_eq!(growth(1 << 40, 7), 7);
 
         let t = Telemetry::new();
-        let mut m = SystemMetrics::new(&t, "test");
+        let mut m = SystemMetrics::new(&t, Role::Provider);
         let at = |count| Softirqs {
             cpus: vec![0],
             rows: vec![SoftirqRow {
@@ -911,9 +845,9 @@ softirq 26714694 0 96402 4 26239781 76560 0 1169 143669 0 157109
         };
         m.record_softirqs(&at(u64::from(u32::MAX) - 9));
         m.record_softirqs(&at(20));
-        let labels = [("role", "test"), ("cpu", "0"), ("vector", "net_rx")];
+        let labels = [("role", "provider"), ("cpu", "0"), ("vector", "net_rx")];
         assert_eq!(
-            sample(&t.render(), SOFTIRQS_TOTAL, &labels),
+            sample(&t.render(), SOFTIRQS_TOTAL.name, &labels),
             Some((u64::from(u32::MAX) + 21) as f64)
         );
     }
@@ -921,7 +855,7 @@ softirq 26714694 0 96402 4 26239781 76560 0 1169 143669 0 157109
     #[test]
     fn softirq_vectors_beyond_the_cap_get_no_series() {
         let t = Telemetry::new();
-        let mut m = SystemMetrics::new(&t, "test");
+        let mut m = SystemMetrics::new(&t, Role::Provider);
         let s = Softirqs {
             cpus: vec![0],
             rows: (0..MAX_VECTORS + 8)
@@ -977,7 +911,7 @@ softirq 26714694 0 96402 4 26239781 76560 0 1169 143669 0 157109
     #[test]
     fn cpu_seconds_are_whole_seconds_and_never_go_back() {
         let t = Telemetry::new();
-        let mut m = SystemMetrics::new(&t, "test");
+        let mut m = SystemMetrics::new(&t, Role::Provider);
         m.ticks_per_second = 100;
         m.record_stat(&parse_stat(STAT_2CPU).expect("parses"));
         // iowait of cpu1 moves back from 1146 to 1000 ticks: the counter holds.
@@ -990,8 +924,8 @@ softirq 26714694 0 96402 4 26239781 76560 0 1169 143669 0 157109
         let value = |cpu, mode| {
             sample(
                 &text,
-                CPU_SECONDS_TOTAL,
-                &[("role", "test"), ("cpu", cpu), ("mode", mode)],
+                CPU_SECONDS_TOTAL.name,
+                &[("role", "provider"), ("cpu", cpu), ("mode", mode)],
             )
         };
         assert_eq!(value("0", "softirq"), Some(33.0));
@@ -1003,7 +937,7 @@ softirq 26714694 0 96402 4 26239781 76560 0 1169 143669 0 157109
 
     fn collected() -> String {
         let t = Telemetry::new();
-        let mut m = SystemMetrics::new(&t, "test");
+        let mut m = SystemMetrics::new(&t, Role::Provider);
         m.collect();
         t.render()
     }
@@ -1012,14 +946,14 @@ softirq 26714694 0 96402 4 26239781 76560 0 1169 143669 0 157109
     fn collect_exports_softirqs_cpu_and_process_metrics() {
         let text = collected();
         for series in [
-            r#"rpcmesh_softirqs_total{role="test",cpu="0",vector="net_rx"} "#,
-            r#"rpcmesh_cpu_seconds_total{role="test",cpu="0",mode="softirq"} "#,
-            r#"rpcmesh_cpu_seconds_total{role="test",cpu="0",mode="idle"} "#,
-            r#"rpcmesh_process_cpu_seconds_total{role="test"} "#,
-            r#"rpcmesh_process_cpu_seconds_sum{role="test"} "#,
-            r#"rpcmesh_process_resident_memory_bytes{role="test"} "#,
-            r#"rpcmesh_process_open_fds{role="test"} "#,
-            r#"rpcmesh_process_threads{role="test"} "#,
+            r#"rpcmesh_softirqs_total{role="provider",cpu="0",vector="net_rx"} "#,
+            r#"rpcmesh_cpu_seconds_total{role="provider",cpu="0",mode="softirq"} "#,
+            r#"rpcmesh_cpu_seconds_total{role="provider",cpu="0",mode="idle"} "#,
+            r#"rpcmesh_process_cpu_seconds_total{role="provider"} "#,
+            r#"rpcmesh_process_cpu_seconds_sum{role="provider"} "#,
+            r#"rpcmesh_process_resident_memory_bytes{role="provider"} "#,
+            r#"rpcmesh_process_open_fds{role="provider"} "#,
+            r#"rpcmesh_process_threads{role="provider"} "#,
         ] {
             assert!(text.contains(series), "no {series} in\n{text}");
         }
@@ -1050,10 +984,10 @@ softirq 26714694 0 96402 4 26239781 76560 0 1169 143669 0 157109
             .spawn();
         let mut child = match child {
             Ok(c) => c,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                println!("promtool is not on PATH; skipping the lint of the exposition");
-                return;
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!(
+                "promtool is not on PATH: install Debian's `prometheus` package (scripts/deps \
+                 does), then rerun"
+            ),
             Err(e) => panic!("cannot run promtool: {e}"),
         };
         child
@@ -1079,9 +1013,9 @@ softirq 26714694 0 96402 4 26239781 76560 0 1169 143669 0 157109
     async fn spawn_collects_at_once_and_stops_when_cancelled() {
         let t = Telemetry::new();
         let stop = CancellationToken::new();
-        let task = spawn(t.clone(), "test", Duration::ZERO, stop.clone());
+        let task = spawn(t.clone(), Role::Provider, Duration::ZERO, stop.clone());
         let seen = tokio::time::timeout(Duration::from_secs(10), async {
-            while !t.render().contains(SOFTIRQS_TOTAL) {
+            while !t.render().contains(SOFTIRQS_TOTAL.name) {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         })

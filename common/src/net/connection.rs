@@ -3,10 +3,10 @@
 //! calls as the socket allows.
 //!
 //! Owns the syscalls and the buffers; what the frames mean, and who waits for them, is the
-//! session's (in each program). One task owns a connection's reads, writes and in-flight
-//! table without locks or a second task: it waits in [`FramedIo::wait_io`] (beside its
-//! other event sources), takes the frames read, appends replies, and calls
-//! [`FramedIo::try_flush`] once per round.
+//! session's ([`crate::net::session`] for servers, and each program's protocol over it). One
+//! task owns a connection's reads, writes and in-flight table without locks or a second
+//! task: it waits in [`FramedIo::wait_io`] (beside its other event sources), takes the
+//! frames read, appends replies, and calls [`FramedIo::try_flush`] once per round.
 
 use std::io;
 use std::sync::Arc;
@@ -17,9 +17,10 @@ use std::task::{Context, Poll};
 
 use tokio::net::TcpStream;
 
-use crate::busy_poll::Activity;
-use crate::codec::FrameCodec;
-use crate::frame::{Frame, FrameError};
+use rpcmesh_wire::codec::FrameCodec;
+use rpcmesh_wire::frame::{Frame, FrameError};
+
+use crate::net::busy_poll::Activity;
 
 /// Bytes a read may fill at once: 64 KiB holds about a thousand small frames, so a busy
 /// connection reads a whole batch per `read` call.
@@ -105,7 +106,7 @@ impl FramedIo {
     }
 
     /// Tells `activity` of every read that returns data, so that its busy poller keeps
-    /// polling while this socket has traffic (see [`crate::busy_poll`]).
+    /// polling while this socket has traffic (see [`crate::net::busy_poll`]).
     pub fn with_activity(mut self, activity: Option<Arc<Activity>>) -> Self {
         self.activity = activity;
         self

@@ -2,7 +2,7 @@
 //! threshold below which payloads travel plain, and inflation bounded by a limit.
 //!
 //! Owns only bytes ↔ bytes. Which frames are compressed, and the flag that says so, are
-//! [`crate::call`]'s and [`crate::frame`]'s. The zlib state is kept and reset between
+//! [`crate::envelope`]'s and [`crate::frame`]'s. The zlib state is kept and reset between
 //! payloads, so a connection pays its ~300 KiB of deflate state once, not per call.
 
 use bytes::BytesMut;

@@ -1,0 +1,293 @@
+//! Why the broker answered a call itself instead of with a provider's reply: one error
+//! type ([`Failure`]) for every broker-made answer, carrying the status the caller gets,
+//! the error kind it counts as, the side it came from (the caller, the broker, or the
+//! provider) and whether a retry is safe (the call never reached a provider, so sending it
+//! again cannot run it twice).
+//!
+//! Owns the taxonomy and the wording of the answers. Where each failure is detected is the
+//! session's (`session.rs`: bad requests, caps, routing), or the upstream connection's
+//! (`upstream/connection.rs`: timeouts, lost connections, unusable replies); writing the
+//! answer is the session's.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rpcmesh_common::metrics::{ErrorCounters, ErrorKind, Side};
+use rpcmesh_wire::Status;
+use rpcmesh_wire::frame::FrameError;
+
+/// Which of the broker's in-flight caps a shed call met.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Cap {
+    /// `--max-in-flight-per-conn`: calls in flight on the caller's connection.
+    PerConnection(usize),
+    /// `--max-in-flight`: calls in flight in the whole broker.
+    Total(usize),
+}
+
+/// A call the broker answered itself.
+#[derive(Debug, Clone)]
+pub(crate) enum Failure {
+    /// The request's body could not be read (names that overrun it or are not UTF-8, a
+    /// payload length that does not add up), or its frame was refused (CRC mismatch).
+    BadRequest(FrameError),
+    /// No provider is configured for the service.
+    UnknownService(String),
+    /// The payload is compressed and only plain v1 servers serve the service.
+    NeedsExtension(String),
+    /// The broker is shutting down and takes no new calls.
+    Draining,
+    /// Shed at once: one of the broker's caps on calls in flight.
+    Shed(Cap),
+    /// Every open connection to the service's providers is at its cap.
+    Full(String),
+    /// The service's providers have no open connection.
+    NoHealthy(String),
+    /// The call was handed back unsent (its connection closed) too often.
+    KeptClosing,
+    /// The call's deadline passed before it could be written to a provider.
+    TimedOutQueued,
+    /// No reply from the provider within the call timeout.
+    Timeout {
+        /// The provider, as configured.
+        provider: Arc<str>,
+        /// The call timeout.
+        after: Duration,
+    },
+    /// The connection to the provider was lost with the call written on it.
+    ConnectionLost {
+        /// The provider, as configured.
+        provider: Arc<str>,
+        /// What ended the connection.
+        cause: Arc<str>,
+    },
+    /// The provider's reply is too short to hold a status and a payload.
+    MalformedReply,
+    /// The provider's reply frame was refused (CRC mismatch, over the frame limit).
+    ReplyRefused {
+        /// The provider, as configured.
+        provider: Arc<str>,
+        /// Why.
+        error: FrameError,
+    },
+}
+
+impl Failure {
+    /// The status the caller gets (degraded to "failed" for callers without extended
+    /// statuses when it is one of those).
+    pub fn status(&self) -> Status {
+        match self {
+            Failure::BadRequest(_) | Failure::NeedsExtension(_) => Status::BadRequest,
+            Failure::UnknownService(_) | Failure::MalformedReply | Failure::ReplyRefused { .. } => {
+                Status::Failed
+            }
+            Failure::Draining
+            | Failure::NoHealthy(_)
+            | Failure::KeptClosing
+            | Failure::ConnectionLost { .. } => Status::Unavailable,
+            Failure::Shed(_) | Failure::Full(_) => Status::Overloaded,
+            Failure::TimedOutQueued | Failure::Timeout { .. } => Status::Timeout,
+        }
+    }
+
+    /// The kind it counts as in `rpcmesh_errors_total`.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Failure::BadRequest(e) => ErrorKind::of_frame(e),
+            Failure::NeedsExtension(_) | Failure::MalformedReply => ErrorKind::BadBody,
+            Failure::UnknownService(_) => ErrorKind::UnknownService,
+            Failure::ReplyRefused { error, .. } => ErrorKind::of_frame(error),
+            Failure::Draining
+            | Failure::NoHealthy(_)
+            | Failure::KeptClosing
+            | Failure::ConnectionLost { .. } => ErrorKind::Unavailable,
+            Failure::Shed(_) | Failure::Full(_) => ErrorKind::Overloaded,
+            Failure::TimedOutQueued | Failure::Timeout { .. } => ErrorKind::Timeout,
+        }
+    }
+
+    /// Where it came from: the caller's request, the broker's own limits and decisions,
+    /// or the provider (and the way to it).
+    pub fn side(&self) -> Side {
+        match self {
+            Failure::BadRequest(_) | Failure::UnknownService(_) | Failure::NeedsExtension(_) => {
+                Side::Client
+            }
+            Failure::Draining | Failure::Shed(_) | Failure::Full(_) => Side::Broker,
+            Failure::NoHealthy(_)
+            | Failure::KeptClosing
+            | Failure::TimedOutQueued
+            | Failure::Timeout { .. }
+            | Failure::ConnectionLost { .. }
+            | Failure::MalformedReply
+            | Failure::ReplyRefused { .. } => Side::Provider,
+        }
+    }
+
+    /// Counts it in `rpcmesh_errors_total`, by its kind and side.
+    pub fn count(&self, errors: &ErrorCounters) {
+        errors.inc(self.kind(), self.side());
+    }
+
+    /// True when the call never reached a provider, so that sending it again (here or to
+    /// another broker) cannot make a provider run it twice. A caller's bad request is not
+    /// worth retrying unchanged, but retrying it is safe.
+    pub fn retry_safe(&self) -> bool {
+        match self {
+            Failure::BadRequest(_)
+            | Failure::UnknownService(_)
+            | Failure::NeedsExtension(_)
+            | Failure::Draining
+            | Failure::Shed(_)
+            | Failure::Full(_)
+            | Failure::NoHealthy(_)
+            | Failure::KeptClosing
+            | Failure::TimedOutQueued => true,
+            // Written to the provider: it may have run.
+            Failure::Timeout { .. }
+            | Failure::ConnectionLost { .. }
+            | Failure::MalformedReply
+            | Failure::ReplyRefused { .. } => false,
+        }
+    }
+}
+
+/// The `error_msg` of the answer (the session prefixes the status name where v1 callers
+/// need it, see `put_error_response`).
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::BadRequest(e) => write!(f, "{e}"),
+            Failure::UnknownService(s) => {
+                f.write_str(&rpcmesh_wire::envelope::service_not_found(s))
+            }
+            Failure::NeedsExtension(s) => {
+                write!(f, "no provider of {s} accepts compressed payloads")
+            }
+            Failure::Draining => f.write_str("broker shutting down"),
+            Failure::Shed(Cap::PerConnection(n)) => {
+                write!(f, "broker has {n} calls in flight on this connection")
+            }
+            Failure::Shed(Cap::Total(n)) => write!(f, "broker has {n} calls in flight"),
+            Failure::Full(s) => {
+                write!(f, "every connection to the providers of {s} is full")
+            }
+            Failure::NoHealthy(s) => write!(f, "no healthy provider for {s}"),
+            Failure::KeptClosing => {
+                f.write_str("provider connections kept closing before the call could be sent")
+            }
+            Failure::TimedOutQueued => {
+                f.write_str("call timed out waiting for a provider connection")
+            }
+            Failure::Timeout { provider, after } => {
+                write!(f, "no reply from provider {provider} within {after:?}")
+            }
+            Failure::ConnectionLost { provider, cause } => write!(
+                f,
+                "connection to provider {provider} lost with the call in flight: {cause}"
+            ),
+            Failure::MalformedReply => f.write_str("malformed reply from provider"),
+            Failure::ReplyRefused { provider, error } => {
+                write!(f, "reply from provider {provider} refused: {error}")
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all() -> Vec<Failure> {
+        let p: Arc<str> = Arc::from("10.0.0.3:7800");
+        let crc = FrameError::Crc {
+            req_id: 1,
+            raw_type: 0,
+            expected: 1,
+            actual: 2,
+        };
+        vec![
+            Failure::BadRequest(crc.clone()),
+            Failure::UnknownService("Nope".into()),
+            Failure::NeedsExtension("Old".into()),
+            Failure::Draining,
+            Failure::Shed(Cap::PerConnection(4096)),
+            Failure::Shed(Cap::Total(65536)),
+            Failure::Full("S".into()),
+            Failure::NoHealthy("S".into()),
+            Failure::KeptClosing,
+            Failure::TimedOutQueued,
+            Failure::Timeout {
+                provider: p.clone(),
+                after: Duration::from_secs(5),
+            },
+            Failure::ConnectionLost {
+                provider: p.clone(),
+                cause: Arc::from("closed by provider"),
+            },
+            Failure::MalformedReply,
+            Failure::ReplyRefused {
+                provider: p,
+                error: crc,
+            },
+        ]
+    }
+
+    #[test]
+    fn only_a_call_that_reached_a_provider_is_unsafe_to_retry() {
+        for f in all() {
+            let reached = matches!(
+                f,
+                Failure::Timeout { .. }
+                    | Failure::ConnectionLost { .. }
+                    | Failure::MalformedReply
+                    | Failure::ReplyRefused { .. }
+            );
+            assert_eq!(f.retry_safe(), !reached, "{f:?}");
+            if reached {
+                assert_eq!(f.side(), Side::Provider, "{f:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn each_failure_has_its_side_status_and_kind() {
+        let sides: Vec<(Side, Status, ErrorKind)> = all()
+            .iter()
+            .map(|f| (f.side(), f.status(), f.kind()))
+            .collect();
+        use ErrorKind as K;
+        use Side::{Broker, Client, Provider};
+        use Status as S;
+        assert_eq!(
+            sides,
+            [
+                (Client, S::BadRequest, K::Crc),
+                (Client, S::Failed, K::UnknownService),
+                (Client, S::BadRequest, K::BadBody),
+                (Broker, S::Unavailable, K::Unavailable),
+                (Broker, S::Overloaded, K::Overloaded),
+                (Broker, S::Overloaded, K::Overloaded),
+                (Broker, S::Overloaded, K::Overloaded),
+                (Provider, S::Unavailable, K::Unavailable),
+                (Provider, S::Unavailable, K::Unavailable),
+                (Provider, S::Timeout, K::Timeout),
+                (Provider, S::Timeout, K::Timeout),
+                (Provider, S::Unavailable, K::Unavailable),
+                (Provider, S::Failed, K::BadBody),
+                (Provider, S::Failed, K::Crc),
+            ]
+        );
+    }
+
+    #[test]
+    fn messages_say_what_v1_callers_match_on() {
+        let m: Vec<String> = all().iter().map(|f| f.to_string()).collect();
+        assert_eq!(m[1], "service not found: Nope");
+        assert_eq!(m[4], "broker has 4096 calls in flight on this connection");
+        assert_eq!(m[5], "broker has 65536 calls in flight");
+        assert_eq!(m[10], "no reply from provider 10.0.0.3:7800 within 5s");
+        assert!(m[11].starts_with("connection to provider 10.0.0.3:7800 lost"));
+    }
+}

@@ -1,0 +1,78 @@
+//! Flag groups more than one program takes, flattened into each program's `Args`: the
+//! runtime's threads ([`RuntimeArgs`]), stage sampling ([`StageArgs`]) and compression
+//! tuning ([`CompressionArgs`]). Each flag is written here once, with its environment
+//! fallback and its default as a named constant.
+
+use rpcmesh_wire::compress::{
+    CompressionConfig, DEFAULT_COMPRESS_LEVEL, DEFAULT_COMPRESS_THRESHOLD,
+};
+
+use crate::cli::config::ConfigProblems;
+use crate::cli::values::{MetricsListen, OnOff};
+use crate::metrics::families::DEFAULT_STAGE_SAMPLE;
+
+/// Worker threads unless told otherwise: 0, one per CPU the process may run on.
+pub const DEFAULT_THREADS: usize = 0;
+/// Stage histograms are recorded unless turned off: they are what shows where the time of
+/// a call goes, and at one call in [`DEFAULT_STAGE_SAMPLE`] they cost under 3 %.
+pub const DEFAULT_STAGE_METRICS: bool = true;
+
+/// The runtime's size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::Args)]
+pub struct RuntimeArgs {
+    /// Tokio worker threads (0 = one per CPU).
+    #[arg(long, env = "RPCMESH_THREADS", default_value_t = DEFAULT_THREADS)]
+    pub threads: usize,
+}
+
+/// The stage-timing flags every program takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::Args)]
+pub struct StageArgs {
+    /// Record per-stage latency histograms: on|off (off: the hot path takes no timestamps).
+    #[arg(long, env = "RPCMESH_STAGE_METRICS", default_value_t = OnOff(DEFAULT_STAGE_METRICS))]
+    pub stage_metrics: OnOff,
+    /// Time the stages of one call in this many (1 = every call).
+    #[arg(long, env = "RPCMESH_STAGE_SAMPLE", default_value_t = DEFAULT_STAGE_SAMPLE)]
+    pub stage_sample: u32,
+}
+
+impl StageArgs {
+    /// One call in how many is timed; 0 = none: stages off, or no metrics endpoint to read
+    /// the histograms from (then the hot path takes no timestamps at all).
+    pub fn every(&self, metrics: MetricsListen) -> u32 {
+        if self.stage_metrics.0 && !metrics.is_off() {
+            self.stage_sample.max(1)
+        } else {
+            0
+        }
+    }
+}
+
+/// How payloads are compressed, for the programs that compress (whether they do is each
+/// program's own `--compress`, whose default differs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::Args)]
+pub struct CompressionArgs {
+    /// Payloads shorter than this many bytes are sent plain.
+    #[arg(long, env = "RPCMESH_COMPRESS_THRESHOLD", default_value_t = DEFAULT_COMPRESS_THRESHOLD)]
+    pub compress_threshold: usize,
+    /// zlib level, 0-9.
+    #[arg(long, env = "RPCMESH_COMPRESS_LEVEL", default_value_t = DEFAULT_COMPRESS_LEVEL)]
+    pub compress_level: u32,
+}
+
+impl CompressionArgs {
+    /// The compression settings when `on`, else `None`; a level zlib does not have is
+    /// recorded in `problems`.
+    pub fn config(&self, on: bool, problems: &mut ConfigProblems) -> Option<CompressionConfig> {
+        problems.check(self.compress_level > 9, || {
+            format!(
+                "--compress-level {} is not a zlib level (0-9)",
+                self.compress_level
+            )
+        });
+        on.then_some(CompressionConfig {
+            threshold: self.compress_threshold,
+            level: self.compress_level,
+        })
+    }
+}

@@ -1,0 +1,15 @@
+//! The command-line layer every program shares: values and their parsers ([`values`]),
+//! flag groups ([`flags`]), the collecting of configuration problems ([`config`]), and the
+//! start-up every `main` goes through ([`startup`]: logging, the runtime, binding, the
+//! metrics endpoint, the shutdown signal).
+//!
+//! The top layer of `rpcmesh-common`: it uses the others, and none of them uses it. Each
+//! program's own flags, defaults and validation are its `config.rs`.
+
+pub mod config;
+pub mod flags;
+pub mod startup;
+pub mod values;
+
+pub use config::ConfigProblems;
+pub use values::{DurationArg, MetricsListen, OnOff};

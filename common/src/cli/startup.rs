@@ -1,0 +1,161 @@
+//! What every program's `main` does before its library's `run`: logging, the Tokio runtime,
+//! and, for the servers, binding the listen address, starting the metrics endpoint and
+//! waiting for SIGTERM/SIGINT ([`serve`]). A `main` is then: parse the flags, validate
+//! them into the program's config, call [`serve`] (or [`start`], for the driver).
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+
+use tokio::net::TcpListener;
+
+use crate::cli::values::MetricsListen;
+use crate::metrics::Telemetry;
+use crate::net::shutdown;
+
+/// The shutdown trigger a server's `run` is handed by [`serve`]: SIGTERM or SIGINT.
+pub type ShutdownSignal = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Why a program could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartupError {
+    /// The Tokio runtime could not be built (threads could not be spawned).
+    #[error("starting the runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    /// The listen address could not be bound (in use, not local, not permitted).
+    #[error("binding {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The metrics endpoint could not be started (its address is in use, or not local).
+    #[error("starting the metrics endpoint: {0}")]
+    Metrics(#[from] metrics_exporter_prometheus::BuildError),
+}
+
+/// Starts logging to stderr. The filter comes from `RUST_LOG` when set, else `default`
+/// (e.g. `"info"`). Log lines are plain (no colours) when stderr is not a terminal.
+pub fn init_logging(default: &str) {
+    use std::io::IsTerminal;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_target(false)
+        .try_init();
+}
+
+/// Worker threads to use when the operator says 0: one per CPU the process may run on.
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The Tokio runtime with `threads` workers (0 = one per CPU). Its threads are named after
+/// the program so that `top -H` shows who is busy.
+///
+/// One worker (`threads` 1, or 0 on a one-CPU machine) gets the current-thread scheduler,
+/// not a multi-thread one with one worker: it has no work-stealing queues, no cross-thread
+/// wake-ups and no clock read per batch of polled tasks (the multi-thread scheduler's
+/// queue tuning). With all three programs at one thread, the broker path did about a
+/// sixth more calls per second on the 64-in-flight echo bench (docs/performance.md).
+/// Tasks then run on the thread that calls `block_on` (so `thread_name` names only the
+/// blocking pool's threads), and only while it is inside `block_on`; nothing may block
+/// that thread, as on any worker.
+pub fn build(name: &str, threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    let threads = if threads == 0 {
+        default_threads()
+    } else {
+        threads
+    };
+    if threads == 1 {
+        return tokio::runtime::Builder::new_current_thread()
+            .thread_name(name)
+            .enable_all()
+            .build();
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .thread_name(name)
+        .enable_all()
+        .build()
+}
+
+/// Logging (filter `default_log` unless `RUST_LOG` says otherwise) and the runtime of
+/// `program` with `threads` workers: what every `main` starts with.
+pub fn start(
+    program: &str,
+    default_log: &str,
+    threads: usize,
+) -> Result<tokio::runtime::Runtime, StartupError> {
+    init_logging(default_log);
+    build(program, threads).map_err(StartupError::Runtime)
+}
+
+/// The whole life of a server program after its flags are validated: logging at `info`,
+/// the runtime, the listener on `listen`, the metrics endpoint on `metrics` (or none), then
+/// `run(telemetry, listener, shutdown)` until it returns (it drains on SIGTERM/SIGINT).
+pub fn serve<F, Fut>(
+    program: &str,
+    listen: SocketAddr,
+    metrics: MetricsListen,
+    threads: usize,
+    run: F,
+) -> Result<(), StartupError>
+where
+    F: FnOnce(Telemetry, TcpListener, ShutdownSignal) -> Fut,
+    Fut: Future,
+{
+    let rt = start(program, "info", threads)?;
+    rt.block_on(async {
+        let listener = TcpListener::bind(listen)
+            .await
+            .map_err(|source| StartupError::Bind {
+                addr: listen,
+                source,
+            })?;
+        let telemetry = crate::metrics::recorder::start(metrics.0)?;
+        run(telemetry, listener, Box::pin(shutdown::signal())).await;
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_server_that_cannot_bind_says_which_address() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = taken.local_addr().unwrap();
+        let e = serve("test", addr, MetricsListen(None), 1, |_, _, _| async {})
+            .expect_err("the address is taken");
+        assert!(
+            matches!(e, StartupError::Bind { addr: a, .. } if a == addr),
+            "{e}"
+        );
+        assert!(e.to_string().contains(&addr.to_string()), "{e}");
+    }
+
+    #[test]
+    fn a_server_runs_its_library_with_the_bound_listener() {
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let s = seen.clone();
+        serve(
+            "test",
+            "127.0.0.1:0".parse().unwrap(),
+            MetricsListen(None),
+            1,
+            move |telemetry, listener, _shutdown| async move {
+                *s.lock().unwrap() =
+                    Some((telemetry.is_recording(), listener.local_addr().is_ok()));
+            },
+        )
+        .unwrap();
+        assert_eq!(*seen.lock().unwrap(), Some((false, true)));
+    }
+}

@@ -1,0 +1,145 @@
+//! Values on the command line: durations (`250ms`, `2s`, `1m30s`, a bare number of
+//! seconds), `on`/`off`, and the metrics endpoint address (`HOST:PORT` or `off`). Each is a
+//! type with `FromStr` and `Display`, so that a flag's default is given as the named
+//! constant itself (`default_value_t = DurationArg(DEFAULT_GRACE)`) and `--help` prints it
+//! in the form the flag takes.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::time::Duration;
+
+/// Parses a duration: `250ms`, `2s`, `1m30s`, or a bare number of seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    if let Ok(secs) = s.parse::<f64>() {
+        if secs.is_finite() && secs >= 0.0 {
+            return Ok(Duration::from_secs_f64(secs));
+        }
+        return Err(format!("{s}: not a duration"));
+    }
+    humantime::parse_duration(s).map_err(|e| format!("{s}: {e}"))
+}
+
+/// Parses a duration as [`parse_duration`] does, or `off` (`None`).
+pub fn parse_duration_or_off(s: &str) -> Result<Option<Duration>, String> {
+    if s.eq_ignore_ascii_case("off") {
+        Ok(None)
+    } else {
+        parse_duration(s).map(Some)
+    }
+}
+
+/// Parses `on` / `off` (also `true`/`false`, `yes`/`no`, `1`/`0`).
+pub fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "on" | "true" | "yes" | "1" => Ok(true),
+        "off" | "false" | "no" | "0" => Ok(false),
+        _ => Err(format!("{s}: expected on or off")),
+    }
+}
+
+/// A duration flag's value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DurationArg(pub Duration);
+
+impl FromStr for DurationArg {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        parse_duration(s).map(DurationArg)
+    }
+}
+
+impl fmt::Display for DurationArg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_zero() {
+            return f.write_str("0s");
+        }
+        // humantime writes `1m 30s`; without the spaces it reads as one word in `--help`.
+        let text = humantime::format_duration(self.0).to_string();
+        f.write_str(&text.replace(' ', ""))
+    }
+}
+
+/// An `on`/`off` flag's value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OnOff(pub bool);
+
+impl FromStr for OnOff {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        parse_on_off(s).map(OnOff)
+    }
+}
+
+impl fmt::Display for OnOff {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0 { "on" } else { "off" })
+    }
+}
+
+/// A `--metrics-listen` value: `HOST:PORT`, or `off` (no endpoint: nothing is recorded).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MetricsListen(pub Option<SocketAddr>);
+
+impl MetricsListen {
+    /// True for `off`.
+    pub fn is_off(&self) -> bool {
+        self.0.is_none()
+    }
+}
+
+impl FromStr for MetricsListen {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.eq_ignore_ascii_case("off") || s.eq_ignore_ascii_case("none") {
+            return Ok(MetricsListen(None));
+        }
+        s.parse()
+            .map(|a| MetricsListen(Some(a)))
+            .map_err(|e| format!("{s}: {e} (expected HOST:PORT or off)"))
+    }
+}
+
+impl fmt::Display for MetricsListen {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(a) => write!(f, "{a}"),
+            None => f.write_str("off"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_with_units_or_as_seconds() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("2"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
+        assert!(parse_duration("-1").is_err());
+        assert!(parse_duration("soon").is_err());
+    }
+
+    #[test]
+    fn every_value_reads_back_what_it_prints() {
+        for d in [0, 1, 250, 1000, 1500, 90_000, 3_600_000] {
+            let v = DurationArg(Duration::from_millis(d));
+            assert_eq!(v.to_string().parse::<DurationArg>(), Ok(v), "{v}");
+        }
+        assert_eq!(DurationArg(Duration::from_secs(5)).to_string(), "5s");
+        assert_eq!(DurationArg(Duration::from_micros(50)).to_string(), "50us");
+        for v in [OnOff(true), OnOff(false)] {
+            assert_eq!(v.to_string().parse::<OnOff>(), Ok(v));
+        }
+        for v in [
+            MetricsListen(None),
+            MetricsListen(Some("0.0.0.0:9770".parse().unwrap())),
+        ] {
+            assert_eq!(v.to_string().parse::<MetricsListen>(), Ok(v));
+        }
+        assert!("nowhere".parse::<MetricsListen>().is_err());
+    }
+}

@@ -1,0 +1,24 @@
+//! The metrics layer: what rpcmesh measures about itself, and how it is exported.
+//!
+//! - [`catalogue`]: every metric family, written down once (name, type, labels, programs,
+//!   help). Handles are registered through it only.
+//! - [`recorder`]: the per-instance Prometheus recorder ([`Telemetry`]), its buckets,
+//!   rendering and `/metrics` endpoint.
+//! - [`families`]: the handle groups every program registers alike (stages, connections,
+//!   wire bytes, payload bytes, calls, compression time).
+//! - [`errors`]: the error taxonomy (kind and side) and where bad input is counted.
+//! - [`system`]: softirqs, CPU time and the process's own figures, read from `/proc`.
+//!
+//! Above the wire and net layers (it counts their events: `WireCounters` takes a
+//! connection's byte counts, `ConnCounters` observes the accept loop); below the command
+//! line. Nothing in `net` or in `rpcmesh-wire` uses it.
+
+pub mod catalogue;
+pub mod errors;
+pub mod families;
+pub mod recorder;
+pub mod system;
+
+pub use catalogue::{Family, Role};
+pub use errors::{BadInputLog, ErrorCounters, ErrorKind, Side};
+pub use recorder::Telemetry;

@@ -1,0 +1,272 @@
+//! The recorder: one Prometheus recorder per program instance, from which each program
+//! registers its metric handles once (at start or per connection) and then only increments
+//! them on the hot path; its histogram buckets, its rendering and its `/metrics` endpoint.
+//!
+//! Owns the recorder. What each family is called and means is the catalogue's
+//! ([`crate::metrics::catalogue`]): handles are registered by [`Family`], never by a name
+//! spelled at the call site.
+//!
+//! Handles are registered on the instance's own recorder rather than through the global
+//! `metrics` macros, so that several providers and brokers in one test process keep
+//! separate counts.
+
+use std::sync::Arc;
+
+use metrics::{Counter, Gauge, Histogram, Key, Label, Metadata, Recorder};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
+
+use crate::metrics::catalogue::{self, Family, Kind};
+
+/// Upper bounds (seconds) of every latency histogram: a 1-2-5 series from 10 µs to 10 s,
+/// so that one set of buckets covers a loopback hop (tens of µs) and a timed-out call
+/// (seconds) with at most a factor 2.5 between neighbours.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.000_01, 0.000_02, 0.000_05, 0.000_1, 0.000_2, 0.000_5, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05,
+    0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+];
+
+/// How often histogram samples are drained into buckets: often enough that at a million
+/// samples a second the pending ones stay at a few MB.
+pub const UPKEEP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
+const METADATA: Metadata<'static> = Metadata::new("rpcmesh", metrics::Level::INFO, None);
+
+/// A recorder of one program instance, and the handle that renders it; or nothing at all
+/// ([`Telemetry::discard`]), when no one can read the metrics.
+#[derive(Clone)]
+pub struct Telemetry {
+    inner: Option<(Arc<PrometheusRecorder>, PrometheusHandle)>,
+}
+
+impl std::fmt::Debug for Telemetry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Telemetry")
+            .field("recording", &self.inner.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for Telemetry {
+    fn default() -> Self {
+        Telemetry::new()
+    }
+}
+
+impl Telemetry {
+    /// A fresh recorder with rpcmesh's histogram buckets, kept in memory (tests read it
+    /// with [`Telemetry::render`]).
+    pub fn new() -> Self {
+        let recorder = PrometheusBuilder::new()
+            .set_buckets(LATENCY_BUCKETS)
+            .expect("the bucket list is a non-empty constant")
+            .build_recorder();
+        Telemetry::recording(recorder)
+    }
+
+    /// A recorder with the catalogue's help text on every family.
+    fn recording(recorder: PrometheusRecorder) -> Self {
+        let handle = recorder.handle();
+        let t = Telemetry {
+            inner: Some((Arc::new(recorder), handle)),
+        };
+        catalogue::describe_all(&t);
+        t
+    }
+
+    /// No recorder: every handle is a no-op (the metrics endpoint is off, so nothing
+    /// recorded could be read, and the hot path pays nothing for it).
+    pub fn discard() -> Self {
+        Telemetry { inner: None }
+    }
+
+    /// True when metrics are recorded.
+    pub fn is_recording(&self) -> bool {
+        self.inner.is_some()
+    }
+
+    /// A recorder whose `/metrics` is served over HTTP on `addr` (Prometheus text format),
+    /// with its upkeep running every few seconds. Must be called inside a Tokio runtime.
+    pub fn serve_http(
+        addr: std::net::SocketAddr,
+    ) -> Result<Self, metrics_exporter_prometheus::BuildError> {
+        let (recorder, exporter) = PrometheusBuilder::new()
+            .set_buckets(LATENCY_BUCKETS)?
+            .with_http_listener(addr)
+            .build()?;
+        tokio::spawn(async move {
+            if let Err(e) = exporter.await {
+                tracing::error!(error = ?e, "metrics endpoint stopped");
+            }
+        });
+        tracing::info!(%addr, "metrics served at /metrics");
+        Ok(Telemetry::recording(recorder))
+    }
+
+    /// Registers (or finds) a counter of the catalogued `family`, with `labels` (their
+    /// names in the catalogue's order).
+    pub fn counter(&self, family: &'static Family, labels: &[(&'static str, &str)]) -> Counter {
+        family.check(Kind::Counter, labels);
+        match &self.inner {
+            Some((r, _)) => r.register_counter(&key(family.name, labels), &METADATA),
+            None => Counter::noop(),
+        }
+    }
+
+    /// Registers (or finds) a gauge of `family`.
+    pub fn gauge(&self, family: &'static Family, labels: &[(&'static str, &str)]) -> Gauge {
+        family.check(Kind::Gauge, labels);
+        match &self.inner {
+            Some((r, _)) => r.register_gauge(&key(family.name, labels), &METADATA),
+            None => Gauge::noop(),
+        }
+    }
+
+    /// Registers (or finds) a histogram of `family`.
+    pub fn histogram(&self, family: &'static Family, labels: &[(&'static str, &str)]) -> Histogram {
+        family.check(Kind::Histogram, labels);
+        match &self.inner {
+            Some((r, _)) => r.register_histogram(&key(family.name, labels), &METADATA),
+            None => Histogram::noop(),
+        }
+    }
+
+    /// Attaches `family`'s help text and unit to its name (the exporter keeps one
+    /// description per name, so the catalogue's is the only one).
+    pub fn describe(&self, family: &Family) {
+        let Some((r, _)) = &self.inner else { return };
+        let (name, unit, help) = (family.name.into(), family.unit(), family.help.into());
+        match family.kind {
+            Kind::Histogram => r.describe_histogram(name, unit, help),
+            Kind::Counter => r.describe_counter(name, unit, help),
+            Kind::Gauge => r.describe_gauge(name, unit, help),
+        }
+    }
+
+    /// The Prometheus text exposition of everything recorded so far.
+    pub fn render(&self) -> String {
+        self.inner
+            .as_ref()
+            .map_or_else(String::new, |(_, h)| h.render())
+    }
+
+    /// Drains histogram samples into their buckets; run it periodically so that samples
+    /// do not pile up between scrapes.
+    pub fn run_upkeep(&self) {
+        if let Some((_, h)) = &self.inner {
+            h.run_upkeep();
+        }
+    }
+
+    /// Runs [`Telemetry::run_upkeep`] every [`UPKEEP_INTERVAL`] until `stop`: without it,
+    /// histogram samples of a recorder nobody scrapes would pile up in memory.
+    pub fn spawn_upkeep(
+        &self,
+        stop: crate::net::shutdown::CancellationToken,
+    ) -> tokio::task::JoinHandle<()> {
+        let handle = self.inner.as_ref().map(|(_, h)| h.clone());
+        tokio::spawn(async move {
+            let Some(handle) = handle else { return };
+            let mut tick = tokio::time::interval(UPKEEP_INTERVAL);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => handle.run_upkeep(),
+                    () = stop.cancelled() => return,
+                }
+            }
+        })
+    }
+}
+
+/// The telemetry of a program: served over HTTP when an address is given, discarded
+/// otherwise (`--metrics-listen off`).
+pub fn start(
+    listen: Option<std::net::SocketAddr>,
+) -> Result<Telemetry, metrics_exporter_prometheus::BuildError> {
+    match listen {
+        Some(a) => Telemetry::serve_http(a),
+        None => Ok(Telemetry::discard()),
+    }
+}
+
+fn key(name: &'static str, labels: &[(&'static str, &str)]) -> Key {
+    let labels: Vec<Label> = labels
+        .iter()
+        .map(|(k, v)| Label::new(*k, v.to_string()))
+        .collect();
+    Key::from_parts(name, labels)
+}
+
+/// The value of one sample in a Prometheus text exposition: the line whose name is
+/// `name` and whose labels include all of `labels`. Sums over every matching line.
+/// For tests and tools.
+pub fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let mut found = None;
+    for line in text.lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        let (label_text, value) = match rest.strip_prefix('{') {
+            Some(r) => match r.split_once("} ") {
+                Some((l, v)) => (l, v),
+                None => continue,
+            },
+            None => match rest.strip_prefix(' ') {
+                Some(v) => ("", v),
+                None => continue,
+            },
+        };
+        let ok = labels
+            .iter()
+            .all(|(k, v)| label_text.contains(&format!("{k}=\"{v}\"")));
+        if ok {
+            if let Ok(v) = value.trim().parse::<f64>() {
+                *found.get_or_insert(0.0) += v;
+            }
+        }
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn instances_count_separately() {
+        let a = Telemetry::new();
+        let b = Telemetry::new();
+        let f = &catalogue::CALLS_SENT_TOTAL;
+        a.counter(f, &[("role", "x")]).increment(3);
+        b.counter(f, &[("role", "x")]).increment(1);
+        assert_eq!(sample(&a.render(), f.name, &[("role", "x")]), Some(3.0));
+        assert_eq!(sample(&b.render(), f.name, &[]), Some(1.0));
+        assert_eq!(sample(&b.render(), f.name, &[("role", "y")]), None);
+    }
+
+    #[test]
+    #[should_panic(expected = "takes the labels")]
+    fn a_registration_with_other_labels_than_the_catalogue_is_caught() {
+        let _ = Telemetry::new().counter(&catalogue::CALLS_SENT_TOTAL, &[("kind", "x")]);
+    }
+
+    #[test]
+    fn histograms_use_the_latency_buckets() {
+        let t = Telemetry::new();
+        t.histogram(
+            &catalogue::STAGE_SECONDS,
+            &[("role", "p"), ("stage", "handler")],
+        )
+        .record(0.000_3);
+        let text = t.render();
+        assert!(
+            text.contains(
+                "rpcmesh_stage_seconds_bucket{role=\"p\",stage=\"handler\",le=\"0.0005\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("le=\"0.00001\""), "{text}");
+    }
+}

@@ -1,0 +1,26 @@
+//! The net layer: TCP connections that carry frames, and what every program does with them
+//! the same way.
+//!
+//! - [`connection`]: one socket, its read buffer split into frames, its batching write
+//!   buffer ([`connection::FramedIo`]).
+//! - [`listener`]: the accept loop: connection cap, back-off when out of descriptors, one
+//!   task per connection, drain on shutdown.
+//! - [`session`]: the server-session skeleton the provider and broker share: the loop,
+//!   the write-backlog limit, the drain, the final flush.
+//! - [`slots`]: the table of calls in flight on a multiplexed connection, by request id.
+//! - [`busy_poll`]: keeping a worker polling after a read instead of sleeping.
+//! - [`client`]: a small multiplexed client, for tests and tools.
+//! - [`shutdown`]: SIGTERM/SIGINT and the cancellation token `run` hands to its tasks.
+//!
+//! Above the wire layer (`rpcmesh-wire`), which it uses to split and write frames; below
+//! the metrics layer, which counts its events through the hooks it offers
+//! ([`listener::AcceptObserver`], [`connection::IoCounts`], the busy poller's idle
+//! callback) and which it never uses itself.
+
+pub mod busy_poll;
+pub mod client;
+pub mod connection;
+pub mod listener;
+pub mod session;
+pub mod shutdown;
+pub mod slots;

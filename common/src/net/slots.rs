@@ -1,0 +1,190 @@
+//! The table of calls in flight on one multiplexed connection, by request id: what the
+//! broker's upstream connections and the driver's connections keep to match each reply to
+//! its call.
+//!
+//! A request id is `generation << 32 | slot index`: the slot index finds the entry without
+//! hashing, and the generation, bumped on every insert, makes a reply for a slot that was
+//! freed and reused (a late reply to a call that timed out) miss instead of hitting a
+//! stranger. Slots are reused through a free list, so the table grows to the most calls
+//! ever in flight at once and allocates nothing after that.
+
+/// Calls in flight, by request id; each entry holds what the caller keeps about its call.
+#[derive(Debug, Clone)]
+pub struct SlotTable<T> {
+    slots: Vec<Option<(u64, T)>>,
+    free: Vec<u32>,
+    len: usize,
+    generation: u32,
+}
+
+impl<T> Default for SlotTable<T> {
+    fn default() -> Self {
+        SlotTable::with_capacity(0)
+    }
+}
+
+impl<T> SlotTable<T> {
+    /// An empty table with room for `n` calls before it allocates.
+    pub fn with_capacity(n: usize) -> Self {
+        SlotTable {
+            slots: Vec::with_capacity(n),
+            free: Vec::with_capacity(n),
+            len: 0,
+            generation: 0,
+        }
+    }
+
+    /// Stores `value` under a fresh request id, and returns the id.
+    pub fn insert(&mut self, value: T) -> u64 {
+        self.generation = self.generation.wrapping_add(1);
+        let idx = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.slots.push(None);
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let id = (u64::from(self.generation) << 32) | u64::from(idx);
+        self.slots[idx as usize] = Some((id, value));
+        self.len += 1;
+        id
+    }
+
+    /// Takes the call with request id `id` out of the table; `None` when there is none (its
+    /// slot is empty, or holds a later call).
+    pub fn take(&mut self, id: u64) -> Option<T> {
+        let idx = slot_of(id);
+        let entry = self.slots.get_mut(idx)?;
+        if entry.as_ref().is_some_and(|(i, _)| *i == id) {
+            self.free.push(idx as u32);
+            self.len -= 1;
+            entry.take().map(|(_, v)| v)
+        } else {
+            None
+        }
+    }
+
+    /// The call with request id `id`, if it is in the table.
+    pub fn get_mut(&mut self, id: u64) -> Option<&mut T> {
+        match self.slots.get_mut(slot_of(id))? {
+            Some((i, v)) if *i == id => Some(v),
+            _ => None,
+        }
+    }
+
+    /// Takes out every call for which `pred` holds (e.g. past its deadline), appending
+    /// them to `out` with their ids, in slot order.
+    pub fn take_where(&mut self, mut pred: impl FnMut(&T) -> bool, out: &mut Vec<(u64, T)>) {
+        for (idx, entry) in self.slots.iter_mut().enumerate() {
+            if entry.as_ref().is_some_and(|(_, v)| pred(v)) {
+                out.extend(entry.take());
+                self.free.push(idx as u32);
+                self.len -= 1;
+            }
+        }
+    }
+
+    /// Takes out every call (the connection is gone), with its id.
+    pub fn drain(&mut self) -> impl Iterator<Item = (u64, T)> + '_ {
+        self.len = 0;
+        self.free.clear();
+        std::mem::take(&mut self.slots).into_iter().flatten()
+    }
+
+    /// Calls in the table.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when no call is in the table.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// The slot index part of a request id.
+fn slot_of(id: u64) -> usize {
+    (id & 0xffff_ffff) as usize
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_call_is_found_by_its_id_once() {
+        let mut t = SlotTable::default();
+        let a = t.insert("a");
+        let b = t.insert("b");
+        assert_ne!(a, b);
+        assert_eq!(t.len(), 2);
+        assert_eq!(t.get_mut(b).copied(), Some("b"));
+        assert_eq!(t.take(a), Some("a"));
+        assert_eq!(t.take(a), None, "taken once");
+        assert_eq!(t.len(), 1);
+    }
+
+    #[test]
+    fn a_late_reply_for_a_reused_slot_misses() {
+        let mut t = SlotTable::default();
+        let old = t.insert(1);
+        assert_eq!(t.take(old), Some(1));
+        let new = t.insert(2);
+        assert_eq!(new & 0xffff_ffff, old & 0xffff_ffff, "the slot is reused");
+        assert_eq!(t.take(old), None, "the old id does not reach the new call");
+        assert!(t.get_mut(old).is_none());
+        assert_eq!(t.take(new), Some(2));
+    }
+
+    #[test]
+    fn ids_of_no_slot_miss_without_panicking() {
+        let mut t: SlotTable<u8> = SlotTable::default();
+        assert_eq!(t.take(u64::MAX), None);
+        assert_eq!(t.take(12345), None);
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn the_table_grows_to_the_most_in_flight_and_no_further() {
+        let mut t = SlotTable::with_capacity(4);
+        for round in 0..100u32 {
+            let ids: Vec<u64> = (0..4).map(|i| t.insert(round * 4 + i)).collect();
+            for id in ids {
+                assert!(t.take(id).is_some());
+            }
+        }
+        assert_eq!(t.slots.len(), 4);
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn take_where_takes_exactly_the_matching_calls() {
+        let mut t = SlotTable::default();
+        let ids: Vec<u64> = (0..10).map(|v| t.insert(v)).collect();
+        let mut out = Vec::new();
+        t.take_where(|v| v % 3 == 0, &mut out);
+        let taken: Vec<i32> = out.iter().map(|(_, v)| *v).collect();
+        assert_eq!(taken, [0, 3, 6, 9]);
+        assert_eq!(out[1].0, ids[3]);
+        assert_eq!(t.len(), 6);
+        assert_eq!(t.take(ids[3]), None);
+        assert_eq!(t.take(ids[4]), Some(4));
+        // A freed slot takes a new call.
+        let again = t.insert(42);
+        assert_eq!(t.take(again), Some(42));
+    }
+
+    #[test]
+    fn drain_empties_the_table() {
+        let mut t = SlotTable::default();
+        let a = t.insert('a');
+        t.insert('b');
+        let mut all: Vec<char> = t.drain().map(|(_, v)| v).collect();
+        all.sort_unstable();
+        assert_eq!(all, ['a', 'b']);
+        assert!(t.is_empty());
+        assert_eq!(t.take(a), None);
+        let c = t.insert('c');
+        assert_eq!(t.take(c), Some('c'));
+    }
+}

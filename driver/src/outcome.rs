@@ -1,0 +1,162 @@
+//! How a call ended, as the driver saw it ([`CallOutcome`]): a reply (a success, or an
+//! error status the server sent, whichever of the broker and the provider made it), or one
+//! of the driver's own findings (no reply in time, the connection lost, a reply that is
+//! not the service's answer, a request that could not be encoded). Every call sent has
+//! exactly one.
+//!
+//! Owns the outcome labels (the `status` of `rpcmesh_calls_total{role="driver"}`, the keys
+//! of the report's error counts) and how each maps to an error kind and side.
+
+use rpcmesh_common::metrics::{ErrorKind, Side};
+use rpcmesh_wire::Status;
+
+/// How one call ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CallOutcome {
+    /// Answered with success, and the reply is what the service answers.
+    Ok,
+    /// Answered by the server with this error status (never [`Status::Success`]): the
+    /// broker's own answer (shed, no provider, its timeout) or a provider's.
+    Replied(Status),
+    /// No reply within the driver's own timeout (`--timeout`).
+    NoReply,
+    /// The connection was lost with the call on it.
+    Connection,
+    /// A successful reply that does not decode, or is not what the service answers.
+    BadReply,
+    /// The request could not be encoded (too large for a frame).
+    Encode,
+}
+
+impl CallOutcome {
+    /// How many outcomes there are: the size of a table indexed by [`CallOutcome::index`].
+    pub const COUNT: usize = 10;
+
+    /// Every outcome, in index order.
+    pub const ALL: [CallOutcome; Self::COUNT] = [
+        CallOutcome::Ok,
+        CallOutcome::Replied(Status::Failed),
+        CallOutcome::Replied(Status::Timeout),
+        CallOutcome::Replied(Status::Unavailable),
+        CallOutcome::Replied(Status::Overloaded),
+        CallOutcome::Replied(Status::BadRequest),
+        CallOutcome::NoReply,
+        CallOutcome::Connection,
+        CallOutcome::BadReply,
+        CallOutcome::Encode,
+    ];
+
+    /// The outcome of a reply with `status` whose content, when it is a success, checked
+    /// out (`content_ok`).
+    pub fn of_reply(status: Status, content_ok: bool) -> CallOutcome {
+        match status {
+            Status::Success if content_ok => CallOutcome::Ok,
+            Status::Success => CallOutcome::BadReply,
+            s => CallOutcome::Replied(s),
+        }
+    }
+
+    /// True for a successful call.
+    pub fn is_ok(self) -> bool {
+        self == CallOutcome::Ok
+    }
+
+    /// Its position in [`CallOutcome::ALL`].
+    pub fn index(self) -> usize {
+        match self {
+            CallOutcome::Ok => 0,
+            // `Success` cannot be here (see `of_reply`); it would share `failed`'s place.
+            CallOutcome::Replied(Status::Success | Status::Failed) => 1,
+            CallOutcome::Replied(Status::Timeout) => 2,
+            CallOutcome::Replied(Status::Unavailable) => 3,
+            CallOutcome::Replied(Status::Overloaded) => 4,
+            CallOutcome::Replied(Status::BadRequest) => 5,
+            CallOutcome::NoReply => 6,
+            CallOutcome::Connection => 7,
+            CallOutcome::BadReply => 8,
+            CallOutcome::Encode => 9,
+        }
+    }
+
+    /// The label: `ok`, the status of the reply (`failed`, `timeout`, `unavailable`,
+    /// `overloaded`, `bad_request`), or the driver's own finding (`no_reply`, `connection`,
+    /// `bad_reply`, `encode`).
+    pub fn label(self) -> &'static str {
+        match self {
+            CallOutcome::Ok => "ok",
+            CallOutcome::Replied(s) => s.label(),
+            CallOutcome::NoReply => "no_reply",
+            CallOutcome::Connection => "connection",
+            CallOutcome::BadReply => "bad_reply",
+            CallOutcome::Encode => "encode",
+        }
+    }
+
+    /// The error it counts as in `rpcmesh_errors_total{role="driver"}`, with its side:
+    /// the server's for what came back or did not, the driver's own (the client's) for a
+    /// request it could not encode. `None` for success.
+    pub fn error(self) -> Option<(ErrorKind, Side)> {
+        let kind = match self {
+            CallOutcome::Ok => return None,
+            CallOutcome::Encode => return Some((ErrorKind::TooLarge, Side::Client)),
+            CallOutcome::Replied(Status::Success | Status::Failed) => ErrorKind::Failed,
+            CallOutcome::Replied(Status::Timeout) | CallOutcome::NoReply => ErrorKind::Timeout,
+            CallOutcome::Replied(Status::Unavailable) => ErrorKind::Unavailable,
+            CallOutcome::Replied(Status::Overloaded) => ErrorKind::Overloaded,
+            CallOutcome::Replied(Status::BadRequest) => ErrorKind::BadRequest,
+            CallOutcome::Connection => ErrorKind::Io,
+            CallOutcome::BadReply => ErrorKind::Decode,
+        };
+        Some((kind, Side::Server))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn indexes_and_labels_are_one_to_one() {
+        for (i, o) in CallOutcome::ALL.iter().enumerate() {
+            assert_eq!(o.index(), i, "{o:?}");
+        }
+        let mut labels: Vec<&str> = CallOutcome::ALL.iter().map(|o| o.label()).collect();
+        labels.sort_unstable();
+        labels.dedup();
+        assert_eq!(labels.len(), CallOutcome::COUNT);
+    }
+
+    #[test]
+    fn a_timeout_the_server_sent_is_not_the_drivers_own() {
+        let theirs = CallOutcome::of_reply(Status::Timeout, true);
+        assert_eq!(theirs, CallOutcome::Replied(Status::Timeout));
+        assert_ne!(theirs.label(), CallOutcome::NoReply.label());
+        assert_eq!(theirs.label(), "timeout");
+        assert_eq!(CallOutcome::NoReply.label(), "no_reply");
+    }
+
+    #[test]
+    fn every_failure_counts_as_an_error_and_success_does_not() {
+        assert_eq!(CallOutcome::Ok.error(), None);
+        for o in &CallOutcome::ALL[1..] {
+            assert!(o.error().is_some(), "{o:?}");
+        }
+        assert_eq!(
+            CallOutcome::of_reply(Status::Overloaded, true).error(),
+            Some((ErrorKind::Overloaded, Side::Server))
+        );
+        assert_eq!(
+            CallOutcome::Encode.error(),
+            Some((ErrorKind::TooLarge, Side::Client))
+        );
+    }
+
+    #[test]
+    fn a_success_whose_content_is_wrong_is_a_bad_reply() {
+        assert_eq!(
+            CallOutcome::of_reply(Status::Success, false),
+            CallOutcome::BadReply
+        );
+        assert!(CallOutcome::of_reply(Status::Success, true).is_ok());
+    }
+}
