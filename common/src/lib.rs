@@ -76,6 +76,37 @@ mod layering {
         }
     }
 
+    /// `docs/architecture.md` names every module of the workspace (a crate's `lib.rs` and a
+    /// program's `main.rs` stand for the crate, and are described where it is).
+    #[test]
+    fn the_architecture_doc_lists_every_module() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let doc = std::fs::read_to_string(root.join("docs/architecture.md"))
+            .expect("docs/architecture.md");
+        for dir in [
+            "common/wire/src",
+            "common/src",
+            "provider/src",
+            "broker/src",
+            "driver/src",
+        ] {
+            for (path, _) in sources(&root.join(dir)) {
+                let rel = path
+                    .split("/../")
+                    .nth(1)
+                    .expect("a path under the workspace")
+                    .to_string();
+                if rel.ends_with("/lib.rs") || rel.ends_with("/main.rs") {
+                    continue;
+                }
+                assert!(
+                    doc.contains(&format!("`{rel}`")),
+                    "docs/architecture.md does not list {rel}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn the_wire_layer_is_pure() {
         let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("wire/Cargo.toml");

@@ -2,7 +2,7 @@
 //! optionally zlib-compressed, in a request frame; and `rpc.RpcResponse` with a status in a
 //! response frame. The provider, the driver and the test client encode and decode calls
 //! here; the broker, which never decodes a payload it forwards, uses only
-//! [`put_error_response`], for the replies it makes itself.
+//! [`put_error_response`] and [`service_not_found`], for the replies it makes itself.
 //!
 //! Owns the protobuf envelope and the compression decision. Frame and body layout are
 //! [`crate::frame`]'s and [`crate::body`]'s; the zlib mechanics are [`crate::compress`]'s;

@@ -1,5 +1,6 @@
-//! RPCF v1 frames: the fixed 18-byte header, the request / response / heartbeat bodies and
-//! the CRC32 trailer, plus rpcmesh's extension bits.
+//! RPCF v1 frames: the fixed 18-byte header and the CRC32 trailer around a body, rpcmesh's
+//! extension bits, and [`FrameWriter`], which writes a frame in place. Where a frame is
+//! parsed: [`Frame::from_bytes`] (once [`crate::codec`] has found a whole one in a stream).
 //!
 //! Pure: byte slices in, typed values out, typed values appended to a `BytesMut`. It never
 //! touches a socket (that is `rpcmesh_common::net`) and never looks inside a protobuf

@@ -1,4 +1,4 @@
-//! Protobuf messages generated at build time from `common/proto/*.proto` (by `prost` with
+//! Protobuf messages generated at build time from `common/wire/proto/*.proto` (by `prost` with
 //! the pure-Rust `protox` compiler; no system `protoc`). `bytes` fields are `bytes::Bytes`.
 
 #![allow(missing_docs, clippy::all)]

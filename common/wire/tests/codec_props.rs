@@ -155,21 +155,36 @@ proptest! {
         }
     }
 
+    /// Whatever the bytes, each call of the decoder either takes a frame within the limit
+    /// or skips bad bytes (both consume input), or asks for more, or gives up on the
+    /// stream: it always reaches a verdict, never loops in place.
     #[test]
-    fn arbitrary_bytes_end_in_frames_or_typed_errors(
+    fn arbitrary_bytes_are_consumed_until_a_request_for_more_or_a_fatal_error(
         bytes in proptest::collection::vec(any::<u8>(), 0..2048),
         max in 0u32..4096,
     ) {
         let codec = FrameCodec::new(max);
         let mut buf = BytesMut::from(&bytes[..]);
-        for _ in 0..bytes.len() + 1 {
+        let mut verdict = None;
+        for _ in 0..=bytes.len() {
+            let before = buf.len();
             match codec.decode_frame(&mut buf) {
-                Ok(Some(_)) => continue,
-                Ok(None) => break,
-                Err(e) if e.is_fatal() => break,
-                Err(_) => continue,
+                Ok(Some(f)) => {
+                    prop_assert!(f.header.body_len <= max, "a frame over the limit was taken");
+                    prop_assert!(buf.len() < before, "a frame consumed no bytes");
+                }
+                Ok(None) => {
+                    verdict = Some("more bytes needed");
+                    break;
+                }
+                Err(e) if e.is_fatal() => {
+                    verdict = Some("fatal");
+                    break;
+                }
+                Err(e) => prop_assert!(buf.len() < before, "{} consumed no bytes", e),
             }
         }
+        prop_assert!(verdict.is_some(), "no verdict after {} calls", bytes.len() + 1);
     }
 
     #[test]
