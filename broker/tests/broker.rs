@@ -6,12 +6,12 @@
 
 mod support;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rpcmesh_broker::UpstreamSpec;
 use rpcmesh_common::metrics::recorder::sample;
-use rpcmesh_common::net::client::{Client, ClientConfig, ClientError, Reply};
-use rpcmesh_common::testkit;
+use rpcmesh_common::net::client::{Client, ClientConfig};
+use rpcmesh_common::testkit::{self, wait_until};
 use rpcmesh_provider::ProviderConfig;
 use rpcmesh_wire::Status;
 use rpcmesh_wire::body::Request;
@@ -245,14 +245,18 @@ async fn two_providers_share_the_calls_and_one_stopping_sends_all_to_the_other()
     let b = broker(broker_config(&[p1.addr, p2.addr])).await;
     let c = client(b.addr).await;
     until_ready(&c).await;
-    // wait until both pools are up
-    for _ in 0..100 {
-        let healthy = b.metric("rpcmesh_pool_healthy_connections", &[]);
-        if healthy >= 8.0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let healthy = |p: &Running| {
+        let upstream = p.addr.to_string();
+        b.metric(
+            "rpcmesh_pool_healthy_connections",
+            &[("upstream", upstream.as_str())],
+        )
+    };
+    let pool = f64::from(rpcmesh_broker::config::DEFAULT_POOL_SIZE);
+    wait_until("both pools to be up", || {
+        healthy(&p1) >= pool && healthy(&p2) >= pool
+    })
+    .await;
     let run = |n: usize| {
         let c = c.clone();
         async move {
@@ -263,8 +267,14 @@ async fn two_providers_share_the_calls_and_one_stopping_sends_all_to_the_other()
             statuses
         }
     };
-    let s = run(400).await;
-    assert!(s.iter().all(|s| *s == Status::Success));
+    // One call at a time, so that each is a read of its own and the broker picks a
+    // provider for each: calls sent together may reach the broker in one read, and a
+    // read's calls go to one provider together, so how they share would depend on how
+    // the scheduler happened to batch them.
+    for i in 0..400 {
+        let r = c.call("EchoService", "Echo", &echo(&format!("{i}"))).await;
+        assert_eq!(r.unwrap().status, Status::Success);
+    }
     let (c1, c2) = (p1.calls("ok"), p2.calls("ok"));
     println!("shared: provider 1 {c1}, provider 2 {c2}");
     assert!(
@@ -273,10 +283,18 @@ async fn two_providers_share_the_calls_and_one_stopping_sends_all_to_the_other()
     );
 
     let p1_before = p1.calls("ok");
+    let p1_addr = p1.addr.to_string();
     p1.stop().await;
     // Calls racing the stop may fail ("unavailable"), but each gets an answer; once the
     // broker has noticed, every call goes to provider 2.
     let _ = run(50).await;
+    wait_until("the broker to drop provider 1's connections", || {
+        b.metric(
+            "rpcmesh_pool_healthy_connections",
+            &[("upstream", p1_addr.as_str())],
+        ) == 0.0
+    })
+    .await;
     let p2_before = p2.calls("ok");
     let s = run(300).await;
     assert!(s.iter().all(|s| *s == Status::Success), "{s:?}");
@@ -319,25 +337,20 @@ async fn two_brokers_in_front_of_one_provider_both_serve() {
     p.stop().await;
 }
 
-/// Starts a call on `c` in the background and gives the broker time to admit it.
-async fn admitted_call(c: &Client) -> tokio::task::JoinHandle<Result<Reply, ClientError>> {
-    let call = testkit::echo_call(c, "slow");
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    call
-}
-
+/// A call over the per-connection cap is answered "overloaded" while the call that fills
+/// the cap is still held at the provider: the answer never waits for a slot to free.
 #[tokio::test]
 async fn over_the_in_flight_cap_calls_are_answered_overloaded_at_once() {
-    let m = slow_mesh(Duration::from_millis(1500), |cfg| {
-        cfg.max_in_flight_per_conn = 1
-    })
-    .await;
+    let (m, gate) = held_mesh(|cfg| cfg.max_in_flight_per_conn = 1).await;
     let (b, ext) = (&m.b, &m.c);
     let v1 = Client::connect(b.addr, ClientConfig::plain_v1())
         .await
         .unwrap();
-    let slow = admitted_call(ext).await;
-    let t = Instant::now();
+    let slow = held_call(ext, "slow");
+    wait_until("the slow call to reach the provider", || {
+        gate.arrived() == 1
+    })
+    .await;
     let r = ext
         .call("EchoService", "Echo", &echo("shed me"))
         .await
@@ -349,17 +362,26 @@ async fn over_the_in_flight_cap_calls_are_answered_overloaded_at_once() {
         r.error_msg
     );
     assert!(
-        t.elapsed() < Duration::from_millis(700),
-        "answered at once, not after the slow call"
+        !slow.is_finished(),
+        "answered at once: before the slow call's reply, which the provider still holds"
     );
     // A plain v1 client sees status failed, with a message that says overloaded.
-    let v1_slow = admitted_call(&v1).await;
+    let v1_slow = held_call(&v1, "slow");
+    wait_until("the v1 slow call to reach the provider", || {
+        gate.arrived() == 2
+    })
+    .await;
     let r = v1
         .call("EchoService", "Echo", &echo("shed me"))
         .await
         .unwrap();
     assert_eq!(r.status, Status::Failed);
     assert!(r.error_msg.starts_with("overloaded"), "{}", r.error_msg);
+    assert!(
+        !v1_slow.is_finished(),
+        "answered before the slow call's reply"
+    );
+    gate.open();
     assert_eq!(slow.await.unwrap().unwrap().status, Status::Success);
     assert_eq!(v1_slow.await.unwrap().unwrap().status, Status::Success);
     assert_eq!(b.errors("overloaded"), 2.0);
@@ -368,9 +390,13 @@ async fn over_the_in_flight_cap_calls_are_answered_overloaded_at_once() {
 
 #[tokio::test]
 async fn over_the_broker_wide_cap_a_call_on_any_connection_is_answered_overloaded() {
-    let m = slow_mesh(Duration::from_millis(1000), |cfg| cfg.max_in_flight = 1).await;
+    let (m, gate) = held_mesh(|cfg| cfg.max_in_flight = 1).await;
     let second = client(m.b.addr).await;
-    let slow = admitted_call(&m.c).await;
+    let slow = held_call(&m.c, "slow");
+    wait_until("the slow call to reach the provider", || {
+        gate.arrived() == 1
+    })
+    .await;
     // The other connection has nothing in flight: the broker-wide cap sheds it.
     let r = second
         .call("EchoService", "Echo", &echo("shed me"))
@@ -383,6 +409,8 @@ async fn over_the_broker_wide_cap_a_call_on_any_connection_is_answered_overloade
         "the reply names the broker-wide cap: {}",
         r.error_msg
     );
+    assert!(!slow.is_finished(), "answered before the slow call's reply");
+    gate.open();
     assert_eq!(slow.await.unwrap().unwrap().status, Status::Success);
     // The slow call's slot is free again.
     let r = second
@@ -394,52 +422,49 @@ async fn over_the_broker_wide_cap_a_call_on_any_connection_is_answered_overloade
     m.stop().await;
 }
 
+/// The provider holds the call: the "timeout" answer is the broker's own, at its
+/// configured deadline, and the provider's answer, let through after it, is dropped.
 #[tokio::test]
 async fn a_call_past_its_timeout_is_answered_timeout_and_the_late_reply_is_dropped() {
-    let p = provider(ProviderConfig {
-        service_time: Duration::from_millis(800),
-        ..ProviderConfig::default()
-    })
-    .await;
-    let mut cfg = broker_config(&[p.addr]);
-    cfg.call_timeout = Duration::from_millis(300);
-    let b = broker(cfg).await;
-    let c = client(b.addr).await;
-    // ready-check with the slow provider: the first call times out too, that's fine
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let t = Instant::now();
-    let r = c.call("EchoService", "Echo", &echo("late")).await.unwrap();
-    let took = t.elapsed();
+    let (Mesh { p, b, c }, gate) =
+        held_mesh(|cfg| cfg.call_timeout = Duration::from_millis(300)).await;
+    let call = held_call(&c, "late");
+    wait_until("the call to reach the provider", || gate.arrived() == 1).await;
+    let r = call.await.unwrap().unwrap();
     assert_eq!(r.status, Status::Timeout, "{}", r.error_msg);
     assert!(
-        took < Duration::from_millis(700),
-        "timed out near 300 ms, took {took:?}"
+        r.error_msg.contains("within 300ms"),
+        "timed out at the configured deadline: {}",
+        r.error_msg
     );
-    // the provider's answer arrives later and is dropped, counted
-    let mut late = 0.0;
-    for _ in 0..100 {
-        late = b.errors("late_reply");
-        if late >= 1.0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(late >= 1.0, "late reply counted");
+    // the provider's answer, let through now, arrives later and is dropped, counted
+    gate.open();
+    wait_until("the late reply to be counted", || {
+        b.errors("late_reply") >= 1.0
+    })
+    .await;
     assert!(b.errors("timeout") >= 1.0);
     b.stop().await;
     p.stop().await;
 }
 
+/// With no healthy provider the broker answers "unavailable" itself, at once: not after
+/// its call timeout (an hour here, which no test outlives), nor by waiting for a provider
+/// to come back.
 #[tokio::test]
 async fn no_healthy_provider_is_answered_unavailable_at_once() {
     let dead = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap()
     };
-    let b = broker(broker_config(&[dead])).await;
+    let mut cfg = broker_config(&[dead]);
+    cfg.call_timeout = Duration::from_secs(3600);
+    let b = broker(cfg).await;
     let c = client(b.addr).await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let t = Instant::now();
+    wait_until("the broker to fail to connect to the provider", || {
+        b.metric("rpcmesh_upstream_connect_failures_total", &[]) >= 1.0
+    })
+    .await;
     let r = c
         .call("EchoService", "Echo", &echo("anyone?"))
         .await
@@ -450,7 +475,8 @@ async fn no_healthy_provider_is_answered_unavailable_at_once() {
         "{}",
         r.error_msg
     );
-    assert!(t.elapsed() < Duration::from_millis(500));
+    assert_eq!(b.errors("timeout"), 0.0, "answered, not timed out");
+    assert_eq!(b.metric("rpcmesh_pool_healthy_connections", &[]), 0.0);
     b.stop().await;
 }
 
@@ -520,15 +546,19 @@ async fn connections_to_a_silent_provider_are_not_leaked() {
     cfg.health_interval = Duration::from_millis(50);
     cfg.health_timeout = Duration::from_millis(50);
     let b = broker(cfg).await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let text = b.telemetry.render();
-    let opened = sample(
-        &text,
-        "rpcmesh_connections_opened_total",
-        &[("side", "upstream")],
+    // Many rounds of health checks: each fails, and the pool replaces its connections.
+    let upstream = [("side", "upstream")];
+    let (mut opened, mut open) = (0.0, 0.0);
+    wait_until(
+        "the broker to replace its connections 10 times over",
+        || {
+            let text = b.telemetry.render();
+            opened = sample(&text, "rpcmesh_connections_opened_total", &upstream).unwrap_or(0.0);
+            open = sample(&text, "rpcmesh_connections_open", &upstream).unwrap_or(0.0);
+            opened >= 20.0
+        },
     )
-    .unwrap_or(0.0);
-    let open = sample(&text, "rpcmesh_connections_open", &[("side", "upstream")]).unwrap_or(0.0);
+    .await;
     println!("silent provider: {opened} opened, {open} open");
     assert!(
         opened >= 4.0,
@@ -545,8 +575,13 @@ async fn connections_to_a_silent_provider_are_not_leaked() {
 async fn a_draining_broker_answers_late_requests_unavailable() {
     let Mesh { p, b, c } = mesh(|_| {}).await;
     let stopping = tokio::spawn(b.stop());
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let r = c.call("EchoService", "Echo", &echo("late")).await.unwrap();
+    // Every call gets an answer: served until the session learns of the drain, refused
+    // from then on.
+    let r = testkit::wait_for("a call refused by the draining broker", || async {
+        let r = c.call("EchoService", "Echo", &echo("late")).await.unwrap();
+        (r.status != Status::Success).then_some(r)
+    })
+    .await;
     assert_eq!(r.status, Status::Unavailable);
     assert!(r.error_msg.contains("shutting down"), "{}", r.error_msg);
     stopping.await.unwrap();
@@ -609,23 +644,17 @@ async fn calls_are_packed_onto_one_connection_until_it_is_busy() {
     let server = V1Server::start(true).await;
     let mut cfg = broker_config(&[server.addr]);
     cfg.pool_size = 4;
-    // The slow phase holds each read's replies for 50 ms: no call or heartbeat may time
-    // out behind them on a slow machine.
+    // The heavy phase holds replies (heartbeats too) until all its calls are in: no call
+    // or heartbeat may time out behind them on a slow machine.
     cfg.call_timeout = Duration::from_secs(30);
     cfg.health_timeout = Duration::from_secs(10);
     let b = broker(cfg).await;
     let c = client(b.addr).await;
     until_ready(&c).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while server.counts().len() < 4 {
-        assert!(
-            Instant::now() < deadline,
-            "the pool never opened 4 connections"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    // A few health intervals, so that all four are published.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    wait_until("all four pooled connections to be published", || {
+        b.metric("rpcmesh_pool_healthy_connections", &[]) >= 4.0
+    })
+    .await;
     let run = |n: usize| {
         let calls = testkit::echo_calls(&c, n);
         async move {
@@ -651,11 +680,10 @@ async fn calls_are_packed_onto_one_connection_until_it_is_busy() {
     println!("40 in flight: requests per connection {light:?}");
     assert_eq!(light.iter().sum::<usize>(), 200);
     assert_eq!(light.iter().filter(|n| **n > 0).count(), 1, "{light:?}");
-    // 300 at once on a slow server: the first connection fills, the rest spread.
-    server
-        .delay_ms
-        .store(50, std::sync::atomic::Ordering::Relaxed);
+    // 300 at once, all held in flight until the last has reached the server: the first
+    // connection fills, the rest spread.
     let before = server.counts();
+    server.hold_replies_until(300);
     run(300).await;
     let heavy = delta(&before, &server.counts());
     println!("300 in flight: requests per connection {heavy:?}");

@@ -1,16 +1,23 @@
 //! Test support shared by the provider's, broker's and driver's black-box tests (feature
-//! `test-support`): servers run in the test process ([`InProcess`]), the catalogue of bad
-//! inputs every server must survive, and a probe that sends one on a fresh connection and
-//! reports what came back.
+//! `test-support`): servers run in the test process ([`InProcess`]), waiting on a
+//! condition instead of sleeping ([`wait_until`], [`wait_for`]), a [`Gate`] that holds
+//! calls until the test lets them through, the catalogue of bad inputs every server must
+//! survive, and a probe that sends one on a fresh connection and reports what came back.
+//!
+//! The tests prove order and causality, never how long something took: a test waits for
+//! the condition it needs, and the only deadlines here are hang detectors that fail a
+//! stuck test.
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::oneshot;
+use tokio::sync::{Semaphore, oneshot};
 use tokio::task::JoinHandle;
 
 use rpcmesh_wire::body::Request;
@@ -111,6 +118,98 @@ pub fn echo_call(c: &Client, message: impl Into<String>) -> JoinHandle<Result<Re
 /// handles in order to check each reply.
 pub fn echo_calls(c: &Client, n: usize) -> Vec<JoinHandle<Result<Reply, ClientError>>> {
     (0..n).map(|i| echo_call(c, format!("m{i}"))).collect()
+}
+
+/// How long [`wait_until`] and [`wait_for`] wait before they fail the test: a hang
+/// detector, not a measurement. Every condition waited on normally holds within
+/// milliseconds; 30 s is far beyond what a loaded 2-core machine needs, and short enough
+/// that a hung test fails on its own instead of stalling the run.
+pub const WAIT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How often [`wait_until`] and [`wait_for`] look again: often enough that waiting costs
+/// the test nothing noticeable, rarely enough not to load the machine it waits on.
+pub const WAIT_POLL: Duration = Duration::from_millis(10);
+
+/// Waits until `condition` holds, looking every [`WAIT_POLL`]; fails the test, naming
+/// `what`, if it still does not after [`WAIT_TIMEOUT`].
+pub async fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
+    wait_for(what, || std::future::ready(condition().then_some(()))).await;
+}
+
+/// Runs `probe` until it yields a value, and returns it; looks every [`WAIT_POLL`] and
+/// fails the test, naming `what`, after [`WAIT_TIMEOUT`]. For conditions that take I/O to
+/// check (a call, a connection attempt).
+pub async fn wait_for<T, F, Fut>(what: &str, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    // Wall time on purpose: the deadline stops a hung test, whatever clock the test runs.
+    let give_up = std::time::Instant::now() + WAIT_TIMEOUT;
+    loop {
+        if let Some(v) = probe().await {
+            return v;
+        }
+        assert!(
+            std::time::Instant::now() < give_up,
+            "timed out after {WAIT_TIMEOUT:?} waiting for {what}"
+        );
+        tokio::time::sleep(WAIT_POLL).await;
+    }
+}
+
+/// Waits until nothing accepts connections on `addr` any more (a draining server has
+/// closed its listener); fails the test after [`WAIT_TIMEOUT`].
+pub async fn wait_refused(addr: std::net::SocketAddr) {
+    let what = format!("{addr} to refuse new connections");
+    wait_for(&what, || async {
+        TcpStream::connect(addr).await.is_err().then_some(())
+    })
+    .await;
+}
+
+/// Holds calls until the test opens it: a slow server whose calls finish when the test
+/// says, not after a sleep, so that "answered while that call was still in flight" is a
+/// fact of the test rather than a race against a timer. A handler calls [`Gate::hold`]
+/// and awaits what it returns before answering; the test waits for [`Gate::arrived`] to
+/// know the calls are in flight, and [`Gate::open`]s it to let them (and all later ones)
+/// through.
+#[derive(Debug)]
+pub struct Gate {
+    /// No permits, ever: waiters pass when it is closed.
+    shut: Semaphore,
+    arrived: AtomicUsize,
+}
+
+impl Gate {
+    /// A closed gate.
+    pub fn new() -> Arc<Gate> {
+        Arc::new(Gate {
+            shut: Semaphore::new(0),
+            arrived: AtomicUsize::new(0),
+        })
+    }
+
+    /// Counts a call as arrived, now, and returns what it awaits: resolves once the gate
+    /// is open.
+    pub fn hold(self: &Arc<Self>) -> impl Future<Output = ()> + Send + use<> {
+        self.arrived.fetch_add(1, Ordering::SeqCst);
+        let gate = Arc::clone(self);
+        async move {
+            // Never a permit: an error is the gate opening.
+            let _ = gate.shut.acquire().await;
+        }
+    }
+
+    /// Calls that have reached the gate so far (held, or let through since).
+    pub fn arrived(&self) -> usize {
+        self.arrived.load(Ordering::SeqCst)
+    }
+
+    /// Lets every held call through, and every later one straight through.
+    pub fn open(&self) {
+        self.shut.close();
+    }
 }
 
 /// How long a probe waits for the server to answer or close.
@@ -391,9 +490,38 @@ impl Drop for ChildGuard {
     }
 }
 
+/// Lowest port [`free_port`] hands out: above the well-known and most registered ones.
+const FREE_PORT_MIN: u16 = 10_000;
+
+/// Where the kernel's ephemeral ports begin when `/proc` does not say (Linux's default).
+const DEFAULT_EPHEMERAL_MIN: u16 = 32_768;
+
 /// A free TCP port on 127.0.0.1 (bound and released; for programs that take an address
-/// on the command line).
+/// on the command line). Between its release and the program's bind the port must stay
+/// free, so it is drawn at random from below the kernel's ephemeral range: the port-0
+/// listeners of the servers running in this process and the source ports of every
+/// outgoing connection come from that range and cannot take it meanwhile. A port is
+/// handed out once per process.
 pub fn free_port() -> u16 {
+    use std::sync::Mutex;
+    static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    let ephemeral_min = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| t.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(DEFAULT_EPHEMERAL_MIN);
+    let mut given = GIVEN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if ephemeral_min > FREE_PORT_MIN + 1000 {
+        for _ in 0..1000 {
+            let port = fastrand::u16(FREE_PORT_MIN..ephemeral_min);
+            if !given.contains(&port) && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                given.push(port);
+                return port;
+            }
+        }
+    }
+    // An unusual ephemeral range: let the kernel choose.
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind port 0");
     l.local_addr().expect("local addr").port()
 }

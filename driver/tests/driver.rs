@@ -4,27 +4,55 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use rpcmesh_common::metrics::Telemetry;
+use rpcmesh_common::metrics::recorder::sample;
 use rpcmesh_common::net::listener::ServeSummary;
 use rpcmesh_common::net::shutdown::CancellationToken;
-use rpcmesh_common::testkit::InProcess;
+use rpcmesh_common::testkit::{Gate, InProcess, wait_until};
 use rpcmesh_driver::config::ProgressMode;
 use rpcmesh_driver::{DriverConfig, Report, Stop, WorkloadKind};
+use rpcmesh_provider::service::{Held, platform};
 use rpcmesh_provider::{ProviderConfig, Registry};
 use tokio::net::TcpListener;
 
 async fn provider(config: ProviderConfig) -> InProcess<ServeSummary> {
+    provider_with(config, Registry::builtin()).await
+}
+
+async fn provider_with(config: ProviderConfig, registry: Registry) -> InProcess<ServeSummary> {
     InProcess::start(|listener, telemetry, stop| {
-        rpcmesh_provider::run_with(config, Registry::builtin(), telemetry, listener, stop)
+        rpcmesh_provider::run_with(config, registry, telemetry, listener, stop)
     })
     .await
 }
 
+/// A provider whose `PlatformService.doQuery` calls (the default workload's) wait at
+/// `gate` before they answer: replies that come when the test says, never during a run
+/// that must see none.
+async fn held_provider(gate: &Arc<Gate>) -> InProcess<ServeSummary> {
+    let mut registry = Registry::builtin();
+    let held = Held {
+        inner: platform::do_query,
+        hold: {
+            let gate = gate.clone();
+            move || gate.hold()
+        },
+    };
+    registry.register(platform::SERVICE, platform::METHOD, held);
+    provider_with(ProviderConfig::default(), registry).await
+}
+
+/// A run of a fixed number of requests, not of a duration: what it proves does not
+/// depend on how fast the machine is.
+const QUICK_REQUESTS: u64 = 200;
+
 fn quick(targets: Vec<String>) -> DriverConfig {
     DriverConfig {
         targets,
-        stop: Stop::Duration(Duration::from_millis(700)),
+        stop: Stop::Requests(QUICK_REQUESTS),
         warmup: Duration::ZERO,
         progress: ProgressMode::Off,
         concurrency: 20,
@@ -51,8 +79,7 @@ fn assert_counts_add_up(r: &Report) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_default_run_starts_its_own_mesh_and_reports() {
-    let mut c = quick(Vec::new());
-    c.stop = Stop::Duration(Duration::from_secs(1));
+    let c = quick(Vec::new());
     let r = rpcmesh_driver::run(c, CancellationToken::new())
         .await
         .unwrap();
@@ -129,83 +156,108 @@ async fn compression_sends_fewer_bytes_for_the_platform_workload() {
     p.stop().await;
 }
 
+/// The provider holds every call for the whole run: no reply can beat the driver's
+/// timeout, so each call counts as no reply.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_replies_past_the_drivers_timeout_count_as_no_reply() {
-    let p = provider(ProviderConfig {
-        service_time: Duration::from_millis(400),
-        ..ProviderConfig::default()
-    })
-    .await;
+    let gate = Gate::new();
+    let p = held_provider(&gate).await;
     let mut c = quick(vec![p.addr.to_string()]);
     c.call_timeout = Duration::from_millis(150);
     c.fanout = 1;
-    c.stop = Stop::Duration(Duration::from_millis(500));
+    c.stop = Stop::Requests(20);
     let r = rpcmesh_driver::run(c, CancellationToken::new())
         .await
         .unwrap();
     assert_eq!(r.calls.ok, 0);
-    assert!(
-        r.calls.errors.get("no_reply").copied().unwrap_or(0) >= 20,
+    assert_eq!(
+        r.calls.errors.get("no_reply").copied().unwrap_or(0),
+        20,
         "{:?}",
         r.calls.errors
     );
     assert_counts_add_up(&r);
+    gate.open();
     p.stop().await;
 }
 
 /// A timeout the broker answered is the broker's reply, not the driver's own timeout: it is
 /// counted `timeout` (the reply's status), and in the driver's errors on the server side.
+/// The provider holds every call, so the broker's timeout is the only answer there can be.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timeout_the_broker_answers_is_told_apart_from_the_drivers_own() {
-    let p = provider(ProviderConfig {
-        service_time: Duration::from_millis(400),
-        ..ProviderConfig::default()
-    })
-    .await;
+    let gate = Gate::new();
+    let p = held_provider(&gate).await;
     let mut bc = rpcmesh_broker::BrokerConfig::with_upstreams([p.addr.to_string()]);
     bc.call_timeout = Duration::from_millis(100);
     let b = InProcess::start(|listener, telemetry, stop| {
         rpcmesh_broker::run_with(bc, telemetry, listener, stop)
     })
     .await;
+    wait_until("the broker's pool to be up", || {
+        b.metric("rpcmesh_pool_healthy_connections", &[]) > 0.0
+    })
+    .await;
     let mut c = quick(vec![b.addr.to_string()]);
     c.call_timeout = Duration::from_secs(10);
     c.fanout = 1;
-    c.stop = Stop::Duration(Duration::from_millis(500));
-    let telemetry = rpcmesh_common::metrics::Telemetry::new();
+    c.stop = Stop::Requests(20);
+    let telemetry = Telemetry::new();
     let r = rpcmesh_driver::run_with(c, telemetry.clone(), CancellationToken::new())
         .await
         .unwrap();
     assert_eq!(r.calls.ok, 0);
     let timeouts = r.calls.errors.get("timeout").copied().unwrap_or(0);
-    assert!(timeouts >= 20, "{:?}", r.calls.errors);
+    assert_eq!(timeouts, 20, "{:?}", r.calls.errors);
     assert_eq!(r.calls.errors.get("no_reply"), None, "{:?}", r.calls.errors);
     let text = telemetry.render();
-    let seen = rpcmesh_common::metrics::recorder::sample(
+    let seen = sample(
         &text,
         "rpcmesh_errors_total",
         &[("kind", "timeout"), ("side", "server")],
     );
     assert!(seen.is_some_and(|n| n >= timeouts as f64), "{text}");
     assert_counts_add_up(&r);
+    gate.open();
     b.stop().await;
     p.stop().await;
 }
 
+/// The provider stops once the run is under way. The run is of more requests than it
+/// could make before the test gives up, so that it can only end because the driver gave
+/// up on the vanished provider.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_provider_going_away_mid_run_is_counted_and_the_run_ends() {
+    const BUDGET: u64 = 1_000_000;
     let p = provider(ProviderConfig::default()).await;
     let mut c = quick(vec![p.addr.to_string()]);
-    c.stop = Stop::Duration(Duration::from_millis(1500));
+    c.stop = Stop::Requests(BUDGET);
     c.call_timeout = Duration::from_secs(1);
-    let run = tokio::spawn(rpcmesh_driver::run(c, CancellationToken::new()));
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    let telemetry = Telemetry::new();
+    let run = tokio::spawn(rpcmesh_driver::run_with(
+        c,
+        telemetry.clone(),
+        CancellationToken::new(),
+    ));
+    wait_until("the run's first successful calls", || {
+        sample(
+            &telemetry.render(),
+            "rpcmesh_calls_total",
+            &[("status", "ok")],
+        )
+        .is_some_and(|n| n > 0.0)
+    })
+    .await;
     p.stop().await;
-    let r = tokio::time::timeout(Duration::from_secs(10), run)
+    let r = tokio::time::timeout(rpcmesh_common::testkit::WAIT_TIMEOUT, run)
         .await
         .expect("the run ends")
         .unwrap()
         .unwrap();
+    assert!(
+        r.requests.completed < BUDGET,
+        "the run ended for the outage"
+    );
     assert!(r.calls.ok > 0);
     let failed: u64 = r.calls.errors.values().sum();
     assert!(failed > 0 || r.calls.connect_failures > 0, "{r:#?}");
@@ -232,8 +284,8 @@ async fn the_cli_runs_against_a_target_and_writes_json() {
             "2",
             "--concurrency",
             "8",
-            "--duration",
-            "0.5",
+            "--requests",
+            "100",
             "--warmup",
             "0",
             "--compress",
@@ -299,9 +351,15 @@ async fn open_loop_starts_requests_at_the_rate_whatever_the_replies() {
         .await
         .unwrap();
     assert_eq!(r.setup.rate, Some(2000.0));
-    // About 2000 requests in the second (pacing and the window's edges allow some slack).
-    let done = r.requests.completed as f64;
-    assert!((1500.0..=2500.0).contains(&done), "{done} requests: {r:#?}");
+    // About 2000 requests due in the second (pacing and the window's edges allow some
+    // slack), each started or, with every slot busy, counted not started: the schedule
+    // holds however fast the replies come back.
+    let due = (r.requests.completed + r.requests.not_started) as f64;
+    assert!(
+        (1500.0..=2500.0).contains(&due),
+        "{due} requests due: {r:#?}"
+    );
+    assert!(r.requests.completed > 0, "{r:#?}");
     assert!(r.requests.start_lag.is_some());
     assert_counts_add_up(&r);
     p.stop().await;

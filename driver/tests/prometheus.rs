@@ -32,8 +32,9 @@ fn need(tool: &str) -> PathBuf {
     panic!("{tool} is not installed: run scripts/deps (Debian package prometheus)");
 }
 
-/// A plain HTTP/1.0 GET on 127.0.0.1; the body, or None if nothing answers.
-fn http_get(to: SocketAddr, path: &str) -> Option<String> {
+/// A plain HTTP GET on 127.0.0.1; the status code and the body, or None if nothing
+/// answers.
+fn http(to: SocketAddr, path: &str) -> Option<(u16, String)> {
     let mut s = TcpStream::connect_timeout(&to, Duration::from_secs(2)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
     write!(
@@ -44,7 +45,18 @@ fn http_get(to: SocketAddr, path: &str) -> Option<String> {
     let mut text = String::new();
     s.read_to_string(&mut text).ok()?;
     let (head, body) = text.split_once("\r\n\r\n")?;
-    head.starts_with("HTTP/1.").then(|| body.to_string())
+    let code = head
+        .strip_prefix("HTTP/1.")?
+        .split(' ')
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some((code, body.to_string()))
+}
+
+/// The body of a GET, whatever its status, or None if nothing answers.
+fn http_get(to: SocketAddr, path: &str) -> Option<String> {
+    http(to, path).map(|(_, body)| body)
 }
 
 fn urlencode(s: &str) -> String {
@@ -87,15 +99,37 @@ fn scalar(prom: SocketAddr, q: &str) -> f64 {
     r[0].1
 }
 
-fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+/// How long a wait here may take before it fails the test: a hang detector, not a
+/// measurement (the Prometheus server scrapes every second, so each condition normally
+/// holds within a few).
+const WAIT: Duration = testkit::WAIT_TIMEOUT;
+
+/// Looks every 200 ms until `f` holds; false if it still does not after `timeout`.
+fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    // Wall time on purpose: the deadline only stops a hung test.
     let end = Instant::now() + timeout;
-    while Instant::now() < end {
+    loop {
         if f() {
-            return;
+            return true;
+        }
+        if Instant::now() >= end {
+            return false;
         }
         std::thread::sleep(Duration::from_millis(200));
     }
-    panic!("timed out waiting for {what}");
+}
+
+/// Waits until `f` holds; fails the test, naming `what`, after `timeout`.
+fn wait_until(what: &str, timeout: Duration, f: impl FnMut() -> bool) {
+    assert!(eventually(timeout, f), "timed out waiting for {what}");
+}
+
+/// Seconds since the Unix epoch, the clock of Prometheus's sample timestamps.
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("the clock is past 1970")
+        .as_secs_f64()
 }
 
 fn promtool_check(promtool: &Path, name: &str, text: &str) {
@@ -169,7 +203,7 @@ fn prometheus_scrapes_all_three_programs_and_promtool_finds_no_problem() {
         ],
     )
     .unwrap();
-    wait_until("the broker's pool", Duration::from_secs(20), || {
+    wait_until("the broker's pool", WAIT, || {
         http_get(addr(bm), "/metrics").is_some_and(|t| {
             rpcmesh_common::metrics::recorder::sample(&t, "rpcmesh_pool_healthy_connections", &[])
                 .unwrap_or(0.0)
@@ -231,48 +265,61 @@ fn prometheus_scrapes_all_three_programs_and_promtool_finds_no_problem() {
 
     // Prometheus is up and has scraped all three.
     let prom = addr(pw);
-    wait_until(
-        "Prometheus to scrape all three programs",
-        Duration::from_secs(30),
-        || {
-            http_get(prom, "/-/ready").is_some() && {
-                let up = query(prom, "up");
-                up.len() == 3 && up.iter().all(|(_, v)| *v == 1.0)
-            }
-        },
-    );
+    wait_until("Prometheus to scrape all three programs", WAIT, || {
+        // Ready means 200: a starting Prometheus answers 503 "Service Unavailable".
+        http(prom, "/-/ready").is_some_and(|(code, _)| code == 200) && {
+            let up = query(prom, "up");
+            up.len() == 3 && up.iter().all(|(_, v)| *v == 1.0)
+        }
+    });
 
-    // Under load: promtool finds no problem in any program's /metrics.
-    std::thread::sleep(Duration::from_secs(2));
+    // Under load: promtool finds no problem in any program's /metrics. Every family it
+    // exports is catalogued for it, and every family catalogued for it is exported (the
+    // other direction is checked below, on what Prometheus scraped); some appear only
+    // once calls have gone through, so the check waits for the run's calls and families
+    // to show, and fails with the problems still left if they never do.
     for (role, port) in [(Role::Provider, pm), (Role::Broker, bm), (Role::Driver, dm)] {
         let name = role.label();
-        let text =
-            http_get(addr(port), "/metrics").unwrap_or_else(|| panic!("{name}: no /metrics"));
+        let mut problems = Vec::new();
+        let mut text = String::new();
+        let shown = eventually(WAIT, || {
+            text = http_get(addr(port), "/metrics").unwrap_or_default();
+            let calls =
+                rpcmesh_common::metrics::recorder::sample(&text, "rpcmesh_calls_total", &[]);
+            problems = catalogue::mismatches(role, &text);
+            calls.is_some_and(|n| n > 0.0) && problems.is_empty()
+        });
+        assert!(text.contains("rpcmesh_"), "{name}: no /metrics");
+        assert!(shown, "{name} under load: {problems:#?}");
         promtool_check(&promtool, name, &text);
-        // Every family it exports is catalogued for it, and every family catalogued for it
-        // is exported (the other direction is checked below, on what Prometheus scraped).
-        let problems = catalogue::mismatches(role, &text);
-        assert!(problems.is_empty(), "{problems:#?}");
     }
 
-    // The run ends; its figures are scraped.
-    wait_until("the driver's report", Duration::from_secs(30), || {
-        report.exists()
+    // The run ends; its figures are scraped. The report is written in one go, but not
+    // atomically: it is there when it reads whole.
+    let mut r = serde_json::Value::Null;
+    wait_until("the driver's report", WAIT, || {
+        let text = std::fs::read_to_string(&report).unwrap_or_default();
+        match serde_json::from_str(&text) {
+            Ok(v) => {
+                r = v;
+                true
+            }
+            Err(_) => false,
+        }
     });
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let ended = unix_now();
     let sent = r["calls"]["sent"].as_f64().unwrap();
     assert!(sent > 100.0, "{r}");
-    wait_until(
-        "a scrape of the driver's final figures",
-        Duration::from_secs(20),
-        || {
-            query(prom, "sum(rpcmesh_calls_total{job=\"driver\"})")
-                .first()
-                .is_some_and(|(_, v)| *v == sent)
-        },
-    );
-    std::thread::sleep(Duration::from_millis(2500));
+    wait_until("a scrape of the driver's final figures", WAIT, || {
+        query(prom, "sum(rpcmesh_calls_total{job=\"driver\"})")
+            .first()
+            .is_some_and(|(_, v)| *v == sent)
+    });
+    // Every program scraped since the run ended: what Prometheus holds is final.
+    wait_until("a scrape of every program after the run", WAIT, || {
+        let scraped = query(prom, "timestamp(up)");
+        scraped.len() == 3 && scraped.iter().all(|(_, t)| *t > ended)
+    });
 
     // Every metric of docs/metrics.md has samples, from every program that exports it.
     for d in CATALOGUE {

@@ -3,12 +3,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::time::Duration;
+use std::sync::Arc;
 
 use bytes::BytesMut;
 use rpcmesh_common::net::client::{Client, ClientConfig};
 use rpcmesh_common::net::listener::ServeSummary;
-use rpcmesh_common::testkit::{self, InProcess};
+use rpcmesh_common::testkit::{self, Gate, InProcess, wait_until};
+use rpcmesh_provider::service::{Held, echo};
 use rpcmesh_provider::{ProviderConfig, Registry};
 use rpcmesh_wire::Status;
 use rpcmesh_wire::body::Request;
@@ -21,10 +22,29 @@ use tokio::net::TcpStream;
 type Running = InProcess<ServeSummary>;
 
 async fn start(config: ProviderConfig) -> Running {
+    start_with(config, Registry::builtin()).await
+}
+
+async fn start_with(config: ProviderConfig, registry: Registry) -> Running {
     InProcess::start(|listener, telemetry, stop| {
-        rpcmesh_provider::run_with(config, Registry::builtin(), telemetry, listener, stop)
+        rpcmesh_provider::run_with(config, registry, telemetry, listener, stop)
     })
     .await
+}
+
+/// A provider whose `EchoService.Echo` calls wait at `gate` before they answer: a slow
+/// service that finishes when the test says.
+async fn start_held(config: ProviderConfig, gate: &Arc<Gate>) -> Running {
+    let mut registry = Registry::builtin();
+    let held = Held {
+        inner: echo::echo,
+        hold: {
+            let gate = gate.clone();
+            move || gate.hold()
+        },
+    };
+    registry.register(echo::SERVICE, echo::METHOD, held);
+    start_with(config, registry).await
 }
 
 #[tokio::test]
@@ -273,20 +293,21 @@ async fn bad_input_gets_an_error_reply_or_a_close_and_is_counted() {
     p.stop().await;
 }
 
+/// The call over the cap is shed while the one that fills it is still held by the
+/// service: the answer never waits for a slot to free.
 #[tokio::test]
 async fn over_the_in_flight_cap_calls_are_shed_at_once() {
-    let p = start(ProviderConfig {
+    let gate = Gate::new();
+    let config = ProviderConfig {
         max_in_flight_per_conn: 1,
-        service_time: Duration::from_secs(2),
         ..ProviderConfig::default()
-    })
-    .await;
+    };
+    let p = start_held(config, &gate).await;
     let c = Client::connect(p.addr, ClientConfig::default())
         .await
         .unwrap();
     let slow = testkit::echo_call(&c, "slow");
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let started = std::time::Instant::now();
+    wait_until("the slow call to reach the service", || gate.arrived() == 1).await;
     let r = c
         .call("EchoService", "Echo", &EchoRequest::default())
         .await
@@ -294,32 +315,35 @@ async fn over_the_in_flight_cap_calls_are_shed_at_once() {
     assert_eq!(r.status, Status::Overloaded);
     assert!(r.error_msg.starts_with("overloaded"), "{}", r.error_msg);
     assert!(
-        started.elapsed() < Duration::from_secs(1),
-        "shed answers do not wait for the slow call"
+        !slow.is_finished(),
+        "shed answers do not wait for the slow call, which the service still holds"
     );
+    assert_eq!(gate.arrived(), 1, "the shed call never reached the service");
+    gate.open();
     assert_eq!(slow.await.unwrap().unwrap().status, Status::Success);
     p.stop().await;
 }
 
+/// Calls held by the service when shutdown begins: the listener closes while they are
+/// still in flight, and they are answered once the service lets them through.
 #[tokio::test]
 async fn shutdown_finishes_calls_in_flight_and_refuses_new_connections() {
-    let p = start(ProviderConfig {
-        service_time: Duration::from_millis(500),
-        ..ProviderConfig::default()
-    })
-    .await;
+    let gate = Gate::new();
+    let p = start_held(ProviderConfig::default(), &gate).await;
     let addr = p.addr;
     let c = Client::connect(addr, ClientConfig::default())
         .await
         .unwrap();
     let calls = testkit::echo_calls(&c, 10);
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    wait_until("all 10 calls to reach the service", || gate.arrived() == 10).await;
     let stopping = tokio::spawn(p.stop());
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // "Refused while draining": the calls are still held.
+    testkit::wait_refused(addr).await;
     assert!(
-        TcpStream::connect(addr).await.is_err(),
-        "new connections are refused while draining"
+        calls.iter().all(|h| !h.is_finished()),
+        "the calls in flight are still waiting for the service"
     );
+    gate.open();
     for (i, call) in calls.into_iter().enumerate() {
         let r = call.await.unwrap().unwrap();
         assert_eq!(r.status, Status::Success);
@@ -391,12 +415,16 @@ async fn a_draining_provider_answers_late_requests_unavailable_instead_of_droppi
         Status::Success
     );
     p.signal_stop();
-    // Sent after the drain began, on the open connection: answered, not lost.
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let r = c
-        .call("EchoService", "Echo", &EchoRequest::default())
-        .await
-        .unwrap();
+    // Sent after the drain began, on the open connection: answered, not lost. Every call
+    // gets an answer: served until the session learns of the drain, refused from then on.
+    let r = testkit::wait_for("a call refused by the draining provider", || async {
+        let r = c
+            .call("EchoService", "Echo", &EchoRequest::default())
+            .await
+            .unwrap();
+        (r.status != Status::Success).then_some(r)
+    })
+    .await;
     assert_eq!(r.status, Status::Unavailable);
     assert!(r.error_msg.contains("shutting down"), "{}", r.error_msg);
     p.stop().await;

@@ -1,19 +1,21 @@
-//! Starting providers and brokers in the test process, on 127.0.0.1 port 0.
+//! Starting providers and brokers in the test process, on 127.0.0.1 port 0; a provider
+//! that holds calls until the test lets them through; a plain v1 server.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::BytesMut;
 
 use rpcmesh_broker::BrokerConfig;
-use rpcmesh_common::net::client::{Client, ClientConfig};
+use rpcmesh_common::net::client::{Client, ClientConfig, ClientError, Reply};
 use rpcmesh_common::net::listener::ServeSummary;
-use rpcmesh_common::testkit::InProcess;
+use rpcmesh_common::testkit::{self, Gate, InProcess};
+use rpcmesh_provider::service::{Held, echo};
 use rpcmesh_provider::{ProviderConfig, Registry};
 use rpcmesh_wire::Status;
 use rpcmesh_wire::body::Heartbeat;
@@ -23,6 +25,7 @@ use rpcmesh_wire::frame::{Flags, MsgType};
 use rpcmesh_wire::proto::rpc::{EchoRequest, EchoResponse};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 /// A provider or broker running in this process.
@@ -62,20 +65,18 @@ pub struct Mesh {
 }
 
 pub async fn mesh(tune: impl FnOnce(&mut BrokerConfig)) -> Mesh {
-    mesh_with(ProviderConfig::default(), tune).await
+    mesh_in_front_of(provider(ProviderConfig::default()).await, tune).await
 }
 
-/// As [`mesh`], with a provider whose every call takes `service_time`.
-pub async fn slow_mesh(service_time: Duration, tune: impl FnOnce(&mut BrokerConfig)) -> Mesh {
-    let config = ProviderConfig {
-        service_time,
-        ..ProviderConfig::default()
-    };
-    mesh_with(config, tune).await
+/// As [`mesh`], with a [`held_provider`]: calls to [`HELD_SERVICE`] wait at the returned
+/// gate.
+pub async fn held_mesh(tune: impl FnOnce(&mut BrokerConfig)) -> (Mesh, Arc<Gate>) {
+    let gate = Gate::new();
+    let mesh = mesh_in_front_of(held_provider(&gate).await, tune).await;
+    (mesh, gate)
 }
 
-async fn mesh_with(provider_config: ProviderConfig, tune: impl FnOnce(&mut BrokerConfig)) -> Mesh {
-    let p = provider(provider_config).await;
+async fn mesh_in_front_of(p: Running, tune: impl FnOnce(&mut BrokerConfig)) -> Mesh {
     let mut cfg = broker_config(&[p.addr]);
     tune(&mut cfg);
     let b = broker(cfg).await;
@@ -100,8 +101,8 @@ pub async fn client(addr: SocketAddr) -> Client {
 
 /// Calls echo until one succeeds (the broker's pools connect in the background).
 pub async fn until_ready(c: &Client) {
-    for _ in 0..200 {
-        if let Ok(r) = c
+    testkit::wait_for("the broker to answer an echo call", || async {
+        let r = c
             .call(
                 "EchoService",
                 "Echo",
@@ -109,63 +110,117 @@ pub async fn until_ready(c: &Client) {
                     message: "ready?".into(),
                 },
             )
+            .await;
+        r.is_ok_and(|r| r.status == Status::Success).then_some(())
+    })
+    .await;
+}
+
+/// The service whose calls a [`held_provider`] holds at its gate: its method `Echo`
+/// answers as `EchoService.Echo` does, once the gate is open.
+pub const HELD_SERVICE: &str = "HeldService";
+
+/// A provider with the built-in services, and [`HELD_SERVICE`], whose calls wait at
+/// `gate`: a slow provider that answers when the test says.
+pub async fn held_provider(gate: &Arc<Gate>) -> Running {
+    let mut registry = Registry::builtin();
+    let held = Held {
+        inner: echo::echo,
+        hold: {
+            let gate = gate.clone();
+            move || gate.hold()
+        },
+    };
+    registry.register(HELD_SERVICE, echo::METHOD, held);
+    InProcess::start(|listener, telemetry, stop| {
+        rpcmesh_provider::run_with(
+            ProviderConfig::default(),
+            registry,
+            telemetry,
+            listener,
+            stop,
+        )
+    })
+    .await
+}
+
+/// Starts a call of [`HELD_SERVICE`] carrying `message` on `c`, in the background.
+pub fn held_call(c: &Client, message: &str) -> JoinHandle<Result<Reply, ClientError>> {
+    let (c, message) = (c.clone(), message.to_string());
+    tokio::spawn(async move {
+        c.call(HELD_SERVICE, echo::METHOD, &EchoRequest { message })
             .await
-        {
-            if r.status == Status::Success {
-                return;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("broker never became ready");
+    })
 }
 
 /// A plain RPCF v1 echo server, written here from the protocol alone (not rpcmesh's
 /// provider). It counts the requests of each accepted connection and every frame with an
-/// extension bit, and answers each read's requests after `delay_ms`. Strict, it ignores
-/// flagged frames as a v1 peer does; lenient, it answers them plainly (as an rpcmesh
-/// provider may: a plain reply is a valid answer to an extended request).
+/// extension bit, and can hold its replies until enough requests have come in
+/// ([`V1Server::hold_replies_until`]). Strict, it ignores flagged frames as a v1 peer
+/// does; lenient, it answers them plainly (as an rpcmesh provider may: a plain reply is a
+/// valid answer to an extended request).
 pub struct V1Server {
     pub addr: SocketAddr,
-    /// Requests answered, per accepted connection in accept order.
-    pub per_conn: Arc<Mutex<Vec<usize>>>,
     /// Frames seen with an extension bit set.
     pub flagged: Arc<AtomicUsize>,
-    /// Milliseconds to wait before answering a read's requests.
-    pub delay_ms: Arc<AtomicU64>,
+    state: Arc<V1State>,
     task: JoinHandle<()>,
+}
+
+/// What the connections of a [`V1Server`] share.
+struct V1State {
+    lenient: bool,
+    /// Requests answered, per accepted connection in accept order.
+    per_conn: Mutex<Vec<usize>>,
+    flagged: Arc<AtomicUsize>,
+    /// Requests received so far, on every connection.
+    received: watch::Sender<usize>,
+    /// Replies wait until `received` reaches this.
+    hold_until: AtomicUsize,
 }
 
 impl V1Server {
     pub async fn start(lenient: bool) -> V1Server {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
-        let per_conn = Arc::new(Mutex::new(Vec::new()));
         let flagged = Arc::new(AtomicUsize::new(0));
-        let delay_ms = Arc::new(AtomicU64::new(0));
-        let (pc, fl, dl) = (per_conn.clone(), flagged.clone(), delay_ms.clone());
+        let state = Arc::new(V1State {
+            lenient,
+            per_conn: Mutex::new(Vec::new()),
+            flagged: flagged.clone(),
+            received: watch::Sender::new(0),
+            hold_until: AtomicUsize::new(0),
+        });
+        let shared = state.clone();
         let task = tokio::spawn(async move {
             while let Ok((s, _)) = l.accept().await {
                 let n = {
-                    let mut v = pc.lock().unwrap();
+                    let mut v = shared.per_conn.lock().unwrap();
                     v.push(0);
                     v.len() - 1
                 };
-                tokio::spawn(v1_echo(s, n, lenient, pc.clone(), fl.clone(), dl.clone()));
+                tokio::spawn(v1_echo(s, n, shared.clone()));
             }
         });
         V1Server {
             addr,
-            per_conn,
             flagged,
-            delay_ms,
+            state,
             task,
         }
     }
 
     /// Requests answered so far, per connection.
     pub fn counts(&self) -> Vec<usize> {
-        self.per_conn.lock().unwrap().clone()
+        self.state.per_conn.lock().unwrap().clone()
+    }
+
+    /// Holds every reply (heartbeats too) until `n` more requests have come in, on all
+    /// connections together: those `n` calls are then all in flight at once, however the
+    /// broker happened to send them.
+    pub fn hold_replies_until(&self, n: usize) {
+        let target = *self.state.received.borrow() + n;
+        self.state.hold_until.store(target, Ordering::SeqCst);
     }
 
     pub fn stop(self) {
@@ -173,29 +228,43 @@ impl V1Server {
     }
 }
 
-async fn v1_echo(
-    mut s: TcpStream,
-    n: usize,
-    lenient: bool,
-    per_conn: Arc<Mutex<Vec<usize>>>,
-    flagged: Arc<AtomicUsize>,
-    delay_ms: Arc<AtomicU64>,
-) {
+/// Serves one connection: reads and answers every request of a read together; the
+/// answers go to a writer that holds them as [`V1Server::hold_replies_until`] says, while
+/// reading goes on.
+async fn v1_echo(s: TcpStream, n: usize, state: Arc<V1State>) {
+    let (mut rd, mut wr) = s.into_split();
+    let (tx, mut rx) = mpsc::unbounded_channel::<(BytesMut, usize)>();
+    let writer = {
+        let state = state.clone();
+        tokio::spawn(async move {
+            let mut received = state.received.subscribe();
+            while let Some((out, requests)) = rx.recv().await {
+                let target = state.hold_until.load(Ordering::SeqCst);
+                if received.wait_for(|r| *r >= target).await.is_err() {
+                    return;
+                }
+                state.per_conn.lock().unwrap()[n] += requests;
+                if wr.write_all(&out).await.is_err() {
+                    return;
+                }
+            }
+        })
+    };
     let fc = FrameCodec::default();
     let mut codec = CallCodec::new(None, 1 << 20);
     let mut buf = BytesMut::with_capacity(64 << 10);
     loop {
         buf.reserve(64 << 10);
-        match s.read_buf(&mut buf).await {
-            Ok(0) | Err(_) => return,
+        match rd.read_buf(&mut buf).await {
+            Ok(0) | Err(_) => break,
             Ok(_) => {}
         }
         let mut out = BytesMut::new();
         let mut requests = 0;
         while let Ok(Some(f)) = fc.decode_frame(&mut buf) {
             if !f.header.flags.is_empty() {
-                flagged.fetch_add(1, Ordering::Relaxed);
-                if !lenient {
+                state.flagged.fetch_add(1, Ordering::Relaxed);
+                if !state.lenient {
                     continue; // what a v1 peer does with an unknown type
                 }
             }
@@ -215,13 +284,11 @@ async fn v1_echo(
                 MsgType::Response => {}
             }
         }
-        let delay = delay_ms.load(Ordering::Relaxed);
-        if delay > 0 {
-            tokio::time::sleep(Duration::from_millis(delay)).await;
-        }
-        per_conn.lock().unwrap()[n] += requests;
-        if s.write_all(&out).await.is_err() {
-            return;
+        state.received.send_modify(|r| *r += requests);
+        if tx.send((out, requests)).is_err() {
+            break;
         }
     }
+    drop(tx);
+    let _ = writer.await;
 }

@@ -227,6 +227,41 @@ impl Handler for Delayed {
     }
 }
 
+/// A handler whose answers wait until `hold()` resolves: a call's answer is made at once
+/// but goes out only then. Tests put calls in flight deterministically with it (the answer
+/// waits on a gate the test opens), instead of racing a timer.
+#[allow(missing_debug_implementations)]
+pub struct Held<H, F> {
+    /// The handler that makes the answer.
+    pub inner: H,
+    /// Called once per call; its future resolving lets the answer go.
+    pub hold: F,
+}
+
+impl<H, F, W> Handler for Held<H, F>
+where
+    H: Handler,
+    F: Fn() -> W + Send + Sync + 'static,
+    W: Future<Output = ()> + Send + 'static,
+{
+    fn call(&self, request: RpcRequest, out: &mut BytesMut) -> Outcome {
+        let held = (self.hold)();
+        match self.inner.call(request, out) {
+            Outcome::Ready(r) => {
+                let r = r.map(|()| out.split().freeze());
+                Outcome::Later(Box::pin(async move {
+                    held.await;
+                    r
+                }))
+            }
+            Outcome::Later(f) => Outcome::Later(Box::pin(async move {
+                held.await;
+                f.await
+            })),
+        }
+    }
+}
+
 /// Decodes a handler's request message, naming the type in the error.
 pub fn decode<M: prost::Message + Default>(
     payload: Bytes,
