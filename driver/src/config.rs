@@ -12,6 +12,8 @@ use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
 use rpcmesh_wire::compress::CompressionConfig;
 use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
 
+use crate::pacer::{Arrival, RateArg, Schedule};
+
 /// Users (closed-loop callers) unless told otherwise: the 200 of the reference report.
 pub const DEFAULT_CONCURRENCY: usize = 200;
 /// Calls per user request: the reference workload's 5 calls in a row.
@@ -52,6 +54,20 @@ pub const DEFAULT_LINGER: Duration = Duration::ZERO;
 /// peer accepts, for the names, the envelope's tags and lengths (64 bytes is more than
 /// they take).
 pub const MAX_PAYLOAD_SIZE: usize = DEFAULT_MAX_BODY_LEN as usize - 64;
+/// Open loop: requests that may wait for a free slot, in all, unless told otherwise. A
+/// request due while every slot is busy waits here and is still timed from its intended
+/// start; 100,000 holds a 1 s stall at 100,000 requests/s, or 50 s at 2,000/s, for 16
+/// bytes each (1.6 MB). Beyond it a request is not sent, and counted.
+pub const DEFAULT_BACKLOG: usize = 100_000;
+/// How long each of `--steps` lasts unless told otherwise: 10 s gives a few seconds for a
+/// queue to settle at the new rate and thousands of requests for its p99.
+pub const DEFAULT_STEP_DURATION: Duration = Duration::from_secs(10);
+/// Requests are evenly spaced unless told otherwise: the offered rate is then exactly the
+/// one asked, every interval.
+pub const DEFAULT_ARRIVAL: Arrival = Arrival::Uniform;
+/// The seed of random gaps unless told otherwise: fixed, so that two runs offer the same
+/// schedule.
+pub const DEFAULT_SEED: u64 = 1;
 /// Most users one connection may carry (bounds its in-flight table).
 pub const MAX_USERS_PER_CONNECTION: usize = 65_536;
 
@@ -96,12 +112,16 @@ pub enum Stop {
 #[command(
     name = "driver",
     version,
-    about = "rpcmesh driver: closed-loop fan-out load against brokers or providers, with HDR percentiles",
-    long_about = "rpcmesh driver: closed-loop fan-out load against brokers or providers, with HDR percentiles.\n\n\
+    args_conflicts_with_subcommands = true,
+    about = "rpcmesh driver: fan-out load against brokers or providers (closed or open loop), with HDR percentiles",
+    long_about = "rpcmesh driver: fan-out load against brokers or providers (closed or open loop), with HDR percentiles.\n\n\
                   With no --target it starts a provider and a broker on 127.0.0.1 itself and runs the \
                   reference workload (200 users, 5 platform calls per request) for a few seconds."
 )]
 pub struct Args {
+    /// Something else than a run.
+    #[command(subcommand)]
+    pub command: Option<Command>,
     /// Broker or provider to call (HOST:PORT). Repeatable; connections are spread over
     /// them. None = start a local provider and broker and call those.
     #[arg(long = "target", env = "RPCMESH_TARGETS", value_delimiter = ' ')]
@@ -122,9 +142,32 @@ pub struct Args {
     #[arg(long, env = "RPCMESH_CONCURRENCY", default_value_t = DEFAULT_CONCURRENCY)]
     pub concurrency: usize,
     /// Open loop: start this many requests per second in all, whatever the replies
-    /// (`--concurrency` then caps the requests in flight). Without it: closed loop.
-    #[arg(long, env = "RPCMESH_RATE")]
-    pub rate: Option<f64>,
+    /// (`--concurrency` then caps the requests in flight), or FROM:TO with --ramp. Without
+    /// it (or --steps): closed loop.
+    #[arg(long, env = "RPCMESH_RATE", conflicts_with = "steps")]
+    pub rate: Option<RateArg>,
+    /// Open loop, with --rate FROM:TO: how long the rate takes to go from FROM to TO (the
+    /// run's length unless --duration says otherwise).
+    #[arg(long, env = "RPCMESH_RAMP")]
+    pub ramp: Option<DurationArg>,
+    /// Open loop: rates to offer one after another (e.g. 1000,2000,5000), each for
+    /// --step-duration; a line and a JSON record per step.
+    #[arg(long, env = "RPCMESH_STEPS", value_delimiter = ',')]
+    pub steps: Vec<f64>,
+    /// How long each of --steps lasts.
+    #[arg(long, env = "RPCMESH_STEP_DURATION", default_value_t = DurationArg(DEFAULT_STEP_DURATION))]
+    pub step_duration: DurationArg,
+    /// Open loop: how requests are spaced: uniform (equal gaps) or poisson (exponential
+    /// gaps: independent arrivals).
+    #[arg(long, env = "RPCMESH_ARRIVAL", value_enum, default_value_t = DEFAULT_ARRIVAL)]
+    pub arrival: Arrival,
+    /// Seed of the random gaps (--arrival poisson): the same seed, the same schedule.
+    #[arg(long, env = "RPCMESH_SEED", default_value_t = DEFAULT_SEED)]
+    pub seed: u64,
+    /// Open loop: requests due while every slot is busy that wait for one (in all); beyond
+    /// it they are not sent, and counted.
+    #[arg(long, env = "RPCMESH_BACKLOG", default_value_t = DEFAULT_BACKLOG)]
+    pub backlog: usize,
     /// TCP connections the users share.
     #[arg(long, env = "RPCMESH_CONNECTIONS", default_value_t = DEFAULT_CONNECTIONS)]
     pub connections: usize,
@@ -152,6 +195,10 @@ pub struct Args {
     /// Write the report as JSON to this file.
     #[arg(long, env = "RPCMESH_JSON")]
     pub json: Option<PathBuf>,
+    /// Write the measured latencies to this file as an HdrHistogram interval log (one
+    /// interval a second); `driver merge` combines the logs of several drivers.
+    #[arg(long, env = "RPCMESH_HDR_LOG")]
+    pub hdr_log: Option<PathBuf>,
     /// Progress while running.
     #[arg(long, env = "RPCMESH_PROGRESS", value_enum, default_value_t = DEFAULT_PROGRESS)]
     pub progress: ProgressMode,
@@ -170,6 +217,25 @@ pub struct Args {
     pub linger: DurationArg,
 }
 
+/// What the driver does instead of a run.
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum Command {
+    /// Merge the interval logs (--hdr-log) of several drivers into one report: their
+    /// histograms are added, so the fleet's percentiles are exact.
+    Merge(MergeArgs),
+}
+
+/// `driver merge`'s arguments.
+#[derive(Debug, Clone, clap::Args)]
+pub struct MergeArgs {
+    /// The interval logs, one per driver.
+    #[arg(required = true)]
+    pub files: Vec<PathBuf>,
+    /// Write the merged report as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
 /// Validated driver settings, as `run` takes them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DriverConfig {
@@ -185,8 +251,14 @@ pub struct DriverConfig {
     pub parallel: bool,
     /// Users (closed loop), or most requests in flight (open loop).
     pub concurrency: usize,
-    /// Open loop: requests per second in all; `None` = closed loop.
-    pub rate: Option<f64>,
+    /// Open loop: the offered rate over the measured window; `None` = closed loop.
+    pub schedule: Option<Schedule>,
+    /// Open loop: how requests are spaced.
+    pub arrival: Arrival,
+    /// Seed of the random gaps.
+    pub seed: u64,
+    /// Open loop: requests that may wait for a free slot, in all.
+    pub backlog: usize,
     /// Connections.
     pub connections: usize,
     /// When to stop.
@@ -201,6 +273,8 @@ pub struct DriverConfig {
     pub call_timeout: Duration,
     /// Where to write the JSON report.
     pub json: Option<PathBuf>,
+    /// Where to write the HdrHistogram interval log.
+    pub hdr_log: Option<PathBuf>,
     /// Progress display.
     pub progress: ProgressMode,
     /// Stages are timed on one call in this many; 0 = not at all.
@@ -216,7 +290,10 @@ impl Default for DriverConfig {
             fanout: DEFAULT_FANOUT,
             parallel: false,
             concurrency: DEFAULT_CONCURRENCY,
-            rate: None,
+            schedule: None,
+            arrival: DEFAULT_ARRIVAL,
+            seed: DEFAULT_SEED,
+            backlog: DEFAULT_BACKLOG,
             connections: DEFAULT_CONNECTIONS,
             stop: Stop::Duration(DEFAULT_EMBEDDED_DURATION),
             warmup: DEFAULT_WARMUP,
@@ -224,6 +301,7 @@ impl Default for DriverConfig {
             ext: true,
             call_timeout: DEFAULT_CALL_TIMEOUT,
             json: None,
+            hdr_log: None,
             progress: DEFAULT_PROGRESS,
             stage_sample: DEFAULT_STAGE_SAMPLE,
         }
@@ -231,6 +309,45 @@ impl Default for DriverConfig {
 }
 
 impl Args {
+    /// The open-loop schedule the flags describe (`None`: closed loop); problems go to `p`.
+    fn schedule(&self, p: &mut ConfigProblems) -> Option<Schedule> {
+        let positive = |r: f64| r.is_finite() && r > 0.0;
+        match (self.rate, self.steps.as_slice()) {
+            (Some(RateArg { from, to: None }), _) => {
+                p.check(self.ramp.is_some(), || "--ramp needs --rate FROM:TO".into());
+                p.check(!positive(from), || format!("--rate {from} must be above zero"));
+                Some(Schedule::Constant(from))
+            }
+            (Some(RateArg { from, to: Some(to) }), _) => {
+                p.check(!positive(from) || !positive(to), || {
+                    format!("--rate {from}:{to}: both rates must be above zero")
+                });
+                let over = self.ramp.map(|d| d.0);
+                p.check(over.is_none_or(|d| d.is_zero()), || {
+                    "--rate FROM:TO needs --ramp DURATION (above zero)".into()
+                });
+                Some(Schedule::Ramp {
+                    from,
+                    to,
+                    over: over.unwrap_or(Duration::from_secs(1)),
+                })
+            }
+            (None, []) => None,
+            (None, rates) => {
+                p.check(rates.iter().any(|r| !positive(*r)), || {
+                    "--steps: every rate must be above zero".into()
+                });
+                p.check(self.step_duration.0.is_zero(), || {
+                    "--step-duration must be above zero".into()
+                });
+                Some(Schedule::Steps {
+                    rates: rates.to_vec(),
+                    each: self.step_duration.0,
+                })
+            }
+        }
+    }
+
     /// Checks every setting and lists all problems at once.
     pub fn config(&self) -> Result<DriverConfig, ConfigProblems> {
         let mut p = ConfigProblems::default();
@@ -254,17 +371,19 @@ impl Args {
         });
         // Connections beyond the users are never opened.
         let connections = self.connections.min(self.concurrency.max(1));
+        let schedule = self.schedule(&mut p);
         // Each connection starts a request every `connections / rate`: keep that between
-        // 1 µs and an hour.
-        let every = self.rate.map(|r| pace_seconds(connections, r));
-        p.check(every.is_some_and(|e| !(e.is_finite() && (1e-6..=3600.0).contains(&e))), || {
-            format!(
-                "--rate {} is out of range: each of the {} connections would start a request every {:.3e} s (1 µs to 1 h)",
-                self.rate.unwrap_or_default(),
-                connections,
-                every.unwrap_or_default()
-            )
-        });
+        // 1 µs and an hour, at the schedule's lowest and highest rates.
+        if let Some(s) = &schedule {
+            for rate in [s.lowest(), s.peak()] {
+                let every = pace_seconds(connections, rate);
+                p.check(!(every.is_finite() && (1e-6..=3600.0).contains(&every)), || {
+                    format!(
+                        "rate {rate} is out of range: each of the {connections} connections would start a request every {every:.3e} s (1 µs to 1 h)"
+                    )
+                });
+            }
+        }
         p.check(self.connections == 0, || {
             "--connections must be at least 1".into()
         });
@@ -293,6 +412,9 @@ impl Args {
         let stop = match (self.requests, self.duration) {
             (Some(n), _) => Stop::Requests(n),
             (None, Some(d)) => Stop::Duration(d),
+            (None, None) if schedule.as_ref().and_then(Schedule::length).is_some() => {
+                Stop::Duration(schedule.as_ref().and_then(Schedule::length).unwrap_or_default())
+            }
             (None, None) if targets.is_empty() => Stop::Duration(DEFAULT_EMBEDDED_DURATION),
             (None, None) => Stop::Duration(DEFAULT_DURATION),
         };
@@ -303,7 +425,10 @@ impl Args {
             fanout: self.fanout,
             parallel: self.parallel,
             concurrency: self.concurrency,
-            rate: self.rate,
+            schedule,
+            arrival: self.arrival,
+            seed: self.seed,
+            backlog: self.backlog,
             connections,
             stop,
             warmup: self.warmup.0,
@@ -311,6 +436,7 @@ impl Args {
             ext: !self.v1,
             call_timeout: self.timeout.0,
             json: self.json.clone(),
+            hdr_log: self.hdr_log.clone(),
             progress: self.progress,
             stage_sample: self.stages.every(self.metrics_listen),
         })
@@ -426,6 +552,42 @@ mod tests {
             .config()
             .is_err()
         );
+    }
+
+    #[test]
+    fn ramps_and_steps_set_the_schedule_and_the_runs_length() {
+        let c = Args::parse_from(["driver", "--rate", "1000:20000", "--ramp", "60s"])
+            .config()
+            .unwrap();
+        assert_eq!(
+            c.schedule,
+            Some(Schedule::Ramp {
+                from: 1000.0,
+                to: 20000.0,
+                over: Duration::from_secs(60)
+            })
+        );
+        assert_eq!(c.stop, Stop::Duration(Duration::from_secs(60)));
+        let c = Args::parse_from([
+            "driver",
+            "--steps",
+            "1000,2000,5000",
+            "--step-duration",
+            "10s",
+            "--arrival",
+            "poisson",
+        ])
+        .config()
+        .unwrap();
+        assert_eq!(c.stop, Stop::Duration(Duration::from_secs(30)));
+        assert_eq!(c.arrival, Arrival::Poisson);
+        assert!(
+            Args::parse_from(["driver", "--rate", "1000:2000"])
+                .config()
+                .is_err(),
+            "a ramp needs its length"
+        );
+        assert!(Args::try_parse_from(["driver", "--rate", "5", "--steps", "1,2"]).is_err());
     }
 
     #[test]

@@ -18,6 +18,7 @@
 pub mod config;
 pub mod connection;
 pub mod embedded;
+pub mod hdr_log;
 pub mod metrics;
 pub mod outcome;
 pub mod pacer;
@@ -70,7 +71,7 @@ pub async fn run_with(
     if let Some(mesh) = embedded {
         tokio::task::spawn_blocking(move || mesh.stop()).await?;
     }
-    Ok(report)
+    report
 }
 
 async fn drive(
@@ -78,12 +79,21 @@ async fn drive(
     telemetry: Telemetry,
     embedded: bool,
     stop: CancellationToken,
-) -> Report {
+) -> anyhow::Result<Report> {
     let started = Instant::now();
-    let started_unix = SystemTime::now()
+    let started_system = SystemTime::now();
+    let started_unix = started_system
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
     let measure_from = started + config.warmup;
+    let log = match &config.hdr_log {
+        Some(path) => Some(hdr_log::spawn_writer(
+            path.clone(),
+            started_system,
+            started_system + config.warmup,
+        )?),
+        None => None,
+    };
     let (until, budget) = match config.stop {
         Stop::Duration(d) => (Some(measure_from + d), None),
         Stop::Requests(n) => (None, Some(AtomicU64::new(n))),
@@ -93,11 +103,10 @@ async fn drive(
         .map(|i| Plan {
             index: i,
             // Each connection paces its share of the rate.
-            every: config
-                .rate
-                .map(|r| std::time::Duration::from_secs_f64(config::pace_seconds(n, r))),
+            share: config.schedule.as_ref().map(|_| 1.0 / n as f64),
             target: config.targets[i % config.targets.len()].clone(),
             users: config.concurrency / n + usize::from(i < config.concurrency % n),
+            backlog: config.backlog.div_ceil(n),
         })
         .collect();
     let workload = workload::Workload::new(config.workload, config.payload_size);
@@ -112,6 +121,10 @@ async fn drive(
         budget,
         stop,
         intervals: (0..n).map(|_| Mutex::new(Tally::interval())).collect(),
+        logs: (0..n)
+            .filter(|_| config.hdr_log.is_some())
+            .map(|_| Mutex::new(Tally::default()))
+            .collect(),
         config,
     });
     let progress_done = CancellationToken::new();
@@ -120,6 +133,15 @@ async fn drive(
         started,
         progress_done.clone(),
     ));
+    let logger = log.map(|(tx, thread)| {
+        let task = tokio::spawn(hdr_log::record(
+            shared.clone(),
+            measure_from,
+            tx,
+            progress_done.clone(),
+        ));
+        (task, thread)
+    });
     let workers: Vec<_> = plans
         .into_iter()
         .map(|p| tokio::spawn(worker::run(p, shared.clone())))
@@ -142,7 +164,22 @@ async fn drive(
         .saturating_duration_since(measure_from)
         .as_secs_f64()
         .max(1e-9);
-    build_report(&shared.config, embedded, started_unix, secs, &total)
+    if let Some((task, thread)) = logger {
+        let tx = task.await?;
+        let _ = tx.send(hdr_log::LogEntryOut::End(std::time::Duration::from_secs_f64(secs)));
+        drop(tx);
+        tokio::task::spawn_blocking(move || thread.join())
+            .await?
+            .map_err(|_| anyhow::anyhow!("the interval log's writer panicked"))??;
+    }
+
+    Ok(build_report(
+        &shared.config,
+        embedded,
+        started_unix,
+        secs,
+        &total,
+    ))
 }
 
 fn build_report(
@@ -153,9 +190,30 @@ fn build_report(
     end: &worker::WorkerFigures,
 ) -> Report {
     use report::*;
-    let t = &end.tally;
-    let (late, connect_failures) = (end.late_replies, end.connect_failures);
-    let completed = t.requests_ok + t.requests_failed;
+    let t = stats::total(&end.steps);
+    let open_loop = c.schedule.is_some();
+    let window = std::time::Duration::from_secs_f64(secs);
+    let steps = match &c.schedule {
+        Some(s) => s
+            .steps(window)
+            .into_iter()
+            .enumerate()
+            .map(|(i, step)| {
+                let empty = Tally::default();
+                let t = end.steps.get(i).unwrap_or(&empty);
+                let secs = step.length.as_secs_f64().max(1e-9);
+                StepFigures {
+                    start_seconds: step.start.as_secs_f64(),
+                    seconds: secs,
+                    rate_from: step.rate_from,
+                    rate_to: step.rate_to,
+                    requests: RequestFigures::of(t, secs, open_loop, None),
+                    calls: CallFigures::of(t, secs, open_loop, 0, 0),
+                }
+            })
+            .collect(),
+        None => Vec::new(),
+    };
     Report {
         version: env!("CARGO_PKG_VERSION").to_string(),
         started_unix,
@@ -174,40 +232,17 @@ fn build_report(
             compression: c.compression.is_some(),
             plain_v1: !c.ext,
             warmup_seconds: c.warmup.as_secs_f64(),
-            rate: c.rate,
+            rate: match &c.schedule {
+                Some(pacer::Schedule::Constant(r)) => Some(*r),
+                _ => None,
+            },
+            schedule: c.schedule.clone(),
+            arrival: c.schedule.as_ref().map(|_| c.arrival),
         },
         measured_seconds: secs,
-        requests: RequestFigures {
-            completed,
-            ok: t.requests_ok,
-            failed: t.requests_failed,
-            per_second: completed as f64 / secs,
-            not_started: end.not_started,
-            start_lag: c.rate.map(|_| end.lag.summary()),
-            latency: t.requests.summary(),
-        },
-        calls: CallFigures {
-            sent: t.sent,
-            ok: t.ok(),
-            errors: t.errors().map(|(k, v)| (k.to_string(), v)).collect(),
-            per_second: t.sent as f64 / secs,
-            ok_per_second: t.ok() as f64 / secs,
-            latency: t.calls.summary(),
-            late_replies: late,
-            connect_failures,
-        },
-        bytes: ByteFigures {
-            wire_out: t.wire_out,
-            wire_in: t.wire_in,
-            payload_out_plain: t.payload_out_plain,
-            payload_out_wire: t.payload_out_wire,
-            payload_in_plain: t.payload_in_plain,
-            payload_in_wire: t.payload_in_wire,
-            wire_per_call: if t.sent > 0 {
-                (t.wire_out + t.wire_in) as f64 / t.sent as f64
-            } else {
-                0.0
-            },
-        },
+        requests: RequestFigures::of(&t, secs, open_loop, Some(&end.lag)),
+        calls: CallFigures::of(&t, secs, open_loop, end.late_replies, end.connect_failures),
+        bytes: ByteFigures::of(&t),
+        steps,
     }
 }

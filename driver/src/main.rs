@@ -8,9 +8,13 @@ use rpcmesh_common::cli::startup;
 use rpcmesh_common::metrics::{Telemetry, recorder};
 use rpcmesh_common::net::shutdown::{self, CancellationToken};
 use rpcmesh_driver::Args;
+use rpcmesh_driver::config::{Command, MergeArgs};
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if let Some(Command::Merge(m)) = &args.command {
+        return merge(m);
+    }
     let config = args.config()?;
     let json = config.json.clone();
     let rt = startup::start("driver", "warn", args.runtime.threads)?;
@@ -55,6 +59,17 @@ fn main() -> anyhow::Result<()> {
             report.calls.sent,
             report.calls.connect_failures
         );
+    }
+    Ok(())
+}
+
+/// `driver merge`: the combined report of a fleet's interval logs.
+fn merge(m: &MergeArgs) -> anyhow::Result<()> {
+    let report = rpcmesh_driver::hdr_log::merge(&m.files)?;
+    print!("{}", report.render_text());
+    if let Some(path) = &m.json {
+        let text = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
 }

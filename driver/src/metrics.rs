@@ -5,10 +5,10 @@
 
 use std::sync::Arc;
 
-use metrics::{Counter, Gauge};
+use metrics::{Counter, Gauge, Histogram};
 use rpcmesh_common::metrics::catalogue::{
     CALLS_IN_FLIGHT, CALLS_SENT_TOTAL, CALLS_TOTAL, DRIVER_ACHIEVED_CALLS_PER_SECOND,
-    DRIVER_OFFERED_CALLS_PER_SECOND, DRIVER_USERS, REQUESTS_TOTAL,
+    DRIVER_LATENCY_SECONDS, DRIVER_OFFERED_CALLS_PER_SECOND, DRIVER_USERS, REQUESTS_TOTAL,
 };
 use rpcmesh_common::metrics::families::{
     CompressionTimers, ConnCounters, PayloadCounters, Stages, WireCounters,
@@ -57,6 +57,11 @@ pub struct DriverMetrics {
     requests_ok: Counter,
     /// Requests finished with a failed call.
     requests_failed: Counter,
+    /// Open loop: requests never sent (backlog full).
+    requests_not_sent: Counter,
+    /// `rpcmesh_driver_latency_seconds`: (calls, requests) from the intended start, and
+    /// from the actual one.
+    latency: [Histogram; 4],
     /// Calls written and not yet answered.
     pub in_flight: Gauge,
     /// Connections to the targets.
@@ -110,6 +115,19 @@ impl DriverMetrics {
             sent: t.counter(&CALLS_SENT_TOTAL, &role),
             requests_ok: requests("ok"),
             requests_failed: requests("failed"),
+            requests_not_sent: requests("not_sent"),
+            latency: [
+                ("call", "intended"),
+                ("request", "intended"),
+                ("call", "sent"),
+                ("request", "sent"),
+            ]
+            .map(|(of, from)| {
+                t.histogram(
+                    &DRIVER_LATENCY_SECONDS,
+                    &[("role", ROLE.label()), ("of", of), ("from", from)],
+                )
+            }),
             in_flight: t.gauge(&CALLS_IN_FLIGHT, &role),
             conns: Arc::new(ConnCounters::outbound(t, ROLE, "outbound")),
             wire: WireCounters::new(t, ROLE, "outbound"),
@@ -139,6 +157,18 @@ impl DriverMetrics {
         }
         self.requests_ok.increment(t.requests_ok);
         self.requests_failed.increment(t.requests_failed);
+        self.requests_not_sent.increment(t.requests_not_sent);
+        let latencies = [
+            &t.calls,
+            &t.requests,
+            &t.calls_uncorrected,
+            &t.requests_uncorrected,
+        ];
+        for (h, l) in self.latency.iter().zip(latencies) {
+            // Each distinct value once, with its count: a few hundred records a tick, not
+            // one per call.
+            l.each(|us, n| h.record_many(us as f64 / 1e6, n as usize));
+        }
         self.payload.sent(PayloadSize {
             plain: t.payload_out_plain as usize,
             wire: t.payload_out_wire as usize,

@@ -1,26 +1,246 @@
-//! The open-loop pacer: when each request of a connection is due. One request every
-//! `every`, from a start instant on, whatever the replies; the worker asks for the due
-//! instants up to "now" ([`Pacer::take_due`]) and starts a request for each (or counts it
-//! not started, when every slot is busy).
+//! The open-loop pacer: when each request of a connection is due, whatever the replies.
+//! The offered rate follows a [`Schedule`] (constant, a ramp, or steps), shared out over
+//! the connections; the gaps between requests are equal ([`Arrival::Uniform`]) or drawn
+//! from an exponential distribution ([`Arrival::Poisson`]: the arrivals of many independent
+//! users, as queueing models assume). The worker asks for the due instants up to "now"
+//! ([`Pacer::take_due`]) and starts a request for each, timed from that intended instant.
 //!
 //! Pure: it never reads the clock; the worker passes `now`, and the tests pass made-up
-//! instants.
+//! instants. Waking at the due instant precisely is the worker's (a `PreciseTimer`).
 
+use std::fmt;
+use std::str::FromStr;
 use std::time::{Duration, Instant};
+
+/// How requests are spaced.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Arrival {
+    /// Equal gaps: exactly the rate, every interval.
+    #[default]
+    Uniform,
+    /// Exponential gaps with the rate as mean: a Poisson process.
+    Poisson,
+}
+
+/// The offered rate over the measured window, in requests per second in all.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    /// The same rate all along.
+    Constant(f64),
+    /// From one rate to another, linearly, over a time (then held).
+    Ramp {
+        /// Rate at the start.
+        from: f64,
+        /// Rate at the end.
+        to: f64,
+        /// How long the ramp takes.
+        over: Duration,
+    },
+    /// One rate after another, each for the same time (the last is then held).
+    Steps {
+        /// The rates, in order.
+        rates: Vec<f64>,
+        /// How long each lasts.
+        each: Duration,
+    },
+}
+
+/// One part of a schedule, reported on its own.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Step {
+    /// When it starts, from the start of the measured window.
+    pub start: Duration,
+    /// How long it lasts.
+    pub length: Duration,
+    /// Offered rate at its start and end (equal but in a ramp).
+    pub rate_from: f64,
+    /// See `rate_from`.
+    pub rate_to: f64,
+}
+
+/// How long each step of a ramp is reported as (a ramp has no steps of its own).
+pub const RAMP_STEP: Duration = Duration::from_secs(1);
+
+impl Schedule {
+    /// The offered rate at `t` into the measured window (before it, the first rate).
+    pub fn rate_at(&self, t: Duration) -> f64 {
+        match self {
+            Schedule::Constant(r) => *r,
+            Schedule::Ramp { from, to, over } => {
+                let f = (t.as_secs_f64() / over.as_secs_f64().max(1e-9)).min(1.0);
+                from + (to - from) * f
+            }
+            Schedule::Steps { rates, each } => {
+                let i = (t.as_secs_f64() / each.as_secs_f64().max(1e-9)) as usize;
+                rates[i.min(rates.len() - 1)]
+            }
+        }
+    }
+
+    /// How long the schedule runs, when it has a length of its own.
+    pub fn length(&self) -> Option<Duration> {
+        match self {
+            Schedule::Constant(_) => None,
+            Schedule::Ramp { over, .. } => Some(*over),
+            Schedule::Steps { rates, each } => Some(*each * rates.len() as u32),
+        }
+    }
+
+    /// The highest rate it offers.
+    pub fn peak(&self) -> f64 {
+        match self {
+            Schedule::Constant(r) => *r,
+            Schedule::Ramp { from, to, .. } => from.max(*to),
+            Schedule::Steps { rates, .. } => rates.iter().copied().fold(0.0, f64::max),
+        }
+    }
+
+    /// The lowest rate it offers.
+    pub fn lowest(&self) -> f64 {
+        match self {
+            Schedule::Constant(r) => *r,
+            Schedule::Ramp { from, to, .. } => from.min(*to),
+            Schedule::Steps { rates, .. } => rates.iter().copied().fold(f64::INFINITY, f64::min),
+        }
+    }
+
+    /// Its parts over a measured window of `window`: one for a constant rate, one per step,
+    /// one per [`RAMP_STEP`] of a ramp.
+    pub fn steps(&self, window: Duration) -> Vec<Step> {
+        let cut = |each: Duration| -> Vec<Step> {
+            let mut v = Vec::new();
+            let mut start = Duration::ZERO;
+            while start < window {
+                let length = each.min(window - start);
+                v.push(Step {
+                    start,
+                    length,
+                    rate_from: self.rate_at(start),
+                    rate_to: self.rate_at(start + length),
+                });
+                start += length;
+            }
+            v
+        };
+        match self {
+            Schedule::Constant(r) => vec![Step {
+                start: Duration::ZERO,
+                length: window,
+                rate_from: *r,
+                rate_to: *r,
+            }],
+            Schedule::Ramp { .. } => cut(RAMP_STEP),
+            Schedule::Steps { each, .. } => {
+                let mut v = cut(*each);
+                for s in &mut v {
+                    s.rate_to = s.rate_from;
+                }
+                v
+            }
+        }
+    }
+
+    /// The step (by [`Schedule::steps`]) that `t` into the measured window falls in.
+    pub fn step_of(&self, t: Duration) -> usize {
+        let each = match self {
+            Schedule::Constant(_) => return 0,
+            Schedule::Ramp { .. } => RAMP_STEP,
+            Schedule::Steps { each, .. } => *each,
+        };
+        (t.as_secs_f64() / each.as_secs_f64().max(1e-9)) as usize
+    }
+}
+
+impl fmt::Display for Schedule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Schedule::Constant(r) => write!(f, "{r} requests/s"),
+            Schedule::Ramp { from, to, over } => {
+                write!(f, "{from} to {to} requests/s over {:.0} s", over.as_secs_f64())
+            }
+            Schedule::Steps { rates, each } => {
+                let r: Vec<String> = rates.iter().map(|r| r.to_string()).collect();
+                write!(f, "steps of {} requests/s, {:.0} s each", r.join(", "), each.as_secs_f64())
+            }
+        }
+    }
+}
+
+/// Parses `--rate`: `R` (constant) or `FROM:TO` (a ramp, with `--ramp`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RateArg {
+    /// The rate, or the ramp's first.
+    pub from: f64,
+    /// The ramp's last rate.
+    pub to: Option<f64>,
+}
+
+impl FromStr for RateArg {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let num = |x: &str| {
+            x.trim()
+                .parse::<f64>()
+                .map_err(|e| format!("{s}: {e} (expected RATE or FROM:TO, requests per second)"))
+        };
+        match s.split_once(':') {
+            Some((a, b)) => Ok(RateArg {
+                from: num(a)?,
+                to: Some(num(b)?),
+            }),
+            None => Ok(RateArg {
+                from: num(s)?,
+                to: None,
+            }),
+        }
+    }
+}
+
+impl fmt::Display for RateArg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.to {
+            Some(to) => write!(f, "{}:{to}", self.from),
+            None => write!(f, "{}", self.from),
+        }
+    }
+}
 
 /// The schedule of one connection's requests.
 #[derive(Debug, Clone)]
 pub struct Pacer {
-    every: Duration,
+    schedule: Schedule,
+    /// This connection's share of the rate (1 / connections).
+    share: f64,
+    arrival: Arrival,
+    rng: fastrand::Rng,
+    /// Time 0 of the schedule: the start of the measured window.
+    origin: Instant,
     /// The next request's intended start; `None` once no more may start.
     next_due: Option<Instant>,
 }
 
 impl Pacer {
-    /// One request every `every`, the first at `first`.
-    pub fn new(every: Duration, first: Instant) -> Self {
+    /// A connection's pacer: `share` of the `schedule`'s rate (whose time 0 is `origin`),
+    /// spaced as `arrival` says, the first request due at `first`. `seed` makes Poisson
+    /// gaps repeatable.
+    pub fn new(
+        schedule: Schedule,
+        share: f64,
+        arrival: Arrival,
+        origin: Instant,
+        first: Instant,
+        seed: u64,
+    ) -> Self {
         Pacer {
-            every,
+            schedule,
+            share,
+            arrival,
+            rng: fastrand::Rng::with_seed(seed),
+            origin,
             next_due: Some(first),
         }
     }
@@ -34,8 +254,20 @@ impl Pacer {
     /// one after it); `None` when the next is still to come, or the pacer has stopped.
     pub fn take_due(&mut self, now: Instant) -> Option<Instant> {
         let due = self.next_due.filter(|d| *d <= now)?;
-        self.next_due = Some(due + self.every);
+        self.next_due = Some(due + self.gap(due));
         Some(due)
+    }
+
+    /// The time to the request after one due at `due`.
+    fn gap(&mut self, due: Instant) -> Duration {
+        let rate = self.schedule.rate_at(due.saturating_duration_since(self.origin)) * self.share;
+        let mean = 1.0 / rate.max(1e-9);
+        let secs = match self.arrival {
+            Arrival::Uniform => mean,
+            // 1 - U is in (0, 1]: its logarithm is finite.
+            Arrival::Poisson => -mean * (1.0 - self.rng.f64()).ln(),
+        };
+        Duration::from_secs_f64(secs.min(3600.0))
     }
 
     /// No more requests start (the run is ending).
@@ -50,37 +282,116 @@ mod tests {
 
     const MS: Duration = Duration::from_millis(1);
 
+    fn constant(per_second: f64, t0: Instant) -> Pacer {
+        Pacer::new(Schedule::Constant(per_second), 1.0, Arrival::Uniform, t0, t0, 1)
+    }
+
     #[test]
     fn requests_are_due_on_the_schedule_whatever_the_clock_says() {
         let t0 = Instant::now();
-        let mut p = Pacer::new(10 * MS, t0);
+        let mut p = constant(100.0, t0);
         assert_eq!(p.take_due(t0), Some(t0));
         assert_eq!(p.take_due(t0 + 9 * MS), None, "the second is due at 10 ms");
         assert_eq!(p.next_due(), Some(t0 + 10 * MS));
         // A late look finds every request due since, each at its own intended instant.
         let late = t0 + 35 * MS;
         let due: Vec<Instant> = std::iter::from_fn(|| p.take_due(late)).collect();
-        assert_eq!(due, [t0 + 10 * MS, t0 + 20 * MS, t0 + 30 * MS]);
-        assert_eq!(p.next_due(), Some(t0 + 40 * MS));
+        let offsets: Vec<Duration> = due.iter().map(|d| *d - t0).collect();
+        let want = [10 * MS, 20 * MS, 30 * MS];
+        for (o, w) in offsets.iter().zip(want) {
+            assert!(o.abs_diff(w) < Duration::from_nanos(10), "{o:?} vs {w:?}");
+        }
+        assert_eq!(due.len(), 3);
     }
 
     #[test]
     fn a_stopped_pacer_starts_nothing() {
         let t0 = Instant::now();
-        let mut p = Pacer::new(MS, t0);
+        let mut p = constant(1000.0, t0);
         p.stop();
         assert_eq!(p.take_due(t0 + 100 * MS), None);
         assert_eq!(p.next_due(), None);
     }
 
     #[test]
-    fn the_rate_over_a_long_run_is_exact() {
+    fn the_rate_over_a_long_run_is_exact_and_shared_over_connections() {
         let t0 = Instant::now();
-        let every = Duration::from_micros(333);
-        let mut p = Pacer::new(every, t0);
         let end = t0 + Duration::from_secs(1);
-        let n = std::iter::from_fn(|| p.take_due(end)).count();
-        // 0, 333 µs, ..., up to 1 s: 1 + floor(1e6 / 333).
-        assert_eq!(n, 1 + 1_000_000 / 333);
+        let mut whole = constant(3000.0, t0);
+        let n = std::iter::from_fn(|| whole.take_due(end)).count();
+        assert!((2999..=3001).contains(&n), "{n}");
+        // Four connections with a quarter each make the same rate together.
+        let quarters: usize = (0..4)
+            .map(|i| {
+                let mut p = Pacer::new(Schedule::Constant(3000.0), 0.25, Arrival::Uniform, t0, t0, i);
+                std::iter::from_fn(|| p.take_due(end)).count()
+            })
+            .sum();
+        assert!((2996..=3004).contains(&quarters), "{quarters}");
+    }
+
+    #[test]
+    fn poisson_gaps_have_the_rates_mean_and_an_exponential_spread() {
+        let t0 = Instant::now();
+        let mut p = Pacer::new(Schedule::Constant(1000.0), 1.0, Arrival::Poisson, t0, t0, 42);
+        let end = t0 + Duration::from_secs(100);
+        let due: Vec<Instant> = std::iter::from_fn(|| p.take_due(end)).collect();
+        let n = due.len() as f64;
+        assert!((n - 100_000.0).abs() < 1_000.0, "{n} arrivals in 100 s at 1000/s");
+        let gaps: Vec<f64> = due.windows(2).map(|w| (w[1] - w[0]).as_secs_f64()).collect();
+        let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
+        assert!((mean - 0.001).abs() < 0.001 * 0.01, "mean gap {mean}");
+        // An exponential's standard deviation equals its mean (uniform gaps have none).
+        let var = gaps.iter().map(|g| (g - mean).powi(2)).sum::<f64>() / gaps.len() as f64;
+        assert!((var.sqrt() - mean).abs() < mean * 0.02, "sd {}", var.sqrt());
+    }
+
+    #[test]
+    fn a_ramp_goes_from_its_first_rate_to_its_last_and_steps_hold_each() {
+        let ramp = Schedule::Ramp {
+            from: 1000.0,
+            to: 3000.0,
+            over: Duration::from_secs(10),
+        };
+        assert_eq!(ramp.rate_at(Duration::ZERO), 1000.0);
+        assert_eq!(ramp.rate_at(Duration::from_secs(5)), 2000.0);
+        assert_eq!(ramp.rate_at(Duration::from_secs(20)), 3000.0);
+        let steps = ramp.steps(Duration::from_secs(10));
+        assert_eq!(steps.len(), 10);
+        assert_eq!((steps[0].rate_from, steps[0].rate_to), (1000.0, 1200.0));
+        assert_eq!(ramp.step_of(Duration::from_millis(2500)), 2);
+        let s = Schedule::Steps {
+            rates: vec![100.0, 200.0, 500.0],
+            each: Duration::from_secs(10),
+        };
+        assert_eq!(s.rate_at(Duration::from_secs(15)), 200.0);
+        assert_eq!(s.rate_at(Duration::from_secs(99)), 500.0);
+        assert_eq!(s.length(), Some(Duration::from_secs(30)));
+        let parts = s.steps(Duration::from_secs(30));
+        assert_eq!(parts.len(), 3);
+        assert!(parts.iter().all(|p| p.rate_from == p.rate_to));
+        // The pacer follows the steps: about 1000 + 2000 + 5000 requests over the 30 s.
+        let t0 = Instant::now();
+        let mut p = Pacer::new(s, 1.0, Arrival::Uniform, t0, t0, 0);
+        let n = std::iter::from_fn(|| p.take_due(t0 + Duration::from_secs(30))).count();
+        assert!((7995..=8005).contains(&n), "{n}");
+    }
+
+    #[test]
+    fn rates_parse_as_a_constant_or_a_ramp() {
+        assert_eq!("5000".parse(), Ok(RateArg { from: 5000.0, to: None }));
+        assert_eq!(
+            "1000:20000".parse(),
+            Ok(RateArg {
+                from: 1000.0,
+                to: Some(20000.0)
+            })
+        );
+        assert!("fast".parse::<RateArg>().is_err());
+        let r = RateArg {
+            from: 1.5,
+            to: Some(3.0),
+        };
+        assert_eq!(r.to_string().parse(), Ok(r));
     }
 }

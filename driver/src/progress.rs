@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use rpcmesh_common::net::shutdown::CancellationToken;
 
 use crate::config::ProgressMode;
+use crate::pacer::Schedule;
 use crate::stats::Tally;
 use crate::worker::RunShared;
 
@@ -24,6 +25,9 @@ pub(crate) async fn show(shared: Arc<RunShared>, started: Instant, done: Cancell
     let mut last = started;
     let mut second = Tally::interval();
     let mut printed = false;
+    // Open loop with a schedule of several steps: a line when each ends.
+    let schedule = shared.config.schedule.as_ref().filter(|s| s.length().is_some());
+    let mut step: Option<(usize, Tally, Instant)> = None;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -41,6 +45,25 @@ pub(crate) async fn show(shared: Arc<RunShared>, started: Instant, done: Cancell
         let m = &shared.metrics;
         m.offered_rate.set(second.sent as f64 / secs);
         m.achieved_rate.set(second.ok() as f64 / secs);
+        if let Some(sched) = schedule {
+            let mid = now.checked_sub(Duration::from_millis(500)).unwrap_or(now);
+            if let Some(since) = mid.checked_duration_since(shared.measure_from) {
+                let i = sched.step_of(since);
+                match &mut step {
+                    Some((j, t, _)) if *j == i => t.add(&second),
+                    _ => {
+                        if let Some((j, t, from)) = step.take() {
+                            if mode != ProgressMode::Off {
+                                step_line(live, j, sched, &t, now.duration_since(from));
+                            }
+                        }
+                        let mut t = Tally::interval();
+                        t.add(&second);
+                        step = Some((i, t, now));
+                    }
+                }
+            }
+        }
         if mode == ProgressMode::Off {
             continue;
         }
@@ -71,7 +94,41 @@ pub(crate) async fn show(shared: Arc<RunShared>, started: Instant, done: Cancell
         let _ = err.flush();
         printed = true;
     }
+    if let (Some(sched), Some((j, t, from))) = (schedule, step) {
+        if mode != ProgressMode::Off {
+            step_line(live, j, sched, &t, Instant::now().duration_since(from));
+        }
+    }
     if live && printed {
         eprintln!();
     }
+}
+
+/// The line of a step of the schedule that has ended (figures by completion, as the
+/// per-second line's; the report gives them by intended start).
+fn step_line(live: bool, i: usize, sched: &Schedule, t: &Tally, took: Duration) {
+    let secs = took.as_secs_f64().max(1e-3);
+    let line = format!(
+        "step {} ({:.0} requests/s offered): {:.0} requests/s done, p99 {:.3} ms from the intended start, {} not sent, {} calls failed",
+        i + 1,
+        step_rate(sched, i),
+        (t.requests_ok + t.requests_failed) as f64 / secs,
+        t.requests.quantile_us(0.99) as f64 / 1000.0,
+        t.requests_not_sent,
+        t.failed()
+    );
+    let mut err = std::io::stderr().lock();
+    if live {
+        let _ = write!(err, "\r\x1b[2K");
+    }
+    let _ = writeln!(err, "{line}");
+}
+
+/// The offered rate at the start of step `i`.
+fn step_rate(sched: &Schedule, i: usize) -> f64 {
+    let each = match sched {
+        Schedule::Steps { each, .. } => *each,
+        _ => crate::pacer::RAMP_STEP,
+    };
+    sched.rate_at(each * i as u32)
 }

@@ -6,7 +6,8 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use crate::stats::LatencySummary;
+use crate::pacer::{Arrival, Schedule};
+use crate::stats::{Latency, LatencySummary, Tally};
 
 /// Everything a run measured.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -25,6 +26,27 @@ pub struct Report {
     pub calls: CallFigures,
     /// Bytes.
     pub bytes: ByteFigures,
+    /// Open loop: the figures of each step of the schedule (one for a constant rate, one a
+    /// second along a ramp), by the step each request was meant to start in.
+    #[serde(default)]
+    pub steps: Vec<StepFigures>,
+}
+
+/// The figures of one step of an open-loop schedule.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct StepFigures {
+    /// When it starts, seconds into the measured window.
+    pub start_seconds: f64,
+    /// How long it lasts, seconds.
+    pub seconds: f64,
+    /// Offered rate at its start, requests per second.
+    pub rate_from: f64,
+    /// Offered rate at its end (equal but along a ramp).
+    pub rate_to: f64,
+    /// Its requests (those meant to start in it).
+    pub requests: RequestFigures,
+    /// Their calls.
+    pub calls: CallFigures,
 }
 
 /// How the run was set up.
@@ -52,14 +74,25 @@ pub struct Setup {
     pub plain_v1: bool,
     /// Warm-up, seconds.
     pub warmup_seconds: f64,
-    /// Open loop: requests started per second in all; `None` = closed loop.
+    /// Open loop at a constant rate: requests started per second in all; `None` = closed
+    /// loop, or a ramp or steps (see `schedule`).
     #[serde(default)]
     pub rate: Option<f64>,
+    /// Open loop: the offered rate over the measured window.
+    #[serde(default)]
+    pub schedule: Option<Schedule>,
+    /// Open loop: how requests were spaced.
+    #[serde(default)]
+    pub arrival: Option<Arrival>,
 }
 
 /// Figures of user requests.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct RequestFigures {
+    /// Requests due in the measured window (the schedule's, in the open loop); each ends
+    /// completed or not sent: `due = completed + not_sent`.
+    #[serde(default)]
+    pub due: u64,
     /// Requests completed (every call answered).
     pub completed: u64,
     /// Of which every call succeeded.
@@ -68,15 +101,25 @@ pub struct RequestFigures {
     pub failed: u64,
     /// Completed requests per second.
     pub per_second: f64,
-    /// Open loop: requests due while every slot (`concurrency`) was busy, not started.
+    /// Open loop: requests due while every slot (`concurrency`) was busy and the backlog
+    /// was full: never sent. Requests due = completed + not sent.
     #[serde(default)]
-    pub not_started: u64,
-    /// Open loop: how late requests started after their intended time, ms (the driver's
-    /// own pacing; latency is counted from the actual start).
+    pub not_sent: u64,
+    /// Open loop: requests that found every slot busy and waited in the backlog for one
+    /// (their latency counts that wait: it runs from the intended start).
+    #[serde(default)]
+    pub backlogged: u64,
+    /// Open loop: how late the requests that found a free slot started after their
+    /// intended time, ms: the pacer's precision.
     #[serde(default)]
     pub start_lag: Option<LatencySummary>,
-    /// Request latency (all calls), ms.
+    /// Request latency (all calls), ms, from the intended start in the open loop (from the
+    /// start in the closed loop, where there is no schedule).
     pub latency: LatencySummary,
+    /// Open loop: request latency from the actual start, ms (what a tool that ignores the
+    /// schedule would report; it hides the wait for a free slot).
+    #[serde(default)]
+    pub latency_uncorrected: Option<LatencySummary>,
 }
 
 /// Figures of calls.
@@ -95,8 +138,11 @@ pub struct CallFigures {
     pub per_second: f64,
     /// Successful calls per second.
     pub ok_per_second: f64,
-    /// Latency of successful calls, ms.
+    /// Latency of successful calls, ms, from the intended start (see the requests').
     pub latency: LatencySummary,
+    /// Open loop: latency of successful calls from their actual start, ms.
+    #[serde(default)]
+    pub latency_uncorrected: Option<LatencySummary>,
     /// Replies that arrived after their call had timed out.
     pub late_replies: u64,
     /// Failed connection attempts.
@@ -122,6 +168,61 @@ pub struct ByteFigures {
     pub wire_per_call: f64,
 }
 
+impl RequestFigures {
+    /// The request figures of `t`, over `secs` seconds; `lag`, the pacer's start lag.
+    pub fn of(t: &Tally, secs: f64, open_loop: bool, lag: Option<&Latency>) -> Self {
+        let completed = t.requests_ok + t.requests_failed;
+        RequestFigures {
+            due: t.requests_due,
+            completed,
+            ok: t.requests_ok,
+            failed: t.requests_failed,
+            per_second: completed as f64 / secs,
+            not_sent: t.requests_not_sent,
+            backlogged: t.requests_backlogged,
+            start_lag: lag.filter(|_| open_loop).map(Latency::summary),
+            latency: t.requests.summary(),
+            latency_uncorrected: open_loop.then(|| t.requests_uncorrected.summary()),
+        }
+    }
+}
+
+impl CallFigures {
+    /// The call figures of `t`, over `secs` seconds.
+    pub fn of(t: &Tally, secs: f64, open_loop: bool, late: u64, connect_failures: u64) -> Self {
+        CallFigures {
+            sent: t.sent,
+            ok: t.ok(),
+            errors: t.errors().map(|(k, v)| (k.to_string(), v)).collect(),
+            per_second: t.sent as f64 / secs,
+            ok_per_second: t.ok() as f64 / secs,
+            latency: t.calls.summary(),
+            latency_uncorrected: open_loop.then(|| t.calls_uncorrected.summary()),
+            late_replies: late,
+            connect_failures,
+        }
+    }
+}
+
+impl ByteFigures {
+    /// The byte figures of `t`.
+    pub fn of(t: &Tally) -> Self {
+        ByteFigures {
+            wire_out: t.wire_out,
+            wire_in: t.wire_in,
+            payload_out_plain: t.payload_out_plain,
+            payload_out_wire: t.payload_out_wire,
+            payload_in_plain: t.payload_in_plain,
+            payload_in_wire: t.payload_in_wire,
+            wire_per_call: if t.sent > 0 {
+                (t.wire_out + t.wire_in) as f64 / t.sent as f64
+            } else {
+                0.0
+            },
+        }
+    }
+}
+
 impl Report {
     /// The report as text.
     pub fn render_text(&self) -> String {
@@ -140,10 +241,13 @@ impl Report {
             "rpcmesh driver {} — {} workload against {}",
             self.version, s.workload, target
         );
-        let load = match s.rate {
-            Some(r) => format!(
-                "open loop at {} requests/s (at most {} in flight)",
-                thousands(r),
+        let load = match &s.schedule {
+            Some(sched) => format!(
+                "open loop, {sched}, {} arrivals (at most {} in flight)",
+                match s.arrival {
+                    Some(Arrival::Poisson) => "poisson",
+                    _ => "uniform",
+                },
                 s.concurrency
             ),
             None => format!("{} users", s.concurrency),
@@ -181,6 +285,17 @@ impl Report {
                 ms(l.mean_ms)
             );
         };
+        let uncorrected = self
+            .requests
+            .latency_uncorrected
+            .as_ref()
+            .zip(self.calls.latency_uncorrected.as_ref());
+        if uncorrected.is_some() {
+            let _ = writeln!(
+                o,
+                "  from the intended start (corrected: waits for a slot count)"
+            );
+        }
         row(
             &mut o,
             "requests",
@@ -193,6 +308,11 @@ impl Report {
             self.calls.ok_per_second,
             &self.calls.latency,
         );
+        if let Some((requests, calls)) = uncorrected {
+            let _ = writeln!(o, "  from the actual send (uncorrected: hides the waits)");
+            row(&mut o, "requests", self.requests.per_second, requests);
+            row(&mut o, "calls", self.calls.ok_per_second, calls);
+        }
         let _ = writeln!(o, "  (latency in ms; calls: successful ones)");
         let _ = writeln!(o);
         let failed: u64 = self.calls.errors.values().sum();
@@ -226,12 +346,45 @@ impl Report {
             "  requests: {} completed, {} ok, {} with a failed call",
             self.requests.completed, self.requests.ok, self.requests.failed
         );
+        if self.steps.len() > 1 {
+            let _ = writeln!(o);
+            let _ = writeln!(
+                o,
+                "  steps (each request counted in the step it was meant to start in; latency from the intended start, ms)"
+            );
+            let _ = writeln!(
+                o,
+                "  {:>8} {:>8} {:>12} {:>12} {:>9} {:>9} {:>9} {:>9}",
+                "from s", "for s", "offered/s", "achieved/s", "p50", "p99", "p99.9", "not sent"
+            );
+            for st in &self.steps {
+                let l = &st.requests.latency;
+                let offered = if (st.rate_from - st.rate_to).abs() < 1e-9 {
+                    thousands(st.rate_from)
+                } else {
+                    format!("{}-{}", thousands(st.rate_from), thousands(st.rate_to))
+                };
+                let _ = writeln!(
+                    o,
+                    "  {:>8.1} {:>8.1} {:>12} {:>12} {:>9} {:>9} {:>9} {:>9}",
+                    st.start_seconds,
+                    st.seconds,
+                    offered,
+                    thousands(st.requests.per_second),
+                    ms(l.p50_ms),
+                    ms(l.p99_ms),
+                    ms(l.p999_ms),
+                    st.requests.not_sent
+                );
+            }
+        }
         if let Some(lag) = &self.requests.start_lag {
             let _ = writeln!(
                 o,
-                "  open loop: {} due but not started (all {} slots busy); start lag p50 {} ms, p99 {} ms, max {} ms",
-                self.requests.not_started,
+                "  open loop: {} waited for a free slot (all {} busy), {} not sent (backlog full); start lag p50 {} ms, p99 {} ms, max {} ms",
+                self.requests.backlogged,
                 s.concurrency,
+                self.requests.not_sent,
                 ms(lag.p50_ms),
                 ms(lag.p99_ms),
                 ms(lag.max_ms)

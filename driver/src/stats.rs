@@ -3,6 +3,8 @@
 //! its [`Books`] (the run's figures and the interval's); the run merges the workers' at
 //! the end.
 
+use std::time::Instant;
+
 use hdrhistogram::Histogram;
 use rpcmesh_wire::envelope::PayloadSize;
 use serde::Serialize;
@@ -61,6 +63,24 @@ impl Latency {
         self.0.len()
     }
 
+    /// The histogram itself (microseconds), for the interval log.
+    pub fn histogram(&self) -> &Histogram<u64> {
+        &self.0
+    }
+
+    /// Adds a histogram read from an interval log.
+    pub fn add_histogram(&mut self, other: &Histogram<u64>) -> Result<(), String> {
+        self.0.add(other).map_err(|e| format!("{e:?}"))
+    }
+
+    /// Each distinct value recorded (µs, as the histogram's resolution keeps it) with how
+    /// many times it was.
+    pub fn each(&self, mut f: impl FnMut(u64, u64)) {
+        for v in self.0.iter_recorded() {
+            f(v.value_iterated_to(), v.count_since_last_iteration());
+        }
+    }
+
     /// The value at quantile `q` (0..=1), in µs; 0 when empty.
     pub fn quantile_us(&self, q: f64) -> u64 {
         if self.0.is_empty() {
@@ -116,20 +136,38 @@ pub struct LatencySummary {
 }
 
 /// Counts of one run (or one worker, or one second).
+///
+/// Latency is measured from when a call or request was *meant* to start: in the open loop,
+/// from its intended start on the schedule (so a stall that holds requests back shows in
+/// the percentiles, instead of being left out: no coordinated omission); in the closed
+/// loop, where there is no schedule, from when it started. The open loop also keeps the
+/// latency from the actual start (`*_uncorrected`), as wrk2's `-U` does, for comparison.
 #[derive(Debug, Clone, Default)]
 pub struct Tally {
-    /// Latency of successful calls.
+    /// Latency of successful calls, from their intended start.
     pub calls: Latency,
-    /// Latency of requests (all K calls), successful or not.
+    /// Latency of requests (all K calls), successful or not, from their intended start.
     pub requests: Latency,
+    /// Open loop: latency of successful calls from their actual start.
+    pub calls_uncorrected: Latency,
+    /// Open loop: latency of requests from their actual start.
+    pub requests_uncorrected: Latency,
     /// Calls issued. Each has exactly one outcome: `sent = ok + failed`.
     pub sent: u64,
     /// Calls by outcome, indexed by [`CallOutcome::index`] (`ok` first).
     pub outcomes: [u64; CallOutcome::COUNT],
+    /// Requests due: the pacer's intended starts in the open loop, the requests started in
+    /// the closed loop. Each ends as ok, failed or not sent.
+    pub requests_due: u64,
     /// Requests completed with every call successful.
     pub requests_ok: u64,
     /// Requests with at least one failed call.
     pub requests_failed: u64,
+    /// Open loop: requests due while every slot was busy and the backlog was full: never
+    /// sent (each is a request due = ok + failed + not sent).
+    pub requests_not_sent: u64,
+    /// Open loop: requests that waited in the backlog for a free slot before they started.
+    pub requests_backlogged: u64,
     /// Bytes written to the wire.
     pub wire_out: u64,
     /// Bytes read from the wire.
@@ -150,6 +188,8 @@ impl Tally {
         Tally {
             calls: Latency::interval(),
             requests: Latency::interval(),
+            calls_uncorrected: Latency::interval(),
+            requests_uncorrected: Latency::interval(),
             ..Tally::default()
         }
     }
@@ -160,10 +200,15 @@ impl Tally {
         let Tally {
             calls,
             requests,
+            calls_uncorrected,
+            requests_uncorrected,
             sent,
             outcomes,
+            requests_due,
             requests_ok,
             requests_failed,
+            requests_not_sent,
+            requests_backlogged,
             wire_out,
             wire_in,
             payload_out_plain,
@@ -171,13 +216,17 @@ impl Tally {
             payload_in_plain,
             payload_in_wire,
         } = self;
-        calls.reset();
-        requests.reset();
+        for h in [calls, requests, calls_uncorrected, requests_uncorrected] {
+            h.reset();
+        }
         *outcomes = [0; CallOutcome::COUNT];
         for n in [
             sent,
+            requests_due,
             requests_ok,
             requests_failed,
+            requests_not_sent,
+            requests_backlogged,
             wire_out,
             wire_in,
             payload_out_plain,
@@ -189,17 +238,23 @@ impl Tally {
         }
     }
 
-    /// Counts a finished call, its latency in µs when it succeeded.
-    pub fn call(&mut self, outcome: CallOutcome, us: u64) {
+    /// Counts a finished call, with its latency in µs when it succeeded.
+    pub fn call(&mut self, outcome: CallOutcome, latency: Took) {
         self.outcomes[outcome.index()] += 1;
         if outcome.is_ok() {
-            self.calls.record_us(us);
+            self.calls.record_us(latency.us);
+            if let Some(us) = latency.uncorrected_us {
+                self.calls_uncorrected.record_us(us);
+            }
         }
     }
 
     /// Counts a finished request.
-    pub fn request(&mut self, failed: bool, us: u64) {
-        self.requests.record_us(us);
+    pub fn request(&mut self, failed: bool, latency: Took) {
+        self.requests.record_us(latency.us);
+        if let Some(us) = latency.uncorrected_us {
+            self.requests_uncorrected.record_us(us);
+        }
         if failed {
             self.requests_failed += 1;
         } else {
@@ -229,12 +284,17 @@ impl Tally {
     pub fn add(&mut self, o: &Tally) {
         self.calls.add(&o.calls);
         self.requests.add(&o.requests);
+        self.calls_uncorrected.add(&o.calls_uncorrected);
+        self.requests_uncorrected.add(&o.requests_uncorrected);
         self.sent += o.sent;
         for (a, b) in self.outcomes.iter_mut().zip(o.outcomes) {
             *a += b;
         }
+        self.requests_due += o.requests_due;
         self.requests_ok += o.requests_ok;
         self.requests_failed += o.requests_failed;
+        self.requests_not_sent += o.requests_not_sent;
+        self.requests_backlogged += o.requests_backlogged;
         self.wire_out += o.wire_out;
         self.wire_in += o.wire_in;
         self.payload_out_plain += o.payload_out_plain;
@@ -244,62 +304,122 @@ impl Tally {
     }
 }
 
-/// The two sets of figures a connection keeps: the run's (what the report gives: only
-/// what started in the measured window) and the interval's (everything since the last
-/// tick, warm-up included: the progress line and the shared metrics). Every event is
-/// entered in both by one call, so they cannot drift apart.
+/// How long a call or request took, in µs: from its intended start, and (open loop only)
+/// from its actual start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Took {
+    /// From the intended start (the actual one in the closed loop).
+    pub us: u64,
+    /// Open loop: from the actual start.
+    pub uncorrected_us: Option<u64>,
+}
+
+impl Took {
+    /// The time from `intended` (and, in the open loop, from `started`) to `now`.
+    pub fn between(intended: Instant, started: Instant, now: Instant, open_loop: bool) -> Took {
+        let us = |from: Instant| now.saturating_duration_since(from).as_micros() as u64;
+        Took {
+            us: us(intended),
+            uncorrected_us: open_loop.then(|| us(started)),
+        }
+    }
+}
+
+/// The figures a connection keeps: the run's, per step of the schedule (what the report
+/// gives: only what was meant to start in the measured window, by the step its intended
+/// start falls in; one step but for rate ramps and steps), and the interval's (everything
+/// since the last tick, warm-up included: the progress line and the shared metrics). Every
+/// event is entered in both by one call, so they cannot drift apart. `step` is `None` for
+/// what belongs to the warm-up.
 #[derive(Debug)]
 pub struct Books {
-    /// The measured window's figures.
-    pub run: Tally,
+    /// The measured window's figures, by step.
+    pub steps: Vec<Tally>,
     /// Figures since the last tick.
     pub interval: Tally,
+    /// With `--hdr-log`: the measured figures since the last tick, at full precision (the
+    /// interval log's; its intervals add up to the steps').
+    pub log: Option<Tally>,
 }
 
 impl Default for Books {
     fn default() -> Self {
         Books {
-            run: Tally::default(),
+            steps: Vec::new(),
             interval: Tally::interval(),
+            log: None,
         }
     }
 }
 
 impl Books {
-    /// Enters `f` in the interval's figures, and in the run's when `measured`.
-    fn both(&mut self, measured: bool, f: impl Fn(&mut Tally)) {
+    /// Enters `f` in the interval's figures, and in step `step`'s when measured.
+    fn both(&mut self, step: Option<usize>, f: impl Fn(&mut Tally)) {
         f(&mut self.interval);
-        if measured {
-            f(&mut self.run);
+        if let Some(t) = self.step(step) {
+            f(t);
+            if let Some(log) = &mut self.log {
+                f(log);
+            }
         }
     }
 
+    /// Keeps the measured figures for the interval log too.
+    pub fn logging(mut self) -> Self {
+        self.log = Some(Tally::default());
+        self
+    }
+
+    /// The figures of a measured step (made when first needed).
+    fn step(&mut self, step: Option<usize>) -> Option<&mut Tally> {
+        let i = step?;
+        if self.steps.len() <= i {
+            self.steps.resize_with(i + 1, Tally::default);
+        }
+        self.steps.get_mut(i)
+    }
+
     /// A call was issued.
-    pub fn sent(&mut self, measured: bool) {
-        self.both(measured, |t| t.sent += 1);
+    pub fn sent(&mut self, step: Option<usize>) {
+        self.both(step, |t| t.sent += 1);
     }
 
-    /// A call ended with `outcome` after `us` µs.
-    pub fn call(&mut self, measured: bool, outcome: CallOutcome, us: u64) {
-        self.both(measured, |t| t.call(outcome, us));
+    /// A call ended with `outcome`, having taken `latency`.
+    pub fn call(&mut self, step: Option<usize>, outcome: CallOutcome, latency: Took) {
+        self.both(step, |t| t.call(outcome, latency));
     }
 
-    /// A request ended after `us` µs.
-    pub fn request(&mut self, measured: bool, failed: bool, us: u64) {
-        self.both(measured, |t| t.request(failed, us));
+    /// A request ended, having taken `latency`.
+    pub fn request(&mut self, step: Option<usize>, failed: bool, latency: Took) {
+        self.both(step, |t| t.request(failed, latency));
+    }
+
+    /// A request is due (it will start, now or from the backlog, or be not sent).
+    pub fn due(&mut self, step: Option<usize>) {
+        self.both(step, |t| t.requests_due += 1);
+    }
+
+    /// Open loop: a request due found every slot busy and the backlog full.
+    pub fn not_sent(&mut self, step: Option<usize>) {
+        self.both(step, |t| t.requests_not_sent += 1);
+    }
+
+    /// Open loop: a request started late, from the backlog.
+    pub fn backlogged(&mut self, step: Option<usize>) {
+        self.both(step, |t| t.requests_backlogged += 1);
     }
 
     /// A request payload was written.
-    pub fn payload_out(&mut self, measured: bool, size: PayloadSize) {
-        self.both(measured, |t| {
+    pub fn payload_out(&mut self, step: Option<usize>, size: PayloadSize) {
+        self.both(step, |t| {
             t.payload_out_plain += size.plain as u64;
             t.payload_out_wire += size.wire as u64;
         });
     }
 
     /// A reply payload was read.
-    pub fn payload_in(&mut self, measured: bool, size: PayloadSize) {
-        self.both(measured, |t| {
+    pub fn payload_in(&mut self, step: Option<usize>, size: PayloadSize) {
+        self.both(step, |t| {
             t.payload_in_plain += size.plain as u64;
             t.payload_in_wire += size.wire as u64;
         });
@@ -307,10 +427,10 @@ impl Books {
 
     /// Bytes moved on the wire; only the run counts them (the interval's wire bytes reach
     /// the metrics straight from the connection).
-    pub fn wire(&mut self, measured: bool, written: u64, read: u64) {
-        if measured {
-            self.run.wire_out += written;
-            self.run.wire_in += read;
+    pub fn wire(&mut self, step: Option<usize>, written: u64, read: u64) {
+        if let Some(t) = self.step(step) {
+            t.wire_out += written;
+            t.wire_in += read;
         }
     }
 
@@ -319,6 +439,23 @@ impl Books {
         into.add(&self.interval);
         self.interval.clear();
     }
+
+    /// Takes the interval log's figures since the last tick, if it is kept.
+    pub fn take_log(&mut self, into: &mut Tally) {
+        if let Some(log) = &mut self.log {
+            into.add(log);
+            log.clear();
+        }
+    }
+}
+
+/// The sum of the steps' figures: the whole measured window's.
+pub fn total(steps: &[Tally]) -> Tally {
+    let mut t = Tally::default();
+    for s in steps {
+        t.add(s);
+    }
+    t
 }
 
 #[cfg(test)]
@@ -352,6 +489,48 @@ mod tests {
         assert!(h.summary().max_ms >= 59_000.0);
     }
 
+    fn us(n: u64) -> Took {
+        Took {
+            us: n,
+            uncorrected_us: None,
+        }
+    }
+
+    #[test]
+    fn the_open_loop_keeps_both_figures_and_the_closed_loop_one() {
+        let t0 = Instant::now();
+        let started = t0 + std::time::Duration::from_millis(900);
+        let now = t0 + std::time::Duration::from_millis(1000);
+        let open = Took::between(t0, started, now, true);
+        assert_eq!(
+            open,
+            Took {
+                us: 1_000_000,
+                uncorrected_us: Some(100_000)
+            }
+        );
+        let closed = Took::between(started, started, now, false);
+        assert_eq!(
+            closed,
+            Took {
+                us: 100_000,
+                uncorrected_us: None
+            }
+        );
+        let mut t = Tally::default();
+        t.request(false, open);
+        t.call(CallOutcome::Ok, open);
+        assert_eq!(t.requests.quantile_us(0.5) / 1000, 1000);
+        assert_eq!(t.requests_uncorrected.quantile_us(0.5) / 1000, 100);
+        assert_eq!(t.calls_uncorrected.count(), 1);
+        t.request(false, closed);
+        assert_eq!(
+            t.requests_uncorrected.count(),
+            1,
+            "the closed loop has no second figure"
+        );
+    }
+
     #[test]
     fn tallies_add_up() {
         use rpcmesh_wire::Status;
@@ -359,16 +538,16 @@ mod tests {
             sent: 3,
             ..Tally::default()
         };
-        a.call(CallOutcome::Ok, 10);
-        a.call(CallOutcome::Ok, 10);
-        a.call(CallOutcome::NoReply, 0);
+        a.call(CallOutcome::Ok, us(10));
+        a.call(CallOutcome::Ok, us(10));
+        a.call(CallOutcome::NoReply, us(0));
         let mut b = Tally {
             sent: 3,
             ..Tally::default()
         };
-        b.call(CallOutcome::Ok, 20);
-        b.call(CallOutcome::NoReply, 0);
-        b.call(CallOutcome::Replied(Status::Overloaded), 0);
+        b.call(CallOutcome::Ok, us(20));
+        b.call(CallOutcome::NoReply, us(0));
+        b.call(CallOutcome::Replied(Status::Overloaded), us(0));
         a.add(&b);
         assert_eq!(a.sent, 6);
         assert_eq!(a.ok() + a.failed(), 6);
@@ -378,29 +557,29 @@ mod tests {
     }
 
     #[test]
-    fn the_run_counts_only_what_is_measured_and_the_interval_everything() {
+    fn the_run_counts_only_what_is_measured_by_step_and_the_interval_everything() {
         let mut b = Books::default();
-        b.sent(false);
-        b.call(false, CallOutcome::Ok, 5);
-        b.sent(true);
-        b.call(true, CallOutcome::Connection, 7);
-        b.request(true, true, 12);
-        b.wire(false, 100, 50);
-        b.wire(true, 10, 5);
-        assert_eq!((b.run.sent, b.run.ok(), b.run.failed()), (1, 0, 1));
-        assert_eq!(
-            (b.interval.sent, b.interval.ok(), b.interval.failed()),
-            (2, 1, 1)
-        );
-        assert_eq!(
-            (b.run.requests_failed, b.run.wire_out, b.run.wire_in),
-            (1, 10, 5)
-        );
+        b.sent(None);
+        b.call(None, CallOutcome::Ok, us(5));
+        b.sent(Some(0));
+        b.call(Some(0), CallOutcome::Connection, us(7));
+        b.request(Some(0), true, us(12));
+        b.sent(Some(2));
+        b.wire(None, 100, 50);
+        b.wire(Some(0), 10, 5);
+        let s0 = &b.steps[0];
+        assert_eq!((s0.sent, s0.ok(), s0.failed()), (1, 0, 1));
+        assert_eq!((s0.requests_failed, s0.wire_out, s0.wire_in), (1, 10, 5));
+        assert_eq!(b.steps.len(), 3, "steps are made as they are needed");
+        assert_eq!(b.steps[1].sent, 0);
+        assert_eq!(total(&b.steps).sent, 2);
+        let i = &b.interval;
+        assert_eq!((i.sent, i.ok(), i.failed()), (3, 1, 1));
         let mut second = Tally::interval();
         b.take_interval(&mut second);
-        assert_eq!(second.sent, 2);
+        assert_eq!(second.sent, 3);
         assert_eq!(b.interval.sent, 0);
         assert_eq!(b.interval.calls.count(), 0);
-        assert_eq!(b.run.sent, 1, "the run keeps its figures");
+        assert_eq!(b.steps[0].sent, 1, "the run keeps its figures");
     }
 }

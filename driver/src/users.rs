@@ -11,22 +11,26 @@ use std::time::Instant;
 /// What a user is doing.
 #[derive(Debug, Clone, Copy)]
 struct User {
+    /// When the request was meant to start (the schedule's instant in the open loop).
+    intended: Instant,
     started: Instant,
     replies: u32,
     failed: bool,
-    measured: bool,
+    step: Option<usize>,
     timed: bool,
 }
 
 /// A request that ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Finished {
+    /// When it was meant to start: its latency runs from here.
+    pub intended: Instant,
     /// When it started.
     pub started: Instant,
     /// At least one of its calls failed (or could not be made).
     pub failed: bool,
-    /// It started in the measured window.
-    pub measured: bool,
+    /// The measured step it belongs to (`None`: warm-up).
+    pub step: Option<usize>,
     /// Its `request` stage is timed.
     pub timed: bool,
 }
@@ -58,10 +62,11 @@ impl Users {
     /// `n` users making requests of `fanout` calls, at once when `parallel`.
     pub fn new(n: usize, fanout: u32, parallel: bool, now: Instant) -> Self {
         let idle = User {
+            intended: now,
             started: now,
             replies: 0,
             failed: false,
-            measured: false,
+            step: None,
             timed: false,
         };
         Users {
@@ -103,14 +108,23 @@ impl Users {
         self.free.push(u);
     }
 
-    /// User `u` starts a request at `now`; returns how many of its calls to make now.
-    pub fn start(&mut self, u: usize, now: Instant, measured: bool, timed: bool) -> u32 {
+    /// User `u` starts at `now` a request meant to start at `intended`; returns how many
+    /// of its calls to make now.
+    pub fn start(
+        &mut self,
+        u: usize,
+        intended: Instant,
+        now: Instant,
+        step: Option<usize>,
+        timed: bool,
+    ) -> u32 {
         self.active += 1;
         self.users[u] = User {
+            intended,
             started: now,
             replies: 0,
             failed: false,
-            measured,
+            step,
             timed,
         };
         if self.parallel { self.fanout } else { 1 }
@@ -136,9 +150,10 @@ impl Users {
         }
         self.active -= 1;
         Next::Done(Finished {
+            intended: user.intended,
             started: user.started,
             failed: user.failed,
-            measured: user.measured,
+            step: user.step,
             timed: user.timed,
         })
     }
@@ -152,7 +167,7 @@ mod tests {
     fn a_request_in_a_row_makes_its_calls_one_after_another() {
         let t0 = Instant::now();
         let mut u = Users::new(2, 3, false, t0);
-        assert_eq!(u.start(1, t0, true, false), 1);
+        assert_eq!(u.start(1, t0, t0, Some(0), false), 1);
         assert_eq!(u.active(), 1);
         assert_eq!(u.call_done(1, true, true), Next::Call);
         assert_eq!(u.call_done(1, true, true), Next::Call);
@@ -160,9 +175,10 @@ mod tests {
         assert_eq!(
             done,
             Next::Done(Finished {
+                intended: t0,
                 started: t0,
                 failed: false,
-                measured: true,
+                step: Some(0),
                 timed: false
             })
         );
@@ -173,11 +189,11 @@ mod tests {
     fn a_parallel_request_waits_for_all_its_calls_and_one_failure_fails_it() {
         let t0 = Instant::now();
         let mut u = Users::new(1, 3, true, t0);
-        assert_eq!(u.start(0, t0, false, true), 3);
+        assert_eq!(u.start(0, t0, t0, None, true), 3);
         assert_eq!(u.call_done(0, true, true), Next::Wait);
         assert_eq!(u.call_done(0, false, true), Next::Wait);
         match u.call_done(0, true, true) {
-            Next::Done(f) => assert!(f.failed && f.timed && !f.measured),
+            Next::Done(f) => assert!(f.failed && f.timed && f.step.is_none()),
             other => panic!("{other:?}"),
         }
     }
@@ -186,7 +202,7 @@ mod tests {
     fn without_a_connection_a_request_in_a_row_ends_at_once_failed() {
         let t0 = Instant::now();
         let mut u = Users::new(1, 5, false, t0);
-        u.start(0, t0, true, false);
+        u.start(0, t0, t0, Some(0), false);
         assert_eq!(u.call_done(0, true, true), Next::Call);
         // The connection is lost with the second call on it: the last three are not made.
         match u.call_done(0, false, false) {
@@ -200,7 +216,7 @@ mod tests {
     fn without_a_connection_a_parallel_request_ends_with_its_last_call_out() {
         let t0 = Instant::now();
         let mut u = Users::new(1, 2, true, t0);
-        u.start(0, t0, true, false);
+        u.start(0, t0, t0, Some(0), false);
         assert_eq!(u.call_done(0, true, false), Next::Wait);
         assert!(matches!(u.call_done(0, true, false), Next::Done(f) if f.failed));
     }

@@ -11,6 +11,7 @@
 //! calls past the deadline and hands its interval's figures to the shared metrics and the
 //! progress line.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,6 +23,7 @@ use rpcmesh_common::net::connection::{FramedIo, IoEvent};
 use rpcmesh_common::net::listener::AcceptObserver;
 use rpcmesh_common::net::shutdown::CancellationToken;
 use rpcmesh_common::net::slots::SlotTable;
+use rpcmesh_common::net::timer::{Aim, PreciseTimer};
 use rpcmesh_wire::Status;
 use rpcmesh_wire::compress::DEFAULT_MAX_INFLATED_LEN;
 use rpcmesh_wire::envelope::CallCodec;
@@ -32,7 +34,7 @@ use crate::connection::Connector;
 use crate::metrics::{CALL, CONNECTION_WAIT, DECODE, DriverMetrics, ENCODE, REQUEST, ROUND_TRIP};
 use crate::outcome::CallOutcome;
 use crate::pacer::Pacer;
-use crate::stats::{Books, Latency, Tally};
+use crate::stats::{Books, Latency, Tally, Took};
 use crate::users::{Finished, Next, Users};
 use crate::workload::Workload;
 
@@ -54,11 +56,20 @@ pub(crate) struct RunShared {
     pub stop: CancellationToken,
     /// Each worker's figures since the progress line last took them.
     pub intervals: Vec<Mutex<Tally>>,
+    /// With `--hdr-log`: each worker's measured figures since the log last took them.
+    pub logs: Vec<Mutex<Tally>>,
     /// Metric handles.
     pub metrics: DriverMetrics,
 }
 
 impl RunShared {
+    /// The measured step that a call or request meant to start at `intended` belongs to;
+    /// `None` for the warm-up.
+    fn step_of(&self, intended: Instant) -> Option<usize> {
+        let since = intended.checked_duration_since(self.measure_from)?;
+        Some(self.config.schedule.as_ref().map_or(0, |s| s.step_of(since)))
+    }
+
     /// Whether a new request may start now (claims one from the budget if so).
     fn may_start(&self, now: Instant) -> bool {
         if self.stop.is_cancelled() || self.until.is_some_and(|u| now >= u) {
@@ -77,37 +88,43 @@ impl RunShared {
 #[derive(Debug, Clone)]
 pub(crate) struct Plan {
     pub index: usize,
-    /// Open loop: start a request every this long (users are then slots, at most that
-    /// many requests in flight). `None`: closed loop.
-    pub every: Option<Duration>,
+    /// Open loop: this connection's share of the schedule's rate (users are then slots,
+    /// at most that many requests in flight). `None`: closed loop.
+    pub share: Option<f64>,
     pub target: String,
     pub users: usize,
+    /// Open loop: how many requests due while every slot is busy wait for one.
+    pub backlog: usize,
 }
 
 /// What a worker hands back.
 #[derive(Debug, Default)]
 pub(crate) struct WorkerFigures {
-    pub tally: Tally,
+    /// The measured window's figures, by step of the schedule.
+    pub steps: Vec<Tally>,
     /// Connection attempts that failed.
     pub connect_failures: u64,
     /// Replies that came after their call had timed out.
     pub late_replies: u64,
     /// When the last measured call finished.
     pub last_done: Option<Instant>,
-    /// Open loop: measured requests due that found every slot busy (not started).
-    pub not_started: u64,
-    /// Open loop: how late measured requests started after their intended time, µs.
+    /// Open loop: how late measured requests that found a free slot started after their
+    /// intended time, µs (the pacer's precision).
     pub lag: Latency,
 }
 
 impl WorkerFigures {
     /// Adds another worker's figures (the run's are the sum of its workers').
     pub fn add(&mut self, o: &WorkerFigures) {
-        self.tally.add(&o.tally);
+        if self.steps.len() < o.steps.len() {
+            self.steps.resize_with(o.steps.len(), Tally::default);
+        }
+        for (a, b) in self.steps.iter_mut().zip(&o.steps) {
+            a.add(b);
+        }
         self.connect_failures += o.connect_failures;
         self.late_replies += o.late_replies;
         self.last_done = self.last_done.max(o.last_done);
-        self.not_started += o.not_started;
         self.lag.add(&o.lag);
     }
 }
@@ -115,10 +132,15 @@ impl WorkerFigures {
 /// A call written and waiting for its reply (its request id is its key in the table).
 #[derive(Debug, Clone, Copy)]
 struct Slot {
-    /// When the call was issued (the round's time): latency is measured from here.
+    /// When the call was meant to start: its request's intended start for the first call
+    /// (every call with `--parallel`), its own start for the next ones. Latency runs from
+    /// here.
+    intended: Instant,
+    /// When the call was issued (the round's time): the uncorrected latency runs from here.
     sent: Instant,
     user: u32,
-    measured: bool,
+    /// The measured step it belongs to (`None`: warm-up).
+    step: Option<usize>,
     /// Stage stamps (stages on only): encoding began, encoding ended, write returned.
     encoding: Option<Instant>,
     encoded: Option<Instant>,
@@ -142,6 +164,9 @@ pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> WorkerFigures {
         users: Users::new(plan.users, c.fanout, c.parallel, now),
         table: SlotTable::with_capacity(plan.users * c.fanout as usize),
         pacer: None,
+        timer: None,
+        backlog: VecDeque::new(),
+        backlog_cap: plan.backlog,
         flags,
         in_flight_reported: 0,
         round: Vec::new(),
@@ -150,21 +175,23 @@ pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> WorkerFigures {
         request_sampler: shared.metrics.stages.sampler(),
         last_read: now,
         connector: Connector::new(plan.target.clone(), plan.index),
-        books: Books::default(),
+        books: if c.hdr_log.is_some() {
+            Books::default().logging()
+        } else {
+            Books::default()
+        },
         late_replies: 0,
         last_done: None,
-        not_started: 0,
         lag: Latency::default(),
         shared: shared.clone(),
         plan,
     };
     w.run().await;
     WorkerFigures {
-        tally: w.books.run,
+        steps: w.books.steps,
         connect_failures: w.connector.failures(),
         late_replies: w.late_replies,
         last_done: w.last_done,
-        not_started: w.not_started,
         lag: w.lag,
     }
 }
@@ -179,6 +206,14 @@ struct Worker {
     table: SlotTable<Slot>,
     /// Open loop: when requests are due.
     pacer: Option<Pacer>,
+    /// Open loop: wakes the worker when the next request is due (finer than Tokio's
+    /// millisecond ticks; `None` where it cannot be made).
+    timer: Option<PreciseTimer>,
+    /// Open loop: intended starts of the requests that were due while every slot was busy,
+    /// oldest first; each starts when a slot frees, still timed from its intended start.
+    backlog: VecDeque<Instant>,
+    /// How many the backlog holds; a request due beyond it is not sent (and counted).
+    backlog_cap: usize,
     in_flight_reported: usize,
     /// Ids of the timed calls encoded this round.
     round: Vec<u64>,
@@ -193,7 +228,6 @@ struct Worker {
     books: Books,
     late_replies: u64,
     last_done: Option<Instant>,
-    not_started: u64,
     lag: Latency,
 }
 
@@ -204,39 +238,35 @@ impl Worker {
             return;
         };
         let now = Instant::now();
-        match self.plan.every {
+        match self.plan.share {
             None => {
                 for u in 0..self.users.len() {
                     if self.shared.may_start(now) {
-                        self.start_request(u, now, &mut io);
+                        self.books.due(self.shared.step_of(now));
+                        self.start_request(u, now, now, &mut io);
                     }
                 }
             }
-            Some(every) => {
+            Some(share) => {
                 self.users.free_all();
-                self.pacer = Some(Pacer::new(every, now));
+                let c = &self.shared.config;
+                let schedule = c.schedule.clone().expect("an open-loop plan has a schedule");
+                let seed = c.seed.wrapping_add(self.plan.index as u64);
+                let origin = self.shared.measure_from;
+                self.pacer = Some(Pacer::new(schedule, share, c.arrival, origin, now, seed));
+                self.timer = PreciseTimer::new()
+                    .inspect_err(|e| tracing::warn!(error = %e, "no fine-grained timer; pacing on Tokio's millisecond ticks"))
+                    .ok();
             }
         }
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let pace = tokio::time::sleep_until(now.into());
-        tokio::pin!(pace);
-        let mut armed = None;
         loop {
-            let due = self.pacer.as_ref().and_then(Pacer::next_due);
-            if due.is_some() {
+            if self.pacer.as_ref().and_then(Pacer::next_due).is_some() {
                 self.start_due(Instant::now(), &mut io);
-                // Re-arm the pacing timer only when the next due time moved.
-                let next = self.pacer.as_ref().and_then(Pacer::next_due);
-                if next != armed {
-                    if let Some(due) = next {
-                        pace.as_mut().reset(due.into());
-                    }
-                    armed = next;
-                }
             }
-            let pacing = self.pacer.as_ref().and_then(Pacer::next_due).is_some();
-            if self.table.is_empty() && self.users.active() == 0 && !pacing {
+            let due = self.pacer.as_ref().and_then(Pacer::next_due);
+            if self.table.is_empty() && self.users.active() == 0 && due.is_none() {
                 break;
             }
             let failed = tokio::select! {
@@ -246,7 +276,7 @@ impl Worker {
                     Ok(IoEvent::Wrote) => None,
                     Err(e) => Some(format!("socket: {e}")),
                 },
-                () = &mut pace, if pacing => None,
+                () = wait_due(&mut self.timer, due) => None,
                 _ = tick.tick() => {
                     self.on_tick(&mut io);
                     None
@@ -271,9 +301,10 @@ impl Worker {
         self.publish();
     }
 
-    /// Open loop: starts every request whose time has come, each on a free slot; one due
-    /// while every slot is busy is not started (and counted). Latency is measured from
-    /// the actual start; how late that was after the intended time is kept as the lag.
+    /// Open loop: starts every request whose time has come, each on a free slot. One due
+    /// while every slot is busy waits in the backlog (bounded) and starts when a slot
+    /// frees, still timed from its intended start; beyond the backlog it is not sent, and
+    /// counted. How late a request that found a free slot started is the pacer's lag.
     fn start_due(&mut self, now: Instant, io: &mut FramedIo) {
         let Some(mut pacer) = self.pacer.take() else {
             return;
@@ -283,20 +314,33 @@ impl Worker {
                 pacer.stop();
                 break;
             }
-            let measured = due >= self.shared.measure_from;
+            let step = self.shared.step_of(due);
+            self.books.due(step);
             match self.users.take_free() {
                 Some(u) => {
-                    if measured {
+                    if step.is_some() {
                         let lag = now.saturating_duration_since(due).as_micros() as u64;
                         self.lag.record_us(lag);
                     }
-                    self.start_request(u, now, io);
+                    self.start_request(u, due, now, io);
                 }
-                None if measured => self.not_started += 1,
-                None => {}
+                None if self.backlog.len() < self.backlog_cap => self.backlog.push_back(due),
+                None => self.books.not_sent(step),
             }
         }
         self.pacer = Some(pacer);
+    }
+
+    /// Open loop, a slot is free: the oldest backlogged request starts on it, else it waits
+    /// for the pacer.
+    fn start_backlogged(&mut self, u: usize, now: Instant, io: &mut FramedIo) {
+        match self.backlog.pop_front() {
+            Some(due) => {
+                self.books.backlogged(self.shared.step_of(due));
+                self.start_request(u, due, now, io);
+            }
+            None => self.users.release(u),
+        }
     }
 
     /// When to stop trying to connect: the run's end, or one call timeout from now.
@@ -343,6 +387,10 @@ impl Worker {
                 if let Some(p) = &mut self.pacer {
                     p.stop();
                 }
+                // Requests still waiting for a slot can no longer be sent.
+                for due in std::mem::take(&mut self.backlog) {
+                    self.books.not_sent(self.shared.step_of(due));
+                }
                 None
             }
         }
@@ -382,7 +430,7 @@ impl Worker {
         let decoding = slot.written.map(|_| Instant::now());
         let outcome = match self.codec.view_response(&frame) {
             Ok(r) => {
-                self.books.payload_in(slot.measured, r.size);
+                self.books.payload_in(slot.step, r.size);
                 match r.status {
                     Status::Success => {
                         let content_ok = self.shared.workload.check(r.payload).is_ok();
@@ -439,6 +487,10 @@ impl Worker {
 
     /// Hands the figures since the last tick to the shared metrics and the progress line.
     fn publish(&mut self) {
+        if let Some(m) = self.shared.logs.get(self.plan.index) {
+            let mut shared = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            self.books.take_log(&mut shared);
+        }
         self.shared.metrics.add(&self.books.interval);
         match self.shared.intervals.get(self.plan.index) {
             Some(m) => {
@@ -458,26 +510,29 @@ impl Worker {
             self.shared.metrics.in_flight.increment(delta);
             self.in_flight_reported = in_flight;
         }
-        let measured = self.last_read >= self.shared.measure_from;
-        self.books.wire(measured, c.bytes_written, c.bytes_read);
+        let step = self.shared.step_of(self.last_read);
+        self.books.wire(step, c.bytes_written, c.bytes_read);
     }
 
-    fn start_request(&mut self, u: usize, now: Instant, io: &mut FramedIo) {
-        let measured = now >= self.shared.measure_from;
+    /// User `u` starts, at `now`, a request meant to start at `intended` (the same instant
+    /// in the closed loop); it is measured when that instant is in the measured window.
+    fn start_request(&mut self, u: usize, intended: Instant, now: Instant, io: &mut FramedIo) {
+        let step = self.shared.step_of(intended);
         let timed = self.request_sampler.pick();
-        let calls = self.users.start(u, now, measured, timed);
+        let calls = self.users.start(u, intended, now, step, timed);
         for _ in 0..calls {
-            self.issue_call(u, now, io);
+            self.issue_call(u, intended, now, io);
         }
     }
 
-    fn issue_call(&mut self, u: usize, now: Instant, io: &mut FramedIo) {
-        let measured = now >= self.shared.measure_from;
+    fn issue_call(&mut self, u: usize, intended: Instant, now: Instant, io: &mut FramedIo) {
+        let step = self.shared.step_of(intended);
         let encoding = self.sampler.stamp();
         let id = self.table.insert(Slot {
+            intended,
             sent: now,
             user: u as u32,
-            measured,
+            step,
             encoding,
             encoded: None,
             written: None,
@@ -487,7 +542,7 @@ impl Worker {
             .workload
             .encode(&mut self.codec, io.wbuf(), id, self.flags);
         // Sent, whether or not it encodes: every call sent gets exactly one outcome.
-        self.books.sent(measured);
+        self.books.sent(step);
         match encoded {
             Ok(size) => {
                 if let Some(a) = encoding {
@@ -498,7 +553,7 @@ impl Worker {
                     }
                     self.round.push(id);
                 }
-                self.books.payload_out(measured, size);
+                self.books.payload_out(step, size);
             }
             Err(e) => {
                 tracing::error!(error = %e, "request not encodable");
@@ -518,16 +573,17 @@ impl Worker {
         io: Option<&mut FramedIo>,
     ) {
         // The progress line shows the warm-up too; the report only what is measured.
-        let us = now.saturating_duration_since(slot.sent).as_micros() as u64;
-        self.books.call(slot.measured, outcome, us);
-        if slot.measured {
+        let took = Took::between(slot.intended, slot.sent, now, self.plan.share.is_some());
+        self.books.call(slot.step, outcome, took);
+        if slot.step.is_some() {
             self.last_done = Some(now);
         }
         let u = slot.user as usize;
         match self.users.call_done(u, outcome.is_ok(), io.is_some()) {
             Next::Call => {
                 if let Some(io) = io {
-                    self.issue_call(u, now, io);
+                    // The request's next call is meant to start now: its predecessor ended.
+                    self.issue_call(u, now, now, io);
                 }
             }
             Next::Wait => {}
@@ -542,21 +598,40 @@ impl Worker {
         now: Instant,
         io: Option<&mut FramedIo>,
     ) {
-        let us = now.saturating_duration_since(request.started).as_micros() as u64;
+        let open_loop = self.plan.share.is_some();
+        let took = Took::between(request.intended, request.started, now, open_loop);
         if request.timed {
             let stages = &self.shared.metrics.stages;
             stages.record_span(REQUEST, request.started, now);
         }
-        self.books.request(request.measured, request.failed, us);
-        if self.plan.every.is_some() {
-            // Open loop: the slot waits for the pacer.
-            self.users.release(u);
-            return;
+        self.books.request(request.step, request.failed, took);
+        match io {
+            // Open loop: the slot takes the oldest backlogged request, or waits for the
+            // pacer.
+            Some(io) if open_loop => self.start_backlogged(u, now, io),
+            None if open_loop => self.users.release(u),
+            Some(io) if self.shared.may_start(now) => {
+                self.books.due(self.shared.step_of(now));
+                self.start_request(u, now, now, io);
+            }
+            Some(_) | None => {}
         }
-        if let Some(io) = io {
-            if self.shared.may_start(now) {
-                self.start_request(u, now, io);
+    }
+}
+
+/// Waits until `due` (for ever when `None`), never returning before it: on the fine timer
+/// when there is one (tens of µs late at most), else on Tokio's (up to a millisecond).
+async fn wait_due(timer: &mut Option<PreciseTimer>, due: Option<Instant>) {
+    let Some(due) = due else {
+        return std::future::pending().await;
+    };
+    match timer {
+        Some(t) => {
+            if let Err(e) = t.wait_until(due, Aim::NotBefore).await {
+                tracing::warn!(error = %e, "fine-grained timer failed; pacing on Tokio's ticks");
+                *timer = None;
             }
         }
+        None => tokio::time::sleep_until(due.into()).await,
     }
 }

@@ -11,6 +11,8 @@ use rpcmesh_common::net::session::DEFAULT_MAX_IN_FLIGHT_PER_LINK;
 use rpcmesh_wire::compress::{CompressionConfig, DEFAULT_MAX_INFLATED_LEN};
 use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
 
+use crate::service::{ServiceMode, ServiceTime};
+
 /// Where the provider listens unless told otherwise: every interface, port 7800 (the
 /// broker's default upstream).
 pub const DEFAULT_LISTEN: SocketAddr =
@@ -25,7 +27,7 @@ pub const DEFAULT_METRICS_LISTEN: MetricsListen = MetricsListen(Some(SocketAddr:
 /// others, and the reference report's WAN clients want it.
 pub const DEFAULT_COMPRESS: bool = true;
 /// No simulated service time unless asked: handlers answer at once.
-pub const DEFAULT_SERVICE_TIME: Duration = Duration::ZERO;
+pub const DEFAULT_SERVICE_TIME: ServiceTime = ServiceTime::Fixed(Duration::ZERO);
 /// Open connections at once. Providers are mostly reached through a few pooled broker
 /// connections; 4096 leaves room for many direct clients, and a flood beyond it gets
 /// closed connections instead of an accept loop failing on "too many open files".
@@ -64,9 +66,13 @@ pub struct Args {
     /// How replies are compressed.
     #[command(flatten)]
     pub compression: CompressionArgs,
-    /// Simulated service time added to every call (e.g. 5ms), for capacity experiments.
-    #[arg(long, env = "RPCMESH_SERVICE_TIME", default_value_t = DurationArg(DEFAULT_SERVICE_TIME))]
-    pub service_time: DurationArg,
+    /// Simulated service time of every call, for capacity experiments: a duration (5ms),
+    /// or a distribution: uniform:MIN,MAX, exp:MEAN, lognormal:P50,P99.
+    #[arg(long, env = "RPCMESH_SERVICE_TIME", default_value_t = DEFAULT_SERVICE_TIME)]
+    pub service_time: ServiceTime,
+    /// Spend the service time burning the CPU (a CPU-bound handler) instead of waiting.
+    #[arg(long, env = "RPCMESH_SERVICE_WORK")]
+    pub service_work: bool,
     /// Open connections at once; more are accepted and closed.
     #[arg(long, env = "RPCMESH_MAX_CONNECTIONS", default_value_t = DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
@@ -88,14 +94,16 @@ pub struct Args {
 }
 
 /// Validated provider settings, as `run` takes them.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ProviderConfig {
     /// Sent in heartbeats.
     pub node_id: String,
     /// Reply compression (`None` = never compress replies).
     pub compression: Option<CompressionConfig>,
     /// Simulated service time per call.
-    pub service_time: Duration,
+    pub service_time: ServiceTime,
+    /// How the service time is spent.
+    pub service_mode: ServiceMode,
     /// Open connections at once.
     pub max_connections: usize,
     /// Calls in flight per connection.
@@ -116,6 +124,7 @@ impl Default for ProviderConfig {
             node_id: default_node_id(),
             compression: DEFAULT_COMPRESS.then(CompressionConfig::default),
             service_time: DEFAULT_SERVICE_TIME,
+            service_mode: ServiceMode::Sleep,
             max_connections: DEFAULT_MAX_CONNECTIONS,
             max_in_flight_per_conn: DEFAULT_MAX_IN_FLIGHT_PER_CONN,
             max_body_len: DEFAULT_MAX_BODY_LEN,
@@ -149,7 +158,12 @@ impl Args {
         p.into_result(ProviderConfig {
             node_id: self.node_id.clone().unwrap_or_else(default_node_id),
             compression,
-            service_time: self.service_time.0,
+            service_time: self.service_time,
+            service_mode: if self.service_work {
+                ServiceMode::Work
+            } else {
+                ServiceMode::Sleep
+            },
             max_connections: self.max_connections,
             max_in_flight_per_conn: self.max_in_flight_per_conn,
             max_body_len: self.max_body_bytes,

@@ -53,7 +53,7 @@ pub async fn run_with(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> ServeSummary {
-    let registry = registry.with_service_time(config.service_time);
+    let registry = registry.with_service_time(config.service_time, config.service_mode);
     let metrics = ProviderMetrics::new(telemetry, &registry, config.stage_sample);
     let accept = AcceptConfig {
         max_connections: config.max_connections,
@@ -63,7 +63,8 @@ pub async fn run_with(
         addr = ?listener.local_addr().ok(),
         services = ?registry.services(),
         compression = config.compression.is_some(),
-        service_time_ms = config.service_time.as_secs_f64() * 1e3,
+        service_time = %config.service_time,
+        service_mode = ?config.service_mode,
         "provider listening"
     );
     let observer = metrics.conns.clone();

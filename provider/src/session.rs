@@ -8,12 +8,13 @@
 //! task owns the socket, the calls waiting on handlers and the write buffer; nothing here
 //! is shared with other connections but the read-only registry and metric handles.
 
+use std::collections::BinaryHeap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -22,6 +23,7 @@ use rpcmesh_common::metrics::{BadInputLog, ErrorKind, Side};
 use rpcmesh_common::net::connection::FramedIo;
 use rpcmesh_common::net::session::{self, Protocol};
 use rpcmesh_common::net::shutdown::CancellationToken;
+use rpcmesh_common::net::timer::{Aim, PreciseTimer};
 use rpcmesh_wire::Status;
 use rpcmesh_wire::body::Heartbeat;
 use rpcmesh_wire::codec::FrameCodec;
@@ -61,6 +63,12 @@ struct Session {
     calls: CallCodec,
     shared: Arc<Shared>,
     pending: FuturesUnordered<Pending>,
+    /// Answers held until their instant (simulated service times), earliest first.
+    held: BinaryHeap<Held>,
+    /// Order of the held answers that share an instant.
+    seq: u64,
+    /// Wakes the session for the earliest held answer.
+    clock: Clock,
     scratch: BytesMut,
     in_flight_reported: usize,
     bad_input: BadInputLog,
@@ -75,19 +83,29 @@ struct Session {
 }
 
 impl Protocol for Session {
-    type Event = (CallMeta, Result<Bytes, ServiceError>);
+    type Event = Event;
 
-    async fn next_event(&mut self) -> Self::Event {
-        match self.pending.next().await {
-            Some(done) => done,
-            // No handler at work: nothing can come until a request is read.
-            None => std::future::pending().await,
+    async fn next_event(&mut self) -> Event {
+        let due = self.held.peek().map(|h| h.until);
+        tokio::select! {
+            biased;
+            Some(done) = self.pending.next(), if !self.pending.is_empty() => Event::Done(done),
+            () = self.clock.wait_until(due) => Event::Due,
         }
     }
 
-    fn on_event(&mut self, done: Self::Event, io: &mut FramedIo) {
-        self.finish(done, io);
-        // Collect every other answer that is ready, for one write.
+    fn on_event(&mut self, event: Event, io: &mut FramedIo) {
+        if let Event::Done(done) = event {
+            self.finish(done, io);
+        }
+        // Every held answer whose time has come (within the timer's lead: it aims early by
+        // its mean lateness), and every other handler that is done, go out in one write.
+        let horizon = Instant::now() + self.clock.lead();
+        while self.held.peek().is_some_and(|h| h.until <= horizon) {
+            if let Some(h) = self.held.pop() {
+                self.finish((h.meta, h.result), io);
+            }
+        }
         while let Some(Some(done)) = futures_util::FutureExt::now_or_never(self.pending.next()) {
             self.finish(done, io);
         }
@@ -135,7 +153,7 @@ impl Protocol for Session {
     fn after_write(&mut self, io: &mut FramedIo) {
         self.record_totals();
         self.shared.metrics.wire.add(io.take_counts());
-        let now = self.pending.len();
+        let now = self.in_flight();
         if now != self.in_flight_reported {
             let delta = now as f64 - self.in_flight_reported as f64;
             self.shared.metrics.in_flight.increment(delta);
@@ -144,12 +162,13 @@ impl Protocol for Session {
     }
 
     fn in_flight(&self) -> usize {
-        self.pending.len()
+        self.pending.len() + self.held.len()
     }
 
     fn on_end(&mut self) {
-        // Handlers still at work have no one to answer.
+        // Handlers still at work, and answers still held, have no one to answer.
         self.pending.clear();
+        self.held.clear();
     }
 }
 
@@ -161,6 +180,9 @@ impl Session {
                 .timed(shared.metrics.compression.clone())
                 .with_max_body(c.max_body_len),
             pending: FuturesUnordered::new(),
+            held: BinaryHeap::new(),
+            seq: 0,
+            clock: Clock::Unset,
             scratch: BytesMut::with_capacity(1024),
             in_flight_reported: 0,
             bad_input: BadInputLog::default(),
@@ -199,7 +221,7 @@ impl Session {
             return true;
         }
         let cap = self.shared.config.max_in_flight_per_conn;
-        if self.pending.len() >= cap {
+        if self.in_flight() >= cap {
             self.shared
                 .metrics
                 .errors
@@ -276,6 +298,23 @@ impl Session {
                 stage(stages, ENCODE, handled, stamp());
             }
             Outcome::Ready(Err(e)) => self.reply_service_error(io, id, flags, method, &e),
+            Outcome::At(until, result) => {
+                let result = result.map(|()| self.scratch.split().freeze());
+                self.seq += 1;
+                self.held.push(Held {
+                    until,
+                    seq: self.seq,
+                    meta: CallMeta {
+                        req_id: id,
+                        flags,
+                        method,
+                        read_at,
+                        decoded,
+                    },
+                    result,
+                });
+                return false;
+            }
             Outcome::Later(fut) => {
                 self.pending.push(Pending {
                     fut,
@@ -403,6 +442,83 @@ struct CallMeta {
     method: MethodId,
     read_at: Option<Instant>,
     decoded: Option<Instant>,
+}
+
+/// What the session waits for besides its socket.
+enum Event {
+    /// A handler's future resolved.
+    Done((CallMeta, Result<Bytes, ServiceError>)),
+    /// The earliest held answer is due.
+    Due,
+}
+
+/// An answer held until its instant.
+struct Held {
+    until: Instant,
+    seq: u64,
+    meta: CallMeta,
+    result: Result<Bytes, ServiceError>,
+}
+
+impl PartialEq for Held {
+    fn eq(&self, other: &Self) -> bool {
+        (self.until, self.seq) == (other.until, other.seq)
+    }
+}
+impl Eq for Held {}
+impl PartialOrd for Held {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Held {
+    /// Reversed, so that the heap's top is the earliest.
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (other.until, other.seq).cmp(&(self.until, self.seq))
+    }
+}
+
+/// The timer of the held answers: a [`PreciseTimer`] once one is needed, Tokio's own
+/// (millisecond ticks) where none can be made.
+enum Clock {
+    Unset,
+    Fine(PreciseTimer),
+    Coarse,
+}
+
+impl Clock {
+    /// Waits until `due` (for ever when `None`).
+    async fn wait_until(&mut self, due: Option<Instant>) {
+        let Some(due) = due else {
+            return std::future::pending().await;
+        };
+        if let Clock::Unset = self {
+            *self = match PreciseTimer::new() {
+                Ok(t) => Clock::Fine(t),
+                Err(e) => {
+                    tracing::warn!(error = %e, "no fine-grained timer; service times get Tokio's millisecond ticks");
+                    Clock::Coarse
+                }
+            };
+        }
+        match self {
+            Clock::Fine(t) => {
+                if let Err(e) = t.wait_until(due, Aim::Mean).await {
+                    tracing::warn!(error = %e, "fine-grained timer failed; using Tokio's");
+                    *self = Clock::Coarse;
+                }
+            }
+            Clock::Coarse | Clock::Unset => tokio::time::sleep_until(due.into()).await,
+        }
+    }
+
+    /// How early the timer aims (what a held answer may go out before its instant).
+    fn lead(&self) -> Duration {
+        match self {
+            Clock::Fine(t) => t.lateness(),
+            Clock::Coarse | Clock::Unset => Duration::ZERO,
+        }
+    }
 }
 
 /// A call whose handler answers later.

@@ -166,7 +166,7 @@ pub const REQUESTS_TOTAL: Family = Family {
     kind: Counter,
     labels: &["role", "status"],
     roles: DRIVER,
-    help: "User requests (fan-out of calls) finished, ok or failed (at least one call failed).",
+    help: "User requests (fan-out of calls) finished, ok or failed (at least one call failed); in the open loop also not_sent (due while every slot was busy and the backlog full).",
 };
 /// `rpcmesh_errors_total{role, kind, side}`.
 pub const ERRORS_TOTAL: Family = Family {
@@ -353,6 +353,14 @@ pub const DRIVER_ACHIEVED_CALLS_PER_SECOND: Family = Family {
     roles: DRIVER,
     help: "Calls answered successfully per second, over the last second.",
 };
+/// `rpcmesh_driver_latency_seconds{role, of, from}`.
+pub const DRIVER_LATENCY_SECONDS: Family = Family {
+    name: "rpcmesh_driver_latency_seconds",
+    kind: Histogram,
+    labels: &["role", "of", "from"],
+    roles: DRIVER,
+    help: "Latency of what the driver finished, every one of them: of=call (successful calls) or request; from=intended (from the start the schedule meant: corrected for coordinated omission, the figure to read) or sent (from the actual start; open loop only, for comparison).",
+};
 /// `rpcmesh_driver_users{role}`.
 pub const DRIVER_USERS: Family = Family {
     name: "rpcmesh_driver_users",
@@ -481,6 +489,7 @@ pub const CATALOGUE: &[&Family] = &[
     &POOL_CONNECTIONS_CLOSED_TOTAL,
     &DRIVER_OFFERED_CALLS_PER_SECOND,
     &DRIVER_ACHIEVED_CALLS_PER_SECOND,
+    &DRIVER_LATENCY_SECONDS,
     &DRIVER_USERS,
     &SOFTIRQS_TOTAL,
     &CPU_SECONDS_TOTAL,

@@ -9,6 +9,8 @@
 //!   the write-backlog limit, the drain, the final flush.
 //! - [`slots`]: the table of calls in flight on a multiplexed connection, by request id.
 //! - [`busy_poll`]: keeping a worker polling after a read instead of sleeping.
+//! - [`timer`]: a timer finer than Tokio's millisecond wheel (a `timerfd`), for simulated
+//!   service times and the driver's pacer.
 //! - [`client`]: a small multiplexed client, for tests and tools.
 //! - [`shutdown`]: SIGTERM/SIGINT and the cancellation token `run` hands to its tasks.
 //!
@@ -24,3 +26,4 @@ pub mod listener;
 pub mod session;
 pub mod shutdown;
 pub mod slots;
+pub mod timer;

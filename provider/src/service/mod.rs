@@ -4,21 +4,25 @@
 //! session's.
 //!
 //! Handlers answer inline (the common case: the built-in services build a fixed answer),
-//! or return a future for work that waits; the session keeps such futures and writes each
-//! answer as it finishes, so many calls are in flight per connection.
+//! inline but for a later instant (a simulated service time, [`time`]), or return a future
+//! for work that waits; the session keeps the held answers and the futures and writes each
+//! answer as it is due, so many calls are in flight per connection.
 
 pub mod echo;
 pub mod platform;
+pub mod time;
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use rpcmesh_wire::Status;
 use rpcmesh_wire::proto::rpc::RpcRequest;
+
+use time::Timed;
+pub use time::{ServiceMode, ServiceTime};
 
 /// An answer still being worked on: resolves to the encoded application message.
 pub type HandlerFuture = Pin<Box<dyn Future<Output = Result<Bytes, ServiceError>> + Send>>;
@@ -27,6 +31,9 @@ pub type HandlerFuture = Pin<Box<dyn Future<Output = Result<Bytes, ServiceError>
 pub enum Outcome {
     /// Answered now; on success the response message was appended to `out`.
     Ready(Result<(), ServiceError>),
+    /// Answered now, as `Ready`, but the answer is to go out at this instant (a simulated
+    /// service time: the session holds it on a fine-grained timer).
+    At(std::time::Instant, Result<(), ServiceError>),
     /// Will answer when the future resolves.
     Later(HandlerFuture),
 }
@@ -35,6 +42,7 @@ impl std::fmt::Debug for Outcome {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Outcome::Ready(r) => f.debug_tuple("Ready").field(r).finish(),
+            Outcome::At(at, r) => f.debug_tuple("At").field(at).field(r).finish(),
             Outcome::Later(_) => f.write_str("Later(..)"),
         }
     }
@@ -186,44 +194,21 @@ impl Registry {
         v
     }
 
-    /// Wraps every handler so that it answers only after `delay` (a simulated service
-    /// time, for capacity and timeout experiments). Zero leaves the registry as it is.
-    pub fn with_service_time(mut self, delay: Duration) -> Self {
-        if delay.is_zero() {
+    /// Wraps every handler so that each call takes a service time drawn from `time`,
+    /// spent as `mode` says (for capacity and timeout experiments). A zero time leaves the
+    /// registry as it is.
+    pub fn with_service_time(mut self, time: ServiceTime, mode: ServiceMode) -> Self {
+        if time.is_zero() {
             return self;
         }
         for h in &mut self.handlers {
-            *h = Arc::new(Delayed {
+            *h = Arc::new(Timed {
                 inner: h.clone(),
-                delay,
+                time,
+                mode,
             });
         }
         self
-    }
-}
-
-/// A handler that answers after a fixed delay, without holding a thread.
-struct Delayed {
-    inner: Arc<dyn Handler>,
-    delay: Duration,
-}
-
-impl Handler for Delayed {
-    fn call(&self, request: RpcRequest, out: &mut BytesMut) -> Outcome {
-        let delay = self.delay;
-        match self.inner.call(request, out) {
-            Outcome::Ready(r) => {
-                let r = r.map(|()| out.split().freeze());
-                Outcome::Later(Box::pin(async move {
-                    tokio::time::sleep(delay).await;
-                    r
-                }))
-            }
-            Outcome::Later(f) => Outcome::Later(Box::pin(async move {
-                tokio::time::sleep(delay).await;
-                f.await
-            })),
-        }
     }
 }
 
@@ -247,7 +232,7 @@ where
     fn call(&self, request: RpcRequest, out: &mut BytesMut) -> Outcome {
         let held = (self.hold)();
         match self.inner.call(request, out) {
-            Outcome::Ready(r) => {
+            Outcome::Ready(r) | Outcome::At(_, r) => {
                 let r = r.map(|()| out.split().freeze());
                 Outcome::Later(Box::pin(async move {
                     held.await;

@@ -1,0 +1,114 @@
+"""Process plumbing shared by rpcmesh's measurement scripts (`bench`, `accuracy`): every
+process they start is in its own process group (Ctrl-C reaches only the script, which stops
+them in order), dies with the script (PR_SET_PDEATHSIG) should the script itself be killed,
+and is stopped by PID (SIGTERM, then SIGKILL after a timeout). Stdlib only."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PR_SET_PDEATHSIG = 1
+#: A release binary listens within milliseconds; 10 s covers a loaded CI machine.
+LISTEN_TIMEOUT_S = 10.0
+#: SIGTERM first; SIGKILL after this. The provider's and broker's grace for calls in
+#: flight is 10 s, and nothing is in flight when they are stopped (drivers stop first).
+STOP_TIMEOUT_S = {"driver": 3.0, "haproxy": 5.0, "broker": 12.0, "provider": 12.0}
+
+
+class ScriptError(Exception):
+    """A failure the user must look at (the message says what); `status` is the exit status:
+    2 for a setup problem, 1 for a process that died during the run."""
+
+    def __init__(self, message: str, status: int = 2):
+        super().__init__(message)
+        self.status = status
+
+
+class Interrupted(BaseException):
+    """SIGTERM/SIGHUP/SIGINT arrived: unwind through every `finally` and stop what runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+try:
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+except OSError:  # pragma: no cover - every glibc/musl Linux has it
+    _LIBC = None
+_PARENT = os.getpid()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: be killed if the script dies without cleaning up."""
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != _PARENT:  # the script died between fork and prctl
+        os._exit(1)
+
+
+def spawn(argv: list[str], out, err) -> subprocess.Popen:
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=err,
+        cwd=ROOT,
+        process_group=0,
+        preexec_fn=_die_with_parent,
+    )
+
+
+def stop(name: str, p: subprocess.Popen) -> None:
+    """SIGTERM, wait, SIGKILL, reap. Safe to call on a process that already exited."""
+    if p.poll() is not None:
+        return
+    try:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=STOP_TIMEOUT_S.get(name, 5.0))
+    except subprocess.TimeoutExpired:
+        log(f"{name} (pid {p.pid}) ignored SIGTERM; killing it")
+        p.kill()
+        p.wait(timeout=5.0)
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports on 127.0.0.1 (all bound at once, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def wait_listening(name: str, p: subprocess.Popen, port: int, tail) -> None:
+    deadline = time.monotonic() + LISTEN_TIMEOUT_S
+    while True:
+        if p.poll() is not None:
+            raise ScriptError(f"{name} exited (status {p.returncode}) at start\n{tail()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise ScriptError(f"{name} not listening on 127.0.0.1:{port} after {LISTEN_TIMEOUT_S:.0f} s\n{tail()}")
+        time.sleep(0.02)
