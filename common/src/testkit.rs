@@ -628,3 +628,84 @@ pub async fn golden_exchange(
         .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
     Ok((got, want))
 }
+
+/// The workspace's root folder.
+pub fn workspace_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("common sits in the workspace")
+        .to_path_buf()
+}
+
+/// Builds `target/release/{provider,broker,driver}` (once per test process), as the
+/// measurement scripts use them, through the cargo that runs the test.
+pub fn release_binaries() {
+    use std::sync::OnceLock;
+    static BUILT: OnceLock<()> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = std::process::Command::new(cargo)
+            .args(["build", "--quiet", "--release", "--locked", "--bins"])
+            .arg("--manifest-path")
+            .arg(workspace_root().join("Cargo.toml"))
+            .status()
+            .expect("run cargo build");
+        assert!(
+            status.success(),
+            "cargo build --release --locked --bins failed"
+        );
+    });
+}
+
+/// What a script run by [`run_script`] did.
+#[derive(Debug)]
+pub struct ScriptRun {
+    /// Its exit status.
+    pub status: std::process::ExitStatus,
+    /// What it printed on stdout.
+    pub stdout: String,
+    /// Both outputs, labelled, for assertion messages.
+    pub output: String,
+}
+
+/// Runs `scripts/<name> args...` from the workspace root, its output to files (nothing can
+/// block on a full pipe), and kills it if it runs past `timeout` (a hang detector: the
+/// scripts bound their own waits). Panics if it cannot be started (python3 missing).
+pub fn run_script(name: &str, args: &[&std::ffi::OsStr], timeout: Duration) -> ScriptRun {
+    let root = workspace_root();
+    let dir = std::env::temp_dir().join(format!("rpcmesh-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a folder for the script's output");
+    let (out, err) = (dir.join("stdout.txt"), dir.join("stderr.txt"));
+    let mut child = std::process::Command::new(root.join("scripts").join(name))
+        .args(args)
+        .current_dir(&root)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::fs::File::create(&out).expect("stdout file"))
+        .stderr(std::fs::File::create(&err).expect("stderr file"))
+        .spawn()
+        .unwrap_or_else(|e| panic!("run scripts/{name} (python3 must be installed): {e}"));
+    // Wall time on purpose: the deadline stops a hung script.
+    let deadline = std::time::Instant::now() + timeout;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for the script") {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("scripts/{name} still running after {timeout:?}; killed");
+        }
+        std::thread::sleep(WAIT_POLL);
+    };
+    let stdout = std::fs::read_to_string(&out).unwrap_or_default();
+    let output = format!(
+        "--- stdout\n{stdout}\n--- stderr\n{}",
+        std::fs::read_to_string(&err).unwrap_or_default()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    ScriptRun {
+        status,
+        stdout,
+        output,
+    }
+}

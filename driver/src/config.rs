@@ -315,7 +315,9 @@ impl Args {
         match (self.rate, self.steps.as_slice()) {
             (Some(RateArg { from, to: None }), _) => {
                 p.check(self.ramp.is_some(), || "--ramp needs --rate FROM:TO".into());
-                p.check(!positive(from), || format!("--rate {from} must be above zero"));
+                p.check(!positive(from), || {
+                    format!("--rate {from} must be above zero")
+                });
                 Some(Schedule::Constant(from))
             }
             (Some(RateArg { from, to: Some(to) }), _) => {
@@ -413,7 +415,12 @@ impl Args {
             (Some(n), _) => Stop::Requests(n),
             (None, Some(d)) => Stop::Duration(d),
             (None, None) if schedule.as_ref().and_then(Schedule::length).is_some() => {
-                Stop::Duration(schedule.as_ref().and_then(Schedule::length).unwrap_or_default())
+                Stop::Duration(
+                    schedule
+                        .as_ref()
+                        .and_then(Schedule::length)
+                        .unwrap_or_default(),
+                )
             }
             (None, None) if targets.is_empty() => Stop::Duration(DEFAULT_EMBEDDED_DURATION),
             (None, None) => Stop::Duration(DEFAULT_DURATION),

@@ -175,8 +175,13 @@ fn write_log(
             if h.count() == 0 {
                 continue;
             }
-            log.write_histogram(h.histogram(), interval.start, interval.length, Tag::new(tag))
-                .map_err(|e| fail(format!("{e:?}")))?;
+            log.write_histogram(
+                h.histogram(),
+                interval.start,
+                interval.length,
+                Tag::new(tag),
+            )
+            .map_err(|e| fail(format!("{e:?}")))?;
         }
     }
     drop(log);
@@ -218,7 +223,11 @@ pub(crate) async fn record(
             tally,
         };
         last = now;
-        if writer.send(LogEntryOut::Interval(Box::new(interval))).is_err() || end {
+        if writer
+            .send(LogEntryOut::Interval(Box::new(interval)))
+            .is_err()
+            || end
+        {
             return writer;
         }
     }
@@ -303,7 +312,8 @@ pub fn merge(paths: &[PathBuf]) -> Result<MergedReport, HdrLogError> {
             intervals += 1;
             let start = base + interval.start_timestamp().as_secs_f64();
             let end = start + interval.duration().as_secs_f64();
-            let span = |w: Option<(f64, f64)>| w.map_or((start, end), |(a, b)| (a.min(start), b.max(end)));
+            let span =
+                |w: Option<(f64, f64)>| w.map_or((start, end), |(a, b)| (a.min(start), b.max(end)));
             window = Some(span(window));
             first_last = Some(span(first_last));
         }
@@ -311,7 +321,13 @@ pub fn merge(paths: &[PathBuf]) -> Result<MergedReport, HdrLogError> {
         let secs = String::from_utf8_lossy(&bytes)
             .lines()
             .rev()
-            .find_map(|l| l.strip_prefix('#')?.strip_prefix(MEASURED_SECONDS)?.trim().parse::<f64>().ok())
+            .find_map(|l| {
+                l.strip_prefix('#')?
+                    .strip_prefix(MEASURED_SECONDS)?
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+            })
             .unwrap_or_else(|| first_last.map_or(0.0, |(a, b)| b - a));
         measured_seconds.push(secs);
         for (tag, n) in counts {
@@ -417,8 +433,14 @@ mod tests {
         let (a, b) = (dir.join("a.hlog"), dir.join("b.hlog"));
         let a_samples: [&[u64]; 2] = [&[100, 200, 300], &[150, 5_000]];
         let b_samples: [&[u64]; 2] = [&[120, 900_000], &[250]];
-        write(&a, vec![interval(0, a_samples[0]), interval(1, a_samples[1])]);
-        write(&b, vec![interval(0, b_samples[0]), interval(1, b_samples[1])]);
+        write(
+            &a,
+            vec![interval(0, a_samples[0]), interval(1, a_samples[1])],
+        );
+        write(
+            &b,
+            vec![interval(0, b_samples[0]), interval(1, b_samples[1])],
+        );
         let merged = merge(&[a.clone(), b.clone()]).unwrap();
 
         let mut all = Latency::default();

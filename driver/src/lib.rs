@@ -17,6 +17,7 @@
 
 pub mod config;
 pub mod connection;
+mod dispatch;
 pub mod embedded;
 pub mod hdr_log;
 pub mod metrics;
@@ -102,8 +103,8 @@ async fn drive(
     let plans: Vec<Plan> = (0..n)
         .map(|i| Plan {
             index: i,
-            // Each connection paces its share of the rate.
-            share: config.schedule.as_ref().map(|_| 1.0 / n as f64),
+            // Open loop: the run's pacer hands out the due requests.
+            dues: None,
             target: config.targets[i % config.targets.len()].clone(),
             users: config.concurrency / n + usize::from(i < config.concurrency % n),
             backlog: config.backlog.div_ceil(n),
@@ -133,6 +134,26 @@ async fn drive(
         started,
         progress_done.clone(),
     ));
+    // Open loop: one pacer for the run hands each due request to a connection in turn.
+    let mut plans = plans;
+    if let Some(schedule) = shared.config.schedule.clone() {
+        let (senders, receivers): (Vec<_>, Vec<_>) = (0..n)
+            .map(|_| tokio::sync::mpsc::unbounded_channel::<Instant>())
+            .unzip();
+        for (p, rx) in plans.iter_mut().zip(receivers) {
+            p.dues = Some(rx);
+        }
+        let c = &shared.config;
+        let pacer = pacer::Pacer::new(
+            schedule,
+            1.0,
+            c.arrival,
+            measure_from,
+            Instant::now(),
+            c.seed,
+        );
+        tokio::spawn(dispatch::run(pacer, shared.clone(), senders));
+    }
     let logger = log.map(|(tx, thread)| {
         let task = tokio::spawn(hdr_log::record(
             shared.clone(),
@@ -166,7 +187,9 @@ async fn drive(
         .max(1e-9);
     if let Some((task, thread)) = logger {
         let tx = task.await?;
-        let _ = tx.send(hdr_log::LogEntryOut::End(std::time::Duration::from_secs_f64(secs)));
+        let _ = tx.send(hdr_log::LogEntryOut::End(
+            std::time::Duration::from_secs_f64(secs),
+        ));
         drop(tx);
         tokio::task::spawn_blocking(move || thread.join())
             .await?

@@ -5,16 +5,29 @@
 //! users, as queueing models assume). The worker asks for the due instants up to "now"
 //! ([`Pacer::take_due`]) and starts a request for each, timed from that intended instant.
 //!
+//! A request that is due while every slot of its connection is busy waits in the
+//! connection's [`Backlog`] (bounded, first in first out) and keeps its intended start;
+//! beyond the bound it is not sent, and counted as such.
+//!
 //! Pure: it never reads the clock; the worker passes `now`, and the tests pass made-up
-//! instants. Waking at the due instant precisely is the worker's (a `PreciseTimer`).
+//! instants. Waking at the due instant precisely is the dispatcher's (a `PreciseTimer`).
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 /// How requests are spaced.
 #[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
 )]
 #[serde(rename_all = "lowercase")]
 pub enum Arrival {
@@ -160,11 +173,20 @@ impl fmt::Display for Schedule {
         match self {
             Schedule::Constant(r) => write!(f, "{r} requests/s"),
             Schedule::Ramp { from, to, over } => {
-                write!(f, "{from} to {to} requests/s over {:.0} s", over.as_secs_f64())
+                write!(
+                    f,
+                    "{from} to {to} requests/s over {:.0} s",
+                    over.as_secs_f64()
+                )
             }
             Schedule::Steps { rates, each } => {
                 let r: Vec<String> = rates.iter().map(|r| r.to_string()).collect();
-                write!(f, "steps of {} requests/s, {:.0} s each", r.join(", "), each.as_secs_f64())
+                write!(
+                    f,
+                    "steps of {} requests/s, {:.0} s each",
+                    r.join(", "),
+                    each.as_secs_f64()
+                )
             }
         }
     }
@@ -260,7 +282,10 @@ impl Pacer {
 
     /// The time to the request after one due at `due`.
     fn gap(&mut self, due: Instant) -> Duration {
-        let rate = self.schedule.rate_at(due.saturating_duration_since(self.origin)) * self.share;
+        let rate = self
+            .schedule
+            .rate_at(due.saturating_duration_since(self.origin))
+            * self.share;
         let mean = 1.0 / rate.max(1e-9);
         let secs = match self.arrival {
             Arrival::Uniform => mean,
@@ -276,6 +301,63 @@ impl Pacer {
     }
 }
 
+/// The intended starts of the requests that were due while every slot was busy, oldest
+/// first, up to a bound. Each starts when a slot frees, still timed from its intended start.
+#[derive(Debug)]
+pub struct Backlog {
+    waiting: VecDeque<Instant>,
+    bound: usize,
+}
+
+/// What became of a request offered to a full connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Offered {
+    /// It waits for a slot.
+    Waiting,
+    /// The backlog was full: it is not sent.
+    NotSent,
+}
+
+impl Backlog {
+    /// An empty backlog that holds up to `bound` requests.
+    pub fn new(bound: usize) -> Self {
+        Backlog {
+            waiting: VecDeque::new(),
+            bound,
+        }
+    }
+
+    /// A request due at `due` found no free slot: it waits, unless `bound` already do.
+    pub fn offer(&mut self, due: Instant) -> Offered {
+        if self.waiting.len() < self.bound {
+            self.waiting.push_back(due);
+            Offered::Waiting
+        } else {
+            Offered::NotSent
+        }
+    }
+
+    /// A slot freed: the intended start of the oldest waiting request, to start on it.
+    pub fn take(&mut self) -> Option<Instant> {
+        self.waiting.pop_front()
+    }
+
+    /// The connection is gone: every waiting request, none of which will be sent.
+    pub fn drain(&mut self) -> impl Iterator<Item = Instant> + '_ {
+        self.waiting.drain(..)
+    }
+
+    /// How many wait.
+    pub fn len(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// None waits.
+    pub fn is_empty(&self) -> bool {
+        self.waiting.is_empty()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -283,7 +365,14 @@ mod tests {
     const MS: Duration = Duration::from_millis(1);
 
     fn constant(per_second: f64, t0: Instant) -> Pacer {
-        Pacer::new(Schedule::Constant(per_second), 1.0, Arrival::Uniform, t0, t0, 1)
+        Pacer::new(
+            Schedule::Constant(per_second),
+            1.0,
+            Arrival::Uniform,
+            t0,
+            t0,
+            1,
+        )
     }
 
     #[test]
@@ -323,7 +412,14 @@ mod tests {
         // Four connections with a quarter each make the same rate together.
         let quarters: usize = (0..4)
             .map(|i| {
-                let mut p = Pacer::new(Schedule::Constant(3000.0), 0.25, Arrival::Uniform, t0, t0, i);
+                let mut p = Pacer::new(
+                    Schedule::Constant(3000.0),
+                    0.25,
+                    Arrival::Uniform,
+                    t0,
+                    t0,
+                    i,
+                );
                 std::iter::from_fn(|| p.take_due(end)).count()
             })
             .sum();
@@ -333,12 +429,25 @@ mod tests {
     #[test]
     fn poisson_gaps_have_the_rates_mean_and_an_exponential_spread() {
         let t0 = Instant::now();
-        let mut p = Pacer::new(Schedule::Constant(1000.0), 1.0, Arrival::Poisson, t0, t0, 42);
+        let mut p = Pacer::new(
+            Schedule::Constant(1000.0),
+            1.0,
+            Arrival::Poisson,
+            t0,
+            t0,
+            42,
+        );
         let end = t0 + Duration::from_secs(100);
         let due: Vec<Instant> = std::iter::from_fn(|| p.take_due(end)).collect();
         let n = due.len() as f64;
-        assert!((n - 100_000.0).abs() < 1_000.0, "{n} arrivals in 100 s at 1000/s");
-        let gaps: Vec<f64> = due.windows(2).map(|w| (w[1] - w[0]).as_secs_f64()).collect();
+        assert!(
+            (n - 100_000.0).abs() < 1_000.0,
+            "{n} arrivals in 100 s at 1000/s"
+        );
+        let gaps: Vec<f64> = due
+            .windows(2)
+            .map(|w| (w[1] - w[0]).as_secs_f64())
+            .collect();
         let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
         assert!((mean - 0.001).abs() < 0.001 * 0.01, "mean gap {mean}");
         // An exponential's standard deviation equals its mean (uniform gaps have none).
@@ -379,7 +488,13 @@ mod tests {
 
     #[test]
     fn rates_parse_as_a_constant_or_a_ramp() {
-        assert_eq!("5000".parse(), Ok(RateArg { from: 5000.0, to: None }));
+        assert_eq!(
+            "5000".parse(),
+            Ok(RateArg {
+                from: 5000.0,
+                to: None
+            })
+        );
         assert_eq!(
             "1000:20000".parse(),
             Ok(RateArg {
@@ -393,5 +508,101 @@ mod tests {
             to: Some(3.0),
         };
         assert_eq!(r.to_string().parse(), Ok(r));
+    }
+
+    /// An open loop on a fake clock: a connection with `slots` slots, each request taking
+    /// `service`, offered `rate` requests/s for `run`. Returns (latencies from the intended
+    /// start of every request that started, in order of start; how many were not sent;
+    /// how many were due).
+    fn simulate(
+        rate: f64,
+        slots: usize,
+        service: Duration,
+        bound: usize,
+        run: Duration,
+    ) -> (Vec<Duration>, usize, usize) {
+        let t0 = Instant::now();
+        let end = t0 + run;
+        let mut pacer = constant(rate, t0);
+        let mut backlog = Backlog::new(bound);
+        // When each busy slot frees, soonest last.
+        let mut busy: Vec<Instant> = Vec::new();
+        let (mut took, mut not_sent, mut due_n) = (Vec::new(), 0, 0);
+        let mut start = |intended: Instant, now: Instant, busy: &mut Vec<Instant>| {
+            took.push(now + service - intended);
+            busy.push(now + service);
+            busy.sort_by(|a, b| b.cmp(a));
+        };
+        loop {
+            // The next event: a request due, or a slot freeing (slots first on a tie).
+            let due = pacer.next_due().filter(|d| *d < end);
+            let frees = busy.last().copied();
+            match (due, frees) {
+                (_, Some(f)) if due.is_none_or(|d| f <= d) => {
+                    busy.pop();
+                    if let Some(intended) = backlog.take() {
+                        start(intended, f, &mut busy);
+                    }
+                }
+                (Some(d), _) => {
+                    assert_eq!(pacer.take_due(d), Some(d));
+                    due_n += 1;
+                    if busy.len() < slots {
+                        start(d, d, &mut busy);
+                    } else if backlog.offer(d) == Offered::NotSent {
+                        not_sent += 1;
+                    }
+                }
+                (None, _) => break,
+            }
+        }
+        assert!(
+            backlog.is_empty(),
+            "every waiting request started by the end"
+        );
+        (took, not_sent, due_n)
+    }
+
+    #[test]
+    fn below_capacity_every_request_takes_the_service_time_from_its_intended_start() {
+        // 10 slots of 10 ms: 1000 requests/s of capacity, offered 500.
+        let ms10 = 10 * MS;
+        let (took, not_sent, due) = simulate(500.0, 10, ms10, 100, Duration::from_secs(1));
+        assert_eq!((took.len(), not_sent), (due, 0));
+        assert!(
+            took.iter()
+                .all(|t| t.abs_diff(ms10) < Duration::from_micros(1))
+        );
+    }
+
+    #[test]
+    fn over_capacity_requests_wait_in_the_backlog_timed_from_their_intended_start_and_beyond_it_are_not_sent()
+     {
+        // 1 slot of 10 ms (100/s), offered 200/s for 1 s, a backlog of 20: the first 20
+        // requests over capacity wait, and are timed from when they were due; once the
+        // backlog is full, about every other request is not sent.
+        let (took, not_sent, due) = simulate(200.0, 1, 10 * MS, 20, Duration::from_secs(1));
+        assert_eq!(due, 200);
+        assert_eq!(took.len() + not_sent, due, "every request has an outcome");
+        assert!((70..=80).contains(&not_sent), "{not_sent} not sent");
+        // Waiting grows by 5 ms a request until the backlog is full, then holds near
+        // 20 waits of 10 ms on top of the service time.
+        assert_eq!(took[0], 10 * MS);
+        assert_eq!(took[1], 15 * MS);
+        let worst = *took.iter().max().unwrap();
+        assert!(worst >= 200 * MS && worst <= 215 * MS, "{worst:?}");
+    }
+
+    #[test]
+    fn a_backlog_holds_its_bound_first_in_first_out_and_drains() {
+        let t0 = Instant::now();
+        let mut b = Backlog::new(2);
+        assert_eq!(b.offer(t0), Offered::Waiting);
+        assert_eq!(b.offer(t0 + MS), Offered::Waiting);
+        assert_eq!(b.offer(t0 + 2 * MS), Offered::NotSent);
+        assert_eq!(b.take(), Some(t0));
+        assert_eq!(b.offer(t0 + 3 * MS), Offered::Waiting);
+        assert_eq!(b.drain().collect::<Vec<_>>(), vec![t0 + MS, t0 + 3 * MS]);
+        assert!(b.is_empty());
     }
 }

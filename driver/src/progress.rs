@@ -26,7 +26,11 @@ pub(crate) async fn show(shared: Arc<RunShared>, started: Instant, done: Cancell
     let mut second = Tally::interval();
     let mut printed = false;
     // Open loop with a schedule of several steps: a line when each ends.
-    let schedule = shared.config.schedule.as_ref().filter(|s| s.length().is_some());
+    let schedule = shared
+        .config
+        .schedule
+        .as_ref()
+        .filter(|s| s.length().is_some());
     let mut step: Option<(usize, Tally, Instant)> = None;
     loop {
         tokio::select! {

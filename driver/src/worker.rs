@@ -11,7 +11,6 @@
 //! calls past the deadline and hands its interval's figures to the shared metrics and the
 //! progress line.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,17 +22,17 @@ use rpcmesh_common::net::connection::{FramedIo, IoEvent};
 use rpcmesh_common::net::listener::AcceptObserver;
 use rpcmesh_common::net::shutdown::CancellationToken;
 use rpcmesh_common::net::slots::SlotTable;
-use rpcmesh_common::net::timer::{Aim, PreciseTimer};
 use rpcmesh_wire::Status;
 use rpcmesh_wire::compress::DEFAULT_MAX_INFLATED_LEN;
 use rpcmesh_wire::envelope::CallCodec;
 use rpcmesh_wire::frame::{Flags, Frame, MsgType};
+use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::config::DriverConfig;
 use crate::connection::Connector;
 use crate::metrics::{CALL, CONNECTION_WAIT, DECODE, DriverMetrics, ENCODE, REQUEST, ROUND_TRIP};
 use crate::outcome::CallOutcome;
-use crate::pacer::Pacer;
+use crate::pacer::{Backlog, Offered};
 use crate::stats::{Books, Latency, Tally, Took};
 use crate::users::{Finished, Next, Users};
 use crate::workload::Workload;
@@ -67,11 +66,16 @@ impl RunShared {
     /// `None` for the warm-up.
     fn step_of(&self, intended: Instant) -> Option<usize> {
         let since = intended.checked_duration_since(self.measure_from)?;
-        Some(self.config.schedule.as_ref().map_or(0, |s| s.step_of(since)))
+        Some(
+            self.config
+                .schedule
+                .as_ref()
+                .map_or(0, |s| s.step_of(since)),
+        )
     }
 
     /// Whether a new request may start now (claims one from the budget if so).
-    fn may_start(&self, now: Instant) -> bool {
+    pub(crate) fn may_start(&self, now: Instant) -> bool {
         if self.stop.is_cancelled() || self.until.is_some_and(|u| now >= u) {
             return false;
         }
@@ -85,12 +89,13 @@ impl RunShared {
 }
 
 /// What one worker does.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) struct Plan {
     pub index: usize,
-    /// Open loop: this connection's share of the schedule's rate (users are then slots,
-    /// at most that many requests in flight). `None`: closed loop.
-    pub share: Option<f64>,
+    /// Open loop: the intended starts of this connection's requests, from the run's pacer
+    /// (users are then slots, at most that many requests in flight); closed when the
+    /// schedule is over. `None`: closed loop.
+    pub dues: Option<UnboundedReceiver<Instant>>,
     pub target: String,
     pub users: usize,
     /// Open loop: how many requests due while every slot is busy wait for one.
@@ -158,15 +163,15 @@ pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> WorkerFigures {
         }
     }
     let now = Instant::now();
+    let open_loop = plan.dues.is_some();
     let mut w = Worker {
         codec: CallCodec::new(c.compression, DEFAULT_MAX_INFLATED_LEN)
             .timed(shared.metrics.compression.clone()),
         users: Users::new(plan.users, c.fanout, c.parallel, now),
         table: SlotTable::with_capacity(plan.users * c.fanout as usize),
-        pacer: None,
-        timer: None,
-        backlog: VecDeque::new(),
-        backlog_cap: plan.backlog,
+        dues: None,
+        open_loop,
+        backlog: Backlog::new(plan.backlog),
         flags,
         in_flight_reported: 0,
         round: Vec::new(),
@@ -204,16 +209,13 @@ struct Worker {
     users: Users,
     /// Calls in flight on the connection.
     table: SlotTable<Slot>,
-    /// Open loop: when requests are due.
-    pacer: Option<Pacer>,
-    /// Open loop: wakes the worker when the next request is due (finer than Tokio's
-    /// millisecond ticks; `None` where it cannot be made).
-    timer: Option<PreciseTimer>,
-    /// Open loop: intended starts of the requests that were due while every slot was busy,
-    /// oldest first; each starts when a slot frees, still timed from its intended start.
-    backlog: VecDeque<Instant>,
-    /// How many the backlog holds; a request due beyond it is not sent (and counted).
-    backlog_cap: usize,
+    /// Open loop: the intended starts of this connection's requests (`None` once the
+    /// schedule is over, and in the closed loop).
+    dues: Option<UnboundedReceiver<Instant>>,
+    /// An open-loop run.
+    open_loop: bool,
+    /// Open loop: the requests that were due while every slot was busy.
+    backlog: Backlog,
     in_flight_reported: usize,
     /// Ids of the timed calls encoded this round.
     round: Vec<u64>,
@@ -238,7 +240,7 @@ impl Worker {
             return;
         };
         let now = Instant::now();
-        match self.plan.share {
+        match self.plan.dues.take() {
             None => {
                 for u in 0..self.users.len() {
                     if self.shared.may_start(now) {
@@ -247,36 +249,32 @@ impl Worker {
                     }
                 }
             }
-            Some(share) => {
+            Some(dues) => {
                 self.users.free_all();
-                let c = &self.shared.config;
-                let schedule = c.schedule.clone().expect("an open-loop plan has a schedule");
-                let seed = c.seed.wrapping_add(self.plan.index as u64);
-                let origin = self.shared.measure_from;
-                self.pacer = Some(Pacer::new(schedule, share, c.arrival, origin, now, seed));
-                self.timer = PreciseTimer::new()
-                    .inspect_err(|e| tracing::warn!(error = %e, "no fine-grained timer; pacing on Tokio's millisecond ticks"))
-                    .ok();
+                self.dues = Some(dues);
             }
         }
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            if self.pacer.as_ref().and_then(Pacer::next_due).is_some() {
-                self.start_due(Instant::now(), &mut io);
-            }
-            let due = self.pacer.as_ref().and_then(Pacer::next_due);
-            if self.table.is_empty() && self.users.active() == 0 && due.is_none() {
+            if self.table.is_empty() && self.users.active() == 0 && self.dues.is_none() {
                 break;
             }
             let failed = tokio::select! {
                 biased;
+                due = next_due(&mut self.dues) => {
+                    match due {
+                        Some(due) => self.on_due(due, &mut io),
+                        // The schedule is over.
+                        None => self.dues = None,
+                    }
+                    None
+                }
                 ev = io.wait_io(true) => match ev {
                     Ok(IoEvent::Read) => self.take_frames(&mut io).err(),
                     Ok(IoEvent::Wrote) => None,
                     Err(e) => Some(format!("socket: {e}")),
                 },
-                () = wait_due(&mut self.timer, due) => None,
                 _ = tick.tick() => {
                     self.on_tick(&mut io);
                     None
@@ -301,19 +299,15 @@ impl Worker {
         self.publish();
     }
 
-    /// Open loop: starts every request whose time has come, each on a free slot. One due
-    /// while every slot is busy waits in the backlog (bounded) and starts when a slot
-    /// frees, still timed from its intended start; beyond the backlog it is not sent, and
-    /// counted. How late a request that found a free slot started is the pacer's lag.
-    fn start_due(&mut self, now: Instant, io: &mut FramedIo) {
-        let Some(mut pacer) = self.pacer.take() else {
-            return;
-        };
-        while let Some(due) = pacer.take_due(now) {
-            if !self.shared.may_start(due) {
-                pacer.stop();
-                break;
-            }
+    /// Open loop: starts the request due at `due` (and every other one already handed
+    /// over) on a free slot. One due while every slot is busy waits in the backlog
+    /// (bounded) and starts when a slot frees, still timed from its intended start; beyond
+    /// the backlog it is not sent, and counted. How late a request that found a free slot
+    /// started is the pacer's lag.
+    fn on_due(&mut self, due: Instant, io: &mut FramedIo) {
+        let now = Instant::now();
+        let mut next = Some(due);
+        while let Some(due) = next {
             let step = self.shared.step_of(due);
             self.books.due(step);
             match self.users.take_free() {
@@ -324,17 +318,20 @@ impl Worker {
                     }
                     self.start_request(u, due, now, io);
                 }
-                None if self.backlog.len() < self.backlog_cap => self.backlog.push_back(due),
-                None => self.books.not_sent(step),
+                None => {
+                    if self.backlog.offer(due) == Offered::NotSent {
+                        self.books.not_sent(step);
+                    }
+                }
             }
+            next = self.dues.as_mut().and_then(|d| d.try_recv().ok());
         }
-        self.pacer = Some(pacer);
     }
 
     /// Open loop, a slot is free: the oldest backlogged request starts on it, else it waits
     /// for the pacer.
     fn start_backlogged(&mut self, u: usize, now: Instant, io: &mut FramedIo) {
-        match self.backlog.pop_front() {
+        match self.backlog.take() {
             Some(due) => {
                 self.books.backlogged(self.shared.step_of(due));
                 self.start_request(u, due, now, io);
@@ -384,12 +381,18 @@ impl Worker {
                 for s in lost {
                     self.call_done(s, CallOutcome::Connection, now, None);
                 }
-                if let Some(p) = &mut self.pacer {
-                    p.stop();
-                }
-                // Requests still waiting for a slot can no longer be sent.
-                for due in std::mem::take(&mut self.backlog) {
+                // Requests still waiting for a slot, or yet to be handed over, can no
+                // longer be sent; the pacer hands no more to this connection.
+                for due in self.backlog.drain() {
                     self.books.not_sent(self.shared.step_of(due));
+                }
+                if let Some(mut dues) = self.dues.take() {
+                    dues.close();
+                    while let Ok(due) = dues.try_recv() {
+                        let step = self.shared.step_of(due);
+                        self.books.due(step);
+                        self.books.not_sent(step);
+                    }
                 }
                 None
             }
@@ -573,7 +576,7 @@ impl Worker {
         io: Option<&mut FramedIo>,
     ) {
         // The progress line shows the warm-up too; the report only what is measured.
-        let took = Took::between(slot.intended, slot.sent, now, self.plan.share.is_some());
+        let took = Took::between(slot.intended, slot.sent, now, self.open_loop);
         self.books.call(slot.step, outcome, took);
         if slot.step.is_some() {
             self.last_done = Some(now);
@@ -598,7 +601,7 @@ impl Worker {
         now: Instant,
         io: Option<&mut FramedIo>,
     ) {
-        let open_loop = self.plan.share.is_some();
+        let open_loop = self.open_loop;
         let took = Took::between(request.intended, request.started, now, open_loop);
         if request.timed {
             let stages = &self.shared.metrics.stages;
@@ -619,19 +622,11 @@ impl Worker {
     }
 }
 
-/// Waits until `due` (for ever when `None`), never returning before it: on the fine timer
-/// when there is one (tens of µs late at most), else on Tokio's (up to a millisecond).
-async fn wait_due(timer: &mut Option<PreciseTimer>, due: Option<Instant>) {
-    let Some(due) = due else {
-        return std::future::pending().await;
-    };
-    match timer {
-        Some(t) => {
-            if let Err(e) = t.wait_until(due, Aim::NotBefore).await {
-                tracing::warn!(error = %e, "fine-grained timer failed; pacing on Tokio's ticks");
-                *timer = None;
-            }
-        }
-        None => tokio::time::sleep_until(due.into()).await,
+/// The next intended start handed to this connection (pending for ever in the closed loop,
+/// `None` once the schedule is over).
+async fn next_due(dues: &mut Option<UnboundedReceiver<Instant>>) -> Option<Instant> {
+    match dues {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
     }
 }

@@ -7,35 +7,13 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use rpcmesh_common::testkit;
 
 /// The smoke run takes a few seconds; this only catches a hang (the script bounds every
 /// wait itself, and its processes die with it).
 const SMOKE_TIMEOUT: Duration = Duration::from_secs(180);
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the driver crate sits in the workspace")
-        .to_path_buf()
-}
-
-/// The bench uses `target/release/{provider,broker,driver}`: build them as the bench itself
-/// would (it runs with `--no-build` here), through the cargo that runs this test.
-fn build_release_binaries(root: &Path) {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = Command::new(cargo)
-        .args(["build", "--quiet", "--release", "--locked", "--bins"])
-        .arg("--manifest-path")
-        .arg(root.join("Cargo.toml"))
-        .status()
-        .expect("run cargo build");
-    assert!(
-        status.success(),
-        "cargo build --release --locked --bins failed"
-    );
-}
 
 /// Whether HAProxy is installed: on `PATH`, or where Debian puts it (`/usr/sbin`, often
 /// missing from a non-root `PATH`; the bench looks there too).
@@ -57,46 +35,28 @@ fn require_haproxy() {
 
 #[test]
 fn bench_smoke_mode_reports_calls_on_all_three_paths() {
-    let root = workspace_root();
-    build_release_binaries(&root);
+    testkit::release_binaries();
     require_haproxy();
 
     let out =
         Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("bench-smoke-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out).unwrap();
-    // Output to files, not pipes: nothing can block on a full pipe while we wait.
-    let stdout = out.join("stdout.txt");
-    let stderr = out.join("stderr.txt");
-    let mut child = Command::new(root.join("scripts/bench"))
-        .args(["--smoke", "--no-build", "--out"])
-        .arg(&out)
-        .current_dir(&root)
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&stdout).unwrap())
-        .stderr(std::fs::File::create(&stderr).unwrap())
-        .spawn()
-        .expect("run scripts/bench (python3 must be installed)");
-    let deadline = Instant::now() + SMOKE_TIMEOUT;
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("scripts/bench --smoke still running after {SMOKE_TIMEOUT:?}; killed");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    let output = format!(
-        "--- stdout\n{}\n--- stderr\n{}",
-        std::fs::read_to_string(&stdout).unwrap_or_default(),
-        std::fs::read_to_string(&stderr).unwrap_or_default()
+    let run = testkit::run_script(
+        "bench",
+        &[
+            "--smoke".as_ref(),
+            "--no-build".as_ref(),
+            "--out".as_ref(),
+            out.as_os_str(),
+        ],
+        SMOKE_TIMEOUT,
     );
+    let output = &run.output;
     assert!(
-        status.success(),
-        "scripts/bench --smoke failed ({status})\n{output}"
+        run.status.success(),
+        "scripts/bench --smoke failed ({})\n{output}",
+        run.status
     );
 
     let reports: Vec<PathBuf> = std::fs::read_dir(&out)
@@ -175,9 +135,7 @@ fn bench_smoke_mode_reports_calls_on_all_three_paths() {
         );
     }
     assert!(
-        std::fs::read_to_string(&stdout)
-            .unwrap_or_default()
-            .contains("Where the CPU goes"),
+        run.stdout.contains("Where the CPU goes"),
         "the text report lacks the CPU split table\n{output}"
     );
     let _ = std::fs::remove_dir_all(&out);

@@ -13,8 +13,9 @@ use rpcmesh_common::net::listener::ServeSummary;
 use rpcmesh_common::net::shutdown::CancellationToken;
 use rpcmesh_common::testkit::{Gate, InProcess, wait_until};
 use rpcmesh_driver::config::ProgressMode;
+use rpcmesh_driver::pacer::Schedule;
 use rpcmesh_driver::{DriverConfig, Report, Stop, WorkloadKind};
-use rpcmesh_provider::service::{Held, platform};
+use rpcmesh_provider::service::{Held, ServiceTime, platform};
 use rpcmesh_provider::{ProviderConfig, Registry};
 use tokio::net::TcpListener;
 
@@ -344,7 +345,7 @@ fn every_program_answers_help() {
 async fn open_loop_starts_requests_at_the_rate_whatever_the_replies() {
     let p = provider(ProviderConfig::default()).await;
     let mut c = quick(vec![p.addr.to_string()]);
-    c.rate = Some(2000.0);
+    c.schedule = Some(Schedule::Constant(2000.0));
     c.concurrency = 64;
     c.stop = Stop::Duration(Duration::from_secs(1));
     let r = rpcmesh_driver::run(c, CancellationToken::new())
@@ -352,13 +353,14 @@ async fn open_loop_starts_requests_at_the_rate_whatever_the_replies() {
         .unwrap();
     assert_eq!(r.setup.rate, Some(2000.0));
     // About 2000 requests due in the second (pacing and the window's edges allow some
-    // slack), each started or, with every slot busy, counted not started: the schedule
-    // holds however fast the replies come back.
-    let due = (r.requests.completed + r.requests.not_started) as f64;
+    // slack), each started (at once or from the backlog) or counted not sent: the
+    // schedule holds however fast the replies come back.
+    let due = r.requests.due as f64;
     assert!(
         (1500.0..=2500.0).contains(&due),
         "{due} requests due: {r:#?}"
     );
+    assert_eq!(r.requests.due, r.requests.completed + r.requests.not_sent);
     assert!(r.requests.completed > 0, "{r:#?}");
     assert!(r.requests.start_lag.is_some());
     assert_counts_add_up(&r);
@@ -366,24 +368,35 @@ async fn open_loop_starts_requests_at_the_rate_whatever_the_replies() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn open_loop_counts_requests_it_could_not_start() {
-    // A slow provider and two slots: most due requests find no free slot.
+async fn open_loop_requests_wait_in_the_backlog_and_beyond_it_are_counted_not_sent() {
+    // A slow provider, two slots and room for ten in the backlog: most requests due find
+    // no free slot and no room to wait.
     let p = provider(ProviderConfig {
-        service_time: Duration::from_millis(100),
+        service_time: ServiceTime::Fixed(Duration::from_millis(100)),
         ..ProviderConfig::default()
     })
     .await;
     let mut c = quick(vec![p.addr.to_string()]);
-    c.rate = Some(200.0);
+    c.schedule = Some(Schedule::Constant(200.0));
     c.concurrency = 2;
     c.connections = 2;
+    c.backlog = 10;
     c.fanout = 1;
     c.stop = Stop::Duration(Duration::from_millis(800));
     let r = rpcmesh_driver::run(c, CancellationToken::new())
         .await
         .unwrap();
-    assert!(r.requests.not_started > 50, "{r:#?}");
-    assert!(r.requests.completed <= 20, "{r:#?}");
+    let q = &r.requests;
+    assert!(q.not_sent > 50, "{r:#?}");
+    assert!(q.backlogged > 0, "{r:#?}");
+    assert!(q.completed <= 40, "{r:#?}");
+    assert_eq!(
+        q.due,
+        q.completed + q.not_sent,
+        "every request due has an outcome"
+    );
+    // Those that waited are timed from their intended start: the wait shows.
+    assert!(q.latency.max_ms >= 100.0, "{r:#?}");
     assert_counts_add_up(&r);
     p.stop().await;
 }

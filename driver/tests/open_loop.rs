@@ -17,8 +17,7 @@ use rpcmesh_driver::{DriverConfig, Stop, WorkloadKind};
 const STALL: Duration = Duration::from_secs(1);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stall_shows_in_the_latency_from_the_intended_start_and_every_request_has_an_outcome()
-{
+async fn a_stall_shows_in_the_latency_from_the_intended_start_and_every_request_has_an_outcome() {
     let port = testkit::free_port();
     let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
     let provider = ChildGuard::spawn(
@@ -84,8 +83,15 @@ async fn a_stall_shows_in_the_latency_from_the_intended_start_and_every_request_
         q.latency.p99_ms,
         q.latency_uncorrected.map(|l| l.p99_ms)
     );
-    assert_eq!(q.due, q.completed + q.not_sent, "every request due has an outcome");
-    assert!(q.backlogged > 0, "requests waited for a slot during the stall");
+    assert_eq!(
+        q.due,
+        q.completed + q.not_sent,
+        "every request due has an outcome"
+    );
+    assert!(
+        q.backlogged > 0,
+        "requests waited for a slot during the stall"
+    );
     let half = STALL.as_secs_f64() * 1e3 / 2.0;
     assert!(
         q.latency.p99_ms >= half,
@@ -99,5 +105,9 @@ async fn a_stall_shows_in_the_latency_from_the_intended_start_and_every_request_
         uncorrected.p99_ms
     );
     let failed: u64 = r.calls.errors.values().sum();
-    assert_eq!(r.calls.sent, r.calls.ok + failed, "every call has one outcome");
+    assert_eq!(
+        r.calls.sent,
+        r.calls.ok + failed,
+        "every call has one outcome"
+    );
 }

@@ -1,0 +1,61 @@
+//! The accuracy benchmark, `scripts/accuracy`, in its smoke mode: every check (A1-A4) runs
+//! against the real programs, briefly, so that the command cannot rot. The verdicts are not
+//! asserted (they need the full runs and a quiet machine; see docs/accuracy.md): only that
+//! the command exits 0 and reports every check with a verdict.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::Path;
+use std::time::Duration;
+
+use rpcmesh_common::testkit;
+
+/// The smoke run takes about ten seconds; this only catches a hang.
+const SMOKE_TIMEOUT: Duration = Duration::from_secs(180);
+
+#[test]
+fn accuracy_smoke_mode_runs_every_check_and_gives_each_a_verdict() {
+    testkit::release_binaries();
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("accuracy-smoke-{}", std::process::id()));
+    let run = testkit::run_script(
+        "accuracy",
+        &[
+            "--smoke".as_ref(),
+            "--no-build".as_ref(),
+            "--out".as_ref(),
+            out.as_os_str(),
+        ],
+        SMOKE_TIMEOUT,
+    );
+    let output = &run.output;
+    assert!(
+        run.status.success(),
+        "scripts/accuracy --smoke failed ({})\n{output}",
+        run.status
+    );
+    let json = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "json"))
+        .unwrap_or_else(|| panic!("no accuracy-*.json in {}\n{output}", out.display()));
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    let rows = rows.as_array().expect("a list of checks");
+    for id in ["A1", "A2", "A3", "A4"] {
+        let mine: Vec<&serde_json::Value> = rows.iter().filter(|r| r["id"] == id).collect();
+        assert!(!mine.is_empty(), "no {id} in the report\n{output}");
+        for r in mine {
+            assert!(
+                r["verdict"] == "PASS" || r["verdict"] == "MISS",
+                "{id} has no verdict: {r}\n{output}"
+            );
+            assert!(r["measured"].as_str().is_some_and(|m| !m.is_empty()), "{r}");
+        }
+    }
+    assert!(
+        run.stdout.contains("| A2 |"),
+        "the table is printed\n{output}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}
