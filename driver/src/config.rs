@@ -12,7 +12,7 @@ use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
 use rpcmesh_wire::compress::CompressionConfig;
 use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
 
-use crate::pacer::{Arrival, RateArg, Schedule};
+use crate::pacer::{Arrival, Pacing, RateArg, Schedule};
 
 /// Users (closed-loop callers) unless told otherwise: the 200 of the reference report.
 pub const DEFAULT_CONCURRENCY: usize = 200;
@@ -65,6 +65,9 @@ pub const DEFAULT_STEP_DURATION: Duration = Duration::from_secs(10);
 /// Requests are evenly spaced unless told otherwise: the offered rate is then exactly the
 /// one asked, every interval.
 pub const DEFAULT_ARRIVAL: Arrival = Arrival::Uniform;
+/// Open-loop pacing unless told otherwise: exact, so that the start lag printed in the
+/// report is within tens of µs (see [`Pacing::Exact`] for what it costs).
+pub const DEFAULT_PACING: Pacing = Pacing::Exact;
 /// The seed of random gaps unless told otherwise: fixed, so that two runs offer the same
 /// schedule.
 pub const DEFAULT_SEED: u64 = 1;
@@ -164,6 +167,11 @@ pub struct Args {
     /// Seed of the random gaps (--arrival poisson): the same seed, the same schedule.
     #[arg(long, env = "RPCMESH_SEED", default_value_t = DEFAULT_SEED)]
     pub seed: u64,
+    /// Open loop: how the pacer waits for each request: exact (spins through the last
+    /// 2 ms before each: start lag within tens of µs, up to a core) or lean (sleeps:
+    /// little CPU, a start lag of up to hundreds of µs on a VM).
+    #[arg(long, env = "RPCMESH_PACER", value_enum, default_value_t = DEFAULT_PACING)]
+    pub pacer: Pacing,
     /// Open loop: requests due while every slot is busy that wait for one (in all); beyond
     /// it they are not sent, and counted.
     #[arg(long, env = "RPCMESH_BACKLOG", default_value_t = DEFAULT_BACKLOG)]
@@ -257,6 +265,8 @@ pub struct DriverConfig {
     pub arrival: Arrival,
     /// Seed of the random gaps.
     pub seed: u64,
+    /// Open loop: how the pacer waits.
+    pub pacing: Pacing,
     /// Open loop: requests that may wait for a free slot, in all.
     pub backlog: usize,
     /// Connections.
@@ -293,6 +303,7 @@ impl Default for DriverConfig {
             schedule: None,
             arrival: DEFAULT_ARRIVAL,
             seed: DEFAULT_SEED,
+            pacing: DEFAULT_PACING,
             backlog: DEFAULT_BACKLOG,
             connections: DEFAULT_CONNECTIONS,
             stop: Stop::Duration(DEFAULT_EMBEDDED_DURATION),
@@ -435,6 +446,7 @@ impl Args {
             schedule,
             arrival: self.arrival,
             seed: self.seed,
+            pacing: self.pacer,
             backlog: self.backlog,
             connections,
             stop,
@@ -583,11 +595,14 @@ mod tests {
             "10s",
             "--arrival",
             "poisson",
+            "--pacer",
+            "lean",
         ])
         .config()
         .unwrap();
         assert_eq!(c.stop, Stop::Duration(Duration::from_secs(30)));
         assert_eq!(c.arrival, Arrival::Poisson);
+        assert_eq!(c.pacing, Pacing::Lean);
         assert!(
             Args::parse_from(["driver", "--rate", "1000:2000"])
                 .config()

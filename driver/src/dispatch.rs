@@ -1,6 +1,8 @@
 //! The pacer's task: one for the whole run, so that one timer, not one per connection,
 //! decides when each request is due. It wakes at each intended start on a `PreciseTimer`
-//! (never before it, a few µs after it at most when nothing else runs), and hands the
+//! (never before it, a few µs after it at most when nothing else runs; with exact pacing
+//! it spins through the last [`EXACT_SPIN`] before it rather than let the thread halt),
+//! and hands the
 //! instant to the connections in turn; each connection starts the request at once (or
 //! backlogs it, or counts it not sent), timed from that instant. With one timer per
 //! connection, eight connections' timers woke and spun over one another, and the start
@@ -15,7 +17,7 @@ use std::time::Instant;
 use rpcmesh_common::net::timer::{Aim, PreciseTimer};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::pacer::Pacer;
+use crate::pacer::{EXACT_SPIN, Pacer, Pacing};
 use crate::worker::RunShared;
 
 /// Hands every due request of `pacer` to one of `connections` in turn, until the run
@@ -31,9 +33,13 @@ pub(crate) async fn run(
             tracing::warn!(error = %e, "no fine-grained timer; pacing on Tokio's millisecond ticks")
         })
         .ok();
+    let aim = match shared.config.pacing {
+        Pacing::Exact => Aim::Spinning(EXACT_SPIN),
+        Pacing::Lean => Aim::NotBefore,
+    };
     let mut turn = 0usize;
     while let Some(due) = pacer.next_due() {
-        wait(&mut timer, due).await;
+        wait(&mut timer, due, aim).await;
         // Let the connections start what was handed to them before the timer is armed
         // again: arming it is a syscall that costs a VM exit (measured: it added 13 µs to
         // the median start lag when done first).
@@ -79,10 +85,10 @@ fn dispatch(
 
 /// Waits until `due`, never returning before it: on the fine timer when there is one, else
 /// on Tokio's (up to a millisecond late).
-async fn wait(timer: &mut Option<PreciseTimer>, due: Instant) {
+async fn wait(timer: &mut Option<PreciseTimer>, due: Instant, aim: Aim) {
     match timer {
         Some(t) => {
-            if let Err(e) = t.wait_until(due, Aim::NotBefore).await {
+            if let Err(e) = t.wait_until(due, aim).await {
                 tracing::warn!(error = %e, "fine-grained timer failed; pacing on Tokio's ticks");
                 *timer = None;
                 tokio::time::sleep_until(due.into()).await;

@@ -261,6 +261,7 @@ fn build_report(
             },
             schedule: c.schedule.clone(),
             arrival: c.schedule.as_ref().map(|_| c.arrival),
+            pacing: c.schedule.as_ref().map(|_| c.pacing),
         },
         measured_seconds: secs,
         requests: RequestFigures::of(&t, secs, open_loop, Some(&end.lag)),

@@ -38,6 +38,46 @@ pub enum Arrival {
     Poisson,
 }
 
+/// How the pacer waits for each request's intended start.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Pacing {
+    /// Spins (yielding to the connections) through the last [`EXACT_SPIN`] before each
+    /// request, so that its thread never halts then: start lag within tens of µs even on a
+    /// shared VM, for up to one core's worth of spinning.
+    #[default]
+    Exact,
+    /// Sleeps until a learned lead before each request: a few per cent of a core, and a
+    /// start lag of tens to hundreds of µs on a shared VM (a halted vCPU is sometimes
+    /// woken late). For a driver that shares its machine with what it measures.
+    Lean,
+}
+
+/// Exact pacing spins through this much of the time before each request: at 500
+/// requests/s and more, then, the pacer's thread does not halt at all; below, it sleeps
+/// the rest of each gap. A vCPU woken 2 ms ahead has time to run again however long its
+/// wake-up takes (on the 2-vCPU VM, up to a few ms, rarely).
+pub const EXACT_SPIN: Duration = Duration::from_millis(2);
+
+impl fmt::Display for Pacing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Pacing::Exact => "exact",
+            Pacing::Lean => "lean",
+        })
+    }
+}
+
 /// The offered rate over the measured window, in requests per second in all.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]

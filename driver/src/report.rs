@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use crate::pacer::{Arrival, Schedule};
+use crate::pacer::{Arrival, Pacing, Schedule};
 use crate::stats::{Latency, LatencySummary, Tally};
 
 /// Everything a run measured.
@@ -84,6 +84,9 @@ pub struct Setup {
     /// Open loop: how requests were spaced.
     #[serde(default)]
     pub arrival: Option<Arrival>,
+    /// Open loop: how the pacer waited for each request.
+    #[serde(default)]
+    pub pacing: Option<Pacing>,
 }
 
 /// Figures of user requests.
@@ -243,11 +246,12 @@ impl Report {
         );
         let load = match &s.schedule {
             Some(sched) => format!(
-                "open loop, {sched}, {} arrivals (at most {} in flight)",
+                "open loop, {sched}, {} arrivals, {} pacing (at most {} in flight)",
                 match s.arrival {
                     Some(Arrival::Poisson) => "poisson",
                     _ => "uniform",
                 },
+                s.pacing.unwrap_or_default(),
                 s.concurrency
             ),
             None => format!("{} users", s.concurrency),

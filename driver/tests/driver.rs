@@ -13,7 +13,7 @@ use rpcmesh_common::net::listener::ServeSummary;
 use rpcmesh_common::net::shutdown::CancellationToken;
 use rpcmesh_common::testkit::{Gate, InProcess, wait_until};
 use rpcmesh_driver::config::ProgressMode;
-use rpcmesh_driver::pacer::Schedule;
+use rpcmesh_driver::pacer::{Pacing, Schedule};
 use rpcmesh_driver::{DriverConfig, Report, Stop, WorkloadKind};
 use rpcmesh_provider::service::{Held, ServiceTime, platform};
 use rpcmesh_provider::{ProviderConfig, Registry};
@@ -344,26 +344,30 @@ fn every_program_answers_help() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn open_loop_starts_requests_at_the_rate_whatever_the_replies() {
     let p = provider(ProviderConfig::default()).await;
-    let mut c = quick(vec![p.addr.to_string()]);
-    c.schedule = Some(Schedule::Constant(2000.0));
-    c.concurrency = 64;
-    c.stop = Stop::Duration(Duration::from_secs(1));
-    let r = rpcmesh_driver::run(c, CancellationToken::new())
-        .await
-        .unwrap();
-    assert_eq!(r.setup.rate, Some(2000.0));
-    // About 2000 requests due in the second (pacing and the window's edges allow some
-    // slack), each started (at once or from the backlog) or counted not sent: the
-    // schedule holds however fast the replies come back.
-    let due = r.requests.due as f64;
-    assert!(
-        (1500.0..=2500.0).contains(&due),
-        "{due} requests due: {r:#?}"
-    );
-    assert_eq!(r.requests.due, r.requests.completed + r.requests.not_sent);
-    assert!(r.requests.completed > 0, "{r:#?}");
-    assert!(r.requests.start_lag.is_some());
-    assert_counts_add_up(&r);
+    for pacing in [Pacing::Exact, Pacing::Lean] {
+        let mut c = quick(vec![p.addr.to_string()]);
+        c.schedule = Some(Schedule::Constant(2000.0));
+        c.pacing = pacing;
+        c.concurrency = 64;
+        c.stop = Stop::Duration(Duration::from_secs(1));
+        let r = rpcmesh_driver::run(c, CancellationToken::new())
+            .await
+            .unwrap();
+        assert_eq!(r.setup.rate, Some(2000.0));
+        assert_eq!(r.setup.pacing, Some(pacing));
+        // About 2000 requests due in the second (pacing and the window's edges allow some
+        // slack), each started (at once or from the backlog) or counted not sent: the
+        // schedule holds however fast the replies come back.
+        let due = r.requests.due as f64;
+        assert!(
+            (1500.0..=2500.0).contains(&due),
+            "{pacing}: {due} requests due: {r:#?}"
+        );
+        assert_eq!(r.requests.due, r.requests.completed + r.requests.not_sent);
+        assert!(r.requests.completed > 0, "{r:#?}");
+        assert!(r.requests.start_lag.is_some());
+        assert_counts_add_up(&r);
+    }
     p.stop().await;
 }
 
