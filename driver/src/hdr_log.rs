@@ -119,12 +119,11 @@ pub type LogWriter = (
 );
 
 /// Writes the intervals it is sent to an interval log, on a thread of its own (file I/O
-/// stays off the runtime). Dropping the sender ends the log.
-pub fn spawn_writer(
-    path: PathBuf,
-    base: SystemTime,
-    measured_from: SystemTime,
-) -> Result<LogWriter, HdrLogError> {
+/// stays off the runtime). Dropping the sender ends the log. The log's BaseTime and
+/// StartTime are both `measured_from`, the measured window's start: the intervals'
+/// timestamps are offsets from it (a BaseTime earlier than the intervals' origin would
+/// shift them, and HdrHistogram's log processor would skip the first as before the start).
+pub fn spawn_writer(path: PathBuf, measured_from: SystemTime) -> Result<LogWriter, HdrLogError> {
     let io = |path: &Path, source| HdrLogError::Io {
         path: path.to_path_buf(),
         source,
@@ -134,7 +133,7 @@ pub fn spawn_writer(
     let name = path.clone();
     let thread = std::thread::Builder::new()
         .name("driver-hdr-log".into())
-        .spawn(move || write_log(&path, file, base, measured_from, rx))
+        .spawn(move || write_log(&path, file, measured_from, rx))
         .map_err(|e| io(&name, e))?;
     Ok((tx, thread))
 }
@@ -142,7 +141,6 @@ pub fn spawn_writer(
 fn write_log(
     path: &Path,
     file: std::fs::File,
-    base: SystemTime,
     measured_from: SystemTime,
     rx: std::sync::mpsc::Receiver<LogEntryOut>,
 ) -> Result<(), HdrLogError> {
@@ -157,7 +155,7 @@ fn write_log(
             "rpcmesh driver {}: latency in microseconds; requests and calls from the intended start, *_uncorrected from the actual one",
             env!("CARGO_PKG_VERSION")
         ))
-        .with_base_time(base)
+        .with_base_time(measured_from)
         .with_start_time(measured_from)
         .with_max_value_divisor(1000.0)
         .begin_log_with(&mut out, &mut serializer)
@@ -417,7 +415,7 @@ mod tests {
 
     fn write(path: &Path, intervals: Vec<Interval>) {
         let base = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
-        let (tx, thread) = spawn_writer(path.to_path_buf(), base, base).unwrap();
+        let (tx, thread) = spawn_writer(path.to_path_buf(), base).unwrap();
         for i in intervals {
             tx.send(LogEntryOut::Interval(Box::new(i))).unwrap();
         }

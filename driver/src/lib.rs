@@ -90,7 +90,6 @@ async fn drive(
     let log = match &config.hdr_log {
         Some(path) => Some(hdr_log::spawn_writer(
             path.clone(),
-            started_system,
             started_system + config.warmup,
         )?),
         None => None,
