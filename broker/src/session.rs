@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use rpcmesh_common::metrics::families::{CallCounters, Sampler};
-use rpcmesh_common::metrics::{BadInputLog, ErrorKind, Side};
+use rpcmesh_common::metrics::{BadInputLog, Side};
 use rpcmesh_common::net::busy_poll::Activity;
 use rpcmesh_common::net::connection::FramedIo;
 use rpcmesh_common::net::session::{self, Protocol};
@@ -130,17 +130,11 @@ impl Protocol for Session {
     }
 
     fn on_unexpected(&mut self) {
-        self.shared
-            .metrics
-            .errors
-            .inc(ErrorKind::Unexpected, Side::Client);
+        self.bad_input.unexpected();
     }
 
     fn on_bad_frame(&mut self, e: &FrameError, io: &mut FramedIo) {
-        if let Some((id, flags)) =
-            self.bad_input
-                .record(e, &self.shared.metrics.errors, Side::Client)
-        {
+        if let Some((id, flags)) = self.bad_input.record(e) {
             self.answer(io, id, flags, 0, &Failure::BadRequest(e.clone()));
         }
     }
@@ -196,7 +190,7 @@ impl Session {
             picker: Picker::new(),
             in_flight: 0,
             in_flight_reported: 0,
-            bad_input: BadInputLog::default(),
+            bad_input: BadInputLog::new(shared.metrics.errors.clone(), Side::Client),
             read_at: Instant::now(),
             message: String::new(),
             tags: HashMap::new(),

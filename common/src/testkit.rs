@@ -709,3 +709,69 @@ pub fn run_script(name: &str, args: &[&std::ffi::OsStr], timeout: Duration) -> S
         output,
     }
 }
+
+/// A measurement script's smoke run: what it did, and the folder it wrote its reports to
+/// (removed when this is dropped).
+#[derive(Debug)]
+pub struct SmokeRun {
+    /// The run, which exited 0.
+    pub run: ScriptRun,
+    /// Where its reports are.
+    pub out: std::path::PathBuf,
+}
+
+impl SmokeRun {
+    /// The report it wrote whose name starts with `prefix` and ends in `.ext`, read as text;
+    /// panics, with the script's output, if there is none.
+    pub fn report(&self, prefix: &str, ext: &str) -> String {
+        let path = std::fs::read_dir(&self.out)
+            .expect("the reports' folder")
+            .map(|e| e.expect("a folder entry").path())
+            .find(|p| {
+                p.extension().is_some_and(|e| e == ext)
+                    && p.file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with(prefix))
+            })
+            .unwrap_or_else(|| {
+                panic!(
+                    "no {prefix}*.{ext} in {}\n{}",
+                    self.out.display(),
+                    self.run.output
+                )
+            });
+        std::fs::read_to_string(path).expect("read the report")
+    }
+}
+
+impl Drop for SmokeRun {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.out);
+    }
+}
+
+/// Runs `scripts/<name> --smoke --no-build --out DIR` on the release binaries (built first),
+/// DIR a fresh folder under `tmp` (a test's `CARGO_TARGET_TMPDIR`), and asserts that it
+/// exited 0; `timeout` as in [`run_script`].
+pub fn smoke_script(name: &str, tmp: &std::path::Path, timeout: Duration) -> SmokeRun {
+    release_binaries();
+    let out = tmp.join(format!("{name}-smoke-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out).expect("a folder for the reports");
+    let run = run_script(
+        name,
+        &[
+            "--smoke".as_ref(),
+            "--no-build".as_ref(),
+            "--out".as_ref(),
+            out.as_os_str(),
+        ],
+        timeout,
+    );
+    assert!(
+        run.status.success(),
+        "scripts/{name} --smoke failed ({})\n{}",
+        run.status,
+        run.output
+    );
+    SmokeRun { run, out }
+}

@@ -16,32 +16,13 @@ const SMOKE_TIMEOUT: Duration = Duration::from_secs(180);
 
 #[test]
 fn accuracy_smoke_mode_runs_every_check_and_gives_each_a_verdict() {
-    testkit::release_binaries();
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("accuracy-smoke-{}", std::process::id()));
-    let run = testkit::run_script(
+    let smoke = testkit::smoke_script(
         "accuracy",
-        &[
-            "--smoke".as_ref(),
-            "--no-build".as_ref(),
-            "--out".as_ref(),
-            out.as_os_str(),
-        ],
+        Path::new(env!("CARGO_TARGET_TMPDIR")),
         SMOKE_TIMEOUT,
     );
-    let output = &run.output;
-    assert!(
-        run.status.success(),
-        "scripts/accuracy --smoke failed ({})\n{output}",
-        run.status
-    );
-    let json = std::fs::read_dir(&out)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| p.extension().is_some_and(|e| e == "json"))
-        .unwrap_or_else(|| panic!("no accuracy-*.json in {}\n{output}", out.display()));
-    let rows: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    let (run, output) = (&smoke.run, &smoke.run.output);
+    let rows: serde_json::Value = serde_json::from_str(&smoke.report("accuracy-", "json")).unwrap();
     let rows = rows.as_array().expect("a list of checks");
     for id in ["A1", "A2", "A3", "A4"] {
         let mine: Vec<&serde_json::Value> = rows.iter().filter(|r| r["id"] == id).collect();
@@ -60,5 +41,4 @@ fn accuracy_smoke_mode_runs_every_check_and_gives_each_a_verdict() {
         run.stdout.contains("| A2 |"),
         "the table is printed\n{output}"
     );
-    let _ = std::fs::remove_dir_all(&out);
 }

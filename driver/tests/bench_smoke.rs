@@ -6,7 +6,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use rpcmesh_common::testkit;
@@ -35,51 +35,16 @@ fn require_haproxy() {
 
 #[test]
 fn bench_smoke_mode_reports_calls_on_all_three_paths() {
-    testkit::release_binaries();
     require_haproxy();
-
-    let out =
-        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("bench-smoke-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&out);
-    std::fs::create_dir_all(&out).unwrap();
-    let run = testkit::run_script(
+    let smoke = testkit::smoke_script(
         "bench",
-        &[
-            "--smoke".as_ref(),
-            "--no-build".as_ref(),
-            "--out".as_ref(),
-            out.as_os_str(),
-        ],
+        Path::new(env!("CARGO_TARGET_TMPDIR")),
         SMOKE_TIMEOUT,
     );
-    let output = &run.output;
-    assert!(
-        run.status.success(),
-        "scripts/bench --smoke failed ({})\n{output}",
-        run.status
-    );
-
-    let reports: Vec<PathBuf> = std::fs::read_dir(&out)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| {
-            p.file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with("bench-"))
-        })
-        .collect();
-    let json = reports
-        .iter()
-        .find(|p| p.extension().is_some_and(|e| e == "json"))
-        .unwrap_or_else(|| panic!("no bench-*.json in {}\n{output}", out.display()));
-    assert!(
-        reports
-            .iter()
-            .any(|p| p.extension().is_some_and(|e| e == "md")),
-        "no bench-*.md in {}\n{output}",
-        out.display()
-    );
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    let (run, output) = (&smoke.run, &smoke.run.output);
+    let json = smoke.report("bench-", "json");
+    smoke.report("bench-", "md");
+    let report: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(report["mode"], "smoke");
     // The stall probe ran one clock-reading spinner per CPU.
     let stalls = &report["stall_probe"];
@@ -138,5 +103,4 @@ fn bench_smoke_mode_reports_calls_on_all_three_paths() {
         run.stdout.contains("Where the CPU goes"),
         "the text report lacks the CPU split table\n{output}"
     );
-    let _ = std::fs::remove_dir_all(&out);
 }

@@ -135,17 +135,11 @@ impl Protocol for Session {
     }
 
     fn on_unexpected(&mut self) {
-        self.shared
-            .metrics
-            .errors
-            .inc(ErrorKind::Unexpected, Side::Client);
+        self.bad_input.unexpected();
     }
 
     fn on_bad_frame(&mut self, e: &FrameError, io: &mut FramedIo) {
-        if let Some((id, flags)) =
-            self.bad_input
-                .record(e, &self.shared.metrics.errors, Side::Client)
-        {
+        if let Some((id, flags)) = self.bad_input.record(e) {
             self.reply_error(io, id, flags, None, Status::BadRequest, &e.to_string());
         }
     }
@@ -185,7 +179,7 @@ impl Session {
             clock: Clock::Unset,
             scratch: BytesMut::with_capacity(1024),
             in_flight_reported: 0,
-            bad_input: BadInputLog::default(),
+            bad_input: BadInputLog::new(shared.metrics.errors.clone(), Side::Client),
             read_at: None,
             answered: Vec::new(),
             sampler: shared.metrics.stages.sampler(),

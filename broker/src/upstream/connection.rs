@@ -134,10 +134,10 @@ impl UpstreamConn {
             next_heartbeat_id: 1,
             round: Vec::new(),
             written_now: 0,
+            bad_input: BadInputLog::new(metrics.errors.clone(), Side::Provider),
             settings,
             metrics,
             closed,
-            bad_input: BadInputLog::default(),
         };
         tracing::debug!(parent: &span, "connected");
         tokio::spawn(task.run(sweep).instrument(span));
@@ -448,8 +448,7 @@ impl ConnTask {
     /// whose header could be read fails its own call only and the others on this
     /// connection go on; the connection ends on input it cannot get past.
     fn on_bad_frame(&mut self, e: FrameError) -> Result<(), String> {
-        self.bad_input
-            .record(&e, &self.metrics.errors, Side::Provider);
+        self.bad_input.record(&e);
         let Some((id, Some(MsgType::Response))) = e.frame_id() else {
             if e.is_fatal() {
                 return Err(format!("bad frames from provider: {e}"));

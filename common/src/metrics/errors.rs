@@ -220,12 +220,22 @@ impl ErrorCounters {
     }
 }
 
-/// Bad input seen on one connection: each event is counted and logged (the first
-/// [`BadInputLog::FIRST`], then one in [`BadInputLog::THIN_EVERY`], so a peer cannot flood
-/// the log), and the request an error reply is due to is returned.
-#[derive(Debug, Default)]
+/// Bad input seen on one connection, from one side: each event is counted and logged (the
+/// first [`BadInputLog::FIRST`], then one in [`BadInputLog::THIN_EVERY`], so a peer cannot
+/// flood the log), and the request an error reply is due to is returned.
 pub struct BadInputLog {
+    errors: ErrorCounters,
+    side: Side,
     seen: u64,
+}
+
+impl std::fmt::Debug for BadInputLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BadInputLog")
+            .field("side", &self.side)
+            .field("seen", &self.seen)
+            .finish()
+    }
 }
 
 impl BadInputLog {
@@ -234,22 +244,31 @@ impl BadInputLog {
     /// After that, one line in this many.
     pub const THIN_EVERY: u64 = 1000;
 
-    /// Counts and logs `e`, bad bytes from `side` (the caller, or the provider a broker
-    /// reads from); returns the id and flags of the request to answer with an error, when
-    /// there is one.
-    pub fn record(
-        &mut self,
-        e: &FrameError,
-        errors: &ErrorCounters,
-        side: Side,
-    ) -> Option<(u64, Flags)> {
-        errors.inc(ErrorKind::of_frame(e), side);
+    /// The record of one connection's bad input from `side` (the caller, or the provider a
+    /// broker reads from), counted in `errors`.
+    pub fn new(errors: ErrorCounters, side: Side) -> Self {
+        BadInputLog {
+            errors,
+            side,
+            seen: 0,
+        }
+    }
+
+    /// Counts and logs `e`; returns the id and flags of the request to answer with an
+    /// error, when there is one.
+    pub fn record(&mut self, e: &FrameError) -> Option<(u64, Flags)> {
+        self.errors.inc(ErrorKind::of_frame(e), self.side);
         self.seen += 1;
         let n = self.seen;
         if n <= Self::FIRST || n % Self::THIN_EVERY == 0 {
-            tracing::warn!(error = %e, fatal = e.is_fatal(), seen = n, peer = side.label(), "bad input");
+            tracing::warn!(error = %e, fatal = e.is_fatal(), seen = n, peer = self.side.label(), "bad input");
         }
         e.request_id().map(|id| (id, e.flags()))
+    }
+
+    /// Counts a frame of a type the peer should not send (a response sent to a server).
+    pub fn unexpected(&self) {
+        self.errors.inc(ErrorKind::Unexpected, self.side);
     }
 }
 
