@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use bytes::Bytes;
+use rpcmesh_common::metrics::families::InFlightShare;
 use rpcmesh_common::metrics::families::{CallCounters, Sampler};
 use rpcmesh_common::metrics::{BadInputLog, Side};
 use rpcmesh_common::net::busy_poll::Activity;
@@ -81,7 +82,8 @@ struct Session {
     replies: mpsc::UnboundedReceiver<Reply>,
     picker: Picker,
     in_flight: usize,
-    in_flight_reported: usize,
+    /// This connection's share of the calls-in-flight gauge.
+    in_flight_share: InFlightShare,
     bad_input: BadInputLog,
     /// When the current read returned.
     read_at: Instant,
@@ -157,11 +159,7 @@ impl Protocol for Session {
     fn after_write(&mut self, io: &mut FramedIo) {
         self.record_stages();
         self.shared.metrics.wire.add(io.take_counts());
-        if self.in_flight != self.in_flight_reported {
-            let delta = self.in_flight as f64 - self.in_flight_reported as f64;
-            self.shared.metrics.in_flight.increment(delta);
-            self.in_flight_reported = self.in_flight;
-        }
+        self.in_flight_share.report(self.in_flight);
     }
 
     fn in_flight(&self) -> usize {
@@ -189,7 +187,7 @@ impl Session {
             replies,
             picker: Picker::new(),
             in_flight: 0,
-            in_flight_reported: 0,
+            in_flight_share: InFlightShare::new(shared.metrics.in_flight.clone()),
             bad_input: BadInputLog::new(shared.metrics.errors.clone(), Side::Client),
             read_at: Instant::now(),
             message: String::new(),

@@ -8,8 +8,8 @@
 //! the condition it needs, and the only deadlines here are hang detectors that fail a
 //! stuck test.
 
+use crate::net::shutdown::ShutdownSignal;
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -42,14 +42,11 @@ pub struct InProcess<T> {
     task: JoinHandle<T>,
 }
 
-/// The shutdown signal [`InProcess::start`] hands to the server.
-pub type StopSignal = Pin<Box<dyn Future<Output = ()> + Send>>;
-
 impl<T: Send + 'static> InProcess<T> {
     /// Binds a listener and spawns `run(listener, telemetry, stop)`.
     pub async fn start<F, Fut>(run: F) -> InProcess<T>
     where
-        F: FnOnce(TcpListener, Telemetry, StopSignal) -> Fut,
+        F: FnOnce(TcpListener, Telemetry, ShutdownSignal) -> Fut,
         Fut: Future<Output = T> + Send + 'static,
     {
         let listener = TcpListener::bind("127.0.0.1:0")
@@ -58,7 +55,7 @@ impl<T: Send + 'static> InProcess<T> {
         let addr = listener.local_addr().expect("local address");
         let telemetry = Telemetry::new();
         let (stop, rx) = oneshot::channel::<()>();
-        let signal: StopSignal = Box::pin(async {
+        let signal: ShutdownSignal = Box::pin(async {
             let _ = rx.await;
         });
         let task = tokio::spawn(run(listener, telemetry.clone(), signal));

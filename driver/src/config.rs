@@ -74,12 +74,6 @@ pub const DEFAULT_SEED: u64 = 1;
 /// Most users one connection may carry (bounds its in-flight table).
 pub const MAX_USERS_PER_CONNECTION: usize = 65_536;
 
-/// Open loop: seconds between the requests each of `connections` starts, so that
-/// together they start `rate` per second.
-pub fn pace_seconds(connections: usize, rate: f64) -> f64 {
-    connections.max(1) as f64 / rate
-}
-
 /// Which calls the users make.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -385,14 +379,14 @@ impl Args {
         // Connections beyond the users are never opened.
         let connections = self.connections.min(self.concurrency.max(1));
         let schedule = self.schedule(&mut p);
-        // Each connection starts a request every `connections / rate`: keep that between
-        // 1 µs and an hour, at the schedule's lowest and highest rates.
+        // The run's one pacer starts a request every `1 / rate`: keep that between 1 µs and
+        // an hour, at the schedule's lowest and highest rates.
         if let Some(s) = &schedule {
             for rate in [s.lowest(), s.peak()] {
-                let every = pace_seconds(connections, rate);
+                let every = 1.0 / rate;
                 p.check(!(every.is_finite() && (1e-6..=3600.0).contains(&every)), || {
                     format!(
-                        "rate {rate} is out of range: each of the {connections} connections would start a request every {every:.3e} s (1 µs to 1 h)"
+                        "rate {rate} is out of range: the pacer would start a request every {every:.3e} s (1 µs to 1 h)"
                     )
                 });
             }
@@ -556,8 +550,8 @@ mod tests {
                 .config()
                 .is_ok()
         );
-        // Judged with the connections actually opened (2, one per user), not the 8 asked:
-        // a request every 0.4 µs per connection cannot be paced.
+        // One pacer for the run, whatever the connections: a request every 0.2 µs cannot
+        // be paced.
         assert!(
             Args::parse_from([
                 "driver",

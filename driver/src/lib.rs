@@ -143,14 +143,7 @@ async fn drive(
             p.dues = Some(rx);
         }
         let c = &shared.config;
-        let pacer = pacer::Pacer::new(
-            schedule,
-            1.0,
-            c.arrival,
-            measure_from,
-            Instant::now(),
-            c.seed,
-        );
+        let pacer = pacer::Pacer::new(schedule, c.arrival, measure_from, Instant::now(), c.seed);
         tokio::spawn(dispatch::run(pacer, shared.clone(), senders));
     }
     let logger = log.map(|(tx, thread)| {

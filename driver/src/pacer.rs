@@ -1,15 +1,16 @@
-//! The open-loop pacer: when each request of a connection is due, whatever the replies.
-//! The offered rate follows a [`Schedule`] (constant, a ramp, or steps), shared out over
-//! the connections; the gaps between requests are equal ([`Arrival::Uniform`]) or drawn
-//! from an exponential distribution ([`Arrival::Poisson`]: the arrivals of many independent
-//! users, as queueing models assume). The worker asks for the due instants up to "now"
-//! ([`Pacer::take_due`]) and starts a request for each, timed from that intended instant.
+//! The open-loop pacer: when each request of the run is due, whatever the replies. The
+//! offered rate follows a [`Schedule`] (constant, a ramp, or steps); the gaps between
+//! requests are equal ([`Arrival::Uniform`]) or drawn from an exponential distribution
+//! ([`Arrival::Poisson`]: the arrivals of many independent users, as queueing models
+//! assume). The dispatcher asks for the due instants up to "now" ([`Pacer::take_due`])
+//! and hands each to a connection, which starts a request timed from that intended
+//! instant.
 //!
-//! A request that is due while every slot of its connection is busy waits in the
-//! connection's [`Backlog`] (bounded, first in first out) and keeps its intended start;
-//! beyond the bound it is not sent, and counted as such.
+//! A request that is due while every slot of its connection is busy (or the connection is
+//! down) waits in the connection's [`Backlog`] (bounded, first in first out) and keeps its
+//! intended start; beyond the bound it is not sent, and counted as such.
 //!
-//! Pure: it never reads the clock; the worker passes `now`, and the tests pass made-up
+//! Pure: it never reads the clock; the dispatcher passes `now`, and the tests pass made-up
 //! instants. Waking at the due instant precisely is the dispatcher's (a `PreciseTimer`).
 
 use std::collections::VecDeque;
@@ -271,27 +272,23 @@ impl fmt::Display for RateArg {
     }
 }
 
-/// The schedule of one connection's requests.
+/// The schedule of the run's requests.
 #[derive(Debug, Clone)]
 pub struct Pacer {
     schedule: Schedule,
-    /// This connection's share of the rate (1 / connections).
-    share: f64,
     arrival: Arrival,
     rng: fastrand::Rng,
     /// Time 0 of the schedule: the start of the measured window.
     origin: Instant,
-    /// The next request's intended start; `None` once no more may start.
-    next_due: Option<Instant>,
+    /// The next request's intended start.
+    next_due: Instant,
 }
 
 impl Pacer {
-    /// A connection's pacer: `share` of the `schedule`'s rate (whose time 0 is `origin`),
-    /// spaced as `arrival` says, the first request due at `first`. `seed` makes Poisson
-    /// gaps repeatable.
+    /// The pacer of `schedule` (whose time 0 is `origin`), spaced as `arrival` says, the
+    /// first request due at `first`. `seed` makes Poisson gaps repeatable.
     pub fn new(
         schedule: Schedule,
-        share: f64,
         arrival: Arrival,
         origin: Instant,
         first: Instant,
@@ -299,24 +296,26 @@ impl Pacer {
     ) -> Self {
         Pacer {
             schedule,
-            share,
             arrival,
             rng: fastrand::Rng::with_seed(seed),
             origin,
-            next_due: Some(first),
+            next_due: first,
         }
     }
 
-    /// When the next request is due; `None` once stopped.
-    pub fn next_due(&self) -> Option<Instant> {
+    /// When the next request is due.
+    pub fn next_due(&self) -> Instant {
         self.next_due
     }
 
     /// The intended start of the next request if it is due by `now` (and moves on to the
-    /// one after it); `None` when the next is still to come, or the pacer has stopped.
+    /// one after it); `None` when the next is still to come.
     pub fn take_due(&mut self, now: Instant) -> Option<Instant> {
-        let due = self.next_due.filter(|d| *d <= now)?;
-        self.next_due = Some(due + self.gap(due));
+        let due = self.next_due;
+        if due > now {
+            return None;
+        }
+        self.next_due = due + self.gap(due);
         Some(due)
     }
 
@@ -324,8 +323,7 @@ impl Pacer {
     fn gap(&mut self, due: Instant) -> Duration {
         let rate = self
             .schedule
-            .rate_at(due.saturating_duration_since(self.origin))
-            * self.share;
+            .rate_at(due.saturating_duration_since(self.origin));
         let mean = 1.0 / rate.max(1e-9);
         let secs = match self.arrival {
             Arrival::Uniform => mean,
@@ -333,11 +331,6 @@ impl Pacer {
             Arrival::Poisson => -mean * (1.0 - self.rng.f64()).ln(),
         };
         Duration::from_secs_f64(secs.min(3600.0))
-    }
-
-    /// No more requests start (the run is ending).
-    pub fn stop(&mut self) {
-        self.next_due = None;
     }
 }
 
@@ -387,11 +380,6 @@ impl Backlog {
         self.waiting.drain(..)
     }
 
-    /// How many wait.
-    pub fn len(&self) -> usize {
-        self.waiting.len()
-    }
-
     /// None waits.
     pub fn is_empty(&self) -> bool {
         self.waiting.is_empty()
@@ -405,14 +393,7 @@ mod tests {
     const MS: Duration = Duration::from_millis(1);
 
     fn constant(per_second: f64, t0: Instant) -> Pacer {
-        Pacer::new(
-            Schedule::Constant(per_second),
-            1.0,
-            Arrival::Uniform,
-            t0,
-            t0,
-            1,
-        )
+        Pacer::new(Schedule::Constant(per_second), Arrival::Uniform, t0, t0, 1)
     }
 
     #[test]
@@ -421,7 +402,7 @@ mod tests {
         let mut p = constant(100.0, t0);
         assert_eq!(p.take_due(t0), Some(t0));
         assert_eq!(p.take_due(t0 + 9 * MS), None, "the second is due at 10 ms");
-        assert_eq!(p.next_due(), Some(t0 + 10 * MS));
+        assert_eq!(p.next_due(), t0 + 10 * MS);
         // A late look finds every request due since, each at its own intended instant.
         let late = t0 + 35 * MS;
         let due: Vec<Instant> = std::iter::from_fn(|| p.take_due(late)).collect();
@@ -434,49 +415,18 @@ mod tests {
     }
 
     #[test]
-    fn a_stopped_pacer_starts_nothing() {
-        let t0 = Instant::now();
-        let mut p = constant(1000.0, t0);
-        p.stop();
-        assert_eq!(p.take_due(t0 + 100 * MS), None);
-        assert_eq!(p.next_due(), None);
-    }
-
-    #[test]
-    fn the_rate_over_a_long_run_is_exact_and_shared_over_connections() {
+    fn the_rate_over_a_long_run_is_exact() {
         let t0 = Instant::now();
         let end = t0 + Duration::from_secs(1);
         let mut whole = constant(3000.0, t0);
         let n = std::iter::from_fn(|| whole.take_due(end)).count();
         assert!((2999..=3001).contains(&n), "{n}");
-        // Four connections with a quarter each make the same rate together.
-        let quarters: usize = (0..4)
-            .map(|i| {
-                let mut p = Pacer::new(
-                    Schedule::Constant(3000.0),
-                    0.25,
-                    Arrival::Uniform,
-                    t0,
-                    t0,
-                    i,
-                );
-                std::iter::from_fn(|| p.take_due(end)).count()
-            })
-            .sum();
-        assert!((2996..=3004).contains(&quarters), "{quarters}");
     }
 
     #[test]
     fn poisson_gaps_have_the_rates_mean_and_an_exponential_spread() {
         let t0 = Instant::now();
-        let mut p = Pacer::new(
-            Schedule::Constant(1000.0),
-            1.0,
-            Arrival::Poisson,
-            t0,
-            t0,
-            42,
-        );
+        let mut p = Pacer::new(Schedule::Constant(1000.0), Arrival::Poisson, t0, t0, 42);
         let end = t0 + Duration::from_secs(100);
         let due: Vec<Instant> = std::iter::from_fn(|| p.take_due(end)).collect();
         let n = due.len() as f64;
@@ -521,7 +471,7 @@ mod tests {
         assert!(parts.iter().all(|p| p.rate_from == p.rate_to));
         // The pacer follows the steps: about 1000 + 2000 + 5000 requests over the 30 s.
         let t0 = Instant::now();
-        let mut p = Pacer::new(s, 1.0, Arrival::Uniform, t0, t0, 0);
+        let mut p = Pacer::new(s, Arrival::Uniform, t0, t0, 0);
         let n = std::iter::from_fn(|| p.take_due(t0 + Duration::from_secs(30))).count();
         assert!((7995..=8005).contains(&n), "{n}");
     }
@@ -575,7 +525,7 @@ mod tests {
         };
         loop {
             // The next event: a request due, or a slot freeing (slots first on a tie).
-            let due = pacer.next_due().filter(|d| *d < end);
+            let due = Some(pacer.next_due()).filter(|d| *d < end);
             let frees = busy.last().copied();
             match (due, frees) {
                 (_, Some(f)) if due.is_none_or(|d| f <= d) => {

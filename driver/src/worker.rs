@@ -16,6 +16,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use rpcmesh_common::metrics::families::InFlightShare;
 use rpcmesh_common::metrics::families::Sampler;
 use rpcmesh_common::metrics::{ErrorKind, Side};
 use rpcmesh_common::net::connection::{FramedIo, IoEvent};
@@ -173,7 +174,7 @@ pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> WorkerFigures {
         open_loop,
         backlog: Backlog::new(plan.backlog),
         flags,
-        in_flight_reported: 0,
+        in_flight_share: InFlightShare::new(shared.metrics.in_flight.clone()),
         round: Vec::new(),
         expired: Vec::new(),
         sampler: shared.metrics.stages.sampler(),
@@ -216,7 +217,8 @@ struct Worker {
     open_loop: bool,
     /// Open loop: the requests that were due while every slot was busy.
     backlog: Backlog,
-    in_flight_reported: usize,
+    /// This connection's share of the calls-in-flight gauge.
+    in_flight_share: InFlightShare,
     /// Ids of the timed calls encoded this round.
     round: Vec<u64>,
     /// Calls past their deadline, taken out at a tick (kept for its memory).
@@ -235,23 +237,25 @@ struct Worker {
 
 impl Worker {
     async fn run(&mut self) {
+        // Open loop: requests are handed over from now on, connected or not.
+        self.dues = self.plan.dues.take();
+        if self.open_loop {
+            self.users.free_all();
+        }
         let Some(mut io) = self.connect().await else {
+            self.abandon();
             self.publish();
             return;
         };
         let now = Instant::now();
-        match self.plan.dues.take() {
-            None => {
-                for u in 0..self.users.len() {
-                    if self.shared.may_start(now) {
-                        self.books.due(self.shared.step_of(now));
-                        self.start_request(u, now, now, &mut io);
-                    }
+        if self.open_loop {
+            self.start_waiting(now, &mut io);
+        } else {
+            for u in 0..self.users.len() {
+                if self.shared.may_start(now) {
+                    self.books.due(self.shared.step_of(now));
+                    self.start_request(u, now, now, &mut io);
                 }
-            }
-            Some(dues) => {
-                self.users.free_all();
-                self.dues = Some(dues);
             }
         }
         // The connections' ticks are spread over the period, not all at once: each holds
@@ -322,11 +326,7 @@ impl Worker {
                     }
                     self.start_request(u, due, now, io);
                 }
-                None => {
-                    if self.backlog.offer(due) == Offered::NotSent {
-                        self.books.not_sent(step);
-                    }
-                }
+                None => wait_for_slot(&mut self.backlog, &mut self.books, due, step),
             }
             next = self.dues.as_mut().and_then(|d| d.try_recv().ok());
         }
@@ -344,6 +344,33 @@ impl Worker {
         }
     }
 
+    /// Open loop, just connected: the requests that waited meanwhile start on the free
+    /// slots, oldest first.
+    fn start_waiting(&mut self, now: Instant, io: &mut FramedIo) {
+        while !self.backlog.is_empty() {
+            let Some(u) = self.users.take_free() else {
+                return;
+            };
+            self.start_backlogged(u, now, io);
+        }
+    }
+
+    /// The connection is gone for good: requests waiting for a slot, or yet to be handed
+    /// over, can no longer be sent; the pacer hands no more to this connection.
+    fn abandon(&mut self) {
+        for due in self.backlog.drain() {
+            self.books.not_sent(self.shared.step_of(due));
+        }
+        if let Some(mut dues) = self.dues.take() {
+            dues.close();
+            while let Ok(due) = dues.try_recv() {
+                let step = self.shared.step_of(due);
+                self.books.due(step);
+                self.books.not_sent(step);
+            }
+        }
+    }
+
     /// When to stop trying to connect: the run's end, or one call timeout from now.
     fn give_up_by(&self) -> Instant {
         self.shared
@@ -351,11 +378,20 @@ impl Worker {
             .unwrap_or_else(|| Instant::now() + self.shared.config.call_timeout)
     }
 
+    /// Connects; requests due meanwhile wait in the backlog, as when every slot is busy.
     async fn connect(&mut self) -> Option<FramedIo> {
         let give_up = self.give_up_by();
-        self.connector
-            .connect(give_up, &self.shared.stop, &self.shared.metrics)
-            .await
+        let connecting = self
+            .connector
+            .connect(give_up, &self.shared.stop, &self.shared.metrics);
+        while_down(
+            connecting,
+            &mut self.dues,
+            &mut self.backlog,
+            &mut self.books,
+            &self.shared,
+        )
+        .await
     }
 
     /// The connection failed: every call on it fails, then the users carry on over a new
@@ -363,21 +399,29 @@ impl Worker {
     async fn reconnect(&mut self, cause: String) -> Option<FramedIo> {
         let lost: Vec<Slot> = self.table.drain().map(|(_, s)| s).collect();
         let give_up = self.give_up_by();
-        let io = self
-            .connector
-            .reconnect(
-                lost.len(),
-                &cause,
-                give_up,
-                &self.shared.stop,
-                &self.shared.metrics,
-            )
-            .await;
+        let reconnecting = self.connector.reconnect(
+            lost.len(),
+            &cause,
+            give_up,
+            &self.shared.stop,
+            &self.shared.metrics,
+        );
+        let io = while_down(
+            reconnecting,
+            &mut self.dues,
+            &mut self.backlog,
+            &mut self.books,
+            &self.shared,
+        )
+        .await;
         let now = Instant::now();
         match io {
             Some(mut io) => {
                 for s in lost {
                     self.call_done(s, CallOutcome::Connection, now, Some(&mut io));
+                }
+                if self.open_loop {
+                    self.start_waiting(now, &mut io);
                 }
                 Some(io)
             }
@@ -385,19 +429,7 @@ impl Worker {
                 for s in lost {
                     self.call_done(s, CallOutcome::Connection, now, None);
                 }
-                // Requests still waiting for a slot, or yet to be handed over, can no
-                // longer be sent; the pacer hands no more to this connection.
-                for due in self.backlog.drain() {
-                    self.books.not_sent(self.shared.step_of(due));
-                }
-                if let Some(mut dues) = self.dues.take() {
-                    dues.close();
-                    while let Ok(due) = dues.try_recv() {
-                        let step = self.shared.step_of(due);
-                        self.books.due(step);
-                        self.books.not_sent(step);
-                    }
-                }
+                self.abandon();
                 None
             }
         }
@@ -511,12 +543,7 @@ impl Worker {
     fn count_bytes(&mut self, io: &mut FramedIo) {
         let c = io.take_counts();
         self.shared.metrics.wire.add(c);
-        let in_flight = self.table.len();
-        if in_flight != self.in_flight_reported {
-            let delta = in_flight as f64 - self.in_flight_reported as f64;
-            self.shared.metrics.in_flight.increment(delta);
-            self.in_flight_reported = in_flight;
-        }
+        self.in_flight_share.report(self.table.len());
         let step = self.shared.step_of(self.last_read);
         self.books.wire(step, c.bytes_written, c.bytes_read);
     }
@@ -528,12 +555,19 @@ impl Worker {
         let timed = self.request_sampler.pick();
         let calls = self.users.start(u, intended, now, step, timed);
         for _ in 0..calls {
-            self.issue_call(u, intended, now, io);
+            self.issue_call(u, intended, step, now, io);
         }
     }
 
-    fn issue_call(&mut self, u: usize, intended: Instant, now: Instant, io: &mut FramedIo) {
-        let step = self.shared.step_of(intended);
+    /// Sends a call of user `u`'s request, which belongs to `step` (the request's).
+    fn issue_call(
+        &mut self,
+        u: usize,
+        intended: Instant,
+        step: Option<usize>,
+        now: Instant,
+        io: &mut FramedIo,
+    ) {
         let encoding = self.sampler.stamp();
         let id = self.table.insert(Slot {
             intended,
@@ -590,7 +624,7 @@ impl Worker {
             Next::Call => {
                 if let Some(io) = io {
                     // The request's next call is meant to start now: its predecessor ended.
-                    self.issue_call(u, now, now, io);
+                    self.issue_call(u, now, slot.step, now, io);
                 }
             }
             Next::Wait => {}
@@ -623,6 +657,39 @@ impl Worker {
             }
             Some(_) | None => {}
         }
+    }
+}
+
+/// Waits for `connecting` (a connection being made); requests handed over meanwhile wait
+/// in the backlog (bounded) as if every slot were busy, and are counted due.
+async fn while_down(
+    connecting: impl std::future::Future<Output = Option<FramedIo>>,
+    dues: &mut Option<UnboundedReceiver<Instant>>,
+    backlog: &mut Backlog,
+    books: &mut Books,
+    shared: &RunShared,
+) -> Option<FramedIo> {
+    tokio::pin!(connecting);
+    loop {
+        tokio::select! {
+            io = &mut connecting => return io,
+            due = next_due(dues) => match due {
+                Some(due) => {
+                    let step = shared.step_of(due);
+                    books.due(step);
+                    wait_for_slot(backlog, books, due, step);
+                }
+                None => *dues = None,
+            },
+        }
+    }
+}
+
+/// Open loop: a request due while no slot can take it waits in the backlog, or, beyond
+/// its bound, is not sent.
+fn wait_for_slot(backlog: &mut Backlog, books: &mut Books, due: Instant, step: Option<usize>) {
+    if backlog.offer(due) == Offered::NotSent {
+        books.not_sent(step);
     }
 }
 

@@ -11,7 +11,7 @@ use rpcmesh_common::metrics::Telemetry;
 use rpcmesh_common::metrics::recorder::sample;
 use rpcmesh_common::net::listener::ServeSummary;
 use rpcmesh_common::net::shutdown::CancellationToken;
-use rpcmesh_common::testkit::{Gate, InProcess, wait_until};
+use rpcmesh_common::testkit::{self, Gate, InProcess, wait_until};
 use rpcmesh_driver::config::ProgressMode;
 use rpcmesh_driver::pacer::{Pacing, Schedule};
 use rpcmesh_driver::{DriverConfig, Report, Stop, WorkloadKind};
@@ -403,6 +403,31 @@ async fn open_loop_requests_wait_in_the_backlog_and_beyond_it_are_counted_not_se
     assert!(q.latency.max_ms >= 100.0, "{r:#?}");
     assert_counts_add_up(&r);
     p.stop().await;
+}
+
+/// Open loop against a target that never accepts: the requests due meanwhile wait in the
+/// (bounded) backlog or are not sent, and every one of them has its outcome, although none
+/// could be sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_loop_requests_due_while_the_connection_is_down_are_counted_not_sent() {
+    let mut c = quick(vec![format!("127.0.0.1:{}", testkit::free_port())]);
+    c.schedule = Some(Schedule::Constant(1000.0));
+    c.concurrency = 4;
+    c.connections = 2;
+    c.backlog = 20;
+    c.stop = Stop::Duration(Duration::from_millis(500));
+    let r = rpcmesh_driver::run(c, CancellationToken::new())
+        .await
+        .unwrap();
+    let q = &r.requests;
+    assert!(q.due > 100, "the schedule's requests are due: {r:#?}");
+    assert_eq!(q.completed, 0, "{r:#?}");
+    assert_eq!(
+        q.due, q.not_sent,
+        "every request due has an outcome: {r:#?}"
+    );
+    assert!(r.calls.connect_failures > 0, "{r:#?}");
+    assert_counts_add_up(&r);
 }
 
 /// A server that accepts and closes at once (a broker at its connection cap does): the

@@ -14,10 +14,11 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 use futures_util::stream::{FuturesUnordered, StreamExt};
+use rpcmesh_common::metrics::families::InFlightShare;
 use rpcmesh_common::metrics::families::{Sampler, Stages};
 use rpcmesh_common::metrics::{BadInputLog, ErrorKind, Side};
 use rpcmesh_common::net::connection::FramedIo;
@@ -64,13 +65,12 @@ struct Session {
     shared: Arc<Shared>,
     pending: FuturesUnordered<Pending>,
     /// Answers held until their instant (simulated service times), earliest first.
-    held: BinaryHeap<Held>,
-    /// Order of the held answers that share an instant.
-    seq: u64,
+    held: BinaryHeap<HeldAnswer>,
     /// Wakes the session for the earliest held answer.
-    clock: Clock,
+    clock: PreciseTimer,
     scratch: BytesMut,
-    in_flight_reported: usize,
+    /// This connection's share of the calls-in-flight gauge.
+    in_flight_share: InFlightShare,
     bad_input: BadInputLog,
     /// When the current read returned, when stages are recorded at all.
     read_at: Option<Instant>,
@@ -90,7 +90,7 @@ impl Protocol for Session {
         tokio::select! {
             biased;
             Some(done) = self.pending.next(), if !self.pending.is_empty() => Event::Done(done),
-            () = self.clock.wait_until(due) => Event::Due,
+            () = wait_until(&mut self.clock, due) => Event::Due,
         }
     }
 
@@ -100,7 +100,7 @@ impl Protocol for Session {
         }
         // Every held answer whose time has come (within the timer's lead: it aims early by
         // its mean lateness), and every other handler that is done, go out in one write.
-        let horizon = Instant::now() + self.clock.lead();
+        let horizon = Instant::now() + self.clock.lead(Aim::Mean);
         while self.held.peek().is_some_and(|h| h.until <= horizon) {
             if let Some(h) = self.held.pop() {
                 self.finish((h.meta, h.result), io);
@@ -148,11 +148,7 @@ impl Protocol for Session {
         self.record_totals();
         self.shared.metrics.wire.add(io.take_counts());
         let now = self.in_flight();
-        if now != self.in_flight_reported {
-            let delta = now as f64 - self.in_flight_reported as f64;
-            self.shared.metrics.in_flight.increment(delta);
-            self.in_flight_reported = now;
-        }
+        self.in_flight_share.report(now);
     }
 
     fn in_flight(&self) -> usize {
@@ -175,10 +171,9 @@ impl Session {
                 .with_max_body(c.max_body_len),
             pending: FuturesUnordered::new(),
             held: BinaryHeap::new(),
-            seq: 0,
-            clock: Clock::Unset,
+            clock: PreciseTimer::new(),
             scratch: BytesMut::with_capacity(1024),
-            in_flight_reported: 0,
+            in_flight_share: InFlightShare::new(shared.metrics.in_flight.clone()),
             bad_input: BadInputLog::new(shared.metrics.errors.clone(), Side::Client),
             read_at: None,
             answered: Vec::new(),
@@ -281,6 +276,13 @@ impl Session {
         };
         self.scratch.clear();
         let outcome = handler.call(call.rpc, &mut self.scratch);
+        let meta = CallMeta {
+            req_id: id,
+            flags,
+            method,
+            read_at,
+            decoded,
+        };
         match outcome {
             Outcome::Ready(Ok(())) => {
                 let handled = stamp();
@@ -294,32 +296,15 @@ impl Session {
             Outcome::Ready(Err(e)) => self.reply_service_error(io, id, flags, method, &e),
             Outcome::At(until, result) => {
                 let result = result.map(|()| self.scratch.split().freeze());
-                self.seq += 1;
-                self.held.push(Held {
+                self.held.push(HeldAnswer {
                     until,
-                    seq: self.seq,
-                    meta: CallMeta {
-                        req_id: id,
-                        flags,
-                        method,
-                        read_at,
-                        decoded,
-                    },
+                    meta,
                     result,
                 });
                 return false;
             }
             Outcome::Later(fut) => {
-                self.pending.push(Pending {
-                    fut,
-                    meta: CallMeta {
-                        req_id: id,
-                        flags,
-                        method,
-                        read_at,
-                        decoded,
-                    },
-                });
+                self.pending.push(Pending { fut, meta });
                 return false;
             }
         }
@@ -446,72 +431,37 @@ enum Event {
     Due,
 }
 
-/// An answer held until its instant.
-struct Held {
+/// An answer held until its instant (ordered by it alone: answers due together go out
+/// in one write).
+struct HeldAnswer {
     until: Instant,
-    seq: u64,
     meta: CallMeta,
     result: Result<Bytes, ServiceError>,
 }
 
-impl PartialEq for Held {
+impl PartialEq for HeldAnswer {
     fn eq(&self, other: &Self) -> bool {
-        (self.until, self.seq) == (other.until, other.seq)
+        self.until == other.until
     }
 }
-impl Eq for Held {}
-impl PartialOrd for Held {
+impl Eq for HeldAnswer {}
+impl PartialOrd for HeldAnswer {
     fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
         Some(self.cmp(other))
     }
 }
-impl Ord for Held {
+impl Ord for HeldAnswer {
     /// Reversed, so that the heap's top is the earliest.
     fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        (other.until, other.seq).cmp(&(self.until, self.seq))
+        other.until.cmp(&self.until)
     }
 }
 
-/// The timer of the held answers: a [`PreciseTimer`] once one is needed, Tokio's own
-/// (millisecond ticks) where none can be made.
-enum Clock {
-    Unset,
-    Fine(PreciseTimer),
-    Coarse,
-}
-
-impl Clock {
-    /// Waits until `due` (for ever when `None`).
-    async fn wait_until(&mut self, due: Option<Instant>) {
-        let Some(due) = due else {
-            return std::future::pending().await;
-        };
-        if let Clock::Unset = self {
-            *self = match PreciseTimer::new() {
-                Ok(t) => Clock::Fine(t),
-                Err(e) => {
-                    tracing::warn!(error = %e, "no fine-grained timer; service times get Tokio's millisecond ticks");
-                    Clock::Coarse
-                }
-            };
-        }
-        match self {
-            Clock::Fine(t) => {
-                if let Err(e) = t.wait_until(due, Aim::Mean).await {
-                    tracing::warn!(error = %e, "fine-grained timer failed; using Tokio's");
-                    *self = Clock::Coarse;
-                }
-            }
-            Clock::Coarse | Clock::Unset => tokio::time::sleep_until(due.into()).await,
-        }
-    }
-
-    /// How early the timer aims (what a held answer may go out before its instant).
-    fn lead(&self) -> Duration {
-        match self {
-            Clock::Fine(t) => t.lateness(),
-            Clock::Coarse | Clock::Unset => Duration::ZERO,
-        }
+/// Waits until `due` on `clock`, aimed at it on average (for ever when `None`).
+async fn wait_until(clock: &mut PreciseTimer, due: Option<Instant>) {
+    match due {
+        Some(due) => clock.wait_until(due, Aim::Mean).await,
+        None => std::future::pending().await,
     }
 }
 

@@ -5,16 +5,12 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::pin::Pin;
 
 use tokio::net::TcpListener;
 
 use crate::cli::values::MetricsListen;
 use crate::metrics::Telemetry;
-use crate::net::shutdown;
-
-/// The shutdown trigger a server's `run` is handed by [`serve`]: SIGTERM or SIGINT.
-pub type ShutdownSignal = Pin<Box<dyn Future<Output = ()> + Send>>;
+use crate::net::shutdown::{self, ShutdownSignal};
 
 /// Why a program could not start.
 #[derive(Debug, thiserror::Error)]

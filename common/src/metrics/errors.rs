@@ -175,9 +175,10 @@ impl Side {
 }
 
 /// `rpcmesh_errors_total{role, kind, side}`, one handle per kind and side the role can
-/// see, registered up front (so every series exists from the start, at zero).
+/// see, registered up front (so every series exists from the start, at zero). Shared, not
+/// copied, by the connections that count into it (a clone is one reference count).
 #[derive(Clone)]
-pub struct ErrorCounters(Vec<Counter>);
+pub struct ErrorCounters(std::sync::Arc<[Counter]>);
 
 impl std::fmt::Debug for ErrorCounters {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -206,7 +207,7 @@ impl ErrorCounters {
                 });
             }
         }
-        ErrorCounters(counters)
+        ErrorCounters(counters.into())
     }
 
     /// Counts one error of `kind` that came from `side`.
@@ -316,6 +317,7 @@ mod tests {
     fn labels_are_distinct_and_in_order() {
         let labels: Vec<&str> = ErrorKind::ALL.iter().map(|k| k.label()).collect();
         let mut sorted = labels.clone();
+        sorted.sort_unstable();
         sorted.dedup();
         assert_eq!(labels.len(), sorted.len());
         for (i, k) in ErrorKind::ALL.iter().enumerate() {

@@ -1,8 +1,9 @@
 //! The handle groups every program registers the same way: per-stage latency
 //! ([`Stages`], sampled by [`Sampler`]), connections ([`ConnCounters`]), bytes and syscalls
 //! on the wire ([`WireCounters`]), payload bytes before and after compression
-//! ([`PayloadCounters`]), calls by outcome ([`CallCounters`]) and the time compression
-//! takes ([`CompressionTimers`]). Each is registered once, from the catalogue's families,
+//! ([`PayloadCounters`]), calls by outcome ([`CallCounters`]), the time compression
+//! takes ([`CompressionTimers`]) and a connection's share of the calls in flight
+//! ([`InFlightShare`]). Each is registered once, from the catalogue's families,
 //! and then only incremented.
 //!
 //! Owns how these groups are registered and fed. Names and meanings are the catalogue's;
@@ -21,6 +22,43 @@ use crate::metrics::catalogue::{
 };
 use crate::net::connection::IoCounts;
 use crate::net::listener::AcceptObserver;
+
+/// One connection's share of `rpcmesh_calls_in_flight`: each connection adds the change
+/// since it last reported, so the gauge sums every connection's calls without a lock; a
+/// connection that ends takes its share back.
+pub struct InFlightShare {
+    gauge: Gauge,
+    reported: usize,
+}
+
+impl std::fmt::Debug for InFlightShare {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InFlightShare")
+            .field("reported", &self.reported)
+            .finish()
+    }
+}
+
+impl InFlightShare {
+    /// A share of `gauge`, at zero.
+    pub fn new(gauge: Gauge) -> Self {
+        InFlightShare { gauge, reported: 0 }
+    }
+
+    /// This connection has `now` calls in flight.
+    pub fn report(&mut self, now: usize) {
+        if now != self.reported {
+            self.gauge.increment(now as f64 - self.reported as f64);
+            self.reported = now;
+        }
+    }
+}
+
+impl Drop for InFlightShare {
+    fn drop(&mut self) {
+        self.report(0);
+    }
+}
 
 /// One call in this many has its stages timed unless configured otherwise: a timestamp
 /// costs about 24 ns and a histogram sample about 26 ns, so timing every call of a

@@ -8,6 +8,10 @@ use std::future::Future;
 
 pub use tokio_util::sync::CancellationToken;
 
+/// A boxed shutdown trigger, as a server's `run` is handed one by `cli::startup::serve`
+/// (SIGTERM or SIGINT) or by `testkit::InProcess` (the test's stop).
+pub type ShutdownSignal = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+
 /// Resolves on the first SIGTERM or SIGINT (Ctrl-C).
 pub async fn signal() {
     #[cfg(unix)]

@@ -12,8 +12,8 @@
 #[derive(Debug, Clone)]
 pub struct SlotTable<T> {
     slots: Vec<Option<(u64, T)>>,
+    /// Empty slots, reused first.
     free: Vec<u32>,
-    len: usize,
     generation: u32,
 }
 
@@ -29,7 +29,6 @@ impl<T> SlotTable<T> {
         SlotTable {
             slots: Vec::with_capacity(n),
             free: Vec::with_capacity(n),
-            len: 0,
             generation: 0,
         }
     }
@@ -46,7 +45,6 @@ impl<T> SlotTable<T> {
         };
         let id = (u64::from(self.generation) << 32) | u64::from(idx);
         self.slots[idx as usize] = Some((id, value));
-        self.len += 1;
         id
     }
 
@@ -57,7 +55,6 @@ impl<T> SlotTable<T> {
         let entry = self.slots.get_mut(idx)?;
         if entry.as_ref().is_some_and(|(i, _)| *i == id) {
             self.free.push(idx as u32);
-            self.len -= 1;
             entry.take().map(|(_, v)| v)
         } else {
             None
@@ -79,26 +76,25 @@ impl<T> SlotTable<T> {
             if entry.as_ref().is_some_and(|(_, v)| pred(v)) {
                 out.extend(entry.take());
                 self.free.push(idx as u32);
-                self.len -= 1;
             }
         }
     }
 
-    /// Takes out every call (the connection is gone), with its id.
+    /// Takes out every call (the connection is gone), with its id; the table keeps its
+    /// memory for the next connection.
     pub fn drain(&mut self) -> impl Iterator<Item = (u64, T)> + '_ {
-        self.len = 0;
         self.free.clear();
-        std::mem::take(&mut self.slots).into_iter().flatten()
+        self.slots.drain(..).flatten()
     }
 
-    /// Calls in the table.
+    /// Calls in the table: the slots that are not free.
     pub fn len(&self) -> usize {
-        self.len
+        self.slots.len() - self.free.len()
     }
 
     /// True when no call is in the table.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
 }
 

@@ -25,6 +25,9 @@
 //!   1,000/s with a lead of 150, 300 and 500 µs ranged over 15–110, 6–51 and 5–188 µs
 //!   from run to run; with no halt, 1–2 µs).
 //!
+//! Where no `timerfd` can be made (or one fails), the timer says so once in the log and
+//! waits on Tokio's timer instead: never early, up to a millisecond late.
+//!
 //! One timer serves one task and one deadline at a time (the earliest of whatever the task
 //! waits for); arming is a syscall, so a deadline that did not change is not armed again.
 
@@ -79,13 +82,23 @@ const SPREAD_BUCKETS: usize = (LATENESS_CAP.as_micros() as u64 / SPREAD_BUCKET_U
 /// A fine-grained timer for one task.
 #[derive(Debug)]
 pub struct PreciseTimer {
-    fd: AsyncFd<OwnedFd>,
+    fd: Fd,
     /// The deadline the timer is armed for, and the instant it fires at, if it is.
     armed: Option<(Instant, Instant)>,
     /// Mean lateness of the wake-ups, in µs.
     lateness_us: f64,
-    /// How the lateness spreads (boxed: its counters would make the timer 400 bytes).
-    spread: Box<Spread>,
+    /// How the lateness spreads, once a wake-up was measured (boxed: its counters would
+    /// make the timer 400 bytes).
+    spread: Option<Box<Spread>>,
+}
+
+/// The timer's `timerfd`: made on first use, so that a timer that never waits costs
+/// nothing; Tokio's timer where none can be made or one failed.
+#[derive(Debug)]
+enum Fd {
+    Unmade,
+    Fine(AsyncFd<OwnedFd>),
+    Coarse,
 }
 
 /// A decaying histogram of the wake-ups' lateness, in fixed buckets up to the cap. (An
@@ -142,51 +155,75 @@ impl Spread {
     }
 }
 
+impl Default for PreciseTimer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl PreciseTimer {
-    /// A timer registered with the current runtime's reactor (call inside a runtime).
-    pub fn new() -> io::Result<Self> {
-        let fd = timerfd_create(
-            TimerfdClockId::Monotonic,
-            TimerfdFlags::NONBLOCK | TimerfdFlags::CLOEXEC,
-        )?;
-        // `AsyncFd::new` is deprecated because any `AsRawFd` can be passed, a bare `RawFd`
-        // or one that changes; an `OwnedFd` owns its descriptor for the timer's whole life
-        // and never changes, which is the sound use. (`AsyncFd::register`, the
-        // replacement, is `unsafe`, which this workspace forbids.)
-        #[allow(deprecated)]
-        let fd = AsyncFd::new(fd)?;
-        Ok(PreciseTimer {
-            fd,
+    /// A timer for one task. It makes its `timerfd`, registered with the current runtime's
+    /// reactor, on its first wait; where none can be made, or one fails, it says so once
+    /// in the log and waits on Tokio's timer from then on (up to a millisecond late).
+    pub fn new() -> Self {
+        PreciseTimer {
+            fd: Fd::Unmade,
             armed: None,
             lateness_us: INITIAL_LATENESS.as_secs_f64() * 1e6,
-            spread: Box::new(Spread::new()),
-        })
+            spread: None,
+        }
     }
 
-    /// The mean lateness learned so far.
-    pub fn lateness(&self) -> Duration {
-        Duration::from_secs_f64(self.lateness_us / 1e6)
-    }
-
-    /// How early a [`Aim::NotBefore`] wake-up aims: a high quantile of the lateness.
-    pub fn not_before_lead(&self) -> Duration {
-        self.spread
-            .quantile(NOT_BEFORE_QUANTILE)
-            .unwrap_or(INITIAL_NOT_BEFORE_LEAD)
+    /// How early a wake-up with `aim` fires before its deadline: the mean lateness learned
+    /// so far ([`Aim::Mean`]), a high quantile of it ([`Aim::NotBefore`]), at least the
+    /// spin ([`Aim::Spinning`]); zero on Tokio's timer.
+    pub fn lead(&self, aim: Aim) -> Duration {
+        if !matches!(self.fd, Fd::Fine(_)) {
+            return Duration::ZERO;
+        }
+        let not_before = || {
+            self.spread
+                .as_ref()
+                .and_then(|s| s.quantile(NOT_BEFORE_QUANTILE))
+                .unwrap_or(INITIAL_NOT_BEFORE_LEAD)
+        };
+        match aim {
+            Aim::Mean => Duration::from_secs_f64(self.lateness_us / 1e6),
+            Aim::NotBefore => not_before(),
+            Aim::Spinning(d) => d.max(not_before()),
+        }
     }
 
     /// Waits until `deadline` as `aim` says. Cancel-safe: dropped and called again with
     /// the same deadline, it keeps the timer as armed, and a wake-up that came while no one
     /// was waiting (the task was busy elsewhere) still counts as late as it was.
-    pub async fn wait_until(&mut self, deadline: Instant, aim: Aim) -> io::Result<()> {
-        let lead = match aim {
-            Aim::Mean => self.lateness(),
-            Aim::NotBefore => self.not_before_lead(),
-            Aim::Spinning(d) => d.max(self.not_before_lead()),
-        };
+    pub async fn wait_until(&mut self, deadline: Instant, aim: Aim) {
+        if let Fd::Unmade = self.fd {
+            self.fd = match make_timerfd() {
+                Ok(fd) => Fd::Fine(fd),
+                Err(e) => {
+                    tracing::warn!(error = %e, "no timerfd: waits get Tokio's millisecond ticks");
+                    Fd::Coarse
+                }
+            };
+        }
+        if let Fd::Fine(_) = self.fd {
+            match self.wait_fine(deadline, aim).await {
+                Ok(()) => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, "timerfd failed: waits get Tokio's millisecond ticks from now on");
+                    self.fd = Fd::Coarse;
+                    self.armed = None;
+                }
+            }
+        }
+        tokio::time::sleep_until(deadline.into()).await;
+    }
+
+    async fn wait_fine(&mut self, deadline: Instant, aim: Aim) -> io::Result<()> {
         let fire_at = match self.armed {
             Some((d, at)) if d == deadline => at,
-            _ => deadline.checked_sub(lead).unwrap_or(deadline),
+            _ => deadline.checked_sub(self.lead(aim)).unwrap_or(deadline),
         };
         let was_armed = self.armed.is_some_and(|(d, _)| d == deadline);
         if Instant::now() < fire_at {
@@ -213,7 +250,16 @@ impl PreciseTimer {
         if late < LATENESS_CAP {
             let us = late.as_secs_f64() * 1e6;
             self.lateness_us += EWMA_WEIGHT * (us - self.lateness_us);
-            self.spread.record(late);
+            self.spread
+                .get_or_insert_with(|| Box::new(Spread::new()))
+                .record(late);
+        }
+    }
+
+    fn fd(&self) -> io::Result<&AsyncFd<OwnedFd>> {
+        match &self.fd {
+            Fd::Fine(fd) => Ok(fd),
+            Fd::Unmade | Fd::Coarse => Err(io::Error::other("no timerfd")),
         }
     }
 
@@ -232,26 +278,40 @@ impl PreciseTimer {
             it_interval: timespec(Duration::ZERO),
             it_value: timespec(after),
         };
-        timerfd_settime(self.fd.get_ref(), TimerfdTimerFlags::empty(), &spec)?;
+        timerfd_settime(self.fd()?.get_ref(), TimerfdTimerFlags::empty(), &spec)?;
         self.armed = Some((deadline, at));
         Ok(())
     }
 
     /// Waits until the armed timer has expired, and consumes the expiry.
     async fn expired(&mut self) -> io::Result<()> {
+        let fd = self.fd()?;
         loop {
-            let mut ready = self.fd.readable().await?;
+            let mut ready = fd.readable().await?;
             let mut count = [0u8; 8];
-            match rustix::io::read(self.fd.get_ref(), &mut count) {
-                Ok(_) => {
-                    self.armed = None;
-                    return Ok(());
-                }
+            match rustix::io::read(fd.get_ref(), &mut count) {
+                Ok(_) => break,
                 Err(rustix::io::Errno::AGAIN) => ready.clear_ready(),
                 Err(e) => return Err(e.into()),
             }
         }
+        self.armed = None;
+        Ok(())
     }
+}
+
+/// A `timerfd` on the monotonic clock, registered with the current runtime's reactor.
+fn make_timerfd() -> io::Result<AsyncFd<OwnedFd>> {
+    let fd = timerfd_create(
+        TimerfdClockId::Monotonic,
+        TimerfdFlags::NONBLOCK | TimerfdFlags::CLOEXEC,
+    )?;
+    // `AsyncFd::new` is deprecated because any `AsRawFd` can be passed, a bare `RawFd` or
+    // one that changes; an `OwnedFd` owns its descriptor for the timer's whole life and
+    // never changes, which is the sound use. (`AsyncFd::register`, the replacement, is
+    // `unsafe`, which this workspace forbids.)
+    #[allow(deprecated)]
+    AsyncFd::new(fd)
 }
 
 fn timespec(d: Duration) -> Timespec {
@@ -267,25 +327,25 @@ mod tests {
 
     #[tokio::test]
     async fn a_not_before_wait_never_returns_before_its_deadline() {
-        let mut t = PreciseTimer::new().unwrap();
+        let mut t = PreciseTimer::new();
         for us in [0u64, 50, 200, 1000, 3000] {
             let deadline = Instant::now() + Duration::from_micros(us);
-            t.wait_until(deadline, Aim::NotBefore).await.unwrap();
+            t.wait_until(deadline, Aim::NotBefore).await;
             assert!(Instant::now() >= deadline, "{us} µs: woke early");
         }
     }
 
     #[tokio::test]
     async fn a_deadline_in_the_past_returns_at_once_without_arming() {
-        let mut t = PreciseTimer::new().unwrap();
+        let mut t = PreciseTimer::new();
         let past = Instant::now();
-        t.wait_until(past, Aim::Mean).await.unwrap();
+        t.wait_until(past, Aim::Mean).await;
         assert_eq!(t.armed, None);
     }
 
     #[tokio::test]
     async fn a_dropped_wait_keeps_the_arming_and_the_next_call_completes() {
-        let mut t = PreciseTimer::new().unwrap();
+        let mut t = PreciseTimer::new();
         let deadline = Instant::now() + Duration::from_millis(20);
         // Polled once, then dropped: the timer stays armed for the same instant.
         let first =
@@ -293,18 +353,32 @@ mod tests {
         let _ = first.await;
         let armed = t.armed;
         assert!(armed.is_some());
-        t.wait_until(deadline, Aim::Mean).await.unwrap();
+        t.wait_until(deadline, Aim::Mean).await;
         assert_eq!(t.armed, None, "the expiry was consumed");
     }
 
     #[tokio::test]
     async fn the_learned_lateness_stays_within_its_cap() {
-        let mut t = PreciseTimer::new().unwrap();
+        let mut t = PreciseTimer::new();
         for _ in 0..50 {
             let d = Instant::now() + Duration::from_micros(300);
-            t.wait_until(d, Aim::Mean).await.unwrap();
+            t.wait_until(d, Aim::Mean).await;
         }
-        assert!(t.lateness() < LATENESS_CAP, "{:?}", t.lateness());
+        assert!(t.lead(Aim::Mean) < LATENESS_CAP, "{:?}", t.lead(Aim::Mean));
+    }
+
+    #[tokio::test]
+    async fn without_a_timerfd_it_waits_on_tokios_timer_never_early_and_aims_at_the_deadline() {
+        let mut t = PreciseTimer::new();
+        t.fd = Fd::Coarse;
+        for us in [0u64, 200, 1500] {
+            let deadline = Instant::now() + Duration::from_micros(us);
+            t.wait_until(deadline, Aim::Spinning(Duration::from_millis(2)))
+                .await;
+            assert!(Instant::now() >= deadline, "{us} µs: woke early");
+        }
+        assert_eq!(t.lead(Aim::Mean), Duration::ZERO);
+        assert_eq!(t.armed, None);
     }
 
     #[test]

@@ -5,7 +5,9 @@
 //!
 //! Owns the distributions (their parsing, sampling and mean) and the wrapping of handlers.
 //! Waiting precisely is the session's (it holds the answers until their instant on a
-//! `PreciseTimer`): Tokio's own timer would add about a millisecond to every call.
+//! `PreciseTimer`): Tokio's own timer would add about a millisecond to every call. (A
+//! handler that answers later, none of the built-in ones, waits out the rest of its time
+//! on Tokio's timer, sleeping in either mode.)
 //!
 //! | `--service-time` | distribution |
 //! |---|---|
@@ -55,16 +57,10 @@ pub enum ServiceTime {
     },
 }
 
-impl Default for ServiceTime {
-    fn default() -> Self {
-        ServiceTime::Fixed(Duration::ZERO)
-    }
-}
-
 impl ServiceTime {
-    /// True when calls take no simulated time at all.
+    /// True when calls take no simulated time at all (every draw is zero).
     pub fn is_zero(&self) -> bool {
-        *self == ServiceTime::Fixed(Duration::ZERO)
+        self.mean().is_zero()
     }
 
     /// The distribution's mean.
