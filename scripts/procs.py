@@ -5,6 +5,7 @@ and is stopped by PID (SIGTERM, then SIGKILL after a timeout). Stdlib only."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -41,8 +42,74 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
+#: The running script's name, the prefix of the lines this module prints (set by `run`).
+PROG = Path(sys.argv[0]).name
+
+#: The signals that interrupt a script.
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def _on_signal(signum, _frame):
+    raise Interrupted(signum)
+
+
+def run(main, argv: list[str]) -> None:
+    """Runs `main(argv)` and exits with its status: a ScriptError's status (its message
+    printed), or 128 + the signal's number when interrupted (every process stopped)."""
+    for s in SIGNALS:
+        signal.signal(s, _on_signal)
+    try:
+        sys.exit(main(argv))
+    except ScriptError as e:
+        log(f"{PROG}: {e}")
+        sys.exit(e.status)
+    except Interrupted as e:
+        log(f"{PROG}: interrupted by {e}; every process stopped")
+        sys.exit(128 + e.signum)
+
+
+@contextlib.contextmanager
+def uninterruptible():
+    """No signal cuts the block short (a cleanup that must stop every process)."""
+    for s in SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        for s in SIGNALS:
+            signal.signal(s, _on_signal)
+
+
+def build_release() -> float:
+    """`cargo build --release --locked`; returns the seconds it took."""
+    t = time.monotonic()
+    log(f"{PROG}: cargo build --release --locked")
+    rc = subprocess.run(["cargo", "build", "--release", "--locked"], cwd=ROOT).returncode
+    if rc != 0:
+        raise ScriptError(f"cargo build --release --locked failed (status {rc})")
+    return time.monotonic() - t
+
+
+def release_binaries(names) -> dict[str, Path]:
+    """target/release/<name> for each name, checked to be there."""
+    bins = {n: ROOT / "target" / "release" / n for n in names}
+    for b in bins.values():
+        if not os.access(b, os.X_OK):
+            raise ScriptError(f"{b} missing: build it with `cargo build --release --locked` (or drop --no-build)")
+    return bins
+
+
+def tail(path: Path, label: str, lines: int = 15) -> str:
+    """The last lines of a process's log, each prefixed with `label`."""
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(f"  {label}| {line}" for line in text[-lines:])
 
 
 try:
@@ -80,7 +147,7 @@ def stop(name: str, p: subprocess.Popen) -> None:
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=STOP_TIMEOUT_S.get(name, 5.0))
     except subprocess.TimeoutExpired:
-        log(f"{name} (pid {p.pid}) ignored SIGTERM; killing it")
+        log(f"{PROG}: {name} (pid {p.pid}) ignored SIGTERM; killing it")
         p.kill()
         p.wait(timeout=5.0)
 

@@ -74,55 +74,44 @@ pub(crate) enum Failure {
 }
 
 impl Failure {
+    /// Its status, error kind, side and retry safety: one row per failure.
+    fn class(&self) -> (Status, ErrorKind, Side, bool) {
+        use ErrorKind as K;
+        use Side::{Broker, Client, Provider};
+        use Status as S;
+        match self {
+            Failure::BadRequest(e) => (S::BadRequest, K::of_frame(e), Client, true),
+            Failure::UnknownService(_) => (S::Failed, K::UnknownService, Client, true),
+            Failure::NeedsExtension(_) => (S::BadRequest, K::BadBody, Client, true),
+            Failure::Draining => (S::Unavailable, K::Unavailable, Broker, true),
+            Failure::Shed(_) | Failure::Full(_) => (S::Overloaded, K::Overloaded, Broker, true),
+            Failure::NoHealthy(_) | Failure::KeptClosing => {
+                (S::Unavailable, K::Unavailable, Provider, true)
+            }
+            Failure::TimedOutQueued => (S::Timeout, K::Timeout, Provider, true),
+            // Written to the provider: it may have run.
+            Failure::Timeout { .. } => (S::Timeout, K::Timeout, Provider, false),
+            Failure::ConnectionLost { .. } => (S::Unavailable, K::Unavailable, Provider, false),
+            Failure::MalformedReply => (S::Failed, K::BadBody, Provider, false),
+            Failure::ReplyRefused { error, .. } => (S::Failed, K::of_frame(error), Provider, false),
+        }
+    }
+
     /// The status the caller gets (degraded to "failed" for callers without extended
     /// statuses when it is one of those).
     pub fn status(&self) -> Status {
-        match self {
-            Failure::BadRequest(_) | Failure::NeedsExtension(_) => Status::BadRequest,
-            Failure::UnknownService(_) | Failure::MalformedReply | Failure::ReplyRefused { .. } => {
-                Status::Failed
-            }
-            Failure::Draining
-            | Failure::NoHealthy(_)
-            | Failure::KeptClosing
-            | Failure::ConnectionLost { .. } => Status::Unavailable,
-            Failure::Shed(_) | Failure::Full(_) => Status::Overloaded,
-            Failure::TimedOutQueued | Failure::Timeout { .. } => Status::Timeout,
-        }
+        self.class().0
     }
 
     /// The kind it counts as in `rpcmesh_errors_total`.
     pub fn kind(&self) -> ErrorKind {
-        match self {
-            Failure::BadRequest(e) => ErrorKind::of_frame(e),
-            Failure::NeedsExtension(_) | Failure::MalformedReply => ErrorKind::BadBody,
-            Failure::UnknownService(_) => ErrorKind::UnknownService,
-            Failure::ReplyRefused { error, .. } => ErrorKind::of_frame(error),
-            Failure::Draining
-            | Failure::NoHealthy(_)
-            | Failure::KeptClosing
-            | Failure::ConnectionLost { .. } => ErrorKind::Unavailable,
-            Failure::Shed(_) | Failure::Full(_) => ErrorKind::Overloaded,
-            Failure::TimedOutQueued | Failure::Timeout { .. } => ErrorKind::Timeout,
-        }
+        self.class().1
     }
 
     /// Where it came from: the caller's request, the broker's own limits and decisions,
     /// or the provider (and the way to it).
     pub fn side(&self) -> Side {
-        match self {
-            Failure::BadRequest(_) | Failure::UnknownService(_) | Failure::NeedsExtension(_) => {
-                Side::Client
-            }
-            Failure::Draining | Failure::Shed(_) | Failure::Full(_) => Side::Broker,
-            Failure::NoHealthy(_)
-            | Failure::KeptClosing
-            | Failure::TimedOutQueued
-            | Failure::Timeout { .. }
-            | Failure::ConnectionLost { .. }
-            | Failure::MalformedReply
-            | Failure::ReplyRefused { .. } => Side::Provider,
-        }
+        self.class().2
     }
 
     /// Counts it in `rpcmesh_errors_total`, by its kind and side.
@@ -134,22 +123,7 @@ impl Failure {
     /// another broker) cannot make a provider run it twice. A caller's bad request is not
     /// worth retrying unchanged, but retrying it is safe.
     pub fn retry_safe(&self) -> bool {
-        match self {
-            Failure::BadRequest(_)
-            | Failure::UnknownService(_)
-            | Failure::NeedsExtension(_)
-            | Failure::Draining
-            | Failure::Shed(_)
-            | Failure::Full(_)
-            | Failure::NoHealthy(_)
-            | Failure::KeptClosing
-            | Failure::TimedOutQueued => true,
-            // Written to the provider: it may have run.
-            Failure::Timeout { .. }
-            | Failure::ConnectionLost { .. }
-            | Failure::MalformedReply
-            | Failure::ReplyRefused { .. } => false,
-        }
+        self.class().3
     }
 }
 

@@ -179,6 +179,8 @@ async fn unknown_service_fails_with_a_message() {
     assert_eq!(r.status, Status::Failed);
     assert_eq!(r.error_msg, "service not found: Nope");
     assert_eq!(b.errors("unknown_service"), 1.0);
+    // The caller asked for a service no one provides: its side, not the broker's.
+    assert_eq!(b.errors_from("unknown_service", "client"), 1.0);
     b.stop().await;
 
     // With an any-service upstream the provider answers, in the same words.
@@ -385,6 +387,8 @@ async fn over_the_in_flight_cap_calls_are_answered_overloaded_at_once() {
     assert_eq!(slow.await.unwrap().unwrap().status, Status::Success);
     assert_eq!(v1_slow.await.unwrap().unwrap().status, Status::Success);
     assert_eq!(b.errors("overloaded"), 2.0);
+    // Shed by the broker's own cap.
+    assert_eq!(b.errors_from("overloaded", "broker"), 2.0);
     m.stop().await;
 }
 
@@ -444,6 +448,8 @@ async fn a_call_past_its_timeout_is_answered_timeout_and_the_late_reply_is_dropp
     })
     .await;
     assert!(b.errors("timeout") >= 1.0);
+    // The provider did not answer in time: its side.
+    assert_eq!(b.errors_from("timeout", "provider"), b.errors("timeout"));
     b.stop().await;
     p.stop().await;
 }

@@ -165,6 +165,16 @@ pub async fn wait_refused(addr: std::net::SocketAddr) {
     .await;
 }
 
+/// Waits until `addr` accepts connections (a server process has started); panics after
+/// [`WAIT_TIMEOUT`].
+pub async fn wait_listening(addr: std::net::SocketAddr) {
+    let what = format!("{addr} to accept connections");
+    wait_for(&what, || async {
+        TcpStream::connect(addr).await.is_ok().then_some(())
+    })
+    .await;
+}
+
 /// Holds calls until the test opens it: a slow server whose calls finish when the test
 /// says, not after a sleep, so that "answered while that call was still in flight" is a
 /// fact of the test rather than a race against a timer. A handler calls [`Gate::hold`]
@@ -196,6 +206,16 @@ impl Gate {
             // Never a permit: an error is the gate opening.
             let _ = gate.shut.acquire().await;
         }
+    }
+
+    /// What a handler calls for each call it holds (a `hold` for provider's `Held`): the
+    /// call counts as arrived and waits for the gate.
+    pub fn holder(
+        self: &Arc<Self>,
+    ) -> impl Fn() -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync + 'static
+    {
+        let gate = Arc::clone(self);
+        move || Box::pin(gate.hold())
     }
 
     /// Calls that have reached the gate so far (held, or let through since).
@@ -521,18 +541,6 @@ pub fn free_port() -> u16 {
     // An unusual ephemeral range: let the kernel choose.
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind port 0");
     l.local_addr().expect("local addr").port()
-}
-
-/// Waits until something accepts connections on `addr`, up to `timeout`.
-pub async fn wait_listening(addr: std::net::SocketAddr, timeout: Duration) -> bool {
-    let end = tokio::time::Instant::now() + timeout;
-    while tokio::time::Instant::now() < end {
-        if TcpStream::connect(addr).await.is_ok() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    false
 }
 
 /// A request frame whose payload is the zlib of `RpcRequest { payload: inner }`, flagged

@@ -26,16 +26,11 @@ use hdrhistogram::serialization::interval_log::{
 use hdrhistogram::serialization::{Deserializer, V2DeflateSerializer};
 use serde::{Deserialize, Serialize};
 
+use crate::report::{ms, thousands};
 use crate::stats::{Latency, LatencySummary, Tally};
 
-/// The tags of the four histograms of an interval, in the order [`Interval::histograms`]
-/// gives them.
-pub const TAGS: [&str; 4] = [
-    "requests",
-    "calls",
-    "requests_uncorrected",
-    "calls_uncorrected",
-];
+/// The tags of the four histograms of an interval: [`Tally::LATENCIES`].
+pub const TAGS: [&str; 4] = Tally::LATENCIES;
 
 /// Why a log could not be written or read.
 #[derive(Debug, thiserror::Error)]
@@ -99,19 +94,6 @@ pub struct Interval {
     pub tally: Tally,
 }
 
-impl Interval {
-    /// The four histograms, in the order of [`TAGS`].
-    fn histograms(&self) -> [&Latency; 4] {
-        let t = &self.tally;
-        [
-            &t.requests,
-            &t.calls,
-            &t.requests_uncorrected,
-            &t.calls_uncorrected,
-        ]
-    }
-}
-
 /// The writer of an interval log: where to send what it writes, and its thread.
 pub type LogWriter = (
     std::sync::mpsc::Sender<LogEntryOut>,
@@ -169,7 +151,7 @@ fn write_log(
                 continue;
             }
         };
-        for (tag, h) in TAGS.iter().zip(interval.histograms()) {
+        for (tag, h) in TAGS.iter().zip(interval.tally.latencies()) {
             if h.count() == 0 {
                 continue;
             }
@@ -210,11 +192,7 @@ pub(crate) async fn record(
         };
         let now = std::time::Instant::now();
         let mut tally = Tally::default();
-        for m in &shared.logs {
-            let mut t = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            tally.add(&t);
-            t.clear();
-        }
+        tally.take_from(&shared.logs);
         let interval = Interval {
             start: last.duration_since(started),
             length: now.duration_since(last),
@@ -377,8 +355,15 @@ impl MergedReport {
                 let l = &f.latency;
                 let _ = writeln!(
                     o,
-                    "  {:<22} {:>12} {:>12.0} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>9.3}",
-                    tag, f.count, f.per_second, l.p50_ms, l.p99_ms, l.p999_ms, l.max_ms, l.mean_ms
+                    "  {:<22} {:>12} {:>12} {:>9} {:>9} {:>9} {:>9} {:>9}",
+                    tag,
+                    thousands(f.count as f64),
+                    thousands(f.per_second),
+                    ms(l.p50_ms),
+                    ms(l.p99_ms),
+                    ms(l.p999_ms),
+                    ms(l.max_ms),
+                    ms(l.mean_ms)
                 );
             }
         }

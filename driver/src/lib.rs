@@ -1,18 +1,23 @@
-//! rpcmesh driver: the client and load generator. Closed-loop users make fan-out requests
-//! (K calls each, in a row or at once) over a few multiplexed connections to brokers or
-//! providers; latencies go into HdrHistograms; a line a second shows progress; the report
-//! comes as text and JSON.
+//! rpcmesh driver: the client and load generator. Users make fan-out requests (K calls
+//! each, in a row or at once) over a few multiplexed connections to brokers or providers,
+//! in a closed loop (each user's next request when its last ends) or an open one (requests
+//! on a schedule, timed from their intended start); latencies go into HdrHistograms; a
+//! line a second shows progress; the report comes as text and JSON, and an HdrHistogram
+//! interval log on demand.
 //!
 //! - [`config`]: command line, defaults, validation.
 //! - [`workload`]: the calls (platform query, echo).
+//! - `dispatch`: the open loop's one timer task, handing each due request to a connection
+//!   on the schedule of [`pacer`] (which also holds a connection's bounded backlog).
 //! - `worker`: one connection and its users: the engine, running
 //!   - [`users`]: the users' request state machine,
-//!   - [`pacer`]: the open-loop schedule,
 //!   - [`connection`]: connecting and reconnecting with back-off.
 //! - [`outcome`]: how a call ended (typed: a reply's status, or the driver's own finding).
 //! - [`stats`]: histograms and counts, apart from I/O.
-//! - `progress`: the per-second line.
+//! - [`metrics`]: the driver's Prometheus handles, fed from the workers' figures.
+//! - `progress`: the per-second line, and a line per step of a schedule.
 //! - [`report`]: the figures, as text and JSON.
+//! - [`hdr_log`]: the interval log, and `driver merge` of a fleet's logs.
 //! - [`embedded`]: the local provider + broker of the default run.
 
 pub mod config;

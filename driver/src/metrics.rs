@@ -59,8 +59,7 @@ pub struct DriverMetrics {
     requests_failed: Counter,
     /// Open loop: requests never sent (backlog full).
     requests_not_sent: Counter,
-    /// `rpcmesh_driver_latency_seconds`: (calls, requests) from the intended start, and
-    /// from the actual one.
+    /// `rpcmesh_driver_latency_seconds`, in the order of `Tally::latencies`.
     latency: [Histogram; 4],
     /// Calls written and not yet answered.
     pub in_flight: Gauge,
@@ -116,11 +115,12 @@ impl DriverMetrics {
             requests_ok: requests("ok"),
             requests_failed: requests("failed"),
             requests_not_sent: requests("not_sent"),
+            // In the order of `Tally::latencies`.
             latency: [
-                ("call", "intended"),
                 ("request", "intended"),
-                ("call", "sent"),
+                ("call", "intended"),
                 ("request", "sent"),
+                ("call", "sent"),
             ]
             .map(|(of, from)| {
                 t.histogram(
@@ -158,15 +158,9 @@ impl DriverMetrics {
         self.requests_ok.increment(t.requests_ok);
         self.requests_failed.increment(t.requests_failed);
         self.requests_not_sent.increment(t.requests_not_sent);
-        let latencies = [
-            &t.calls,
-            &t.requests,
-            &t.calls_uncorrected,
-            &t.requests_uncorrected,
-        ];
-        for (h, l) in self.latency.iter().zip(latencies) {
-            // Each distinct value once, with its count: a few hundred records a tick, not
-            // one per call.
+        for (h, l) in self.latency.iter().zip(t.latencies()) {
+            // Each distinct value once, with its count (the recorder still takes each
+            // sample: it has no weighted record).
             l.each(|us, n| h.record_many(us as f64 / 1e6, n as usize));
         }
         self.payload.sent(PayloadSize {

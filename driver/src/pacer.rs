@@ -200,12 +200,20 @@ impl Schedule {
 
     /// The step (by [`Schedule::steps`]) that `t` into the measured window falls in.
     pub fn step_of(&self, t: Duration) -> usize {
-        let each = match self {
-            Schedule::Constant(_) => return 0,
-            Schedule::Ramp { .. } => RAMP_STEP,
-            Schedule::Steps { each, .. } => *each,
-        };
-        (t.as_secs_f64() / each.as_secs_f64().max(1e-9)) as usize
+        match self.step_length() {
+            Some(each) => (t.as_secs_f64() / each.as_secs_f64().max(1e-9)) as usize,
+            None => 0,
+        }
+    }
+
+    /// How long each of its steps lasts: [`RAMP_STEP`] along a ramp; `None` for a
+    /// constant rate (one step, the whole window).
+    pub fn step_length(&self) -> Option<Duration> {
+        match self {
+            Schedule::Constant(_) => None,
+            Schedule::Ramp { .. } => Some(RAMP_STEP),
+            Schedule::Steps { each, .. } => Some(*each),
+        }
     }
 }
 

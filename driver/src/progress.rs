@@ -39,18 +39,15 @@ pub(crate) async fn show(shared: Arc<RunShared>, started: Instant, done: Cancell
         }
         let now = Instant::now();
         second.clear();
-        for m in &shared.intervals {
-            let mut t = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            second.add(&t);
-            t.clear();
-        }
+        second.take_from(&shared.intervals);
         let secs = now.duration_since(last).as_secs_f64().max(1e-3);
         last = now;
         let m = &shared.metrics;
         m.offered_rate.set(second.sent as f64 / secs);
         m.achieved_rate.set(second.ok() as f64 / secs);
+        // The middle of the second just past: which step and phase it was in.
+        let mid = now.checked_sub(Duration::from_millis(500)).unwrap_or(now);
         if let Some(sched) = schedule {
-            let mid = now.checked_sub(Duration::from_millis(500)).unwrap_or(now);
             if let Some(since) = mid.checked_duration_since(shared.measure_from) {
                 let i = sched.step_of(since);
                 match &mut step {
@@ -71,8 +68,6 @@ pub(crate) async fn show(shared: Arc<RunShared>, started: Instant, done: Cancell
         if mode == ProgressMode::Off {
             continue;
         }
-        // The phase of the second just past (its middle).
-        let mid = now.checked_sub(Duration::from_millis(500)).unwrap_or(now);
         let phase = if mid < shared.measure_from {
             "warm-up"
         } else if shared.until.is_some_and(|u| mid >= u) || shared.stop.is_cancelled() {
@@ -130,9 +125,6 @@ fn step_line(live: bool, i: usize, sched: &Schedule, t: &Tally, took: Duration) 
 
 /// The offered rate at the start of step `i`.
 fn step_rate(sched: &Schedule, i: usize) -> f64 {
-    let each = match sched {
-        Schedule::Steps { each, .. } => *each,
-        _ => crate::pacer::RAMP_STEP,
-    };
+    let each = sched.step_length().unwrap_or_default();
     sched.rate_at(each * i as u32)
 }

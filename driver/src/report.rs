@@ -133,9 +133,9 @@ pub struct CallFigures {
     pub sent: u64,
     /// Successful calls.
     pub ok: u64,
-    /// Failed calls by kind: a status (`failed`, `timeout`, `unavailable`, `overloaded`,
-    /// `bad_request`) or a driver-side cause (`timeout` with no reply, `connection`,
-    /// `bad_reply`).
+    /// Failed calls by kind: a reply's status (`failed`, `timeout`, `unavailable`,
+    /// `overloaded`, `bad_request`) or the driver's own finding (`no_reply`, `connection`,
+    /// `bad_reply`, `encode`).
     pub errors: BTreeMap<String, u64>,
     /// Calls sent per second.
     pub per_second: f64,
@@ -417,7 +417,7 @@ impl Report {
     }
 }
 
-fn ms(v: f64) -> String {
+pub(crate) fn ms(v: f64) -> String {
     if v >= 100.0 {
         format!("{v:.0}")
     } else if v >= 10.0 {
@@ -427,7 +427,7 @@ fn ms(v: f64) -> String {
     }
 }
 
-fn thousands(v: f64) -> String {
+pub(crate) fn thousands(v: f64) -> String {
     let n = v.round() as u64;
     let s = n.to_string();
     let mut out = String::new();

@@ -183,15 +183,41 @@ pub struct Tally {
 }
 
 impl Tally {
+    /// The names of the four latency histograms, in the order of [`Tally::latencies`]
+    /// (the interval log's tags).
+    pub const LATENCIES: [&'static str; 4] = [
+        "requests",
+        "calls",
+        "requests_uncorrected",
+        "calls_uncorrected",
+    ];
+
     /// A tally for per-second figures (coarser histograms).
     pub fn interval() -> Self {
-        Tally {
-            calls: Latency::interval(),
-            requests: Latency::interval(),
-            calls_uncorrected: Latency::interval(),
-            requests_uncorrected: Latency::interval(),
-            ..Tally::default()
+        let mut t = Tally::default();
+        for h in t.latencies_mut() {
+            *h = Latency::interval();
         }
+        t
+    }
+
+    /// The four latency histograms, in the order of [`Tally::LATENCIES`].
+    pub fn latencies(&self) -> [&Latency; 4] {
+        [
+            &self.requests,
+            &self.calls,
+            &self.requests_uncorrected,
+            &self.calls_uncorrected,
+        ]
+    }
+
+    fn latencies_mut(&mut self) -> [&mut Latency; 4] {
+        [
+            &mut self.requests,
+            &mut self.calls,
+            &mut self.requests_uncorrected,
+            &mut self.calls_uncorrected,
+        ]
     }
 
     /// Zeroes every figure, keeping the histograms' memory.
@@ -280,12 +306,20 @@ impl Tally {
             .filter(|(_, n)| *n > 0)
     }
 
+    /// Adds what each of `cells` (the workers' figures, shared) holds, and clears them.
+    pub fn take_from(&mut self, cells: &[std::sync::Mutex<Tally>]) {
+        for m in cells {
+            let mut t = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            self.add(&t);
+            t.clear();
+        }
+    }
+
     /// Adds another tally.
     pub fn add(&mut self, o: &Tally) {
-        self.calls.add(&o.calls);
-        self.requests.add(&o.requests);
-        self.calls_uncorrected.add(&o.calls_uncorrected);
-        self.requests_uncorrected.add(&o.requests_uncorrected);
+        for (a, b) in self.latencies_mut().into_iter().zip(o.latencies()) {
+            a.add(b);
+        }
         self.sent += o.sent;
         for (a, b) in self.outcomes.iter_mut().zip(o.outcomes) {
             *a += b;
@@ -328,8 +362,9 @@ impl Took {
 /// The figures a connection keeps: the run's, per step of the schedule (what the report
 /// gives: only what was meant to start in the measured window, by the step its intended
 /// start falls in; one step but for rate ramps and steps), and the interval's (everything
-/// since the last tick, warm-up included: the progress line and the shared metrics). Every
-/// event is entered in both by one call, so they cannot drift apart. `step` is `None` for
+/// since the last tick, warm-up included: the progress line and the shared metrics), and,
+/// with `--hdr-log`, the measured figures since the log last took them. Every event is
+/// entered in all of them by one call, so they cannot drift apart. `step` is `None` for
 /// what belongs to the warm-up.
 #[derive(Debug)]
 pub struct Books {

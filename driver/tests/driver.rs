@@ -37,10 +37,7 @@ async fn held_provider(gate: &Arc<Gate>) -> InProcess<ServeSummary> {
     let mut registry = Registry::builtin();
     let held = Held {
         inner: platform::do_query,
-        hold: {
-            let gate = gate.clone();
-            move || gate.hold()
-        },
+        hold: gate.holder(),
     };
     registry.register(platform::SERVICE, platform::METHOD, held);
     provider_with(ProviderConfig::default(), registry).await

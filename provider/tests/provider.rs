@@ -38,10 +38,7 @@ async fn start_held(config: ProviderConfig, gate: &Arc<Gate>) -> Running {
     let mut registry = Registry::builtin();
     let held = Held {
         inner: echo::echo,
-        hold: {
-            let gate = gate.clone();
-            move || gate.hold()
-        },
+        hold: gate.holder(),
     };
     registry.register(echo::SERVICE, echo::METHOD, held);
     start_with(config, registry).await

@@ -126,10 +126,7 @@ pub async fn held_provider(gate: &Arc<Gate>) -> Running {
     let mut registry = Registry::builtin();
     let held = Held {
         inner: echo::echo,
-        hold: {
-            let gate = gate.clone();
-            move || gate.hold()
-        },
+        hold: gate.holder(),
     };
     registry.register(HELD_SERVICE, echo::METHOD, held);
     InProcess::start(|listener, telemetry, stop| {

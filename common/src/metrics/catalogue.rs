@@ -11,8 +11,8 @@
 //! ([`crate::metrics::families`] for the groups every program shares, each program's
 //! `metrics.rs` for its own, [`crate::metrics::system`] for `/proc`). That every family a
 //! program exports is catalogued, and that every family catalogued for a program is
-//! exported by it, is checked against the running programs by the driver crate's test
-//! `catalogue.rs`.
+//! exported by it, is checked against the running programs ([`mismatches`], called by
+//! `driver/tests/prometheus.rs`).
 
 use crate::metrics::Telemetry;
 
