@@ -39,6 +39,20 @@ use tokio::net::TcpListener;
 pub use config::{Args, Balance, BrokerConfig, BusyPoll, UpstreamSpec};
 pub use metrics::BrokerMetrics;
 
+/// The whole program after its flags are parsed: validates them, then serves until
+/// SIGTERM/SIGINT (what `broker`'s `main` is, and `driver serve broker`).
+pub fn main_with(args: &Args) -> anyhow::Result<()> {
+    let config = args.config()?;
+    rpcmesh_common::cli::startup::serve(
+        "broker",
+        args.listen,
+        args.metrics_listen,
+        args.runtime.threads,
+        |telemetry, listener, shutdown| run_with(config, telemetry, listener, shutdown),
+    )?;
+    Ok(())
+}
+
 /// Serves `listener` until `shutdown` resolves, then stops accepting, lets calls in
 /// flight finish within the grace period, and closes the provider pools.
 pub async fn run(

@@ -119,6 +119,54 @@ pub struct Args {
     /// Something else than a run.
     #[command(subcommand)]
     pub command: Option<Command>,
+    /// What is called, and how.
+    #[command(flatten)]
+    pub load: LoadArgs,
+    /// Open loop: start this many requests per second in all, whatever the replies
+    /// (`--concurrency` then caps the requests in flight), or FROM:TO with --ramp. Without
+    /// it (or --steps): closed loop.
+    #[arg(long, env = "RPCMESH_RATE", conflicts_with = "steps")]
+    pub rate: Option<RateArg>,
+    /// Open loop, with --rate FROM:TO: how long the rate takes to go from FROM to TO (the
+    /// run's length unless --duration says otherwise).
+    #[arg(long, env = "RPCMESH_RAMP")]
+    pub ramp: Option<DurationArg>,
+    /// Open loop: rates to offer one after another (e.g. 1000,2000,5000), each for
+    /// --step-duration; a line and a JSON record per step.
+    #[arg(long, env = "RPCMESH_STEPS", value_delimiter = ',')]
+    pub steps: Vec<f64>,
+    /// How long each of --steps lasts.
+    #[arg(long, env = "RPCMESH_STEP_DURATION", default_value_t = DurationArg(DEFAULT_STEP_DURATION))]
+    pub step_duration: DurationArg,
+    /// How long to measure (e.g. 30s) [default: 10s, 5s without --target].
+    #[arg(long, env = "RPCMESH_DURATION", value_parser = parse_duration, conflicts_with = "requests")]
+    pub duration: Option<Duration>,
+    /// Stop after this many measured requests instead of after a duration.
+    #[arg(long, env = "RPCMESH_REQUESTS")]
+    pub requests: Option<u64>,
+    /// Time to run before measuring.
+    #[arg(long, env = "RPCMESH_WARMUP", default_value_t = DurationArg(DEFAULT_WARMUP))]
+    pub warmup: DurationArg,
+    /// Write the report as JSON to this file.
+    #[arg(long, env = "RPCMESH_JSON")]
+    pub json: Option<PathBuf>,
+    /// Write the measured latencies to this file as an HdrHistogram interval log (one
+    /// interval a second); `driver merge` combines the logs of several drivers.
+    #[arg(long, env = "RPCMESH_HDR_LOG")]
+    pub hdr_log: Option<PathBuf>,
+    /// Progress while running.
+    #[arg(long, env = "RPCMESH_PROGRESS", value_enum, default_value_t = DEFAULT_PROGRESS)]
+    pub progress: ProgressMode,
+    /// After the report, keep serving `/metrics` this long, so that Prometheus scrapes the
+    /// final figures (e.g. 15s).
+    #[arg(long, env = "RPCMESH_LINGER", default_value_t = DurationArg(DEFAULT_LINGER))]
+    pub linger: DurationArg,
+}
+
+/// The flags of a load, shared by a run and `driver capacity`: what is called, over what,
+/// and how.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LoadArgs {
     /// Broker or provider to call (HOST:PORT). Repeatable; connections are spread over
     /// them. None = start a local provider and broker and call those.
     #[arg(long = "target", env = "RPCMESH_TARGETS", value_delimiter = ' ')]
@@ -138,22 +186,6 @@ pub struct Args {
     /// Users, each making one request after another (closed loop).
     #[arg(long, env = "RPCMESH_CONCURRENCY", default_value_t = DEFAULT_CONCURRENCY)]
     pub concurrency: usize,
-    /// Open loop: start this many requests per second in all, whatever the replies
-    /// (`--concurrency` then caps the requests in flight), or FROM:TO with --ramp. Without
-    /// it (or --steps): closed loop.
-    #[arg(long, env = "RPCMESH_RATE", conflicts_with = "steps")]
-    pub rate: Option<RateArg>,
-    /// Open loop, with --rate FROM:TO: how long the rate takes to go from FROM to TO (the
-    /// run's length unless --duration says otherwise).
-    #[arg(long, env = "RPCMESH_RAMP")]
-    pub ramp: Option<DurationArg>,
-    /// Open loop: rates to offer one after another (e.g. 1000,2000,5000), each for
-    /// --step-duration; a line and a JSON record per step.
-    #[arg(long, env = "RPCMESH_STEPS", value_delimiter = ',')]
-    pub steps: Vec<f64>,
-    /// How long each of --steps lasts.
-    #[arg(long, env = "RPCMESH_STEP_DURATION", default_value_t = DurationArg(DEFAULT_STEP_DURATION))]
-    pub step_duration: DurationArg,
     /// Open loop: how requests are spaced: uniform (equal gaps) or poisson (exponential
     /// gaps: independent arrivals).
     #[arg(long, env = "RPCMESH_ARRIVAL", value_enum, default_value_t = DEFAULT_ARRIVAL)]
@@ -163,9 +195,10 @@ pub struct Args {
     pub seed: u64,
     /// Open loop: how the pacer waits for each request: exact (spins through the last
     /// 2 ms before each: start lag within tens of µs, up to a core) or lean (sleeps:
-    /// little CPU, a start lag of up to hundreds of µs on a VM).
-    #[arg(long, env = "RPCMESH_PACER", value_enum, default_value_t = DEFAULT_PACING)]
-    pub pacer: Pacing,
+    /// little CPU, a start lag of up to hundreds of µs on a VM) [default: exact; lean for
+    /// `driver capacity`].
+    #[arg(long, env = "RPCMESH_PACER", value_enum)]
+    pub pacer: Option<Pacing>,
     /// Open loop: requests due while every slot is busy that wait for one (in all); beyond
     /// it they are not sent, and counted.
     #[arg(long, env = "RPCMESH_BACKLOG", default_value_t = DEFAULT_BACKLOG)]
@@ -173,15 +206,6 @@ pub struct Args {
     /// TCP connections the users share.
     #[arg(long, env = "RPCMESH_CONNECTIONS", default_value_t = DEFAULT_CONNECTIONS)]
     pub connections: usize,
-    /// How long to measure (e.g. 30s) [default: 10s, 5s without --target].
-    #[arg(long, env = "RPCMESH_DURATION", value_parser = parse_duration, conflicts_with = "requests")]
-    pub duration: Option<Duration>,
-    /// Stop after this many measured requests instead of after a duration.
-    #[arg(long, env = "RPCMESH_REQUESTS")]
-    pub requests: Option<u64>,
-    /// Time to run before measuring.
-    #[arg(long, env = "RPCMESH_WARMUP", default_value_t = DurationArg(DEFAULT_WARMUP))]
-    pub warmup: DurationArg,
     /// Compress request payloads and accept compressed replies: on|off.
     #[arg(long, env = "RPCMESH_COMPRESS", default_value_t = OnOff(DEFAULT_COMPRESS))]
     pub compress: OnOff,
@@ -194,16 +218,6 @@ pub struct Args {
     /// Per-call timeout.
     #[arg(long, env = "RPCMESH_CALL_TIMEOUT", default_value_t = DurationArg(DEFAULT_CALL_TIMEOUT))]
     pub timeout: DurationArg,
-    /// Write the report as JSON to this file.
-    #[arg(long, env = "RPCMESH_JSON")]
-    pub json: Option<PathBuf>,
-    /// Write the measured latencies to this file as an HdrHistogram interval log (one
-    /// interval a second); `driver merge` combines the logs of several drivers.
-    #[arg(long, env = "RPCMESH_HDR_LOG")]
-    pub hdr_log: Option<PathBuf>,
-    /// Progress while running.
-    #[arg(long, env = "RPCMESH_PROGRESS", value_enum, default_value_t = DEFAULT_PROGRESS)]
-    pub progress: ProgressMode,
     /// The driver's runtime.
     #[command(flatten)]
     pub runtime: RuntimeArgs,
@@ -213,10 +227,6 @@ pub struct Args {
     /// Per-stage latency timing.
     #[command(flatten)]
     pub stages: StageArgs,
-    /// After the report, keep serving `/metrics` this long, so that Prometheus scrapes the
-    /// final figures (e.g. 15s).
-    #[arg(long, env = "RPCMESH_LINGER", default_value_t = DurationArg(DEFAULT_LINGER))]
-    pub linger: DurationArg,
 }
 
 /// What the driver does instead of a run.
@@ -225,6 +235,25 @@ pub enum Command {
     /// Merge the interval logs (--hdr-log) of several drivers into one report: their
     /// histograms are added, so the fleet's percentiles are exact.
     Merge(MergeArgs),
+    /// Find the highest rate that meets an SLO (open-loop steps: grow, bisect, confirm),
+    /// with per-step CPU and bytes per call, a closed-loop sweep fitted with the Universal
+    /// Scalability Law, and compression off against on. With no --target it starts a
+    /// provider and a broker as child processes. See docs/capacity.md.
+    Capacity(Box<crate::capacity::config::CapacityArgs>),
+    /// Run as the provider or the broker (`driver serve provider --listen ...`): how
+    /// `driver capacity` starts its local mesh.
+    #[command(hide = true)]
+    Serve(ServeArgs),
+}
+
+/// `driver serve`'s arguments.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// `provider` or `broker`.
+    pub role: String,
+    /// That program's flags.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    pub flags: Vec<String>,
 }
 
 /// `driver merge`'s arguments.
@@ -358,6 +387,57 @@ impl Args {
     /// Checks every setting and lists all problems at once.
     pub fn config(&self) -> Result<DriverConfig, ConfigProblems> {
         let mut p = ConfigProblems::default();
+        let mut c = self.load.config(DEFAULT_PACING, &mut p);
+        let schedule = self.schedule(&mut p);
+        if let Some(s) = &schedule {
+            check_rate(s.lowest(), &mut p);
+            check_rate(s.peak(), &mut p);
+        }
+        p.check(self.duration.is_some_and(|d| d.is_zero()), || {
+            "--duration must be above zero".into()
+        });
+        p.check(self.requests == Some(0), || {
+            "--requests must be at least 1".into()
+        });
+        c.stop = match (self.requests, self.duration) {
+            (Some(n), _) => Stop::Requests(n),
+            (None, Some(d)) => Stop::Duration(d),
+            (None, None) if schedule.as_ref().and_then(Schedule::length).is_some() => {
+                Stop::Duration(
+                    schedule
+                        .as_ref()
+                        .and_then(Schedule::length)
+                        .unwrap_or_default(),
+                )
+            }
+            (None, None) if c.targets.is_empty() => Stop::Duration(DEFAULT_EMBEDDED_DURATION),
+            (None, None) => Stop::Duration(DEFAULT_DURATION),
+        };
+        c.schedule = schedule;
+        c.warmup = self.warmup.0;
+        c.json = self.json.clone();
+        c.hdr_log = self.hdr_log.clone();
+        c.progress = self.progress;
+        p.into_result(c)
+    }
+}
+
+/// The run's one pacer starts a request every `1 / rate`: keeps that between 1 µs and an
+/// hour.
+pub fn check_rate(rate: f64, p: &mut ConfigProblems) {
+    let every = 1.0 / rate;
+    p.check(!(every.is_finite() && (1e-6..=3600.0).contains(&every)), || {
+        format!(
+            "rate {rate} is out of range: the pacer would start a request every {every:.3e} s (1 µs to 1 h)"
+        )
+    });
+}
+
+impl LoadArgs {
+    /// The settings of the load these flags describe, checked (problems go to `p`); a
+    /// closed loop of [`DEFAULT_DURATION`] until the caller says otherwise. `pacing` is
+    /// the pacer unless `--pacer` says.
+    pub fn config(&self, pacing: Pacing, p: &mut ConfigProblems) -> DriverConfig {
         let targets: Vec<String> = self
             .targets
             .iter()
@@ -378,35 +458,16 @@ impl Args {
         });
         // Connections beyond the users are never opened.
         let connections = self.connections.min(self.concurrency.max(1));
-        let schedule = self.schedule(&mut p);
-        // The run's one pacer starts a request every `1 / rate`: keep that between 1 µs and
-        // an hour, at the schedule's lowest and highest rates.
-        if let Some(s) = &schedule {
-            for rate in [s.lowest(), s.peak()] {
-                let every = 1.0 / rate;
-                p.check(!(every.is_finite() && (1e-6..=3600.0).contains(&every)), || {
-                    format!(
-                        "rate {rate} is out of range: the pacer would start a request every {every:.3e} s (1 µs to 1 h)"
-                    )
-                });
-            }
-        }
         p.check(self.connections == 0, || {
             "--connections must be at least 1".into()
         });
         p.check(self.concurrency > connections * MAX_USERS_PER_CONNECTION, || {
             format!("--concurrency {} needs more connections (at most {MAX_USERS_PER_CONNECTION} users each)", self.concurrency)
         });
-        p.check(self.duration.is_some_and(|d| d.is_zero()), || {
-            "--duration must be above zero".into()
-        });
-        p.check(self.requests == Some(0), || {
-            "--requests must be at least 1".into()
-        });
         p.check(self.timeout.0.is_zero(), || {
             "--timeout must be above zero".into()
         });
-        let compression = self.compression.config(self.compress.0, &mut p);
+        let compression = self.compression.config(self.compress.0, p);
         p.check(self.compress.0 && self.v1, || {
             "--compress on needs the extension flags: drop --v1".into()
         });
@@ -416,43 +477,29 @@ impl Args {
                 self.payload_size
             )
         });
-        let stop = match (self.requests, self.duration) {
-            (Some(n), _) => Stop::Requests(n),
-            (None, Some(d)) => Stop::Duration(d),
-            (None, None) if schedule.as_ref().and_then(Schedule::length).is_some() => {
-                Stop::Duration(
-                    schedule
-                        .as_ref()
-                        .and_then(Schedule::length)
-                        .unwrap_or_default(),
-                )
-            }
-            (None, None) if targets.is_empty() => Stop::Duration(DEFAULT_EMBEDDED_DURATION),
-            (None, None) => Stop::Duration(DEFAULT_DURATION),
-        };
-        p.into_result(DriverConfig {
+        DriverConfig {
             targets,
             workload: self.workload,
             payload_size: self.payload_size,
             fanout: self.fanout,
             parallel: self.parallel,
             concurrency: self.concurrency,
-            schedule,
+            schedule: None,
             arrival: self.arrival,
             seed: self.seed,
-            pacing: self.pacer,
+            pacing: self.pacer.unwrap_or(pacing),
             backlog: self.backlog,
             connections,
-            stop,
-            warmup: self.warmup.0,
+            stop: Stop::Duration(DEFAULT_DURATION),
+            warmup: DEFAULT_WARMUP,
             compression,
             ext: !self.v1,
             call_timeout: self.timeout.0,
-            json: self.json.clone(),
-            hdr_log: self.hdr_log.clone(),
-            progress: self.progress,
+            json: None,
+            hdr_log: None,
+            progress: DEFAULT_PROGRESS,
             stage_sample: self.stages.every(self.metrics_listen),
-        })
+        }
     }
 }
 

@@ -20,6 +20,7 @@
 //! - [`hdr_log`]: the interval log, and `driver merge` of a fleet's logs.
 //! - [`embedded`]: the local provider + broker of the default run.
 
+pub mod capacity;
 pub mod config;
 pub mod connection;
 mod dispatch;

@@ -1,6 +1,7 @@
 //! `driver`: validates the command line, runs the load (with an embedded provider and
 //! broker when no target is given), prints the report and writes it as JSON when asked.
 //! Ctrl-C ends the run early and still reports. Exits 1 when no call succeeded.
+//! `driver merge` combines interval logs; `driver capacity` runs a capacity experiment.
 
 use anyhow::Context;
 use clap::Parser;
@@ -8,24 +9,23 @@ use rpcmesh_common::cli::startup;
 use rpcmesh_common::metrics::{Telemetry, recorder};
 use rpcmesh_common::net::shutdown::{self, CancellationToken};
 use rpcmesh_driver::Args;
+use rpcmesh_driver::capacity::config::CapacityArgs;
 use rpcmesh_driver::config::{Command, MergeArgs};
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    if let Some(Command::Merge(m)) = &args.command {
-        return merge(m);
+    match &args.command {
+        Some(Command::Merge(m)) => return merge(m),
+        Some(Command::Capacity(c)) => return capacity(c),
+        Some(Command::Serve(s)) => return rpcmesh_driver::capacity::mesh::serve(&s.role, &s.flags),
+        None => {}
     }
     let config = args.config()?;
     let json = config.json.clone();
-    let rt = startup::start("driver", "warn", args.runtime.threads)?;
+    let rt = startup::start("driver", "warn", args.load.runtime.threads)?;
     let report = rt.block_on(async {
-        let stop = CancellationToken::new();
-        let s = stop.clone();
-        tokio::spawn(async move {
-            shutdown::signal().await;
-            s.cancel();
-        });
-        let telemetry = recorder::start(args.metrics_listen.0).unwrap_or_else(|e| {
+        let stop = stop_on_signal();
+        let telemetry = recorder::start(args.load.metrics_listen.0).unwrap_or_else(|e| {
             tracing::warn!(error = %e, "metrics endpoint not started; running without it");
             Telemetry::discard()
         });
@@ -72,4 +72,43 @@ fn merge(m: &MergeArgs) -> anyhow::Result<()> {
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// `driver capacity`: the experiment, its report on stdout and in the files asked for.
+fn capacity(args: &CapacityArgs) -> anyhow::Result<()> {
+    let config = args.config()?;
+    let exe = std::env::current_exe().context("finding the driver binary")?;
+    let rt = startup::start("driver", "warn", args.load.runtime.threads)?;
+    let outputs = (
+        config.json.clone(),
+        config.markdown.clone(),
+        config.html.clone(),
+    );
+    let report =
+        rt.block_on(async { rpcmesh_driver::capacity::run(config, &exe, stop_on_signal()).await })?;
+    print!("{}", report.render_text());
+    let write = |path: &std::path::Path, text: String| {
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+    };
+    if let Some(p) = &outputs.0 {
+        write(p, serde_json::to_string_pretty(&report)? + "\n")?;
+    }
+    if let Some(p) = &outputs.1 {
+        write(p, report.render_markdown())?;
+    }
+    if let Some(p) = &outputs.2 {
+        write(p, rpcmesh_driver::capacity::html::render(&report))?;
+    }
+    Ok(())
+}
+
+/// A token cancelled by SIGTERM or SIGINT (Ctrl-C): the run ends early and still reports.
+fn stop_on_signal() -> CancellationToken {
+    let stop = CancellationToken::new();
+    let s = stop.clone();
+    tokio::spawn(async move {
+        shutdown::signal().await;
+        s.cancel();
+    });
+    stop
 }

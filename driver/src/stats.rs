@@ -115,7 +115,9 @@ impl Latency {
 }
 
 /// Percentiles of a latency histogram, in milliseconds.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Serialize, serde::Deserialize, schemars::JsonSchema,
+)]
 pub struct LatencySummary {
     /// Samples.
     pub count: u64,

@@ -28,6 +28,22 @@ pub use config::{Args, ProviderConfig};
 pub use metrics::ProviderMetrics;
 pub use service::Registry;
 
+/// The whole program after its flags are parsed: validates them, then serves until
+/// SIGTERM/SIGINT (what `provider`'s `main` is, and `driver serve provider`).
+pub fn main_with(args: &Args) -> anyhow::Result<()> {
+    let config = args.config()?;
+    rpcmesh_common::cli::startup::serve(
+        "provider",
+        args.listen,
+        args.metrics_listen,
+        args.runtime.threads,
+        |telemetry, listener, shutdown| {
+            run_with(config, Registry::builtin(), telemetry, listener, shutdown)
+        },
+    )?;
+    Ok(())
+}
+
 /// Serves the built-in services on `listener` until `shutdown` resolves, then stops
 /// accepting and lets calls in flight finish within the grace period.
 pub async fn run(

@@ -28,8 +28,14 @@ pub enum StartupError {
         source: std::io::Error,
     },
     /// The metrics endpoint could not be started (its address is in use, or not local).
-    #[error("starting the metrics endpoint: {0}")]
-    Metrics(#[from] metrics_exporter_prometheus::BuildError),
+    #[error("starting the metrics endpoint on {addr}: {source}")]
+    Metrics {
+        /// The address.
+        addr: SocketAddr,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Starts logging to stderr. The filter comes from `RUST_LOG` when set, else `default`
@@ -93,7 +99,8 @@ pub fn start(
 }
 
 /// The whole life of a server program after its flags are validated: logging at `info`,
-/// the runtime, the listener on `listen`, the metrics endpoint on `metrics` (or none), then
+/// the runtime, the listener on `listen`, the metrics endpoint on `metrics` (or none), one
+/// line on stdout saying where both are (see [`listening_line`]), then
 /// `run(telemetry, listener, shutdown)` until it returns (it drains on SIGTERM/SIGINT).
 pub fn serve<F, Fut>(
     program: &str,
@@ -114,15 +121,69 @@ where
                 addr: listen,
                 source,
             })?;
-        let telemetry = crate::metrics::recorder::start(metrics.0)?;
+        let telemetry =
+            crate::metrics::recorder::start(metrics.0).map_err(|source| StartupError::Metrics {
+                addr: metrics.0.unwrap_or(listen),
+                source,
+            })?;
+        let rpc = listener.local_addr().unwrap_or(listen);
+        {
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(
+                out,
+                "{}",
+                listening_line(program, rpc, telemetry.served_at())
+            );
+            let _ = out.flush();
+        }
         run(telemetry, listener, Box::pin(shutdown::signal())).await;
         Ok(())
     })
 }
 
+/// The line a server prints on stdout once it listens, so that a script or a parent
+/// process that asked for port 0 learns the ports:
+/// `rpcmesh provider listening rpc=127.0.0.1:41234 metrics=127.0.0.1:41235` (`metrics=off`
+/// without an endpoint). Parsed back by [`parse_listening_line`].
+pub fn listening_line(program: &str, rpc: SocketAddr, metrics: Option<SocketAddr>) -> String {
+    match metrics {
+        Some(m) => format!("rpcmesh {program} listening rpc={rpc} metrics={m}"),
+        None => format!("rpcmesh {program} listening rpc={rpc} metrics=off"),
+    }
+}
+
+/// The addresses of a [`listening_line`]: `(rpc, metrics)`.
+pub fn parse_listening_line(line: &str) -> Option<(SocketAddr, Option<SocketAddr>)> {
+    let rest = line.trim().strip_prefix("rpcmesh ")?;
+    let (_, rest) = rest.split_once(" listening ")?;
+    let mut rpc = None;
+    let mut metrics = None;
+    for part in rest.split_whitespace() {
+        match part.split_once('=') {
+            Some(("rpc", a)) => rpc = a.parse().ok(),
+            Some(("metrics", "off")) => metrics = Some(None),
+            Some(("metrics", a)) => metrics = Some(Some(a.parse().ok()?)),
+            _ => {}
+        }
+    }
+    Some((rpc?, metrics?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_listening_line_parses_back() {
+        let rpc: SocketAddr = "127.0.0.1:7700".parse().unwrap();
+        let m: SocketAddr = "[::1]:9770".parse().unwrap();
+        for metrics in [Some(m), None] {
+            let line = listening_line("broker", rpc, metrics);
+            assert_eq!(parse_listening_line(&line), Some((rpc, metrics)), "{line}");
+        }
+        assert_eq!(parse_listening_line("something else"), None);
+    }
 
     #[test]
     fn a_server_that_cannot_bind_says_which_address() {

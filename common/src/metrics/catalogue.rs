@@ -388,6 +388,14 @@ pub const CPU_SECONDS_TOTAL: Family = Family {
     roles: ALL,
     help: "Time each CPU spent in each mode since boot, whole seconds (/proc/stat).",
 };
+/// `rpcmesh_host_cpu_seconds{role, mode}`.
+pub const HOST_CPU_SECONDS: Family = Family {
+    name: "rpcmesh_host_cpu_seconds",
+    kind: Histogram,
+    labels: &["role", "mode"],
+    roles: ALL,
+    help: "Time all CPUs of the host spent in each mode per collection (/proc/stat); _sum is the host's time in that mode in fractional seconds.",
+};
 /// `rpcmesh_process_cpu_seconds_total{role}`.
 pub const PROCESS_CPU_SECONDS_TOTAL: Family = Family {
     name: "rpcmesh_process_cpu_seconds_total",
@@ -493,6 +501,7 @@ pub const CATALOGUE: &[&Family] = &[
     &DRIVER_USERS,
     &SOFTIRQS_TOTAL,
     &CPU_SECONDS_TOTAL,
+    &HOST_CPU_SECONDS,
     &PROCESS_CPU_SECONDS_TOTAL,
     &PROCESS_CPU_SECONDS,
     &PROCESS_RESIDENT_MEMORY_BYTES,

@@ -2,8 +2,10 @@
 //!
 //! - [`catalogue`]: every metric family, written down once (name, type, labels, programs,
 //!   help). Handles are registered through it only.
-//! - [`recorder`]: the per-instance Prometheus recorder ([`Telemetry`]), its buckets,
-//!   rendering and `/metrics` endpoint.
+//! - [`recorder`]: the per-instance Prometheus recorder ([`Telemetry`]), its buckets and
+//!   rendering.
+//! - [`endpoint`]: the bounded `/metrics` HTTP endpoint, refreshing `/proc` figures at
+//!   each scrape.
 //! - [`families`]: the handle groups every program registers alike (stages, connections,
 //!   wire bytes, payload bytes, calls, compression time).
 //! - [`errors`]: the error taxonomy (kind and side) and where bad input is counted.
@@ -14,6 +16,7 @@
 //! line. Nothing in `net` or in `rpcmesh-wire` uses it.
 
 pub mod catalogue;
+pub mod endpoint;
 pub mod errors;
 pub mod families;
 pub mod recorder;

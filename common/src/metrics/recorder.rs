@@ -10,7 +10,7 @@
 //! `metrics` macros, so that several providers and brokers in one test process keep
 //! separate counts.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use metrics::{Counter, Gauge, Histogram, Key, Label, Metadata, Recorder};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
@@ -31,11 +31,16 @@ pub const UPKEEP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(
 
 const METADATA: Metadata<'static> = Metadata::new("rpcmesh", metrics::Level::INFO, None);
 
+/// Work run before each scrape's rendering (see [`Telemetry::on_scrape`]).
+pub type Refresh = Arc<dyn Fn() + Send + Sync>;
+
 /// A recorder of one program instance, and the handle that renders it; or nothing at all
 /// ([`Telemetry::discard`]), when no one can read the metrics.
 #[derive(Clone)]
 pub struct Telemetry {
     inner: Option<(Arc<PrometheusRecorder>, PrometheusHandle)>,
+    refresh: Arc<Mutex<Vec<Refresh>>>,
+    served_at: Option<std::net::SocketAddr>,
 }
 
 impl std::fmt::Debug for Telemetry {
@@ -68,6 +73,8 @@ impl Telemetry {
         let handle = recorder.handle();
         let t = Telemetry {
             inner: Some((Arc::new(recorder), handle)),
+            refresh: Arc::default(),
+            served_at: None,
         };
         catalogue::describe_all(&t);
         t
@@ -76,7 +83,11 @@ impl Telemetry {
     /// No recorder: every handle is a no-op (the metrics endpoint is off, so nothing
     /// recorded could be read, and the hot path pays nothing for it).
     pub fn discard() -> Self {
-        Telemetry { inner: None }
+        Telemetry {
+            inner: None,
+            refresh: Arc::default(),
+            served_at: None,
+        }
     }
 
     /// True when metrics are recorded.
@@ -84,22 +95,43 @@ impl Telemetry {
         self.inner.is_some()
     }
 
-    /// A recorder whose `/metrics` is served over HTTP on `addr` (Prometheus text format),
-    /// with its upkeep running every few seconds. Must be called inside a Tokio runtime.
-    pub fn serve_http(
-        addr: std::net::SocketAddr,
-    ) -> Result<Self, metrics_exporter_prometheus::BuildError> {
-        let (recorder, exporter) = PrometheusBuilder::new()
-            .set_buckets(LATENCY_BUCKETS)?
-            .with_http_listener(addr)
-            .build()?;
-        tokio::spawn(async move {
-            if let Err(e) = exporter.await {
-                tracing::error!(error = ?e, "metrics endpoint stopped");
-            }
-        });
-        tracing::info!(%addr, "metrics served at /metrics");
-        Ok(Telemetry::recording(recorder))
+    /// A recorder whose `/metrics` is served over HTTP on `addr` (port 0 picks one; see
+    /// [`Telemetry::served_at`]) by [`crate::metrics::endpoint`]. Must be called inside a
+    /// Tokio runtime.
+    pub fn serve_http(addr: std::net::SocketAddr) -> std::io::Result<Self> {
+        let mut t = Telemetry::new();
+        let bound = crate::metrics::endpoint::serve(t.clone(), addr)?;
+        t.served_at = Some(bound);
+        tracing::info!(addr = %bound, "metrics served at /metrics");
+        Ok(t)
+    }
+
+    /// Where `/metrics` is served, if it is.
+    pub fn served_at(&self) -> Option<std::net::SocketAddr> {
+        self.served_at
+    }
+
+    /// Runs `f` before every scrape's rendering (on a blocking thread), so that figures
+    /// read from outside (`/proc`) are current when scraped.
+    pub fn on_scrape(&self, f: Refresh) {
+        if self.inner.is_some() {
+            self.refresh
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(f);
+        }
+    }
+
+    /// Runs every [`Telemetry::on_scrape`] hook.
+    pub fn refresh(&self) {
+        let hooks = self
+            .refresh
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        for h in hooks {
+            h();
+        }
     }
 
     /// Registers (or finds) a counter of the catalogued `family`, with `labels` (their
@@ -179,9 +211,7 @@ impl Telemetry {
 
 /// The telemetry of a program: served over HTTP when an address is given, discarded
 /// otherwise (`--metrics-listen off`).
-pub fn start(
-    listen: Option<std::net::SocketAddr>,
-) -> Result<Telemetry, metrics_exporter_prometheus::BuildError> {
+pub fn start(listen: Option<std::net::SocketAddr>) -> std::io::Result<Telemetry> {
     match listen {
         Some(a) => Telemetry::serve_http(a),
         None => Ok(Telemetry::discard()),

@@ -16,6 +16,7 @@
 //! |---|---|---|
 //! | `rpcmesh_softirqs_total` | counter | `role`, `cpu`, `vector` |
 //! | `rpcmesh_cpu_seconds_total` | counter | `role`, `cpu`, `mode` |
+//! | `rpcmesh_host_cpu_seconds` | histogram | `role`, `mode` |
 //! | `rpcmesh_process_cpu_seconds_total` | counter | `role` |
 //! | `rpcmesh_process_cpu_seconds` | histogram | `role` |
 //! | `rpcmesh_process_resident_memory_bytes`, `rpcmesh_process_virtual_memory_bytes`, `rpcmesh_process_virtual_memory_max_bytes` | gauge | `role` |
@@ -72,6 +73,15 @@
 //! is the CPU the process uses, in cores. (A histogram's `_sum` is the one float counter
 //! the exporter renders.) Its buckets tell how busy the collection intervals were.
 //!
+//! The host's time in each mode, summed over its CPUs, is exported exactly the same way:
+//! `rpcmesh_host_cpu_seconds{mode}`, one observation per collection, so its `_sum` is a
+//! fractional counter and the softirq share over any window is
+//! `rate(rpcmesh_host_cpu_seconds_sum{mode="softirq"}[1m]) / ignoring(mode)
+//! sum without(mode) (rate(rpcmesh_host_cpu_seconds_sum[1m]))`.
+//!
+//! Every figure here is also read afresh at each scrape of `/metrics` (see
+//! [`crate::metrics::endpoint`]), so two scrapes bound exactly the time between them.
+//!
 //! # Process metrics
 //!
 //! The figures come from `metrics_process::collector::collect()`, the crate's plain
@@ -88,6 +98,7 @@
 //! values, the other sources still update, and nothing else counts the failure.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use metrics::{Counter, Gauge};
@@ -95,9 +106,10 @@ use procfs::{CpuTime, FromReadSI, KernelStats};
 
 use crate::metrics::Telemetry;
 use crate::metrics::catalogue::{
-    CPU_SECONDS_TOTAL, Family, PROCESS_CPU_SECONDS, PROCESS_CPU_SECONDS_TOTAL, PROCESS_MAX_FDS,
-    PROCESS_OPEN_FDS, PROCESS_RESIDENT_MEMORY_BYTES, PROCESS_START_TIME_SECONDS, PROCESS_THREADS,
-    PROCESS_VIRTUAL_MEMORY_BYTES, PROCESS_VIRTUAL_MEMORY_MAX_BYTES, Role, SOFTIRQS_TOTAL,
+    CPU_SECONDS_TOTAL, Family, HOST_CPU_SECONDS, PROCESS_CPU_SECONDS, PROCESS_CPU_SECONDS_TOTAL,
+    PROCESS_MAX_FDS, PROCESS_OPEN_FDS, PROCESS_RESIDENT_MEMORY_BYTES, PROCESS_START_TIME_SECONDS,
+    PROCESS_THREADS, PROCESS_VIRTUAL_MEMORY_BYTES, PROCESS_VIRTUAL_MEMORY_MAX_BYTES, Role,
+    SOFTIRQS_TOTAL,
 };
 use crate::net::shutdown::CancellationToken;
 
@@ -435,6 +447,8 @@ pub struct SystemMetrics {
     softirqs: HashMap<String, HashMap<u32, SoftirqSeries>>,
     /// CPU → one counter per [`CpuMode::ALL`], registered the first time it is seen.
     cpu_seconds: HashMap<u32, [Option<Counter>; CpuMode::ALL.len()]>,
+    /// One histogram per [`CpuMode::ALL`] of the host's time in it, and its last total.
+    host_cpu: [Option<(metrics::Histogram, u64)>; CpuMode::ALL.len()],
     process_cpu: Option<Counter>,
     process_cpu_exact: Option<(metrics::Histogram, f64)>,
     process_gauges: [Option<Gauge>; PROCESS_GAUGES],
@@ -453,6 +467,7 @@ impl SystemMetrics {
             ticks_per_second: procfs::ticks_per_second().max(1),
             softirqs: HashMap::new(),
             cpu_seconds: HashMap::new(),
+            host_cpu: Default::default(),
             process_cpu: None,
             process_cpu_exact: None,
             process_gauges: Default::default(),
@@ -520,6 +535,22 @@ impl SystemMetrics {
 
     fn record_stat(&mut self, cpus: &[(u32, CpuTime)]) {
         let (telemetry, role) = (&self.telemetry, self.role);
+        for (mode, slot) in CpuMode::ALL.iter().zip(self.host_cpu.iter_mut()) {
+            let ticks: Option<u64> = cpus.iter().map(|(_, t)| mode.ticks(t)).sum();
+            let Some(ticks) = ticks else { continue };
+            let (hist, last) = slot.get_or_insert_with(|| {
+                let h = telemetry.histogram(
+                    &HOST_CPU_SECONDS,
+                    &[("role", role.label()), ("mode", mode.label())],
+                );
+                (h, 0)
+            });
+            // A count the kernel moved backwards (iowait) waits until it is passed again.
+            if ticks > *last {
+                hist.record((ticks - *last) as f64 / self.ticks_per_second as f64);
+                *last = ticks;
+            }
+        }
         for (cpu, time) in cpus {
             let handles = self.cpu_seconds.entry(*cpu).or_default();
             for (mode, handle) in CpuMode::ALL.iter().zip(handles.iter_mut()) {
@@ -575,8 +606,8 @@ impl SystemMetrics {
     }
 }
 
-/// Collects every `interval` (at least [`MIN_INTERVAL`]), the first time at once, until
-/// `stop` is cancelled, and once more then. The reads run on Tokio's blocking pool: they are file I/O, and
+/// Collects every `interval` (at least [`MIN_INTERVAL`]), the first time at once, and at
+/// every scrape of the telemetry's endpoint, until `stop` is cancelled, and once more then. The reads run on Tokio's blocking pool: they are file I/O, and
 /// listing `/proc/self/fd` takes a while when thousands of connections are open.
 pub fn spawn(
     telemetry: Telemetry,
@@ -588,7 +619,16 @@ pub fn spawn(
         if !telemetry.is_recording() {
             return;
         }
-        let mut metrics = SystemMetrics::new(&telemetry, role);
+        let metrics = Arc::new(Mutex::new(SystemMetrics::new(&telemetry, role)));
+        // Each scrape reads /proc first, so that its figures are current (see
+        // crate::metrics::endpoint). Weak: the hook must not keep the metrics (and through
+        // them the recorder) alive after this task ends.
+        let weak = Arc::downgrade(&metrics);
+        telemetry.on_scrape(Arc::new(move || {
+            if let Some(m) = weak.upgrade() {
+                m.lock().unwrap_or_else(|e| e.into_inner()).collect();
+            }
+        }));
         let mut ticker = tokio::time::interval(interval.max(MIN_INTERVAL));
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -596,15 +636,15 @@ pub fn spawn(
                 () = stop.cancelled() => true,
                 _ = ticker.tick() => false,
             };
+            let m = metrics.clone();
             let collected = tokio::task::spawn_blocking(move || {
-                metrics.collect();
-                metrics
+                m.lock().unwrap_or_else(|e| e.into_inner()).collect();
             })
             .await;
-            metrics = match collected {
+            match collected {
                 // A last reading on the way out, so the final figures include the end.
-                Ok(_) if last => return,
-                Ok(m) => m,
+                Ok(()) if last => return,
+                Ok(()) => {}
                 Err(e) if e.is_panic() => {
                     tracing::warn!(role = role.label(), error = %e, "system metrics collection panicked; stopped");
                     return;
@@ -613,7 +653,7 @@ pub fn spawn(
                     tracing::debug!(role = role.label(), error = %e, "system metrics collection cancelled");
                     return;
                 }
-            };
+            }
         }
     })
 }

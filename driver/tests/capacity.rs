@@ -1,0 +1,142 @@
+//! `driver capacity` end to end: the binary starts its local provider and broker as child
+//! processes, runs a short search (with compression off and on) and a sweep, and writes
+//! its reports; the test checks that the found rate lies between a passing and a failing
+//! step, that every step has its figures, that the JSON parses and meets the documented
+//! schema, and that the HTML report's charts are all drawn in headless Chromium.
+//!
+//! The capacity is made small and independent of the machine's speed: the provider sleeps
+//! 2 ms per call, a request is 5 calls in a row, and at most 4 requests are in flight, so
+//! the path holds about 4 / 10 ms = 400 requests/s whatever the CPU; offered more, the
+//! backlog grows and p99 (from the intended start) passes the SLO's 100 ms.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use rpcmesh_common::testkit;
+use rpcmesh_driver::capacity::report::{CapacityReport, Phase};
+
+#[test]
+fn a_short_search_brackets_the_capacity_and_reports_it_every_way() {
+    let dir = std::env::temp_dir().join(format!("rpcmesh-capacity-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (json, md, html) = (dir.join("c.json"), dir.join("c.md"), dir.join("c.html"));
+    let driver = env!("CARGO_BIN_EXE_driver");
+    let out = std::process::Command::new(driver)
+        .args([
+            "capacity",
+            "--service-time",
+            "2ms",
+            "--concurrency",
+            "4",
+            "--connections",
+            "2",
+            "--slo",
+            "p99<=100ms,errors<=1%",
+            "--start-rate",
+            "100",
+            "--growth",
+            "4",
+            "--precision",
+            "0.3",
+            "--step-duration",
+            "1.5s",
+            "--warmup",
+            "0.5s",
+            "--compare-compression",
+            "--sweep",
+            "1,2,4",
+            "--time-limit",
+            "3m",
+            "--metrics-listen",
+            "off",
+        ])
+        .arg("--json")
+        .arg(&json)
+        .arg("--markdown")
+        .arg(&md)
+        .arg("--html")
+        .arg(&html)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("Search, compression off"), "{text}");
+    assert!(text.contains("USL fit"), "{text}");
+    // Live progress: a line per step on stderr.
+    assert!(stderr.contains("capacity: step 1 (grow"), "{stderr}");
+
+    let raw = std::fs::read_to_string(&json).unwrap();
+    let report: CapacityReport = serde_json::from_str(&raw).unwrap();
+    assert!(report.stopped_early.is_none(), "{:?}", report.stopped_early);
+    assert_eq!(report.searches.len(), 2);
+    for s in &report.searches {
+        let cap = s.capacity.expect("a capacity");
+        let fail = s.lowest_failing.expect("a failing rate");
+        assert!(cap < fail, "{cap} {fail}");
+        assert!(
+            s.steps.iter().any(|t| t.pass && t.offered == cap),
+            "the capacity is a passing step's rate"
+        );
+        assert!(
+            s.steps
+                .iter()
+                .any(|t| !t.pass && t.offered == fail && !t.broken.is_empty()),
+            "the lowest failing rate is a failing step's, with what it broke"
+        );
+        assert!(s.steps.iter().any(|t| t.phase == Phase::Confirm && t.pass));
+        for t in &s.steps {
+            assert!(t.due > 0 && t.latency.count > 0, "{t:?}");
+            assert!(
+                t.bytes_out_per_call > 0.0 && t.bytes_in_per_call > 0.0,
+                "{t:?}"
+            );
+            for role in ["driver", "broker", "provider"] {
+                assert!(t.cpu_us_per_call.contains_key(role), "{role}: {t:?}");
+            }
+            assert!(!t.softirq_share.is_empty(), "{t:?}");
+        }
+    }
+    // The compressed search sends fewer bytes per call (the platform reply compresses).
+    let c = report.comparison.as_ref().expect("a comparison");
+    assert!(
+        c.bytes_per_call_on.unwrap() < c.bytes_per_call_off.unwrap(),
+        "{c:?}"
+    );
+    assert!(
+        c.verdict.starts_with("on this path compression"),
+        "{}",
+        c.verdict
+    );
+    let sweep = report.sweep.as_ref().expect("a sweep");
+    assert_eq!(sweep.points.len(), 3);
+    assert!(sweep.points.iter().all(|p| p.throughput > 0.0));
+
+    // The JSON meets the documented schema.
+    let schema: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(testkit::workspace_root().join("docs/capacity.schema.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    let instance: serde_json::Value = serde_json::from_str(&raw).unwrap();
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    let problems: Vec<String> = validator
+        .iter_errors(&instance)
+        .map(|e| e.to_string())
+        .collect();
+    assert!(problems.is_empty(), "{problems:?}");
+
+    let markdown = std::fs::read_to_string(&md).unwrap();
+    assert!(markdown.contains("| step | offered/s |"), "{markdown}");
+
+    // Every chart is drawn in a real browser.
+    let dom = testkit::headless_dom(&html).unwrap();
+    for chart in ["throughput", "latency", "usl", "compression"] {
+        assert!(
+            dom.contains(&format!("data-chart=\"{chart}\"")),
+            "{chart} missing"
+        );
+    }
+    assert!(dom.contains("data-charts-drawn=\"4\""), "{dom}");
+    assert!(!dom.contains("data-drawn=\"no\""), "{dom}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

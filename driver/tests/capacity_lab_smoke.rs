@@ -1,0 +1,53 @@
+//! The capacity lab, `scripts/capacity-lab`, in its smoke mode: the namespaces, the shaped
+//! links, the servers in their namespaces and `driver capacity` against them all run,
+//! briefly, so that the command cannot rot. The figures are not asserted (they need the
+//! full runs; see docs/capacity.md): only that it exits 0 and that its summary has both
+//! settings' capacity and CPU per call of every program, read across the namespaces.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::Path;
+use std::time::Duration;
+
+use rpcmesh_common::testkit;
+
+/// The smoke run takes about fifteen seconds; this only catches a hang.
+const SMOKE_TIMEOUT: Duration = Duration::from_secs(240);
+
+#[test]
+fn capacity_lab_smoke_mode_runs_the_search_across_namespaces() {
+    let smoke = testkit::smoke_script(
+        "capacity-lab",
+        Path::new(env!("CARGO_TARGET_TMPDIR")),
+        SMOKE_TIMEOUT,
+    );
+    let output = &smoke.run.output;
+    let rows: serde_json::Value =
+        serde_json::from_str(&smoke.report("capacity-lab-", "json")).unwrap();
+    let rows = rows.as_array().expect("a list of experiments");
+    assert_eq!(rows.len(), 1, "{output}");
+    let r = &rows[0];
+    for k in ["off", "on"] {
+        assert!(
+            r[format!("capacity_{k}")].as_f64().is_some(),
+            "{r}\n{output}"
+        );
+        for role in ["driver", "broker", "provider"] {
+            assert!(
+                r[format!("cpu_{k}")][role].as_f64().is_some(),
+                "{k} {role}: {r}\n{output}"
+            );
+        }
+    }
+    assert!(smoke.run.stdout.contains("| experiment |"), "{output}");
+    // Nothing is left behind: the namespaces are gone.
+    let left = std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .unwrap();
+    assert!(
+        !String::from_utf8_lossy(&left.stdout).contains("rpcm"),
+        "namespaces left: {}",
+        String::from_utf8_lossy(&left.stdout)
+    );
+}
