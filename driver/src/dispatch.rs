@@ -31,7 +31,7 @@ pub(crate) async fn run(
     let mut timer = PreciseTimer::new();
     let aim = match shared.config.pacing {
         Pacing::Exact => Aim::Spinning(EXACT_SPIN),
-        Pacing::Lean => Aim::NotBefore,
+        Pacing::Lean => Aim::Sleeping,
     };
     let mut turn = 0usize;
     loop {

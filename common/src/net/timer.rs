@@ -18,6 +18,10 @@
 //!   metal) it is a few µs; on the 2-vCPU VM, whose wake-ups from idle have a tail of
 //!   100–200 µs, it is about that (a fifth of a core at 1,000 wake-ups a second). A fixed
 //!   lead of the mean plus 40 µs left the pacer's start-lag p99 at 110–150 µs there.
+//! - [`Aim::Sleeping`]: at or after the deadline, by arming the timer for the deadline
+//!   itself: no lead, no spin, as late as the wake-up is. For the driver's lean pacer,
+//!   which must cost no CPU while it waits whatever the load (under load the lateness's
+//!   tail, and with it `NotBefore`'s spin, grows to milliseconds).
 //! - [`Aim::Spinning`]: the same, spinning for at least a given time before the deadline.
 //!   On a shared VM a halted vCPU is sometimes woken hundreds of µs late, in stretches of
 //!   seconds (neighbours' load), whatever the lead learned so far: the driver's exact
@@ -48,6 +52,12 @@ pub enum Aim {
     Mean,
     /// At or after the deadline, as soon after as can be.
     NotBefore,
+    /// At or after the deadline, by sleeping until it: the timer is armed for the
+    /// deadline itself, with no lead and no spinning, so the thread sleeps the whole gap
+    /// and the wake-up is as late as the host makes it. What costs no CPU while waiting,
+    /// whatever the lateness (a learned lead would spin through it, and on a loaded VM the
+    /// lateness's tail, and so the spinning, grows with the load).
+    Sleeping,
     /// At or after the deadline, having spun (yielding to the runtime) for at least the
     /// given time before it: the thread does not sleep through that time, so a CPU that
     /// would halt (and, in a VM, take hundreds of µs to be woken) keeps running.
@@ -175,7 +185,8 @@ impl PreciseTimer {
     }
 
     /// How early a wake-up with `aim` fires before its deadline: the mean lateness learned
-    /// so far ([`Aim::Mean`]), a high quantile of it ([`Aim::NotBefore`]), at least the
+    /// so far ([`Aim::Mean`]), none ([`Aim::Sleeping`]), a high quantile of it
+    /// ([`Aim::NotBefore`]), at least the
     /// spin ([`Aim::Spinning`]); zero on Tokio's timer.
     pub fn lead(&self, aim: Aim) -> Duration {
         if !matches!(self.fd, Fd::Fine(_)) {
@@ -189,6 +200,7 @@ impl PreciseTimer {
         };
         match aim {
             Aim::Mean => Duration::from_secs_f64(self.lateness_us / 1e6),
+            Aim::Sleeping => Duration::ZERO,
             Aim::NotBefore => not_before(),
             Aim::Spinning(d) => d.max(not_before()),
         }
@@ -236,7 +248,7 @@ impl PreciseTimer {
             self.armed = None;
             self.learn(fire_at);
         }
-        if aim != Aim::Mean {
+        if matches!(aim, Aim::NotBefore | Aim::Spinning(_)) {
             while Instant::now() < deadline {
                 tokio::task::yield_now().await;
             }
@@ -324,6 +336,18 @@ fn timespec(d: Duration) -> Timespec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_sleeping_wait_has_no_lead_and_never_returns_before_its_deadline() {
+        let mut t = PreciseTimer::new();
+        for us in [0u64, 50, 200, 1000, 3000] {
+            let deadline = Instant::now() + Duration::from_micros(us);
+            t.wait_until(deadline, Aim::Sleeping).await;
+            assert!(Instant::now() >= deadline, "{us} µs");
+        }
+        // However late past wake-ups were, it aims at the deadline itself: nothing to spin.
+        assert_eq!(t.lead(Aim::Sleeping), Duration::ZERO);
+    }
 
     #[tokio::test]
     async fn a_not_before_wait_never_returns_before_its_deadline() {
