@@ -949,14 +949,14 @@ fn main() {
          nibble). Time = reset + compress.\n"
     );
     println!(
-        "| window bits | CMF | deflate state KiB | platform req B | ns | platform reply B | ns | echo 1 KiB req B | ns | inflate reply ns |"
+        "| window bits | CMF | deflate state KiB | platform req B | ns | platform reply B | ns | echo 1 KiB req B | ns | synthetic 1 KiB reply B | ns | inflate platform reply ns |"
     );
-    println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for wb in 9u8..=15 {
         let mut cells = Vec::new();
         let mut cmf = 0u8;
         let mut reply_z = Vec::new();
-        for p in [&preq, &prep, &e1k] {
+        for p in [&preq, &prep, &e1k, &syn] {
             let env = &p.envelope[..];
             let z = zlib(env, 6, wb);
             cmf = z[0];

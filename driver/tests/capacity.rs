@@ -140,3 +140,70 @@ fn a_short_search_brackets_the_capacity_and_reports_it_every_way() {
     assert!(!dom.contains("data-drawn=\"no\""), "{dom}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Ctrl-C mid-experiment: the driver stops the search at once, leaves the step it cut short
+/// out, reports what it measured (and why it ended), and stops its local mesh.
+#[test]
+fn ctrl_c_ends_the_experiment_with_a_report_and_no_server_left() {
+    use std::io::{BufRead, BufReader};
+    let dir = std::env::temp_dir().join(format!("rpcmesh-capacity-int-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("c.json");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_driver"))
+        .args([
+            "capacity",
+            "--step-duration",
+            "1s",
+            "--warmup",
+            "0.2s",
+            "--start-rate",
+            "100",
+            "--sweep",
+            "off",
+            "--metrics-listen",
+            "off",
+        ])
+        .arg("--json")
+        .arg(&json)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let mut lines = BufReader::new(stderr).lines().map_while(Result::ok);
+    let mut broker = None;
+    // Wait (by what it says, not by time) until the second step has started.
+    for line in lines.by_ref() {
+        if let Some(rest) = line.strip_prefix("capacity: local mesh: broker ") {
+            broker = rest.split_whitespace().next().map(str::to_string);
+        }
+        if line.starts_with("capacity: step 2 ") {
+            break;
+        }
+    }
+    let broker: std::net::SocketAddr = broker.expect("the mesh's line").parse().unwrap();
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(child.id() as i32).unwrap(),
+        rustix::process::Signal::INT,
+    )
+    .unwrap();
+    let rest: Vec<String> = lines.collect();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status}: {rest:?}");
+    let report: CapacityReport =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let why = report.stopped_early.as_deref().unwrap_or_default();
+    assert!(why.contains("Ctrl-C"), "{why}");
+    let s = &report.searches[0];
+    assert_eq!(s.ended_by, "stopped");
+    assert_eq!(s.capacity, None, "no confirmation ran");
+    assert_eq!(
+        s.steps.len(),
+        1,
+        "step 2 was cut short and left out: {:?}",
+        s.steps
+    );
+    // The local broker is gone.
+    assert!(std::net::TcpStream::connect(broker).is_err());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -71,11 +71,12 @@
 //! since the process started). Its `_sum` is therefore the process's CPU time in
 //! fractional seconds, a float that only grows: `rate(rpcmesh_process_cpu_seconds_sum[1m])`
 //! is the CPU the process uses, in cores. (A histogram's `_sum` is the one float counter
-//! the exporter renders.) Its buckets tell how busy the collection intervals were.
+//! the exporter renders.) Its buckets say little: collections come every 5 s and at every
+//! scrape, so their intervals vary.
 //!
 //! The host's time in each mode, summed over its CPUs, is exported exactly the same way:
-//! `rpcmesh_host_cpu_seconds{mode}`, one observation per collection, so its `_sum` is a
-//! fractional counter and the softirq share over any window is
+//! `rpcmesh_host_cpu_seconds{mode}`, one observation per collection (the first reading
+//! only sets the start), so its `_sum` is a fractional counter and the softirq share over any window is
 //! `rate(rpcmesh_host_cpu_seconds_sum{mode="softirq"}[1m]) / ignoring(mode)
 //! sum without(mode) (rate(rpcmesh_host_cpu_seconds_sum[1m]))`.
 //!
@@ -538,12 +539,13 @@ impl SystemMetrics {
         for (mode, slot) in CpuMode::ALL.iter().zip(self.host_cpu.iter_mut()) {
             let ticks: Option<u64> = cpus.iter().map(|(_, t)| mode.ticks(t)).sum();
             let Some(ticks) = ticks else { continue };
+            // The first reading only sets the start: the time since boot is no one's.
             let (hist, last) = slot.get_or_insert_with(|| {
                 let h = telemetry.histogram(
                     &HOST_CPU_SECONDS,
                     &[("role", role.label()), ("mode", mode.label())],
                 );
-                (h, 0)
+                (h, ticks)
             });
             // A count the kernel moved backwards (iowait) waits until it is passed again.
             if ticks > *last {

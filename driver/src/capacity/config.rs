@@ -33,6 +33,9 @@ pub const DEFAULT_GROWTH: f64 = 2.0;
 /// A search ends when its lowest failing rate is within 5 % of its highest passing one:
 /// about the step-to-step noise of a rate on a shared VM.
 pub const DEFAULT_PRECISION: f64 = 0.05;
+/// The finest `--precision` taken: below it the bisection's steps differ by less than
+/// the noise of a rate, and the midpoint of two near rates can round to one of them.
+pub const MIN_PRECISION: f64 = 1e-3;
 /// The whole experiment's time budget: a search, a comparison and a sweep at the default
 /// step length fit well within it; a step that would end beyond it is not started.
 pub const DEFAULT_TIME_LIMIT: Duration = Duration::from_secs(30 * 60);

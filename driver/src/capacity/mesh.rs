@@ -8,6 +8,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
+use std::os::unix::process::CommandExt as _;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -33,7 +34,8 @@ pub struct LocalServer {
     child: Child,
 }
 
-/// The local provider and broker.
+/// The local provider and broker. Dropping it stops the broker, then the provider
+/// (fields drop in order).
 #[derive(Debug)]
 pub struct LocalMesh {
     /// The broker (stopped first).
@@ -73,6 +75,9 @@ impl LocalServer {
         ])
         .args(flags)
         .stdin(Stdio::piped())
+        // Its own process group: a Ctrl-C at the terminal is the driver's to handle (it
+        // ends the experiment and stops the mesh), not the servers'.
+        .process_group(0)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
         // The driver's own settings (RPCMESH_COMPRESS, ...) are not the servers'.
@@ -111,7 +116,15 @@ impl LocalServer {
                 Ok(server)
             }
             Ok((_, None)) => anyhow::bail!("the local {role} serves no /metrics"),
-            Err(_) => anyhow::bail!(
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                // Its stdout closed without the line: it exited (bad flags, say).
+                let status = server.child.wait().map(|s| s.to_string());
+                anyhow::bail!(
+                    "the local {role} exited before it listened ({}); its stderr is above",
+                    status.unwrap_or_else(|e| e.to_string())
+                )
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => anyhow::bail!(
                 "the local {role} did not say where it listens within {START_TIMEOUT:?}"
             ),
         }
@@ -134,10 +147,10 @@ impl LocalServer {
     }
 }
 
-impl Drop for LocalMesh {
+impl Drop for LocalServer {
+    /// Stops it and reaps it, whatever happened (a server whose peer failed to start, too).
     fn drop(&mut self) {
-        self.broker.stop();
-        self.provider.stop();
+        self.stop();
     }
 }
 

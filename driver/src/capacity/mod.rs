@@ -35,9 +35,12 @@ use self::report::{
 use self::step::{Measured, Runner};
 use crate::config::WorkloadKind;
 
-/// Time allowed past a step's measured window for its last replies, when deciding whether
-/// the step still fits the time budget.
-const STEP_TAIL: std::time::Duration = std::time::Duration::from_secs(1);
+/// A search's `ended_by` when the time budget cut it short.
+const ENDED_BY_TIME: &str = "time";
+/// A search's `ended_by` when Ctrl-C (or a failed step) cut it short.
+const ENDED_BY_STOP: &str = "stopped";
+/// How `stopped_early` begins when the time budget ended the experiment.
+const TIME_LIMIT: &str = "time limit";
 
 /// Runs the experiment. `exe` is the driver binary, run again as the local mesh's
 /// provider and broker when `config` has no target. `stop` (Ctrl-C) ends it early; what
@@ -83,9 +86,9 @@ pub async fn run(
         stopped_early: None,
         steps_run: 0,
     };
-    let searches = x.searches().await?;
+    let searches = x.searches().await;
     let comparison = if config.compare {
-        Some(x.compare(&searches).await?)
+        Some(x.compare(&searches).await)
     } else {
         None
     };
@@ -101,7 +104,7 @@ pub async fn run(
     let sweep = if config.sweep.is_empty() {
         None
     } else {
-        Some(x.sweep().await?)
+        Some(x.sweep().await)
     };
     let stopped_early = x.stopped_early.take();
     if let Some(mesh) = mesh {
@@ -175,10 +178,13 @@ impl Experiment<'_> {
             self.stopped_early = Some("stopped (Ctrl-C)".into());
             return false;
         }
-        let would_end = self.started.elapsed() + self.config.warmup + self.config.step + STEP_TAIL;
+        // A step's last replies may take up to the call timeout after its window (when it
+        // is beyond capacity), and its two readings up to a scrape timeout each.
+        let tail = self.config.load.call_timeout + 2 * probe::SCRAPE_TIMEOUT;
+        let would_end = self.started.elapsed() + self.config.warmup + self.config.step + tail;
         if would_end > self.config.time_limit {
             self.stopped_early = Some(format!(
-                "time limit: the next step would end after --time-limit {:?}",
+                "{TIME_LIMIT}: the next step would end after --time-limit {:?}",
                 self.config.time_limit
             ));
             return false;
@@ -191,7 +197,7 @@ impl Experiment<'_> {
         phase: Phase,
         rate: f64,
         compression: &Option<CompressionConfig>,
-    ) -> anyhow::Result<Step> {
+    ) -> Option<Step> {
         self.steps_run += 1;
         eprintln!(
             "capacity: step {} ({}, compression {}): offering {} requests/s for {:.0} s",
@@ -201,7 +207,8 @@ impl Experiment<'_> {
             crate::report::thousands(rate),
             self.config.step.as_secs_f64()
         );
-        let m: Measured = self.runner.open(rate, *compression, &self.stop).await?;
+        let m = self.runner.open(rate, *compression, &self.stop).await;
+        let m = self.finished(m)?;
         let s = Step::of(phase, rate, &m, &self.config.slo);
         eprintln!(
             "capacity:   achieved {} requests/s ({} calls/s), p99 {} ms, errors {:.3}%, CPU µs/call {}: {}",
@@ -216,11 +223,29 @@ impl Experiment<'_> {
                 format!("FAIL ({})", s.broken.join(", "))
             }
         );
-        Ok(s)
+        Some(s)
+    }
+
+    /// A step's measurements, unless it was cut short (Ctrl-C: its figures cover part of
+    /// a step and must not be judged) or failed; then the experiment ends, and says why.
+    fn finished(&mut self, m: anyhow::Result<Measured>) -> Option<Measured> {
+        match m {
+            Ok(_) if self.stop.is_cancelled() => {
+                self.stopped_early =
+                    Some("stopped (Ctrl-C); the step it cut short is left out".into());
+                None
+            }
+            Ok(m) => Some(m),
+            Err(e) => {
+                eprintln!("capacity: step {} failed: {e:#}", self.steps_run);
+                self.stopped_early = Some(format!("step {} failed: {e:#}", self.steps_run));
+                None
+            }
+        }
     }
 
     /// The searches (one, or off and on taking turns), each with its machine's state.
-    async fn searches(&mut self) -> anyhow::Result<Vec<(Search, search::Search)>> {
+    async fn searches(&mut self) -> Vec<(Search, search::Search)> {
         let settings: Vec<Option<CompressionConfig>> = if self.config.compare {
             vec![None, Some(self.config.compression_on)]
         } else {
@@ -258,7 +283,9 @@ impl Experiment<'_> {
                             break;
                         }
                         let compression = *compression;
-                        let step = self.open_step(phase, rate, &compression).await?;
+                        let Some(step) = self.open_step(phase, rate, &compression).await else {
+                            break;
+                        };
                         let (report, machine, _) = &mut all[i];
                         machine.record(phase, rate, step.pass);
                         report.steps.push(step);
@@ -284,14 +311,14 @@ impl Experiment<'_> {
                 .into();
             }
         }
-        Ok(all.into_iter().map(|(r, m, _)| (r, m)).collect())
+        all.into_iter().map(|(r, m, _)| (r, m)).collect()
     }
 
     /// Both settings once more at the lower capacity, and the comparison.
     async fn compare(
         &mut self,
         searches: &[(Search, search::Search)],
-    ) -> anyhow::Result<(Comparison, Option<Step>, Option<Step>)> {
+    ) -> (Comparison, Option<Step>, Option<Step>) {
         let off = searches.first().and_then(|s| s.0.capacity);
         let on = searches.get(1).and_then(|s| s.0.capacity);
         let common = match (off, on) {
@@ -301,11 +328,11 @@ impl Experiment<'_> {
         let mut steps = (None, None);
         if let Some(rate) = common {
             if self.may_start() {
-                steps.0 = Some(self.open_step(Phase::Common, rate, &None).await?);
+                steps.0 = self.open_step(Phase::Common, rate, &None).await;
             }
             if self.may_start() {
                 let on = Some(self.config.compression_on);
-                steps.1 = Some(self.open_step(Phase::Common, rate, &on).await?);
+                steps.1 = self.open_step(Phase::Common, rate, &on).await;
             }
         }
         let mut c = comparison(
@@ -316,21 +343,23 @@ impl Experiment<'_> {
             steps.1.as_ref(),
             self.config.bounds.precision,
         );
-        let both_at_max = searches.len() == 2
-            && searches
-                .iter()
-                .all(|s| s.0.ended_by == search::Ended::MaxRate.label());
-        if both_at_max {
+        let ended = |label: &str| searches.iter().any(|s| s.0.ended_by == label);
+        let cut_short = searches
+            .iter()
+            .any(|s| s.0.ended_by == ENDED_BY_TIME || s.0.ended_by == ENDED_BY_STOP);
+        if cut_short {
+            c.verdict = "the comparison is incomplete: a search was cut short before it found its capacity (see the searches' ended_by)".into();
+        } else if searches.len() == 2 && !ended("slo") && !ended("nothing_passed") {
             c.verdict = format!(
                 "both settings met the SLO up to --max-rate {}: raise it to find where compression matters",
                 crate::report::thousands(self.config.bounds.max)
             );
         }
         eprintln!("capacity: {}", c.verdict);
-        Ok((c, steps.0, steps.1))
+        (c, steps.0, steps.1)
     }
 
-    async fn sweep(&mut self) -> anyhow::Result<Sweep> {
+    async fn sweep(&mut self) -> Sweep {
         let compression = self.config.load.compression;
         let mut points = Vec::new();
         for &users in &self.config.sweep {
@@ -344,7 +373,8 @@ impl Experiment<'_> {
                 label(&compression),
                 self.config.step.as_secs_f64()
             );
-            let m = self.runner.closed(users, compression, &self.stop).await?;
+            let m = self.runner.closed(users, compression, &self.stop).await;
+            let Some(m) = self.finished(m) else { break };
             let p = SweepPoint::of(users, &m);
             eprintln!(
                 "capacity:   {} requests/s, p99 {} ms",
@@ -353,20 +383,30 @@ impl Experiment<'_> {
             );
             points.push(p);
         }
+        // A point where nothing succeeded says nothing about scaling (the path failed): it
+        // stays in the table, out of the fit.
         let xy: Vec<(f64, f64)> = points
             .iter()
+            .filter(|p| p.throughput > 0.0)
             .map(|p| (p.users as f64, p.throughput))
             .collect();
+        let left_out = points.len() - xy.len();
         let (fit, fit_error) = match usl::fit(&xy) {
             Ok(f) => (Some(f), None),
+            Err(e) if left_out > 0 => (
+                None,
+                Some(format!(
+                    "{e} ({left_out} point(s) with no successful request left out)"
+                )),
+            ),
             Err(e) => (None, Some(e.to_string())),
         };
-        Ok(Sweep {
+        Sweep {
             compression: compression.is_some(),
             points,
             fit,
             fit_error,
-        })
+        }
     }
 }
 

@@ -83,8 +83,27 @@ pub enum ProbeError {
     },
 }
 
+/// Tries of a scrape whose page lacks the CPU figures: a server prints its listening line
+/// before its system metrics register, so a scrape right after start may find none yet.
+const NO_CPU_TRIES: u32 = 5;
+/// Pause between those tries.
+const NO_CPU_PAUSE: Duration = Duration::from_millis(100);
+
 /// Reads the `/metrics` of the program at `addr`.
 pub async fn scrape(addr: SocketAddr) -> Result<Reading, ProbeError> {
+    let mut tries = 0;
+    loop {
+        match scrape_once(addr).await {
+            Err(ProbeError::NoCpu { .. }) if tries + 1 < NO_CPU_TRIES => {
+                tries += 1;
+                tokio::time::sleep(NO_CPU_PAUSE).await;
+            }
+            r => return r,
+        }
+    }
+}
+
+async fn scrape_once(addr: SocketAddr) -> Result<Reading, ProbeError> {
     let io = |source| ProbeError::Io { addr, source };
     let page = tokio::time::timeout(SCRAPE_TIMEOUT, get(addr))
         .await

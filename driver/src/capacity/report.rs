@@ -156,13 +156,14 @@ pub struct Search {
     /// Its steps in the order they ran (confirmation and common-rate steps included).
     pub steps: Vec<Step>,
     /// The highest rate that met the SLO and met it again when confirmed, requests per
-    /// second; `None` when even the first step failed (or the confirmation did).
+    /// second; `None` when nothing passed down to the minimum rate, or the search was cut
+    /// short before a confirmation.
     pub capacity: Option<f64>,
     /// The lowest rate that broke the SLO; `None` when none did up to `max_rate`.
     pub lowest_failing: Option<f64>,
-    /// How the search ended: `slo` (bracketed within the precision), `max_rate` (every
-    /// rate passed), `first_step` (the start rate failed), `confirmation` (the highest
-    /// passing rate failed its second run), `time` or `stopped` (cut short).
+    /// How the search ended: `slo` (bracketed within the precision and confirmed),
+    /// `max_rate` (every rate passed, the maximum confirmed), `nothing_passed` (down to the
+    /// minimum rate), `time` (the time budget) or `stopped` (Ctrl-C, or a step failed).
     pub ended_by: String,
 }
 

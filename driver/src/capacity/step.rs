@@ -51,7 +51,9 @@ pub struct Runner {
 }
 
 async fn read_all(probes: &[(String, SocketAddr)]) -> Vec<(String, Option<Reading>)> {
-    let mut out = vec![(DRIVER.to_string(), Some(probe::own()))];
+    // /proc reads (the fd listing among them) are file I/O: off the runtime's threads.
+    let own = tokio::task::spawn_blocking(probe::own).await.ok();
+    let mut out = vec![(DRIVER.to_string(), own)];
     for (role, addr) in probes {
         match probe::scrape(*addr).await {
             Ok(r) => out.push((role.clone(), Some(r))),
@@ -76,6 +78,8 @@ impl Runner {
         config.progress = ProgressMode::Off;
         config.json = None;
         config.hdr_log = None;
+        // Nothing serves the step's own metrics: do not time stages into a void.
+        config.stage_sample = 0;
         // A reading when the measured window opens, taken while the run goes on; another
         // when the run has its last reply.
         let probes = self.probes.clone();
