@@ -690,8 +690,8 @@ fn main() {
     );
     println!(
         "JSON with the reference's field names: a format that carries names per field, as the \
-         reference's 194 B / 178 B serialisation evidently did. Compressed with the same \
-         zlib (level 6).\n"
+         reference's 194 B / 178 B serialisation probably did (its sizes fit that). Compressed \
+         with the same zlib (level 6).\n"
     );
     let json_req = r#"{"systemId":"PL","appVersion":"qq.qq.qq","companyId":"12","sourceIp":"DESKTOP-NDOHT79","destIp":"DESKTOP-NDOHT79","spiderOpts":{},"companyName":"機構1","createDate":"20160101","companyType":1}"#;
     let node =
