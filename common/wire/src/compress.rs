@@ -53,16 +53,17 @@ impl Default for CompressionConfig {
 #[derive(Debug)]
 pub struct Compressor {
     config: CompressionConfig,
-    z: Compress,
+    /// The zlib state (about 340 KiB with zlib-rs), made by the first payload that is
+    /// compressed: a connection that never compresses (most, and every idle one) never
+    /// holds it.
+    z: Option<Compress>,
 }
 
 impl Compressor {
-    /// A compressor with the given threshold and level.
+    /// A compressor with the given threshold and level (its state is made when first
+    /// needed).
     pub fn new(config: CompressionConfig) -> Self {
-        Compressor {
-            config,
-            z: Compress::new(Compression::new(config.level.min(9)), true),
-        }
+        Compressor { config, z: None }
     }
 
     /// Payloads shorter than this are never compressed.
@@ -77,16 +78,16 @@ impl Compressor {
         if input.len() < self.threshold() {
             return false;
         }
-        self.z.reset();
+        let level = Compression::new(self.config.level.min(9));
+        let z = self.z.get_or_insert_with(|| Compress::new(level, true));
+        z.reset();
         let start = dst.len();
         // Room for one byte less than the input: if deflate does not finish in it, the
         // compressed form is no smaller and the payload goes plain.
         let room = input.len() - 1;
         dst.resize(start + room, 0);
-        let res = self
-            .z
-            .compress(input, &mut dst[start..], FlushCompress::Finish);
-        let written = self.z.total_out() as usize;
+        let res = z.compress(input, &mut dst[start..], FlushCompress::Finish);
+        let written = z.total_out() as usize;
         match res {
             Ok(Status::StreamEnd) if written < input.len() => {
                 dst.truncate(start + written);
@@ -104,21 +105,21 @@ impl Compressor {
 #[derive(Debug)]
 pub struct Inflater {
     limit: usize,
-    z: Decompress,
+    /// The zlib state, made by the first compressed payload that arrives.
+    z: Option<Decompress>,
 }
 
 impl Inflater {
-    /// An inflater that refuses output longer than `limit` bytes.
+    /// An inflater that refuses output longer than `limit` bytes (its state is made when
+    /// first needed).
     pub fn new(limit: usize) -> Self {
-        Inflater {
-            limit,
-            z: Decompress::new(true),
-        }
+        Inflater { limit, z: None }
     }
 
     /// Appends the inflated form of the zlib stream `input` to `dst`.
     pub fn inflate_into(&mut self, input: &[u8], dst: &mut BytesMut) -> Result<(), CompressError> {
-        self.z.reset(true);
+        let z = self.z.get_or_insert_with(|| Decompress::new(true));
+        z.reset(true);
         let start = dst.len();
         // Small payloads inflate in one step; bigger ones grow the room geometrically up
         // to one byte past the limit, so that a payload of exactly `limit` bytes fits.
@@ -132,20 +133,20 @@ impl Inflater {
                 }
                 room = room.saturating_mul(2).min(cap);
             }
-            let (in_before, out_before) = (self.z.total_in(), self.z.total_out());
+            let (in_before, out_before) = (z.total_in(), z.total_out());
             dst.resize(start + room, 0);
-            let res = self.z.decompress(
+            let res = z.decompress(
                 &input[in_before as usize..],
                 &mut dst[start + out..],
                 FlushDecompress::None,
             );
-            let out = self.z.total_out() as usize;
+            let out = z.total_out() as usize;
             dst.truncate(start + out);
             if out > self.limit {
                 break Err(CompressError::TooLarge { limit: self.limit });
             }
             match res {
-                Ok(Status::StreamEnd) if self.z.total_in() as usize == input.len() => {
+                Ok(Status::StreamEnd) if z.total_in() as usize == input.len() => {
                     break Ok(());
                 }
                 Ok(Status::StreamEnd) => {
@@ -154,7 +155,7 @@ impl Inflater {
                     ));
                 }
                 Ok(_) => {
-                    let stuck = self.z.total_in() == in_before && self.z.total_out() == out_before;
+                    let stuck = z.total_in() == in_before && z.total_out() == out_before;
                     if stuck && out < room {
                         break Err(CompressError::Corrupt("stream cut short".into()));
                     }
@@ -172,6 +173,24 @@ impl Inflater {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn zlib_state_is_made_only_when_a_payload_needs_it() {
+        let mut c = Compressor::new(CompressionConfig::default());
+        let mut i = Inflater::new(1 << 20);
+        assert!(c.z.is_none() && i.z.is_none(), "nothing allocated up front");
+        let mut out = BytesMut::new();
+        // Below the threshold: sent plain, still no state.
+        assert!(!c.compress_into(b"short", &mut out));
+        assert!(c.z.is_none());
+        let payload = vec![b'x'; 1000];
+        assert!(c.compress_into(&payload, &mut out));
+        assert!(c.z.is_some());
+        let mut back = BytesMut::new();
+        i.inflate_into(&out, &mut back).unwrap();
+        assert!(i.z.is_some());
+        assert_eq!(&back[..], &payload[..]);
+    }
 
     #[test]
     fn compressible_payloads_round_trip() {
