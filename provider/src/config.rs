@@ -9,6 +9,7 @@ use rpcmesh_common::cli::{ConfigProblems, DurationArg, MetricsListen, OnOff};
 use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
 use rpcmesh_common::net::session::DEFAULT_MAX_IN_FLIGHT_PER_LINK;
 use rpcmesh_wire::compress::{CompressionConfig, DEFAULT_MAX_INFLATED_LEN};
+use rpcmesh_wire::envelope::DEFAULT_MAX_METADATA_BYTES;
 use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
 
 use crate::service::{ServiceMode, ServiceTime};
@@ -85,6 +86,9 @@ pub struct Args {
     /// Largest payload a compressed request may inflate to, in bytes.
     #[arg(long, env = "RPCMESH_MAX_INFLATED_BYTES", default_value_t = DEFAULT_MAX_INFLATED_LEN)]
     pub max_inflated_bytes: usize,
+    /// Most bytes of metadata a request may carry (as encoded); more is "bad request".
+    #[arg(long, env = "RPCMESH_MAX_METADATA_BYTES", default_value_t = DEFAULT_MAX_METADATA_BYTES)]
+    pub max_metadata_bytes: usize,
     /// Grace period for calls in flight on SIGTERM/SIGINT.
     #[arg(long, env = "RPCMESH_GRACE", default_value_t = DurationArg(DEFAULT_GRACE))]
     pub grace: DurationArg,
@@ -112,6 +116,8 @@ pub struct ProviderConfig {
     pub max_body_len: u32,
     /// Largest inflated payload.
     pub max_inflated: usize,
+    /// Most bytes of request metadata.
+    pub max_metadata: usize,
     /// Drain time on shutdown.
     pub grace: Duration,
     /// Stages are timed on one call in this many; 0 = not at all.
@@ -129,6 +135,7 @@ impl Default for ProviderConfig {
             max_in_flight_per_conn: DEFAULT_MAX_IN_FLIGHT_PER_CONN,
             max_body_len: DEFAULT_MAX_BODY_LEN,
             max_inflated: DEFAULT_MAX_INFLATED_LEN,
+            max_metadata: DEFAULT_MAX_METADATA_BYTES,
             grace: DEFAULT_GRACE,
             stage_sample: DEFAULT_STAGE_SAMPLE,
         }
@@ -168,6 +175,7 @@ impl Args {
             max_in_flight_per_conn: self.max_in_flight_per_conn,
             max_body_len: self.max_body_bytes,
             max_inflated: self.max_inflated_bytes,
+            max_metadata: self.max_metadata_bytes,
             grace: self.grace.0,
             stage_sample: self.stages.every(self.metrics_listen),
         })

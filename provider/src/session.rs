@@ -168,7 +168,8 @@ impl Session {
         Session {
             calls: CallCodec::new(c.compression, c.max_inflated)
                 .timed(shared.metrics.compression.clone())
-                .with_max_body(c.max_body_len),
+                .with_max_body(c.max_body_len)
+                .with_max_metadata(c.max_metadata),
             pending: FuturesUnordered::new(),
             held: BinaryHeap::new(),
             clock: PreciseTimer::new(),

@@ -426,3 +426,66 @@ async fn a_draining_provider_answers_late_requests_unavailable_instead_of_droppi
     assert!(r.error_msg.contains("shutting down"), "{}", r.error_msg);
     p.stop().await;
 }
+
+/// A request whose metadata is a bomb (100,000 entries) is refused "bad request" before
+/// it is decoded, counted, and the connection goes on serving.
+#[tokio::test]
+async fn a_metadata_bomb_is_refused_and_the_connection_goes_on() {
+    let p = start(ProviderConfig::default()).await;
+    let mut s = TcpStream::connect(p.addr).await.unwrap();
+    let bomb: std::collections::HashMap<String, String> = (0..100_000)
+        .map(|i| (format!("k{i}"), String::new()))
+        .collect();
+    let mut codec = rpcmesh_wire::envelope::CallCodec::new(None, 1 << 20);
+    let mut b = BytesMut::new();
+    let msg = EchoRequest {
+        message: "boom".into(),
+    };
+    codec
+        .put_request(
+            &mut b,
+            1,
+            Flags::EXT_STATUS,
+            b"EchoService",
+            b"Echo",
+            &msg,
+            &bomb,
+        )
+        .unwrap();
+    codec
+        .put_request(
+            &mut b,
+            2,
+            Flags::EXT_STATUS,
+            b"EchoService",
+            b"Echo",
+            &msg,
+            &Default::default(),
+        )
+        .unwrap();
+    s.write_all(&b).await.unwrap();
+    let mut replies: Vec<_> = testkit::read_frames(&mut s, &mut BytesMut::new(), 2)
+        .await
+        .unwrap()
+        .iter()
+        .map(|f| (f.header.req_id, codec.decode_response(f).unwrap()))
+        .collect();
+    replies.sort_by_key(|r| r.0);
+    assert_eq!(replies[0].1.status, Status::BadRequest);
+    assert!(
+        replies[0]
+            .1
+            .rpc
+            .error_msg
+            .contains("metadata over the limit"),
+        "{}",
+        replies[0].1.rpc.error_msg
+    );
+    assert_eq!(
+        replies[1].1.status,
+        Status::Success,
+        "the next call is served"
+    );
+    assert_eq!(p.errors_from("too_large", "client"), 1.0);
+    p.stop().await;
+}

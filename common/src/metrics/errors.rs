@@ -20,7 +20,7 @@ pub enum ErrorKind {
     BadMagic,
     /// A protocol version other than 1.
     BadVersion,
-    /// `body_len` over the limit.
+    /// `body_len` over the limit, or a request's metadata over its limit.
     TooLarge,
     /// CRC trailer mismatch.
     Crc,
@@ -128,6 +128,7 @@ impl ErrorKind {
             C::Frame(f) => ErrorKind::of_frame(f),
             C::Inflate(_) => ErrorKind::Inflate,
             C::Decode(_) | C::UnknownStatus(_) => ErrorKind::Decode,
+            C::MetadataTooLarge { .. } => ErrorKind::TooLarge,
             C::WrongType { .. } => ErrorKind::Unexpected,
         }
     }
