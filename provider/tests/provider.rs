@@ -209,14 +209,7 @@ async fn bad_or_oversized_compressed_payloads_fail_with_a_message() {
         &big,
     ));
     s.write_all(&b).await.unwrap();
-    let mut codec = rpcmesh_wire::envelope::CallCodec::new(None, 1 << 20);
-    let mut replies: Vec<_> = testkit::read_frames(&mut s, &mut BytesMut::new(), 2)
-        .await
-        .unwrap()
-        .iter()
-        .map(|f| (f.header.req_id, codec.decode_response(f).unwrap()))
-        .collect();
-    replies.sort_by_key(|r| r.0);
+    let replies = replies_by_id(&mut s, 2).await;
     assert_eq!(replies[0].1.status, Status::Failed);
     assert!(
         replies[0]
@@ -427,6 +420,22 @@ async fn a_draining_provider_answers_late_requests_unavailable_instead_of_droppi
     p.stop().await;
 }
 
+/// The next `n` replies on `s`, decoded, in request-id order.
+async fn replies_by_id(
+    s: &mut TcpStream,
+    n: usize,
+) -> Vec<(u64, rpcmesh_wire::envelope::IncomingReply)> {
+    let mut codec = rpcmesh_wire::envelope::CallCodec::new(None, 1 << 20);
+    let mut replies: Vec<_> = testkit::read_frames(s, &mut BytesMut::new(), n)
+        .await
+        .unwrap()
+        .iter()
+        .map(|f| (f.header.req_id, codec.decode_response(f).unwrap()))
+        .collect();
+    replies.sort_by_key(|r| r.0);
+    replies
+}
+
 /// A request whose metadata is a bomb (100,000 entries) is refused "bad request" before
 /// it is decoded, counted, and the connection goes on serving.
 #[tokio::test]
@@ -464,13 +473,7 @@ async fn a_metadata_bomb_is_refused_and_the_connection_goes_on() {
         )
         .unwrap();
     s.write_all(&b).await.unwrap();
-    let mut replies: Vec<_> = testkit::read_frames(&mut s, &mut BytesMut::new(), 2)
-        .await
-        .unwrap()
-        .iter()
-        .map(|f| (f.header.req_id, codec.decode_response(f).unwrap()))
-        .collect();
-    replies.sort_by_key(|r| r.0);
+    let replies = replies_by_id(&mut s, 2).await;
     assert_eq!(replies[0].1.status, Status::BadRequest);
     assert!(
         replies[0]

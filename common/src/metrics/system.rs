@@ -351,6 +351,19 @@ fn growth(last: u64, now: u64) -> u64 {
     }
 }
 
+/// The host's CPU time now, seconds summed over its CPUs: `(softirq, every mode)`, with
+/// the modes counted as the `mode` label counts them (guest time inside user and nice).
+/// `None` when `/proc/stat` cannot be read. For a program that wants the figure without a
+/// recorder (the driver's own reading in `driver capacity`).
+pub fn host_cpu_seconds() -> Option<(f64, f64)> {
+    let cpus = read(STAT_PATH).and_then(|t| parse_stat(&t)).ok()?;
+    let tps = procfs::ticks_per_second().max(1) as f64;
+    let mode_ticks =
+        |mode: CpuMode| -> u64 { cpus.iter().filter_map(|(_, t)| mode.ticks(t)).sum() };
+    let all: u64 = CpuMode::ALL.iter().map(|&m| mode_ticks(m)).sum();
+    Some((mode_ticks(CpuMode::Softirq) as f64 / tps, all as f64 / tps))
+}
+
 /// A CPU mode of `/proc/stat`, the `mode` label.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum CpuMode {

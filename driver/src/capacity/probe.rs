@@ -142,26 +142,8 @@ pub fn own() -> Reading {
     let process_cpu = metrics_process::collector::collect()
         .cpu_seconds_total
         .unwrap_or(0.0);
-    let stat = std::fs::read_to_string("/proc/stat")
-        .ok()
-        .and_then(|t| rpcmesh_common::metrics::system::parse_stat(&t).ok());
-    let (host_softirq, host_total) = match stat {
-        Some(cpus) => {
-            let tps = procfs::ticks_per_second().max(1) as f64;
-            let (mut soft, mut all) = (0u64, 0u64);
-            for (_, t) in &cpus {
-                soft += t.softirq.unwrap_or(0);
-                all += t.user
-                    + t.nice
-                    + t.system
-                    + t.idle
-                    + t.iowait.unwrap_or(0)
-                    + t.irq.unwrap_or(0)
-                    + t.softirq.unwrap_or(0)
-                    + t.steal.unwrap_or(0);
-            }
-            (Some(soft as f64 / tps), Some(all as f64 / tps))
-        }
+    let (host_softirq, host_total) = match rpcmesh_common::metrics::system::host_cpu_seconds() {
+        Some((soft, all)) => (Some(soft), Some(all)),
         None => (None, None),
     };
     Reading {
