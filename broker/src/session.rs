@@ -20,7 +20,7 @@ use rpcmesh_common::metrics::families::InFlightShare;
 use rpcmesh_common::metrics::families::{CallCounters, Sampler};
 use rpcmesh_common::metrics::{BadInputLog, Side};
 use rpcmesh_common::net::busy_poll::Activity;
-use rpcmesh_common::net::connection::FramedIo;
+use rpcmesh_common::net::connection::{CloseReason, FramedIo};
 use rpcmesh_common::net::session::{self, Protocol};
 use rpcmesh_common::net::shutdown::CancellationToken;
 use rpcmesh_wire::Status;
@@ -60,18 +60,19 @@ pub(crate) struct Shared {
     pub activity: Option<Arc<Activity>>,
 }
 
-/// Serves one client connection until the caller leaves, the input is beyond repair, or
-/// shutdown drained it.
+/// Serves one client connection until the caller leaves, the input is beyond repair, a
+/// timeout passes, or shutdown drained it; returns why it closed.
 pub(crate) async fn serve(
     stream: TcpStream,
     peer: SocketAddr,
     shared: Arc<Shared>,
     shutdown: CancellationToken,
-) {
+) -> CloseReason {
     let io = FramedIo::new(stream, FrameCodec::new(shared.config.max_body_len))
         .with_activity(shared.activity.clone());
     let span = tracing::debug_span!("client", %peer);
-    session::serve(io, Session::new(shared), shutdown)
+    let timeouts = shared.config.timeouts;
+    session::serve(io, Session::new(shared), timeouts, shutdown)
         .instrument(span)
         .await
 }

@@ -507,6 +507,91 @@ impl Drop for ChildGuard {
     }
 }
 
+/// A provider or broker run as a real process on 127.0.0.1 port 0 (its RPC and metrics
+/// addresses read from its listening line), killed by PID when dropped.
+#[derive(Debug)]
+pub struct Spawned {
+    /// The process.
+    pub child: ChildGuard,
+    /// Where it takes calls.
+    pub rpc: std::net::SocketAddr,
+    /// Where it serves `/metrics`, unless started with `--metrics-listen off`.
+    pub metrics: Option<std::net::SocketAddr>,
+}
+
+impl Spawned {
+    /// Starts workspace binary `name` listening on 127.0.0.1 port 0 for calls and for
+    /// metrics, with `args` after, and waits for its listening line. Its later output on
+    /// stdout is read and dropped, its stderr discarded.
+    pub fn start(name: &str, args: &[&str]) -> Spawned {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(bin_path(name))
+            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {name}: {e}"));
+        let stdout = child.stdout.take().expect("piped stdout");
+        let child = ChildGuard(Some(child));
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        let (rpc, metrics) = lines
+            .by_ref()
+            .map_while(Result::ok)
+            .find_map(|l| crate::cli::startup::parse_listening_line(&l))
+            .unwrap_or_else(|| panic!("{name} printed no listening line"));
+        std::thread::spawn(move || lines.for_each(drop));
+        Spawned {
+            child,
+            rpc,
+            metrics,
+        }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.pid()
+    }
+
+    /// Its `/metrics` text now (empty when nothing answers).
+    pub fn scrape(&self) -> String {
+        use std::io::{Read, Write};
+        let Some(addr) = self.metrics else {
+            return String::new();
+        };
+        let Ok(mut s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)) else {
+            return String::new();
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+        let _ = write!(
+            s,
+            "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+        );
+        let mut text = String::new();
+        let _ = s.read_to_string(&mut text);
+        text.split_once("\r\n\r\n")
+            .map(|(_, body)| body.to_string())
+            .unwrap_or_default()
+    }
+
+    /// The value of a metric (summed over the matching series; 0 when there is none).
+    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        sample(&self.scrape(), name, labels).unwrap_or(0.0)
+    }
+
+    /// A line of `/proc/PID/status` (`VmRSS`, `VmSize`...), in KiB.
+    pub fn status_kib(&self, field: &str) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .expect("the process is running");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{field} in /proc/PID/status"))
+    }
+}
+
 /// Lowest port [`free_port`] hands out: above the well-known and most registered ones.
 const FREE_PORT_MIN: u16 = 10_000;
 

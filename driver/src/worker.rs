@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use rpcmesh_common::metrics::families::InFlightShare;
 use rpcmesh_common::metrics::families::Sampler;
 use rpcmesh_common::metrics::{ErrorKind, Side};
-use rpcmesh_common::net::connection::{FramedIo, IoEvent};
+use rpcmesh_common::net::connection::{CloseReason, FramedIo, IoEvent};
 use rpcmesh_common::net::listener::AcceptObserver;
 use rpcmesh_common::net::shutdown::CancellationToken;
 use rpcmesh_common::net::slots::SlotTable;
@@ -293,7 +293,12 @@ impl Worker {
             self.count_bytes(&mut io);
             if let Some(cause) = failed {
                 tracing::debug!(worker = self.plan.index, %cause, "connection lost");
-                self.shared.metrics.conns.closed();
+                let reason = if io.is_eof() {
+                    CloseReason::Peer
+                } else {
+                    CloseReason::Error
+                };
+                self.shared.metrics.conns.closed(reason);
                 match self.reconnect(cause).await {
                     Some(new) => io = new,
                     None => {
@@ -303,7 +308,7 @@ impl Worker {
                 }
             }
         }
-        self.shared.metrics.conns.closed();
+        self.shared.metrics.conns.closed(CloseReason::Local);
         self.publish();
     }
 

@@ -4,10 +4,10 @@
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::Duration;
 
-use rpcmesh_common::cli::flags::{CompressionArgs, RuntimeArgs, StageArgs};
+use rpcmesh_common::cli::flags::{CompressionArgs, RuntimeArgs, StageArgs, TimeoutArgs};
 use rpcmesh_common::cli::{ConfigProblems, DurationArg, MetricsListen, OnOff};
 use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
-use rpcmesh_common::net::session::DEFAULT_MAX_IN_FLIGHT_PER_LINK;
+use rpcmesh_common::net::session::{DEFAULT_MAX_IN_FLIGHT_PER_LINK, Timeouts};
 use rpcmesh_wire::compress::{CompressionConfig, DEFAULT_MAX_INFLATED_LEN};
 use rpcmesh_wire::envelope::DEFAULT_MAX_METADATA_BYTES;
 use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
@@ -92,6 +92,9 @@ pub struct Args {
     /// Grace period for calls in flight on SIGTERM/SIGINT.
     #[arg(long, env = "RPCMESH_GRACE", default_value_t = DurationArg(DEFAULT_GRACE))]
     pub grace: DurationArg,
+    /// Connection timeouts.
+    #[command(flatten)]
+    pub timeouts: TimeoutArgs,
     /// Per-stage latency timing.
     #[command(flatten)]
     pub stages: StageArgs,
@@ -120,6 +123,8 @@ pub struct ProviderConfig {
     pub max_metadata: usize,
     /// Drain time on shutdown.
     pub grace: Duration,
+    /// Idle, frame and write timeouts of every accepted connection.
+    pub timeouts: Timeouts,
     /// Stages are timed on one call in this many; 0 = not at all.
     pub stage_sample: u32,
 }
@@ -137,6 +142,7 @@ impl Default for ProviderConfig {
             max_inflated: DEFAULT_MAX_INFLATED_LEN,
             max_metadata: DEFAULT_MAX_METADATA_BYTES,
             grace: DEFAULT_GRACE,
+            timeouts: Timeouts::default(),
             stage_sample: DEFAULT_STAGE_SAMPLE,
         }
     }
@@ -147,6 +153,7 @@ impl Args {
     pub fn config(&self) -> Result<ProviderConfig, ConfigProblems> {
         let mut p = ConfigProblems::default();
         let compression = self.compression.config(self.compress.0, &mut p);
+        let timeouts = self.timeouts.timeouts(&mut p);
         p.check(self.max_connections == 0, || {
             "--max-connections must be at least 1".into()
         });
@@ -177,6 +184,7 @@ impl Args {
             max_inflated: self.max_inflated_bytes,
             max_metadata: self.max_metadata_bytes,
             grace: self.grace.0,
+            timeouts,
             stage_sample: self.stages.every(self.metrics_listen),
         })
     }

@@ -21,7 +21,7 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use rpcmesh_common::metrics::families::InFlightShare;
 use rpcmesh_common::metrics::families::{Sampler, Stages};
 use rpcmesh_common::metrics::{BadInputLog, ErrorKind, Side};
-use rpcmesh_common::net::connection::FramedIo;
+use rpcmesh_common::net::connection::{CloseReason, FramedIo};
 use rpcmesh_common::net::session::{self, Protocol};
 use rpcmesh_common::net::shutdown::CancellationToken;
 use rpcmesh_common::net::timer::{Aim, PreciseTimer};
@@ -45,17 +45,18 @@ pub(crate) struct Shared {
     pub metrics: ProviderMetrics,
 }
 
-/// Serves one connection until the caller leaves, the input is beyond repair, or shutdown
-/// drained it.
+/// Serves one connection until the caller leaves, the input is beyond repair, a timeout
+/// passes, or shutdown drained it; returns why it closed.
 pub(crate) async fn serve(
     stream: TcpStream,
     peer: SocketAddr,
     shared: Arc<Shared>,
     shutdown: CancellationToken,
-) {
+) -> CloseReason {
     let io = FramedIo::new(stream, FrameCodec::new(shared.config.max_body_len));
     let span = tracing::debug_span!("conn", %peer);
-    session::serve(io, Session::new(shared), shutdown)
+    let timeouts = shared.config.timeouts;
+    session::serve(io, Session::new(shared), timeouts, shutdown)
         .instrument(span)
         .await
 }

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use rpcmesh_common::metrics::{BadInputLog, ErrorKind, Side};
 use rpcmesh_common::net::busy_poll::Activity;
-use rpcmesh_common::net::connection::{FramedIo, IoEvent};
+use rpcmesh_common::net::connection::{CloseReason, FramedIo, IoEvent};
 use rpcmesh_common::net::slots::SlotTable;
 use rpcmesh_wire::Status;
 use rpcmesh_wire::body::Heartbeat;
@@ -483,7 +483,11 @@ impl ConnTask {
     /// queued goes back to its session to be routed again.
     fn close(mut self, cause: Option<Arc<str>>) {
         self.mark_closed();
-        self.metrics.conns.closed();
+        let reason = match cause {
+            None => CloseReason::Local,
+            Some(_) => CloseReason::Error,
+        };
+        self.metrics.conns.closed(reason);
         self.rx.close();
         let failed = self.table.len();
         let why: Arc<str> = cause.clone().unwrap_or_else(|| Arc::from("closed"));

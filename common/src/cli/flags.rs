@@ -1,6 +1,6 @@
 //! Flag groups more than one program takes, flattened into each program's `Args`: the
-//! runtime's threads ([`RuntimeArgs`]), stage sampling ([`StageArgs`]) and compression
-//! tuning ([`CompressionArgs`]). Each flag is written here once, with its environment
+//! runtime's threads ([`RuntimeArgs`]), stage sampling ([`StageArgs`]), compression
+//! tuning ([`CompressionArgs`]) and the servers' connection timeouts ([`TimeoutArgs`]). Each flag is written here once, with its environment
 //! fallback and its default as a named constant.
 
 use rpcmesh_wire::compress::{
@@ -8,8 +8,11 @@ use rpcmesh_wire::compress::{
 };
 
 use crate::cli::config::ConfigProblems;
-use crate::cli::values::{MetricsListen, OnOff};
+use crate::cli::values::{DurationArg, MetricsListen, OnOff};
 use crate::metrics::families::DEFAULT_STAGE_SAMPLE;
+use crate::net::session::{
+    DEFAULT_FRAME_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_WRITE_TIMEOUT, Timeouts,
+};
 
 /// Worker threads unless told otherwise: 0, one per CPU the process may run on.
 pub const DEFAULT_THREADS: usize = 0;
@@ -74,5 +77,39 @@ impl CompressionArgs {
             threshold: self.compress_threshold,
             level: self.compress_level,
         })
+    }
+}
+
+/// The time limits of every connection a server (provider, broker) accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::Args)]
+pub struct TimeoutArgs {
+    /// Close a connection with no call in flight, nothing to write and nothing read for
+    /// this long.
+    #[arg(long, env = "RPCMESH_IDLE_TIMEOUT", default_value_t = DurationArg(DEFAULT_IDLE_TIMEOUT))]
+    pub idle_timeout: DurationArg,
+    /// Close a connection whose frame, once begun, is not complete after this long.
+    #[arg(long, env = "RPCMESH_FRAME_TIMEOUT", default_value_t = DurationArg(DEFAULT_FRAME_TIMEOUT))]
+    pub frame_timeout: DurationArg,
+    /// Close a connection whose peer takes none of the bytes waiting for it for this long.
+    #[arg(long, env = "RPCMESH_WRITE_TIMEOUT", default_value_t = DurationArg(DEFAULT_WRITE_TIMEOUT))]
+    pub write_timeout: DurationArg,
+}
+
+impl TimeoutArgs {
+    /// The timeouts; a zero one is recorded in `problems` (it would close every
+    /// connection at once).
+    pub fn timeouts(&self, problems: &mut ConfigProblems) -> Timeouts {
+        for (flag, d) in [
+            ("--idle-timeout", self.idle_timeout),
+            ("--frame-timeout", self.frame_timeout),
+            ("--write-timeout", self.write_timeout),
+        ] {
+            problems.check(d.0.is_zero(), || format!("{flag} must be above zero"));
+        }
+        Timeouts {
+            idle: self.idle_timeout.0,
+            frame: self.frame_timeout.0,
+            write: self.write_timeout.0,
+        }
     }
 }

@@ -211,13 +211,13 @@ pub const CONNECTIONS_OPENED_TOTAL: Family = Family {
     roles: ALL,
     help: "Connections opened.",
 };
-/// `rpcmesh_connections_closed_total{role, side}`.
+/// `rpcmesh_connections_closed_total{role, side, reason}`.
 pub const CONNECTIONS_CLOSED_TOTAL: Family = Family {
     name: "rpcmesh_connections_closed_total",
     kind: Counter,
-    labels: ROLE_SIDE,
+    labels: &["role", "side", "reason"],
     roles: ALL,
-    help: "Connections closed.",
+    help: "Connections closed, by reason: peer (it closed), idle_timeout, frame_timeout, write_timeout, bad_input, error (socket failed), shutdown (drained), local (closed by this side).",
 };
 /// `rpcmesh_connections_refused_total{role, side}`.
 pub const CONNECTIONS_REFUSED_TOTAL: Family = Family {

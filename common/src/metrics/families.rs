@@ -20,7 +20,7 @@ use crate::metrics::catalogue::{
     CONNECTIONS_OPENED_TOTAL, CONNECTIONS_REFUSED_TOTAL, PAYLOAD_BYTES_TOTAL, Role, STAGE_SECONDS,
     WIRE_BYTES_TOTAL, WIRE_SYSCALLS_TOTAL,
 };
-use crate::net::connection::IoCounts;
+use crate::net::connection::{CloseReason, IoCounts};
 use crate::net::listener::AcceptObserver;
 
 /// One connection's share of `rpcmesh_calls_in_flight`: each connection adds the change
@@ -172,7 +172,8 @@ impl Sampler {
 #[derive(Clone, Debug)]
 pub struct ConnCounters {
     opened: Counter,
-    closed: Counter,
+    /// By [`CloseReason::index`].
+    closed: [Counter; CloseReason::ALL.len()],
     refused: Counter,
     open: Gauge,
 }
@@ -195,7 +196,12 @@ impl ConnCounters {
         let l = [("role", role.label()), ("side", side)];
         ConnCounters {
             opened: t.counter(&CONNECTIONS_OPENED_TOTAL, &l),
-            closed: t.counter(&CONNECTIONS_CLOSED_TOTAL, &l),
+            closed: CloseReason::ALL.map(|r| {
+                t.counter(
+                    &CONNECTIONS_CLOSED_TOTAL,
+                    &[l[0], l[1], ("reason", r.label())],
+                )
+            }),
             refused: Counter::noop(),
             open: t.gauge(&CONNECTIONS_OPEN, &l),
         }
@@ -207,8 +213,8 @@ impl AcceptObserver for ConnCounters {
         self.opened.increment(1);
         self.open.increment(1.0);
     }
-    fn closed(&self) {
-        self.closed.increment(1);
+    fn closed(&self, reason: CloseReason) {
+        self.closed[reason.index()].increment(1);
         self.open.decrement(1.0);
     }
     fn refused(&self) {

@@ -16,6 +16,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 
 use rpcmesh_wire::codec::FrameCodec;
 use rpcmesh_wire::frame::{Frame, FrameError};
@@ -39,6 +40,60 @@ pub const KEEPALIVE_IDLE: std::time::Duration = std::time::Duration::from_secs(6
 pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
 /// Unanswered probes before the kernel gives the connection up.
 pub const KEEPALIVE_PROBES: u32 = 3;
+
+/// Why a connection was closed, as `rpcmesh_connections_closed_total{reason}` counts it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CloseReason {
+    /// The peer closed its side, with nothing left in flight.
+    Peer,
+    /// Nothing in flight, nothing to write and nothing read for the idle timeout.
+    IdleTimeout,
+    /// A frame was started and not completed within the frame timeout.
+    FrameTimeout,
+    /// Bytes waited to be written and the peer took none for the write timeout.
+    WriteTimeout,
+    /// The peer sent bytes the stream cannot be resynchronised after.
+    BadInput,
+    /// The socket failed (reset, broken pipe...).
+    Error,
+    /// This side is shutting down: the connection was drained.
+    Shutdown,
+    /// This side closed it for a reason of its own (a pool dropped it, a run ended).
+    Local,
+}
+
+impl CloseReason {
+    /// Every reason, in the order of [`CloseReason::index`].
+    pub const ALL: [CloseReason; 8] = [
+        CloseReason::Peer,
+        CloseReason::IdleTimeout,
+        CloseReason::FrameTimeout,
+        CloseReason::WriteTimeout,
+        CloseReason::BadInput,
+        CloseReason::Error,
+        CloseReason::Shutdown,
+        CloseReason::Local,
+    ];
+
+    /// The `reason` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            CloseReason::Peer => "peer",
+            CloseReason::IdleTimeout => "idle_timeout",
+            CloseReason::FrameTimeout => "frame_timeout",
+            CloseReason::WriteTimeout => "write_timeout",
+            CloseReason::BadInput => "bad_input",
+            CloseReason::Error => "error",
+            CloseReason::Shutdown => "shutdown",
+            CloseReason::Local => "local",
+        }
+    }
+
+    /// Position in [`CloseReason::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
 
 /// What [`FramedIo::wait_io`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,6 +129,9 @@ pub struct FramedIo {
     /// Bytes still to drop (see [`FramedIo::skip`]).
     discard: usize,
     counts: IoCounts,
+    /// Since when bytes have waited to be written with the peer taking none (`None`
+    /// while the write buffer is empty or the last write made progress just now).
+    write_stalled: Option<Instant>,
     /// Told of every read that returned data (busy polling), if set.
     activity: Option<Arc<Activity>>,
 }
@@ -101,6 +159,7 @@ impl FramedIo {
             eof: false,
             discard: 0,
             counts: IoCounts::default(),
+            write_stalled: None,
             activity: None,
         }
     }
@@ -120,6 +179,18 @@ impl FramedIo {
     /// Bytes waiting to be written.
     pub fn pending_write(&self) -> usize {
         self.wbuf.len()
+    }
+
+    /// True while part of a frame has been read and the rest has not (or a refused frame is
+    /// still being skipped).
+    pub fn has_partial_frame(&self) -> bool {
+        !self.rbuf.is_empty() || self.discard > 0
+    }
+
+    /// Since when the bytes waiting to be written have found the peer taking none: the
+    /// time of the last write that left bytes behind. `None` when nothing waits.
+    pub fn write_stalled_since(&self) -> Option<Instant> {
+        self.write_stalled
     }
 
     /// True once the peer closed its side.
@@ -211,18 +282,26 @@ impl FramedIo {
 
     /// Writes as much of the write buffer as the socket takes now.
     pub fn try_flush(&mut self) -> io::Result<()> {
+        let mut progress = false;
         while !self.wbuf.is_empty() {
             match self.stream.try_write(&self.wbuf) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => {
+                    progress = true;
                     self.counts.bytes_written += n as u64;
                     self.counts.writes += 1;
                     self.wbuf.advance(n);
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if progress || self.write_stalled.is_none() {
+                        self.write_stalled = Some(Instant::now());
+                    }
+                    return Ok(());
+                }
                 Err(e) => return Err(e),
             }
         }
+        self.write_stalled = None;
         Ok(())
     }
 

@@ -18,6 +18,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
+
+use crate::net::connection::CloseReason;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -51,8 +53,8 @@ pub struct ServeSummary {
 pub trait AcceptObserver: Send + Sync + 'static {
     /// A connection was accepted (and will be served).
     fn opened(&self) {}
-    /// A served connection ended.
-    fn closed(&self) {}
+    /// A served connection ended, for `reason`.
+    fn closed(&self, _reason: CloseReason) {}
     /// A connection was refused because of the cap.
     fn refused(&self) {}
 }
@@ -63,7 +65,8 @@ pub struct NoObserver;
 impl AcceptObserver for NoObserver {}
 
 /// Accepts connections until `shutdown` is cancelled, running `session(stream, peer,
-/// token)` for each in its own task. Returns after the drain.
+/// token)` for each in its own task; the session says why it ended. Returns after the
+/// drain.
 pub async fn serve<F, Fut>(
     listener: TcpListener,
     config: AcceptConfig,
@@ -73,7 +76,7 @@ pub async fn serve<F, Fut>(
 ) -> ServeSummary
 where
     F: FnMut(TcpStream, SocketAddr, CancellationToken) -> Fut,
-    Fut: Future<Output = ()> + Send + 'static,
+    Fut: Future<Output = CloseReason> + Send + 'static,
 {
     let mut summary = ServeSummary::default();
     let mut tasks = JoinSet::new();
@@ -103,9 +106,9 @@ where
                     let open = open.clone();
                     let observer = observer.clone();
                     tasks.spawn(async move {
-                        fut.await;
+                        let reason = fut.await;
                         open.fetch_sub(1, Ordering::Relaxed);
-                        observer.closed();
+                        observer.closed(reason);
                     });
                 }
                 Err(e) if is_transient(&e) => {

@@ -3,8 +3,9 @@
 //! events, and writes what was produced, once per round. The skeleton owns what every
 //! server session does the same way: the loop, reading only while the write backlog is
 //! under [`WRITE_BACKLOG_LIMIT`], splitting reads into frames and stopping on input beyond
-//! repair, the drain on shutdown (answering what still arrives for [`DRAIN_LINGER`] once
-//! idle, then closing), the final flush, and [`SessionError`].
+//! repair, the connection's [`Timeouts`] (idle, frame, write), the drain on shutdown
+//! (answering what still arrives for [`DRAIN_LINGER`] once idle, then closing), the final
+//! flush, [`SessionError`], and the [`CloseReason`] the session ended with.
 //!
 //! The protocol owns what the frames mean: the provider decodes calls and runs handlers;
 //! the broker routes calls to providers and writes their replies back. Neither sees the
@@ -15,7 +16,9 @@ use std::time::Duration;
 
 use rpcmesh_wire::frame::{Frame, FrameError, MsgType};
 
-use crate::net::connection::{FramedIo, IoEvent};
+use tokio::time::Instant;
+
+use crate::net::connection::{CloseReason, FramedIo, IoEvent};
 use crate::net::shutdown::CancellationToken;
 
 /// Replies waiting to be written beyond which a session stops reading requests until the
@@ -36,6 +39,43 @@ pub const DRAIN_LINGER: Duration = Duration::from_millis(200);
 /// one to shed.
 pub const DEFAULT_MAX_IN_FLIGHT_PER_LINK: usize = 16_384;
 
+/// How long a connection may be idle (no call in flight, nothing to write, nothing read)
+/// before the server closes it: a minute, long beyond any pause of a caller that means to
+/// go on (the broker's pooled connections send a heartbeat every second), short enough that
+/// idle sockets cannot hold the connection cap for long (HAProxy's `timeout client` is
+/// commonly 30-60 s, nginx's `keepalive_timeout` 75 s).
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a frame may take to arrive once its first byte has: 10 s, HAProxy's advice for
+/// `timeout http-request`. A frame of the default largest body (10 MiB) needs about
+/// 8.4 Mbit/s; a byte-a-second trickler is closed after 10 s instead of never. Time while
+/// the server itself is not reading (its write backlog is full) does not count.
+pub const DEFAULT_FRAME_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long replies may wait for a peer that takes none of them: 30 s (HAProxy's common
+/// `timeout client`), beyond a long GC pause of a caller, short enough that a caller that
+/// stopped reading does not keep its backlog for ever.
+pub const DEFAULT_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The time limits of one server connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timeouts {
+    /// No call in flight, nothing to write and nothing read for this long: closed.
+    pub idle: Duration,
+    /// A frame begun and not complete after this long: closed.
+    pub frame: Duration,
+    /// Bytes to write and none taken by the peer for this long: closed.
+    pub write: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            idle: DEFAULT_IDLE_TIMEOUT,
+            frame: DEFAULT_FRAME_TIMEOUT,
+            write: DEFAULT_WRITE_TIMEOUT,
+        }
+    }
+}
+
 /// Why a session ended before its caller left.
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
@@ -45,6 +85,20 @@ pub enum SessionError {
     /// The caller sent bytes the stream cannot be resynchronised after.
     #[error("input beyond repair: {0}")]
     BadInput(FrameError),
+    /// One of the connection's [`Timeouts`] passed (the reason says which).
+    #[error("{} passed", .0.label())]
+    Timeout(CloseReason),
+}
+
+impl SessionError {
+    /// The reason the connection is counted as closed for.
+    pub fn reason(&self) -> CloseReason {
+        match self {
+            SessionError::Io(_) => CloseReason::Error,
+            SessionError::BadInput(_) => CloseReason::BadInput,
+            SessionError::Timeout(r) => *r,
+        }
+    }
 }
 
 /// What a server program does on one connection; [`serve`] runs the loop around it. Every
@@ -94,37 +148,52 @@ pub trait Protocol: Send {
 }
 
 /// Serves one connection with `protocol` until the caller leaves, the input is beyond
-/// repair, the socket fails, or `shutdown` has drained it; then delivers what is already
-/// answered (within [`FINAL_FLUSH_TIMEOUT`]) and closes. Logs at debug how it ended;
-/// callers wrap it in their span.
-pub async fn serve<P: Protocol>(mut io: FramedIo, mut protocol: P, shutdown: CancellationToken) {
-    let end = run(&mut io, &mut protocol, &shutdown).await;
-    match &end {
-        Ok(()) => tracing::debug!("connection closed"),
-        Err(e) => tracing::debug!(error = %e, "connection ended"),
-    }
+/// repair, the socket fails, a timeout passes, or `shutdown` has drained it; then delivers
+/// what is already answered (within [`FINAL_FLUSH_TIMEOUT`]) and closes. Logs at debug how
+/// it ended (callers wrap it in their span) and returns why.
+pub async fn serve<P: Protocol>(
+    mut io: FramedIo,
+    mut protocol: P,
+    timeouts: Timeouts,
+    shutdown: CancellationToken,
+) -> CloseReason {
+    let end = run(&mut io, &mut protocol, timeouts, &shutdown).await;
+    let reason = match &end {
+        Ok(reason) => {
+            tracing::debug!(reason = reason.label(), "connection closed");
+            *reason
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "connection ended");
+            e.reason()
+        }
+    };
     protocol.on_end();
     let _ = tokio::time::timeout(FINAL_FLUSH_TIMEOUT, io.shutdown()).await;
     protocol.after_write(&mut io);
+    reason
 }
 
-/// The loop: one round per event (the socket's, the protocol's, the drain's), one write per
-/// round.
+/// The loop: one round per event (the socket's, the protocol's, the drain's, a timeout's),
+/// one write per round.
 async fn run<P: Protocol>(
     io: &mut FramedIo,
     p: &mut P,
+    timeouts: Timeouts,
     shutdown: &CancellationToken,
-) -> Result<(), SessionError> {
+) -> Result<CloseReason, SessionError> {
     let mut draining = false;
     let mut drain = Drain::default();
+    let mut clock = Clock::new(timeouts);
     loop {
         let reading = !io.is_eof() && io.pending_write() < WRITE_BACKLOG_LIMIT;
+        let mut frames = None;
         tokio::select! {
             biased;
             event = p.next_event() => p.on_event(event, io),
             ev = io.wait_io(reading) => {
                 if let IoEvent::Read = ev? {
-                    take_frames(io, p, draining)?;
+                    frames = Some(take_frames(io, p, draining)?);
                 }
             }
             () = drain.lingered(), if draining => {}
@@ -132,27 +201,140 @@ async fn run<P: Protocol>(
                 tracing::debug!(in_flight = p.in_flight(), "draining");
                 draining = true;
             }
+            () = clock.fired() => {
+                if let Some(reason) = clock.expired(io) {
+                    return Err(SessionError::Timeout(reason));
+                }
+            }
         }
         p.before_write(io).await;
         io.try_flush()?;
         p.after_write(io);
         let idle = p.in_flight() == 0 && io.pending_write() == 0;
         if idle && io.is_eof() {
-            return Ok(());
+            return Ok(CloseReason::Peer);
         }
         if drain.should_close(draining, idle) {
-            return Ok(());
+            return Ok(CloseReason::Shutdown);
         }
+        clock.update(io, frames, reading, idle);
     }
 }
 
-/// Hands every whole frame read so far to the protocol.
+/// The connection's timeouts: when each started to run, and one timer armed at the
+/// earliest deadline. The timer is moved earlier when a deadline comes before it, never
+/// later: a deadline that moved away (the connection was busy again) makes it fire once
+/// for nothing and re-arm, so a busy connection touches the timer at most once per timeout
+/// period instead of once per round.
+struct Clock {
+    limits: Timeouts,
+    /// Since when the connection has been idle (no call in flight, nothing to write,
+    /// nothing partly read), read or not.
+    idle_since: Option<Instant>,
+    /// When the frame being read began to arrive.
+    frame_since: Option<Instant>,
+    timer: std::pin::Pin<Box<tokio::time::Sleep>>,
+    armed: Option<Instant>,
+}
+
+impl Clock {
+    fn new(limits: Timeouts) -> Self {
+        let now = Instant::now();
+        let mut clock = Clock {
+            limits,
+            idle_since: Some(now),
+            frame_since: None,
+            timer: Box::pin(tokio::time::sleep_until(now + limits.idle)),
+            armed: None,
+        };
+        clock.arm(now + limits.idle);
+        clock
+    }
+
+    /// Takes the round's state: `frames` is how many whole frames a read brought (`None`:
+    /// no read this round); `reading`: whether the session read at all; `idle`: nothing in
+    /// flight, nothing to write.
+    fn update(&mut self, io: &FramedIo, frames: Option<usize>, reading: bool, idle: bool) {
+        let partial = io.has_partial_frame();
+        if !reading || !partial {
+            self.frame_since = None;
+        } else if frames.is_some_and(|n| n > 0) || self.frame_since.is_none() {
+            self.frame_since = Some(Instant::now());
+        }
+        if !idle || partial {
+            self.idle_since = None;
+        } else if frames.is_some() || self.idle_since.is_none() {
+            self.idle_since = Some(Instant::now());
+        }
+        if let Some(due) = self.next_due(io) {
+            if self.armed.is_none_or(|armed| due < armed) {
+                self.arm(due);
+            }
+        }
+    }
+
+    fn deadlines(&self, io: &FramedIo) -> [(Option<Instant>, CloseReason); 3] {
+        let l = &self.limits;
+        [
+            (
+                io.write_stalled_since().map(|t| t + l.write),
+                CloseReason::WriteTimeout,
+            ),
+            (
+                self.frame_since.map(|t| t + l.frame),
+                CloseReason::FrameTimeout,
+            ),
+            (
+                self.idle_since.map(|t| t + l.idle),
+                CloseReason::IdleTimeout,
+            ),
+        ]
+    }
+
+    fn next_due(&self, io: &FramedIo) -> Option<Instant> {
+        self.deadlines(io).into_iter().filter_map(|(d, _)| d).min()
+    }
+
+    fn arm(&mut self, at: Instant) {
+        self.armed = Some(at);
+        self.timer.as_mut().reset(at);
+    }
+
+    /// Resolves when the timer is due (never while it is not armed).
+    async fn fired(&mut self) {
+        match self.armed {
+            Some(_) => (&mut self.timer).await,
+            None => std::future::pending().await,
+        }
+    }
+
+    /// After the timer fired: the timeout that passed, if one did; else the timer is
+    /// re-armed for the next deadline.
+    fn expired(&mut self, io: &FramedIo) -> Option<CloseReason> {
+        let now = Instant::now();
+        if let Some((_, reason)) = self
+            .deadlines(io)
+            .into_iter()
+            .find(|(d, _)| d.is_some_and(|d| d <= now))
+        {
+            return Some(reason);
+        }
+        self.armed = None;
+        if let Some(due) = self.next_due(io) {
+            self.arm(due);
+        }
+        None
+    }
+}
+
+/// Hands every whole frame read so far to the protocol; returns how many there were.
 fn take_frames<P: Protocol>(
     io: &mut FramedIo,
     p: &mut P,
     draining: bool,
-) -> Result<(), SessionError> {
+) -> Result<usize, SessionError> {
     p.on_read();
+    let mut n = 0;
     loop {
         match io.next_frame() {
             Ok(Some(frame)) => match frame.header.msg_type {
@@ -166,7 +348,7 @@ fn take_frames<P: Protocol>(
                     p.on_unexpected();
                 }
             },
-            Ok(None) => return Ok(()),
+            Ok(None) => return Ok(n),
             Err(e) => {
                 p.on_bad_frame(&e, io);
                 if e.is_fatal() {
@@ -174,6 +356,7 @@ fn take_frames<P: Protocol>(
                 }
             }
         }
+        n += 1;
     }
 }
 
@@ -224,6 +407,8 @@ mod tests {
         released: Vec<u64>,
         seen_draining: bool,
         ended: Option<tokio::sync::oneshot::Sender<(usize, bool)>>,
+        /// Payload bytes of each answer.
+        reply_len: usize,
     }
 
     impl Protocol for Held {
@@ -238,7 +423,7 @@ mod tests {
             match self.held.iter().position(|h| *h == id) {
                 Some(i) => {
                     self.held.swap_remove(i);
-                    answer(io, id);
+                    answer(io, id, self.reply_len);
                 }
                 None => self.released.push(id),
             }
@@ -248,7 +433,7 @@ mod tests {
         fn on_request(&mut self, frame: Frame, io: &mut FramedIo, draining: bool) {
             if draining || self.released.contains(&frame.header.req_id) {
                 self.seen_draining |= draining;
-                return answer(io, frame.header.req_id);
+                return answer(io, frame.header.req_id, self.reply_len);
             }
             self.held.push(frame.header.req_id);
         }
@@ -264,10 +449,10 @@ mod tests {
         }
     }
 
-    fn answer(io: &mut FramedIo, id: u64) {
+    fn answer(io: &mut FramedIo, id: u64, len: usize) {
         rpcmesh_wire::body::Response {
             status: 0,
-            payload: bytes::Bytes::new(),
+            payload: bytes::Bytes::from(vec![0; len]),
         }
         .put(io.wbuf(), Flags::NONE, id)
         .expect("a small frame encodes");
@@ -307,10 +492,25 @@ mod tests {
         release: mpsc::UnboundedSender<u64>,
         ended: tokio::sync::oneshot::Receiver<(usize, bool)>,
         shutdown: CancellationToken,
-        session: tokio::task::JoinHandle<()>,
+        session: tokio::task::JoinHandle<CloseReason>,
     }
 
     async fn start() -> Running {
+        start_with(Timeouts::default(), 0).await
+    }
+
+    /// Timeouts of `ms` milliseconds where given, else the defaults' (long beyond a test).
+    fn timeouts(idle: Option<u64>, frame: Option<u64>, write: Option<u64>) -> Timeouts {
+        let d = Timeouts::default();
+        let ms = |t: Option<u64>, or| t.map(Duration::from_millis).unwrap_or(or);
+        Timeouts {
+            idle: ms(idle, d.idle),
+            frame: ms(frame, d.frame),
+            write: ms(write, d.write),
+        }
+    }
+
+    async fn start_with(timeouts: Timeouts, reply_len: usize) -> Running {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let client = TcpStream::connect(listener.local_addr().unwrap())
             .await
@@ -327,7 +527,9 @@ mod tests {
                 released: Vec::new(),
                 seen_draining: false,
                 ended: Some(ended_tx),
+                reply_len,
             },
+            timeouts,
             shutdown.clone(),
         ));
         Running {
@@ -379,7 +581,64 @@ mod tests {
         let (left, saw_draining) = (&mut s.ended).await.unwrap();
         assert_eq!(left, 0, "nothing was left in flight");
         assert!(saw_draining, "request 3 was answered as draining");
-        s.session.await.unwrap();
+        assert_eq!(s.session.await.unwrap(), CloseReason::Shutdown);
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_is_closed_after_the_idle_timeout_and_one_with_a_call_in_flight_is_not()
+     {
+        let idle = 150;
+        let mut s = start_with(timeouts(Some(idle), None, None), 0).await;
+        s.send(1).await;
+        s.release.send(1).unwrap();
+        assert_eq!(s.answered().await, 1);
+        // Call 2 is held for four idle timeouts: a call in flight is not idleness.
+        s.send(2).await;
+        tokio::time::sleep(Duration::from_millis(4 * idle)).await;
+        s.release.send(2).unwrap();
+        assert_eq!(s.answered().await, 2, "the held call was answered");
+        s.closed().await;
+        assert_eq!(s.session.await.unwrap(), CloseReason::IdleTimeout);
+    }
+
+    #[tokio::test]
+    async fn a_frame_begun_and_not_finished_is_closed_after_the_frame_timeout() {
+        let mut s = start_with(timeouts(None, Some(150), None), 0).await;
+        let frame = request(1);
+        s.client.write_all(&frame[..10]).await.unwrap();
+        s.closed().await;
+        assert_eq!(s.session.await.unwrap(), CloseReason::FrameTimeout);
+    }
+
+    #[tokio::test]
+    async fn a_trickling_frame_is_closed_by_the_frame_timeout_though_bytes_keep_coming() {
+        // A byte every 20 ms never lets the connection go idle (1 s), but the frame (about
+        // 30 bytes, 600 ms) cannot finish within its 200 ms.
+        let mut s = start_with(timeouts(Some(1000), Some(200), None), 0).await;
+        let frame = request(1);
+        for b in frame.iter() {
+            if s.client.write_all(&[*b]).await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let mut rest = Vec::new();
+        let _ = s.client.read_to_end(&mut rest).await;
+        assert!(rest.is_empty(), "the trickled call was never answered");
+        assert_eq!(s.session.await.unwrap(), CloseReason::FrameTimeout);
+    }
+
+    #[tokio::test]
+    async fn a_caller_that_reads_nothing_is_closed_after_the_write_timeout() {
+        // 8 MiB answers to a caller that never reads fill both socket buffers.
+        let mut s = start_with(timeouts(None, None, Some(150)), 8 << 20).await;
+        s.release.send(1).unwrap();
+        s.send(1).await;
+        let reason = tokio::time::timeout(Duration::from_secs(10), &mut s.session)
+            .await
+            .expect("the session ends")
+            .unwrap();
+        assert_eq!(reason, CloseReason::WriteTimeout);
     }
 
     #[tokio::test]
@@ -390,7 +649,7 @@ mod tests {
         assert_eq!(s.answered().await, 7);
         s.client.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
         s.closed().await;
-        s.session.await.unwrap();
+        assert_eq!(s.session.await.unwrap(), CloseReason::BadInput);
     }
 
     #[tokio::test(start_paused = true)]
