@@ -8,6 +8,7 @@
 
 use std::time::Instant;
 
+use rpcmesh_common::net::budget::Reserved;
 use rpcmesh_wire::frame::{Flags, Frame};
 use tokio::sync::mpsc;
 
@@ -44,6 +45,9 @@ pub(crate) struct Forward {
     pub deadline: Instant,
     /// Times this call was handed back unsent and routed again.
     pub retries: u8,
+    /// A large request's bytes, counted against the memory budget until its reply is in
+    /// the caller's write buffer or the call fails (about as many bytes come back).
+    pub reserved: Option<Reserved>,
 }
 
 /// A call's outcome, back at its session.
@@ -53,6 +57,8 @@ pub(crate) enum Reply {
     Done {
         info: CallInfo,
         outcome: Result<Frame, Failure>,
+        /// The call's reservation, released once the reply is copied.
+        reserved: Option<Reserved>,
     },
     /// Never written upstream (its connection closed first): safe to route again.
     Retry(Forward),

@@ -7,10 +7,11 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::str::FromStr;
 use std::time::Duration;
 
-use rpcmesh_common::cli::flags::{RuntimeArgs, StageArgs, TimeoutArgs};
+use rpcmesh_common::cli::flags::{LimitArgs, RuntimeArgs, StageArgs};
 use rpcmesh_common::cli::values::parse_duration_or_off;
 use rpcmesh_common::cli::{ConfigProblems, DurationArg, MetricsListen};
 use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
+use rpcmesh_common::net::budget::DEFAULT_MEMORY_BUDGET;
 use rpcmesh_common::net::session::{DEFAULT_MAX_IN_FLIGHT_PER_LINK, Timeouts};
 use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
 
@@ -237,9 +238,9 @@ pub struct Args {
     /// Grace period for calls in flight on SIGTERM/SIGINT.
     #[arg(long, env = "RPCMESH_GRACE", default_value_t = DurationArg(DEFAULT_GRACE))]
     pub grace: DurationArg,
-    /// Connection timeouts.
+    /// Connection timeouts and the memory budget.
     #[command(flatten)]
-    pub timeouts: TimeoutArgs,
+    pub limits: LimitArgs,
     /// Keep polling for I/O this long after each read instead of sleeping (e.g. 50us),
     /// `off`, or `auto`: 50us when the broker runs one worker thread (`--threads 1`), else
     /// off. Spares peers the cost of waking the broker and cuts its latency, at the price
@@ -288,6 +289,8 @@ pub struct BrokerConfig {
     pub grace: Duration,
     /// Idle, frame and write timeouts of every accepted connection.
     pub timeouts: Timeouts,
+    /// Bytes the process may buffer.
+    pub memory_budget: usize,
     /// Busy polling after reads.
     pub busy_poll: BusyPoll,
     /// Calls in flight up to which a provider's connections are filled in order; 0 = off.
@@ -321,6 +324,7 @@ impl BrokerConfig {
             max_body_len: DEFAULT_MAX_BODY_LEN,
             grace: DEFAULT_GRACE,
             timeouts: Timeouts::default(),
+            memory_budget: DEFAULT_MEMORY_BUDGET,
             busy_poll: BusyPoll::Auto,
             pack_in_flight: DEFAULT_PACK_IN_FLIGHT,
             stage_sample: DEFAULT_STAGE_SAMPLE,
@@ -332,7 +336,8 @@ impl Args {
     /// Checks every setting and lists all problems at once.
     pub fn config(&self) -> Result<BrokerConfig, ConfigProblems> {
         let mut p = ConfigProblems::default();
-        let timeouts = self.timeouts.timeouts(&mut p);
+        let timeouts = self.limits.timeouts(&mut p);
+        let memory_budget = self.limits.memory_budget(&mut p);
         let mut upstreams = Vec::new();
         for (list, ext) in [(&self.upstreams, true), (&self.upstreams_v1, false)] {
             for s in list.iter().filter(|s| !s.trim().is_empty()) {
@@ -393,6 +398,7 @@ impl Args {
             max_body_len: self.max_body_bytes,
             grace: self.grace.0,
             timeouts,
+            memory_budget,
             busy_poll: self.busy_poll,
             pack_in_flight: self.pack_in_flight,
             stage_sample: self.stages.every(self.metrics_listen),

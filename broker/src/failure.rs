@@ -24,6 +24,9 @@ pub(crate) enum Cap {
     PerConnection(usize),
     /// `--max-in-flight`: calls in flight in the whole broker.
     Total(usize),
+    /// `--memory-budget`: the bytes the broker buffers (a large call is refused while it
+    /// is spent).
+    Memory(usize),
 }
 
 /// A call the broker answered itself.
@@ -38,6 +41,9 @@ pub(crate) enum Failure {
     NeedsExtension(String),
     /// The broker is shutting down and takes no new calls.
     Draining,
+    /// The broker's grace period ended with the call still in flight (written to a
+    /// provider: it may have run).
+    GraceOver,
     /// Shed at once: one of the broker's caps on calls in flight.
     Shed(Cap),
     /// Every open connection to the service's providers is at its cap.
@@ -84,6 +90,7 @@ impl Failure {
             Failure::UnknownService(_) => (S::Failed, K::UnknownService, Client, true),
             Failure::NeedsExtension(_) => (S::BadRequest, K::BadBody, Client, true),
             Failure::Draining => (S::Unavailable, K::Unavailable, Broker, true),
+            Failure::GraceOver => (S::Unavailable, K::Unavailable, Broker, false),
             Failure::Shed(_) | Failure::Full(_) => (S::Overloaded, K::Overloaded, Broker, true),
             Failure::NoHealthy(_) | Failure::KeptClosing => {
                 (S::Unavailable, K::Unavailable, Provider, true)
@@ -140,10 +147,16 @@ impl fmt::Display for Failure {
                 write!(f, "no provider of {s} accepts compressed payloads")
             }
             Failure::Draining => f.write_str("broker shutting down"),
+            Failure::GraceOver => {
+                f.write_str("broker shutting down: the grace period ended before the call did")
+            }
             Failure::Shed(Cap::PerConnection(n)) => {
                 write!(f, "broker has {n} calls in flight on this connection")
             }
             Failure::Shed(Cap::Total(n)) => write!(f, "broker has {n} calls in flight"),
+            Failure::Shed(Cap::Memory(n)) => {
+                write!(f, "broker memory budget of {} MiB spent", n >> 20)
+            }
             Failure::Full(s) => {
                 write!(f, "every connection to the providers of {s} is full")
             }

@@ -30,7 +30,9 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 
 use rpcmesh_common::metrics::Telemetry;
+use rpcmesh_common::metrics::families::publish_budget;
 use rpcmesh_common::metrics::system::Housekeeping;
+use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::busy_poll::{self, Activity};
 use rpcmesh_common::net::listener::{self, AcceptConfig, ServeSummary};
 use rpcmesh_common::net::shutdown::{self, CancellationToken};
@@ -75,6 +77,11 @@ pub async fn run_with(
     let busy_poll = config.busy_poll.window(workers);
     // Every socket of this broker, client and provider side, tells its spinner of reads.
     let activity = busy_poll.map(|_| Activity::new());
+    // Cancelled by the accept loop when the grace period ends: the upstream connections
+    // then answer the calls they still hold, and the sessions pass the answers on.
+    let grace_over = CancellationToken::new();
+    let budget = MemoryBudget::new(config.memory_budget);
+    publish_budget(&metrics.telemetry, metrics::ROLE, &budget);
     let pools: Vec<_> = config
         .upstreams
         .iter()
@@ -84,6 +91,8 @@ pub async fn run_with(
                 &config,
                 metrics.upstream(u.label(), config.pool_size),
                 activity.clone(),
+                grace_over.clone(),
+                budget.clone(),
             )
         })
         .collect();
@@ -109,6 +118,7 @@ pub async fn run_with(
     let shared = Arc::new(session::Shared {
         router: route::Router::new(pools, config.balance, config.pack_in_flight),
         activity: activity.clone(),
+        budget,
         config,
         metrics,
         in_flight: AtomicUsize::new(0),
@@ -124,6 +134,7 @@ pub async fn run_with(
         listener,
         accept,
         token,
+        grace_over,
         observer,
         move |stream, peer, stop| session::serve(stream, peer, shared.clone(), stop),
     )

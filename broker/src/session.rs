@@ -19,10 +19,10 @@ use bytes::Bytes;
 use rpcmesh_common::metrics::families::InFlightShare;
 use rpcmesh_common::metrics::families::{CallCounters, Sampler};
 use rpcmesh_common::metrics::{BadInputLog, Side};
+use rpcmesh_common::net::budget::{MemoryBudget, Reserved, SMALL_BODY};
 use rpcmesh_common::net::busy_poll::Activity;
 use rpcmesh_common::net::connection::{CloseReason, FramedIo};
-use rpcmesh_common::net::session::{self, Protocol};
-use rpcmesh_common::net::shutdown::CancellationToken;
+use rpcmesh_common::net::session::{self, Protocol, Stop};
 use rpcmesh_wire::Status;
 use rpcmesh_wire::body::{Heartbeat, request_names, request_service};
 use rpcmesh_wire::codec::FrameCodec;
@@ -58,6 +58,8 @@ pub(crate) struct Shared {
     pub in_flight: AtomicUsize,
     /// Reads are reported here when the broker busy-polls.
     pub activity: Option<Arc<Activity>>,
+    /// The process's budget of buffered bytes.
+    pub budget: Arc<MemoryBudget>,
 }
 
 /// Serves one client connection until the caller leaves, the input is beyond repair, a
@@ -66,13 +68,14 @@ pub(crate) async fn serve(
     stream: TcpStream,
     peer: SocketAddr,
     shared: Arc<Shared>,
-    shutdown: CancellationToken,
+    stop: Stop,
 ) -> CloseReason {
     let io = FramedIo::new(stream, FrameCodec::new(shared.config.max_body_len))
-        .with_activity(shared.activity.clone());
+        .with_activity(shared.activity.clone())
+        .with_budget(Some(shared.budget.clone()));
     let span = tracing::debug_span!("client", %peer);
     let timeouts = shared.config.timeouts;
-    session::serve(io, Session::new(shared), timeouts, shutdown)
+    session::serve(io, Session::new(shared), timeouts, stop)
         .instrument(span)
         .await
 }
@@ -226,6 +229,11 @@ impl Session {
             return self.refuse(io, id, flags, tag, Failure::Draining);
         }
         let cfg = &self.shared.config;
+        let len = frame.body.len();
+        if self.shared.budget.refuses(len) {
+            let cap = Cap::Memory(self.shared.budget.limit());
+            return self.refuse(io, id, flags, tag, Failure::Shed(cap));
+        }
         if self.in_flight >= cfg.max_in_flight_per_conn {
             let cap = Cap::PerConnection(cfg.max_in_flight_per_conn);
             return self.refuse(io, id, flags, tag, Failure::Shed(cap));
@@ -251,6 +259,7 @@ impl Session {
             reply_to: self.replies_tx.clone(),
             deadline: now + cfg.call_timeout,
             retries: 0,
+            reserved: (len >= SMALL_BODY).then(|| Reserved::new(&self.shared.budget, len)),
         };
         self.route(fwd, io);
     }
@@ -277,7 +286,16 @@ impl Session {
 
     fn on_reply(&mut self, reply: Reply, io: &mut FramedIo) {
         match reply {
-            Reply::Done { info, outcome } => self.finish(info, outcome, io),
+            // The reservation is released once the reply is in the write buffer (where the
+            // buffer's own count takes over).
+            Reply::Done {
+                info,
+                outcome,
+                reserved,
+            } => {
+                self.finish(info, outcome, io);
+                drop(reserved);
+            }
             Reply::Retry(mut fwd) => {
                 if fwd.retries >= MAX_RETRIES || Instant::now() >= fwd.deadline {
                     let failure = Failure::KeptClosing;

@@ -524,12 +524,38 @@ impl Spawned {
     /// metrics, with `args` after, and waits for its listening line. Its later output on
     /// stdout is read and dropped, its stderr discarded.
     pub fn start(name: &str, args: &[&str]) -> Spawned {
+        Spawned::start_with(&[], name, args, None)
+    }
+
+    /// As [`Spawned::start`], run through `wrapper` (a command that execs the rest, such
+    /// as `prlimit --nofile=64`), with stderr written to `stderr` if given.
+    pub fn start_with(
+        wrapper: &[&str],
+        name: &str,
+        args: &[&str],
+        stderr: Option<&std::path::Path>,
+    ) -> Spawned {
         use std::io::BufRead;
-        let mut child = std::process::Command::new(bin_path(name))
+        let program = bin_path(name);
+        let mut cmd = match wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = std::process::Command::new(first);
+                c.args(rest).arg(&program);
+                c
+            }
+            None => std::process::Command::new(&program),
+        };
+        let err = match stderr {
+            Some(path) => std::fs::File::create(path)
+                .map(std::process::Stdio::from)
+                .expect("create the stderr file"),
+            None => std::process::Stdio::null(),
+        };
+        let mut child = cmd
             .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
             .args(args)
             .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
+            .stderr(err)
             .spawn()
             .unwrap_or_else(|e| panic!("start {name}: {e}"));
         let stdout = child.stdout.take().expect("piped stdout");
@@ -546,6 +572,20 @@ impl Spawned {
             rpc,
             metrics,
         }
+    }
+
+    /// CPU time the process has used so far (user + system), in seconds.
+    pub fn cpu_seconds(&self) -> f64 {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid()))
+            .expect("the process is running");
+        // Fields after the command name, which is in parentheses and may hold spaces.
+        let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let ticks: f64 = [11, 12]
+            .iter()
+            .filter_map(|&i| f.get(i)?.parse::<f64>().ok())
+            .sum();
+        ticks / CLOCK_TICKS_PER_SECOND
     }
 
     /// The process id.
@@ -591,6 +631,10 @@ impl Spawned {
             .unwrap_or_else(|| panic!("{field} in /proc/PID/status"))
     }
 }
+
+/// The kernel's `USER_HZ`, the unit of `/proc/PID/stat`'s CPU times (100 on every Linux
+/// build this runs on).
+const CLOCK_TICKS_PER_SECOND: f64 = 100.0;
 
 /// Lowest port [`free_port`] hands out: above the well-known and most registered ones.
 const FREE_PORT_MIN: u16 = 10_000;

@@ -1,5 +1,6 @@
 //! The driver's side of one connection to its target: connecting, with a timeout per
-//! attempt and pauses that double between failed attempts; and, when a connection is lost,
+//! attempt and pauses that double between failed attempts (with jitter, the shared
+//! [`Backoff`]); and, when a connection is lost,
 //! whether to wait before the next one (a connection that died before bringing a single
 //! reply counts as a failed attempt, so that a server that accepts and closes at once, as
 //! a broker at its connection cap does, is not hammered).
@@ -9,6 +10,7 @@
 use std::time::{Duration, Instant};
 
 use rpcmesh_common::metrics::{ErrorKind, Side};
+use rpcmesh_common::net::backoff::Backoff;
 use rpcmesh_common::net::connection::FramedIo;
 use rpcmesh_common::net::listener::AcceptObserver;
 use rpcmesh_common::net::shutdown::CancellationToken;
@@ -21,40 +23,6 @@ use crate::metrics::DriverMetrics;
 /// Timeout of one connection attempt: a healthy target on a LAN answers in well under a
 /// millisecond; two seconds covers a loaded one and a lost SYN's first retransmission.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-/// First pause between failed attempts: short enough that a target that restarts is
-/// found again within a blink, long enough not to spin.
-pub const RECONNECT_MIN: Duration = Duration::from_millis(50);
-/// Longest pause between failed attempts.
-pub const RECONNECT_MAX: Duration = Duration::from_secs(1);
-
-/// Pauses that double from [`RECONNECT_MIN`] to [`RECONNECT_MAX`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Backoff {
-    next: Duration,
-}
-
-impl Default for Backoff {
-    fn default() -> Self {
-        Backoff {
-            next: RECONNECT_MIN,
-        }
-    }
-}
-
-impl Backoff {
-    /// The pause to make now; the next one is twice as long (up to the maximum).
-    pub fn pause(&mut self) -> Duration {
-        let p = self.next;
-        self.next = (p * 2).min(RECONNECT_MAX);
-        p
-    }
-
-    /// Back to the shortest pause (after a success).
-    pub fn reset(&mut self) {
-        self.next = RECONNECT_MIN;
-    }
-}
-
 /// Dials one worker's target and keeps its connection counts.
 #[derive(Debug)]
 pub struct Connector {
@@ -170,18 +138,6 @@ async fn wait_to_retry(pause: Duration, give_up: Instant, stop: &CancellationTok
 mod tests {
     use super::*;
     use rpcmesh_common::metrics::Telemetry;
-
-    #[test]
-    fn pauses_double_up_to_the_maximum_and_reset() {
-        let mut b = Backoff::default();
-        let pauses: Vec<Duration> = (0..7).map(|_| b.pause()).collect();
-        assert_eq!(pauses[0], RECONNECT_MIN);
-        assert_eq!(pauses[1], RECONNECT_MIN * 2);
-        assert!(pauses.windows(2).all(|w| w[1] >= w[0]));
-        assert_eq!(*pauses.last().unwrap(), RECONNECT_MAX);
-        b.reset();
-        assert_eq!(b.pause(), RECONNECT_MIN);
-    }
 
     fn metrics() -> DriverMetrics {
         DriverMetrics::new(Telemetry::new(), "EchoService", "Echo", 0)

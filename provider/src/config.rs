@@ -4,9 +4,10 @@
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::Duration;
 
-use rpcmesh_common::cli::flags::{CompressionArgs, RuntimeArgs, StageArgs, TimeoutArgs};
+use rpcmesh_common::cli::flags::{CompressionArgs, LimitArgs, RuntimeArgs, StageArgs};
 use rpcmesh_common::cli::{ConfigProblems, DurationArg, MetricsListen, OnOff};
 use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
+use rpcmesh_common::net::budget::DEFAULT_MEMORY_BUDGET;
 use rpcmesh_common::net::session::{DEFAULT_MAX_IN_FLIGHT_PER_LINK, Timeouts};
 use rpcmesh_wire::compress::{CompressionConfig, DEFAULT_MAX_INFLATED_LEN};
 use rpcmesh_wire::envelope::DEFAULT_MAX_METADATA_BYTES;
@@ -92,9 +93,9 @@ pub struct Args {
     /// Grace period for calls in flight on SIGTERM/SIGINT.
     #[arg(long, env = "RPCMESH_GRACE", default_value_t = DurationArg(DEFAULT_GRACE))]
     pub grace: DurationArg,
-    /// Connection timeouts.
+    /// Connection timeouts and the memory budget.
     #[command(flatten)]
-    pub timeouts: TimeoutArgs,
+    pub limits: LimitArgs,
     /// Per-stage latency timing.
     #[command(flatten)]
     pub stages: StageArgs,
@@ -125,6 +126,8 @@ pub struct ProviderConfig {
     pub grace: Duration,
     /// Idle, frame and write timeouts of every accepted connection.
     pub timeouts: Timeouts,
+    /// Bytes the process may buffer.
+    pub memory_budget: usize,
     /// Stages are timed on one call in this many; 0 = not at all.
     pub stage_sample: u32,
 }
@@ -143,6 +146,7 @@ impl Default for ProviderConfig {
             max_metadata: DEFAULT_MAX_METADATA_BYTES,
             grace: DEFAULT_GRACE,
             timeouts: Timeouts::default(),
+            memory_budget: DEFAULT_MEMORY_BUDGET,
             stage_sample: DEFAULT_STAGE_SAMPLE,
         }
     }
@@ -153,7 +157,8 @@ impl Args {
     pub fn config(&self) -> Result<ProviderConfig, ConfigProblems> {
         let mut p = ConfigProblems::default();
         let compression = self.compression.config(self.compress.0, &mut p);
-        let timeouts = self.timeouts.timeouts(&mut p);
+        let timeouts = self.limits.timeouts(&mut p);
+        let memory_budget = self.limits.memory_budget(&mut p);
         p.check(self.max_connections == 0, || {
             "--max-connections must be at least 1".into()
         });
@@ -185,6 +190,7 @@ impl Args {
             max_metadata: self.max_metadata_bytes,
             grace: self.grace.0,
             timeouts,
+            memory_budget,
             stage_sample: self.stages.every(self.metrics_listen),
         })
     }

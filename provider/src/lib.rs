@@ -19,9 +19,11 @@ use std::future::Future;
 use std::sync::Arc;
 
 use rpcmesh_common::metrics::Telemetry;
+use rpcmesh_common::metrics::families::publish_budget;
 use rpcmesh_common::metrics::system::Housekeeping;
+use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::listener::{self, AcceptConfig, ServeSummary};
-use rpcmesh_common::net::shutdown;
+use rpcmesh_common::net::shutdown::{self, CancellationToken};
 use tokio::net::TcpListener;
 
 pub use config::{Args, ProviderConfig};
@@ -84,7 +86,10 @@ pub async fn run_with(
         "provider listening"
     );
     let observer = metrics.conns.clone();
+    let budget = MemoryBudget::new(config.memory_budget);
+    publish_budget(&metrics.telemetry, metrics::ROLE, &budget);
     let shared = Arc::new(session::Shared {
+        budget,
         config,
         registry,
         metrics,
@@ -95,6 +100,7 @@ pub async fn run_with(
         listener,
         accept,
         token,
+        CancellationToken::new(),
         observer,
         move |stream, peer, stop| session::serve(stream, peer, shared.clone(), stop),
     )

@@ -21,9 +21,9 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use rpcmesh_common::metrics::families::InFlightShare;
 use rpcmesh_common::metrics::families::{Sampler, Stages};
 use rpcmesh_common::metrics::{BadInputLog, ErrorKind, Side};
+use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::connection::{CloseReason, FramedIo};
-use rpcmesh_common::net::session::{self, Protocol};
-use rpcmesh_common::net::shutdown::CancellationToken;
+use rpcmesh_common::net::session::{self, Protocol, Stop};
 use rpcmesh_common::net::timer::{Aim, PreciseTimer};
 use rpcmesh_wire::Status;
 use rpcmesh_wire::body::Heartbeat;
@@ -43,6 +43,8 @@ pub(crate) struct Shared {
     pub config: ProviderConfig,
     pub registry: Registry,
     pub metrics: ProviderMetrics,
+    /// The process's budget of buffered bytes.
+    pub budget: Arc<MemoryBudget>,
 }
 
 /// Serves one connection until the caller leaves, the input is beyond repair, a timeout
@@ -51,15 +53,19 @@ pub(crate) async fn serve(
     stream: TcpStream,
     peer: SocketAddr,
     shared: Arc<Shared>,
-    shutdown: CancellationToken,
+    stop: Stop,
 ) -> CloseReason {
-    let io = FramedIo::new(stream, FrameCodec::new(shared.config.max_body_len));
+    let io = FramedIo::new(stream, FrameCodec::new(shared.config.max_body_len))
+        .with_budget(Some(shared.budget.clone()));
     let span = tracing::debug_span!("conn", %peer);
     let timeouts = shared.config.timeouts;
-    session::serve(io, Session::new(shared), timeouts, shutdown)
+    session::serve(io, Session::new(shared), timeouts, stop)
         .instrument(span)
         .await
 }
+
+/// The answer to calls still in flight when the grace period ends.
+const GRACE_OVER: &str = "provider shutting down: the grace period ended before the call did";
 
 struct Session {
     calls: CallCodec,
@@ -156,6 +162,21 @@ impl Protocol for Session {
         self.pending.len() + self.held.len()
     }
 
+    /// Handlers still at work and answers still held are answered "unavailable: shutting
+    /// down" (the call may have run: its handler began).
+    fn on_grace_over(&mut self, io: &mut FramedIo) {
+        let metas: Vec<CallMeta> = self
+            .pending
+            .iter()
+            .map(|p| p.meta)
+            .chain(self.held.drain().map(|h| h.meta))
+            .collect();
+        self.pending.clear();
+        for m in metas {
+            self.reply_unavailable(io, m.req_id, m.flags, Some(m.method), GRACE_OVER);
+        }
+    }
+
     fn on_end(&mut self) {
         // Handlers still at work, and answers still held, have no one to answer.
         self.pending.clear();
@@ -197,18 +218,19 @@ impl Session {
         let stamp = || read_at.map(|_| Instant::now());
         let (id, flags) = (frame.header.req_id, frame.header.flags);
         if draining {
+            self.reply_unavailable(io, id, flags, None, "provider shutting down");
+            return true;
+        }
+        if self.shared.budget.refuses(frame.body.len()) {
             self.shared
                 .metrics
                 .errors
-                .inc(ErrorKind::Unavailable, Side::Provider);
-            self.reply_error(
-                io,
-                id,
-                flags,
-                None,
-                Status::Unavailable,
-                "provider shutting down",
+                .inc(ErrorKind::Overloaded, Side::Provider);
+            let msg = format!(
+                "provider memory budget of {} MiB spent",
+                self.shared.budget.limit() >> 20
             );
+            self.reply_error(io, id, flags, None, Status::Overloaded, &msg);
             return true;
         }
         let cap = self.shared.config.max_in_flight_per_conn;
@@ -392,6 +414,22 @@ impl Session {
         };
         self.shared.metrics.errors.inc(kind, side);
         self.reply_error(io, id, flags, Some(method), e.status(), &e.to_string());
+    }
+
+    /// Answers "unavailable" (the provider is going away) and counts it.
+    fn reply_unavailable(
+        &mut self,
+        io: &mut FramedIo,
+        id: u64,
+        flags: Flags,
+        method: Option<MethodId>,
+        msg: &str,
+    ) {
+        self.shared
+            .metrics
+            .errors
+            .inc(ErrorKind::Unavailable, Side::Provider);
+        self.reply_error(io, id, flags, method, Status::Unavailable, msg);
     }
 
     fn reply_error(

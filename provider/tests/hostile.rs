@@ -61,3 +61,65 @@ async fn idle_connections_hold_no_compression_state() {
     );
     drop(idle);
 }
+
+/// File descriptors the provider may hold in the out-of-descriptors test: a few dozen
+/// connections fill them.
+const FEW_FDS: &str = "--nofile=64:64";
+/// Connections opened against it: more than its descriptors allow.
+const FLOOD: usize = 100;
+/// How long the starved provider is watched.
+const WATCH: std::time::Duration = std::time::Duration::from_secs(1);
+/// The most CPU a starved provider may use while watched, as a share of one core (a
+/// spinning accept loop uses all of it).
+const MAX_STARVED_CPU: f64 = 0.2;
+/// The most lines it may log meanwhile (the spinning exporter wrote 400,000 a second).
+const MAX_STARVED_LOG_LINES: usize = 50;
+
+#[test]
+fn a_provider_out_of_descriptors_does_not_spin_and_serves_metrics_once_they_are_back() {
+    use std::io::{Read, Write};
+    let dir = std::env::temp_dir().join(format!("rpcmesh-starved-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("stderr");
+    let provider = Spawned::start_with(
+        &["prlimit", FEW_FDS, "--"],
+        "provider",
+        &["--threads", "1"],
+        Some(&log),
+    );
+    let flood: Vec<TcpStream> = (0..FLOOD)
+        .map(|_| TcpStream::connect(provider.rpc).unwrap())
+        .collect();
+    // A scrape waits behind the descriptors the flood took.
+    let mut scrape = TcpStream::connect(provider.metrics.unwrap()).unwrap();
+    write!(
+        scrape,
+        "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    std::thread::sleep(WATCH / 4);
+    let lines_before = std::fs::read_to_string(&log).unwrap().lines().count();
+    let cpu_before = provider.cpu_seconds();
+    std::thread::sleep(WATCH);
+    let cpu = provider.cpu_seconds() - cpu_before;
+    let lines = std::fs::read_to_string(&log).unwrap().lines().count() - lines_before;
+    assert!(
+        cpu <= MAX_STARVED_CPU * WATCH.as_secs_f64(),
+        "out of descriptors, the provider used {cpu:.3} s of CPU in {WATCH:?}"
+    );
+    assert!(
+        lines <= MAX_STARVED_LOG_LINES,
+        "out of descriptors, the provider logged {lines} lines in {WATCH:?}"
+    );
+    drop(flood);
+    scrape
+        .set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .unwrap();
+    let mut answer = String::new();
+    scrape.read_to_string(&mut answer).unwrap();
+    assert!(
+        answer.starts_with("HTTP/1.1 200") && answer.contains("rpcmesh_"),
+        "the scrape was answered once descriptors were back: {answer:.200}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -11,16 +11,21 @@
 //!   slot (its call timed out) is dropped and counted;
 //! - sweeps the table for calls past their deadline and answers them "timeout";
 //! - when the socket fails, answers every call in flight at once with "unavailable" and
-//!   the cause, and hands calls it never wrote back to their sessions to be routed again.
+//!   the cause, and hands calls it never wrote back to their sessions to be routed again;
+//! - when the broker's grace period ends, answers every call in flight "unavailable:
+//!   shutting down", so that no caller is left without an answer.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use rpcmesh_common::metrics::{BadInputLog, ErrorKind, Side};
+use rpcmesh_common::net::budget::{MemoryBudget, Reserved};
 use rpcmesh_common::net::busy_poll::Activity;
 use rpcmesh_common::net::connection::{CloseReason, FramedIo, IoEvent};
+use rpcmesh_common::net::shutdown::CancellationToken;
 use rpcmesh_common::net::slots::SlotTable;
+use rpcmesh_common::net::thinned::Thinned;
 use rpcmesh_wire::Status;
 use rpcmesh_wire::body::Heartbeat;
 use rpcmesh_wire::codec::FrameCodec;
@@ -51,6 +56,10 @@ const SKIP_FACTOR: u64 = 4;
 const SWEEP_MIN: Duration = Duration::from_millis(1);
 const SWEEP_MAX: Duration = Duration::from_millis(100);
 
+/// The process's budget of lost-connection log lines (a provider that accepts and closes
+/// at once loses a connection per reconnect).
+static LOST_LINES: Thinned = Thinned::new();
+
 /// Why a call could not be queued on this connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Refused {
@@ -70,6 +79,10 @@ pub(crate) struct ConnSettings {
     pub call_timeout: Duration,
     /// Reads are reported here when the broker busy-polls.
     pub activity: Option<Arc<Activity>>,
+    /// Cancelled when the broker's grace period ends.
+    pub grace_over: CancellationToken,
+    /// The broker's budget of buffered bytes (this connection's buffers count in it).
+    pub budget: Arc<MemoryBudget>,
 }
 
 /// State shared by the handle and the task.
@@ -126,7 +139,8 @@ impl UpstreamConn {
         let sweep = (settings.call_timeout / 20).clamp(SWEEP_MIN, SWEEP_MAX);
         let task = ConnTask {
             io: FramedIo::new(stream, FrameCodec::new(settings.max_body_len))
-                .with_activity(settings.activity.clone()),
+                .with_activity(settings.activity.clone())
+                .with_budget(Some(settings.budget.clone())),
             rx,
             state: state.clone(),
             table: SlotTable::default(),
@@ -209,6 +223,9 @@ struct Slot {
     deadline: Instant,
     /// When the write that carried it returned (stages on only).
     sent: Option<Instant>,
+    /// A large call's bytes, counted against the memory budget until its reply is in the
+    /// caller's write buffer (or it fails).
+    reserved: Option<Reserved>,
 }
 
 struct ConnTask {
@@ -236,6 +253,10 @@ impl ConnTask {
         sweeper.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut queue_open = true;
         let mut expired = Vec::new();
+        let grace = self.settings.grace_over.clone();
+        let grace_over = grace.cancelled();
+        tokio::pin!(grace_over);
+        let mut cut = false;
         let cause: Option<Arc<str>> = loop {
             tokio::select! {
                 biased;
@@ -256,6 +277,10 @@ impl ConnTask {
                 _ = sweeper.tick(), if !self.table.is_empty() || !self.heartbeats.is_empty() => {
                     self.answer_timed_out(&mut expired);
                 }
+                () = &mut grace_over, if !cut => {
+                    cut = true;
+                    self.answer_grace_over();
+                }
             }
             // Calls queued meanwhile leave in the same write. Before writing, when other
             // calls are in flight on this connection (traffic is concurrent), let every
@@ -274,6 +299,7 @@ impl ConnTask {
             if let Err(e) = self.io.try_flush() {
                 break Some(format!("write failed: {e}").into());
             }
+            self.io.account();
             self.written_now = 0;
             self.record_sent();
             self.metrics.wire.add(self.io.take_counts());
@@ -296,6 +322,17 @@ impl ConnTask {
                 provider: self.settings.label.clone(),
                 after: self.settings.call_timeout,
             };
+            failure.count(&self.metrics.errors);
+            settle(&self.state, &slot.reply_to, slot.info, Err(failure));
+        }
+    }
+
+    /// The broker's grace period is over: every call in flight here is answered
+    /// "unavailable: shutting down" at once, so that its session can answer its caller and
+    /// close (a reply that comes later finds no slot and is dropped).
+    fn answer_grace_over(&mut self) {
+        for (_, slot) in self.table.drain() {
+            let failure = Failure::GraceOver;
             failure.count(&self.metrics.errors);
             settle(&self.state, &slot.reply_to, slot.info, Err(failure));
         }
@@ -381,6 +418,7 @@ impl ConnTask {
             reply_to: fwd.reply_to,
             deadline: fwd.deadline,
             sent: None,
+            reserved: fwd.reserved,
         });
         if fwd.info.routed.is_some() {
             self.round.push(id);
@@ -423,7 +461,14 @@ impl ConnTask {
                     }
                     Ok(frame)
                 };
-                settle(&self.state, &slot.reply_to, slot.info, outcome);
+                // The reply goes on with the call's reservation: about as large as the
+                // request, it stays counted until the session has copied it.
+                self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+                let _ = slot.reply_to.send(Reply::Done {
+                    info: slot.info,
+                    outcome,
+                    reserved: slot.reserved,
+                });
             }
             MsgType::Heartbeat => {
                 if let Some(i) = self
@@ -510,7 +555,12 @@ impl ConnTask {
         }
         match cause {
             None => tracing::debug!("closed"),
-            Some(cause) => tracing::warn!(%cause, failed, requeued, "provider connection lost"),
+            Some(cause) => match LOST_LINES.admit() {
+                Some(a) => {
+                    tracing::warn!(%cause, failed, requeued, lost = a.seen, left_out = a.left_out, "provider connection lost")
+                }
+                None => tracing::debug!(%cause, failed, requeued, "provider connection lost"),
+            },
         }
     }
 }
@@ -520,5 +570,9 @@ impl ConnTask {
 fn settle(state: &ConnState, to: &ReplyTx, info: CallInfo, outcome: Result<Frame, Failure>) {
     state.in_flight.fetch_sub(1, Ordering::Relaxed);
     // A send fails only when the caller's session is gone; nobody is left to answer.
-    let _ = to.send(Reply::Done { info, outcome });
+    let _ = to.send(Reply::Done {
+        info,
+        outcome,
+        reserved: None,
+    });
 }

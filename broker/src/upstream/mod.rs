@@ -5,7 +5,13 @@
 //!   connecting, validating each with a heartbeat round trip on checkout, dropping broken
 //!   ones and reconnecting. A keeper task checks all of them out every health interval
 //!   (and at once when one fails) and publishes the healthy set in an `ArcSwap`, which is
-//!   all the per-call path reads: no lock, no checkout per call.
+//!   all the per-call path reads: no lock, no checkout per call. The heartbeats of one
+//!   round run at once, so a stalled provider is out of service one health interval plus
+//!   one heartbeat timeout after it stalled, whatever the pool's size.
+//! - Reconnects back off: after a failed connect, a failed heartbeat, or a connection
+//!   that closed before its first heartbeat was answered (a provider at its connection
+//!   cap accepts and closes at once), the next connect waits for the shared
+//!   [`Backoff`]'s pause; the first answered heartbeat resets it.
 
 pub(crate) mod connection;
 
@@ -14,8 +20,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use rpcmesh_common::net::backoff::Backoff;
+use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::shutdown::CancellationToken;
+use rpcmesh_common::net::thinned::Thinned;
 use tokio::sync::Notify;
+use tokio::time::Instant;
 
 use rpcmesh_common::net::busy_poll::Activity;
 use rpcmesh_common::net::listener::AcceptObserver;
@@ -50,6 +60,42 @@ struct Manager {
     metrics: UpstreamMetrics,
     closed: Arc<Notify>,
     next_id: AtomicU64,
+    /// The pauses between failing attempts, and when the next connect may start.
+    retry: std::sync::Mutex<Retry>,
+}
+
+/// The back-off state of one provider's connects.
+#[derive(Debug, Default)]
+struct Retry {
+    backoff: Backoff,
+    not_before: Option<Instant>,
+}
+
+/// The process's budget of failed-connect log lines.
+static CONNECT_FAILED_LINES: Thinned = Thinned::new();
+
+impl Manager {
+    fn retry(&self) -> std::sync::MutexGuard<'_, Retry> {
+        self.retry
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// An attempt failed: the next connect waits for a pause (each failure lengthens it).
+    fn failed(&self) {
+        let mut r = self.retry();
+        let pause = r.backoff.pause();
+        r.not_before = Some(Instant::now() + pause);
+    }
+
+    /// A connection proved healthy: connects go at once again.
+    fn succeeded(&self) {
+        let mut r = self.retry();
+        if !r.backoff.is_reset() {
+            r.backoff.reset();
+            r.not_before = None;
+        }
+    }
 }
 
 impl bb8::ManageConnection for Manager {
@@ -57,6 +103,10 @@ impl bb8::ManageConnection for Manager {
     type Error = UpstreamError;
 
     async fn connect(&self) -> Result<Arc<UpstreamConn>, UpstreamError> {
+        let not_before = self.retry().not_before;
+        if let Some(t) = not_before {
+            tokio::time::sleep_until(t).await;
+        }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let r = UpstreamConn::connect(
             &self.spec.addr,
@@ -71,7 +121,15 @@ impl bb8::ManageConnection for Manager {
             Ok(_) => self.metrics.conns.opened(),
             Err(e) => {
                 self.metrics.connect_failures.increment(1);
-                tracing::debug!(provider = %self.spec.addr, error = %e, "connect failed");
+                self.failed();
+                match CONNECT_FAILED_LINES.admit() {
+                    Some(a) => {
+                        tracing::warn!(provider = %self.spec.addr, error = %e, failures = a.seen, left_out = a.left_out, "connect failed")
+                    }
+                    None => {
+                        tracing::debug!(provider = %self.spec.addr, error = %e, "connect failed")
+                    }
+                }
             }
         }
         r.map(Arc::new)
@@ -79,11 +137,16 @@ impl bb8::ManageConnection for Manager {
 
     async fn is_valid(&self, conn: &mut Arc<UpstreamConn>) -> Result<(), UpstreamError> {
         if conn.is_closed() {
+            self.failed();
             return Err(UpstreamError::Closed);
         }
         let r = conn.heartbeat(self.health_timeout).await;
-        if r.is_err() {
-            conn.retire();
+        match r {
+            Ok(()) => self.succeeded(),
+            Err(_) => {
+                conn.retire();
+                self.failed();
+            }
         }
         r
     }
@@ -119,6 +182,8 @@ impl ProviderPool {
         config: &BrokerConfig,
         metrics: UpstreamMetrics,
         activity: Option<Arc<Activity>>,
+        grace_over: CancellationToken,
+        budget: Arc<MemoryBudget>,
     ) -> Arc<ProviderPool> {
         let closed = Arc::new(Notify::new());
         let settings = ConnSettings {
@@ -128,6 +193,8 @@ impl ProviderPool {
             max_in_flight: config.max_in_flight_per_upstream_conn,
             call_timeout: config.call_timeout,
             activity,
+            grace_over,
+            budget,
         };
         let manager = Manager {
             spec: spec.clone(),
@@ -137,6 +204,7 @@ impl ProviderPool {
             metrics: metrics.clone(),
             closed: closed.clone(),
             next_id: AtomicU64::new(1),
+            retry: std::sync::Mutex::new(Retry::default()),
         };
         let pool = bb8::Pool::builder()
             .max_size(config.pool_size)
@@ -182,15 +250,18 @@ impl ProviderPool {
         let mut healthy_before = usize::MAX;
         let mut waited_before = Duration::ZERO;
         loop {
+            // Every connection is checked out (and its heartbeat sent) at once.
+            let checkouts = (0..self.size).map(|_| self.pool.get_owned());
+            let got = tokio::select! {
+                got = futures_util::future::join_all(checkouts) => got,
+                () = stop.cancelled() => break,
+            };
             let mut held = Vec::with_capacity(self.size as usize);
             let mut last_error = None;
-            for _ in 0..self.size {
-                tokio::select! {
-                    got = self.pool.get_owned() => match got {
-                        Ok(c) => held.push(c),
-                        Err(e) => { last_error = Some(e); break; }
-                    },
-                    () = stop.cancelled() => break,
+            for g in got {
+                match g {
+                    Ok(c) => held.push(c),
+                    Err(e) => last_error = Some(e),
                 }
             }
             let mut conns: Vec<Arc<UpstreamConn>> = held.iter().map(|c| Arc::clone(&**c)).collect();

@@ -1,6 +1,7 @@
 //! Flag groups more than one program takes, flattened into each program's `Args`: the
 //! runtime's threads ([`RuntimeArgs`]), stage sampling ([`StageArgs`]), compression
-//! tuning ([`CompressionArgs`]) and the servers' connection timeouts ([`TimeoutArgs`]). Each flag is written here once, with its environment
+//! tuning ([`CompressionArgs`]) and the servers' connection timeouts and memory budget
+//! ([`LimitArgs`]). Each flag is written here once, with its environment
 //! fallback and its default as a named constant.
 
 use rpcmesh_wire::compress::{
@@ -8,8 +9,9 @@ use rpcmesh_wire::compress::{
 };
 
 use crate::cli::config::ConfigProblems;
-use crate::cli::values::{DurationArg, MetricsListen, OnOff};
+use crate::cli::values::{DurationArg, MetricsListen, OnOff, SizeArg};
 use crate::metrics::families::DEFAULT_STAGE_SAMPLE;
+use crate::net::budget::DEFAULT_MEMORY_BUDGET;
 use crate::net::session::{
     DEFAULT_FRAME_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_WRITE_TIMEOUT, Timeouts,
 };
@@ -80,9 +82,10 @@ impl CompressionArgs {
     }
 }
 
-/// The time limits of every connection a server (provider, broker) accepts.
+/// The time limits of every connection a server (provider, broker) accepts, and the
+/// server's memory budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::Args)]
-pub struct TimeoutArgs {
+pub struct LimitArgs {
     /// Close a connection with no call in flight, nothing to write and nothing read for
     /// this long.
     #[arg(long, env = "RPCMESH_IDLE_TIMEOUT", default_value_t = DurationArg(DEFAULT_IDLE_TIMEOUT))]
@@ -93,9 +96,14 @@ pub struct TimeoutArgs {
     /// Close a connection whose peer takes none of the bytes waiting for it for this long.
     #[arg(long, env = "RPCMESH_WRITE_TIMEOUT", default_value_t = DurationArg(DEFAULT_WRITE_TIMEOUT))]
     pub write_timeout: DurationArg,
+    /// Bytes the process may buffer (partial frames, write backlogs, large requests queued
+    /// toward providers): past half of it the connections holding most stop reading; at
+    /// it, new calls with bodies of 4 KiB or more are answered "overloaded".
+    #[arg(long, env = "RPCMESH_MEMORY_BUDGET", default_value_t = SizeArg(DEFAULT_MEMORY_BUDGET))]
+    pub memory_budget: SizeArg,
 }
 
-impl TimeoutArgs {
+impl LimitArgs {
     /// The timeouts; a zero one is recorded in `problems` (it would close every
     /// connection at once).
     pub fn timeouts(&self, problems: &mut ConfigProblems) -> Timeouts {
@@ -111,5 +119,15 @@ impl TimeoutArgs {
             frame: self.frame_timeout.0,
             write: self.write_timeout.0,
         }
+    }
+
+    /// The memory budget in bytes; one too small for a single large frame's worth of
+    /// buffers is recorded in `problems`.
+    pub fn memory_budget(&self, problems: &mut ConfigProblems) -> usize {
+        let b = self.memory_budget.0;
+        problems.check(b < crate::net::budget::MIN_MEMORY_BUDGET, || {
+            format!("--memory-budget {} is below 16MiB", self.memory_budget)
+        });
+        b
     }
 }

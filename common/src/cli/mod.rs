@@ -12,4 +12,4 @@ pub mod startup;
 pub mod values;
 
 pub use config::ConfigProblems;
-pub use values::{DurationArg, MetricsListen, OnOff};
+pub use values::{DurationArg, MetricsListen, OnOff, SizeArg};

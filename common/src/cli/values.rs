@@ -1,5 +1,6 @@
 //! Values on the command line: durations (`250ms`, `2s`, `1m30s`, a bare number of
-//! seconds), `on`/`off`, and the metrics endpoint address (`HOST:PORT` or `off`). Each is a
+//! seconds), byte sizes (`512MiB`, `64KiB`, `1GiB`, a bare number of bytes), `on`/`off`,
+//! and the metrics endpoint address (`HOST:PORT` or `off`). Each is a
 //! type with `FromStr` and `Display`, so that a flag's default is given as the named
 //! constant itself (`default_value_t = DurationArg(DEFAULT_GRACE)`) and `--help` prints it
 //! in the form the flag takes.
@@ -57,6 +58,41 @@ impl fmt::Display for DurationArg {
         // humantime writes `1m 30s`; without the spaces it reads as one word in `--help`.
         let text = humantime::format_duration(self.0).to_string();
         f.write_str(&text.replace(' ', ""))
+    }
+}
+
+/// A byte-size flag's value: a number of bytes, or one with `KiB`, `MiB` or `GiB`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SizeArg(pub usize);
+
+const SIZE_UNITS: [(&str, usize); 3] = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
+
+impl FromStr for SizeArg {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        let (num, unit) = SIZE_UNITS
+            .iter()
+            .find_map(|(u, n)| t.strip_suffix(u).map(|rest| (rest, *n)))
+            .unwrap_or((t, 1));
+        num.trim()
+            .parse::<usize>()
+            .ok()
+            .and_then(|n| n.checked_mul(unit))
+            .map(SizeArg)
+            .ok_or_else(|| format!("{s}: expected a size such as 512MiB, 64KiB or 1048576"))
+    }
+}
+
+impl fmt::Display for SizeArg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match SIZE_UNITS
+            .iter()
+            .find(|(_, n)| self.0 >= *n && self.0 % n == 0)
+        {
+            Some((u, n)) => write!(f, "{}{u}", self.0 / n),
+            None => write!(f, "{}", self.0),
+        }
     }
 }
 

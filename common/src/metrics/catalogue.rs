@@ -420,6 +420,22 @@ pub const PROCESS_RESIDENT_MEMORY_BYTES: Family = Family {
     roles: ALL,
     help: "Resident memory of this process.",
 };
+/// `rpcmesh_buffered_bytes{role}`.
+pub const BUFFERED_BYTES: Family = Family {
+    name: "rpcmesh_buffered_bytes",
+    kind: Gauge,
+    labels: ROLE,
+    roles: PROVIDER_BROKER,
+    help: "Bytes buffered (partial frames, write backlogs, large requests queued toward providers), as the memory budget counts them.",
+};
+/// `rpcmesh_memory_budget_bytes{role}`.
+pub const MEMORY_BUDGET_BYTES: Family = Family {
+    name: "rpcmesh_memory_budget_bytes",
+    kind: Gauge,
+    labels: ROLE,
+    roles: PROVIDER_BROKER,
+    help: "The memory budget (--memory-budget): past half of it the largest holders stop reading; at it, large calls are answered overloaded.",
+};
 /// `rpcmesh_process_virtual_memory_bytes{role}`.
 pub const PROCESS_VIRTUAL_MEMORY_BYTES: Family = Family {
     name: "rpcmesh_process_virtual_memory_bytes",
@@ -505,6 +521,8 @@ pub const CATALOGUE: &[&Family] = &[
     &PROCESS_CPU_SECONDS_TOTAL,
     &PROCESS_CPU_SECONDS,
     &PROCESS_RESIDENT_MEMORY_BYTES,
+    &BUFFERED_BYTES,
+    &MEMORY_BUDGET_BYTES,
     &PROCESS_VIRTUAL_MEMORY_BYTES,
     &PROCESS_VIRTUAL_MEMORY_MAX_BYTES,
     &PROCESS_OPEN_FDS,

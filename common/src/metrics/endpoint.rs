@@ -27,13 +27,16 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
 use crate::metrics::Telemetry;
+use crate::net::thinned::Thinned;
 
 /// Scrape connections open at once: a few Prometheus servers and tools need a handful;
 /// beyond it new connections wait in the listen backlog rather than take file
 /// descriptors from the program's RPC port.
 pub const MAX_CONNECTIONS: usize = 16;
-/// How long a client may take to send a request's headers: Prometheus sends them at
-/// once; an idle or trickling connection is closed after this.
+/// How long a client may take to send a request's headers, and how long a kept-alive
+/// connection may wait idle for its next request (hyper runs the one timer for both):
+/// Prometheus sends its headers at once and reconnects freely; an idle or trickling
+/// connection is closed after this.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest life of one scrape connection (keep-alive included): Prometheus reconnects
 /// freely, and no connection holds a slot for ever.
@@ -42,20 +45,44 @@ pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(120);
 /// would spin a core on the same error.
 pub const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
 
+/// The log budget (per process) of failed accepts.
+static ACCEPT_FAILED_LINES: Thinned = Thinned::new();
+
+/// The endpoint's bounds (the constants above, unless a test sets them).
+#[derive(Clone, Copy, Debug)]
+struct Limits {
+    connections: usize,
+    header_read: Duration,
+    lifetime: Duration,
+}
+
+const LIMITS: Limits = Limits {
+    connections: MAX_CONNECTIONS,
+    header_read: HEADER_READ_TIMEOUT,
+    lifetime: CONNECTION_LIFETIME,
+};
+
 /// Binds `addr` (port 0 picks one) and serves `telemetry` there from a task of the
 /// current Tokio runtime until the runtime ends. Returns the bound address.
 pub fn serve(telemetry: Telemetry, addr: SocketAddr) -> std::io::Result<SocketAddr> {
+    serve_with(telemetry, addr, LIMITS)
+}
+
+fn serve_with(
+    telemetry: Telemetry,
+    addr: SocketAddr,
+    limits: Limits,
+) -> std::io::Result<SocketAddr> {
     let std_listener = std::net::TcpListener::bind(addr)?;
     std_listener.set_nonblocking(true)?;
     let local = std_listener.local_addr()?;
     let listener = TcpListener::from_std(std_listener)?;
-    tokio::spawn(accept_loop(listener, telemetry));
+    tokio::spawn(accept_loop(listener, telemetry, limits));
     Ok(local)
 }
 
-async fn accept_loop(listener: TcpListener, telemetry: Telemetry) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
-    let mut failures: u64 = 0;
+async fn accept_loop(listener: TcpListener, telemetry: Telemetry, limits: Limits) {
+    let slots = Arc::new(Semaphore::new(limits.connections));
     loop {
         let Ok(permit) = slots.clone().acquire_owned().await else {
             return;
@@ -63,10 +90,8 @@ async fn accept_loop(listener: TcpListener, telemetry: Telemetry) {
         let stream = match listener.accept().await {
             Ok((s, _)) => s,
             Err(e) => {
-                failures += 1;
-                // Thinned: the first failure, then every 100th.
-                if failures % 100 == 1 {
-                    tracing::warn!(error = %e, failures, "metrics endpoint: accept failed; pausing");
+                if let Some(a) = ACCEPT_FAILED_LINES.admit() {
+                    tracing::warn!(error = %e, failures = a.seen, left_out = a.left_out, "metrics endpoint: accept failed; pausing");
                 }
                 tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
                 continue;
@@ -77,9 +102,9 @@ async fn accept_loop(listener: TcpListener, telemetry: Telemetry) {
             let service = hyper::service::service_fn(move |req| respond(t.clone(), req));
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(HEADER_READ_TIMEOUT)
+                .header_read_timeout(limits.header_read)
                 .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
-            let _ = tokio::time::timeout(CONNECTION_LIFETIME, conn).await;
+            let _ = tokio::time::timeout(limits.lifetime, conn).await;
             drop(permit);
         });
     }
@@ -113,4 +138,66 @@ async fn respond(
     .await
     .unwrap_or_default();
     Ok(reply(StatusCode::OK, text))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    const SHORT: Limits = Limits {
+        connections: 2,
+        header_read: Duration::from_millis(200),
+        lifetime: Duration::from_secs(30),
+    };
+
+    async fn get(s: &mut TcpStream) -> String {
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = vec![0; 65536];
+        let n = s.read(&mut buf).await.unwrap();
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    }
+
+    async fn closed(s: &mut TcpStream) -> bool {
+        let mut rest = Vec::new();
+        matches!(
+            tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await,
+            Ok(Ok(0)) | Ok(Err(_))
+        )
+    }
+
+    #[tokio::test]
+    async fn a_keep_alive_connection_left_idle_after_a_scrape_is_closed() {
+        let addr = serve_with(Telemetry::new(), "127.0.0.1:0".parse().unwrap(), SHORT).unwrap();
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        assert!(get(&mut s).await.starts_with("HTTP/1.1 200"));
+        assert!(get(&mut s).await.starts_with("HTTP/1.1 200"), "kept alive");
+        assert!(closed(&mut s).await, "the idle connection was closed");
+    }
+
+    #[tokio::test]
+    async fn connections_over_the_cap_wait_until_idle_ones_are_closed() {
+        let addr = serve_with(Telemetry::new(), "127.0.0.1:0".parse().unwrap(), SHORT).unwrap();
+        let mut idle = Vec::new();
+        for _ in 0..SHORT.connections {
+            idle.push(TcpStream::connect(addr).await.unwrap());
+        }
+        // Over the cap: it waits in the backlog, and is served once a slot is free.
+        let mut late = TcpStream::connect(addr).await.unwrap();
+        assert!(get(&mut late).await.starts_with("HTTP/1.1 200"));
+        for s in idle {
+            let mut b = [0; 1];
+            let gone = match s.try_read(&mut b) {
+                Ok(n) => n == 0,
+                Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+            };
+            assert!(
+                gone,
+                "the idle connections were closed before the late one was served"
+            );
+        }
+    }
 }

@@ -12,6 +12,7 @@ use rpcmesh_wire::frame::{Flags, FrameError};
 
 use crate::metrics::Telemetry;
 use crate::metrics::catalogue::{ERRORS_TOTAL, Role};
+use crate::net::thinned::Thinned;
 
 /// Every kind of error rpcmesh counts, the `kind` label of `rpcmesh_errors_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -222,9 +223,12 @@ impl ErrorCounters {
     }
 }
 
-/// Bad input seen on one connection, from one side: each event is counted and logged (the
-/// first [`BadInputLog::FIRST`], then one in [`BadInputLog::THIN_EVERY`], so a peer cannot
-/// flood the log), and the request an error reply is due to is returned.
+/// The process's budget of bad-input log lines.
+static BAD_INPUT_LINES: Thinned = Thinned::new();
+
+/// Bad input seen on one connection, from one side: each event is counted and logged
+/// (thinned for the whole process, see [`Thinned`], so peers cannot flood the log however
+/// many connections they open), and the request an error reply is due to is returned.
 pub struct BadInputLog {
     errors: ErrorCounters,
     side: Side,
@@ -241,11 +245,6 @@ impl std::fmt::Debug for BadInputLog {
 }
 
 impl BadInputLog {
-    /// Log lines per connection before they are thinned: enough to diagnose.
-    pub const FIRST: u64 = 10;
-    /// After that, one line in this many.
-    pub const THIN_EVERY: u64 = 1000;
-
     /// The record of one connection's bad input from `side` (the caller, or the provider a
     /// broker reads from), counted in `errors`.
     pub fn new(errors: ErrorCounters, side: Side) -> Self {
@@ -262,8 +261,8 @@ impl BadInputLog {
         self.errors.inc(ErrorKind::of_frame(e), self.side);
         self.seen += 1;
         let n = self.seen;
-        if n <= Self::FIRST || n % Self::THIN_EVERY == 0 {
-            tracing::warn!(error = %e, fatal = e.is_fatal(), seen = n, peer = self.side.label(), "bad input");
+        if let Some(a) = BAD_INPUT_LINES.admit() {
+            tracing::warn!(error = %e, fatal = e.is_fatal(), on_connection = n, in_process = a.seen, left_out = a.left_out, peer = self.side.label(), "bad input");
         }
         e.request_id().map(|id| (id, e.flags()))
     }

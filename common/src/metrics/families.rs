@@ -16,9 +16,9 @@ use rpcmesh_wire::envelope::{CompressionObserver, PayloadSize};
 
 use crate::metrics::Telemetry;
 use crate::metrics::catalogue::{
-    CALLS_TOTAL, COMPRESSION_SECONDS, CONNECTIONS_CLOSED_TOTAL, CONNECTIONS_OPEN,
-    CONNECTIONS_OPENED_TOTAL, CONNECTIONS_REFUSED_TOTAL, PAYLOAD_BYTES_TOTAL, Role, STAGE_SECONDS,
-    WIRE_BYTES_TOTAL, WIRE_SYSCALLS_TOTAL,
+    BUFFERED_BYTES, CALLS_TOTAL, COMPRESSION_SECONDS, CONNECTIONS_CLOSED_TOTAL, CONNECTIONS_OPEN,
+    CONNECTIONS_OPENED_TOTAL, CONNECTIONS_REFUSED_TOTAL, MEMORY_BUDGET_BYTES, PAYLOAD_BYTES_TOTAL,
+    Role, STAGE_SECONDS, WIRE_BYTES_TOTAL, WIRE_SYSCALLS_TOTAL,
 };
 use crate::net::connection::{CloseReason, IoCounts};
 use crate::net::listener::AcceptObserver;
@@ -372,4 +372,18 @@ impl CompressionObserver for CompressionTimers {
     fn inflated(&self, took: std::time::Duration) {
         self.inflate.record(took.as_secs_f64());
     }
+}
+
+/// Publishes `budget` as `rpcmesh_buffered_bytes` and `rpcmesh_memory_budget_bytes` of
+/// `role`, read at every scrape.
+pub fn publish_budget(
+    t: &Telemetry,
+    role: Role,
+    budget: &std::sync::Arc<crate::net::budget::MemoryBudget>,
+) {
+    let l = [("role", role.label())];
+    let used = t.gauge(&BUFFERED_BYTES, &l);
+    t.gauge(&MEMORY_BUDGET_BYTES, &l).set(budget.limit() as f64);
+    let b = budget.clone();
+    t.on_scrape(std::sync::Arc::new(move || used.set(b.used() as f64)));
 }

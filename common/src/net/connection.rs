@@ -21,16 +21,23 @@ use tokio::time::Instant;
 use rpcmesh_wire::codec::FrameCodec;
 use rpcmesh_wire::frame::{Frame, FrameError};
 
+use crate::net::budget::{Held, MemoryBudget};
 use crate::net::busy_poll::Activity;
 
 /// Bytes a read may fill at once: 64 KiB holds about a thousand small frames, so a busy
 /// connection reads a whole batch per `read` call.
 pub const READ_CHUNK: usize = 64 * 1024;
-/// The read buffer grows (by [`READ_CHUNK`]) only when less room than this is left. Frames
+/// The read buffer grows (by [`READ_CHUNK`]) only when less room than this is left (a
+/// fresh buffer, this large, only once it is full). Frames
 /// split off the buffer share its allocation while they live, so growing it before every
 /// read would allocate a fresh 64 KiB buffer per read whenever one is still in flight
 /// (the broker keeps forwarded requests until their upstream write).
 const MIN_READ_ROOM: usize = 4096;
+
+/// A buffer left empty with more room than this after a peak is given back (replaced by a
+/// fresh, small one): one large frame must not cost a connection its size for the rest of
+/// its life.
+const SHRINK_ABOVE: usize = 4 * READ_CHUNK;
 
 /// Idle time before the first keepalive probe: a minute, long beyond any pause in a
 /// healthy conversation, short enough that a dead peer's connection is freed within
@@ -134,6 +141,8 @@ pub struct FramedIo {
     write_stalled: Option<Instant>,
     /// Told of every read that returned data (busy polling), if set.
     activity: Option<Arc<Activity>>,
+    /// What this connection's buffers hold, told to the process's budget, if set.
+    held: Option<Held>,
 }
 
 impl FramedIo {
@@ -154,13 +163,17 @@ impl FramedIo {
         FramedIo {
             stream,
             codec,
-            rbuf: BytesMut::with_capacity(READ_CHUNK),
-            wbuf: BytesMut::with_capacity(READ_CHUNK),
+            // Small until traffic comes: an idle connection costs a page, not two chunks;
+            // the read buffer grows by READ_CHUNK on the second read, the write buffer
+            // with the first replies.
+            rbuf: BytesMut::with_capacity(MIN_READ_ROOM),
+            wbuf: BytesMut::new(),
             eof: false,
             discard: 0,
             counts: IoCounts::default(),
             write_stalled: None,
             activity: None,
+            held: None,
         }
     }
 
@@ -169,6 +182,43 @@ impl FramedIo {
     pub fn with_activity(mut self, activity: Option<Arc<Activity>>) -> Self {
         self.activity = activity;
         self
+    }
+
+    /// Reports this connection's buffered bytes to `budget`, if given.
+    pub fn with_budget(mut self, budget: Option<Arc<MemoryBudget>>) -> Self {
+        self.held = budget.map(Held::new);
+        self
+    }
+
+    /// Bytes the buffers hold now: the room of the read buffer (partial frames and the
+    /// space they grew) and of the write buffer (the backlog and its space). Room, not
+    /// length: buffers grow by doubling, and the room is what the process pays for.
+    pub fn buffered(&self) -> usize {
+        self.rbuf.capacity() + self.wbuf.capacity()
+    }
+
+    /// Tells the budget what the buffers hold now, and gives back a buffer that is empty
+    /// after a peak. Once per round.
+    pub fn account(&mut self) {
+        if self.rbuf.is_empty() && self.rbuf.capacity() > SHRINK_ABOVE {
+            self.rbuf = BytesMut::with_capacity(MIN_READ_ROOM);
+        }
+        if self.wbuf.is_empty() && self.wbuf.capacity() > SHRINK_ABOVE {
+            self.wbuf = BytesMut::new();
+        }
+        let n = self.buffered();
+        if let Some(h) = &mut self.held {
+            h.set(n);
+        }
+    }
+
+    /// The budget, when the process is near it and this connection holds enough to wait
+    /// until it is relieved (see [`MemoryBudget::should_pause`]).
+    pub fn budget_pause(&self) -> Option<Arc<MemoryBudget>> {
+        let h = self.held.as_ref()?;
+        h.budget()
+            .should_pause(self.buffered())
+            .then(|| h.budget().clone())
     }
 
     /// The write buffer: append whole frames to it, then call [`FramedIo::try_flush`].
@@ -244,7 +294,10 @@ impl FramedIo {
     }
 
     fn make_read_room(&mut self) {
-        if self.rbuf.capacity() - self.rbuf.len() < MIN_READ_ROOM {
+        let room = self.rbuf.capacity() - self.rbuf.len();
+        // A fresh (small) buffer grows only once it is full: a peer that sent a few bytes,
+        // or only a header, costs no read chunk.
+        if room == 0 || (room < MIN_READ_ROOM && self.rbuf.capacity() >= READ_CHUNK) {
             self.rbuf.reserve(READ_CHUNK);
         }
     }

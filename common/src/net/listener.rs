@@ -1,14 +1,15 @@
 //! The accept loop shared by the provider and the broker: a cap on open connections, a
 //! back-off when the process runs out of file descriptors, one task per connection, and
-//! draining on shutdown.
+//! draining on shutdown. Its log lines (refusals, failed accepts) are thinned per process.
 //!
 //! Owns connection admission and the connection tasks' lifetimes; what a connection does
 //! is the session's, given as a closure (servers run [`crate::net::session::serve`]).
 //!
 //! Shutdown: the listener is dropped at once (new connections are refused by the kernel),
 //! each connection's token is cancelled so its session stops taking new calls and finishes
-//! the ones in flight, and the loop waits for them up to the grace period, then aborts
-//! what is left.
+//! the ones in flight, and the loop waits for them up to the grace period. Then the
+//! sessions still running are told the grace period is over, answer their calls still in
+//! flight "shutting down" and close; what is left after [`LAST_ANSWERS_WAIT`] is aborted.
 
 use std::future::Future;
 use std::io;
@@ -20,6 +21,8 @@ use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::net::connection::CloseReason;
+use crate::net::session::Stop;
+use crate::net::thinned::Thinned;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -28,6 +31,15 @@ use tokio_util::sync::CancellationToken;
 pub const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
 /// Longest pause between accept attempts after errors.
 pub const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// How long sessions have, once the grace period is over, to answer their last calls and
+/// close: a final flush (1 s) and the broker's upstream connections' answers, with room to
+/// spare. A supervisor's stop timeout should exceed the grace period plus this.
+pub const LAST_ANSWERS_WAIT: Duration = Duration::from_secs(2);
+
+/// Log budgets (per process) of refused connections and failed accepts.
+static REFUSED_LINES: Thinned = Thinned::new();
+static ACCEPT_FAILED_LINES: Thinned = Thinned::new();
 
 /// Limits of the accept loop.
 #[derive(Clone, Copy, Debug)]
@@ -45,7 +57,10 @@ pub struct ServeSummary {
     pub accepted: u64,
     /// Connections closed at once because the cap was reached.
     pub refused: u64,
-    /// Sessions still running when the grace period ended (aborted).
+    /// Sessions still running when the grace period ended (their calls still in flight
+    /// were answered "shutting down").
+    pub cut: usize,
+    /// Sessions still running [`LAST_ANSWERS_WAIT`] after that (aborted).
     pub aborted: usize,
 }
 
@@ -65,17 +80,19 @@ pub struct NoObserver;
 impl AcceptObserver for NoObserver {}
 
 /// Accepts connections until `shutdown` is cancelled, running `session(stream, peer,
-/// token)` for each in its own task; the session says why it ended. Returns after the
-/// drain.
+/// stop)` for each in its own task; the session says why it ended. Returns after the
+/// drain; `grace_over` is cancelled when the grace period ends (the caller may give it to
+/// other tasks that hold calls, as the broker does to its upstream connections).
 pub async fn serve<F, Fut>(
     listener: TcpListener,
     config: AcceptConfig,
     shutdown: CancellationToken,
+    grace_over: CancellationToken,
     observer: Arc<dyn AcceptObserver>,
     mut session: F,
 ) -> ServeSummary
 where
-    F: FnMut(TcpStream, SocketAddr, CancellationToken) -> Fut,
+    F: FnMut(TcpStream, SocketAddr, Stop) -> Fut,
     Fut: Future<Output = CloseReason> + Send + 'static,
 {
     let mut summary = ServeSummary::default();
@@ -94,7 +111,9 @@ where
                     if open.load(Ordering::Relaxed) >= config.max_connections {
                         summary.refused += 1;
                         observer.refused();
-                        tracing::warn!(%peer, max = config.max_connections, "connection refused: too many open connections");
+                        if let Some(a) = REFUSED_LINES.admit() {
+                            tracing::warn!(%peer, max = config.max_connections, refused = a.seen, left_out = a.left_out, "connection refused: too many open connections");
+                        }
                         drop(stream);
                         continue;
                     }
@@ -102,7 +121,11 @@ where
                     open.fetch_add(1, Ordering::Relaxed);
                     observer.opened();
                     tracing::debug!(%peer, "connection accepted");
-                    let fut = session(stream, peer, shutdown.child_token());
+                    let stop = Stop {
+                        drain: shutdown.child_token(),
+                        grace_over: grace_over.clone(),
+                    };
+                    let fut = session(stream, peer, stop);
                     let open = open.clone();
                     let observer = observer.clone();
                     tasks.spawn(async move {
@@ -115,7 +138,9 @@ where
                     tracing::debug!(error = %e, "accept failed; continuing");
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, pause_ms = backoff.as_millis() as u64, "accept failed; pausing");
+                    if let Some(a) = ACCEPT_FAILED_LINES.admit() {
+                        tracing::warn!(error = %e, pause_ms = backoff.as_millis() as u64, failures = a.seen, left_out = a.left_out, "accept failed; pausing");
+                    }
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(ACCEPT_BACKOFF_MAX);
                 }
@@ -129,12 +154,21 @@ where
     })
     .await;
     if drained.is_err() {
-        summary.aborted = tasks.len();
+        summary.cut = tasks.len();
         tracing::warn!(
             sessions = tasks.len(),
-            "grace period over; aborting sessions"
+            "grace period over; answering the calls still in flight \"shutting down\""
         );
-        tasks.shutdown().await;
+        grace_over.cancel();
+        let closed = tokio::time::timeout(LAST_ANSWERS_WAIT, async {
+            while tasks.join_next().await.is_some() {}
+        })
+        .await;
+        if closed.is_err() {
+            summary.aborted = tasks.len();
+            tracing::warn!(sessions = tasks.len(), "aborting sessions");
+            tasks.shutdown().await;
+        }
     }
     summary
 }

@@ -6,19 +6,24 @@
 //! - [`listener`]: the accept loop: connection cap, back-off when out of descriptors, one
 //!   task per connection, drain on shutdown.
 //! - [`session`]: the server-session skeleton the provider and broker share: the loop,
-//!   the write-backlog limit, the drain, the final flush.
+//!   the write-backlog limit, the connection timeouts, the drain, the final flush.
 //! - [`slots`]: the table of calls in flight on a multiplexed connection, by request id.
 //! - [`busy_poll`]: keeping a worker polling after a read instead of sleeping.
 //! - [`timer`]: a timer finer than Tokio's millisecond wheel (a `timerfd`), for simulated
 //!   service times and the driver's pacer.
 //! - [`client`]: a small multiplexed client, for tests and tools.
+//! - [`backoff`]: capped exponential pauses with jitter, for every loop that reconnects.
+//! - [`budget`]: the process's memory budget for buffered bytes.
 //! - [`shutdown`]: SIGTERM/SIGINT and the cancellation token `run` hands to its tasks.
+//! - [`thinned`]: log lines a peer can cause at will, thinned per process.
 //!
 //! Above the wire layer (`rpcmesh-wire`), which it uses to split and write frames; below
 //! the metrics layer, which counts its events through the hooks it offers
 //! ([`listener::AcceptObserver`], [`connection::IoCounts`], the busy poller's idle
 //! callback) and which it never uses itself.
 
+pub mod backoff;
+pub mod budget;
 pub mod busy_poll;
 pub mod client;
 pub mod connection;
@@ -26,4 +31,5 @@ pub mod listener;
 pub mod session;
 pub mod shutdown;
 pub mod slots;
+pub mod thinned;
 pub mod timer;

@@ -2,10 +2,13 @@
 //! connection that reads frames, lets the program's [`Protocol`] act on them and on its own
 //! events, and writes what was produced, once per round. The skeleton owns what every
 //! server session does the same way: the loop, reading only while the write backlog is
-//! under [`WRITE_BACKLOG_LIMIT`], splitting reads into frames and stopping on input beyond
+//! under [`WRITE_BACKLOG_LIMIT`] and the memory budget does not pause it
+//! ([`crate::net::budget`]), splitting reads into frames and stopping on input beyond
 //! repair, the connection's [`Timeouts`] (idle, frame, write), the drain on shutdown
-//! (answering what still arrives for [`DRAIN_LINGER`] once idle, then closing), the final
-//! flush, [`SessionError`], and the [`CloseReason`] the session ended with.
+//! (answering what still arrives for [`DRAIN_LINGER`] once idle, then closing), the end of
+//! the grace period (every call still in flight answered "unavailable: shutting down"
+//! before the connection closes), the final flush, [`SessionError`], and the
+//! [`CloseReason`] the session ended with.
 //!
 //! The protocol owns what the frames mean: the provider decodes calls and runs handlers;
 //! the broker routes calls to providers and writes their replies back. Neither sees the
@@ -76,6 +79,16 @@ impl Default for Timeouts {
     }
 }
 
+/// The two moments of a server's shutdown, as a session sees them.
+#[derive(Clone, Debug, Default)]
+pub struct Stop {
+    /// Shutdown began: take no new calls, finish the ones in flight.
+    pub drain: CancellationToken,
+    /// The grace period is over: answer every call still in flight "shutting down" now,
+    /// then close.
+    pub grace_over: CancellationToken,
+}
+
 /// Why a session ended before its caller left.
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
@@ -143,6 +156,11 @@ pub trait Protocol: Send {
     /// Calls taken and not yet answered: the session may close only when none is left.
     fn in_flight(&self) -> usize;
 
+    /// The grace period is over: answer every call still in flight "unavailable: shutting
+    /// down" (or make sure its answer comes as an event soon, as the broker's upstream
+    /// connections do); the session closes once none is left.
+    fn on_grace_over(&mut self, _io: &mut FramedIo) {}
+
     /// The session is ending: calls still in flight will get no answer here.
     fn on_end(&mut self) {}
 }
@@ -155,9 +173,9 @@ pub async fn serve<P: Protocol>(
     mut io: FramedIo,
     mut protocol: P,
     timeouts: Timeouts,
-    shutdown: CancellationToken,
+    stop: Stop,
 ) -> CloseReason {
-    let end = run(&mut io, &mut protocol, timeouts, &shutdown).await;
+    let end = run(&mut io, &mut protocol, timeouts, &stop).await;
     let reason = match &end {
         Ok(reason) => {
             tracing::debug!(reason = reason.label(), "connection closed");
@@ -180,13 +198,15 @@ async fn run<P: Protocol>(
     io: &mut FramedIo,
     p: &mut P,
     timeouts: Timeouts,
-    shutdown: &CancellationToken,
+    stop: &Stop,
 ) -> Result<CloseReason, SessionError> {
     let mut draining = false;
+    let mut cut = false;
     let mut drain = Drain::default();
     let mut clock = Clock::new(timeouts);
     loop {
-        let reading = !io.is_eof() && io.pending_write() < WRITE_BACKLOG_LIMIT;
+        let paused = io.budget_pause();
+        let reading = !io.is_eof() && io.pending_write() < WRITE_BACKLOG_LIMIT && paused.is_none();
         let mut frames = None;
         tokio::select! {
             biased;
@@ -197,27 +217,41 @@ async fn run<P: Protocol>(
                 }
             }
             () = drain.lingered(), if draining => {}
-            () = shutdown.cancelled(), if !draining => {
+            () = stop.drain.cancelled(), if !draining => {
                 tracing::debug!(in_flight = p.in_flight(), "draining");
                 draining = true;
+            }
+            () = stop.grace_over.cancelled(), if !cut => {
+                tracing::debug!(in_flight = p.in_flight(), "grace period over");
+                p.on_grace_over(io);
+                (draining, cut) = (true, true);
             }
             () = clock.fired() => {
                 if let Some(reason) = clock.expired(io) {
                     return Err(SessionError::Timeout(reason));
                 }
             }
+            () = relieved(paused.as_deref()), if paused.is_some() => {}
         }
         p.before_write(io).await;
         io.try_flush()?;
+        io.account();
         p.after_write(io);
         let idle = p.in_flight() == 0 && io.pending_write() == 0;
         if idle && io.is_eof() {
             return Ok(CloseReason::Peer);
         }
-        if drain.should_close(draining, idle) {
+        if (cut && idle) || drain.should_close(draining, idle) {
             return Ok(CloseReason::Shutdown);
         }
         clock.update(io, frames, reading, idle);
+    }
+}
+
+/// Resolves when the memory budget that paused this connection's reads is relieved.
+async fn relieved(budget: Option<&crate::net::budget::MemoryBudget>) {
+    if let Some(b) = budget {
+        b.relieved().await;
     }
 }
 
@@ -442,6 +476,11 @@ mod tests {
         fn in_flight(&self) -> usize {
             self.held.len()
         }
+        fn on_grace_over(&mut self, io: &mut FramedIo) {
+            for id in self.held.drain(..) {
+                answer(io, id, 0);
+            }
+        }
         fn on_end(&mut self) {
             if let Some(tx) = self.ended.take() {
                 let _ = tx.send((self.held.len(), self.seen_draining));
@@ -491,7 +530,7 @@ mod tests {
         buf: BytesMut,
         release: mpsc::UnboundedSender<u64>,
         ended: tokio::sync::oneshot::Receiver<(usize, bool)>,
-        shutdown: CancellationToken,
+        shutdown: Stop,
         session: tokio::task::JoinHandle<CloseReason>,
     }
 
@@ -518,7 +557,7 @@ mod tests {
         let (stream, _) = listener.accept().await.unwrap();
         let (release, rx) = mpsc::unbounded_channel();
         let (ended_tx, ended) = tokio::sync::oneshot::channel();
-        let shutdown = CancellationToken::new();
+        let shutdown = Stop::default();
         let session = tokio::spawn(serve(
             FramedIo::new(stream, FrameCodec::default()),
             Held {
@@ -572,7 +611,7 @@ mod tests {
         assert_eq!(s.answered().await, 1);
         // Shutdown with call 2 held: the session stays, answers what still arrives, and
         // closes only after call 2 is answered.
-        s.shutdown.cancel();
+        s.shutdown.drain.cancel();
         s.send(3).await;
         assert_eq!(s.answered().await, 3);
         s.release.send(2).unwrap();
@@ -639,6 +678,34 @@ mod tests {
             .expect("the session ends")
             .unwrap();
         assert_eq!(reason, CloseReason::WriteTimeout);
+    }
+
+    #[tokio::test]
+    async fn at_the_end_of_the_grace_period_calls_in_flight_are_answered_then_the_session_closes() {
+        let mut s = start().await;
+        s.send(1).await;
+        s.send(2).await;
+        // Once call 9 is answered, 1 and 2 (sent before it) have been taken and held.
+        s.release.send(9).unwrap();
+        s.send(9).await;
+        assert_eq!(s.answered().await, 9);
+        s.shutdown.drain.cancel();
+        // Held calls keep the draining session open...
+        s.send(3).await;
+        assert_eq!(
+            s.answered().await,
+            3,
+            "a late request is answered while draining"
+        );
+        // ...until the grace period ends: then both are answered, and it closes at once.
+        s.shutdown.grace_over.cancel();
+        let mut ids = read_ids(&mut s.client, &mut s.buf, 2).await;
+        ids.sort_unstable();
+        assert_eq!(ids, [1, 2]);
+        s.closed().await;
+        let (left, _) = (&mut s.ended).await.unwrap();
+        assert_eq!(left, 0, "nothing was left without an answer");
+        assert_eq!(s.session.await.unwrap(), CloseReason::Shutdown);
     }
 
     #[tokio::test]

@@ -1,7 +1,8 @@
 //! Splits a byte stream into [`Frame`]s: the frame decoder every connection uses.
 //!
 //! Owns the stream-level rules: the body-length limit, checked on the header *before*
-//! anything is reserved for the body; zero-copy bodies (each frame is `split_to` off the
+//! anything is reserved for the body, and room for the body made as its bytes arrive,
+//! never on the header's claim alone; zero-copy bodies (each frame is `split_to` off the
 //! read buffer and frozen, so bodies are `Bytes` slices of it); and what happens to bad
 //! input. It leaves the meaning of a frame to [`crate::frame`] and sockets to the net layer
 //! (`rpcmesh_common::net::connection`).
@@ -80,7 +81,11 @@ impl FrameCodec {
         }
         let total = FRAME_OVERHEAD + p.body_len as usize;
         if src.len() < total {
-            src.reserve(total - src.len());
+            // Room for what is missing, but never more than what has arrived: memory
+            // follows the bytes (doubling as they come), not the header's claim, so a
+            // thousand headers claiming 10 MiB each cost nothing until the bytes come.
+            let missing = total - src.len();
+            src.reserve(missing.min(src.len()));
             return Ok(None);
         }
         Frame::from_bytes(src.split_to(total).freeze()).map(Some)
