@@ -511,7 +511,10 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
         std::fs::create_dir_all(dir.join(sub)).unwrap();
     }
 
-    // The mesh: a provider, a broker, an open-loop driver with compression on.
+    // The mesh: a provider, a broker, an open-loop driver with compression on. The broker
+    // times calls out after 1s (so a hung provider's calls end, slow, within the test) and
+    // checks its pool twice a second; the driver's own timeout is longer than the
+    // broker's, so the broker's answer is what it sees.
     let (provider, p_rpc, p_metrics) = spawn_server("provider", &["--threads", "1"]);
     let (_broker, b_rpc, b_metrics) = spawn_server(
         "broker",
