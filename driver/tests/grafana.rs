@@ -1,0 +1,796 @@
+//! The Grafana dashboards, Prometheus configuration and rules of `grafana/`, proven three
+//! ways:
+//!
+//! - **statically**: every dashboard validates against `grafana/schema/dashboard.schema.json`
+//!   (made from Grafana's own published types by `grafana/schema/generate`), uses the one
+//!   provisioned datasource, its template variables and `$__rate_interval`, and is what
+//!   `grafana/make-dashboards` writes;
+//! - **with promtool**: `check config`, `check rules` and the rule unit tests of
+//!   `grafana/prometheus/tests/` (which must name every recording rule and alert);
+//! - **live**: a real provider, broker and driver (processes on 127.0.0.1 under open-loop
+//!   load with compression on, stopped by PID) scraped by a real Prometheus running the
+//!   committed `prometheus.yml` and rules (its own data folder, stopped by PID). Every panel
+//!   query, its variables substituted as Grafana would for "All", must return data; no alert
+//!   may fire or even pend while the mesh is healthy; then the provider is stopped (SIGSTOP:
+//!   it hangs, as a wedged host does) and every alert it causes must fire.
+//!
+//! What the live test changes, and only that: the scrape and evaluation intervals (1s
+//! instead of 15s, scrape timeout to match) and every alert's `for` (shortened to
+//! [`TEST_FOR`]); the expressions are the committed ones. The softirq red line (30 % of the
+//! CPU time) cannot be reached on purpose on a shared two-core machine; its alert is proven
+//! by the promtool unit tests, and live its expression is evaluated with the threshold at 0
+//! to show that it reads real series of every host.
+//!
+//! Needs `promtool` and `prometheus` (Debian package `prometheus`; `scripts/deps` installs
+//! it) and `python3` (for `grafana/make-dashboards --check`).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rpcmesh_common::cli::startup::parse_listening_line;
+use rpcmesh_common::testkit::{self, ChildGuard};
+use serde_json::Value;
+
+/// The datasource uid every dashboard names, as provisioned.
+const DATASOURCE_UID: &str = "rpcmesh-prometheus";
+
+/// The scrape and evaluation interval of the live test (the deployment's is 15s).
+const TEST_INTERVAL: &str = "1s";
+
+/// Every alert's `for` in the live test: short enough that the fault test ends in seconds,
+/// long enough that an alert must hold over several evaluations (one a second) to fire.
+const TEST_FOR: &str = "5s";
+
+/// What Grafana makes of `$__rate_interval` at a 1s scrape interval and a 1s `$__interval`:
+/// max(4 × scrape interval, interval + scrape interval).
+const TEST_RATE_INTERVAL: &str = "4s";
+
+/// How long the mesh must stay healthy, with every panel showing data, while the test
+/// watches for alerts: three `for` windows.
+const HEALTHY_WINDOW: Duration = Duration::from_secs(15);
+
+/// How long a wait here may take before it fails the test: a hang detector, not a
+/// measurement (each condition normally holds within a few scrapes).
+const WAIT: Duration = Duration::from_secs(60);
+
+/// The driver's load: open loop, requests per second (each 5 calls in a row).
+const DRIVER_RATE: &str = "100";
+/// The driver's run length: longer than the test needs, so that it is still running when
+/// the test ends (and is stopped by PID); a bound in case it is not.
+const DRIVER_DURATION: &str = "120s";
+/// The broker's cap on calls in flight: far above the healthy run's (about one at 500
+/// calls/s), reached within a second once the provider hangs, so the broker sheds.
+const BROKER_MAX_IN_FLIGHT: &str = "100";
+
+/// The alerts a hung provider must cause (all but the softirq red line).
+const FAULT_ALERTS: [&str; 6] = [
+    "RpcmeshLatencyP99High",
+    "RpcmeshErrorRatioHigh",
+    "RpcmeshProviderDown",
+    "RpcmeshBrokerShedding",
+    "RpcmeshPoolUnhealthy",
+    "RpcmeshDriverBelowRate",
+];
+/// The alert no fault here can cause, and its threshold as written in the rules.
+const SOFTIRQ_ALERT: &str = "RpcmeshSoftirqHigh";
+const SOFTIRQ_THRESHOLD: &str = "> 0.3";
+
+fn grafana_dir() -> PathBuf {
+    testkit::workspace_root().join("grafana")
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
+}
+
+fn need(tool: &str, package: &str) -> PathBuf {
+    for dir in std::env::var("PATH").unwrap_or_default().split(':') {
+        let p = Path::new(dir).join(tool);
+        if p.exists() {
+            return p;
+        }
+    }
+    panic!("{tool} is not installed: run scripts/deps (Debian package {package})");
+}
+
+/// Runs `program args` in `dir`; its exit status and both outputs.
+fn run(program: &Path, args: &[&str], dir: &Path) -> (bool, String) {
+    let out = Command::new(program)
+        .args(args)
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("run {}: {e}", program.display()));
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), said)
+}
+
+/// The dashboards, by file name.
+fn dashboards() -> BTreeMap<String, Value> {
+    let dir = grafana_dir().join("dashboards");
+    let mut all = BTreeMap::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "json") {
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            let v: Value =
+                serde_json::from_str(&read(&path)).unwrap_or_else(|e| panic!("{name}: {e}"));
+            all.insert(name, v);
+        }
+    }
+    assert_eq!(
+        all.len(),
+        8,
+        "the eight dashboards of issue 13: {:?}",
+        all.keys()
+    );
+    all
+}
+
+/// Every panel of a dashboard that is not a row (rows' own panels included).
+fn panels(d: &Value) -> Vec<&Value> {
+    let mut out = Vec::new();
+    for p in d["panels"].as_array().unwrap() {
+        if p["type"] == "row" {
+            out.extend(p["panels"].as_array().unwrap().iter());
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// One query of one panel.
+struct PanelQuery {
+    dashboard: String,
+    title: String,
+    ref_id: String,
+    expr: String,
+}
+
+fn panel_queries(all: &BTreeMap<String, Value>) -> Vec<PanelQuery> {
+    let mut out = Vec::new();
+    for (name, d) in all {
+        for p in panels(d) {
+            for t in p["targets"].as_array().unwrap() {
+                out.push(PanelQuery {
+                    dashboard: name.clone(),
+                    title: p["title"].as_str().unwrap().to_string(),
+                    ref_id: t["refId"].as_str().unwrap().to_string(),
+                    expr: t["expr"].as_str().unwrap().to_string(),
+                });
+            }
+        }
+    }
+    out
+}
+
+/// A query as Grafana sends it with every variable at "All" (its allValue `.*`).
+fn substitute(expr: &str, rate_interval: &str) -> String {
+    let mut q = expr.replace("$__rate_interval", rate_interval);
+    for var in ["job", "instance", "role", "provider"] {
+        q = q
+            .replace(&format!("${{{var}}}"), ".*")
+            .replace(&format!("${var}"), ".*");
+    }
+    assert!(!q.contains('$'), "a variable nobody defines in {expr}");
+    q
+}
+
+#[test]
+fn every_dashboard_meets_grafanas_schema_and_the_house_rules() {
+    let schema: Value =
+        serde_json::from_str(&read(&grafana_dir().join("schema/dashboard.schema.json"))).unwrap();
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    let all = dashboards();
+    let mut uids = BTreeSet::new();
+    for (name, d) in &all {
+        let problems: Vec<String> = validator
+            .iter_errors(d)
+            .map(|e| format!("{}: {e}", e.instance_path))
+            .collect();
+        assert!(problems.is_empty(), "{name}: {problems:#?}");
+        assert!(uids.insert(d["uid"].as_str().unwrap()), "{name}: uid twice");
+
+        let vars: Vec<&str> = d["templating"]["list"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v["name"].as_str().unwrap())
+            .collect();
+        for v in ["job", "instance"] {
+            assert!(vars.contains(&v), "{name}: no ${v} variable");
+        }
+        for v in d["templating"]["list"].as_array().unwrap() {
+            assert_eq!(v["datasource"]["uid"], DATASOURCE_UID, "{name}: {v}");
+        }
+        let mut titles = BTreeSet::new();
+        let mut used = BTreeSet::new();
+        for p in panels(d) {
+            let title = p["title"].as_str().unwrap();
+            assert!(titles.insert(title), "{name}: two panels titled {title}");
+            assert!(
+                ["timeseries", "stat"].contains(&p["type"].as_str().unwrap()),
+                "{name} / {title}: a panel type the schema has no options for"
+            );
+            assert_eq!(p["datasource"]["uid"], DATASOURCE_UID, "{name} / {title}");
+            let targets = p["targets"].as_array().unwrap();
+            assert!(!targets.is_empty(), "{name} / {title}: no query");
+            for t in targets {
+                assert_eq!(t["datasource"]["uid"], DATASOURCE_UID, "{name} / {title}");
+                let expr = t["expr"].as_str().unwrap();
+                for v in ["$job", "$instance"] {
+                    assert!(expr.contains(v), "{name} / {title}: no {v} in {expr}");
+                }
+                // Raw rates follow the dashboard's resolution; recording rules have theirs.
+                let windows = expr.matches('[').count();
+                let rate_windows = expr.matches("[$__rate_interval]").count();
+                assert_eq!(
+                    windows, rate_windows,
+                    "{name} / {title}: a fixed window in {expr}"
+                );
+                for v in &vars {
+                    if expr.contains(&format!("${v}")) {
+                        used.insert(*v);
+                    }
+                }
+            }
+        }
+        for v in &vars {
+            assert!(used.contains(v), "{name}: variable ${v} filters no panel");
+        }
+    }
+
+    // The schema is strict: a query field Grafana does not know, a time series option of
+    // another panel type, and a missing required field are each rejected.
+    let mut d = all["overview.json"].clone();
+    let first_ts = d["panels"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|p| p["type"] == "timeseries")
+        .unwrap();
+    first_ts["targets"][0]["exprr"] = Value::from("up");
+    assert!(!validator.is_valid(&d), "an unknown query field passed");
+    let mut d = all["overview.json"].clone();
+    let first_ts = d["panels"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|p| p["type"] == "timeseries")
+        .unwrap();
+    first_ts["options"]["graphMode"] = Value::from("area");
+    assert!(
+        !validator.is_valid(&d),
+        "a stat option on a time series passed"
+    );
+    let mut d = all["overview.json"].clone();
+    d.as_object_mut().unwrap().remove("schemaVersion");
+    assert!(
+        !validator.is_valid(&d),
+        "a dashboard without schemaVersion passed"
+    );
+
+    // The JSON is what the generator writes.
+    let python = need("python3", "python3");
+    let (ok, said) = run(
+        &python,
+        &["grafana/make-dashboards", "--check"],
+        &testkit::workspace_root(),
+    );
+    assert!(ok, "{said}");
+
+    // Provisioning: one Prometheus datasource with the dashboards' uid, and a file
+    // provider for the dashboards.
+    let ds = read(&grafana_dir().join("provisioning/datasources/rpcmesh.yml"));
+    assert!(ds.contains(&format!("uid: {DATASOURCE_UID}")), "{ds}");
+    assert!(ds.contains("type: prometheus"), "{ds}");
+    let providers = read(&grafana_dir().join("provisioning/dashboards/rpcmesh.yml"));
+    assert!(providers.contains("type: file"), "{providers}");
+}
+
+/// The names that lines `key: NAME` give, in order.
+fn names_after(text: &str, key: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|l| {
+            l.trim()
+                .strip_prefix("- ")
+                .unwrap_or(l.trim())
+                .strip_prefix(key)
+        })
+        .map(|n| n.trim().to_string())
+        .collect()
+}
+
+#[test]
+fn promtool_passes_the_config_the_rules_and_their_unit_tests() {
+    let promtool = need("promtool", "prometheus");
+    let prom_dir = grafana_dir().join("prometheus");
+    for args in [
+        &["check", "config", "prometheus.yml"][..],
+        &["check", "rules", "rules/recording.yml", "rules/alerts.yml"][..],
+        &[
+            "test",
+            "rules",
+            "tests/recording_test.yml",
+            "tests/alerts_test.yml",
+        ][..],
+    ] {
+        let (ok, said) = run(&promtool, args, &prom_dir);
+        assert!(ok, "promtool {args:?}:\n{said}");
+        assert!(
+            !said.contains("WARNING"),
+            "promtool {args:?} warns:\n{said}"
+        );
+    }
+    // The unit tests name every rule: each recording rule is an expression tested, each
+    // alert an alertname tested.
+    let records = names_after(&read(&prom_dir.join("rules/recording.yml")), "record:");
+    let alerts = names_after(&read(&prom_dir.join("rules/alerts.yml")), "alert:");
+    assert_eq!(records.len(), 16, "{records:?}");
+    assert_eq!(alerts.len(), 7, "{alerts:?}");
+    let tested: BTreeSet<String> =
+        names_after(&read(&prom_dir.join("tests/recording_test.yml")), "expr:")
+            .into_iter()
+            .map(|e| e.split('{').next().unwrap().to_string())
+            .collect();
+    for r in &records {
+        assert!(tested.contains(r), "no unit test of the recording rule {r}");
+    }
+    let alert_tests = names_after(&read(&prom_dir.join("tests/alerts_test.yml")), "alertname:");
+    for a in &alerts {
+        assert!(alert_tests.contains(a), "no unit test of the alert {a}");
+    }
+}
+
+/// A plain HTTP/1.0 GET on 127.0.0.1 (so that the answer is never chunked); the status
+/// code and the body, or None if nothing answers.
+fn http(to: SocketAddr, path: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&to, Duration::from_secs(2)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    let code = head
+        .strip_prefix("HTTP/1.")?
+        .split(' ')
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some((code, body.to_string()))
+}
+
+fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// A Prometheus API call's `data`; fails the test on an error answer.
+fn api(prom: SocketAddr, path: &str) -> Value {
+    let (code, body) = http(prom, path).unwrap_or_else(|| panic!("no answer to {path}"));
+    let v: Value =
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path}: {e} ({code}): {body}"));
+    assert_eq!(v["status"], "success", "{path}: {body}");
+    v["data"].clone()
+}
+
+/// An instant query: the result vector as (labels, value) pairs.
+fn query(prom: SocketAddr, q: &str) -> Vec<(Value, f64)> {
+    let data = api(prom, &format!("/api/v1/query?query={}", urlencode(q)));
+    data["result"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|r| {
+            let val = r["value"][1]
+                .as_str()
+                .unwrap_or("NaN")
+                .parse::<f64>()
+                .unwrap_or(f64::NAN);
+            (r["metric"].clone(), val)
+        })
+        .collect()
+}
+
+/// Data, as a panel needs it: at least one series with a number (not NaN).
+fn has_data(prom: SocketAddr, q: &str) -> bool {
+    query(prom, q).iter().any(|(_, v)| v.is_finite())
+}
+
+/// Looks every 500 ms until `f` holds; false if it still does not after `timeout`.
+fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    // Wall time on purpose: the deadline only stops a hung test.
+    let end = Instant::now() + timeout;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() >= end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+fn wait_until(what: &str, timeout: Duration, f: impl FnMut() -> bool) {
+    assert!(eventually(timeout, f), "timed out waiting for {what}");
+}
+
+/// Starts a provider or broker with `--listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0`
+/// and `args`; returns it with the addresses of its listening line. Its stdout is drained
+/// by a thread until it exits, so it never blocks on a full pipe.
+fn spawn_server(name: &str, args: &[&str]) -> (ChildGuard, SocketAddr, SocketAddr) {
+    let mut child = Command::new(testkit::bin_path(name))
+        .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let guard = ChildGuard(Some(child));
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut tx = Some(tx);
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(addrs) = parse_listening_line(&line) {
+                if let Some(tx) = tx.take() {
+                    let _ = tx.send(addrs);
+                }
+            }
+        }
+    });
+    let (rpc, metrics) = rx
+        .recv_timeout(testkit::WAIT_TIMEOUT)
+        .unwrap_or_else(|_| panic!("{name} printed no listening line"));
+    (guard, rpc, metrics.expect("a metrics address"))
+}
+
+/// Copies `from` to `to`, rewriting each line `KEY: VALUE` (after indentation) whose key
+/// is in `set` to the given value; returns how many lines it rewrote.
+fn copy_rewriting(from: &Path, to: &Path, set: &[(&str, &str)]) -> usize {
+    let mut n = 0;
+    let text: Vec<String> = read(from)
+        .lines()
+        .map(|l| {
+            let indent = &l[..l.len() - l.trim_start().len()];
+            for (key, value) in set {
+                if l.trim_start().starts_with(&format!("{key}:")) {
+                    n += 1;
+                    return format!("{indent}{key}: {value}");
+                }
+            }
+            l.to_string()
+        })
+        .collect();
+    std::fs::write(to, text.join("\n") + "\n").unwrap();
+    n
+}
+
+/// The alerts Prometheus holds now, as (name, state, labels).
+fn alerts(prom: SocketAddr) -> Vec<(String, String, Value)> {
+    api(prom, "/api/v1/alerts")["alerts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            (
+                a["labels"]["alertname"].as_str().unwrap().to_string(),
+                a["state"].as_str().unwrap().to_string(),
+                a["labels"].clone(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() {
+    let prometheus = need("prometheus", "prometheus");
+    let started = Instant::now();
+    let dir = std::env::temp_dir().join(format!("rpcmesh-grafana-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    for sub in ["data", "rules", "targets"] {
+        std::fs::create_dir_all(dir.join(sub)).unwrap();
+    }
+
+    // The mesh: a provider, a broker, an open-loop driver with compression on. The broker
+    // times calls out after 1s (so a hung provider's calls end, slow, within the test) and
+    // checks its pool twice a second; the driver's own timeout is longer than the
+    // broker's, so the broker's answer is what it sees.
+    let (provider, p_rpc, p_metrics) = spawn_server("provider", &["--threads", "1"]);
+    let (_broker, b_rpc, b_metrics) = spawn_server(
+        "broker",
+        &[
+            "--upstream",
+            &p_rpc.to_string(),
+            "--threads",
+            "1",
+            "--max-in-flight",
+            BROKER_MAX_IN_FLIGHT,
+            "--call-timeout",
+            "1s",
+            "--health-interval",
+            "500ms",
+            "--health-timeout",
+            "1s",
+        ],
+    );
+    let d_metrics = SocketAddr::from(([127, 0, 0, 1], testkit::free_port()));
+    let _driver = ChildGuard::spawn(
+        Path::new(env!("CARGO_BIN_EXE_driver")),
+        &[
+            "--target",
+            &b_rpc.to_string(),
+            "--workload",
+            "platform",
+            "--fanout",
+            "5",
+            "--rate",
+            DRIVER_RATE,
+            "--pacer",
+            "lean",
+            "--concurrency",
+            "200",
+            "--connections",
+            "4",
+            "--duration",
+            DRIVER_DURATION,
+            "--warmup",
+            "0",
+            "--timeout",
+            "2s",
+            "--compress",
+            "on",
+            "--progress",
+            "off",
+            "--threads",
+            "1",
+            "--metrics-listen",
+            &d_metrics.to_string(),
+        ],
+    )
+    .unwrap();
+
+    // Prometheus on the committed configuration and rules: intervals and `for` shortened,
+    // the targets written where the deployment writes them.
+    let src = grafana_dir().join("prometheus");
+    let rewritten = copy_rewriting(
+        &src.join("prometheus.yml"),
+        &dir.join("prometheus.yml"),
+        &[
+            ("scrape_interval", TEST_INTERVAL),
+            ("scrape_timeout", TEST_INTERVAL),
+            ("evaluation_interval", TEST_INTERVAL),
+        ],
+    );
+    assert_eq!(rewritten, 3, "prometheus.yml sets its intervals once each");
+    copy_rewriting(
+        &src.join("rules/recording.yml"),
+        &dir.join("rules/recording.yml"),
+        &[],
+    );
+    let fors = copy_rewriting(
+        &src.join("rules/alerts.yml"),
+        &dir.join("rules/alerts.yml"),
+        &[("for", TEST_FOR)],
+    );
+    assert_eq!(fors, FAULT_ALERTS.len() + 1, "every alert has a `for`");
+    for (job, at) in [
+        ("provider", p_metrics),
+        ("broker", b_metrics),
+        ("driver", d_metrics),
+    ] {
+        std::fs::write(
+            dir.join(format!("targets/{job}.json")),
+            format!("[{{\"targets\": [\"{at}\"]}}]\n"),
+        )
+        .unwrap();
+    }
+    let prom = SocketAddr::from(([127, 0, 0, 1], testkit::free_port()));
+    let prom_server = ChildGuard::spawn(
+        &prometheus,
+        &[
+            &format!("--config.file={}", dir.join("prometheus.yml").display()),
+            &format!("--storage.tsdb.path={}", dir.join("data").display()),
+            &format!("--web.listen-address={prom}"),
+            "--log.level=warn",
+        ],
+    )
+    .unwrap();
+    wait_until("Prometheus to scrape all three programs", WAIT, || {
+        http(prom, "/-/ready").is_some_and(|(code, _)| code == 200) && {
+            let up = query(prom, "up");
+            up.len() == 3 && up.iter().all(|(_, v)| *v == 1.0)
+        }
+    });
+    let first_scrape = Instant::now();
+
+    // Every panel query has data. Rates need two scrapes and recording rules an
+    // evaluation, so the test waits for them all, then names the panels still empty.
+    let all = dashboards();
+    let queries = panel_queries(&all);
+    let mut empty: Vec<&PanelQuery> = queries.iter().collect();
+    let filled = eventually(WAIT, || {
+        empty.retain(|q| !has_data(prom, &substitute(&q.expr, TEST_RATE_INTERVAL)));
+        empty.is_empty()
+    });
+    let named: Vec<String> = empty
+        .iter()
+        .map(|q| format!("{} / {} ({}): {}", q.dashboard, q.title, q.ref_id, q.expr))
+        .collect();
+    assert!(filled, "panels with no data:\n{}", named.join("\n"));
+    println!(
+        "{} panel queries of {} dashboards have data, {:.1?} after the first scrape",
+        queries.len(),
+        all.len(),
+        first_scrape.elapsed()
+    );
+
+    // Every variable's values query finds values (label_values(SELECTOR, LABEL)).
+    for (name, d) in &all {
+        for v in d["templating"]["list"].as_array().unwrap() {
+            let q = v["query"].as_str().unwrap();
+            let inner = q
+                .strip_prefix("label_values(")
+                .and_then(|s| s.strip_suffix(')'))
+                .unwrap_or_else(|| panic!("{name}: {q}"));
+            let (selector, label) = inner.rsplit_once(',').unwrap();
+            let path = format!(
+                "/api/v1/label/{}/values?match[]={}",
+                label.trim(),
+                urlencode(&substitute(selector, TEST_RATE_INTERVAL))
+            );
+            let values: Vec<String> = api(prom, &path)
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_str().unwrap().to_string())
+                .collect();
+            let want: Vec<String> = match v["name"].as_str().unwrap() {
+                "job" | "role" => ["broker", "driver", "provider"].map(String::from).to_vec(),
+                "instance" => {
+                    let mut i = [p_metrics, b_metrics, d_metrics].map(|a| a.to_string());
+                    i.sort();
+                    i.to_vec()
+                }
+                "provider" => vec![p_rpc.to_string()],
+                other => panic!("{name}: a variable the test does not know: {other}"),
+            };
+            assert_eq!(values, want, "{name}: variable {}", v["name"]);
+        }
+    }
+
+    // Every recording rule has data, and every rule evaluates without error.
+    let groups = api(prom, "/api/v1/rules")["groups"].clone();
+    let rules: Vec<&Value> = groups
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|g| g["rules"].as_array().unwrap())
+        .collect();
+    assert_eq!(rules.len(), 16 + FAULT_ALERTS.len() + 1, "{groups}");
+    for r in &rules {
+        assert_eq!(r["health"], "ok", "{r}");
+        if r["type"] == "recording" {
+            let name = r["name"].as_str().unwrap();
+            wait_until(&format!("data from {name}"), WAIT, || has_data(prom, name));
+        }
+    }
+
+    // The softirq red line's expression reads a real share for this host (threshold at 0:
+    // 30 % is out of reach here on purpose).
+    let softirq = rules.iter().find(|r| r["name"] == SOFTIRQ_ALERT).unwrap()["query"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(softirq.ends_with(SOFTIRQ_THRESHOLD), "{softirq}");
+    let probe = softirq.replace(SOFTIRQ_THRESHOLD, ">= 0");
+    let shares = query(prom, &probe);
+    assert!(
+        shares.len() == 1 && shares[0].0["host"] == "127.0.0.1" && shares[0].1 < 0.3,
+        "{probe}: {shares:?}"
+    );
+
+    // Healthy: over three `for` windows, no alert fires, and none even pends.
+    let healthy_from = Instant::now();
+    std::thread::sleep(HEALTHY_WINDOW);
+    let since = started.elapsed().as_secs() + 1;
+    let seen = query(prom, &format!("count_over_time(ALERTS[{since}s])"));
+    assert!(seen.is_empty(), "alerts while healthy: {seen:?}");
+    assert!(alerts(prom).is_empty(), "{:?}", alerts(prom));
+    // The mesh was healthy all along: every panel still has data.
+    let empty: Vec<String> = queries
+        .iter()
+        .filter(|q| !has_data(prom, &substitute(&q.expr, TEST_RATE_INTERVAL)))
+        .map(|q| format!("{} / {} ({})", q.dashboard, q.title, q.ref_id))
+        .collect();
+    assert!(empty.is_empty(), "panels that lost their data: {empty:?}");
+    println!("healthy for {:.1?}: no alert", healthy_from.elapsed());
+
+    // The fault: the provider hangs. Every alert it causes fires, on the right series.
+    provider.signal("STOP");
+    let stopped = Instant::now();
+    let mut firing = Vec::new();
+    let all_fired = eventually(WAIT, || {
+        firing = alerts(prom)
+            .into_iter()
+            .filter(|(_, state, _)| state == "firing")
+            .collect();
+        FAULT_ALERTS
+            .iter()
+            .all(|a| firing.iter().any(|(name, _, _)| name == a))
+    });
+    assert!(all_fired, "after the provider stopped, firing: {firing:#?}");
+    println!(
+        "every alert fired {:.1?} after the provider stopped (for: {TEST_FOR})",
+        stopped.elapsed()
+    );
+    let fired = |name: &str, label: &str, value: &str| {
+        firing
+            .iter()
+            .any(|(n, _, l)| n == name && l[label].as_str() == Some(value))
+    };
+    let (p_at, b_at, d_at) = (
+        p_metrics.to_string(),
+        b_metrics.to_string(),
+        d_metrics.to_string(),
+    );
+    assert!(
+        fired("RpcmeshProviderDown", "instance", &p_at),
+        "{firing:#?}"
+    );
+    assert!(
+        fired("RpcmeshPoolUnhealthy", "upstream", &p_rpc.to_string()),
+        "{firing:#?}"
+    );
+    assert!(
+        fired("RpcmeshBrokerShedding", "instance", &b_at),
+        "{firing:#?}"
+    );
+    assert!(
+        fired("RpcmeshErrorRatioHigh", "instance", &b_at),
+        "{firing:#?}"
+    );
+    assert!(
+        fired("RpcmeshErrorRatioHigh", "instance", &d_at),
+        "{firing:#?}"
+    );
+    assert!(
+        fired("RpcmeshLatencyP99High", "job", "broker"),
+        "{firing:#?}"
+    );
+    assert!(
+        fired("RpcmeshDriverBelowRate", "instance", &d_at),
+        "{firing:#?}"
+    );
+    assert!(
+        !firing.iter().any(|(n, _, _)| n == SOFTIRQ_ALERT),
+        "{firing:#?}"
+    );
+
+    // Everything stops (SIGKILL, by PID) before its folder goes; a stopped process takes
+    // SIGKILL too, SIGCONT first only lets it see it at once.
+    provider.signal("CONT");
+    drop(prom_server);
+    drop(provider);
+    println!("live test: {:.1?}", started.elapsed());
+    let _ = std::fs::remove_dir_all(&dir);
+}
