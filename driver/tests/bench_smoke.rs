@@ -2,11 +2,14 @@
 //! calls in flight over each of the three paths (direct, through the broker, through
 //! HAProxy), so that the command cannot rot. Nothing about speed is asserted: only that the
 //! command exits 0, that its JSON report has calls on every path and, for every run, where
-//! the CPU of each process on the path went, and that the machine's stall probe ran.
+//! the CPU of each process on the path went, and that the machine's stall probe ran. A
+//! second smoke run gives `--baseline-broker` the same broker binary: the report must have
+//! the fourth path, `before`, and the broker ÷ before ratios (a few seconds more).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::Path;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use rpcmesh_common::testkit;
@@ -14,6 +17,10 @@ use rpcmesh_common::testkit;
 /// The smoke run takes a few seconds; this only catches a hang (the script bounds every
 /// wait itself, and its processes die with it).
 const SMOKE_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// One bench at a time: the two tests would share the script's output files (named by the
+/// test process's id) and two cores.
+static ONE_BENCH: Mutex<()> = Mutex::new(());
 
 /// Whether HAProxy is installed: on `PATH`, or where Debian puts it (`/usr/sbin`, often
 /// missing from a non-root `PATH`; the bench looks there too).
@@ -36,6 +43,7 @@ fn require_haproxy() {
 #[test]
 fn bench_smoke_mode_reports_calls_on_all_three_paths() {
     require_haproxy();
+    let _one = ONE_BENCH.lock().unwrap_or_else(|e| e.into_inner());
     let smoke = testkit::smoke_script(
         "bench",
         Path::new(env!("CARGO_TARGET_TMPDIR")),
@@ -63,6 +71,11 @@ fn bench_smoke_mode_reports_calls_on_all_three_paths() {
             .sum();
         assert!(ok > 0, "no successful call on the {path} path\n{output}");
     }
+    // Without --baseline-broker, no trace of it.
+    assert!(
+        report.get("baseline").is_none() && runs.iter().all(|r| r["path"] != "before"),
+        "a baseline in a run without --baseline-broker\n{output}"
+    );
     // Where the CPU went: user and kernel µs and context switches per call, for the driver
     // and each server on the run's path.
     let on_path = |path: &str| match path {
@@ -103,4 +116,91 @@ fn bench_smoke_mode_reports_calls_on_all_three_paths() {
         run.stdout.contains("Where the CPU goes"),
         "the text report lacks the CPU split table\n{output}"
     );
+}
+
+#[test]
+fn bench_smoke_mode_with_a_baseline_broker_adds_the_before_path_and_its_ratios() {
+    require_haproxy();
+    let _one = ONE_BENCH.lock().unwrap_or_else(|e| e.into_inner());
+    testkit::release_binaries();
+    // The baseline is the same binary: this checks the plumbing, not a regression.
+    let root = testkit::workspace_root();
+    let baseline = root.join("target").join("release").join("broker");
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("bench-baseline-smoke-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out).expect("a folder for the reports");
+    let run = testkit::run_script(
+        "bench",
+        &[
+            "--smoke".as_ref(),
+            "--no-build".as_ref(),
+            "--out".as_ref(),
+            out.as_os_str(),
+            "--baseline-broker".as_ref(),
+            baseline.as_os_str(),
+        ],
+        SMOKE_TIMEOUT,
+    );
+    let smoke = testkit::SmokeRun { run, out };
+    let (run, output) = (&smoke.run, &smoke.run.output);
+    assert!(
+        run.status.success(),
+        "scripts/bench --smoke --baseline-broker failed ({})\n{output}",
+        run.status
+    );
+    let report: serde_json::Value = serde_json::from_str(&smoke.report("bench-", "json")).unwrap();
+    let md = smoke.report("bench-", "md");
+    let runs = report["runs"].as_array().expect("runs is a list");
+    let order: Vec<&str> = runs
+        .iter()
+        .map(|r| r["path"].as_str().unwrap_or("?"))
+        .collect();
+    assert_eq!(order, ["direct", "broker", "before", "haproxy"], "{output}");
+    let before = runs.iter().find(|r| r["path"] == "before").unwrap();
+    assert!(
+        before["calls_ok"].as_u64().is_some_and(|n| n > 0),
+        "no successful call on the before path\n{output}"
+    );
+    for process in ["driver", "before", "provider"] {
+        assert!(
+            before["per_call"][process]["user_us"].as_f64().is_some(),
+            "the before run has no per_call.{process}\n{output}"
+        );
+    }
+    let ratio = &report["ratios"][0];
+    assert!(
+        ratio["broker_over_before"]
+            .as_f64()
+            .is_some_and(|v| v > 0.0),
+        "ratios[0].broker_over_before = {}\n{output}",
+        ratio["broker_over_before"]
+    );
+    // CPU is read in 10 ms ticks: a short run may count none, so only its presence is checked.
+    assert!(
+        ratio.get("broker_over_before_cpu_per_call").is_some(),
+        "ratios[0] has no broker_over_before_cpu_per_call\n{output}"
+    );
+    let baseline = &report["baseline"];
+    assert!(
+        baseline["median_broker_over_before"]
+            .as_f64()
+            .is_some_and(|v| v > 0.0)
+            && baseline["same_binary_as_broker"] == true
+            && baseline["verdict"] == "not judged (smoke mode)",
+        "baseline summary: {baseline}\n{output}"
+    );
+    // Both reports show the path, the ratio column and the summary line.
+    for (what, text) in [("text", run.stdout.as_str()), ("Markdown", md.as_str())] {
+        for needle in [
+            "before",
+            "broker/before calls/s",
+            "broker ÷ before calls/s, median over",
+        ] {
+            assert!(
+                text.contains(needle),
+                "the {what} report lacks {needle:?}\n{output}"
+            );
+        }
+    }
 }
