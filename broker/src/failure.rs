@@ -13,6 +13,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use rpcmesh_common::metrics::families::ShedCap;
 use rpcmesh_common::metrics::{ErrorCounters, ErrorKind, Side};
 use rpcmesh_wire::Status;
 use rpcmesh_wire::frame::FrameError;
@@ -119,6 +120,17 @@ impl Failure {
     /// or the provider (and the way to it).
     pub fn side(&self) -> Side {
         self.class().2
+    }
+
+    /// The cap it met, when it is a call shed at once (`rpcmesh_shed_total`).
+    pub fn shed_cap(&self) -> Option<ShedCap> {
+        match self {
+            Failure::Shed(Cap::PerConnection(_)) => Some(ShedCap::PerConnection),
+            Failure::Shed(Cap::Total(_)) => Some(ShedCap::Total),
+            Failure::Shed(Cap::Memory(_)) => Some(ShedCap::Memory),
+            Failure::Full(_) => Some(ShedCap::UpstreamFull),
+            _ => None,
+        }
     }
 
     /// Counts it in `rpcmesh_errors_total`, by its kind and side.

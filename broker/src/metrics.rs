@@ -11,10 +11,13 @@ use rpcmesh_common::metrics::catalogue::{
     BUSY_POLL_IDLE_SECONDS, CALLS_IN_FLIGHT, POOL_CONNECTIONS, POOL_CONNECTIONS_CLOSED_TOTAL,
     POOL_GET_WAIT_SECONDS, POOL_GETS_TIMED_OUT_TOTAL, POOL_GETS_WAITED_TOTAL,
     POOL_HEALTHY_CONNECTIONS, POOL_IDLE_CONNECTIONS, UPSTREAM_CALLS_IN_FLIGHT,
-    UPSTREAM_CONNECT_FAILURES_TOTAL,
+    UPSTREAM_CALLS_TOTAL, UPSTREAM_CONNECT_FAILURES_TOTAL,
 };
-use rpcmesh_common::metrics::families::{CallCounters, ConnCounters, Stages, WireCounters};
+use rpcmesh_common::metrics::families::{
+    CallCounters, ConnCounters, ShedCounters, Stages, WireCounters,
+};
 use rpcmesh_common::metrics::{ErrorCounters, Role, Telemetry};
+use rpcmesh_wire::Status;
 
 /// The `role` of every broker metric.
 pub const ROLE: Role = Role::Broker;
@@ -55,6 +58,8 @@ pub struct BrokerMetrics {
     pub wire: WireCounters,
     /// Per-stage latency.
     pub stages: Stages,
+    /// Calls shed at once, by the cap they met.
+    pub shed: ShedCounters,
     calls: Arc<CallLabels>,
 }
 
@@ -70,6 +75,7 @@ impl BrokerMetrics {
             conns: Arc::new(ConnCounters::inbound(t, ROLE)),
             wire: WireCounters::new(t, ROLE, "inbound"),
             stages: Stages::new(t, ROLE, &STAGES, stage_sample),
+            shed: ShedCounters::new(t, ROLE),
             calls: Arc::new(CallLabels {
                 seen: Mutex::new(HashMap::new()),
                 other: Arc::new(CallCounters::new(
@@ -123,6 +129,11 @@ impl BrokerMetrics {
             wire: WireCounters::new(t, ROLE, "upstream"),
             conns: Arc::new(ConnCounters::outbound(t, ROLE, "upstream")),
             connect_failures: t.counter(&UPSTREAM_CONNECT_FAILURES_TOTAL, &l),
+            calls: Arc::new(
+                Status::ALL.map(|s| {
+                    t.counter(&UPSTREAM_CALLS_TOTAL, &[l[0], l[1], ("status", s.label())])
+                }),
+            ),
             pool_connections: t.gauge(&POOL_CONNECTIONS, &l),
             pool_idle: t.gauge(&POOL_IDLE_CONNECTIONS, &l),
             pool_healthy: t.gauge(&POOL_HEALTHY_CONNECTIONS, &l),
@@ -195,6 +206,8 @@ pub struct UpstreamMetrics {
     pub conns: Arc<ConnCounters>,
     /// Connection attempts that failed.
     pub connect_failures: Counter,
+    /// Calls written to this provider, by outcome.
+    calls: Arc<[Counter; Status::ALL.len()]>,
     pool_connections: Gauge,
     pool_idle: Gauge,
     pool_healthy: Gauge,
@@ -207,6 +220,11 @@ pub struct UpstreamMetrics {
 }
 
 impl UpstreamMetrics {
+    /// Counts the outcome of one call written to this provider.
+    pub(crate) fn outcome(&self, status: Status) {
+        self.calls[status as usize].increment(1);
+    }
+
     /// Sets the calls in flight of each pooled connection, by position.
     pub(crate) fn publish_conn_loads(&self, loads: impl Iterator<Item = usize>) {
         let mut loads = loads;

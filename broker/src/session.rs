@@ -101,8 +101,9 @@ struct Session {
     last_tag: Option<(Bytes, u32)>,
     /// Names of calls in flight whose (service, method) has no labels yet.
     unlabelled: Vec<Option<(Bytes, usize)>>,
-    /// (read, reply read) times of the timed calls answered this round, for the stages.
-    written: Vec<(Instant, Option<Instant>)>,
+    /// (read, reply read) times of the timed calls answered this round, for the stages,
+    /// and the index of their method's counters.
+    written: Vec<(Instant, Option<Instant>, usize)>,
     /// Picks the calls whose stages are timed.
     sampler: Sampler,
 }
@@ -280,6 +281,9 @@ impl Session {
                 NoRoute::NeedsExtension => Failure::NeedsExtension(name),
             };
             failure.count(&self.shared.metrics.errors);
+            if let Some(cap) = failure.shed_cap() {
+                self.shared.metrics.shed.inc(cap);
+            }
             self.finish(fwd.info, Err(failure), io);
         }
     }
@@ -312,26 +316,37 @@ impl Session {
     fn finish(&mut self, info: CallInfo, outcome: Result<Frame, Failure>, io: &mut FramedIo) {
         self.in_flight -= 1;
         self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
-        if info.routed.is_some() {
-            self.written.push((info.admitted, info.replied));
-        }
-        match outcome {
+        let counters = match outcome {
             Ok(frame) => {
                 let status = write_reply(io, &frame, info);
-                self.counted(info.tag, status);
+                self.counted(info.tag, status)
             }
             Err(failure) => self.answer(io, info.client_id, info.client_flags, info.tag, &failure),
+        };
+        if info.routed.is_some() {
+            self.written.push((info.admitted, info.replied, counters));
         }
     }
 
     /// Answers a call the broker refuses before admitting it, and counts the refusal.
     fn refuse(&mut self, io: &mut FramedIo, id: u64, flags: Flags, tag: u32, failure: Failure) {
         failure.count(&self.shared.metrics.errors);
+        if let Some(cap) = failure.shed_cap() {
+            self.shared.metrics.shed.inc(cap);
+        }
         self.answer(io, id, flags, tag, &failure);
     }
 
-    /// Writes the broker's own answer to a call and counts the call's outcome.
-    fn answer(&mut self, io: &mut FramedIo, id: u64, flags: Flags, tag: u32, failure: &Failure) {
+    /// Writes the broker's own answer to a call and counts the call's outcome; returns the
+    /// index of the counters it counted in.
+    fn answer(
+        &mut self,
+        io: &mut FramedIo,
+        id: u64,
+        flags: Flags,
+        tag: u32,
+        failure: &Failure,
+    ) -> usize {
         self.message.clear();
         let _ = write!(self.message, "{failure}");
         let status = failure.status();
@@ -339,17 +354,19 @@ impl Session {
         if failure.retry_safe() {
             tracing::trace!(req_id = id, %failure, "answered; the call never reached a provider");
         }
-        self.counted(tag, status);
+        self.counted(tag, status)
     }
 
-    /// Counts an answered call's outcome.
-    fn counted(&mut self, tag: u32, status: Status) {
-        self.counters_for(tag, status).inc(status);
+    /// Counts an answered call's outcome; returns the index of the counters it counted in.
+    fn counted(&mut self, tag: u32, status: Status) -> usize {
+        let i = self.counters_index(tag, status);
+        self.counters[i].inc(status);
+        i
     }
 
     /// The session's tag for a (service, method) pair: an index into its counters, or,
     /// for a pair that has no labels yet, [`PENDING`] plus the index of its names among
-    /// the calls waiting to show that the pair exists (see [`Session::counters_for`]).
+    /// the calls waiting to show that the pair exists (see [`Session::counters_index`]).
     fn tag(&mut self, names: &Bytes, service_len: usize) -> u32 {
         // Most connections call one method over and over: try the last one first.
         if let Some((last, t)) = &self.last_tag {
@@ -388,9 +405,9 @@ impl Session {
         tag
     }
 
-    /// The counters a finished call counts in. A call of a pair without labels gives it
-    /// labels if it succeeded (the pair exists), else counts as `_other`.
-    fn counters_for(&mut self, tag: u32, status: Status) -> &CallCounters {
+    /// The index of the counters a finished call counts in. A call of a pair without
+    /// labels gives it labels if it succeeded (the pair exists), else counts as `_other`.
+    fn counters_index(&mut self, tag: u32, status: Status) -> usize {
         let mut tag = tag;
         if tag & PENDING != 0 {
             let names = self
@@ -410,7 +427,7 @@ impl Session {
                 _ => 0,
             };
         }
-        &self.counters[tag as usize]
+        tag as usize
     }
 
     /// Records `write_back` and `total` of every call answered this round, once the
@@ -421,11 +438,12 @@ impl Session {
         }
         let now = Instant::now();
         let stages = &self.shared.metrics.stages;
-        for (admitted, replied) in self.written.drain(..) {
+        for (admitted, replied, counters) in self.written.drain(..) {
             if let Some(r) = replied {
                 stages.record_span(WRITE_BACK, r, now);
             }
             stages.record_span(TOTAL, admitted, now);
+            self.counters[counters].time(admitted, now);
         }
     }
 }

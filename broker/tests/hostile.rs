@@ -421,8 +421,9 @@ const SMALL_CALLS: usize = 100;
 /// How far above the budget resident memory may peak: a write backlog that grows past
 /// its room is copied into one twice as large, and both live for that moment.
 const RSS_FACTOR: u64 = 2;
-/// What the broker may keep resident once the flood is over, above where it started.
-const AFTER_FLOOD_MIB: u64 = 16;
+/// What the broker may keep resident once the flood is over, above where it started: half
+/// the budget (measured 4-10 MiB; the allocator keeps some freed memory at random).
+const AFTER_FLOOD_MIB: u64 = 32;
 
 #[tokio::test]
 async fn large_frame_flooders_stay_under_the_budget_while_small_calls_are_served() {

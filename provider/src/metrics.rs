@@ -7,7 +7,8 @@ use std::sync::Arc;
 use metrics::Gauge;
 use rpcmesh_common::metrics::catalogue::CALLS_IN_FLIGHT;
 use rpcmesh_common::metrics::families::{
-    CallCounters, CompressionTimers, ConnCounters, PayloadCounters, Stages, WireCounters,
+    CallCounters, CompressionTimers, ConnCounters, PayloadCounters, ShedCounters, Stages,
+    WireCounters,
 };
 use rpcmesh_common::metrics::{ErrorCounters, Role, Telemetry};
 
@@ -55,6 +56,8 @@ pub struct ProviderMetrics {
     pub stages: Stages,
     /// Time spent compressing and inflating.
     pub compression: Arc<CompressionTimers>,
+    /// Calls shed at once, by the cap they met.
+    pub shed: ShedCounters,
 }
 
 impl ProviderMetrics {
@@ -76,6 +79,7 @@ impl ProviderMetrics {
             payload: PayloadCounters::new(t, ROLE),
             stages: Stages::new(t, ROLE, &STAGES, stage_sample),
             compression: CompressionTimers::new(t, ROLE),
+            shed: ShedCounters::new(t, ROLE),
             telemetry,
         }
     }

@@ -19,6 +19,7 @@ use std::time::Instant;
 use bytes::{Bytes, BytesMut};
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use rpcmesh_common::metrics::families::InFlightShare;
+use rpcmesh_common::metrics::families::ShedCap;
 use rpcmesh_common::metrics::families::{Sampler, Stages};
 use rpcmesh_common::metrics::{BadInputLog, ErrorKind, Side};
 use rpcmesh_common::net::budget::MemoryBudget;
@@ -81,8 +82,11 @@ struct Session {
     bad_input: BadInputLog,
     /// When the current read returned, when stages are recorded at all.
     read_at: Option<Instant>,
-    /// Read times of the timed calls answered this round (for the `total` stage).
-    answered: Vec<Instant>,
+    /// Read times of the timed calls answered this round (for the `total` stage), and
+    /// their method when one was found.
+    answered: Vec<(Instant, Option<MethodId>)>,
+    /// The method of the call [`Session::serve_call`] answered at once, if it found one.
+    served_method: Option<MethodId>,
     /// Picks the calls whose stages are timed.
     sampler: Sampler,
     /// The registry index of the last call's method.
@@ -126,8 +130,10 @@ impl Protocol for Session {
     fn on_request(&mut self, frame: Frame, io: &mut FramedIo, draining: bool) {
         // Only a sample of the calls is timed.
         let read_at = self.read_at.filter(|_| self.sampler.pick());
+        self.served_method = None;
         if self.serve_call(frame, read_at, io, draining) {
-            self.answered.extend(read_at);
+            let method = self.served_method;
+            self.answered.extend(read_at.map(|t| (t, method)));
         }
     }
 
@@ -200,6 +206,7 @@ impl Session {
             bad_input: BadInputLog::new(shared.metrics.errors.clone(), Side::Client),
             read_at: None,
             answered: Vec::new(),
+            served_method: None,
             sampler: shared.metrics.stages.sampler(),
             last_method: None,
             shared,
@@ -222,6 +229,7 @@ impl Session {
             return true;
         }
         if self.shared.budget.refuses(frame.body.len()) {
+            self.shared.metrics.shed.inc(ShedCap::Memory);
             self.shared
                 .metrics
                 .errors
@@ -235,6 +243,7 @@ impl Session {
         }
         let cap = self.shared.config.max_in_flight_per_conn;
         if self.in_flight() >= cap {
+            self.shared.metrics.shed.inc(ShedCap::PerConnection);
             self.shared
                 .metrics
                 .errors
@@ -309,6 +318,7 @@ impl Session {
         };
         match outcome {
             Outcome::Ready(Ok(())) => {
+                self.served_method = Some(method);
                 let handled = stamp();
                 let answer = std::mem::take(&mut self.scratch);
                 self.reply_ok(io, id, flags, method, &answer);
@@ -317,7 +327,10 @@ impl Session {
                 stage(stages, HANDLER, decoded, handled);
                 stage(stages, ENCODE, handled, stamp());
             }
-            Outcome::Ready(Err(e)) => self.reply_service_error(io, id, flags, method, &e),
+            Outcome::Ready(Err(e)) => {
+                self.served_method = Some(method);
+                self.reply_service_error(io, id, flags, method, &e);
+            }
             Outcome::At(until, result) => {
                 let result = result.map(|()| self.scratch.split().freeze());
                 self.held.push(HeldAnswer {
@@ -350,7 +363,8 @@ impl Session {
             }
             Err(e) => self.reply_service_error(io, done.req_id, done.flags, done.method, &e),
         }
-        self.answered.extend(done.read_at);
+        self.answered
+            .extend(done.read_at.map(|t| (t, Some(done.method))));
     }
 
     /// Records the total time of every timed call answered this round, once its reply
@@ -360,8 +374,12 @@ impl Session {
             return;
         }
         let now = Instant::now();
-        for read_at in self.answered.drain(..) {
-            self.shared.metrics.stages.record_span(TOTAL, read_at, now);
+        let m = &self.shared.metrics;
+        for (read_at, method) in self.answered.drain(..) {
+            m.stages.record_span(TOTAL, read_at, now);
+            if method.is_some() {
+                m.calls(method).time(read_at, now);
+            }
         }
     }
 

@@ -323,7 +323,13 @@ impl ConnTask {
                 after: self.settings.call_timeout,
             };
             failure.count(&self.metrics.errors);
-            settle(&self.state, &slot.reply_to, slot.info, Err(failure));
+            settle(
+                &self.state,
+                &self.metrics,
+                &slot.reply_to,
+                slot.info,
+                Err(failure),
+            );
         }
     }
 
@@ -334,7 +340,13 @@ impl ConnTask {
         for (_, slot) in self.table.drain() {
             let failure = Failure::GraceOver;
             failure.count(&self.metrics.errors);
-            settle(&self.state, &slot.reply_to, slot.info, Err(failure));
+            settle(
+                &self.state,
+                &self.metrics,
+                &slot.reply_to,
+                slot.info,
+                Err(failure),
+            );
         }
     }
 
@@ -404,7 +416,13 @@ impl ConnTask {
         if now >= fwd.deadline {
             let failure = Failure::TimedOutQueued;
             failure.count(&self.metrics.errors);
-            return settle(&self.state, &fwd.reply_to, fwd.info, Err(failure));
+            return settle(
+                &self.state,
+                &self.metrics,
+                &fwd.reply_to,
+                fwd.info,
+                Err(failure),
+            );
         }
         let flags = if self.settings.ext {
             // Ask for extended statuses always: the session degrades them for v1 callers,
@@ -464,6 +482,7 @@ impl ConnTask {
                 // The reply goes on with the call's reservation: about as large as the
                 // request, it stays counted until the session has copied it.
                 self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+                self.metrics.outcome(status_of(&outcome));
                 let _ = slot.reply_to.send(Reply::Done {
                     info: slot.info,
                     outcome,
@@ -512,7 +531,13 @@ impl ConnTask {
                 provider: self.settings.label.clone(),
                 error: e,
             };
-            settle(&self.state, &slot.reply_to, slot.info, Err(failure));
+            settle(
+                &self.state,
+                &self.metrics,
+                &slot.reply_to,
+                slot.info,
+                Err(failure),
+            );
         }
         Ok(())
     }
@@ -542,7 +567,13 @@ impl ConnTask {
                 cause: why.clone(),
             };
             failure.count(&self.metrics.errors);
-            settle(&self.state, &slot.reply_to, slot.info, Err(failure));
+            settle(
+                &self.state,
+                &self.metrics,
+                &slot.reply_to,
+                slot.info,
+                Err(failure),
+            );
         }
         let mut requeued = 0;
         while let Ok(cmd) = self.rx.try_recv() {
@@ -567,7 +598,22 @@ impl ConnTask {
 
 /// Gives a call taken off this connection its outcome: it no longer counts against the
 /// connection's load, and its session gets the answer.
-fn settle(state: &ConnState, to: &ReplyTx, info: CallInfo, outcome: Result<Frame, Failure>) {
+/// The status a call's outcome gives its caller: the provider's, or the broker's own.
+fn status_of(outcome: &Result<Frame, Failure>) -> Status {
+    match outcome {
+        Ok(frame) => Status::from_wire(frame.body[0]).unwrap_or(Status::Failed),
+        Err(f) => f.status(),
+    }
+}
+
+fn settle(
+    state: &ConnState,
+    metrics: &UpstreamMetrics,
+    to: &ReplyTx,
+    info: CallInfo,
+    outcome: Result<Frame, Failure>,
+) {
+    metrics.outcome(status_of(&outcome));
     state.in_flight.fetch_sub(1, Ordering::Relaxed);
     // A send fails only when the caller's session is gone; nobody is left to answer.
     let _ = to.send(Reply::Done {

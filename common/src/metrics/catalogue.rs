@@ -144,6 +144,22 @@ pub const CALLS_TOTAL: Family = Family {
     roles: ALL,
     help: "Calls finished, by outcome: ok or the status of the reply (failed, timeout, unavailable, overloaded, bad_request); the driver adds what it saw itself: no_reply (no reply within its timeout), connection (lost with the call on it), bad_reply, encode.",
 };
+/// `rpcmesh_call_seconds{role, service, method}`.
+pub const CALL_SECONDS: Family = Family {
+    name: "rpcmesh_call_seconds",
+    kind: Histogram,
+    labels: &["role", "service", "method"],
+    roles: PROVIDER_BROKER,
+    help: "Time a call of this service and method spent in this program, from its read to its reply handed to the socket (the total stage, by method), on the calls whose stages are timed.",
+};
+/// `rpcmesh_shed_total{role, cap}`.
+pub const SHED_TOTAL: Family = Family {
+    name: "rpcmesh_shed_total",
+    kind: Counter,
+    labels: &["role", "cap"],
+    roles: PROVIDER_BROKER,
+    help: "Calls answered overloaded at once, by the limit they met: per_connection (calls in flight on the caller's connection), total (in the whole broker), memory (the memory budget spent), upstream_full (every connection to the service's providers at its cap).",
+};
 /// `rpcmesh_calls_in_flight{role}`.
 pub const CALLS_IN_FLIGHT: Family = Family {
     name: "rpcmesh_calls_in_flight",
@@ -269,6 +285,14 @@ pub const UPSTREAM_CALLS_IN_FLIGHT: Family = Family {
     labels: &["role", "upstream", "conn"],
     roles: BROKER,
     help: "Calls queued or in flight on each pooled connection to a provider (conn = position in the pool).",
+};
+/// `rpcmesh_upstream_calls_total{role, upstream, status}`.
+pub const UPSTREAM_CALLS_TOTAL: Family = Family {
+    name: "rpcmesh_upstream_calls_total",
+    kind: Counter,
+    labels: &["role", "upstream", "status"],
+    roles: BROKER,
+    help: "Calls the broker routed to this provider, by outcome: the status of the provider's reply, or the broker's own answer (timeout, unavailable when the connection was lost or the grace period ended, failed for an unusable reply).",
 };
 /// `rpcmesh_pool_connections{role, upstream}`.
 pub const POOL_CONNECTIONS: Family = Family {
@@ -420,6 +444,14 @@ pub const PROCESS_RESIDENT_MEMORY_BYTES: Family = Family {
     roles: ALL,
     help: "Resident memory of this process.",
 };
+/// `rpcmesh_process_context_switches_total{role, kind}`.
+pub const PROCESS_CONTEXT_SWITCHES_TOTAL: Family = Family {
+    name: "rpcmesh_process_context_switches_total",
+    kind: Counter,
+    labels: &["role", "kind"],
+    roles: ALL,
+    help: "Context switches of this process's threads: kind=voluntary (it waited: for I/O, a lock, a timer) or involuntary (the scheduler took the CPU away).",
+};
 /// `rpcmesh_buffered_bytes{role}`.
 pub const BUFFERED_BYTES: Family = Family {
     name: "rpcmesh_buffered_bytes",
@@ -488,6 +520,8 @@ pub const PROCESS_START_TIME_SECONDS: Family = Family {
 /// Every family, grouped as `docs/metrics.md` groups them.
 pub const CATALOGUE: &[&Family] = &[
     &CALLS_TOTAL,
+    &CALL_SECONDS,
+    &SHED_TOTAL,
     &CALLS_IN_FLIGHT,
     &CALLS_SENT_TOTAL,
     &REQUESTS_TOTAL,
@@ -503,6 +537,7 @@ pub const CATALOGUE: &[&Family] = &[
     &PAYLOAD_BYTES_TOTAL,
     &UPSTREAM_CONNECT_FAILURES_TOTAL,
     &UPSTREAM_CALLS_IN_FLIGHT,
+    &UPSTREAM_CALLS_TOTAL,
     &POOL_CONNECTIONS,
     &POOL_IDLE_CONNECTIONS,
     &POOL_HEALTHY_CONNECTIONS,
@@ -523,6 +558,7 @@ pub const CATALOGUE: &[&Family] = &[
     &PROCESS_RESIDENT_MEMORY_BYTES,
     &BUFFERED_BYTES,
     &MEMORY_BUDGET_BYTES,
+    &PROCESS_CONTEXT_SWITCHES_TOTAL,
     &PROCESS_VIRTUAL_MEMORY_BYTES,
     &PROCESS_VIRTUAL_MEMORY_MAX_BYTES,
     &PROCESS_OPEN_FDS,

@@ -16,9 +16,9 @@ use rpcmesh_wire::envelope::{CompressionObserver, PayloadSize};
 
 use crate::metrics::Telemetry;
 use crate::metrics::catalogue::{
-    BUFFERED_BYTES, CALLS_TOTAL, COMPRESSION_SECONDS, CONNECTIONS_CLOSED_TOTAL, CONNECTIONS_OPEN,
-    CONNECTIONS_OPENED_TOTAL, CONNECTIONS_REFUSED_TOTAL, MEMORY_BUDGET_BYTES, PAYLOAD_BYTES_TOTAL,
-    Role, STAGE_SECONDS, WIRE_BYTES_TOTAL, WIRE_SYSCALLS_TOTAL,
+    BUFFERED_BYTES, CALL_SECONDS, CALLS_TOTAL, COMPRESSION_SECONDS, CONNECTIONS_CLOSED_TOTAL,
+    CONNECTIONS_OPEN, CONNECTIONS_OPENED_TOTAL, CONNECTIONS_REFUSED_TOTAL, MEMORY_BUDGET_BYTES,
+    PAYLOAD_BYTES_TOTAL, Role, SHED_TOTAL, STAGE_SECONDS, WIRE_BYTES_TOTAL, WIRE_SYSCALLS_TOTAL,
 };
 use crate::net::connection::{CloseReason, IoCounts};
 use crate::net::listener::AcceptObserver;
@@ -304,9 +304,9 @@ impl PayloadCounters {
 }
 
 /// `rpcmesh_calls_total{role, service, method, status}` of one method, one handle per
-/// status.
+/// status, and (provider and broker) its `rpcmesh_call_seconds` histogram.
 #[derive(Clone)]
-pub struct CallCounters(Vec<Counter>);
+pub struct CallCounters(Vec<Counter>, Option<Histogram>);
 
 impl std::fmt::Debug for CallCounters {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -321,6 +321,12 @@ impl CallCounters {
 
     /// Registers the counters of `service.method`.
     pub fn new(t: &Telemetry, role: Role, service: &str, method: &str) -> Self {
+        let labels = [
+            ("role", role.label()),
+            ("service", service),
+            ("method", method),
+        ];
+        let duration = (role != Role::Driver).then(|| t.histogram(&CALL_SECONDS, &labels));
         CallCounters(
             Status::ALL
                 .iter()
@@ -336,12 +342,20 @@ impl CallCounters {
                     )
                 })
                 .collect(),
+            duration,
         )
     }
 
     /// Counts one finished call.
     pub fn inc(&self, status: Status) {
         self.0[status as usize].increment(1);
+    }
+
+    /// Records the time one (timed) call of this method took here.
+    pub fn time(&self, from: std::time::Instant, to: std::time::Instant) {
+        if let Some(h) = &self.1 {
+            h.record(to.saturating_duration_since(from).as_secs_f64());
+        }
     }
 }
 
@@ -386,4 +400,56 @@ pub fn publish_budget(
     t.gauge(&MEMORY_BUDGET_BYTES, &l).set(budget.limit() as f64);
     let b = budget.clone();
     t.on_scrape(std::sync::Arc::new(move || used.set(b.used() as f64)));
+}
+
+/// Which limit a call shed at once met: the `cap` label of `rpcmesh_shed_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShedCap {
+    /// Calls in flight on the caller's connection.
+    PerConnection,
+    /// Calls in flight in the whole broker.
+    Total,
+    /// The memory budget is spent.
+    Memory,
+    /// Every connection to the service's providers is at its cap.
+    UpstreamFull,
+}
+
+impl ShedCap {
+    /// Every cap, in label order.
+    pub const ALL: [ShedCap; 4] = [
+        ShedCap::PerConnection,
+        ShedCap::Total,
+        ShedCap::Memory,
+        ShedCap::UpstreamFull,
+    ];
+
+    /// The `cap` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            ShedCap::PerConnection => "per_connection",
+            ShedCap::Total => "total",
+            ShedCap::Memory => "memory",
+            ShedCap::UpstreamFull => "upstream_full",
+        }
+    }
+}
+
+/// `rpcmesh_shed_total{role, cap}`, one handle per cap.
+#[derive(Clone, Debug)]
+pub struct ShedCounters([Counter; ShedCap::ALL.len()]);
+
+impl ShedCounters {
+    /// The counters of a program of `role`.
+    pub fn new(t: &Telemetry, role: Role) -> Self {
+        ShedCounters(
+            ShedCap::ALL
+                .map(|c| t.counter(&SHED_TOTAL, &[("role", role.label()), ("cap", c.label())])),
+        )
+    }
+
+    /// Counts one call shed at `cap`.
+    pub fn inc(&self, cap: ShedCap) {
+        self.0[cap as usize].increment(1);
+    }
 }

@@ -107,10 +107,10 @@ use procfs::{CpuTime, FromReadSI, KernelStats};
 
 use crate::metrics::Telemetry;
 use crate::metrics::catalogue::{
-    CPU_SECONDS_TOTAL, Family, HOST_CPU_SECONDS, PROCESS_CPU_SECONDS, PROCESS_CPU_SECONDS_TOTAL,
-    PROCESS_MAX_FDS, PROCESS_OPEN_FDS, PROCESS_RESIDENT_MEMORY_BYTES, PROCESS_START_TIME_SECONDS,
-    PROCESS_THREADS, PROCESS_VIRTUAL_MEMORY_BYTES, PROCESS_VIRTUAL_MEMORY_MAX_BYTES, Role,
-    SOFTIRQS_TOTAL,
+    CPU_SECONDS_TOTAL, Family, HOST_CPU_SECONDS, PROCESS_CONTEXT_SWITCHES_TOTAL,
+    PROCESS_CPU_SECONDS, PROCESS_CPU_SECONDS_TOTAL, PROCESS_MAX_FDS, PROCESS_OPEN_FDS,
+    PROCESS_RESIDENT_MEMORY_BYTES, PROCESS_START_TIME_SECONDS, PROCESS_THREADS,
+    PROCESS_VIRTUAL_MEMORY_BYTES, PROCESS_VIRTUAL_MEMORY_MAX_BYTES, Role, SOFTIRQS_TOTAL,
 };
 use crate::net::shutdown::CancellationToken;
 
@@ -153,6 +153,31 @@ fn process_gauges(
         (&PROCESS_THREADS, m.threads),
         (&PROCESS_START_TIME_SECONDS, m.start_time_seconds),
     ]
+}
+
+/// This process's voluntary and involuntary context switches, summed over its threads
+/// (`/proc/self/task/*/status`); zeros where nothing can be read.
+fn context_switches() -> [u64; 2] {
+    let mut counts = [0u64; 2];
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return counts;
+    };
+    for task in tasks.flatten() {
+        let Ok(status) = std::fs::read_to_string(task.path().join("status")) else {
+            continue;
+        };
+        for line in status.lines() {
+            let (i, rest) = if let Some(r) = line.strip_prefix("voluntary_ctxt_switches:") {
+                (0, r)
+            } else if let Some(r) = line.strip_prefix("nonvoluntary_ctxt_switches:") {
+                (1, r)
+            } else {
+                continue;
+            };
+            counts[i] += rest.trim().parse::<u64>().unwrap_or(0);
+        }
+    }
+    counts
 }
 
 /// Why a source of system metrics could not be read.
@@ -466,6 +491,8 @@ pub struct SystemMetrics {
     process_cpu: Option<Counter>,
     process_cpu_exact: Option<(metrics::Histogram, f64)>,
     process_gauges: [Option<Gauge>; PROCESS_GAUGES],
+    /// Voluntary and involuntary context switches: the counter and its highest total.
+    context_switches: [Option<(Counter, u64)>; 2],
     warned: Warned,
 }
 
@@ -485,6 +512,7 @@ impl SystemMetrics {
             process_cpu: None,
             process_cpu_exact: None,
             process_gauges: Default::default(),
+            context_switches: Default::default(),
             warned: Warned::default(),
         }
     }
@@ -501,6 +529,7 @@ impl SystemMetrics {
             Ok(cpus) => self.record_stat(&cpus),
             Err(e) => warn_once(&mut self.warned.stat, self.role, &e),
         }
+        self.record_context_switches(&context_switches());
         let process = metrics_process::collector::collect();
         if process.cpu_seconds_total.is_none() {
             warn_once(&mut self.warned.process, self.role, &SysError::Process);
@@ -585,6 +614,28 @@ impl SystemMetrics {
                     })
                     .absolute(ticks / self.ticks_per_second);
             }
+        }
+    }
+
+    /// Sets `rpcmesh_process_context_switches_total` from the threads' counts (summed over
+    /// the threads alive now; a total never goes back, though a thread that ended takes
+    /// its count with it).
+    fn record_context_switches(&mut self, counts: &[u64; 2]) {
+        let (telemetry, role) = (&self.telemetry, self.role);
+        for ((kind, &count), slot) in ["voluntary", "involuntary"]
+            .iter()
+            .zip(counts)
+            .zip(self.context_switches.iter_mut())
+        {
+            let (counter, total) = slot.get_or_insert_with(|| {
+                let c = telemetry.counter(
+                    &PROCESS_CONTEXT_SWITCHES_TOTAL,
+                    &[("role", role.label()), ("kind", kind)],
+                );
+                (c, 0)
+            });
+            *total = (*total).max(count);
+            counter.absolute(*total);
         }
     }
 
