@@ -123,3 +123,77 @@ fn a_provider_out_of_descriptors_does_not_spin_and_serves_metrics_once_they_are_
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Metadata entries of each bomb in the bomb test (the reported attack had 873,796).
+const BOMB_ENTRIES: usize = 100_000;
+/// Bombs sent.
+const BOMBS: usize = 20;
+/// The most CPU the provider may spend on all of them (and 100 small calls): refusing one
+/// costs a scan of its bytes (all 20 took 0.06 s); decoding them, with the limit raised
+/// out of the way, took 2.65 s here (0.6-0.8 s each for the reported 873,796 entries).
+const MAX_BOMBS_CPU_SECONDS: f64 = 0.5;
+
+#[tokio::test]
+async fn metadata_bombs_are_refused_for_a_scan_of_their_bytes_while_small_calls_go_on() {
+    use rpcmesh_wire::frame::Flags;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let provider = Spawned::start("provider", &["--threads", "1"]);
+    let bomb: std::collections::HashMap<String, String> = (0..BOMB_ENTRIES)
+        .map(|i| (format!("k{i}"), String::new()))
+        .collect();
+    let mut codec = rpcmesh_wire::envelope::CallCodec::new(None, 1 << 20);
+    let mut bombs = bytes::BytesMut::new();
+    let msg = rpcmesh_wire::proto::rpc::EchoRequest {
+        message: "boom".into(),
+    };
+    for id in 0..BOMBS as u64 {
+        codec
+            .put_request(
+                &mut bombs,
+                id,
+                Flags::EXT_STATUS,
+                b"EchoService",
+                b"Echo",
+                &msg,
+                &bomb,
+            )
+            .unwrap();
+    }
+    let client = Client::connect(provider.rpc, ClientConfig::default())
+        .await
+        .unwrap();
+    assert!(testkit::echo_call(&client, "before").await.unwrap().is_ok());
+    let cpu_before = provider.cpu_seconds();
+    let mut s = tokio::net::TcpStream::connect(provider.rpc).await.unwrap();
+    let (mut rd, mut wr) = s.split();
+    let send = async {
+        wr.write_all(&bombs).await.unwrap();
+    };
+    // Every bomb is answered (bad request) before the socket goes quiet.
+    let answers = async {
+        let codec = rpcmesh_wire::codec::FrameCodec::default();
+        let mut buf = bytes::BytesMut::new();
+        let mut n = 0;
+        while n < BOMBS {
+            assert!(rd.read_buf(&mut buf).await.unwrap() > 0, "closed early");
+            while let Some(f) = codec.decode_frame(&mut buf).unwrap() {
+                assert_eq!(f.body[0], Status::BadRequest as u8);
+                n += 1;
+            }
+        }
+    };
+    // Small calls on another connection meanwhile.
+    let small = async {
+        for _ in 0..100 {
+            let r = testkit::echo_call(&client, "small").await.unwrap().unwrap();
+            assert_eq!(r.status, Status::Success);
+        }
+    };
+    tokio::join!(send, answers, small);
+    let cpu = provider.cpu_seconds() - cpu_before;
+    eprintln!("{BOMBS} metadata bombs of {BOMB_ENTRIES} entries: {cpu:.3} s of provider CPU");
+    assert!(
+        cpu <= MAX_BOMBS_CPU_SECONDS,
+        "{BOMBS} bombs cost the provider {cpu:.3} s of CPU"
+    );
+}
