@@ -25,8 +25,8 @@ pub(crate) enum Cap {
     PerConnection(usize),
     /// `--max-in-flight`: calls in flight in the whole broker.
     Total(usize),
-    /// `--memory-budget`: the bytes the broker buffers (a large call is refused while it
-    /// is spent).
+    /// `--memory-budget`: the bytes the broker buffers (a large call is refused past half
+    /// of it).
     Memory(usize),
 }
 

@@ -97,8 +97,9 @@ pub struct LimitArgs {
     #[arg(long, env = "RPCMESH_WRITE_TIMEOUT", default_value_t = DurationArg(DEFAULT_WRITE_TIMEOUT))]
     pub write_timeout: DurationArg,
     /// Bytes the process may buffer (partial frames, write backlogs, large requests queued
-    /// toward providers): past half of it the connections holding most stop reading; at
-    /// it, new calls with bodies of 4 KiB or more are answered "overloaded".
+    /// toward providers): past half of it new calls with bodies of 4 KiB or more are
+    /// answered "overloaded"; past three quarters the connections holding most stop
+    /// reading.
     #[arg(long, env = "RPCMESH_MEMORY_BUDGET", default_value_t = SizeArg(DEFAULT_MEMORY_BUDGET))]
     pub memory_budget: SizeArg,
 }

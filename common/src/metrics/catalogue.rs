@@ -466,7 +466,7 @@ pub const MEMORY_BUDGET_BYTES: Family = Family {
     kind: Gauge,
     labels: ROLE,
     roles: PROVIDER_BROKER,
-    help: "The memory budget (--memory-budget): past half of it the largest holders stop reading; at it, large calls are answered overloaded.",
+    help: "The memory budget (--memory-budget): past half of it large calls are answered overloaded, past three quarters the largest holders stop reading.",
 };
 /// `rpcmesh_process_virtual_memory_bytes{role}`.
 pub const PROCESS_VIRTUAL_MEMORY_BYTES: Family = Family {

@@ -409,7 +409,7 @@ pub enum ShedCap {
     PerConnection,
     /// Calls in flight in the whole broker.
     Total,
-    /// The memory budget is spent.
+    /// The memory budget is past its high mark.
     Memory,
     /// Every connection to the service's providers is at its cap.
     UpstreamFull,

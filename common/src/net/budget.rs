@@ -3,11 +3,11 @@
 //! toward providers. Every holder reports what it holds; the budget says how close the
 //! process is to its limit, and wakes paused readers when it falls back.
 //!
-//! What the sessions do with it (`crate::net::session`): past [`HIGH_SHARE`] of the limit (half),
-//! a connection that holds [`PAUSE_FLOOR`] or more stops reading until the budget falls
-//! below the mark again, so the connections that hold the most wait while small callers go
-//! on; at the limit, the programs answer new calls whose body is [`SMALL_BODY`] or larger
-//! "overloaded". Buffers grow only as bytes arrive (the frame codec never reserves on a
+//! What the sessions do with it (`crate::net::session`): past [`HIGH_SHARE`] of the limit
+//! (half), the programs answer new calls whose body is [`SMALL_BODY`] or larger
+//! "overloaded"; past [`PAUSE_SHARE`] (three quarters), a connection that holds
+//! [`PAUSE_FLOOR`] or more stops reading until the budget falls below that mark again. The
+//! calls and connections that hold the most are refused or wait, small callers go on. Buffers grow only as bytes arrive (the frame codec never reserves on a
 //! header's claim), so what is held is what was sent.
 //!
 //! Holders report in steps of [`GRANULE`]: a connection with small calls never touches the
@@ -27,16 +27,21 @@ pub const DEFAULT_MEMORY_BUDGET: usize = 512 << 20;
 /// The smallest budget accepted: a few large frames' worth.
 pub const MIN_MEMORY_BUDGET: usize = 16 << 20;
 
-/// The share of the limit past which the connections holding most stop reading: half, so
-/// that what is already in flight when they stop (replies to calls admitted, buffers
-/// doubling as they grow) fits in the other half (measured: two 1 MiB-frame flooders took
-/// a 64 MiB broker to 72 MiB buffered with three quarters, 35 MiB with half).
+/// The share of the limit past which large new calls are answered "overloaded": half, so
+/// that what is already in flight then (replies to calls admitted, buffers doubling as
+/// they grow) fits in the other half (measured: with no refusal and readers paused at
+/// three quarters, two 1 MiB-frame flooders took a 64 MiB broker to 72 MiB buffered).
 pub const HIGH_SHARE: f64 = 0.5;
 /// Bytes a connection must hold before it is paused under pressure: four read chunks,
 /// well above what a caller of small calls ever holds, well below a large-frame flooder.
 pub const PAUSE_FLOOR: usize = 256 * 1024;
-/// Bodies this large or larger are answered "overloaded" while the budget is spent; the
-/// smaller calls of well-behaved callers cost the budget little and go on.
+/// The share of the limit past which a connection holding [`PAUSE_FLOOR`] or more stops
+/// reading: three quarters. Large calls are refused from half on, so what is still growing
+/// past this is partial frames and replies to calls admitted before; pausing their readers
+/// keeps it within the last quarter.
+pub const PAUSE_SHARE: f64 = 0.75;
+/// Bodies this large or larger are answered "overloaded" past the high mark; the smaller
+/// calls of well-behaved callers cost the budget little and go on.
 pub const SMALL_BODY: usize = 4096;
 /// How much a holder's bytes must change before it tells the budget.
 pub const GRANULE: usize = 16 * 1024;
@@ -46,6 +51,7 @@ pub const GRANULE: usize = 16 * 1024;
 pub struct MemoryBudget {
     limit: usize,
     high: usize,
+    pause: usize,
     used: AtomicUsize,
     relieved: Notify,
 }
@@ -55,9 +61,10 @@ pub struct MemoryBudget {
 pub enum Pressure {
     /// Under [`HIGH_SHARE`] of the limit.
     Normal,
-    /// Past it: the largest holders stop reading.
+    /// Past it: large new calls are answered "overloaded" (and past [`PAUSE_SHARE`] the
+    /// largest holders stop reading).
     High,
-    /// At or over the limit: large new calls are answered "overloaded".
+    /// At or over the limit (what was in flight when the mark was passed overshot it).
     Spent,
 }
 
@@ -67,6 +74,7 @@ impl MemoryBudget {
         Arc::new(MemoryBudget {
             limit,
             high: (limit as f64 * HIGH_SHARE) as usize,
+            pause: (limit as f64 * PAUSE_SHARE) as usize,
             used: AtomicUsize::new(0),
             relieved: Notify::new(),
         })
@@ -96,19 +104,19 @@ impl MemoryBudget {
 
     /// True when a connection holding `held` bytes should stop reading now.
     pub fn should_pause(&self, held: usize) -> bool {
-        held >= PAUSE_FLOOR && self.used() >= self.high
+        held >= PAUSE_FLOOR && self.used() >= self.pause
     }
 
     /// True when a new call with a body of `len` bytes is to be answered "overloaded".
     pub fn refuses(&self, len: usize) -> bool {
-        len >= SMALL_BODY && self.used() >= self.limit
+        len >= SMALL_BODY && self.used() >= self.high
     }
 
-    /// Resolves once the budget is back under the high mark (at once if it is).
+    /// Resolves once the budget is back under the pause mark (at once if it is).
     pub async fn relieved(&self) {
         loop {
             let notified = self.relieved.notified();
-            if self.used() < self.high {
+            if self.used() < self.pause {
                 return;
             }
             notified.await;
@@ -121,10 +129,10 @@ impl MemoryBudget {
     }
 
     /// Releases `n` held bytes; wakes paused readers if that brought the budget under the
-    /// high mark.
+    /// pause mark.
     pub fn release(&self, n: usize) {
         let before = self.used.fetch_sub(n, Ordering::Relaxed);
-        if before >= self.high && before - n < self.high {
+        if before >= self.pause && before - n < self.pause {
             self.relieved.notify_waiters();
         }
     }
@@ -214,18 +222,27 @@ mod tests {
     }
 
     #[test]
-    fn pressure_pauses_large_holders_first_then_refuses_large_calls() {
+    fn past_half_large_calls_are_refused_past_three_quarters_large_holders_pause() {
         let b = MemoryBudget::new(1 << 20);
         let mut big = Held::new(b.clone());
-        big.set(800 * 1024);
+        big.set(600 * 1024);
         assert_eq!(b.pressure(), Pressure::High);
+        assert!(
+            !b.should_pause(PAUSE_FLOOR),
+            "under the pause mark, all read"
+        );
+        assert!(b.refuses(SMALL_BODY), "a large call is refused");
+        big.set(800 * 1024);
         assert!(b.should_pause(PAUSE_FLOOR), "a large holder waits");
         assert!(!b.should_pause(64 * 1024), "a small one goes on");
-        assert!(!b.refuses(1 << 20), "not spent yet");
+        assert!(b.refuses(SMALL_BODY), "a large call is refused");
+        assert!(!b.refuses(100), "small calls still pass");
         big.set(1 << 20);
         assert_eq!(b.pressure(), Pressure::Spent);
-        assert!(b.refuses(SMALL_BODY));
-        assert!(!b.refuses(100), "small calls still pass");
+        assert!(!b.refuses(100), "small calls pass even then");
+        big.set(100 * 1024);
+        assert_eq!(b.pressure(), Pressure::Normal);
+        assert!(!b.refuses(1 << 20), "under the mark a large call passes");
     }
 
     #[tokio::test]
