@@ -567,7 +567,12 @@ async fn a_spent_budget_refuses_large_calls_overloaded_and_serves_small_ones() {
         .map(|_| {
             let to = broker.rpc;
             tokio::spawn(async move {
-                let c = Client::connect(to, ClientConfig::default()).await.unwrap();
+                // Held calls wait longer than the test: no client-side timeout meanwhile.
+                let config = ClientConfig {
+                    timeout: Duration::from_secs(120),
+                    ..ClientConfig::default()
+                };
+                let c = Client::connect(to, config).await.unwrap();
                 let msg = rpcmesh_wire::proto::rpc::EchoRequest {
                     message: "x".repeat(FLOOD_FRAME),
                 };
