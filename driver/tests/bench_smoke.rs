@@ -1,10 +1,10 @@
 //! The benchmark command, `scripts/bench`, in its smoke mode: one short repeat of echo at 8
-//! calls in flight over each of the three paths (direct, through the broker, through
-//! HAProxy), so that the command cannot rot. Nothing about speed is asserted: only that the
+//! calls in flight over each of the four paths (direct, through the broker, through
+//! HAProxy, through nginx's stream proxy), so that the command cannot rot. Nothing about speed is asserted: only that the
 //! command exits 0, that its JSON report has calls on every path and, for every run, where
 //! the CPU of each process on the path went, and that the machine's stall probe ran. A
 //! second smoke run gives `--baseline-broker` the same broker binary: the report must have
-//! the fourth path, `before`, and the broker ÷ before ratios (a few seconds more).
+//! the fifth path, `before`, and the broker ÷ before ratios (a few seconds more).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -30,18 +30,31 @@ fn haproxy_installed() -> bool {
         || Path::new("/usr/sbin/haproxy").is_file()
 }
 
-/// HAProxy is one of the three paths. Tests never install anything: `scripts/test` runs
-/// `scripts/deps` first, which installs it; a test run without it fails here, saying so.
+/// Whether nginx and its stream module are installed (where Debian puts them).
+fn nginx_installed() -> bool {
+    (std::env::var_os("PATH")
+        .is_some_and(|paths| std::env::split_paths(&paths).any(|d| d.join("nginx").is_file()))
+        || Path::new("/usr/sbin/nginx").is_file())
+        && Path::new("/usr/lib/nginx/modules/ngx_stream_module.so").is_file()
+}
+
+/// HAProxy and nginx are two of the paths. Tests never install anything: `scripts/test` runs
+/// `scripts/deps` first, which installs them; a test run without them fails here, saying so.
 fn require_haproxy() {
     assert!(
         haproxy_installed(),
         "haproxy is not installed: run scripts/deps (or install the Debian package `haproxy`), \
          or run the tests through scripts/test, which does"
     );
+    assert!(
+        nginx_installed(),
+        "nginx with its stream module is not installed: run scripts/deps (or install the Debian \
+         packages `nginx` and `libnginx-mod-stream`), or run the tests through scripts/test"
+    );
 }
 
 #[test]
-fn bench_smoke_mode_reports_calls_on_all_three_paths() {
+fn bench_smoke_mode_reports_calls_on_all_four_paths() {
     require_haproxy();
     let _one = ONE_BENCH.lock().unwrap_or_else(|e| e.into_inner());
     let smoke = testkit::smoke_script(
@@ -63,7 +76,7 @@ fn bench_smoke_mode_reports_calls_on_all_three_paths() {
         "no stall probe in the report: {stalls}\n{output}"
     );
     let runs = report["runs"].as_array().expect("runs is a list");
-    for path in ["direct", "broker", "haproxy"] {
+    for path in ["direct", "broker", "haproxy", "nginx"] {
         let ok: u64 = runs
             .iter()
             .filter(|r| r["path"] == path)
@@ -81,6 +94,7 @@ fn bench_smoke_mode_reports_calls_on_all_three_paths() {
     let on_path = |path: &str| match path {
         "direct" => vec!["driver", "provider"],
         "broker" => vec!["driver", "broker", "provider"],
+        "nginx" => vec!["driver", "nginx", "provider"],
         _ => vec!["driver", "haproxy", "provider"],
     };
     // Servers are read in 10 ms ticks, so one short run may show none; over all runs,
@@ -106,7 +120,7 @@ fn bench_smoke_mode_reports_calls_on_all_three_paths() {
             *seen.entry(process).or_default() += sum;
         }
     }
-    for process in ["provider", "broker", "haproxy"] {
+    for process in ["provider", "broker", "haproxy", "nginx"] {
         assert!(
             seen.get(process).is_some_and(|&v| v > 0.0),
             "{process}: neither CPU nor context switches counted in any run\n{output}"
@@ -115,6 +129,10 @@ fn bench_smoke_mode_reports_calls_on_all_three_paths() {
     assert!(
         run.stdout.contains("Where the CPU goes"),
         "the text report lacks the CPU split table\n{output}"
+    );
+    assert!(
+        run.stdout.contains("broker/nginx calls/s"),
+        "the text report lacks the broker/nginx ratio column\n{output}"
     );
 }
 
@@ -156,7 +174,11 @@ fn bench_smoke_mode_with_a_baseline_broker_adds_the_before_path_and_its_ratios()
         .iter()
         .map(|r| r["path"].as_str().unwrap_or("?"))
         .collect();
-    assert_eq!(order, ["direct", "broker", "before", "haproxy"], "{output}");
+    assert_eq!(
+        order,
+        ["direct", "broker", "before", "haproxy", "nginx"],
+        "{output}"
+    );
     let before = runs.iter().find(|r| r["path"] == "before").unwrap();
     assert!(
         before["calls_ok"].as_u64().is_some_and(|n| n > 0),
