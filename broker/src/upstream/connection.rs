@@ -322,13 +322,12 @@ impl ConnTask {
                 provider: self.settings.label.clone(),
                 after: self.settings.call_timeout,
             };
-            failure.count(&self.metrics.errors);
-            settle(
+            fail(
                 &self.state,
                 &self.metrics,
                 &slot.reply_to,
                 slot.info,
-                Err(failure),
+                failure,
             );
         }
     }
@@ -339,13 +338,12 @@ impl ConnTask {
     fn answer_grace_over(&mut self) {
         for (_, slot) in self.table.drain() {
             let failure = Failure::GraceOver;
-            failure.count(&self.metrics.errors);
-            settle(
+            fail(
                 &self.state,
                 &self.metrics,
                 &slot.reply_to,
                 slot.info,
-                Err(failure),
+                failure,
             );
         }
     }
@@ -415,14 +413,7 @@ impl ConnTask {
     fn write_call(&mut self, fwd: Forward, now: Instant) {
         if now >= fwd.deadline {
             let failure = Failure::TimedOutQueued;
-            failure.count(&self.metrics.errors);
-            return settle(
-                &self.state,
-                &self.metrics,
-                &fwd.reply_to,
-                fwd.info,
-                Err(failure),
-            );
+            return fail(&self.state, &self.metrics, &fwd.reply_to, fwd.info, failure);
         }
         let flags = if self.settings.ext {
             // Ask for extended statuses always: the session degrades them for v1 callers,
@@ -481,13 +472,14 @@ impl ConnTask {
                 };
                 // The reply goes on with the call's reservation: about as large as the
                 // request, it stays counted until the session has copied it.
-                self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
-                self.metrics.outcome(status_of(&outcome));
-                let _ = slot.reply_to.send(Reply::Done {
-                    info: slot.info,
+                settle(
+                    &self.state,
+                    &self.metrics,
+                    &slot.reply_to,
+                    slot.info,
                     outcome,
-                    reserved: slot.reserved,
-                });
+                    slot.reserved,
+                );
             }
             MsgType::Heartbeat => {
                 if let Some(i) = self
@@ -537,6 +529,7 @@ impl ConnTask {
                 &slot.reply_to,
                 slot.info,
                 Err(failure),
+                None,
             );
         }
         Ok(())
@@ -566,13 +559,12 @@ impl ConnTask {
                 provider: self.settings.label.clone(),
                 cause: why.clone(),
             };
-            failure.count(&self.metrics.errors);
-            settle(
+            fail(
                 &self.state,
                 &self.metrics,
                 &slot.reply_to,
                 slot.info,
-                Err(failure),
+                failure,
             );
         }
         let mut requeued = 0;
@@ -596,8 +588,6 @@ impl ConnTask {
     }
 }
 
-/// Gives a call taken off this connection its outcome: it no longer counts against the
-/// connection's load, and its session gets the answer.
 /// The status a call's outcome gives its caller: the provider's, or the broker's own.
 fn status_of(outcome: &Result<Frame, Failure>) -> Status {
     match outcome {
@@ -606,12 +596,16 @@ fn status_of(outcome: &Result<Frame, Failure>) -> Status {
     }
 }
 
+/// Gives a call taken off this connection its outcome: it is counted by status for this
+/// provider, no longer counts against the connection's load, and its session gets the
+/// answer (with the call's memory reservation, released once the reply is copied).
 fn settle(
     state: &ConnState,
     metrics: &UpstreamMetrics,
     to: &ReplyTx,
     info: CallInfo,
     outcome: Result<Frame, Failure>,
+    reserved: Option<Reserved>,
 ) {
     metrics.outcome(status_of(&outcome));
     state.in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -619,6 +613,19 @@ fn settle(
     let _ = to.send(Reply::Done {
         info,
         outcome,
-        reserved: None,
+        reserved,
     });
+}
+
+/// Settles a call with a failure of the broker's own making, counted in
+/// `rpcmesh_errors_total` first.
+fn fail(
+    state: &ConnState,
+    metrics: &UpstreamMetrics,
+    to: &ReplyTx,
+    info: CallInfo,
+    failure: Failure,
+) {
+    failure.count(&metrics.errors);
+    settle(state, metrics, to, info, Err(failure), None);
 }
