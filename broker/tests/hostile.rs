@@ -188,6 +188,8 @@ async fn a_provider_that_accepts_and_closes_sees_a_bounded_reconnect_rate() {
 /// under test is far from how it was before the heartbeats of a round ran at once
 /// (interval + pool size × timeout).
 const HEALTH: Duration = Duration::from_millis(200);
+/// Calls sent after the stall, 10 ms apart.
+const STALL_CALLS: usize = 300;
 /// Slack over interval + timeout for a loaded machine (still below the old bound).
 const STALL_SLACK: Duration = Duration::from_millis(600);
 
@@ -227,11 +229,12 @@ async fn a_stalled_provider_is_out_of_service_within_a_health_interval_and_timeo
         .unwrap();
     stalled.child.signal("STOP");
     let stalled_at = std::time::Instant::now();
-    // A call every 10 ms for three bounds; round robin sends every other one to the
-    // stalled provider while it is in service. Those never succeed.
+    // STALL_CALLS calls 10 ms apart (about three bounds' worth, counted, not timed); round
+    // robin sends every other one to the stalled provider while it is in service, and
+    // those never succeed. What is timed is only when each left: the bound under test.
     let bound = HEALTH * 2 + STALL_SLACK;
-    let mut calls = Vec::new();
-    while stalled_at.elapsed() < bound * 3 {
+    let mut calls = Vec::with_capacity(STALL_CALLS);
+    for _ in 0..STALL_CALLS {
         calls.push((
             stalled_at.elapsed(),
             testkit::echo_call(&client, "who answers"),
