@@ -507,6 +507,50 @@ impl Drop for ChildGuard {
     }
 }
 
+/// The path of `tool` on `PATH`; fails the test, naming the Debian `package` that
+/// `scripts/deps` installs, when it is missing.
+pub fn need_tool(tool: &str, package: &str) -> std::path::PathBuf {
+    std::env::var("PATH")
+        .unwrap_or_default()
+        .split(':')
+        .map(|dir| std::path::Path::new(dir).join(tool))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| {
+            panic!("{tool} is not installed: run scripts/deps (Debian package {package})")
+        })
+}
+
+/// A plain HTTP/1.0 GET on 127.0.0.1 (so that the answer is never chunked): the status
+/// code and the body, or None if nothing answers.
+pub fn http(to: std::net::SocketAddr, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(2)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    let code = head
+        .strip_prefix("HTTP/1.")?
+        .split(' ')
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some((code, body.to_string()))
+}
+
+/// `s` percent-encoded for a URL's query (every byte but the unreserved ones).
+pub fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
 /// A provider or broker run as a real process on 127.0.0.1 port 0 (its RPC and metrics
 /// addresses read from its listening line), killed by PID when dropped.
 #[derive(Debug)]
@@ -595,22 +639,9 @@ impl Spawned {
 
     /// Its `/metrics` text now (empty when nothing answers).
     pub fn scrape(&self) -> String {
-        use std::io::{Read, Write};
-        let Some(addr) = self.metrics else {
-            return String::new();
-        };
-        let Ok(mut s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)) else {
-            return String::new();
-        };
-        let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-        let _ = write!(
-            s,
-            "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-        );
-        let mut text = String::new();
-        let _ = s.read_to_string(&mut text);
-        text.split_once("\r\n\r\n")
-            .map(|(_, body)| body.to_string())
+        self.metrics
+            .and_then(|addr| http(addr, "/metrics"))
+            .map(|(_, body)| body)
             .unwrap_or_default()
     }
 

@@ -27,8 +27,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -89,16 +89,6 @@ fn grafana_dir() -> PathBuf {
 
 fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
-}
-
-fn need(tool: &str, package: &str) -> PathBuf {
-    for dir in std::env::var("PATH").unwrap_or_default().split(':') {
-        let p = Path::new(dir).join(tool);
-        if p.exists() {
-            return p;
-        }
-    }
-    panic!("{tool} is not installed: run scripts/deps (Debian package {package})");
 }
 
 /// Runs `program args` in `dir`; its exit status and both outputs.
@@ -284,7 +274,7 @@ fn every_dashboard_meets_grafanas_schema_and_the_house_rules() {
     );
 
     // The JSON is what the generator writes.
-    let python = need("python3", "python3");
+    let python = testkit::need_tool("python3", "python3");
     let (ok, said) = run(
         &python,
         &["grafana/make-dashboards", "--check"],
@@ -316,7 +306,7 @@ fn names_after(text: &str, key: &str) -> Vec<String> {
 
 #[test]
 fn promtool_passes_the_config_the_rules_and_their_unit_tests() {
-    let promtool = need("promtool", "prometheus");
+    let promtool = testkit::need_tool("promtool", "prometheus");
     let prom_dir = grafana_dir().join("prometheus");
     for args in [
         &["check", "config", "prometheus.yml"][..],
@@ -355,38 +345,9 @@ fn promtool_passes_the_config_the_rules_and_their_unit_tests() {
     }
 }
 
-/// A plain HTTP/1.0 GET on 127.0.0.1 (so that the answer is never chunked); the status
-/// code and the body, or None if nothing answers.
-fn http(to: SocketAddr, path: &str) -> Option<(u16, String)> {
-    let mut s = TcpStream::connect_timeout(&to, Duration::from_secs(2)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
-    let mut text = String::new();
-    s.read_to_string(&mut text).ok()?;
-    let (head, body) = text.split_once("\r\n\r\n")?;
-    let code = head
-        .strip_prefix("HTTP/1.")?
-        .split(' ')
-        .nth(1)?
-        .parse()
-        .ok()?;
-    Some((code, body.to_string()))
-}
-
-fn urlencode(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
-}
-
 /// A Prometheus API call's `data`; fails the test on an error answer.
 fn api(prom: SocketAddr, path: &str) -> Value {
-    let (code, body) = http(prom, path).unwrap_or_else(|| panic!("no answer to {path}"));
+    let (code, body) = testkit::http(prom, path).unwrap_or_else(|| panic!("no answer to {path}"));
     let v: Value =
         serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path}: {e} ({code}): {body}"));
     assert_eq!(v["status"], "success", "{path}: {body}");
@@ -395,7 +356,10 @@ fn api(prom: SocketAddr, path: &str) -> Value {
 
 /// An instant query: the result vector as (labels, value) pairs.
 fn query(prom: SocketAddr, q: &str) -> Vec<(Value, f64)> {
-    let data = api(prom, &format!("/api/v1/query?query={}", urlencode(q)));
+    let data = api(
+        prom,
+        &format!("/api/v1/query?query={}", testkit::urlencode(q)),
+    );
     data["result"]
         .as_array()
         .cloned()
@@ -505,7 +469,7 @@ fn alerts(prom: SocketAddr) -> Vec<(String, String, Value)> {
 
 #[test]
 fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() {
-    let prometheus = need("prometheus", "prometheus");
+    let prometheus = testkit::need_tool("prometheus", "prometheus");
     let started = Instant::now();
     let dir = std::env::temp_dir().join(format!("rpcmesh-grafana-test-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -618,7 +582,7 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
     )
     .unwrap();
     wait_until("Prometheus to scrape all three programs", WAIT, || {
-        http(prom, "/-/ready").is_some_and(|(code, _)| code == 200) && {
+        testkit::http(prom, "/-/ready").is_some_and(|(code, _)| code == 200) && {
             let up = query(prom, "up");
             up.len() == 3 && up.iter().all(|(_, v)| *v == 1.0)
         }
@@ -658,7 +622,7 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
             let path = format!(
                 "/api/v1/label/{}/values?match[]={}",
                 label.trim(),
-                urlencode(&substitute(selector, TEST_RATE_INTERVAL))
+                testkit::urlencode(&substitute(selector, TEST_RATE_INTERVAL))
             );
             let values: Vec<String> = api(prom, &path)
                 .as_array()

@@ -8,9 +8,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -22,58 +22,18 @@ fn addr(port: u16) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], port))
 }
 
-fn need(tool: &str) -> PathBuf {
-    for dir in std::env::var("PATH").unwrap_or_default().split(':') {
-        let p = Path::new(dir).join(tool);
-        if p.exists() {
-            return p;
-        }
-    }
-    panic!("{tool} is not installed: run scripts/deps (Debian package prometheus)");
-}
-
-/// A plain HTTP GET on 127.0.0.1; the status code and the body, or None if nothing
-/// answers.
-fn http(to: SocketAddr, path: &str) -> Option<(u16, String)> {
-    let mut s = TcpStream::connect_timeout(&to, Duration::from_secs(2)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut text = String::new();
-    s.read_to_string(&mut text).ok()?;
-    let (head, body) = text.split_once("\r\n\r\n")?;
-    let code = head
-        .strip_prefix("HTTP/1.")?
-        .split(' ')
-        .nth(1)?
-        .parse()
-        .ok()?;
-    Some((code, body.to_string()))
-}
-
 /// The body of a GET, whatever its status, or None if nothing answers.
 fn http_get(to: SocketAddr, path: &str) -> Option<String> {
-    http(to, path).map(|(_, body)| body)
-}
-
-fn urlencode(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
+    testkit::http(to, path).map(|(_, body)| body)
 }
 
 /// An instant query; the result vector as (labels, value) pairs.
 fn query(prom: SocketAddr, q: &str) -> Vec<(serde_json::Value, f64)> {
-    let body = http_get(prom, &format!("/api/v1/query?query={}", urlencode(q)))
-        .unwrap_or_else(|| panic!("no answer to {q}"));
+    let body = http_get(
+        prom,
+        &format!("/api/v1/query?query={}", testkit::urlencode(q)),
+    )
+    .unwrap_or_else(|| panic!("no answer to {q}"));
     let v: serde_json::Value =
         serde_json::from_str(&body).unwrap_or_else(|e| panic!("{q}: {e}: {body}"));
     assert_eq!(v["status"], "success", "{q}: {body}");
@@ -167,8 +127,8 @@ fn promtool_check(promtool: &Path, name: &str, text: &str) {
 
 #[test]
 fn prometheus_scrapes_all_three_programs_and_promtool_finds_no_problem() {
-    let promtool = need("promtool");
-    let prometheus = need("prometheus");
+    let promtool = testkit::need_tool("promtool", "prometheus");
+    let prometheus = testkit::need_tool("prometheus", "prometheus");
     let dir = std::env::temp_dir().join(format!("rpcmesh-prom-test-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(dir.join("data")).unwrap();
@@ -267,7 +227,7 @@ fn prometheus_scrapes_all_three_programs_and_promtool_finds_no_problem() {
     let prom = addr(pw);
     wait_until("Prometheus to scrape all three programs", WAIT, || {
         // Ready means 200: a starting Prometheus answers 503 "Service Unavailable".
-        http(prom, "/-/ready").is_some_and(|(code, _)| code == 200) && {
+        testkit::http(prom, "/-/ready").is_some_and(|(code, _)| code == 200) && {
             let up = query(prom, "up");
             up.len() == 3 && up.iter().all(|(_, v)| *v == 1.0)
         }
