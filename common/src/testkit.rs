@@ -507,6 +507,14 @@ impl Drop for ChildGuard {
     }
 }
 
+/// Request metadata with `entries` empty entries (`k0`, `k1`...): a "metadata bomb", cheap
+/// to send and, without the metadata limit, costly to decode.
+pub fn metadata_bomb(entries: usize) -> std::collections::HashMap<String, String> {
+    (0..entries)
+        .map(|i| (format!("k{i}"), String::new()))
+        .collect()
+}
+
 /// The path of `tool` on `PATH`; fails the test, naming the Debian `package` that
 /// `scripts/deps` installs, when it is missing.
 pub fn need_tool(tool: &str, package: &str) -> std::path::PathBuf {

@@ -65,6 +65,14 @@ pub(crate) async fn serve(
         .await
 }
 
+/// What [`Session::serve_call`] did with a request.
+enum Served {
+    /// Answered now; the method, when one was found.
+    Now(Option<MethodId>),
+    /// A handler works on it (held or pending).
+    Later,
+}
+
 /// The answer to calls still in flight when the grace period ends.
 const GRACE_OVER: &str = "provider shutting down: the grace period ended before the call did";
 
@@ -85,8 +93,6 @@ struct Session {
     /// Read times of the timed calls answered this round (for the `total` stage), and
     /// their method when one was found.
     answered: Vec<(Instant, Option<MethodId>)>,
-    /// The method of the call [`Session::serve_call`] answered at once, if it found one.
-    served_method: Option<MethodId>,
     /// Picks the calls whose stages are timed.
     sampler: Sampler,
     /// The registry index of the last call's method.
@@ -130,9 +136,7 @@ impl Protocol for Session {
     fn on_request(&mut self, frame: Frame, io: &mut FramedIo, draining: bool) {
         // Only a sample of the calls is timed.
         let read_at = self.read_at.filter(|_| self.sampler.pick());
-        self.served_method = None;
-        if self.serve_call(frame, read_at, io, draining) {
-            let method = self.served_method;
+        if let Served::Now(method) = self.serve_call(frame, read_at, io, draining) {
             self.answered.extend(read_at.map(|t| (t, method)));
         }
     }
@@ -206,14 +210,14 @@ impl Session {
             bad_input: BadInputLog::new(shared.metrics.errors.clone(), Side::Client),
             read_at: None,
             answered: Vec::new(),
-            served_method: None,
             sampler: shared.metrics.stages.sampler(),
             last_method: None,
             shared,
         }
     }
 
-    /// Serves one request; true when it was answered now (false: a handler works on it).
+    /// Serves one request: answered now (with the method, when one was found), or later (a
+    /// handler works on it).
     /// `read_at` is set when this call's stages are timed.
     fn serve_call(
         &mut self,
@@ -221,12 +225,12 @@ impl Session {
         read_at: Option<Instant>,
         io: &mut FramedIo,
         draining: bool,
-    ) -> bool {
+    ) -> Served {
         let stamp = || read_at.map(|_| Instant::now());
         let (id, flags) = (frame.header.req_id, frame.header.flags);
         if draining {
             self.reply_unavailable(io, id, flags, None, "provider shutting down");
-            return true;
+            return Served::Now(None);
         }
         if self.shared.budget.refuses(frame.body.len()) {
             self.shared.metrics.shed.inc(ShedCap::Memory);
@@ -239,7 +243,7 @@ impl Session {
                 self.shared.budget.limit() >> 20
             );
             self.reply_error(io, id, flags, None, Status::Overloaded, &msg);
-            return true;
+            return Served::Now(None);
         }
         let cap = self.shared.config.max_in_flight_per_conn;
         if self.in_flight() >= cap {
@@ -250,7 +254,7 @@ impl Session {
                 .inc(ErrorKind::Overloaded, Side::Provider);
             let msg = format!("provider has {cap} calls in flight on this connection");
             self.reply_error(io, id, flags, None, Status::Overloaded, &msg);
-            return true;
+            return Served::Now(None);
         }
         let started = stamp();
         let call = match self.calls.decode_request(&frame) {
@@ -261,7 +265,7 @@ impl Session {
                     .errors
                     .inc(ErrorKind::of_call(&e), Side::Client);
                 self.reply_error(io, id, flags, None, Status::BadRequest, &e.to_string());
-                return true;
+                return Served::Now(None);
             }
         };
         let decoded = stamp();
@@ -291,7 +295,7 @@ impl Session {
                     .inc(ErrorKind::UnknownService, Side::Client);
                 let msg = service_not_found(call.request.service_name());
                 self.reply_error(io, id, flags, None, Status::Failed, &msg);
-                return true;
+                return Served::Now(None);
             }
             Lookup::NoMethod => {
                 shared
@@ -304,7 +308,7 @@ impl Session {
                     call.request.method_name()
                 );
                 self.reply_error(io, id, flags, None, Status::Failed, &msg);
-                return true;
+                return Served::Now(None);
             }
         };
         self.scratch.clear();
@@ -318,7 +322,6 @@ impl Session {
         };
         match outcome {
             Outcome::Ready(Ok(())) => {
-                self.served_method = Some(method);
                 let handled = stamp();
                 let answer = std::mem::take(&mut self.scratch);
                 self.reply_ok(io, id, flags, method, &answer);
@@ -327,10 +330,7 @@ impl Session {
                 stage(stages, HANDLER, decoded, handled);
                 stage(stages, ENCODE, handled, stamp());
             }
-            Outcome::Ready(Err(e)) => {
-                self.served_method = Some(method);
-                self.reply_service_error(io, id, flags, method, &e);
-            }
+            Outcome::Ready(Err(e)) => self.reply_service_error(io, id, flags, method, &e),
             Outcome::At(until, result) => {
                 let result = result.map(|()| self.scratch.split().freeze());
                 self.held.push(HeldAnswer {
@@ -338,14 +338,14 @@ impl Session {
                     meta,
                     result,
                 });
-                return false;
+                return Served::Later;
             }
             Outcome::Later(fut) => {
                 self.pending.push(Pending { fut, meta });
-                return false;
+                return Served::Later;
             }
         }
-        true
+        Served::Now(Some(method))
     }
 
     fn finish(

@@ -138,9 +138,7 @@ async fn metadata_bombs_are_refused_for_a_scan_of_their_bytes_while_small_calls_
     use rpcmesh_wire::frame::Flags;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let provider = Spawned::start("provider", &["--threads", "1"]);
-    let bomb: std::collections::HashMap<String, String> = (0..BOMB_ENTRIES)
-        .map(|i| (format!("k{i}"), String::new()))
-        .collect();
+    let bomb = testkit::metadata_bomb(BOMB_ENTRIES);
     let mut codec = rpcmesh_wire::envelope::CallCodec::new(None, 1 << 20);
     let mut bombs = bytes::BytesMut::new();
     let msg = rpcmesh_wire::proto::rpc::EchoRequest {

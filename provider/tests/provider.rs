@@ -442,9 +442,7 @@ async fn replies_by_id(
 async fn a_metadata_bomb_is_refused_and_the_connection_goes_on() {
     let p = start(ProviderConfig::default()).await;
     let mut s = TcpStream::connect(p.addr).await.unwrap();
-    let bomb: std::collections::HashMap<String, String> = (0..100_000)
-        .map(|i| (format!("k{i}"), String::new()))
-        .collect();
+    let bomb = testkit::metadata_bomb(100_000);
     let mut codec = rpcmesh_wire::envelope::CallCodec::new(None, 1 << 20);
     let mut b = BytesMut::new();
     let msg = EchoRequest {
