@@ -26,7 +26,7 @@ use rpcmesh_common::net::session::{self, Protocol, Stop};
 use rpcmesh_wire::Status;
 use rpcmesh_wire::body::{Heartbeat, request_names, request_service};
 use rpcmesh_wire::codec::FrameCodec;
-use rpcmesh_wire::envelope::put_error_response;
+use rpcmesh_wire::envelope::{put_error_response, put_not_run_response};
 use rpcmesh_wire::frame::{Flags, Frame, FrameError, put_forwarded_response};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
@@ -350,7 +350,12 @@ impl Session {
         self.message.clear();
         let _ = write!(self.message, "{failure}");
         let status = failure.status();
-        put_error_response(io.wbuf(), id, flags, status, &self.message);
+        if matches!(failure, Failure::Draining) {
+            // Not forwarded: the caller may send it to another broker.
+            put_not_run_response(io.wbuf(), id, flags, &self.message);
+        } else {
+            put_error_response(io.wbuf(), id, flags, status, &self.message);
+        }
         if failure.retry_safe() {
             tracing::trace!(req_id = id, %failure, "answered; the call never reached a provider");
         }

@@ -29,7 +29,9 @@ use rpcmesh_common::net::timer::{Aim, PreciseTimer};
 use rpcmesh_wire::Status;
 use rpcmesh_wire::body::Heartbeat;
 use rpcmesh_wire::codec::FrameCodec;
-use rpcmesh_wire::envelope::{CallCodec, put_error_response, service_not_found};
+use rpcmesh_wire::envelope::{
+    CallCodec, put_error_response, put_not_run_response, service_not_found,
+};
 use rpcmesh_wire::frame::{Flags, Frame, FrameError};
 use tokio::net::TcpStream;
 use tracing::Instrument;
@@ -229,7 +231,13 @@ impl Session {
         let stamp = || read_at.map(|_| Instant::now());
         let (id, flags) = (frame.header.req_id, frame.header.flags);
         if draining {
-            self.reply_unavailable(io, id, flags, None, "provider shutting down");
+            // Not started: the caller (a broker) may send it to another provider.
+            self.shared
+                .metrics
+                .errors
+                .inc(ErrorKind::Unavailable, Side::Provider);
+            put_not_run_response(io.wbuf(), id, flags, "provider shutting down");
+            self.shared.metrics.calls(None).inc(Status::Unavailable);
             return Served::Now(None);
         }
         if self.shared.budget.refuses(frame.body.len()) {

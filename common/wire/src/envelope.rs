@@ -495,8 +495,38 @@ pub fn put_error_response(
     status: Status,
     message: &str,
 ) {
+    put_error(dst, req_id, request_flags, status, Flags::NONE, message);
+}
+
+/// Appends the refusal of a call this side did not start because it is draining:
+/// "unavailable: `message`", with [`Flags::NOT_RUN`] for a caller that takes extended
+/// statuses (it may send the call elsewhere); a v1 caller gets status 1 and no flag.
+pub fn put_not_run_response(dst: &mut BytesMut, req_id: u64, request_flags: Flags, message: &str) {
+    let flags = if request_flags.contains(Flags::EXT_STATUS) {
+        Flags::NOT_RUN
+    } else {
+        Flags::NONE
+    };
+    put_error(
+        dst,
+        req_id,
+        request_flags,
+        Status::Unavailable,
+        flags,
+        message,
+    );
+}
+
+fn put_error(
+    dst: &mut BytesMut,
+    req_id: u64,
+    request_flags: Flags,
+    status: Status,
+    reply_flags: Flags,
+    message: &str,
+) {
     let wire = status.to_wire(request_flags.contains(Flags::EXT_STATUS));
-    let w = FrameWriter::begin_response(dst, Flags::NONE, req_id, wire);
+    let w = FrameWriter::begin_response(dst, reply_flags, req_id, wire);
     let prefix = status.message_prefix();
     let needs_prefix = !prefix.is_empty() && !message.starts_with(prefix);
     let len = message.len() + if needs_prefix { prefix.len() + 2 } else { 0 };
@@ -523,6 +553,25 @@ mod tests {
 
     fn frame(b: BytesMut) -> Frame {
         Frame::from_bytes(b.freeze()).unwrap()
+    }
+
+    #[test]
+    fn a_not_run_refusal_is_flagged_only_for_callers_that_take_extended_statuses() {
+        let mut b = BytesMut::new();
+        put_not_run_response(&mut b, 7, Flags::EXT_STATUS, "provider shutting down");
+        let f = frame(b);
+        assert_eq!(f.header.flags, Flags::NOT_RUN);
+        assert_eq!(f.body[0], Status::Unavailable as u8);
+        let mut b = BytesMut::new();
+        put_not_run_response(&mut b, 7, Flags::NONE, "provider shutting down");
+        let f = frame(b);
+        assert_eq!(
+            f.header.flags,
+            Flags::NONE,
+            "a v1 caller gets a plain v1 frame"
+        );
+        assert_eq!(f.body[0], Status::Failed as u8);
+        assert!(String::from_utf8_lossy(&f.body).contains("unavailable: provider shutting down"));
     }
 
     /// A request frame with `entries` metadata entries of about 18 bytes each.

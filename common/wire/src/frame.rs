@@ -205,8 +205,13 @@ impl Flags {
     /// On a request: the caller accepts the extended statuses (3 = unavailable,
     /// 4 = overloaded, 5 = bad request). Without it they are sent as status 1.
     pub const EXT_STATUS: Flags = Flags(0x20);
-    /// Every bit rpcmesh defines; bit 4 is reserved and must be zero.
-    pub const ALL: Flags = Flags(0xe0);
+    /// On a response (with status 3, unavailable): the callee did not start the call,
+    /// because it is draining, so the call is safe to send to another provider or broker
+    /// ([`Flags::NOT_RUN`] is what makes a drain invisible to callers). Sent only to
+    /// callers that set [`Flags::EXT_STATUS`]; a request with this bit is an unknown type.
+    pub const NOT_RUN: Flags = Flags(0x10);
+    /// Every bit rpcmesh defines.
+    pub const ALL: Flags = Flags(0xf0);
 
     /// The flags carried by a raw `msg_type` byte (unknown bits dropped).
     pub const fn from_bits(raw_type: u8) -> Flags {
@@ -331,7 +336,8 @@ impl Frame {
             });
         }
         let msg_type = match MsgType::from_low_bits(p.raw_type & TYPE_MASK) {
-            Some(t) if p.raw_type & !(TYPE_MASK | Flags::ALL.0) == 0 => t,
+            // Every high bit is a flag; NOT_RUN is one on responses only.
+            Some(t) if t == MsgType::Response || p.raw_type & Flags::NOT_RUN.bits() == 0 => t,
             _ => {
                 return Err(FrameError::UnknownType {
                     req_id: p.req_id,
@@ -525,15 +531,24 @@ mod tests {
     }
 
     #[test]
-    fn reserved_bit_makes_the_type_unknown() {
-        let mut b = BytesMut::from(&request_frame(Flags::NONE, 3)[..]);
-        b[5] = 0x10;
-        let n = b.len();
-        let crc = crc32fast::hash(&b[..n - 4]);
-        b[n - 4..].copy_from_slice(&crc.to_be_bytes());
-        let e = Frame::from_bytes(b.freeze()).unwrap_err();
-        assert!(matches!(e, FrameError::UnknownType { req_id: 3, .. }));
-        assert!(!e.is_fatal());
+    fn not_run_bit_is_a_response_flag_only() {
+        let with_type = |raw_type: u8| {
+            let mut b = BytesMut::from(&request_frame(Flags::NONE, 3)[..]);
+            b[5] = raw_type;
+            let n = b.len();
+            let crc = crc32fast::hash(&b[..n - 4]);
+            b[n - 4..].copy_from_slice(&crc.to_be_bytes());
+            Frame::from_bytes(b.freeze())
+        };
+        for raw in [0x10, 0x12, 0x30] {
+            let e = with_type(raw).unwrap_err();
+            assert!(matches!(e, FrameError::UnknownType { req_id: 3, .. }));
+            assert!(!e.is_fatal());
+        }
+        let f = with_type(0x31).unwrap();
+        assert_eq!(f.header.msg_type, MsgType::Response);
+        assert!(f.header.flags.contains(Flags::NOT_RUN | Flags::EXT_STATUS));
+        assert_eq!(f.header.raw_type(), 0x31);
     }
 
     #[test]
