@@ -587,6 +587,23 @@ impl Spawned {
         args: &[&str],
         stderr: Option<&std::path::Path>,
     ) -> Spawned {
+        Spawned::spawn(wrapper, name, "127.0.0.1:0", args, stderr)
+    }
+
+    /// As [`Spawned::start`], taking calls on `listen` (an address of the test's, e.g. from
+    /// [`free_port`]), so that the program can be stopped and started again on the same
+    /// address, as a supervisor restarts it.
+    pub fn start_at(name: &str, listen: std::net::SocketAddr, args: &[&str]) -> Spawned {
+        Spawned::spawn(&[], name, &listen.to_string(), args, None)
+    }
+
+    fn spawn(
+        wrapper: &[&str],
+        name: &str,
+        listen: &str,
+        args: &[&str],
+        stderr: Option<&std::path::Path>,
+    ) -> Spawned {
         use std::io::BufRead;
         let program = bin_path(name);
         let mut cmd = match wrapper.split_first() {
@@ -604,7 +621,7 @@ impl Spawned {
             None => std::process::Stdio::null(),
         };
         let mut child = cmd
-            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+            .args(["--listen", listen, "--metrics-listen", "127.0.0.1:0"])
             .args(args)
             .stdout(std::process::Stdio::piped())
             .stderr(err)

@@ -1,21 +1,26 @@
-//! The driver's side of one connection to its target: connecting, with a timeout per
-//! attempt and pauses that double between failed attempts (with jitter, the shared
-//! [`Backoff`]); and, when a connection is lost,
-//! whether to wait before the next one (a connection that died before bringing a single
-//! reply counts as a failed attempt, so that a server that accepts and closes at once, as
-//! a broker at its connection cap does, is not hammered).
+//! The driver's side of reaching its targets: which target a worker dials next, when, and
+//! the dialling itself (a timeout per attempt).
 //!
-//! Owns the dialling and its counts; what runs over the connection is the worker's.
+//! A worker has every target of the run, starting from its own (workers are spread over
+//! them). It moves to the next target in turn whenever the one it used refuses a connect,
+//! loses its connection, or says it is draining (a reply flagged `NOT_RUN`): with several
+//! targets a restarting broker costs no waiting, the healthy one takes over at once. Each
+//! target keeps its own back-off: after a failed attempt it is not tried again before a
+//! pause that doubles (with jitter, the shared [`Backoff`]) until it brings a reply, and a
+//! connection that died before bringing a single reply counts as a failed attempt, so that
+//! a server that accepts and closes at once, as a broker at its connection cap does, is not
+//! hammered. Only when every target is pausing does the worker wait, for the first pause
+//! to end.
+//!
+//! Owns the choice of target, the back-offs and the counts; the connections themselves,
+//! and what runs over them, are the worker's.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use rpcmesh_common::metrics::{ErrorKind, Side};
 use rpcmesh_common::net::backoff::Backoff;
-use rpcmesh_common::net::connection::FramedIo;
-use rpcmesh_common::net::listener::AcceptObserver;
-use rpcmesh_common::net::shutdown::CancellationToken;
-use rpcmesh_wire::codec::FrameCodec;
-use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
 use tokio::net::TcpStream;
 
 use crate::metrics::DriverMetrics;
@@ -23,32 +28,84 @@ use crate::metrics::DriverMetrics;
 /// Timeout of one connection attempt: a healthy target on a LAN answers in well under a
 /// millisecond; two seconds covers a loaded one and a lost SYN's first retransmission.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-/// Dials one worker's target and keeps its connection counts.
+/// Connections lost that are logged at warn per worker; the next ones at debug (the
+/// report counts them all): a rolling restart is a few, a flapping target is many.
+const LOST_WARNINGS: u64 = 3;
+
+/// One target and its back-off.
+#[derive(Debug)]
+struct Target {
+    addr: String,
+    /// Pauses between failed attempts.
+    backoff: Backoff,
+    /// Not dialled again before this (after a failed attempt).
+    not_before: Option<Instant>,
+}
+
+/// The next connection attempt: to which target, and when.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attempt {
+    /// The target's index in the run's `--target` list.
+    pub target: usize,
+    /// When to make it (now, unless every target is pausing).
+    pub at: Instant,
+}
+
+/// A connection attempt under way: a future that owns what it needs, so that the worker
+/// keeps it across its rounds (serving its other connections meanwhile).
+pub struct Dialing {
+    /// The target being dialled.
+    pub target: usize,
+    attempt: Pin<Box<dyn Future<Output = Result<TcpStream, String>> + Send>>,
+}
+
+impl std::fmt::Debug for Dialing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dialing")
+            .field("target", &self.target)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Dialing {
+    /// Waits for the attempt: the connected socket, or why there is none.
+    pub async fn finish(&mut self) -> Result<TcpStream, String> {
+        (&mut self.attempt).await
+    }
+}
+
+/// Chooses and dials one worker's targets, and keeps its connection counts.
 #[derive(Debug)]
 pub struct Connector {
-    target: String,
+    targets: Vec<Target>,
+    /// The target to try first next time.
+    next: usize,
     /// The worker's number, for logs.
     worker: usize,
     /// Failed attempts, and connections lost before any reply.
     failures: u64,
     /// Connections lost so far (for thinning the log).
     lost: u64,
-    /// The current connection has brought a reply.
-    replied: bool,
-    /// Pause before reconnecting after connections that brought nothing.
-    reconnect: Backoff,
 }
 
 impl Connector {
-    /// A connector for worker `worker`'s `target` (`HOST:PORT`).
-    pub fn new(target: String, worker: usize) -> Self {
+    /// A connector for worker `worker` over `targets` (`HOST:PORT` each, at least one),
+    /// trying `first` first.
+    pub fn new(targets: Vec<String>, first: usize, worker: usize) -> Self {
+        let n = targets.len().max(1);
         Connector {
-            target,
+            targets: targets
+                .into_iter()
+                .map(|addr| Target {
+                    addr,
+                    backoff: Backoff::default(),
+                    not_before: None,
+                })
+                .collect(),
+            next: first % n,
             worker,
             failures: 0,
             lost: 0,
-            replied: false,
-            reconnect: Backoff::default(),
         }
     }
 
@@ -57,81 +114,114 @@ impl Connector {
         self.failures
     }
 
-    /// The current connection brought a reply.
-    pub fn replied(&mut self) {
-        self.replied = true;
+    /// The address of target `target`.
+    pub fn addr(&self, target: usize) -> &str {
+        self.targets.get(target).map_or("", |t| t.addr.as_str())
     }
 
-    /// Connects, retrying after failures with doubling pauses, until `give_up` or `stop`;
-    /// `None` then.
-    pub async fn connect(
-        &mut self,
-        give_up: Instant,
-        stop: &CancellationToken,
-        metrics: &DriverMetrics,
-    ) -> Option<FramedIo> {
-        let mut backoff = Backoff::default();
-        loop {
-            let attempt = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&self.target));
-            let error = match attempt.await {
-                Ok(Ok(s)) => {
-                    metrics.conns.opened();
-                    self.replied = false;
-                    return Some(FramedIo::new(s, FrameCodec::new(DEFAULT_MAX_BODY_LEN)));
+    /// The next attempt: the first target in turn whose pause is over, now; when every
+    /// target is pausing, the one whose pause ends first, then.
+    pub fn next_attempt(&self, now: Instant) -> Attempt {
+        let n = self.targets.len().max(1);
+        let mut soonest = Attempt {
+            target: self.next,
+            at: now,
+        };
+        let mut earliest: Option<Instant> = None;
+        for k in 0..n {
+            let i = (self.next + k) % n;
+            match self.targets.get(i).and_then(|t| t.not_before) {
+                Some(t) if t > now => {
+                    if earliest.is_none_or(|e| t < e) {
+                        earliest = Some(t);
+                        soonest = Attempt { target: i, at: t };
+                    }
                 }
-                Ok(Err(e)) => e.to_string(),
-                Err(_) => format!("timed out after {CONNECT_TIMEOUT:?}"),
-            };
-            self.failures += 1;
-            metrics.errors.inc(ErrorKind::Io, Side::Server);
-            // One line per worker and outage; the count goes in the report.
-            if self.failures == 1 {
-                tracing::warn!(worker = self.worker, target = %self.target, %error, "connect failed; retrying");
-            } else {
-                tracing::debug!(worker = self.worker, target = %self.target, %error, "connect failed");
+                _ => return Attempt { target: i, at: now },
             }
-            if !wait_to_retry(backoff.pause(), give_up, stop).await {
-                return None;
-            }
+        }
+        soonest
+    }
+
+    /// Starts `attempt`: waits until its time, then connects within [`CONNECT_TIMEOUT`].
+    pub fn dial(&self, attempt: Attempt) -> Dialing {
+        let addr = self.addr(attempt.target).to_string();
+        let at = attempt.at;
+        Dialing {
+            target: attempt.target,
+            attempt: Box::pin(async move {
+                tokio::time::sleep_until(at.into()).await;
+                match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&addr)).await {
+                    Ok(Ok(s)) => Ok(s),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => Err(format!("timed out after {CONNECT_TIMEOUT:?}")),
+                }
+            }),
         }
     }
 
-    /// The connection was lost with `calls` calls on it; connects again (after a pause if
-    /// it had brought no reply), until `give_up` or `stop`.
-    pub async fn reconnect(
-        &mut self,
-        calls: usize,
-        cause: &str,
-        give_up: Instant,
-        stop: &CancellationToken,
-        metrics: &DriverMetrics,
-    ) -> Option<FramedIo> {
+    /// The attempt to `target` failed with `error`: it pauses, and the next target in turn
+    /// is tried first.
+    pub fn failed(&mut self, target: usize, error: &str, metrics: &DriverMetrics) {
+        self.failures += 1;
+        metrics.errors.inc(ErrorKind::Io, Side::Server);
+        // One line per worker and outage; the count goes in the report.
+        let addr = self.addr(target).to_string();
+        if self.failures == 1 {
+            tracing::warn!(worker = self.worker, target = %addr, %error, "connect failed; trying the next target");
+        } else {
+            tracing::debug!(worker = self.worker, target = %addr, %error, "connect failed");
+        }
+        self.pause(target);
+    }
+
+    /// Target `target`'s connection brought its first reply: the target is healthy, its
+    /// back-off starts over.
+    pub fn replied(&mut self, target: usize) {
+        if let Some(t) = self.targets.get_mut(target) {
+            t.backoff.reset();
+            t.not_before = None;
+        }
+    }
+
+    /// The connection to `target` was lost with `calls` calls on it (`replied`: it had
+    /// brought a reply); the next target in turn is tried first, at once, unless the
+    /// connection brought nothing (that counts as a failed attempt, and the target pauses).
+    pub fn lost(&mut self, target: usize, replied: bool, calls: usize, cause: &str) {
         self.lost += 1;
-        if self.lost <= 3 {
-            tracing::warn!(worker = self.worker, calls, %cause, "connection lost; reconnecting");
+        let addr = self.addr(target).to_string();
+        if self.lost <= LOST_WARNINGS {
+            tracing::warn!(worker = self.worker, target = %addr, calls, %cause, "connection lost; reconnecting");
         } else {
-            tracing::debug!(worker = self.worker, calls, %cause, "connection lost; reconnecting");
+            tracing::debug!(worker = self.worker, target = %addr, calls, %cause, "connection lost; reconnecting");
         }
-        if self.replied {
-            self.reconnect.reset();
+        if replied {
+            self.next = self.after(target);
         } else {
             self.failures += 1;
-            if !wait_to_retry(self.reconnect.pause(), give_up, stop).await {
-                return None;
-            }
+            self.pause(target);
         }
-        self.connect(give_up, stop, metrics).await
     }
-}
 
-/// Sleeps `pause` before another attempt; false, at once, when that would pass `give_up`
-/// or the run is stopping.
-async fn wait_to_retry(pause: Duration, give_up: Instant, stop: &CancellationToken) -> bool {
-    if Instant::now() + pause >= give_up || stop.is_cancelled() {
-        return false;
+    /// `target` said it is draining (a reply flagged `NOT_RUN`): new calls go to the next
+    /// target in turn (a draining server closes its listener, so dialling it again would
+    /// only be refused until it is back).
+    pub fn drained(&mut self, target: usize) {
+        let addr = self.addr(target).to_string();
+        tracing::info!(worker = self.worker, target = %addr, "target draining; moving to the next");
+        self.next = self.after(target);
     }
-    tokio::time::sleep(pause).await;
-    true
+
+    fn pause(&mut self, target: usize) {
+        if let Some(t) = self.targets.get_mut(target) {
+            t.not_before = Some(Instant::now() + t.backoff.pause());
+        }
+        self.next = self.after(target);
+    }
+
+    fn after(&self, target: usize) -> usize {
+        (target + 1) % self.targets.len().max(1)
+    }
 }
 
 #[cfg(test)]
@@ -143,46 +233,100 @@ mod tests {
         DriverMetrics::new(Telemetry::new(), "EchoService", "Echo", 0)
     }
 
+    fn two() -> Connector {
+        Connector::new(vec!["a:1".into(), "b:2".into()], 1, 7)
+    }
+
     #[tokio::test]
     async fn a_listening_target_is_connected_at_once() {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let mut c = Connector::new(l.local_addr().unwrap().to_string(), 0);
-        let give_up = Instant::now() + Duration::from_secs(30);
-        let io = c
-            .connect(give_up, &CancellationToken::new(), &metrics())
-            .await;
-        assert!(io.is_some());
+        let c = Connector::new(vec![l.local_addr().unwrap().to_string()], 0, 0);
+        let mut d = c.dial(c.next_attempt(Instant::now()));
+        assert!(d.finish().await.is_ok());
         assert_eq!(c.failures(), 0);
     }
 
     #[tokio::test]
-    async fn a_target_nobody_listens_on_is_given_up_by_the_deadline_with_the_failures_counted() {
+    async fn a_target_nobody_listens_on_is_refused() {
         // Bound and dropped: nothing listens there (connections are refused at once).
         let addr = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
             .unwrap();
-        let mut c = Connector::new(addr.to_string(), 0);
-        // Room for the first pauses (50 + 100 ms) but not the third (200 ms).
-        let give_up = Instant::now() + Duration::from_millis(300);
-        let io = c
-            .connect(give_up, &CancellationToken::new(), &metrics())
-            .await;
-        assert!(io.is_none());
-        assert!(c.failures() >= 2, "{}", c.failures());
+        let c = Connector::new(vec![addr.to_string()], 0, 0);
+        let mut d = c.dial(c.next_attempt(Instant::now()));
+        assert!(d.finish().await.is_err());
     }
 
-    #[tokio::test]
-    async fn a_stopped_run_does_not_retry() {
-        let addr = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap();
-        let mut c = Connector::new(addr.to_string(), 0);
-        let stop = CancellationToken::new();
-        stop.cancel();
-        let give_up = Instant::now() + Duration::from_secs(30);
-        assert!(c.connect(give_up, &stop, &metrics()).await.is_none());
-        assert_eq!(c.failures(), 1, "one attempt, then no retry");
+    #[test]
+    fn a_worker_starts_on_its_own_target() {
+        let c = two();
+        let now = Instant::now();
+        assert_eq!(c.next_attempt(now), Attempt { target: 1, at: now });
+    }
+
+    #[test]
+    fn a_refused_target_hands_over_to_the_next_at_once_and_pauses_itself() {
+        let mut c = two();
+        let m = metrics();
+        c.failed(1, "refused", &m);
+        let now = Instant::now();
+        assert_eq!(c.next_attempt(now), Attempt { target: 0, at: now });
+        // Both refuse: the worker waits for the first pause to end, on that target.
+        c.failed(0, "refused", &m);
+        let next = c.next_attempt(now);
+        assert!(next.at > now, "{next:?}");
+        assert_eq!(c.failures(), 2);
+        // A reply from one target ends its pause.
+        c.replied(0);
+        assert_eq!(c.next_attempt(now), Attempt { target: 0, at: now });
+    }
+
+    #[test]
+    fn a_targets_pauses_double_while_it_keeps_failing() {
+        let mut c = Connector::new(vec!["a:1".into()], 0, 0);
+        let m = metrics();
+        let now = Instant::now();
+        let mut last = Duration::ZERO;
+        let mut grew = 0;
+        for _ in 0..6 {
+            c.failed(0, "refused", &m);
+            let wait = c.next_attempt(now).at.duration_since(now);
+            if wait > last {
+                grew += 1;
+            }
+            last = wait;
+        }
+        // Jitter draws each pause from the upper half of its step: the steps double, so
+        // the pauses grow overall.
+        assert!(grew >= 4, "{grew}");
+        assert!(last >= Duration::from_millis(500), "{last:?}");
+    }
+
+    #[test]
+    fn a_lost_connection_moves_on_at_once_if_it_had_replied_and_pauses_if_not() {
+        let mut c = two();
+        let now = Instant::now();
+        c.lost(1, true, 3, "closed by peer");
+        assert_eq!(c.next_attempt(now), Attempt { target: 0, at: now });
+        assert_eq!(c.failures(), 0);
+        c.lost(0, false, 0, "closed by peer");
+        assert_eq!(
+            c.failures(),
+            1,
+            "a connection that brought nothing is a failure"
+        );
+        assert_eq!(c.next_attempt(now), Attempt { target: 1, at: now });
+    }
+
+    #[test]
+    fn a_draining_target_hands_new_calls_to_the_next_one() {
+        let mut c = two();
+        let now = Instant::now();
+        c.drained(1);
+        assert_eq!(c.next_attempt(now), Attempt { target: 0, at: now });
+        c.drained(0);
+        assert_eq!(c.next_attempt(now), Attempt { target: 1, at: now });
+        assert_eq!(c.failures(), 0, "a drain is no failure");
     }
 }

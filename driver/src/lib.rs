@@ -110,7 +110,8 @@ async fn drive(
             index: i,
             // Open loop: the run's pacer hands out the due requests.
             dues: None,
-            target: config.targets[i % config.targets.len()].clone(),
+            targets: config.targets.clone(),
+            first: i % config.targets.len(),
             users: config.concurrency / n + usize::from(i < config.concurrency % n),
             backlog: config.backlog.div_ceil(n),
         })

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use metrics::{Counter, Gauge, Histogram};
 use rpcmesh_common::metrics::catalogue::{
     CALLS_IN_FLIGHT, CALLS_SENT_TOTAL, CALLS_TOTAL, DRIVER_ACHIEVED_CALLS_PER_SECOND,
-    DRIVER_LATENCY_SECONDS, DRIVER_OFFERED_CALLS_PER_SECOND, DRIVER_USERS, REQUESTS_TOTAL,
+    DRIVER_LATENCY_SECONDS, DRIVER_OFFERED_CALLS_PER_SECOND, DRIVER_REROUTED_TOTAL, DRIVER_USERS,
+    REQUESTS_TOTAL,
 };
 use rpcmesh_common::metrics::families::{
     CompressionTimers, ConnCounters, PayloadCounters, Stages, WireCounters,
@@ -53,6 +54,8 @@ pub struct DriverMetrics {
     calls: Vec<Counter>,
     /// Calls written (offered load).
     sent: Counter,
+    /// Calls sent again after a draining target refused them unstarted.
+    rerouted: Counter,
     /// Requests finished with every call successful.
     requests_ok: Counter,
     /// Requests finished with a failed call.
@@ -112,6 +115,7 @@ impl DriverMetrics {
         DriverMetrics {
             calls,
             sent: t.counter(&CALLS_SENT_TOTAL, &role),
+            rerouted: t.counter(&DRIVER_REROUTED_TOTAL, &role),
             requests_ok: requests("ok"),
             requests_failed: requests("failed"),
             requests_not_sent: requests("not_sent"),
@@ -146,6 +150,7 @@ impl DriverMetrics {
     /// add per counter per tick instead of several per call.
     pub fn add(&self, t: &Tally) {
         self.sent.increment(t.sent);
+        self.rerouted.increment(t.rerouted);
         for (o, &n) in CallOutcome::ALL.iter().zip(&t.outcomes) {
             if n == 0 {
                 continue;

@@ -1,8 +1,9 @@
 //! How a call ended, as the driver saw it ([`CallOutcome`]): a reply (a success, or an
 //! error status the server sent, whichever of the broker and the provider made it), or one
-//! of the driver's own findings (no reply in time, the connection lost, a reply that is
-//! not the service's answer, a request that could not be encoded). Every call sent has
-//! exactly one.
+//! of the driver's own findings (no reply in time, the connection lost, no connection to
+//! send it on, a reply that is not the service's answer, a request that could not be
+//! encoded). Every call sent has exactly one. A reply flagged `NOT_RUN` (a draining target
+//! did not start the call) is not an outcome: the worker sends the call again elsewhere.
 //!
 //! Owns the outcome labels (the `status` of `rpcmesh_calls_total{role="driver"}`, the keys
 //! of the report's error counts) and how each maps to an error kind and side.
@@ -20,8 +21,11 @@ pub enum CallOutcome {
     Replied(Status),
     /// No reply within the driver's own timeout (`--timeout`).
     NoReply,
-    /// The connection was lost with the call on it.
+    /// The connection was lost with the call written on it: it may have run.
     Connection,
+    /// No connection to any target took the call within the driver's timeout (every target
+    /// refused, or was draining): it was never written, so it did not run.
+    NoConnection,
     /// A successful reply that does not decode, or is not what the service answers.
     BadReply,
     /// The request could not be encoded (too large for a frame).
@@ -30,7 +34,7 @@ pub enum CallOutcome {
 
 impl CallOutcome {
     /// How many outcomes there are: the size of a table indexed by [`CallOutcome::index`].
-    pub const COUNT: usize = 10;
+    pub const COUNT: usize = 11;
 
     /// Every outcome, in index order.
     pub const ALL: [CallOutcome; Self::COUNT] = [
@@ -42,6 +46,7 @@ impl CallOutcome {
         CallOutcome::Replied(Status::BadRequest),
         CallOutcome::NoReply,
         CallOutcome::Connection,
+        CallOutcome::NoConnection,
         CallOutcome::BadReply,
         CallOutcome::Encode,
     ];
@@ -73,20 +78,22 @@ impl CallOutcome {
             CallOutcome::Replied(Status::BadRequest) => 5,
             CallOutcome::NoReply => 6,
             CallOutcome::Connection => 7,
-            CallOutcome::BadReply => 8,
-            CallOutcome::Encode => 9,
+            CallOutcome::NoConnection => 8,
+            CallOutcome::BadReply => 9,
+            CallOutcome::Encode => 10,
         }
     }
 
     /// The label: `ok`, the status of the reply (`failed`, `timeout`, `unavailable`,
     /// `overloaded`, `bad_request`), or the driver's own finding (`no_reply`, `connection`,
-    /// `bad_reply`, `encode`).
+    /// `no_connection`, `bad_reply`, `encode`).
     pub fn label(self) -> &'static str {
         match self {
             CallOutcome::Ok => "ok",
             CallOutcome::Replied(s) => s.label(),
             CallOutcome::NoReply => "no_reply",
             CallOutcome::Connection => "connection",
+            CallOutcome::NoConnection => "no_connection",
             CallOutcome::BadReply => "bad_reply",
             CallOutcome::Encode => "encode",
         }
@@ -105,6 +112,7 @@ impl CallOutcome {
             CallOutcome::Replied(Status::Overloaded) => ErrorKind::Overloaded,
             CallOutcome::Replied(Status::BadRequest) => ErrorKind::BadRequest,
             CallOutcome::Connection => ErrorKind::Io,
+            CallOutcome::NoConnection => ErrorKind::Unavailable,
             CallOutcome::BadReply => ErrorKind::Decode,
         };
         Some((kind, Side::Server))

@@ -134,9 +134,16 @@ pub struct CallFigures {
     /// Successful calls.
     pub ok: u64,
     /// Failed calls by kind: a reply's status (`failed`, `timeout`, `unavailable`,
-    /// `overloaded`, `bad_request`) or the driver's own finding (`no_reply`, `connection`,
-    /// `bad_reply`, `encode`).
+    /// `overloaded`, `bad_request`) or the driver's own finding (`no_reply`, `connection`:
+    /// lost with the connection after it was written, so it may have run; `no_connection`:
+    /// no target took it within the timeout, never written; `bad_reply`, `encode`).
     pub errors: BTreeMap<String, u64>,
+    /// Times a call was sent again, on another connection (to another target when there
+    /// is one), because a draining broker or provider refused it unstarted (a reply
+    /// flagged `NOT_RUN`). Not an outcome: the call's outcome is that of its last try, and
+    /// its latency runs from its first intended start, detour included.
+    #[serde(default)]
+    pub rerouted: u64,
     /// Calls sent per second.
     pub per_second: f64,
     /// Successful calls per second.
@@ -197,6 +204,7 @@ impl CallFigures {
             sent: t.sent,
             ok: t.ok(),
             errors: t.errors().map(|(k, v)| (k.to_string(), v)).collect(),
+            rerouted: t.rerouted,
             per_second: t.sent as f64 / secs,
             ok_per_second: t.ok() as f64 / secs,
             latency: t.calls.summary(),
@@ -345,6 +353,13 @@ impl Report {
                 )
             }
         );
+        if self.calls.rerouted > 0 {
+            let _ = writeln!(
+                o,
+                "  re-routed: {} sends again after a draining target refused the call unstarted",
+                self.calls.rerouted
+            );
+        }
         let _ = writeln!(
             o,
             "  requests: {} completed, {} ok, {} with a failed call",

@@ -158,6 +158,9 @@ pub struct Tally {
     pub sent: u64,
     /// Calls by outcome, indexed by [`CallOutcome::index`] (`ok` first).
     pub outcomes: [u64; CallOutcome::COUNT],
+    /// Times a call was sent again after a draining target refused it unstarted (a reply
+    /// flagged `NOT_RUN`): not outcomes, detours (a call sent twice counts once in `sent`).
+    pub rerouted: u64,
     /// Requests due: the pacer's intended starts in the open loop, the requests started in
     /// the closed loop. Each ends as ok, failed or not sent.
     pub requests_due: u64,
@@ -232,6 +235,7 @@ impl Tally {
             requests_uncorrected,
             sent,
             outcomes,
+            rerouted,
             requests_due,
             requests_ok,
             requests_failed,
@@ -250,6 +254,7 @@ impl Tally {
         *outcomes = [0; CallOutcome::COUNT];
         for n in [
             sent,
+            rerouted,
             requests_due,
             requests_ok,
             requests_failed,
@@ -326,6 +331,7 @@ impl Tally {
         for (a, b) in self.outcomes.iter_mut().zip(o.outcomes) {
             *a += b;
         }
+        self.rerouted += o.rerouted;
         self.requests_due += o.requests_due;
         self.requests_ok += o.requests_ok;
         self.requests_failed += o.requests_failed;
@@ -419,6 +425,11 @@ impl Books {
     /// A call was issued.
     pub fn sent(&mut self, step: Option<usize>) {
         self.both(step, |t| t.sent += 1);
+    }
+
+    /// A call refused unstarted by a draining target is sent again.
+    pub fn rerouted(&mut self, step: Option<usize>) {
+        self.both(step, |t| t.rerouted += 1);
     }
 
     /// A call ended with `outcome`, having taken `latency`.

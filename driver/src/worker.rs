@@ -1,19 +1,40 @@
-//! One connection and the users that share it: the load generator's engine. The parts it
-//! runs live beside it: [`crate::users`] (the request state machine), [`crate::pacer`] (the
-//! open-loop schedule), [`crate::connection`] (dialling and reconnecting), the slot table
-//! of calls in flight (`rpcmesh_common::net::slots`), and [`crate::stats::Books`] (the
-//! figures).
+//! One worker: a share of the run's users and the connections they call over, the load
+//! generator's engine. The parts it runs live beside it: [`crate::users`] (the request
+//! state machine), [`crate::pacer`] (the open-loop schedule), [`crate::connection`] (which
+//! target to dial, and when), the slot table of calls in flight
+//! (`rpcmesh_common::net::slots`), and [`crate::stats::Books`] (the figures).
 //!
-//! One task per connection runs its users: a reply is matched to its call by request id
-//! in the slot table, and the user's next call is encoded straight into the connection's
+//! One task per worker runs its users: a reply is matched to its call by request id in the
+//! slot table, and the user's next call is encoded straight into the current connection's
 //! write buffer in the same round. No task per user, no channel or allocation per call;
 //! every call issued in a round leaves in one `write`. Every tick the worker times out
 //! calls past the deadline and hands its interval's figures to the shared metrics and the
 //! progress line.
+//!
+//! Rolling restarts cost no failed call while another target is healthy:
+//!
+//! - A reply flagged `NOT_RUN` (a draining broker or provider did not start the call) is
+//!   not an outcome: the call is sent again on the worker's next connection, to the next
+//!   target in turn, at most [`MAX_REROUTES`] times, still timed from its first intended
+//!   start. The connection that said it is draining takes no more calls; it is kept, and
+//!   read, until the calls written on it are answered (at most [`MAX_DRAINING`] at once),
+//!   and new calls go to a new connection.
+//! - A refused connect or a lost connection moves the worker to the next target at once
+//!   (each target keeps its own back-off). Calls lost with a connection after they were
+//!   written count as `connection` (they may have run).
+//! - A call that finds no connection (between one and the next) is parked, unwritten, and
+//!   written as soon as a connection is up; one still parked after the call timeout counts
+//!   as `no_connection`. In the open loop, requests due meanwhile wait in the backlog (as
+//!   when every slot is busy) and are timed from their intended start, so the wait shows.
+//!   When no target can be reached in time the worker gives up: what is parked fails, what
+//!   is due is counted not sent.
 
+use std::collections::VecDeque;
+use std::io;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use rpcmesh_common::metrics::families::InFlightShare;
@@ -24,13 +45,15 @@ use rpcmesh_common::net::listener::AcceptObserver;
 use rpcmesh_common::net::shutdown::CancellationToken;
 use rpcmesh_common::net::slots::SlotTable;
 use rpcmesh_wire::Status;
+use rpcmesh_wire::codec::FrameCodec;
 use rpcmesh_wire::compress::DEFAULT_MAX_INFLATED_LEN;
 use rpcmesh_wire::envelope::CallCodec;
-use rpcmesh_wire::frame::{Flags, Frame, MsgType};
+use rpcmesh_wire::frame::{DEFAULT_MAX_BODY_LEN, Flags, Frame, MsgType};
+use tokio::net::TcpStream;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::config::DriverConfig;
-use crate::connection::Connector;
+use crate::connection::{Connector, Dialing};
 use crate::metrics::{CALL, CONNECTION_WAIT, DECODE, DriverMetrics, ENCODE, REQUEST, ROUND_TRIP};
 use crate::outcome::CallOutcome;
 use crate::pacer::{Backlog, Offered};
@@ -40,6 +63,17 @@ use crate::workload::Workload;
 
 /// How often a worker checks deadlines and hands its figures to the progress line.
 const TICK: Duration = Duration::from_millis(100);
+/// How many times a call refused unstarted (`NOT_RUN`) is sent again before the refusal
+/// counts as its outcome (`unavailable`): one try per other broker of a two- or
+/// three-broker deployment, and one more for a provider draining behind a broker. A call
+/// refused more often than that finds nothing healthy, and says so.
+pub const MAX_REROUTES: u8 = 3;
+/// Connections one worker keeps draining at once (each until the calls written on it are
+/// answered: within the server's grace period, 10 s by default). A rolling restart drains
+/// one target at a time, so four covers one through five targets faster than a grace
+/// period, and bounds a worker's sockets at five; beyond it the oldest is closed and its
+/// calls count as `connection`.
+pub const MAX_DRAINING: usize = 4;
 
 /// What all workers of a run share.
 #[derive(Debug)]
@@ -93,11 +127,14 @@ impl RunShared {
 #[derive(Debug)]
 pub(crate) struct Plan {
     pub index: usize,
-    /// Open loop: the intended starts of this connection's requests, from the run's pacer
+    /// Open loop: the intended starts of this worker's requests, from the run's pacer
     /// (users are then slots, at most that many requests in flight); closed when the
     /// schedule is over. `None`: closed loop.
     pub dues: Option<UnboundedReceiver<Instant>>,
-    pub target: String,
+    /// Every target of the run (`HOST:PORT`), in the order given.
+    pub targets: Vec<String>,
+    /// The target it dials first (workers are spread over the targets).
+    pub first: usize,
     pub users: usize,
     /// Open loop: how many requests due while every slot is busy wait for one.
     pub backlog: usize,
@@ -135,26 +172,59 @@ impl WorkerFigures {
     }
 }
 
-/// A call written and waiting for its reply (its request id is its key in the table).
+/// A call issued and waiting for its outcome (its request id is its key in the table):
+/// written on a connection, or parked until there is one.
 #[derive(Debug, Clone, Copy)]
 struct Slot {
     /// When the call was meant to start: its request's intended start for the first call
     /// (every call with `--parallel`), its own start for the next ones. Latency runs from
-    /// here.
+    /// here, through every re-send.
     intended: Instant,
-    /// When the call was issued (the round's time): the uncorrected latency runs from here.
+    /// When the call was issued (the round's time): the uncorrected latency and the call
+    /// timeout run from here (a re-send does not move them).
     sent: Instant,
     user: u32,
     /// The measured step it belongs to (`None`: warm-up).
     step: Option<usize>,
+    /// The connection it is written on ([`Link::serial`]); `None` while parked.
+    link: Option<u32>,
+    /// Times it was sent again after a `NOT_RUN` refusal.
+    tries: u8,
     /// Stage stamps (stages on only): encoding began, encoding ended, write returned.
     encoding: Option<Instant>,
     encoded: Option<Instant>,
     written: Option<Instant>,
 }
 
-/// Runs one connection's users until the run ends; returns their figures.
-pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> WorkerFigures {
+/// One of the worker's connections: the current one (new calls are written to it) or
+/// one draining (it said so; only read until its calls are answered).
+#[derive(Debug)]
+struct Link {
+    io: FramedIo,
+    /// Tells its calls apart from the other connections' in the slot table.
+    serial: u32,
+    /// Which target it is to.
+    target: usize,
+    /// Calls written on it and not yet answered.
+    in_flight: usize,
+    /// It has brought a reply.
+    replied: bool,
+}
+
+/// What woke the worker.
+enum Event {
+    /// The pacer handed over a request (`None`: the schedule is over).
+    Due(Option<Instant>),
+    /// A connection, by serial, made progress or failed.
+    Io(u32, io::Result<IoEvent>),
+    /// A connection attempt to a target ended.
+    Dialed(usize, Result<TcpStream, String>),
+    /// The tick.
+    Tick,
+}
+
+/// Runs one worker's users until the run ends; returns their figures.
+pub(crate) async fn run(mut plan: Plan, shared: Arc<RunShared>) -> WorkerFigures {
     let c = &shared.config;
     let mut flags = Flags::NONE;
     if c.ext {
@@ -165,6 +235,7 @@ pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> WorkerFigures {
     }
     let now = Instant::now();
     let open_loop = plan.dues.is_some();
+    let targets = std::mem::take(&mut plan.targets);
     let mut w = Worker {
         codec: CallCodec::new(c.compression, DEFAULT_MAX_INFLATED_LEN)
             .timed(shared.metrics.compression.clone()),
@@ -180,7 +251,18 @@ pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> WorkerFigures {
         sampler: shared.metrics.stages.sampler(),
         request_sampler: shared.metrics.stages.sampler(),
         last_read: now,
-        connector: Connector::new(plan.target.clone(), plan.index),
+        connector: Connector::new(targets, plan.first, plan.index),
+        current: None,
+        draining: Vec::new(),
+        dialing: None,
+        parked: VecDeque::new(),
+        inbox: Vec::new(),
+        serials: 0,
+        down_since: now,
+        // The closed loop's users begin once connected; the open loop's requests come from
+        // the pacer, connected or not.
+        begun: open_loop,
+        gave_up: false,
         books: if c.hdr_log.is_some() {
             Books::default().logging()
         } else {
@@ -208,20 +290,22 @@ struct Worker {
     codec: CallCodec,
     flags: Flags,
     users: Users,
-    /// Calls in flight on the connection.
+    /// Calls issued and without an outcome yet, on every connection, and parked.
     table: SlotTable<Slot>,
-    /// Open loop: the intended starts of this connection's requests (`None` once the
-    /// schedule is over, and in the closed loop).
+    /// Open loop: the intended starts of this worker's requests (`None` once the schedule
+    /// is over, and in the closed loop).
     dues: Option<UnboundedReceiver<Instant>>,
     /// An open-loop run.
     open_loop: bool,
-    /// Open loop: the requests that were due while every slot was busy.
+    /// Open loop: the requests that were due while every slot was busy, or while there was
+    /// no connection.
     backlog: Backlog,
-    /// This connection's share of the calls-in-flight gauge.
+    /// This worker's share of the calls-in-flight gauge.
     in_flight_share: InFlightShare,
     /// Ids of the timed calls encoded this round.
     round: Vec<u64>,
-    /// Calls past their deadline, taken out at a tick (kept for its memory).
+    /// Calls past their deadline or lost with a connection, taken out of the table (kept
+    /// for its memory).
     expired: Vec<(u64, Slot)>,
     /// Pick the calls and requests whose stages are timed.
     sampler: Sampler,
@@ -229,6 +313,27 @@ struct Worker {
     /// When the last read returned (the clock of the byte counts).
     last_read: Instant,
     connector: Connector,
+    /// The connection new calls are written to (`None` while one is being made).
+    current: Option<Link>,
+    /// Connections that said they are draining, until their calls are answered (at most
+    /// [`MAX_DRAINING`]).
+    draining: Vec<Link>,
+    /// The connection attempt under way (while there is no current connection).
+    dialing: Option<Dialing>,
+    /// Ids of calls waiting for a connection, oldest first (bounded by the table: each is
+    /// a user's call).
+    parked: VecDeque<u64>,
+    /// The frames of one read, handled after it (kept for its memory).
+    inbox: Vec<Frame>,
+    /// The last connection's serial.
+    serials: u32,
+    /// Since when there has been no current connection.
+    down_since: Instant,
+    /// Users make requests (closed loop: since the first connection).
+    begun: bool,
+    /// No target could be reached in time: nothing new starts, and the worker ends once
+    /// what is in flight on its draining connections is answered.
+    gave_up: bool,
     books: Books,
     late_replies: u64,
     last_done: Option<Instant>,
@@ -242,94 +347,94 @@ impl Worker {
         if self.open_loop {
             self.users.free_all();
         }
-        let Some(mut io) = self.connect().await else {
-            self.abandon();
-            self.publish();
-            return;
-        };
-        let now = Instant::now();
-        if self.open_loop {
-            self.start_waiting(now, &mut io);
-        } else {
-            for u in 0..self.users.len() {
-                if self.shared.may_start(now) {
-                    self.books.due(self.shared.step_of(now));
-                    self.start_request(u, now, now, &mut io);
-                }
-            }
-        }
-        // The connections' ticks are spread over the period, not all at once: each holds
-        // the thread for tens of µs, and eight together delayed the requests due then by a
-        // few hundred (a tail in the pacer's start lag).
+        self.dial_next();
+        // The workers' ticks are spread over the period, not all at once: each holds the
+        // thread for tens of µs, and eight together delayed the requests due then by a few
+        // hundred (a tail in the pacer's start lag).
         let phase = TICK * self.plan.index as u32 / self.shared.config.connections.max(1) as u32;
-        let mut tick = tokio::time::interval_at((now + phase).into(), TICK);
+        let mut tick = tokio::time::interval_at((Instant::now() + phase).into(), TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            if self.table.is_empty() && self.users.active() == 0 && self.dues.is_none() {
-                break;
-            }
-            let failed = tokio::select! {
+        while !self.finished() {
+            let event = tokio::select! {
                 biased;
-                due = next_due(&mut self.dues) => {
-                    match due {
-                        Some(due) => self.on_due(due, &mut io),
-                        // The schedule is over.
-                        None => self.dues = None,
-                    }
-                    None
-                }
-                ev = io.wait_io(true) => match ev {
-                    Ok(IoEvent::Read) => self.take_frames(&mut io).err(),
-                    Ok(IoEvent::Wrote) => None,
-                    Err(e) => Some(format!("socket: {e}")),
-                },
-                _ = tick.tick() => {
-                    self.on_tick(&mut io);
-                    None
-                }
+                due = next_due(&mut self.dues) => Event::Due(due),
+                (serial, ev) = wait_current(&mut self.current) => Event::Io(serial, ev),
+                (serial, ev) = wait_draining(&mut self.draining) => Event::Io(serial, ev),
+                (target, r) = dialed(&mut self.dialing) => Event::Dialed(target, r),
+                _ = tick.tick() => Event::Tick,
             };
-            let failed = failed.or_else(|| io.try_flush().err().map(|e| format!("write: {e}")));
-            self.record_written();
-            self.count_bytes(&mut io);
-            if let Some(cause) = failed {
-                tracing::debug!(worker = self.plan.index, %cause, "connection lost");
-                let reason = if io.is_eof() {
-                    CloseReason::Peer
-                } else {
-                    CloseReason::Error
-                };
-                self.shared.metrics.conns.closed(reason);
-                match self.reconnect(cause).await {
-                    Some(new) => io = new,
-                    None => {
-                        self.publish();
-                        return;
+            match event {
+                Event::Due(Some(due)) => self.on_due(due),
+                // The schedule is over.
+                Event::Due(None) => self.dues = None,
+                Event::Io(serial, Ok(IoEvent::Read)) => self.on_read(serial),
+                Event::Io(_, Ok(IoEvent::Wrote)) => {}
+                Event::Io(serial, Err(e)) => {
+                    self.lose(serial, &format!("socket: {e}"), CloseReason::Error);
+                }
+                Event::Dialed(target, r) => {
+                    self.dialing = None;
+                    match r {
+                        Ok(stream) => self.connected(target, stream),
+                        Err(e) => {
+                            self.connector.failed(target, &e, &self.shared.metrics);
+                            self.dial_next();
+                        }
                     }
                 }
+                Event::Tick => self.on_tick(),
             }
+            self.flush();
+            self.record_written();
+            self.count_bytes();
+            self.reap();
         }
-        self.shared.metrics.conns.closed(CloseReason::Local);
+        let links: Vec<Link> = self
+            .current
+            .take()
+            .into_iter()
+            .chain(self.draining.drain(..))
+            .collect();
+        for l in links {
+            self.retire(l, CloseReason::Local);
+        }
         self.publish();
     }
 
+    /// The worker is done: nothing in flight or parked, no request under way or waiting,
+    /// and none to come.
+    fn finished(&self) -> bool {
+        (self.begun || self.gave_up)
+            && self.table.is_empty()
+            && self.users.active() == 0
+            && self.dues.is_none()
+            && self.backlog.is_empty()
+    }
+
     /// Open loop: starts the request due at `due` (and every other one already handed
-    /// over) on a free slot. One due while every slot is busy waits in the backlog
-    /// (bounded) and starts when a slot frees, still timed from its intended start; beyond
-    /// the backlog it is not sent, and counted. How late a request that found a free slot
-    /// started is the pacer's lag.
-    fn on_due(&mut self, due: Instant, io: &mut FramedIo) {
+    /// over) on a free slot. One due while every slot is busy, or while there is no
+    /// connection, waits in the backlog (bounded) and starts when a slot frees or a
+    /// connection is up, still timed from its intended start; beyond the backlog it is not
+    /// sent, and counted. How late a request that found a free slot started is the pacer's
+    /// lag.
+    fn on_due(&mut self, due: Instant) {
         let now = Instant::now();
         let mut next = Some(due);
         while let Some(due) = next {
             let step = self.shared.step_of(due);
             self.books.due(step);
-            match self.users.take_free() {
+            let free = if self.current.is_some() {
+                self.users.take_free()
+            } else {
+                None
+            };
+            match free {
                 Some(u) => {
                     if step.is_some() {
                         let lag = now.saturating_duration_since(due).as_micros() as u64;
                         self.lag.record_us(lag);
                     }
-                    self.start_request(u, due, now, io);
+                    self.start_request(u, due, now);
                 }
                 None => wait_for_slot(&mut self.backlog, &mut self.books, due, step),
             }
@@ -337,13 +442,18 @@ impl Worker {
         }
     }
 
-    /// Open loop, a slot is free: the oldest backlogged request starts on it, else it waits
-    /// for the pacer.
-    fn start_backlogged(&mut self, u: usize, now: Instant, io: &mut FramedIo) {
-        match self.backlog.take() {
+    /// Open loop, a slot is free: the oldest backlogged request starts on it (once there
+    /// is a connection), else it waits for the pacer.
+    fn start_backlogged(&mut self, u: usize, now: Instant) {
+        let waiting = if self.current.is_some() {
+            self.backlog.take()
+        } else {
+            None
+        };
+        match waiting {
             Some(due) => {
                 self.books.backlogged(self.shared.step_of(due));
-                self.start_request(u, due, now, io);
+                self.start_request(u, due, now);
             }
             None => self.users.release(u),
         }
@@ -351,17 +461,17 @@ impl Worker {
 
     /// Open loop, just connected: the requests that waited meanwhile start on the free
     /// slots, oldest first.
-    fn start_waiting(&mut self, now: Instant, io: &mut FramedIo) {
-        while !self.backlog.is_empty() {
+    fn start_waiting(&mut self, now: Instant) {
+        while !self.backlog.is_empty() && self.current.is_some() {
             let Some(u) = self.users.take_free() else {
                 return;
             };
-            self.start_backlogged(u, now, io);
+            self.start_backlogged(u, now);
         }
     }
 
-    /// The connection is gone for good: requests waiting for a slot, or yet to be handed
-    /// over, can no longer be sent; the pacer hands no more to this connection.
+    /// No target can be reached in time: requests waiting for a slot, or yet to be handed
+    /// over, can no longer be sent; the pacer hands no more to this worker.
     fn abandon(&mut self) {
         for due in self.backlog.drain() {
             self.books.not_sent(self.shared.step_of(due));
@@ -376,94 +486,237 @@ impl Worker {
         }
     }
 
-    /// When to stop trying to connect: the run's end, or one call timeout from now.
+    /// When to stop trying to connect: the run's end, or one call timeout after the last
+    /// connection went.
     fn give_up_by(&self) -> Instant {
         self.shared
             .until
-            .unwrap_or_else(|| Instant::now() + self.shared.config.call_timeout)
+            .unwrap_or(self.down_since + self.shared.config.call_timeout)
     }
 
-    /// Connects; requests due meanwhile wait in the backlog, as when every slot is busy.
-    async fn connect(&mut self) -> Option<FramedIo> {
-        let give_up = self.give_up_by();
-        let connecting = self
-            .connector
-            .connect(give_up, &self.shared.stop, &self.shared.metrics);
-        while_down(
-            connecting,
-            &mut self.dues,
-            &mut self.backlog,
-            &mut self.books,
-            &self.shared,
-        )
-        .await
-    }
-
-    /// The connection failed: every call on it fails, then the users carry on over a new
-    /// connection (or stop, if none can be made in time).
-    async fn reconnect(&mut self, cause: String) -> Option<FramedIo> {
-        let lost: Vec<Slot> = self.table.drain().map(|(_, s)| s).collect();
-        let give_up = self.give_up_by();
-        let reconnecting = self.connector.reconnect(
-            lost.len(),
-            &cause,
-            give_up,
-            &self.shared.stop,
-            &self.shared.metrics,
-        );
-        let io = while_down(
-            reconnecting,
-            &mut self.dues,
-            &mut self.backlog,
-            &mut self.books,
-            &self.shared,
-        )
-        .await;
+    /// Without a current connection: starts the next attempt (the next target in turn, at
+    /// once unless every target is pausing), or gives up when that attempt would come too
+    /// late or the run is stopping.
+    fn dial_next(&mut self) {
+        if self.gave_up || self.dialing.is_some() || self.current.is_some() {
+            return;
+        }
         let now = Instant::now();
-        match io {
-            Some(mut io) => {
-                for s in lost {
-                    self.call_done(s, CallOutcome::Connection, now, Some(&mut io));
-                }
-                if self.open_loop {
-                    self.start_waiting(now, &mut io);
-                }
-                Some(io)
+        let attempt = self.connector.next_attempt(now);
+        if attempt.at > now && (attempt.at >= self.give_up_by() || self.shared.stop.is_cancelled())
+        {
+            self.give_up();
+            return;
+        }
+        self.dialing = Some(self.connector.dial(attempt));
+    }
+
+    /// No target could be reached in time: the parked calls fail, unwritten; what is due
+    /// is not sent; the users start nothing more.
+    fn give_up(&mut self) {
+        self.gave_up = true;
+        self.dialing = None;
+        tracing::warn!(
+            worker = self.plan.index,
+            parked = self.parked.len(),
+            "no target reachable in time; this worker stops"
+        );
+        let now = Instant::now();
+        while let Some(id) = self.parked.pop_front() {
+            if let Some(slot) = self.table.take(id) {
+                self.call_done(slot, CallOutcome::NoConnection, now);
             }
-            None => {
-                for s in lost {
-                    self.call_done(s, CallOutcome::Connection, now, None);
+        }
+        self.abandon();
+    }
+
+    /// A connection to `target` is up: it becomes the current one, the parked calls are
+    /// written on it, and the users go on.
+    fn connected(&mut self, target: usize, stream: TcpStream) {
+        self.shared.metrics.conns.opened();
+        self.serials = self.serials.wrapping_add(1);
+        self.current = Some(Link {
+            io: FramedIo::new(stream, FrameCodec::new(DEFAULT_MAX_BODY_LEN)),
+            serial: self.serials,
+            target,
+            in_flight: 0,
+            replied: false,
+        });
+        let now = Instant::now();
+        for _ in 0..self.parked.len() {
+            match self.parked.pop_front() {
+                Some(id) => self.send(id),
+                None => break,
+            }
+        }
+        if self.open_loop {
+            self.start_waiting(now);
+        } else if !self.begun {
+            self.begun = true;
+            for u in 0..self.users.len() {
+                if self.shared.may_start(now) {
+                    self.books.due(self.shared.step_of(now));
+                    self.start_request(u, now, now);
                 }
-                self.abandon();
-                None
             }
         }
     }
 
-    /// Handles every whole frame read so far.
-    fn take_frames(&mut self, io: &mut FramedIo) -> Result<(), String> {
+    /// The connection `serial` is gone (`cause`): every call written on it fails (it may
+    /// have run); when it was the current one, the worker dials the next target, and the
+    /// users' next calls wait for that connection.
+    fn lose(&mut self, serial: u32, cause: &str, reason: CloseReason) {
+        let was_current = self.current.as_ref().is_some_and(|l| l.serial == serial);
+        let link = if was_current {
+            self.current.take()
+        } else {
+            self.draining
+                .iter()
+                .position(|l| l.serial == serial)
+                .map(|i| self.draining.remove(i))
+        };
+        let Some(link) = link else {
+            return;
+        };
+        let mut lost = std::mem::take(&mut self.expired);
+        self.table.take_where(|s| s.link == Some(serial), &mut lost);
+        if was_current {
+            self.connector
+                .lost(link.target, link.replied, lost.len(), cause);
+            self.down_since = Instant::now();
+        } else if !lost.is_empty() {
+            tracing::warn!(worker = self.plan.index, target = %self.connector.addr(link.target), calls = lost.len(), %cause, "draining connection lost");
+        } else {
+            tracing::debug!(worker = self.plan.index, %cause, "draining connection closed");
+        }
+        self.retire(link, reason);
+        self.dial_next();
+        let now = Instant::now();
+        for (_, s) in lost.drain(..) {
+            self.call_done(s, CallOutcome::Connection, now);
+        }
+        self.expired = lost;
+    }
+
+    /// The connection `serial` refused a call unstarted: it is draining. If it is the
+    /// current one, it takes no more calls (it is kept until its calls are answered) and
+    /// the worker dials the next target.
+    fn draining_link(&mut self, serial: u32) {
+        let Some(link) = self.current.take_if(|l| l.serial == serial) else {
+            return;
+        };
+        self.connector.drained(link.target);
+        self.down_since = Instant::now();
+        if link.in_flight == 0 {
+            self.retire(link, CloseReason::Local);
+        } else {
+            if self.draining.len() >= MAX_DRAINING {
+                let oldest = self.draining[0].serial;
+                self.lose(
+                    oldest,
+                    "more connections draining than a worker keeps",
+                    CloseReason::Local,
+                );
+            }
+            self.draining.push(link);
+        }
+        self.dial_next();
+    }
+
+    /// Closes `link`, counting its last bytes and why it closed.
+    fn retire(&mut self, mut link: Link, reason: CloseReason) {
+        self.count_link(&mut link.io);
+        self.shared.metrics.conns.closed(reason);
+    }
+
+    /// Closes the draining connections whose calls are all answered.
+    fn reap(&mut self) {
+        let mut i = 0;
+        while i < self.draining.len() {
+            if self.draining[i].in_flight == 0 {
+                let link = self.draining.remove(i);
+                let reason = if link.io.is_eof() {
+                    CloseReason::Peer
+                } else {
+                    CloseReason::Local
+                };
+                self.retire(link, reason);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Writes what every connection has to write (a draining one may still hold calls
+    /// encoded in the round it said it was draining).
+    fn flush(&mut self) {
+        if let Some(l) = &mut self.current {
+            if let Err(e) = l.io.try_flush() {
+                let serial = l.serial;
+                self.lose(serial, &format!("write: {e}"), CloseReason::Error);
+            }
+        }
+        let mut i = 0;
+        while i < self.draining.len() {
+            match self.draining[i].io.try_flush() {
+                Ok(()) => i += 1,
+                Err(e) => {
+                    let serial = self.draining[i].serial;
+                    self.lose(serial, &format!("write: {e}"), CloseReason::Error);
+                }
+            }
+        }
+    }
+
+    /// Handles every whole frame read so far on the connection `serial`, then its end if
+    /// the peer closed it.
+    fn on_read(&mut self, serial: u32) {
         let now = Instant::now();
         self.last_read = now;
+        let Some(link) = find(&mut self.current, &mut self.draining, serial) else {
+            return;
+        };
+        let mut fatal = None;
         loop {
-            match io.next_frame() {
-                Ok(Some(frame)) => self.on_frame(frame, now, io),
+            match link.io.next_frame() {
+                Ok(Some(frame)) => self.inbox.push(frame),
                 Ok(None) => break,
                 Err(e) if !e.is_fatal() => tracing::warn!(error = %e, "bad frame skipped"),
-                Err(e) => return Err(format!("bad frames: {e}")),
+                Err(e) => {
+                    fatal = Some(format!("bad frames: {e}"));
+                    break;
+                }
             }
         }
-        if io.is_eof() {
-            return Err("closed by peer".into());
+        let eof = link.io.is_eof();
+        let mut inbox = std::mem::take(&mut self.inbox);
+        for frame in inbox.drain(..) {
+            self.on_frame(frame, serial, now);
         }
-        Ok(())
+        self.inbox = inbox;
+        if let Some(cause) = fatal {
+            self.lose(serial, &cause, CloseReason::Error);
+        } else if eof {
+            self.lose(serial, "closed by peer", CloseReason::Peer);
+        }
     }
 
-    fn on_frame(&mut self, frame: Frame, now: Instant, io: &mut FramedIo) {
+    fn on_frame(&mut self, frame: Frame, serial: u32, now: Instant) {
         if frame.header.msg_type != MsgType::Response {
             return;
         }
-        self.connector.replied();
-        let Some(slot) = self.table.take(frame.header.req_id) else {
+        if let Some(link) = find(&mut self.current, &mut self.draining, serial) {
+            if !link.replied {
+                link.replied = true;
+                self.connector.replied(link.target);
+            }
+        }
+        let id = frame.header.req_id;
+        let ours = self
+            .table
+            .get_mut(id)
+            .is_some_and(|s| s.link == Some(serial));
+        let Some(slot) = ours.then(|| self.table.take(id)).flatten() else {
             self.late_replies += 1;
             self.shared
                 .metrics
@@ -471,6 +724,7 @@ impl Worker {
                 .inc(ErrorKind::LateReply, Side::Server);
             return;
         };
+        self.settle(serial);
         let decoding = slot.written.map(|_| Instant::now());
         let outcome = match self.codec.view_response(&frame) {
             Ok(r) => {
@@ -485,6 +739,15 @@ impl Worker {
             }
             Err(_) => CallOutcome::BadReply,
         };
+        let not_run = frame.header.flags.contains(Flags::NOT_RUN);
+        if not_run && outcome == CallOutcome::Replied(Status::Unavailable) {
+            // Not an outcome: the call did not start there. The connection takes no more.
+            self.draining_link(serial);
+            if slot.tries < MAX_REROUTES {
+                self.reroute(slot);
+                return;
+            }
+        }
         if let (Some(decoding), Some(written)) = (decoding, slot.written) {
             let decoded = Instant::now();
             let st = &self.shared.metrics.stages;
@@ -494,7 +757,28 @@ impl Worker {
                 st.record_span(CALL, e, decoded);
             }
         }
-        self.call_done(slot, outcome, now, Some(io));
+        self.call_done(slot, outcome, now);
+    }
+
+    /// A call answered or timed out on the connection `serial`: one fewer in flight there.
+    fn settle(&mut self, serial: u32) {
+        if let Some(link) = find(&mut self.current, &mut self.draining, serial) {
+            link.in_flight = link.in_flight.saturating_sub(1);
+        }
+    }
+
+    /// Sends `slot`'s call again (it was refused unstarted), keeping its intended start.
+    fn reroute(&mut self, slot: Slot) {
+        self.books.rerouted(slot.step);
+        let id = self.table.insert(Slot {
+            link: None,
+            tries: slot.tries + 1,
+            encoding: None,
+            encoded: None,
+            written: None,
+            ..slot
+        });
+        self.send(id);
     }
 
     /// Stamps the calls written this round and records their `connection_wait` stage.
@@ -515,17 +799,33 @@ impl Worker {
         }
     }
 
-    /// Times out the calls past the deadline, then hands the interval's figures on.
-    fn on_tick(&mut self, io: &mut FramedIo) {
+    /// Times out the calls past the deadline (written: `no_reply`; parked: `no_connection`),
+    /// then hands the interval's figures on.
+    fn on_tick(&mut self) {
         let now = Instant::now();
         let timeout = self.shared.config.call_timeout;
         let mut expired = std::mem::take(&mut self.expired);
         self.table
             .take_where(|s| now.duration_since(s.sent) >= timeout, &mut expired);
+        let mut unparked = false;
         for (_, s) in expired.drain(..) {
-            self.call_done(s, CallOutcome::NoReply, now, Some(io));
+            let outcome = match s.link {
+                Some(serial) => {
+                    self.settle(serial);
+                    CallOutcome::NoReply
+                }
+                None => {
+                    unparked = true;
+                    CallOutcome::NoConnection
+                }
+            };
+            self.call_done(s, outcome, now);
         }
         self.expired = expired;
+        if unparked {
+            let table = &mut self.table;
+            self.parked.retain(|&id| table.get_mut(id).is_some());
+        }
         self.publish();
     }
 
@@ -545,79 +845,94 @@ impl Worker {
         }
     }
 
-    fn count_bytes(&mut self, io: &mut FramedIo) {
+    /// Moves every connection's byte counts to the metrics and the figures.
+    fn count_bytes(&mut self) {
+        let step = self.shared.step_of(self.last_read);
+        for l in self.current.iter_mut().chain(self.draining.iter_mut()) {
+            let c = l.io.take_counts();
+            self.shared.metrics.wire.add(c);
+            self.books.wire(step, c.bytes_written, c.bytes_read);
+        }
+        let written = self.table.len().saturating_sub(self.parked.len());
+        self.in_flight_share.report(written);
+    }
+
+    /// Moves one connection's byte counts (one about to close).
+    fn count_link(&mut self, io: &mut FramedIo) {
         let c = io.take_counts();
         self.shared.metrics.wire.add(c);
-        self.in_flight_share.report(self.table.len());
         let step = self.shared.step_of(self.last_read);
         self.books.wire(step, c.bytes_written, c.bytes_read);
     }
 
     /// User `u` starts, at `now`, a request meant to start at `intended` (the same instant
     /// in the closed loop); it is measured when that instant is in the measured window.
-    fn start_request(&mut self, u: usize, intended: Instant, now: Instant, io: &mut FramedIo) {
+    fn start_request(&mut self, u: usize, intended: Instant, now: Instant) {
         let step = self.shared.step_of(intended);
         let timed = self.request_sampler.pick();
         let calls = self.users.start(u, intended, now, step, timed);
         for _ in 0..calls {
-            self.issue_call(u, intended, step, now, io);
+            self.issue_call(u, intended, step, now);
         }
     }
 
-    /// Sends a call of user `u`'s request, which belongs to `step` (the request's).
-    fn issue_call(
-        &mut self,
-        u: usize,
-        intended: Instant,
-        step: Option<usize>,
-        now: Instant,
-        io: &mut FramedIo,
-    ) {
-        let encoding = self.sampler.stamp();
+    /// Issues a call of user `u`'s request, which belongs to `step` (the request's).
+    fn issue_call(&mut self, u: usize, intended: Instant, step: Option<usize>, now: Instant) {
         let id = self.table.insert(Slot {
             intended,
             sent: now,
             user: u as u32,
             step,
-            encoding,
+            link: None,
+            tries: 0,
+            encoding: None,
             encoded: None,
             written: None,
         });
+        // Sent, whether or not it encodes or finds a connection: every call sent gets
+        // exactly one outcome.
+        self.books.sent(step);
+        self.send(id);
+    }
+
+    /// Writes call `id` on the current connection, or parks it until there is one.
+    fn send(&mut self, id: u64) {
+        let Some(link) = self.current.as_mut() else {
+            self.parked.push_back(id);
+            return;
+        };
+        let Some(slot) = self.table.get_mut(id) else {
+            return;
+        };
+        let encoding = self.sampler.stamp();
         let encoded = self
             .shared
             .workload
-            .encode(&mut self.codec, io.wbuf(), id, self.flags);
-        // Sent, whether or not it encodes: every call sent gets exactly one outcome.
-        self.books.sent(step);
+            .encode(&mut self.codec, link.io.wbuf(), id, self.flags);
         match encoded {
             Ok(size) => {
+                link.in_flight += 1;
+                slot.link = Some(link.serial);
+                slot.encoding = encoding;
                 if let Some(a) = encoding {
                     let b = Instant::now();
                     self.shared.metrics.stages.record_span(ENCODE, a, b);
-                    if let Some(slot) = self.table.get_mut(id) {
-                        slot.encoded = Some(b);
-                    }
+                    slot.encoded = Some(b);
                     self.round.push(id);
                 }
-                self.books.payload_out(step, size);
+                self.books.payload_out(slot.step, size);
             }
             Err(e) => {
                 tracing::error!(error = %e, "request not encodable");
                 if let Some(slot) = self.table.take(id) {
-                    self.call_done(slot, CallOutcome::Encode, now, Some(io));
+                    self.call_done(slot, CallOutcome::Encode, Instant::now());
                 }
             }
         }
     }
 
     /// A call has its outcome: count it, and move its user on.
-    fn call_done(
-        &mut self,
-        slot: Slot,
-        outcome: CallOutcome,
-        now: Instant,
-        io: Option<&mut FramedIo>,
-    ) {
+    fn call_done(&mut self, slot: Slot, outcome: CallOutcome, now: Instant) {
         // The progress line shows the warm-up too; the report only what is measured.
         let took = Took::between(slot.intended, slot.sent, now, self.open_loop);
         self.books.call(slot.step, outcome, took);
@@ -625,25 +940,15 @@ impl Worker {
             self.last_done = Some(now);
         }
         let u = slot.user as usize;
-        match self.users.call_done(u, outcome.is_ok(), io.is_some()) {
-            Next::Call => {
-                if let Some(io) = io {
-                    // The request's next call is meant to start now: its predecessor ended.
-                    self.issue_call(u, now, slot.step, now, io);
-                }
-            }
+        match self.users.call_done(u, outcome.is_ok(), !self.gave_up) {
+            // The request's next call is meant to start now: its predecessor ended.
+            Next::Call => self.issue_call(u, now, slot.step, now),
             Next::Wait => {}
-            Next::Done(request) => self.request_done(u, request, now, io),
+            Next::Done(request) => self.request_done(u, request, now),
         }
     }
 
-    fn request_done(
-        &mut self,
-        u: usize,
-        request: Finished,
-        now: Instant,
-        io: Option<&mut FramedIo>,
-    ) {
+    fn request_done(&mut self, u: usize, request: Finished, now: Instant) {
         let open_loop = self.open_loop;
         let took = Took::between(request.intended, request.started, now, open_loop);
         if request.timed {
@@ -651,42 +956,57 @@ impl Worker {
             stages.record_span(REQUEST, request.started, now);
         }
         self.books.request(request.step, request.failed, took);
-        match io {
-            // Open loop: the slot takes the oldest backlogged request, or waits for the
-            // pacer.
-            Some(io) if open_loop => self.start_backlogged(u, now, io),
-            None if open_loop => self.users.release(u),
-            Some(io) if self.shared.may_start(now) => {
-                self.books.due(self.shared.step_of(now));
-                self.start_request(u, now, now, io);
-            }
-            Some(_) | None => {}
+        if open_loop {
+            // The slot takes the oldest backlogged request, or waits for the pacer.
+            self.start_backlogged(u, now);
+        } else if !self.gave_up && self.shared.may_start(now) {
+            self.books.due(self.shared.step_of(now));
+            self.start_request(u, now, now);
         }
     }
 }
 
-/// Waits for `connecting` (a connection being made); requests handed over meanwhile wait
-/// in the backlog (bounded) as if every slot were busy, and are counted due.
-async fn while_down(
-    connecting: impl std::future::Future<Output = Option<FramedIo>>,
-    dues: &mut Option<UnboundedReceiver<Instant>>,
-    backlog: &mut Backlog,
-    books: &mut Books,
-    shared: &RunShared,
-) -> Option<FramedIo> {
-    tokio::pin!(connecting);
-    loop {
-        tokio::select! {
-            io = &mut connecting => return io,
-            due = next_due(dues) => match due {
-                Some(due) => {
-                    let step = shared.step_of(due);
-                    books.due(step);
-                    wait_for_slot(backlog, books, due, step);
-                }
-                None => *dues = None,
-            },
+/// The connection `serial`, current or draining.
+fn find<'a>(
+    current: &'a mut Option<Link>,
+    draining: &'a mut [Link],
+    serial: u32,
+) -> Option<&'a mut Link> {
+    match current {
+        Some(l) if l.serial == serial => Some(l),
+        _ => draining.iter_mut().find(|l| l.serial == serial),
+    }
+}
+
+/// The current connection's next progress, with its serial (pending for ever without
+/// one).
+async fn wait_current(link: &mut Option<Link>) -> (u32, io::Result<IoEvent>) {
+    match link {
+        Some(l) => (l.serial, l.io.wait_io(true).await),
+        None => std::future::pending().await,
+    }
+}
+
+/// The next progress of any draining connection, with its serial (pending for ever
+/// without one).
+async fn wait_draining(links: &mut [Link]) -> (u32, io::Result<IoEvent>) {
+    std::future::poll_fn(|cx| {
+        for l in links.iter_mut() {
+            if let Poll::Ready(r) = l.io.poll_io(cx, true) {
+                return Poll::Ready((l.serial, r));
+            }
         }
+        Poll::Pending
+    })
+    .await
+}
+
+/// The end of the connection attempt under way, with its target (pending for ever
+/// without one).
+async fn dialed(dialing: &mut Option<Dialing>) -> (usize, Result<TcpStream, String>) {
+    match dialing {
+        Some(d) => (d.target, d.finish().await),
+        None => std::future::pending().await,
     }
 }
 
@@ -698,7 +1018,7 @@ fn wait_for_slot(backlog: &mut Backlog, books: &mut Books, due: Instant, step: O
     }
 }
 
-/// The next intended start handed to this connection (pending for ever in the closed loop,
+/// The next intended start handed to this worker (pending for ever in the closed loop,
 /// `None` once the schedule is over).
 async fn next_due(dues: &mut Option<UnboundedReceiver<Instant>>) -> Option<Instant> {
     match dues {

@@ -142,7 +142,7 @@ pub const CALLS_TOTAL: Family = Family {
     kind: Counter,
     labels: &["role", "service", "method", "status"],
     roles: ALL,
-    help: "Calls finished, by outcome: ok or the status of the reply (failed, timeout, unavailable, overloaded, bad_request); the driver adds what it saw itself: no_reply (no reply within its timeout), connection (lost with the call on it), bad_reply, encode.",
+    help: "Calls finished, by outcome: ok or the status of the reply (failed, timeout, unavailable, overloaded, bad_request); the driver adds what it saw itself: no_reply (no reply within its timeout), connection (lost with the connection after it was written: it may have run), no_connection (no target took it within the timeout: never written), bad_reply, encode.",
 };
 /// `rpcmesh_call_seconds{role, service, method}`.
 pub const CALL_SECONDS: Family = Family {
@@ -385,6 +385,14 @@ pub const DRIVER_LATENCY_SECONDS: Family = Family {
     roles: DRIVER,
     help: "Latency of what the driver finished, every one of them: of=call (successful calls) or request; from=intended (from the start the schedule meant: corrected for coordinated omission, the figure to read) or sent (from the actual start; open loop only, for comparison).",
 };
+/// `rpcmesh_driver_rerouted_total{role}`.
+pub const DRIVER_REROUTED_TOTAL: Family = Family {
+    name: "rpcmesh_driver_rerouted_total",
+    kind: Counter,
+    labels: ROLE,
+    roles: DRIVER,
+    help: "Calls the driver sent again, on another connection (to another target when it has one), because a draining broker or provider refused them unstarted (a reply flagged NOT_RUN); each call still ends once in rpcmesh_calls_total.",
+};
 /// `rpcmesh_driver_users{role}`.
 pub const DRIVER_USERS: Family = Family {
     name: "rpcmesh_driver_users",
@@ -549,6 +557,7 @@ pub const CATALOGUE: &[&Family] = &[
     &DRIVER_OFFERED_CALLS_PER_SECOND,
     &DRIVER_ACHIEVED_CALLS_PER_SECOND,
     &DRIVER_LATENCY_SECONDS,
+    &DRIVER_REROUTED_TOTAL,
     &DRIVER_USERS,
     &SOFTIRQS_TOTAL,
     &CPU_SECONDS_TOTAL,

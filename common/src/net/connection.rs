@@ -263,7 +263,9 @@ impl FramedIo {
         std::future::poll_fn(|cx| self.poll_io(cx, read)).await
     }
 
-    fn poll_io(&mut self, cx: &mut Context<'_>, read: bool) -> Poll<io::Result<IoEvent>> {
+    /// [`FramedIo::wait_io`] as a poll, for a caller that waits on several connections at
+    /// once (the driver's worker, on the connections it is draining).
+    pub fn poll_io(&mut self, cx: &mut Context<'_>, read: bool) -> Poll<io::Result<IoEvent>> {
         if !self.wbuf.is_empty() {
             if let Poll::Ready(r) = self.stream.poll_write_ready(cx) {
                 r?;

@@ -1,0 +1,243 @@
+//! Rolling restarts under load cost no call while another target is healthy: real broker
+//! and provider processes, the driver with two targets, and one target at a time stopped
+//! with SIGTERM (it drains: calls that arrive after the drain began are refused unstarted,
+//! flagged `NOT_RUN`, and the driver sends them to the other target).
+//!
+//! Each run is of more requests than it can make ([`BUDGET`]); the test ends it (the stop
+//! token) once every step of its scenario is done and calls went on after the last one.
+//! What happens when is proved by order (each step waits for the run's successful calls to
+//! grow, for a broker's pool to be healthy, for a process to exit), never by the clock.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use rpcmesh_common::metrics::Telemetry;
+use rpcmesh_common::metrics::recorder::sample;
+use rpcmesh_common::net::shutdown::CancellationToken;
+use rpcmesh_common::testkit::{self, Spawned, WAIT_TIMEOUT, wait_until};
+use rpcmesh_driver::config::ProgressMode;
+use rpcmesh_driver::pacer::Schedule;
+use rpcmesh_driver::{DriverConfig, Report, Stop};
+
+/// Requests a run may make: more than it makes before the test stops it (a bound, not the
+/// end).
+const BUDGET: u64 = 1_000_000;
+/// Successful calls the run makes after each step of a scenario before the next step:
+/// enough that every worker has made calls on its new connections.
+const CALLS_PER_STEP: f64 = 400.0;
+
+fn driver(targets: &[SocketAddr]) -> DriverConfig {
+    DriverConfig {
+        targets: targets.iter().map(ToString::to_string).collect(),
+        stop: Stop::Requests(BUDGET),
+        warmup: Duration::ZERO,
+        progress: ProgressMode::Off,
+        concurrency: 8,
+        connections: 4,
+        ..DriverConfig::default()
+    }
+}
+
+/// A one-thread provider process.
+fn provider() -> Spawned {
+    Spawned::start("provider", &["--threads", "1"])
+}
+
+/// A one-thread broker process over `provider`, on `listen` (a fixed address, to be
+/// restarted on) or a port of its own.
+fn broker(provider: &Spawned, listen: Option<SocketAddr>) -> Spawned {
+    let upstream = provider.rpc.to_string();
+    let args = ["--upstream", &upstream, "--threads", "1"];
+    match listen {
+        Some(addr) => Spawned::start_at("broker", addr, &args),
+        None => Spawned::start("broker", &args),
+    }
+}
+
+/// Waits until `broker` has a healthy connection to its provider (before that it would
+/// answer "unavailable", which is no drain).
+async fn healthy(broker: &Spawned) {
+    wait_until("the broker's pool to be healthy", || {
+        broker.metric("rpcmesh_pool_healthy_connections", &[]) > 0.0
+    })
+    .await;
+}
+
+/// The run's successful calls so far.
+fn ok_calls(t: &Telemetry) -> f64 {
+    sample(&t.render(), "rpcmesh_calls_total", &[("status", "ok")]).unwrap_or(0.0)
+}
+
+/// Waits until the run has made [`CALLS_PER_STEP`] more successful calls.
+async fn more_calls(t: &Telemetry) {
+    let from = ok_calls(t);
+    wait_until("more successful calls", || {
+        ok_calls(t) >= from + CALLS_PER_STEP
+    })
+    .await;
+}
+
+/// Sends SIGTERM to `p` and waits for it to exit (it drains first); it must exit cleanly.
+async fn terminate(mut p: Spawned) {
+    p.child.signal("TERM");
+    let status = tokio::task::spawn_blocking(move || p.child.wait_timeout(WAIT_TIMEOUT))
+        .await
+        .unwrap()
+        .expect("the drained process exits");
+    assert!(status.success(), "{status:?}");
+}
+
+/// Calls served successfully by a broker or provider process.
+fn served(p: &Spawned) -> f64 {
+    p.metric("rpcmesh_calls_total", &[("status", "ok")])
+}
+
+/// Ends the run and returns its report.
+async fn finish(
+    run: tokio::task::JoinHandle<anyhow::Result<Report>>,
+    stop: CancellationToken,
+) -> Report {
+    stop.cancel();
+    tokio::time::timeout(WAIT_TIMEOUT, run)
+        .await
+        .expect("the run ends once stopped")
+        .unwrap()
+        .unwrap()
+}
+
+fn start(
+    config: DriverConfig,
+) -> (
+    Telemetry,
+    CancellationToken,
+    tokio::task::JoinHandle<anyhow::Result<Report>>,
+) {
+    let telemetry = Telemetry::new();
+    let stop = CancellationToken::new();
+    let run = tokio::spawn(rpcmesh_driver::run_with(
+        config,
+        telemetry.clone(),
+        stop.clone(),
+    ));
+    (telemetry, stop, run)
+}
+
+/// No call failed, at least one was re-routed, and every call sent has one outcome.
+fn assert_nothing_lost(r: &Report) {
+    assert!(r.calls.errors.is_empty(), "no call may fail: {r:#?}");
+    assert!(r.calls.rerouted > 0, "the drain refused calls: {r:#?}");
+    assert_eq!(r.calls.sent, r.calls.ok, "{r:#?}");
+    assert_eq!(r.requests.failed, 0, "{r:#?}");
+    assert!(r.calls.ok > 0);
+}
+
+/// Closed loop: every request started finished, each of its calls once.
+fn assert_every_call_accounted(r: &Report) {
+    let failed: u64 = r.calls.errors.values().sum();
+    assert_eq!(r.calls.sent, r.calls.ok + failed, "{r:#?}");
+    assert_eq!(r.requests.completed, r.requests.ok + r.requests.failed);
+    assert_eq!(r.requests.due, r.requests.completed, "{r:#?}");
+    assert_eq!(
+        r.calls.sent,
+        r.requests.completed * u64::from(r.setup.fanout),
+        "{r:#?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_drained_mid_run_costs_no_call_its_calls_go_to_the_other() {
+    let provider = provider();
+    let a = broker(&provider, None);
+    let b = broker(&provider, None);
+    healthy(&a).await;
+    healthy(&b).await;
+    let (telemetry, stop, run) = start(driver(&[a.rpc, b.rpc]));
+    more_calls(&telemetry).await;
+    assert!(served(&a) > 0.0, "both brokers carry the load");
+    let on_b = served(&b);
+    terminate(a).await;
+    more_calls(&telemetry).await;
+    let r = finish(run, stop).await;
+    assert_nothing_lost(&r);
+    assert_every_call_accounted(&r);
+    assert!(served(&b) > on_b);
+    println!(
+        "{} calls, {} re-routed, {} failed connection attempts",
+        r.calls.sent, r.calls.rerouted, r.calls.connect_failures
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_of_both_brokers_costs_no_call() {
+    let provider = provider();
+    let at = |port| SocketAddr::from(([127, 0, 0, 1], port));
+    let (addr_a, addr_b) = (at(testkit::free_port()), at(testkit::free_port()));
+    let a = broker(&provider, Some(addr_a));
+    let b = broker(&provider, Some(addr_b));
+    healthy(&a).await;
+    healthy(&b).await;
+    let (telemetry, stop, run) = start(driver(&[addr_a, addr_b]));
+    more_calls(&telemetry).await;
+    // A restarts: its calls go to B meanwhile.
+    terminate(a).await;
+    let a = broker(&provider, Some(addr_a));
+    healthy(&a).await;
+    more_calls(&telemetry).await;
+    // Then B: its calls go to the new A.
+    terminate(b).await;
+    let b = broker(&provider, Some(addr_b));
+    healthy(&b).await;
+    more_calls(&telemetry).await;
+    let r = finish(run, stop).await;
+    assert_nothing_lost(&r);
+    assert_every_call_accounted(&r);
+    assert!(served(&a) > 0.0, "the restarted A took the calls B refused");
+    drop(b);
+    println!(
+        "{} calls, {} re-routed, {} failed connection attempts",
+        r.calls.sent, r.calls.rerouted, r.calls.connect_failures
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_drained_under_a_direct_driver_costs_no_call() {
+    let p1 = provider();
+    let p2 = provider();
+    let (telemetry, stop, run) = start(driver(&[p1.rpc, p2.rpc]));
+    more_calls(&telemetry).await;
+    assert!(served(&p1) > 0.0 && served(&p2) > 0.0);
+    terminate(p1).await;
+    more_calls(&telemetry).await;
+    let r = finish(run, stop).await;
+    assert_nothing_lost(&r);
+    assert_every_call_accounted(&r);
+}
+
+/// The open loop through a drain: requests due while a worker moves to the other target
+/// wait (timed from their intended start) and none is dropped or failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_loop_requests_due_during_a_drain_wait_for_the_other_target_and_none_fails() {
+    let p1 = provider();
+    let p2 = provider();
+    let mut c = driver(&[p1.rpc, p2.rpc]);
+    c.schedule = Some(Schedule::Constant(500.0));
+    c.concurrency = 32;
+    // A bound: the test stops the run long before.
+    c.stop = Stop::Duration(WAIT_TIMEOUT);
+    let (telemetry, stop, run) = start(c);
+    more_calls(&telemetry).await;
+    terminate(p1).await;
+    more_calls(&telemetry).await;
+    let r = finish(run, stop).await;
+    assert_nothing_lost(&r);
+    let q = &r.requests;
+    assert_eq!(q.due, q.completed + q.not_sent, "{r:#?}");
+    assert_eq!(q.not_sent, 0, "the backlog holds what waited: {r:#?}");
+    assert_eq!(
+        r.calls.sent,
+        q.completed * u64::from(r.setup.fanout),
+        "{r:#?}"
+    );
+}
