@@ -168,7 +168,8 @@ pub struct Args {
 #[derive(Debug, Clone, clap::Args)]
 pub struct LoadArgs {
     /// Broker or provider to call (HOST:PORT). Repeatable; connections are spread over
-    /// them. None = start a local provider and broker and call those.
+    /// them, and move to the next when theirs refuses, fails or drains. None = start a
+    /// local provider and broker and call those.
     #[arg(long = "target", env = "RPCMESH_TARGETS", value_delimiter = ' ')]
     pub targets: Vec<String>,
     /// The calls to make.

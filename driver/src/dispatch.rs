@@ -3,8 +3,9 @@
 //! (never before it, a few µs after it at most when nothing else runs; with exact pacing
 //! it spins through the last [`EXACT_SPIN`] before it rather than let the thread halt),
 //! and hands the instant to the connections in turn; each connection starts the request
-//! at once (or, when every slot is busy or it is reconnecting, backlogs it, or counts it
-//! not sent), timed from that instant. With one timer per
+//! at once (or, when every slot is busy or it has no connection, between one target and
+//! the next, backlogs it, or counts it not sent), timed from that instant: a request held
+//! back by a fail-over shows its wait in the latency. With one timer per
 //! connection, eight connections' timers woke and spun over one another, and the start
 //! lag's p99 rose from tens to hundreds of µs (measured on the 2-vCPU VM).
 //!

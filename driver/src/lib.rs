@@ -9,9 +9,11 @@
 //! - [`workload`]: the calls (platform query, echo).
 //! - `dispatch`: the open loop's one timer task, handing each due request to a connection
 //!   on the schedule of [`pacer`] (which also holds a connection's bounded backlog).
-//! - `worker`: one connection and its users: the engine, running
+//! - `worker`: a share of the users, their connection and those it is draining: the
+//!   engine (re-sending what a draining target refused unstarted), running
 //!   - [`users`]: the users' request state machine,
-//!   - [`connection`]: connecting and reconnecting with back-off.
+//!   - [`connection`]: which target to dial next (fail-over in turn, a back-off per
+//!     target) and the dialling.
 //! - [`outcome`]: how a call ended (typed: a reply's status, or the driver's own finding).
 //! - [`stats`]: histograms and counts, apart from I/O.
 //! - [`metrics`]: the driver's Prometheus handles, fed from the workers' figures.

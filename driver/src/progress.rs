@@ -2,6 +2,7 @@
 //! A live line rewritten in place on a terminal, one plain line per second otherwise. It
 //! goes to stderr, so that stdout carries only the report.
 
+use std::fmt::Write as _;
 use std::io::{IsTerminal, Write};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -75,7 +76,7 @@ pub(crate) async fn show(shared: Arc<RunShared>, started: Instant, done: Cancell
         } else {
             "measuring"
         };
-        let line = format!(
+        let mut line = format!(
             "[{:>4.0}s {:<9}] {:>9.0} req/s {:>10.0} calls/s   p99 {:>8.3} ms   errors {}",
             now.duration_since(started).as_secs_f64(),
             phase,
@@ -84,6 +85,10 @@ pub(crate) async fn show(shared: Arc<RunShared>, started: Instant, done: Cancell
             second.calls.quantile_us(0.99) as f64 / 1000.0,
             second.failed()
         );
+        if second.rerouted > 0 {
+            // A target is draining: its refusals went elsewhere.
+            let _ = write!(line, "   re-routed {}", second.rerouted);
+        }
         let mut err = std::io::stderr().lock();
         if live {
             let _ = write!(err, "\r\x1b[2K{line}");

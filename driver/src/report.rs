@@ -108,8 +108,8 @@ pub struct RequestFigures {
     /// was full: never sent. Requests due = completed + not sent.
     #[serde(default)]
     pub not_sent: u64,
-    /// Open loop: requests that found every slot busy and waited in the backlog for one
-    /// (their latency counts that wait: it runs from the intended start).
+    /// Open loop: requests that found every slot busy, or no connection, and waited in the
+    /// backlog (their latency counts that wait: it runs from the intended start).
     #[serde(default)]
     pub backlogged: u64,
     /// Open loop: how late the requests that found a free slot started after their
@@ -155,7 +155,7 @@ pub struct CallFigures {
     pub latency_uncorrected: Option<LatencySummary>,
     /// Replies that arrived after their call had timed out.
     pub late_replies: u64,
-    /// Failed connection attempts.
+    /// Failed connection attempts, and connections that closed before bringing a reply.
     pub connect_failures: u64,
 }
 
@@ -400,7 +400,7 @@ impl Report {
         if let Some(lag) = &self.requests.start_lag {
             let _ = writeln!(
                 o,
-                "  open loop: {} waited for a free slot (all {} busy), {} not sent (backlog full); start lag p50 {} ms, p99 {} ms, max {} ms",
+                "  open loop: {} waited in the backlog (all {} slots busy, or no connection), {} not sent (backlog full); start lag p50 {} ms, p99 {} ms, max {} ms",
                 self.requests.backlogged,
                 s.concurrency,
                 self.requests.not_sent,

@@ -20,6 +20,8 @@ use rpcmesh_common::testkit::{self, Spawned, WAIT_TIMEOUT, wait_until};
 use rpcmesh_driver::config::ProgressMode;
 use rpcmesh_driver::pacer::Schedule;
 use rpcmesh_driver::{DriverConfig, Report, Stop};
+use rpcmesh_wire::envelope::{CallCodec, put_not_run_response};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Requests a run may make: more than it makes before the test stops it (a bound, not the
 /// end).
@@ -240,4 +242,65 @@ async fn open_loop_requests_due_during_a_drain_wait_for_the_other_target_and_non
         q.completed * u64::from(r.setup.fanout),
         "{r:#?}"
     );
+}
+
+/// The driver's side of a drain, seen from the refusing server (a test's own): a
+/// connection that refused a call unstarted takes no new call, the refused one goes to the
+/// other target, the call still on it is waited for, and then the driver closes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_refused_a_call_takes_no_more_and_is_closed_once_its_calls_are_answered()
+{
+    let other = provider();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let refusing = listener.local_addr().unwrap();
+    // One connection, two users, one call each: both first calls come to the refusing
+    // server together.
+    let mut c = driver(&[refusing, other.rpc]);
+    c.connections = 1;
+    c.concurrency = 2;
+    c.fanout = 1;
+    let (telemetry, stop, run) = start(c);
+    let (mut s, _) = listener.accept().await.unwrap();
+    let mut buf = bytes::BytesMut::new();
+    let calls = testkit::read_frames(&mut s, &mut buf, 2).await.unwrap();
+    let (held, refused) = (&calls[0], &calls[1]);
+    let mut out = bytes::BytesMut::new();
+    put_not_run_response(
+        &mut out,
+        refused.header.req_id,
+        refused.header.flags,
+        "shutting down",
+    );
+    s.write_all(&out).await.unwrap();
+    // The refused call, then its user's next ones, are answered by the other target.
+    more_calls(&telemetry).await;
+    // Answer the held call: the driver has nothing more on this connection and closes it.
+    out.clear();
+    let answer = prost::Message::encode_to_vec(&rpcmesh_wire::proto::platform::reference_answer());
+    CallCodec::new(None, 1 << 20)
+        .put_ok_response(&mut out, held.header.req_id, held.header.flags, &answer)
+        .unwrap();
+    s.write_all(&out).await.unwrap();
+    let eof = tokio::time::timeout(WAIT_TIMEOUT, async {
+        loop {
+            if s.read_buf(&mut buf).await.unwrap() == 0 {
+                break;
+            }
+        }
+    })
+    .await;
+    assert!(eof.is_ok(), "the driver closes the drained connection");
+    assert!(
+        buf.is_empty(),
+        "no call was written on the connection after its refusal: {} bytes",
+        buf.len()
+    );
+    let r = finish(run, stop).await;
+    assert!(r.calls.errors.is_empty(), "{r:#?}");
+    assert_eq!(r.calls.rerouted, 1, "{r:#?}");
+    assert_eq!(r.calls.sent, r.calls.ok, "{r:#?}");
+    // The worker never came back to the refusing server (its connection attempts would
+    // be waiting in the listener's queue by now).
+    let again = tokio::time::timeout(Duration::ZERO, listener.accept()).await;
+    assert!(again.is_err(), "no new connection to the drained server");
 }
