@@ -209,6 +209,9 @@ struct Link {
     in_flight: usize,
     /// It has brought a reply.
     replied: bool,
+    /// The peer closed it (or its input is beyond repair): the frames still read from it
+    /// are handled, but no call is written on it meanwhile.
+    ending: bool,
 }
 
 /// What woke the worker.
@@ -423,7 +426,7 @@ impl Worker {
         while let Some(due) = next {
             let step = self.shared.step_of(due);
             self.books.due(step);
-            let free = if self.current.is_some() {
+            let free = if self.writable() {
                 self.users.take_free()
             } else {
                 None
@@ -445,7 +448,7 @@ impl Worker {
     /// Open loop, a slot is free: the oldest backlogged request starts on it (once there
     /// is a connection), else it waits for the pacer.
     fn start_backlogged(&mut self, u: usize, now: Instant) {
-        let waiting = if self.current.is_some() {
+        let waiting = if self.writable() {
             self.backlog.take()
         } else {
             None
@@ -462,7 +465,7 @@ impl Worker {
     /// Open loop, just connected: the requests that waited meanwhile start on the free
     /// slots, oldest first.
     fn start_waiting(&mut self, now: Instant) {
-        while !self.backlog.is_empty() && self.current.is_some() {
+        while !self.backlog.is_empty() && self.writable() {
             let Some(u) = self.users.take_free() else {
                 return;
             };
@@ -541,6 +544,7 @@ impl Worker {
             target,
             in_flight: 0,
             replied: false,
+            ending: false,
         });
         let now = Instant::now();
         for _ in 0..self.parked.len() {
@@ -689,6 +693,9 @@ impl Worker {
             }
         }
         let eof = link.io.is_eof();
+        // A connection the peer closed takes no call, not even one its last replies would
+        // make: it would only be lost with it.
+        link.ending = eof || fatal.is_some();
         let mut inbox = std::mem::take(&mut self.inbox);
         for frame in inbox.drain(..) {
             self.on_frame(frame, serial, now);
@@ -895,9 +902,15 @@ impl Worker {
         self.send(id);
     }
 
+    /// Whether new calls can be written now (there is a current connection, and it is not
+    /// ending).
+    fn writable(&self) -> bool {
+        self.current.as_ref().is_some_and(|l| !l.ending)
+    }
+
     /// Writes call `id` on the current connection, or parks it until there is one.
     fn send(&mut self, id: u64) {
-        let Some(link) = self.current.as_mut() else {
+        let Some(link) = self.current.as_mut().filter(|l| !l.ending) else {
             self.parked.push_back(id);
             return;
         };

@@ -18,7 +18,7 @@ use rpcmesh_common::metrics::recorder::sample;
 use rpcmesh_common::net::shutdown::CancellationToken;
 use rpcmesh_common::testkit::{self, Spawned, WAIT_TIMEOUT, wait_until};
 use rpcmesh_driver::config::ProgressMode;
-use rpcmesh_driver::pacer::Schedule;
+use rpcmesh_driver::pacer::{Pacing, Schedule};
 use rpcmesh_driver::{DriverConfig, Report, Stop};
 use rpcmesh_wire::envelope::{CallCodec, put_not_run_response};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -225,6 +225,8 @@ async fn open_loop_requests_due_during_a_drain_wait_for_the_other_target_and_non
     let p2 = provider();
     let mut c = driver(&[p1.rpc, p2.rpc]);
     c.schedule = Some(Schedule::Constant(500.0));
+    // Sleeping, not spinning: the machine's cores are the mesh's too.
+    c.pacing = Pacing::Lean;
     c.concurrency = 32;
     // A bound: the test stops the run long before.
     c.stop = Stop::Duration(WAIT_TIMEOUT);
