@@ -34,7 +34,9 @@ pub const FINAL_FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long a draining session, once it has nothing in flight, keeps reading and
 /// answering before it closes: requests its caller sent before hearing of the drain are
 /// still on their way, and closing on them would lose them (and reset the connection).
-/// 200 ms covers any LAN round trip many times.
+/// 200 ms covers any LAN round trip many times. Every frame read while draining starts
+/// the linger again (a caller starved of CPU may act on the refusal late), so a caller
+/// that keeps sending keeps its session until the grace period ends.
 pub const DRAIN_LINGER: Duration = Duration::from_millis(200);
 /// Calls in flight on one multiplexed connection between a broker and a provider, by
 /// default: the broker puts up to this many on one pooled connection and the provider
@@ -213,7 +215,15 @@ async fn run<P: Protocol>(
             event = p.next_event() => p.on_event(event, io),
             ev = io.wait_io(reading) => {
                 if let IoEvent::Read = ev? {
-                    frames = Some(take_frames(io, p, draining)?);
+                    let n = take_frames(io, p, draining)?;
+                    if draining && n > 0 {
+                        // The caller is still sending (it has not heard of the drain
+                        // yet, or was too busy to act on it): closing now would lose
+                        // what it sends next. The linger starts again once idle; the
+                        // grace period bounds it all.
+                        drain.restart();
+                    }
+                    frames = Some(n);
                 }
             }
             () = drain.lingered(), if draining => {}
@@ -410,6 +420,11 @@ impl Drain {
         let now = tokio::time::Instant::now();
         let deadline = *self.deadline.get_or_insert(now + DRAIN_LINGER);
         now >= deadline
+    }
+
+    /// Frames arrived while draining: the linger counts again from the next idle moment.
+    fn restart(&mut self) {
+        self.deadline = None;
     }
 
     /// Resolves when the linger ends (never before the session first went idle).
@@ -725,6 +740,20 @@ mod tests {
         assert!(!d.should_close(false, true), "not draining");
         assert!(!d.should_close(true, false), "busy");
         assert!(!d.should_close(true, true), "the linger starts now");
+        tokio::time::advance(DRAIN_LINGER - Duration::from_millis(1)).await;
+        assert!(!d.should_close(true, true));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(d.should_close(true, true));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn frames_read_while_draining_start_the_linger_again() {
+        let mut d = Drain::default();
+        assert!(!d.should_close(true, true), "the linger starts now");
+        tokio::time::advance(DRAIN_LINGER - Duration::from_millis(1)).await;
+        d.restart();
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(!d.should_close(true, true), "a late frame started it again");
         tokio::time::advance(DRAIN_LINGER - Duration::from_millis(1)).await;
         assert!(!d.should_close(true, true));
         tokio::time::advance(Duration::from_millis(1)).await;
