@@ -49,7 +49,10 @@ pub(crate) enum NoRoute {
 pub(crate) struct Picker {
     rng: fastrand::Rng,
     turn: usize,
-    /// (pool, connection) that took the current batch's calls.
+    /// (pool, connection) that took the current batch's calls. Indices into the router
+    /// of that call: after the providers changed they may name another provider, which
+    /// costs nothing but the batch's togetherness (it is only a preference, checked
+    /// against the current router's candidates).
     batch: Option<(usize, usize)>,
 }
 

@@ -17,8 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use rpcmesh_common::metrics::catalogue::{
-    CALLS_REROUTED_TOTAL, CALLS_TOTAL, CONFIG_RELOADS_TOTAL, CONNECTIONS_OPEN,
-    UPSTREAM_CALLS_TOTAL,
+    CALLS_REROUTED_TOTAL, CALLS_TOTAL, CONFIG_RELOADS_TOTAL, CONNECTIONS_OPEN, UPSTREAM_CALLS_TOTAL,
 };
 use rpcmesh_common::net::client::Client;
 use rpcmesh_common::testkit::{self, ChildGuard, Gate, Spawned, wait_until};
@@ -145,17 +144,26 @@ async fn a_provider_added_to_the_file_takes_calls_after_a_sighup_and_after_a_cha
     // makes the broker read it.
     rewrite_unseen(&file, &format!("{}\n{b_line}\n", pa.addr));
     b.child.signal("HUP");
-    wait_until("the SIGHUP's read to be applied", || reloads(&b, "ok") >= 1.0).await;
+    wait_until("the SIGHUP's read to be applied", || {
+        reloads(&b, "ok") >= 1.0
+    })
+    .await;
     until_served_by(&c, &pb).await;
 
     // C joins by the change of the file alone.
     replace_file(&file, &format!("{}\n{b_line}\n{}\n", pa.addr, pc.addr));
-    wait_until("the changed file to be applied", || reloads(&b, "ok") >= 2.0).await;
+    wait_until("the changed file to be applied", || {
+        reloads(&b, "ok") >= 2.0
+    })
+    .await;
     until_served_by(&c, &pc).await;
     assert_eq!(reloads(&b, "error"), 0.0);
     // A, listed all along, kept its pool: the broker made no connection to it since.
     let a_conns = pa.metric(CONNECTIONS_OPEN.name, &[("side", "inbound")]);
-    assert_eq!(a_conns, f64::from(rpcmesh_broker::config::DEFAULT_POOL_SIZE));
+    assert_eq!(
+        a_conns,
+        f64::from(rpcmesh_broker::config::DEFAULT_POOL_SIZE)
+    );
     let a_opened = pa.metric("rpcmesh_connections_opened_total", &[("side", "inbound")]);
     assert_eq!(a_opened, a_conns, "A's connections were not remade");
 
@@ -188,15 +196,25 @@ async fn a_provider_removed_from_the_file_takes_no_new_call_and_finishes_the_one
     until_served_by(&c, &held).await;
 
     let call = held_call(&c, "held through the leave");
-    wait_until("the held call to reach its provider", || gate.arrived() == 1).await;
+    wait_until("the held call to reach its provider", || {
+        gate.arrived() == 1
+    })
+    .await;
     replace_file(&file, &format!("EchoService={}\n", other.addr));
-    wait_until("the smaller file to be applied", || reloads(&b, "ok") >= 1.0).await;
+    wait_until("the smaller file to be applied", || {
+        reloads(&b, "ok") >= 1.0
+    })
+    .await;
 
     let held_before = held.calls("ok");
     for i in 0..50 {
         echo_ok(&c, &format!("after {i}")).await;
     }
-    assert_eq!(held.calls("ok"), held_before, "no new call went to the provider that left");
+    assert_eq!(
+        held.calls("ok"),
+        held_before,
+        "no new call went to the provider that left"
+    );
     let r = c
         .call(
             HELD_SERVICE,
@@ -221,7 +239,10 @@ async fn a_provider_removed_from_the_file_takes_no_new_call_and_finishes_the_one
         "held through the leave"
     );
     // ...and close once it is answered.
-    wait_until("the connections to the provider that left to close", || open() == 0.0).await;
+    wait_until("the connections to the provider that left to close", || {
+        open() == 0.0
+    })
+    .await;
     wait_until("the broker to log the provider gone", || {
         std::fs::read_to_string(&log).is_ok_and(|l| l.contains("provider gone"))
     })
@@ -247,8 +268,14 @@ async fn a_bad_providers_file_is_kept_out_with_its_line_logged_and_the_providers
     let c = client(b.rpc).await;
     until_ready(&c).await;
 
-    replace_file(&file, &format!("{}\nnot an address\n{}\n", pa.addr, pb.addr));
-    wait_until("the bad file to be kept out", || reloads(&b, "error") >= 1.0).await;
+    replace_file(
+        &file,
+        &format!("{}\nnot an address\n{}\n", pa.addr, pb.addr),
+    );
+    wait_until("the bad file to be kept out", || {
+        reloads(&b, "error") >= 1.0
+    })
+    .await;
     let expected = format!(
         "providers file {}: line 2: \"not an address\": expected HOST:PORT",
         file.display()
@@ -258,7 +285,10 @@ async fn a_bad_providers_file_is_kept_out_with_its_line_logged_and_the_providers
         .lines()
         .find(|l| l.contains(&expected))
         .unwrap_or_else(|| panic!("no log line with {expected:?} in:\n{logged}"));
-    assert!(line.contains("ERROR") && line.contains("kept out"), "{line}");
+    assert!(
+        line.contains("ERROR") && line.contains("kept out"),
+        "{line}"
+    );
     // The previous providers stay: A serves, B (on the bad file's third line) does not.
     for i in 0..30 {
         echo_ok(&c, &format!("kept {i}")).await;
@@ -266,7 +296,10 @@ async fn a_bad_providers_file_is_kept_out_with_its_line_logged_and_the_providers
     assert_eq!(pb.calls("ok"), 0.0);
     // A SIGHUP reads it again, and keeps it out again.
     b.child.signal("HUP");
-    wait_until("the SIGHUP's read to be kept out", || reloads(&b, "error") >= 2.0).await;
+    wait_until("the SIGHUP's read to be kept out", || {
+        reloads(&b, "error") >= 2.0
+    })
+    .await;
     assert_eq!(reloads(&b, "ok"), 0.0);
 
     // Fixed, it is applied.
@@ -300,9 +333,20 @@ fn load(c: &Client, stop: &Arc<AtomicBool>) -> tokio::task::JoinHandle<(usize, V
                         && issued.fetch_add(1, Ordering::Relaxed) < MAX_LOAD_CALLS
                     {
                         let message = format!("w{w}");
-                        match c.call("EchoService", "Echo", &EchoRequest { message: message.clone() }).await {
-                            Ok(r) if r.status == Status::Success
-                                && r.decode::<EchoResponse>().is_ok_and(|e| e.message == message) => {}
+                        match c
+                            .call(
+                                "EchoService",
+                                "Echo",
+                                &EchoRequest {
+                                    message: message.clone(),
+                                },
+                            )
+                            .await
+                        {
+                            Ok(r)
+                                if r.status == Status::Success
+                                    && r.decode::<EchoResponse>()
+                                        .is_ok_and(|e| e.message == message) => {}
                             Ok(r) => bad.push(format!("{:?}: {}", r.status, r.error_msg)),
                             Err(e) => bad.push(e.to_string()),
                         }
@@ -324,7 +368,14 @@ fn spawn_provider(addr: SocketAddr) -> ChildGuard {
     let listen = addr.to_string();
     ChildGuard::spawn(
         &testkit::bin_path("provider"),
-        &["--listen", &listen, "--metrics-listen", "off", "--threads", "1"],
+        &[
+            "--listen",
+            &listen,
+            "--metrics-listen",
+            "off",
+            "--threads",
+            "1",
+        ],
     )
     .unwrap()
 }
@@ -347,10 +398,16 @@ async fn a_provider_drained_by_sigterm_under_load_costs_the_callers_nothing_and_
     // Load on both providers; A is stopped under it, once it has served some.
     let stop = Arc::new(AtomicBool::new(false));
     let running = load(&c, &stop);
-    wait_until("A to serve calls under the load", || upstream_ok(&b, a_addr) >= 200.0).await;
+    wait_until("A to serve calls under the load", || {
+        upstream_ok(&b, a_addr) >= 200.0
+    })
+    .await;
     a.signal("TERM");
     let exit = tokio::task::block_in_place(|| a.wait_timeout(testkit::WAIT_TIMEOUT));
-    assert!(exit.is_some_and(|s| s.success()), "A drained and exited 0: {exit:?}");
+    assert!(
+        exit.is_some_and(|s| s.success()),
+        "A drained and exited 0: {exit:?}"
+    );
     // The load goes on with A gone, until the other provider has served more.
     let other_at_exit = other.calls("ok");
     wait_until("the other provider to serve the load alone", || {
@@ -359,10 +416,21 @@ async fn a_provider_drained_by_sigterm_under_load_costs_the_callers_nothing_and_
     .await;
     stop.store(true, Ordering::Relaxed);
     let (made, bad) = running.await.unwrap();
-    assert!(bad.is_empty(), "{} of {made} calls failed: {:?}", bad.len(), &bad[..bad.len().min(5)]);
-    assert!(made < MAX_LOAD_CALLS, "the load ended on its stop, not its bound");
+    assert!(
+        bad.is_empty(),
+        "{} of {made} calls failed: {:?}",
+        bad.len(),
+        &bad[..bad.len().min(5)]
+    );
+    assert!(
+        made < MAX_LOAD_CALLS,
+        "the load ended on its stop, not its bound"
+    );
     let rerouted = b.metric(CALLS_REROUTED_TOTAL.name, &[("reason", "not_run")]);
-    assert!(rerouted > 0.0, "calls A refused while draining went to the other provider");
+    assert!(
+        rerouted > 0.0,
+        "calls A refused while draining went to the other provider"
+    );
     // Every call made has exactly one outcome at the broker, and it is ok.
     let ok = b.metric(CALLS_TOTAL.name, &[("status", "ok")]) - ok_before;
     let all = b.metric(CALLS_TOTAL.name, &[]) - all_before;
@@ -375,10 +443,18 @@ async fn a_provider_drained_by_sigterm_under_load_costs_the_callers_nothing_and_
     testkit::wait_listening(a_addr).await;
     let stop = Arc::new(AtomicBool::new(false));
     let running = load(&c, &stop);
-    wait_until("the restarted A to take calls", || upstream_ok(&b, a_addr) > a_served).await;
+    wait_until("the restarted A to take calls", || {
+        upstream_ok(&b, a_addr) > a_served
+    })
+    .await;
     stop.store(true, Ordering::Relaxed);
     let (made, bad) = running.await.unwrap();
-    assert!(bad.is_empty(), "{} of {made} calls failed: {:?}", bad.len(), &bad[..bad.len().min(5)]);
+    assert!(
+        bad.is_empty(),
+        "{} of {made} calls failed: {:?}",
+        bad.len(),
+        &bad[..bad.len().min(5)]
+    );
 
     drop(b);
     other.stop().await;
