@@ -4,7 +4,9 @@
 //! The request travels as the frame the session read (its body a slice of the session's
 //! read buffer); the upstream connection copies it once, into its write buffer, under its
 //! own request id. The reply travels as the frame the upstream connection read; the
-//! session copies it once, into its write buffer, under the caller's request id.
+//! session copies it once, into its write buffer, under the caller's request id. The
+//! upstream connection keeps the request frame until the reply (for a while at most), so
+//! that a call a draining provider refused comes back whole ([`Reply::Retry`]).
 
 use std::time::Instant;
 
@@ -43,8 +45,12 @@ pub(crate) struct Forward {
     pub reply_to: ReplyTx,
     /// When the caller gets a timeout instead.
     pub deadline: Instant,
-    /// Times this call was handed back unsent and routed again.
+    /// Times this call was handed back (unsent, or refused by a draining provider) and
+    /// routed again.
     pub retries: u8,
+    /// A draining provider refused it (`NOT_RUN`) at least once: if no provider takes it
+    /// now, the caller is told it was not run.
+    pub refused_by_drain: bool,
     /// A large request's bytes, counted against the memory budget until its reply is in
     /// the caller's write buffer or the call fails (about as many bytes come back).
     pub reserved: Option<Reserved>,
@@ -60,6 +66,28 @@ pub(crate) enum Reply {
         /// The call's reservation, released once the reply is copied.
         reserved: Option<Reserved>,
     },
-    /// Never written upstream (its connection closed first): safe to route again.
-    Retry(Forward),
+    /// Not run by any provider: safe to route again.
+    Retry(Forward, Reroute),
+}
+
+/// Why a call came back to its session to be routed again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reroute {
+    /// Its connection closed before the call was written.
+    Unsent,
+    /// The provider is draining and refused it without running it (`NOT_RUN`).
+    NotRun,
+}
+
+impl Reroute {
+    /// Every reason, in the order of their metric handles.
+    pub const ALL: [Reroute; 2] = [Reroute::Unsent, Reroute::NotRun];
+
+    /// The `reason` label of `rpcmesh_calls_rerouted_total`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Reroute::Unsent => "unsent",
+            Reroute::NotRun => "not_run",
+        }
+    }
 }

@@ -4,6 +4,7 @@
 
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -199,6 +200,11 @@ pub struct Args {
         value_delimiter = ' '
     )]
     pub upstreams_v1: Vec<String>,
+    /// A file of more providers, one a line in the --upstream syntax (`v1 ` before a
+    /// plain v1 server, `#` comments). Read again on SIGHUP and when it changes:
+    /// providers join and leave (draining) without a restart.
+    #[arg(long, env = "RPCMESH_PROVIDERS_FILE")]
+    pub providers_file: Option<PathBuf>,
     /// How calls are spread over the providers of a service.
     #[arg(long, env = "RPCMESH_BALANCE", value_enum, default_value_t = DEFAULT_BALANCE)]
     pub balance: Balance,
@@ -261,8 +267,11 @@ pub struct Args {
 /// Validated broker settings, as `run` takes them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BrokerConfig {
-    /// Providers.
+    /// Providers of the flags (always served).
     pub upstreams: Vec<UpstreamSpec>,
+    /// The providers file, whose providers are served too (read at the start, on
+    /// SIGHUP and when it changes; see `providers_file`).
+    pub providers_file: Option<PathBuf>,
     /// Balancing across the providers of a service.
     pub balance: Balance,
     /// Pooled connections per provider.
@@ -311,6 +320,7 @@ impl BrokerConfig {
                     ext: true,
                 })
                 .collect(),
+            providers_file: None,
             balance: DEFAULT_BALANCE,
             pool_size: DEFAULT_POOL_SIZE,
             call_timeout: DEFAULT_CALL_TIMEOUT,
@@ -347,9 +357,17 @@ impl Args {
                 }
             }
         }
-        p.check(upstreams.is_empty(), || {
-            "no provider: give at least one --upstream HOST:PORT".into()
-        });
+        // A providers file is read now, so that a broker does not start on a file that
+        // is missing or wrong; it may list no provider yet (they are added later).
+        if let Some(path) = &self.providers_file {
+            if let Err(e) = crate::providers_file::read(path, &upstreams) {
+                p.0.push(e.to_string());
+            }
+        }
+        p.check(
+            upstreams.is_empty() && self.providers_file.is_none(),
+            || "no provider: give at least one --upstream HOST:PORT or a --providers-file".into(),
+        );
         p.check(self.pool_size == 0, || {
             "--pool-size must be at least 1".into()
         });
@@ -385,6 +403,7 @@ impl Args {
         });
         p.into_result(BrokerConfig {
             upstreams,
+            providers_file: self.providers_file.clone(),
             balance: self.balance,
             pool_size: self.pool_size,
             call_timeout: self.call_timeout.0,
@@ -454,7 +473,46 @@ mod tests {
         assert_eq!(c, BrokerConfig::with_upstreams(["127.0.0.1:7800"]));
         // No flag at all is refused: a broker needs a provider.
         let e = Args::parse_from(["broker"]).config().unwrap_err();
-        assert_eq!(e.0, ["no provider: give at least one --upstream HOST:PORT"]);
+        assert_eq!(
+            e.0,
+            ["no provider: give at least one --upstream HOST:PORT or a --providers-file"]
+        );
+    }
+
+    #[test]
+    fn a_providers_file_must_be_there_and_valid_at_the_start_and_may_list_none() {
+        let dir = std::env::temp_dir().join(format!("rpcmesh-bcfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("providers");
+        let with_file = |extra: &[&str]| {
+            let mut argv = vec!["broker", "--providers-file", path.to_str().unwrap()];
+            argv.extend_from_slice(extra);
+            Args::parse_from(argv).config()
+        };
+        let e = with_file(&[]).unwrap_err();
+        assert!(e.0[0].starts_with("providers file "), "{e}");
+        std::fs::write(
+            &path,
+            "# none yet
+",
+        )
+        .unwrap();
+        let c = with_file(&[]).unwrap();
+        assert_eq!(c.providers_file.as_deref(), Some(path.as_path()));
+        assert!(c.upstreams.is_empty());
+        std::fs::write(
+            &path, "a:1
+bad
+",
+        )
+        .unwrap();
+        let e = with_file(&["--upstream", "a:1"]).unwrap_err();
+        assert_eq!(e.0.len(), 1, "{e}");
+        assert!(
+            e.0[0].contains("line 1: provider a:1 is given by a flag already; line 2: \"bad\""),
+            "{e}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -53,6 +53,10 @@ pub(crate) enum Failure {
     NoHealthy(String),
     /// The call was handed back unsent (its connection closed) too often.
     KeptClosing,
+    /// Every provider of the service that could take the call is draining (one refused it
+    /// with `NOT_RUN`, or all are marked so): it was not run, and the caller is told so
+    /// (`NOT_RUN`), so that it may send it to another broker.
+    ProvidersDraining(String),
     /// The call's deadline passed before it could be written to a provider.
     TimedOutQueued,
     /// No reply from the provider within the call timeout.
@@ -93,7 +97,7 @@ impl Failure {
             Failure::Draining => (S::Unavailable, K::Unavailable, Broker, true),
             Failure::GraceOver => (S::Unavailable, K::Unavailable, Broker, false),
             Failure::Shed(_) | Failure::Full(_) => (S::Overloaded, K::Overloaded, Broker, true),
-            Failure::NoHealthy(_) | Failure::KeptClosing => {
+            Failure::NoHealthy(_) | Failure::KeptClosing | Failure::ProvidersDraining(_) => {
                 (S::Unavailable, K::Unavailable, Provider, true)
             }
             Failure::TimedOutQueued => (S::Timeout, K::Timeout, Provider, true),
@@ -138,6 +142,12 @@ impl Failure {
         errors.inc(self.kind(), self.side());
     }
 
+    /// True when the caller is told, with `NOT_RUN`, that the call was not run because
+    /// this broker or the providers are draining (it may then go to another broker).
+    pub fn not_run(&self) -> bool {
+        matches!(self, Failure::Draining | Failure::ProvidersDraining(_))
+    }
+
     /// True when the call never reached a provider, so that sending it again (here or to
     /// another broker) cannot make a provider run it twice. A caller's bad request is not
     /// worth retrying unchanged, but retrying it is safe.
@@ -175,6 +185,12 @@ impl fmt::Display for Failure {
             Failure::NoHealthy(s) => write!(f, "no healthy provider for {s}"),
             Failure::KeptClosing => {
                 f.write_str("provider connections kept closing before the call could be sent")
+            }
+            Failure::ProvidersDraining(s) => {
+                write!(
+                    f,
+                    "the providers of {s} are shutting down; the call was not run"
+                )
             }
             Failure::TimedOutQueued => {
                 f.write_str("call timed out waiting for a provider connection")
@@ -216,6 +232,7 @@ mod tests {
             Failure::Full("S".into()),
             Failure::NoHealthy("S".into()),
             Failure::KeptClosing,
+            Failure::ProvidersDraining("S".into()),
             Failure::TimedOutQueued,
             Failure::Timeout {
                 provider: p.clone(),
@@ -271,6 +288,7 @@ mod tests {
                 (Broker, S::Overloaded, K::Overloaded),
                 (Provider, S::Unavailable, K::Unavailable),
                 (Provider, S::Unavailable, K::Unavailable),
+                (Provider, S::Unavailable, K::Unavailable),
                 (Provider, S::Timeout, K::Timeout),
                 (Provider, S::Timeout, K::Timeout),
                 (Provider, S::Unavailable, K::Unavailable),
@@ -286,7 +304,11 @@ mod tests {
         assert_eq!(m[1], "service not found: Nope");
         assert_eq!(m[4], "broker has 4096 calls in flight on this connection");
         assert_eq!(m[5], "broker has 65536 calls in flight");
-        assert_eq!(m[10], "no reply from provider 10.0.0.3:7800 within 5s");
-        assert!(m[11].starts_with("connection to provider 10.0.0.3:7800 lost"));
+        assert_eq!(
+            m[9],
+            "the providers of S are shutting down; the call was not run"
+        );
+        assert_eq!(m[11], "no reply from provider 10.0.0.3:7800 within 5s");
+        assert!(m[12].starts_with("connection to provider 10.0.0.3:7800 lost"));
     }
 }

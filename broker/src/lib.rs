@@ -8,6 +8,9 @@
 //!   replies back under the caller's id (the protocol run by the shared server-session
 //!   skeleton, `rpcmesh_common::net::session`).
 //! - `route`: which provider and which of its connections takes a call.
+//! - `membership`: which providers are served, and their joins and leaves when the
+//!   providers file changes (SIGHUP, or a change seen on disk); `providers_file`: that
+//!   file's format.
 //! - `upstream`: the pools (`bb8`) and the connection tasks that own calls in flight,
 //!   remap request ids and time calls out.
 //! - `call`: the messages between sessions and upstream connections.
@@ -15,12 +18,15 @@
 //! - [`config`], [`metrics`].
 //!
 //! [`run`] serves a bound listener until its shutdown future resolves, then drains; tests
-//! call it on port 0, `main` with the configured address and SIGTERM/SIGINT.
+//! call it on port 0, `main` with the configured address and SIGTERM/SIGINT, and SIGHUP
+//! as the [`Reload`] trigger ([`run_with_reload`]).
 
 mod call;
 pub mod config;
 mod failure;
+mod membership;
 pub mod metrics;
+pub mod providers_file;
 mod route;
 mod session;
 pub mod upstream;
@@ -39,10 +45,12 @@ use rpcmesh_common::net::shutdown::{self, CancellationToken};
 use tokio::net::TcpListener;
 
 pub use config::{Args, Balance, BrokerConfig, BusyPoll, UpstreamSpec};
+pub use membership::{FILE_POLL, Reload};
 pub use metrics::BrokerMetrics;
 
 /// The whole program after its flags are parsed: validates them, then serves until
-/// SIGTERM/SIGINT (what `broker`'s `main` is, and `driver serve broker`).
+/// SIGTERM/SIGINT, reading the providers file again on SIGHUP (what `broker`'s `main` is,
+/// and `driver serve broker`).
 pub fn main_with(args: &Args) -> anyhow::Result<()> {
     let config = args.config()?;
     rpcmesh_common::cli::startup::serve(
@@ -50,9 +58,33 @@ pub fn main_with(args: &Args) -> anyhow::Result<()> {
         args.listen,
         args.metrics_listen,
         args.runtime.threads,
-        |telemetry, listener, shutdown| run_with(config, telemetry, listener, shutdown),
+        |telemetry, listener, shutdown| {
+            // Installed before the first call is served: from then on SIGHUP reloads
+            // instead of ending the process.
+            let reload = Reload::new();
+            on_sighup(reload.clone());
+            run_with_reload(config, telemetry, listener, shutdown, reload)
+        },
     )?;
     Ok(())
+}
+
+/// Pulls `reload` on every SIGHUP, for the life of the runtime.
+fn on_sighup(reload: Reload) {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::hangup()) {
+        Ok(mut hup) => {
+            tokio::spawn(async move {
+                while hup.recv().await.is_some() {
+                    tracing::info!("SIGHUP received");
+                    reload.request();
+                }
+            });
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot listen for SIGHUP; the providers file is still read when it changes")
+        }
+    }
 }
 
 /// Serves `listener` until `shutdown` resolves, then stops accepting, lets calls in
@@ -72,6 +104,18 @@ pub async fn run_with(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> ServeSummary {
+    run_with_reload(config, telemetry, listener, shutdown, Reload::new()).await
+}
+
+/// As [`run_with`], reading the providers file again whenever `reload` is pulled (and
+/// when the file changes, as always).
+pub async fn run_with_reload(
+    config: BrokerConfig,
+    telemetry: Telemetry,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    reload: Reload,
+) -> ServeSummary {
     let metrics = BrokerMetrics::new(telemetry, config.stage_sample);
     let workers = tokio::runtime::Handle::current().metrics().num_workers();
     let busy_poll = config.busy_poll.window(workers);
@@ -82,28 +126,21 @@ pub async fn run_with(
     let grace_over = CancellationToken::new();
     let budget = MemoryBudget::new(config.memory_budget);
     publish_budget(&metrics.telemetry, metrics::ROLE, &budget);
-    let pools: Vec<_> = config
-        .upstreams
-        .iter()
-        .map(|u| {
-            upstream::ProviderPool::new(
-                u.clone(),
-                &config,
-                metrics.upstream(u.label(), config.pool_size),
-                activity.clone(),
-                grace_over.clone(),
-                budget.clone(),
-            )
-        })
-        .collect();
-    let keepers_stop = CancellationToken::new();
-    let keepers: Vec<_> = pools
-        .iter()
-        .map(|p| tokio::spawn(p.clone().keep(keepers_stop.clone())))
-        .collect();
+    let (providers, text) = membership::initial(&config, &metrics);
+    let members = membership::Membership::start(
+        membership::PoolMaker {
+            config: config.clone(),
+            metrics: metrics.clone(),
+            activity: activity.clone(),
+            grace_over: grace_over.clone(),
+            budget: budget.clone(),
+        },
+        &providers,
+    );
     tracing::info!(
         addr = ?listener.local_addr().ok(),
-        upstreams = ?config.upstreams.iter().map(|u| u.addr.as_str()).collect::<Vec<_>>(),
+        upstreams = ?providers.iter().map(|u| u.addr.as_str()).collect::<Vec<_>>(),
+        providers_file = ?config.providers_file,
         pool_size = config.pool_size,
         balance = ?config.balance,
         ?busy_poll,
@@ -116,7 +153,7 @@ pub async fn run_with(
     };
     let observer = metrics.conns.clone();
     let shared = Arc::new(session::Shared {
-        router: route::Router::new(pools, config.balance, config.pack_in_flight),
+        router: arc_swap::ArcSwap::from_pointee(members.router()),
         activity: activity.clone(),
         budget,
         config,
@@ -124,6 +161,13 @@ pub async fn run_with(
         in_flight: AtomicUsize::new(0),
     });
     let token = shutdown::token_from(shutdown);
+    let watcher = tokio::spawn(membership::watch(
+        members,
+        shared.clone(),
+        text,
+        reload,
+        token.child_token(),
+    ));
     let idle = shared.metrics.busy_poll_idle.clone();
     let spinner = busy_poll.zip(activity).map(|(window, activity)| {
         let record = move |d: std::time::Duration| idle.record(d.as_secs_f64());
@@ -143,9 +187,9 @@ pub async fn run_with(
     if let Some(s) = spinner {
         s.abort();
     }
-    keepers_stop.cancel();
-    for k in keepers {
-        let _ = k.await;
+    // The watcher stopped with the shutdown token; it hands the providers back.
+    if let Ok(members) = watcher.await {
+        members.stop().await;
     }
     tracing::info!(?summary, "broker stopped");
     summary

@@ -8,16 +8,19 @@ use std::sync::{Arc, Mutex};
 
 use metrics::{Counter, Gauge, Histogram};
 use rpcmesh_common::metrics::catalogue::{
-    BUSY_POLL_IDLE_SECONDS, CALLS_IN_FLIGHT, POOL_CONNECTIONS, POOL_CONNECTIONS_CLOSED_TOTAL,
-    POOL_GET_WAIT_SECONDS, POOL_GETS_TIMED_OUT_TOTAL, POOL_GETS_WAITED_TOTAL,
-    POOL_HEALTHY_CONNECTIONS, POOL_IDLE_CONNECTIONS, UPSTREAM_CALLS_IN_FLIGHT,
-    UPSTREAM_CALLS_TOTAL, UPSTREAM_CONNECT_FAILURES_TOTAL,
+    BUSY_POLL_IDLE_SECONDS, CALLS_IN_FLIGHT, CALLS_REROUTED_TOTAL, CONFIG_RELOADS_TOTAL,
+    POOL_CONNECTIONS, POOL_CONNECTIONS_CLOSED_TOTAL, POOL_GET_WAIT_SECONDS,
+    POOL_GETS_TIMED_OUT_TOTAL, POOL_GETS_WAITED_TOTAL, POOL_HEALTHY_CONNECTIONS,
+    POOL_IDLE_CONNECTIONS, UPSTREAM_CALLS_IN_FLIGHT, UPSTREAM_CALLS_TOTAL,
+    UPSTREAM_CONNECT_FAILURES_TOTAL,
 };
 use rpcmesh_common::metrics::families::{
     CallCounters, ConnCounters, ShedCounters, Stages, WireCounters,
 };
 use rpcmesh_common::metrics::{ErrorCounters, Role, Telemetry};
 use rpcmesh_wire::Status;
+
+use crate::call::Reroute;
 
 /// The `role` of every broker metric.
 pub const ROLE: Role = Role::Broker;
@@ -60,6 +63,12 @@ pub struct BrokerMetrics {
     pub stages: Stages,
     /// Calls shed at once, by the cap they met.
     pub shed: ShedCounters,
+    /// Calls handed back to be routed again, by [`Reroute`] (in its `ALL` order).
+    pub(crate) rerouted: Arc<[Counter; Reroute::ALL.len()]>,
+    /// Reads of the providers file after the start that were applied.
+    pub reloads_ok: Counter,
+    /// Reads of the providers file after the start that were kept out.
+    pub reloads_error: Counter,
     calls: Arc<CallLabels>,
 }
 
@@ -76,6 +85,20 @@ impl BrokerMetrics {
             wire: WireCounters::new(t, ROLE, "inbound"),
             stages: Stages::new(t, ROLE, &STAGES, stage_sample),
             shed: ShedCounters::new(t, ROLE),
+            rerouted: Arc::new(Reroute::ALL.map(|r| {
+                t.counter(
+                    &CALLS_REROUTED_TOTAL,
+                    &[("role", ROLE.label()), ("reason", r.label())],
+                )
+            })),
+            reloads_ok: t.counter(
+                &CONFIG_RELOADS_TOTAL,
+                &[("role", ROLE.label()), ("result", "ok")],
+            ),
+            reloads_error: t.counter(
+                &CONFIG_RELOADS_TOTAL,
+                &[("role", ROLE.label()), ("result", "error")],
+            ),
             calls: Arc::new(CallLabels {
                 seen: Mutex::new(HashMap::new()),
                 other: Arc::new(CallCounters::new(
@@ -231,6 +254,17 @@ impl UpstreamMetrics {
         for g in &self.conn_in_flight {
             g.set(loads.next().unwrap_or(0) as f64);
         }
+    }
+
+    /// The pool stopped (its provider left, or the broker is stopping): its gauges go to
+    /// zero, so that a provider that left does not look as if it still had connections.
+    pub(crate) fn publish_gone(&self) {
+        for g in &self.conn_in_flight {
+            g.set(0.0);
+        }
+        self.pool_connections.set(0.0);
+        self.pool_idle.set(0.0);
+        self.pool_healthy.set(0.0);
     }
 
     /// Copies bb8's view of the pool into the gauges and counters. `waited_before` is

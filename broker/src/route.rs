@@ -5,9 +5,13 @@
 //! random (the default) or in turn. Within an rpcmesh provider, calls are packed: the
 //! oldest connection with fewer than `--pack-in-flight` (64) calls takes the call, and only
 //! when all are that busy does the less loaded of two (see [`Router`]). Plain v1 servers,
-//! which may work through a connection one call at a time, get the less loaded of two. A provider with no open connection is
-//! passed over; a full one too, and the call goes to the next. Only when no provider
-//! takes it is the caller answered.
+//! which may work through a connection one call at a time, get the less loaded of two. A
+//! provider with no open connection is passed over; a full one too, and one that is
+//! draining (it refused a call with `NOT_RUN`), and the call goes to the next. Only when
+//! no provider takes it is the caller answered.
+//!
+//! A [`Router`] is immutable: the providers file's reloads (`membership`) build a new one
+//! and publish it in an `ArcSwap`, which each call reads without a lock.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -16,7 +20,7 @@ use rpcmesh_wire::body::request_service;
 use rpcmesh_wire::frame::Flags;
 
 use crate::call::Forward;
-use crate::config::Balance;
+use crate::config::{Balance, UpstreamSpec};
 use crate::upstream::{ProviderPool, Refused, UpstreamConn};
 
 /// Why no provider took a call.
@@ -30,6 +34,8 @@ pub(crate) enum NoRoute {
     Full,
     /// The payload is compressed and only plain v1 servers serve the service.
     NeedsExtension,
+    /// The providers that could take it are draining.
+    Draining,
 }
 
 /// Per-session balancing state (so that balancing shares nothing between sessions).
@@ -43,7 +49,10 @@ pub(crate) enum NoRoute {
 pub(crate) struct Picker {
     rng: fastrand::Rng,
     turn: usize,
-    /// (pool, connection) that took the current batch's calls.
+    /// (pool, connection) that took the current batch's calls. Indices into the router
+    /// of that call: after the providers changed they may name another provider, which
+    /// costs nothing but the batch's togetherness (it is only a preference, checked
+    /// against the current router's candidates).
     batch: Option<(usize, usize)>,
 }
 
@@ -85,17 +94,24 @@ pub(crate) struct Router {
 }
 
 impl Router {
-    pub fn new(pools: Vec<Arc<ProviderPool>>, balance: Balance, pack: usize) -> Self {
+    /// Routes to `members`: each provider's pool, with the services it serves now (a
+    /// reload may change them and keep the pool).
+    pub fn new(
+        members: &[(UpstreamSpec, Arc<ProviderPool>)],
+        balance: Balance,
+        pack: usize,
+    ) -> Self {
         let mut by_service: HashMap<Box<[u8]>, Vec<usize>> = HashMap::new();
         let mut any = Vec::new();
-        for (i, p) in pools.iter().enumerate() {
-            if p.spec.services.is_empty() {
+        for (i, (spec, _)) in members.iter().enumerate() {
+            if spec.services.is_empty() {
                 any.push(i);
             }
-            for s in &p.spec.services {
+            for s in &spec.services {
                 by_service.entry(s.as_bytes().into()).or_default().push(i);
             }
         }
+        let pools = members.iter().map(|(_, p)| p.clone()).collect();
         Router {
             pools,
             by_service,
@@ -165,7 +181,7 @@ impl Router {
 
     /// Offers `fwd` to provider `pool_idx` (see [`try_pool`]); on success it becomes the
     /// batch's provider. A refusal updates `why`: `Full` wins, else `NeedsExtension` when
-    /// the provider cannot take a compressed call.
+    /// the provider cannot take a compressed call, else `Draining` when it drains.
     // A refused call is handed back by value (no allocation on the per-call path).
     #[allow(clippy::result_large_err)]
     fn offer(
@@ -181,6 +197,12 @@ impl Router {
         if needs_ext && !pool.spec.ext {
             if *why == NoRoute::NoHealthy {
                 *why = NoRoute::NeedsExtension;
+            }
+            return Err(fwd);
+        }
+        if pool.is_draining() {
+            if *why == NoRoute::NoHealthy {
+                *why = NoRoute::Draining;
             }
             return Err(fwd);
         }

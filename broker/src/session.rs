@@ -15,7 +15,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
-use bytes::Bytes;
+use arc_swap::ArcSwap;
+use bytes::{Bytes, BytesMut};
 use rpcmesh_common::metrics::families::InFlightShare;
 use rpcmesh_common::metrics::families::{CallCounters, Sampler};
 use rpcmesh_common::metrics::{BadInputLog, Side};
@@ -45,14 +46,19 @@ const REPLY_BATCH: usize = 1024;
 const GATHER_YIELDS: usize = 1;
 /// Tag bit of a call whose (service, method) has no labels yet.
 const PENDING: u32 = 1 << 31;
-/// How often a call handed back unsent (its connection closed) is routed again.
-const MAX_RETRIES: u8 = 2;
+/// How often a call handed back without having run (its connection closed before it was
+/// written, or a draining provider refused it) is routed again. Each refusing provider is
+/// out of the routing from then on, so a few tries find a healthy one if there is any, and
+/// a call cannot bounce for ever between connections that keep closing.
+const MAX_RETRIES: u8 = 3;
 
 /// What every session of one broker shares.
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub config: BrokerConfig,
-    pub router: Router,
+    /// The providers and how to route to them, replaced whole when the providers change
+    /// (read once per call, without a lock).
+    pub router: ArcSwap<Router>,
     pub metrics: BrokerMetrics,
     /// Calls in flight in the whole broker (the global shedding cap).
     pub in_flight: AtomicUsize,
@@ -260,6 +266,7 @@ impl Session {
             reply_to: self.replies_tx.clone(),
             deadline: now + cfg.call_timeout,
             retries: 0,
+            refused_by_drain: false,
             reserved: (len >= SMALL_BODY).then(|| Reserved::new(&self.shared.budget, len)),
         };
         self.route(fwd, io);
@@ -272,13 +279,18 @@ impl Session {
                 .stages
                 .record_span(ADMIT, fwd.info.admitted, routed);
         }
-        if let Err((fwd, why)) = self.shared.router.forward(fwd, &mut self.picker) {
+        let routed = self.shared.router.load().forward(fwd, &mut self.picker);
+        if let Err((fwd, why)) = routed {
             let name = String::from_utf8_lossy(request_service(&fwd.frame.body)).into_owned();
             let failure = match why {
+                // A draining provider refused it and no other takes it: not run, and the
+                // caller may try another broker.
+                _ if fwd.refused_by_drain => Failure::ProvidersDraining(name),
                 NoRoute::UnknownService => Failure::UnknownService(name),
                 NoRoute::NoHealthy => Failure::NoHealthy(name),
                 NoRoute::Full => Failure::Full(name),
                 NoRoute::NeedsExtension => Failure::NeedsExtension(name),
+                NoRoute::Draining => Failure::ProvidersDraining(name),
             };
             failure.count(&self.shared.metrics.errors);
             if let Some(cap) = failure.shed_cap() {
@@ -300,9 +312,15 @@ impl Session {
                 self.finish(info, outcome, io);
                 drop(reserved);
             }
-            Reply::Retry(mut fwd) => {
+            Reply::Retry(mut fwd, why) => {
+                self.shared.metrics.rerouted[why as usize].increment(1);
                 if fwd.retries >= MAX_RETRIES || Instant::now() >= fwd.deadline {
-                    let failure = Failure::KeptClosing;
+                    let failure = if fwd.refused_by_drain {
+                        let service = request_service(&fwd.frame.body);
+                        Failure::ProvidersDraining(String::from_utf8_lossy(service).into_owned())
+                    } else {
+                        Failure::KeptClosing
+                    };
                     failure.count(&self.shared.metrics.errors);
                     return self.finish(fwd.info, Err(failure), io);
                 }
@@ -350,8 +368,8 @@ impl Session {
         self.message.clear();
         let _ = write!(self.message, "{failure}");
         let status = failure.status();
-        if matches!(failure, Failure::Draining) {
-            // Not forwarded: the caller may send it to another broker.
+        if failure.not_run() {
+            // Not run: the caller may send it to another broker.
             put_not_run_response(io.wbuf(), id, flags, &self.message);
         } else {
             put_error_response(io.wbuf(), id, flags, status, &self.message);
@@ -456,14 +474,66 @@ impl Session {
 /// Copies the provider's reply to the caller under the caller's id, degrading an extended
 /// status to "failed" for a caller that did not ask for them.
 fn write_reply(io: &mut FramedIo, frame: &Frame, info: CallInfo) -> Status {
+    write_reply_to(io.wbuf(), frame, info)
+}
+
+/// As [`write_reply`], into `dst`. A caller without extended statuses gets no `NOT_RUN`
+/// either (a v1 peer would take the frame for an unknown type): it is only ever set with
+/// status 3, which such a caller gets as 1.
+fn write_reply_to(dst: &mut BytesMut, frame: &Frame, info: CallInfo) -> Status {
     let status = Status::from_wire(frame.body[0]).unwrap_or(Status::Failed);
-    let wire = status.to_wire(info.client_flags.contains(Flags::EXT_STATUS));
-    put_forwarded_response(
-        io.wbuf(),
-        info.client_id,
-        frame.header.flags,
-        &frame.body,
-        wire,
-    );
+    let ext = info.client_flags.contains(Flags::EXT_STATUS);
+    let wire = status.to_wire(ext);
+    let flags = if ext {
+        frame.header.flags
+    } else {
+        frame.header.flags.without(Flags::NOT_RUN)
+    };
+    put_forwarded_response(dst, info.client_id, flags, &frame.body, wire);
     status
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(client_flags: Flags) -> CallInfo {
+        CallInfo {
+            client_id: 7,
+            client_flags,
+            tag: 0,
+            admitted: Instant::now(),
+            routed: None,
+            replied: None,
+        }
+    }
+
+    /// A provider's NOT_RUN refusal, as the broker reads it (it always asks rpcmesh
+    /// providers for extended statuses).
+    fn not_run_reply() -> Frame {
+        let mut b = BytesMut::new();
+        put_not_run_response(&mut b, 99, Flags::EXT_STATUS, "provider shutting down");
+        Frame::from_bytes(b.freeze()).unwrap()
+    }
+
+    #[test]
+    fn not_run_is_passed_on_only_to_callers_that_take_extended_statuses() {
+        let reply = not_run_reply();
+        assert!(reply.header.flags.contains(Flags::NOT_RUN));
+        let mut out = BytesMut::new();
+        let status = write_reply_to(&mut out, &reply, info(Flags::NONE));
+        assert_eq!(status, Status::Unavailable);
+        let v1 = Frame::from_bytes(out.split().freeze()).unwrap();
+        assert_eq!(v1.header.req_id, 7);
+        assert_eq!(
+            v1.header.flags,
+            Flags::NONE,
+            "a v1 caller gets a plain frame"
+        );
+        assert_eq!(v1.body[0], Status::Failed as u8, "and status 1");
+        write_reply_to(&mut out, &reply, info(Flags::EXT_STATUS));
+        let ext = Frame::from_bytes(out.split().freeze()).unwrap();
+        assert_eq!(ext.header.flags, Flags::NOT_RUN);
+        assert_eq!(ext.body[0], Status::Unavailable as u8);
+    }
 }

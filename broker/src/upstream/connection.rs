@@ -9,6 +9,11 @@
 //!   one `write`;
 //! - matches each reply to its slot and sends it to the caller's session; a reply for no
 //!   slot (its call timed out) is dropped and counted;
+//! - keeps each call's request frame (a `Bytes` slice of the caller's read buffer, no
+//!   copy) in its slot until the reply, for [`REQUEST_RETAIN`] at most: a provider that
+//!   is draining answers the calls it did not start "unavailable" with `NOT_RUN`, and
+//!   such a call goes back to its session with its frame to be routed to another
+//!   provider, while the whole provider is marked draining ([`PoolLink`]);
 //! - sweeps the table for calls past their deadline and answers them "timeout";
 //! - when the socket fails, answers every call in flight at once with "unavailable" and
 //!   the cause, and hands calls it never wrote back to their sessions to be routed again;
@@ -31,15 +36,15 @@ use rpcmesh_wire::body::Heartbeat;
 use rpcmesh_wire::codec::FrameCodec;
 use rpcmesh_wire::frame::{FRAME_OVERHEAD, Flags, Frame, FrameError, Header, MsgType, put_frame};
 use tokio::net::TcpStream;
-use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument;
 
 use rpcmesh_common::net::listener::AcceptObserver;
 
-use crate::call::{CallInfo, Forward, Reply, ReplyTx};
+use crate::call::{CallInfo, Forward, Reply, ReplyTx, Reroute};
 use crate::failure::Failure;
 use crate::metrics::{QUEUE, UPSTREAM, UpstreamMetrics};
-use crate::upstream::UpstreamError;
+use crate::upstream::{PoolLink, UpstreamError};
 
 /// Commands taken from the queue per round before the socket is served again: enough to
 /// batch a burst into one write, few enough that replies are not held back by a flood.
@@ -55,6 +60,15 @@ const SKIP_FACTOR: u64 = 4;
 /// timeout, within these bounds): timeouts fire at most this late.
 const SWEEP_MIN: Duration = Duration::from_millis(1);
 const SWEEP_MAX: Duration = Duration::from_millis(100);
+/// How long a call's request frame is kept in its slot after the call was admitted, so
+/// that a `NOT_RUN` refusal can be routed elsewhere. A draining provider refuses a call as
+/// soon as it reads it, so the refusal comes one round trip after the write unless the
+/// provider had stopped reading; a second covers any pause of a live provider. Bounded
+/// because a small frame shares (and keeps alive) the 64 KiB read buffer it was read
+/// into: a call held by a slow provider must not pin it for the whole call timeout. A
+/// refusal that comes later is passed on to the caller (with `NOT_RUN` if it takes
+/// extended statuses, so a driver may send it to another broker).
+pub(crate) const REQUEST_RETAIN: Duration = Duration::from_secs(1);
 
 /// The process's budget of lost-connection log lines (a provider that accepts and closes
 /// at once loses a connection per reconnect).
@@ -118,14 +132,14 @@ impl std::fmt::Debug for Command {
 }
 
 impl UpstreamConn {
-    /// Connects and starts the connection's task. `closed` is notified when the
-    /// connection fails, so the pool replaces it at once.
+    /// Connects and starts the connection's task. The pool's `link` is notified when the
+    /// connection fails or the provider says it is draining, so the pool acts at once.
     pub async fn connect(
         addr: &str,
         id: u64,
         settings: ConnSettings,
         metrics: UpstreamMetrics,
-        closed: Arc<Notify>,
+        link: Arc<PoolLink>,
         connect_timeout: Duration,
     ) -> Result<UpstreamConn, UpstreamError> {
         let stream = tokio::time::timeout(connect_timeout, TcpStream::connect(addr))
@@ -151,9 +165,10 @@ impl UpstreamConn {
             bad_input: BadInputLog::new(metrics.errors.clone(), Side::Provider),
             settings,
             metrics,
-            closed,
+            link,
         };
         tracing::debug!(parent: &span, "connected");
+        task.link.task_started();
         tokio::spawn(task.run(sweep).instrument(span));
         Ok(UpstreamConn { id, tx, state, cap })
     }
@@ -226,6 +241,11 @@ struct Slot {
     /// A large call's bytes, counted against the memory budget until its reply is in the
     /// caller's write buffer (or it fails).
     reserved: Option<Reserved>,
+    /// The caller's request frame, to route the call elsewhere if the provider refuses it
+    /// `NOT_RUN` (rpcmesh providers only; dropped after [`REQUEST_RETAIN`]).
+    request: Option<Frame>,
+    /// Times the call was handed back and routed again before.
+    retries: u8,
 }
 
 struct ConnTask {
@@ -242,7 +262,8 @@ struct ConnTask {
     written_now: usize,
     settings: ConnSettings,
     metrics: UpstreamMetrics,
-    closed: Arc<Notify>,
+    /// What this connection shares with its pool.
+    link: Arc<PoolLink>,
     /// Bad frames from the provider: counted, and logged thinned.
     bad_input: BadInputLog,
 }
@@ -317,6 +338,16 @@ impl ConnTask {
         self.heartbeats.retain(|(_, tx)| !tx.is_closed());
         let now = Instant::now();
         self.table.take_where(|s| s.deadline <= now, expired);
+        // Requests admitted longer ago than REQUEST_RETAIN are let go (their deadline is
+        // then less than the timeout minus that away).
+        if self.settings.ext {
+            let keep_until = self.settings.call_timeout.saturating_sub(REQUEST_RETAIN);
+            for s in self.table.values_mut() {
+                if s.request.is_some() && s.deadline.saturating_duration_since(now) < keep_until {
+                    s.request = None;
+                }
+            }
+        }
         for (_, slot) in expired.drain(..) {
             let failure = Failure::Timeout {
                 provider: self.settings.label.clone(),
@@ -422,12 +453,15 @@ impl ConnTask {
         } else {
             Flags::NONE
         };
+        let frame = fwd.frame;
         let id = self.table.insert(Slot {
             info: fwd.info,
             reply_to: fwd.reply_to,
             deadline: fwd.deadline,
             sent: None,
             reserved: fwd.reserved,
+            request: None,
+            retries: fwd.retries,
         });
         if fwd.info.routed.is_some() {
             self.round.push(id);
@@ -435,10 +469,17 @@ impl ConnTask {
         let header = Header {
             msg_type: MsgType::Request,
             flags,
-            body_len: fwd.frame.header.body_len,
+            body_len: frame.header.body_len,
             req_id: id,
         };
-        put_frame(self.io.wbuf(), &header, &fwd.frame.body);
+        put_frame(self.io.wbuf(), &header, &frame.body);
+        // Only an rpcmesh provider refuses with NOT_RUN: a v1 server's calls keep nothing
+        // of the caller's read buffer once written.
+        if self.settings.ext {
+            if let Some(slot) = self.table.get_mut(id) {
+                slot.request = Some(frame);
+            }
+        }
         self.written_now += 1;
     }
 
@@ -467,6 +508,14 @@ impl ConnTask {
                     if frame.body[0] == Status::Unavailable as u8 {
                         // The provider is going away: send no more calls here.
                         self.mark_closed();
+                        if self.settings.ext && frame.header.flags.contains(Flags::NOT_RUN) {
+                            // It is draining and did not run the call: none of its
+                            // connections takes new calls, and the call goes elsewhere.
+                            self.provider_draining();
+                            if let Some(request) = slot.request.take() {
+                                return self.hand_back(slot, request);
+                            }
+                        }
                     }
                     Ok(frame)
                 };
@@ -537,8 +586,39 @@ impl ConnTask {
 
     fn mark_closed(&self) {
         if !self.state.closed.swap(true, Ordering::Relaxed) {
-            self.closed.notify_one();
+            self.link.wake_keeper();
         }
+    }
+
+    /// The provider refused a call with `NOT_RUN`: the whole pool is out of the routing
+    /// until a connection made after this proves healthy (the provider restarted).
+    fn provider_draining(&self) {
+        if self.link.mark_draining() {
+            tracing::warn!(provider = %self.settings.label, "provider draining: no new calls until it is back; the calls it refused go to other providers");
+        }
+    }
+
+    /// Hands a call the provider did not run back to its session with its request frame,
+    /// to be routed again. The provider's refusal counts as its answer (`unavailable`) in
+    /// this provider's outcomes; the call's own outcome is still to come.
+    fn hand_back(&mut self, slot: Slot, request: Frame) {
+        self.metrics.outcome(Status::Unavailable);
+        self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+        let to = slot.reply_to.clone();
+        let fwd = Forward {
+            frame: request,
+            info: CallInfo {
+                replied: None,
+                ..slot.info
+            },
+            reply_to: slot.reply_to,
+            deadline: slot.deadline,
+            retries: slot.retries,
+            reserved: slot.reserved,
+            refused_by_drain: true,
+        };
+        // A send fails only when the caller's session is gone; nobody is left to answer.
+        let _ = to.send(Reply::Retry(fwd, Reroute::NotRun));
     }
 
     /// Ends the connection (`cause`: why, or `None` when every handle was dropped and the
@@ -573,9 +653,10 @@ impl ConnTask {
                 self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
                 requeued += 1;
                 let to = fwd.reply_to.clone();
-                let _ = to.send(Reply::Retry(fwd));
+                let _ = to.send(Reply::Retry(fwd, Reroute::Unsent));
             }
         }
+        self.link.task_ended();
         match cause {
             None => tracing::debug!("closed"),
             Some(cause) => match LOST_LINES.admit() {

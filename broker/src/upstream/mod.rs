@@ -8,6 +8,12 @@
 //!   all the per-call path reads: no lock, no checkout per call. The heartbeats of one
 //!   round run at once, so a stalled provider is out of service one health interval plus
 //!   one heartbeat timeout after it stalled, whatever the pool's size.
+//! - A provider that answers a call "unavailable" with `NOT_RUN` is draining (it was told
+//!   to stop, and refuses what it did not start): the whole pool is marked draining
+//!   ([`PoolLink`]), the router passes it over, its connections open at that moment fail
+//!   their next check and close once their calls are done, and the mark is lifted when a
+//!   connection made after it answers a heartbeat (the provider is back, typically
+//!   restarted on the same address; reconnects back off meanwhile).
 //! - Reconnects back off: after a failed connect, a failed heartbeat, or a connection
 //!   that closed before its first heartbeat was answered (a provider at its connection
 //!   cap accepts and closes at once), the next connect waits for the shared
@@ -16,7 +22,7 @@
 pub(crate) mod connection;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -51,6 +57,92 @@ pub enum UpstreamError {
     Closed,
 }
 
+/// What a pool shares with the tasks of its connections.
+#[derive(Debug)]
+pub(crate) struct PoolLink {
+    /// Notified when a connection fails or the provider says it is draining: the keeper
+    /// looks again at once.
+    wake: Notify,
+    /// The number the next connection gets (numbers follow the order connections are made).
+    next_id: AtomicU64,
+    /// While the provider drains: connections numbered below this are out of service
+    /// (those open when it said so); 0 when it is not draining.
+    draining_below: AtomicU64,
+    /// Connection tasks still running (a pool that left is gone once this is 0).
+    tasks: AtomicUsize,
+    /// Notified when a connection task ends.
+    task_done: Notify,
+}
+
+impl PoolLink {
+    fn new() -> Self {
+        PoolLink {
+            wake: Notify::new(),
+            next_id: AtomicU64::new(1),
+            draining_below: AtomicU64::new(0),
+            tasks: AtomicUsize::new(0),
+            task_done: Notify::new(),
+        }
+    }
+
+    /// Asks the keeper to check the connections now.
+    pub fn wake_keeper(&self) {
+        self.wake.notify_one();
+    }
+
+    /// The provider said it is draining: every connection open now is out. True when this
+    /// is news (the first word of this drain), so that it is logged once.
+    pub fn mark_draining(&self) -> bool {
+        let mark = self.next_id.load(Ordering::Relaxed);
+        let before = self.draining_below.fetch_max(mark, Ordering::Relaxed);
+        if before < mark {
+            self.wake.notify_one();
+        }
+        before == 0
+    }
+
+    /// True while the provider drains and no connection made since has proved healthy.
+    pub fn is_draining(&self) -> bool {
+        self.draining_below.load(Ordering::Relaxed) != 0
+    }
+
+    /// True when connection `id` was open when the provider said it was draining.
+    fn is_drained(&self, id: u64) -> bool {
+        id < self.draining_below.load(Ordering::Relaxed)
+    }
+
+    /// A connection task started.
+    pub fn task_started(&self) {
+        self.tasks.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A connection task ended.
+    pub fn task_ended(&self) {
+        self.tasks.fetch_sub(1, Ordering::Relaxed);
+        self.task_done.notify_waiters();
+    }
+
+    /// Connection tasks still running.
+    pub fn open_tasks(&self) -> usize {
+        self.tasks.load(Ordering::Relaxed)
+    }
+
+    /// Waits until no connection task of the pool runs (once the pool is dropped, each
+    /// ends when its calls are done).
+    pub async fn all_closed(&self) {
+        loop {
+            let done = self.task_done.notified();
+            tokio::pin!(done);
+            // Registered before looking, so that an end between the two is not missed.
+            done.as_mut().enable();
+            if self.open_tasks() == 0 {
+                return;
+            }
+            done.await;
+        }
+    }
+}
+
 /// bb8's view of a provider: how to make, check and judge its connections.
 struct Manager {
     spec: UpstreamSpec,
@@ -58,8 +150,7 @@ struct Manager {
     connect_timeout: Duration,
     health_timeout: Duration,
     metrics: UpstreamMetrics,
-    closed: Arc<Notify>,
-    next_id: AtomicU64,
+    link: Arc<PoolLink>,
     /// The pauses between failing attempts, and when the next connect may start.
     retry: std::sync::Mutex<Retry>,
 }
@@ -107,13 +198,13 @@ impl bb8::ManageConnection for Manager {
         if let Some(t) = not_before {
             tokio::time::sleep_until(t).await;
         }
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let id = self.link.next_id.fetch_add(1, Ordering::Relaxed);
         let r = UpstreamConn::connect(
             &self.spec.addr,
             id,
             self.settings.clone(),
             self.metrics.clone(),
-            self.closed.clone(),
+            self.link.clone(),
             self.connect_timeout,
         )
         .await;
@@ -136,6 +227,11 @@ impl bb8::ManageConnection for Manager {
     }
 
     async fn is_valid(&self, conn: &mut Arc<UpstreamConn>) -> Result<(), UpstreamError> {
+        if self.link.is_drained(conn.id()) {
+            // Open when the provider said it was draining: it closes once its calls are
+            // done, and a connection made after it restarted takes its place.
+            conn.retire();
+        }
         if conn.is_closed() {
             self.failed();
             return Err(UpstreamError::Closed);
@@ -152,7 +248,7 @@ impl bb8::ManageConnection for Manager {
     }
 
     fn has_broken(&self, conn: &mut Arc<UpstreamConn>) -> bool {
-        conn.is_closed()
+        conn.is_closed() || self.link.is_drained(conn.id())
     }
 }
 
@@ -161,7 +257,7 @@ pub(crate) struct ProviderPool {
     pub spec: UpstreamSpec,
     ready: ArcSwap<Vec<Arc<UpstreamConn>>>,
     pool: bb8::Pool<Manager>,
-    closed: Arc<Notify>,
+    link: Arc<PoolLink>,
     size: u32,
     health_interval: Duration,
     metrics: UpstreamMetrics,
@@ -185,7 +281,7 @@ impl ProviderPool {
         grace_over: CancellationToken,
         budget: Arc<MemoryBudget>,
     ) -> Arc<ProviderPool> {
-        let closed = Arc::new(Notify::new());
+        let link = Arc::new(PoolLink::new());
         let settings = ConnSettings {
             label: Arc::from(spec.label()),
             ext: spec.ext,
@@ -202,8 +298,7 @@ impl ProviderPool {
             connect_timeout: config.connect_timeout,
             health_timeout: config.health_timeout,
             metrics: metrics.clone(),
-            closed: closed.clone(),
-            next_id: AtomicU64::new(1),
+            link: link.clone(),
             retry: std::sync::Mutex::new(Retry::default()),
         };
         let pool = bb8::Pool::builder()
@@ -220,7 +315,7 @@ impl ProviderPool {
             spec,
             ready: ArcSwap::from_pointee(Vec::new()),
             pool,
-            closed,
+            link,
             size: config.pool_size,
             health_interval: config.health_interval,
             metrics,
@@ -232,9 +327,27 @@ impl ProviderPool {
         self.ready.load()
     }
 
+    /// True while the provider drains (see [`PoolLink`]): the router passes it over.
+    pub fn is_draining(&self) -> bool {
+        self.link.is_draining()
+    }
+
+    /// Calls queued or in flight on this provider, on the connections the router sees.
+    pub fn calls_in_flight(&self) -> usize {
+        self.ready.load().iter().map(|c| c.load()).sum()
+    }
+
+    /// What the pool shares with its connections: outlives the pool, to see them close.
+    pub fn link(&self) -> Arc<PoolLink> {
+        self.link.clone()
+    }
+
     /// Calls queued or in flight on this provider; `usize::MAX` when it has no open
-    /// connection.
+    /// connection or drains.
     pub fn load(&self) -> usize {
+        if self.is_draining() {
+            return usize::MAX;
+        }
         let conns = self.ready.load();
         let mut open = false;
         let mut sum = 0;
@@ -264,14 +377,33 @@ impl ProviderPool {
                     Err(e) => last_error = Some(e),
                 }
             }
-            let mut conns: Vec<Arc<UpstreamConn>> = held.iter().map(|c| Arc::clone(&**c)).collect();
+            // Connections open when the provider said it was draining failed their check;
+            // any that slipped through (marked since) are left out.
+            let mut conns: Vec<Arc<UpstreamConn>> = held
+                .iter()
+                .map(|c| Arc::clone(&**c))
+                .filter(|c| !self.link.is_drained(c.id()))
+                .collect();
             // Oldest first, in a stable order: the router packs calls onto the first
             // connections, and they should not move between connections at every check.
             conns.sort_unstable_by_key(|c| c.id());
             let healthy = conns.len();
             self.metrics
                 .publish_conn_loads(conns.iter().map(|c| c.load()));
+            // A connection made after the provider said it was draining answered its
+            // heartbeat: the provider is back.
+            let mark = self.link.draining_below.load(Ordering::Relaxed);
+            let back = mark != 0
+                && healthy > 0
+                && self
+                    .link
+                    .draining_below
+                    .compare_exchange(mark, 0, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok();
             self.ready.store(Arc::new(conns));
+            if back {
+                tracing::info!(provider = %self.spec.addr, connections = healthy, "provider back after its drain");
+            }
             drop(held);
             self.metrics
                 .publish_pool(&self.pool.state(), healthy, &mut waited_before);
@@ -291,10 +423,11 @@ impl ProviderPool {
             }
             tokio::select! {
                 () = tokio::time::sleep(self.health_interval) => {}
-                () = self.closed.notified() => {}
+                () = self.link.wake.notified() => {}
                 () = stop.cancelled() => break,
             }
         }
         self.ready.store(Arc::new(Vec::new()));
+        self.metrics.publish_gone();
     }
 }

@@ -292,7 +292,7 @@ pub const UPSTREAM_CALLS_TOTAL: Family = Family {
     kind: Counter,
     labels: &["role", "upstream", "status"],
     roles: BROKER,
-    help: "Calls the broker routed to this provider, by outcome: the status of the provider's reply, or the broker's own answer (timeout, unavailable when the connection was lost or the grace period ended, failed for an unusable reply).",
+    help: "Calls the broker routed to this provider, by outcome: the status of the provider's reply, or the broker's own answer (timeout, unavailable when the connection was lost or the grace period ended, failed for an unusable reply). A call a draining provider refused (NOT_RUN) counts there as unavailable, and again at the provider it was routed to next.",
 };
 /// `rpcmesh_pool_connections{role, upstream}`.
 pub const POOL_CONNECTIONS: Family = Family {
@@ -357,6 +357,22 @@ pub const POOL_CONNECTIONS_CLOSED_TOTAL: Family = Family {
     labels: &["role", "upstream", "reason"],
     roles: BROKER,
     help: "Pooled connections closed: reason=broken (the connection failed) or invalid (its heartbeat failed).",
+};
+/// `rpcmesh_calls_rerouted_total{role, reason}`.
+pub const CALLS_REROUTED_TOTAL: Family = Family {
+    name: "rpcmesh_calls_rerouted_total",
+    kind: Counter,
+    labels: &["role", "reason"],
+    roles: BROKER,
+    help: "Calls handed back to be routed to another provider, not having run: reason=not_run (a draining provider refused it), unsent (its connection closed before it was written). Each still ends once in rpcmesh_calls_total.",
+};
+/// `rpcmesh_config_reloads_total{role, result}`.
+pub const CONFIG_RELOADS_TOTAL: Family = Family {
+    name: "rpcmesh_config_reloads_total",
+    kind: Counter,
+    labels: &["role", "result"],
+    roles: BROKER,
+    help: "Reads of the providers file after the start (on SIGHUP, or when the file changed): result=ok (the providers now served are the file's), error (the file could not be read or did not parse; the previous providers are kept).",
 };
 
 // ---- driver
@@ -554,6 +570,8 @@ pub const CATALOGUE: &[&Family] = &[
     &POOL_GET_WAIT_SECONDS,
     &BUSY_POLL_IDLE_SECONDS,
     &POOL_CONNECTIONS_CLOSED_TOTAL,
+    &CALLS_REROUTED_TOTAL,
+    &CONFIG_RELOADS_TOTAL,
     &DRIVER_OFFERED_CALLS_PER_SECOND,
     &DRIVER_ACHIEVED_CALLS_PER_SECOND,
     &DRIVER_LATENCY_SECONDS,

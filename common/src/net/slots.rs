@@ -80,6 +80,11 @@ impl<T> SlotTable<T> {
         }
     }
 
+    /// Every call in the table, to change in place (e.g. to let go of what it holds).
+    pub fn values_mut(&mut self) -> impl Iterator<Item = &mut T> + '_ {
+        self.slots.iter_mut().flatten().map(|(_, v)| v)
+    }
+
     /// Takes out every call (the connection is gone), with its id; the table keeps its
     /// memory for the next connection.
     pub fn drain(&mut self) -> impl Iterator<Item = (u64, T)> + '_ {
@@ -130,6 +135,19 @@ mod tests {
         assert_eq!(t.take(old), None, "the old id does not reach the new call");
         assert!(t.get_mut(old).is_none());
         assert_eq!(t.take(new), Some(2));
+    }
+
+    #[test]
+    fn values_can_be_changed_in_place_and_stay_under_their_ids() {
+        let mut t = SlotTable::default();
+        let a = t.insert(1);
+        let b = t.insert(2);
+        assert_eq!(t.take(a), Some(1));
+        for v in t.values_mut() {
+            *v += 10;
+        }
+        assert_eq!(t.take(b), Some(12));
+        assert_eq!(t.values_mut().count(), 0);
     }
 
     #[test]

@@ -1,0 +1,364 @@
+//! Which providers the broker serves, and how that set changes while it runs.
+//!
+//! [`Membership`] owns the providers served now: for each, its pool and its keeper task.
+//! The router the sessions read is rebuilt from it and published whole in their
+//! `ArcSwap` at each change, so the per-call path takes no lock. [`watch`] reads the
+//! providers file again when asked ([`Reload`]: SIGHUP) and when the file changes (its
+//! [`FileStamp`] is looked at every [`FILE_POLL`]), and applies what changed:
+//!
+//! - a provider new to the set **joins**: its pool is made and its keeper started; it
+//!   takes calls once one of its connections has answered a heartbeat;
+//! - a provider no longer listed **leaves**: the new router offers it no call, its keeper
+//!   stops, and its connections close once the calls they carry are answered or time out;
+//! - a provider listed before (same address, same kind) keeps its pool and connections
+//!   untouched; a change of its services changes only the routing.
+//!
+//! A file that cannot be read or does not parse is kept out: one log line with the file,
+//! the line numbers and what is wrong, `rpcmesh_config_reloads_total{result="error"}`, and
+//! the providers stay as they were. Providers of the flags are always served. What the
+//! file's lines mean is `providers_file`'s.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rpcmesh_common::net::budget::MemoryBudget;
+use rpcmesh_common::net::busy_poll::Activity;
+use rpcmesh_common::net::shutdown::CancellationToken;
+use tokio::sync::Notify;
+use tokio::task::{JoinHandle, JoinSet};
+
+use crate::config::{BrokerConfig, UpstreamSpec};
+use crate::metrics::BrokerMetrics;
+use crate::providers_file::{self, FileStamp, ProvidersFileError};
+use crate::route::Router;
+use crate::session::Shared;
+use crate::upstream::{PoolLink, ProviderPool};
+
+/// How often the providers file's stamp (device, inode, size, modification time) is
+/// looked at. Ansible and editors replace the file by rename, which a stamp always shows
+/// (a new inode); one `stat` a second costs nothing, works on every file system (inotify
+/// would have to watch the directory to see a rename, and misses changes made on another
+/// host of a network file system), and a change is served within a second. SIGHUP
+/// (`systemctl reload`) applies it at once.
+pub const FILE_POLL: Duration = Duration::from_secs(1);
+
+/// Asks a running broker to read its providers file again: what SIGHUP does. Requests
+/// made while a read is under way are served by one more read.
+#[derive(Debug, Clone, Default)]
+pub struct Reload(Arc<Notify>);
+
+impl Reload {
+    /// A trigger nobody has pulled yet.
+    pub fn new() -> Self {
+        Reload::default()
+    }
+
+    /// Asks for a read of the providers file.
+    pub fn request(&self) {
+        self.0.notify_one();
+    }
+
+    async fn requested(&self) {
+        self.0.notified().await;
+    }
+}
+
+/// What making a provider's pool takes, beyond its spec.
+pub(crate) struct PoolMaker {
+    pub config: BrokerConfig,
+    pub metrics: BrokerMetrics,
+    pub activity: Option<Arc<Activity>>,
+    pub grace_over: CancellationToken,
+    pub budget: Arc<MemoryBudget>,
+}
+
+impl PoolMaker {
+    fn make(&self, spec: &UpstreamSpec) -> Arc<ProviderPool> {
+        ProviderPool::new(
+            spec.clone(),
+            &self.config,
+            self.metrics.upstream(spec.label(), self.config.pool_size),
+            self.activity.clone(),
+            self.grace_over.clone(),
+            self.budget.clone(),
+        )
+    }
+}
+
+/// A provider served now.
+struct Member {
+    /// As listed now (its services may differ from those its pool was made with).
+    spec: UpstreamSpec,
+    pool: Arc<ProviderPool>,
+    /// Stops its keeper.
+    stop: CancellationToken,
+    keeper: JoinHandle<()>,
+}
+
+impl Member {
+    /// The same provider: the same address, of the same kind (rpcmesh or plain v1).
+    fn is(&self, spec: &UpstreamSpec) -> bool {
+        self.spec.addr == spec.addr && self.spec.ext == spec.ext
+    }
+}
+
+/// The providers served now, and those that left until their connections are closed.
+pub(crate) struct Membership {
+    maker: PoolMaker,
+    members: Vec<Member>,
+    /// One task per provider that left, until its connections are closed.
+    leaving: JoinSet<()>,
+    /// Parent of every keeper's stop token.
+    stop_all: CancellationToken,
+}
+
+/// What a change of the providers did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Change {
+    joined: usize,
+    left: usize,
+    kept: usize,
+}
+
+impl Membership {
+    /// Serves `specs` (a valid set: no address twice).
+    pub fn start(maker: PoolMaker, specs: &[UpstreamSpec]) -> Self {
+        let mut m = Membership {
+            maker,
+            members: Vec::new(),
+            leaving: JoinSet::new(),
+            stop_all: CancellationToken::new(),
+        };
+        m.members = specs.iter().map(|s| m.join(s)).collect();
+        m
+    }
+
+    fn join(&self, spec: &UpstreamSpec) -> Member {
+        let pool = self.maker.make(spec);
+        let stop = self.stop_all.child_token();
+        let keeper = tokio::spawn(pool.clone().keep(stop.clone()));
+        Member {
+            spec: spec.clone(),
+            pool,
+            stop,
+            keeper,
+        }
+    }
+
+    /// The router over the providers served now.
+    pub fn router(&self) -> Router {
+        let members: Vec<_> = self
+            .members
+            .iter()
+            .map(|m| (m.spec.clone(), m.pool.clone()))
+            .collect();
+        Router::new(
+            &members,
+            self.maker.config.balance,
+            self.maker.config.pack_in_flight,
+        )
+    }
+
+    /// Makes `specs` the providers served: returns what changed, and the members that
+    /// left, to [`Membership::retire`] once a router without them is published.
+    fn change(&mut self, specs: &[UpstreamSpec]) -> (Change, Vec<Member>) {
+        let mut old = std::mem::take(&mut self.members);
+        let mut change = Change::default();
+        for spec in specs {
+            let member = match old.iter().position(|m| m.is(spec)) {
+                Some(i) => {
+                    let mut m = old.swap_remove(i);
+                    if m.spec.services != spec.services {
+                        tracing::info!(provider = %spec.addr, services = ?spec.services, "provider's services changed");
+                        m.spec = spec.clone();
+                    }
+                    change.kept += 1;
+                    m
+                }
+                None => {
+                    tracing::info!(provider = %spec.addr, services = ?spec.services, v1 = !spec.ext, "provider joined");
+                    change.joined += 1;
+                    self.join(spec)
+                }
+            };
+            self.members.push(member);
+        }
+        change.left = old.len();
+        (change, old)
+    }
+
+    /// Lets providers that left go: their keepers stop, and their connections close once
+    /// the calls they carry are done (each call still gets its reply or its timeout).
+    fn retire(&mut self, left: Vec<Member>) {
+        // Beyond the call timeout, by a connect attempt in progress and its heartbeat,
+        // which may hold the pool that long.
+        let config = &self.maker.config;
+        let bound = config.call_timeout + config.connect_timeout + config.health_timeout;
+        for m in left {
+            tracing::info!(provider = %m.spec.addr, calls_in_flight = m.pool.calls_in_flight(), "provider left: no new calls; its connections close once their calls are done");
+            m.stop.cancel();
+            let link: Arc<PoolLink> = m.pool.link();
+            let (addr, pool, keeper) = (m.spec.addr, m.pool, m.keeper);
+            self.leaving.spawn(async move {
+                let _ = keeper.await;
+                // The last handles of its connections go with the pool: each connection
+                // task then ends once its calls are answered.
+                drop(pool);
+                match tokio::time::timeout(bound, link.all_closed()).await {
+                    Ok(()) => tracing::info!(provider = %addr, "provider gone: its connections are closed"),
+                    Err(_) => tracing::warn!(provider = %addr, open = link.open_tasks(), "provider left with connections still open past the call timeout"),
+                }
+            });
+        }
+    }
+
+    /// Reads the providers file at `path` and serves what it lists with the flags'
+    /// providers; on success the new router is published in `shared`.
+    fn apply(
+        &mut self,
+        shared: &Shared,
+        path: &Path,
+        text: &str,
+    ) -> Result<Change, ProvidersFileError> {
+        let specs = providers_file::providers_of(path, text, &self.maker.config.upstreams)?;
+        let (change, left) = self.change(&specs);
+        shared.router.store(Arc::new(self.router()));
+        self.retire(left);
+        Ok(change)
+    }
+
+    /// Stops every keeper (of providers served and leaving) and waits for them.
+    pub async fn stop(mut self) {
+        self.stop_all.cancel();
+        for m in self.members.drain(..) {
+            let _ = m.keeper.await;
+        }
+        self.leaving.shutdown().await;
+    }
+}
+
+/// The providers to serve at the start: the flags' and the file's. A file that cannot be
+/// read now (it was checked when the flags were) is logged and counted, and only the
+/// flags' are served until it can. Returns the providers and the file's text.
+pub(crate) fn initial(
+    config: &BrokerConfig,
+    metrics: &BrokerMetrics,
+) -> (Vec<UpstreamSpec>, Option<String>) {
+    let Some(path) = &config.providers_file else {
+        return (config.upstreams.clone(), None);
+    };
+    let read = providers_file::read_text(path).and_then(|text| {
+        Ok((
+            providers_file::providers_of(path, &text, &config.upstreams)?,
+            text,
+        ))
+    });
+    match read {
+        Ok((specs, text)) => {
+            if specs.is_empty() {
+                tracing::warn!(file = %path.display(), "no provider yet: calls are answered \"service not found\" until the providers file lists some");
+            }
+            (specs, Some(text))
+        }
+        Err(e) => {
+            metrics.reloads_error.increment(1);
+            tracing::error!(error = %e, "providers file kept out; serving the providers of the flags only");
+            (config.upstreams.clone(), None)
+        }
+    }
+}
+
+/// What woke the watcher.
+enum Wake {
+    Stop,
+    Asked,
+    Poll,
+    LeftGone,
+}
+
+/// Serves reloads until `stop`: reads the providers file when `reload` is requested and
+/// when its stamp changes, and applies it (see the module's doc). `text` is the file's
+/// content served now. Returns the membership, for the broker to stop it.
+pub(crate) async fn watch(
+    mut m: Membership,
+    shared: Arc<Shared>,
+    mut text: Option<String>,
+    reload: Reload,
+    stop: CancellationToken,
+) -> Membership {
+    let path: Option<PathBuf> = shared.config.providers_file.clone();
+    let mut stamp = match &path {
+        Some(p) => stamp_of(p.clone()).await,
+        None => None,
+    };
+    let mut poll = tokio::time::interval(FILE_POLL);
+    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    poll.reset();
+    loop {
+        let wake = tokio::select! {
+            () = stop.cancelled() => Wake::Stop,
+            () = reload.requested() => Wake::Asked,
+            _ = poll.tick(), if path.is_some() => Wake::Poll,
+            Some(_) = m.leaving.join_next(), if !m.leaving.is_empty() => Wake::LeftGone,
+        };
+        let Some(path) = &path else {
+            match wake {
+                Wake::Stop => return m,
+                Wake::Asked => tracing::info!(
+                    "reload asked for, but the broker has no --providers-file: nothing to read"
+                ),
+                Wake::Poll | Wake::LeftGone => {}
+            }
+            continue;
+        };
+        match wake {
+            Wake::Stop => return m,
+            Wake::LeftGone => continue,
+            Wake::Poll => {
+                let now = stamp_of(path.clone()).await;
+                if now == stamp {
+                    continue;
+                }
+                stamp = now;
+            }
+            Wake::Asked => {
+                tracing::info!(file = %path.display(), "reload asked for: reading the providers file");
+                stamp = stamp_of(path.clone()).await;
+            }
+        }
+        let read = {
+            let p = path.clone();
+            tokio::task::spawn_blocking(move || providers_file::read_text(&p))
+                .await
+                .unwrap_or_else(|e| {
+                    Err(ProvidersFileError::Read {
+                        path: path.clone(),
+                        source: std::io::Error::other(e),
+                    })
+                })
+        };
+        // A change of the stamp alone (touched, rewritten alike) changes nothing.
+        if matches!(wake, Wake::Poll) && read.as_ref().ok() == text.as_ref() {
+            continue;
+        }
+        match read.and_then(|t| m.apply(&shared, path, &t).map(|c| (c, t))) {
+            Ok((change, t)) => {
+                shared.metrics.reloads_ok.increment(1);
+                tracing::info!(file = %path.display(), providers = m.members.len(), joined = change.joined, left = change.left, kept = change.kept, "providers file applied");
+                text = Some(t);
+            }
+            Err(e) => {
+                shared.metrics.reloads_error.increment(1);
+                tracing::error!(error = %e, providers = m.members.len(), "providers file kept out; the providers stay as they were");
+            }
+        }
+    }
+}
+
+async fn stamp_of(path: PathBuf) -> Option<FileStamp> {
+    tokio::task::spawn_blocking(move || FileStamp::of(&path))
+        .await
+        .ok()
+        .flatten()
+}

@@ -1,0 +1,462 @@
+//! The broker's providers file (`--providers-file`), with the broker as a real process
+//! (its SIGHUP, its log): a provider added to the file takes calls, by SIGHUP and by the
+//! change alone; one removed takes no new call and finishes the one it holds before its
+//! connections close; a bad file is kept out with a log line naming the file and the
+//! line, and the providers stay as they were; and a provider stopped by SIGTERM under load
+//! beside a healthy one costs the callers nothing (the calls it refused `NOT_RUN` go to
+//! the other), then takes calls again once restarted on the same port.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use rpcmesh_common::metrics::catalogue::{
+    CALLS_REROUTED_TOTAL, CALLS_TOTAL, CONFIG_RELOADS_TOTAL, CONNECTIONS_OPEN, UPSTREAM_CALLS_TOTAL,
+};
+use rpcmesh_common::net::client::Client;
+use rpcmesh_common::testkit::{self, ChildGuard, Gate, Spawned, wait_until};
+use rpcmesh_provider::ProviderConfig;
+use rpcmesh_wire::Status;
+use rpcmesh_wire::proto::rpc::{EchoRequest, EchoResponse};
+use support::*;
+
+/// A fresh directory for one test's files.
+fn test_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("rpcmesh-pfile-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Replaces the file as Ansible and editors do: a new file renamed over the old one.
+fn replace_file(path: &Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// Rewrites the file in place with text of the same length and puts its modification
+/// time back: its stamp is unchanged, so only a SIGHUP can make the broker read it.
+fn rewrite_unseen(path: &Path, text: &str) {
+    let before = std::fs::metadata(path).unwrap();
+    assert_eq!(before.len(), text.len() as u64, "same length");
+    let mut f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    f.write_all(text.as_bytes()).unwrap();
+    f.set_modified(before.modified().unwrap()).unwrap();
+}
+
+/// The broker as a process serving the providers of `file`, with test-friendly health
+/// checks, its log written to `log`.
+fn broker_process(file: &Path, log: &Path) -> Spawned {
+    Spawned::start_with(
+        &[],
+        "broker",
+        &[
+            "--providers-file",
+            file.to_str().unwrap(),
+            "--health-interval",
+            "100ms",
+            "--connect-timeout",
+            "500ms",
+            "--health-timeout",
+            "500ms",
+            "--threads",
+            "1",
+            "--busy-poll",
+            "off",
+        ],
+        Some(log),
+    )
+}
+
+fn reloads(b: &Spawned, result: &str) -> f64 {
+    b.metric(CONFIG_RELOADS_TOTAL.name, &[("result", result)])
+}
+
+/// Calls of the broker's provider `addr` that it answered `ok`.
+fn upstream_ok(b: &Spawned, addr: SocketAddr) -> f64 {
+    b.metric(
+        UPSTREAM_CALLS_TOTAL.name,
+        &[("upstream", &addr.to_string()), ("status", "ok")],
+    )
+}
+
+async fn echo_ok(c: &Client, message: &str) {
+    let r = c
+        .call(
+            "EchoService",
+            "Echo",
+            &EchoRequest {
+                message: message.into(),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Success, "{}", r.error_msg);
+    assert_eq!(r.decode::<EchoResponse>().unwrap().message, message);
+}
+
+/// Makes echo calls until `provider` has answered one more, at most [`MAX_PROBES`].
+async fn until_served_by(c: &Client, provider: &Running) {
+    let before = provider.calls("ok");
+    for i in 0..MAX_PROBES {
+        echo_ok(c, &format!("probe {i}")).await;
+        if provider.calls("ok") > before {
+            return;
+        }
+        tokio::time::sleep(testkit::WAIT_POLL).await;
+    }
+    panic!("{} took no call in {MAX_PROBES} calls", provider.addr);
+}
+
+/// Calls made while waiting for a provider to be routed to: with two providers each call
+/// has even odds, so 3,000 (30 s of polling) only fail when the provider is not served.
+const MAX_PROBES: usize = 3_000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_added_to_the_file_takes_calls_after_a_sighup_and_after_a_change_alone() {
+    let dir = test_dir("join");
+    let (pa, pb, pc) = (
+        provider(ProviderConfig::default()).await,
+        provider(ProviderConfig::default()).await,
+        provider(ProviderConfig::default()).await,
+    );
+    let file = dir.join("providers");
+    let b_line = pb.addr.to_string();
+    // A comment as long as B's line, for B to take its place unseen.
+    let pad = format!("#{}", "x".repeat(b_line.len() - 1));
+    std::fs::write(&file, format!("{}\n{pad}\n", pa.addr)).unwrap();
+    let b = broker_process(&file, &dir.join("broker.log"));
+    let c = client(b.rpc).await;
+    until_ready(&c).await;
+    for i in 0..20 {
+        echo_ok(&c, &format!("a{i}")).await;
+    }
+    assert_eq!(pb.calls("ok"), 0.0, "B is not in the file yet");
+
+    // B replaces the comment; the file's stamp does not change, so the SIGHUP is what
+    // makes the broker read it.
+    rewrite_unseen(&file, &format!("{}\n{b_line}\n", pa.addr));
+    b.child.signal("HUP");
+    wait_until("the SIGHUP's read to be applied", || {
+        reloads(&b, "ok") >= 1.0
+    })
+    .await;
+    until_served_by(&c, &pb).await;
+
+    // C joins by the change of the file alone.
+    replace_file(&file, &format!("{}\n{b_line}\n{}\n", pa.addr, pc.addr));
+    wait_until("the changed file to be applied", || {
+        reloads(&b, "ok") >= 2.0
+    })
+    .await;
+    until_served_by(&c, &pc).await;
+    assert_eq!(reloads(&b, "error"), 0.0);
+    // A, listed all along, kept its pool: the broker made no connection to it since.
+    let a_conns = pa.metric(CONNECTIONS_OPEN.name, &[("side", "inbound")]);
+    assert_eq!(
+        a_conns,
+        f64::from(rpcmesh_broker::config::DEFAULT_POOL_SIZE)
+    );
+    let a_opened = pa.metric("rpcmesh_connections_opened_total", &[("side", "inbound")]);
+    assert_eq!(a_opened, a_conns, "A's connections were not remade");
+
+    drop(b);
+    for p in [pa, pb, pc] {
+        p.stop().await;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_removed_from_the_file_takes_no_new_call_and_finishes_the_one_it_holds() {
+    let dir = test_dir("leave");
+    let gate = Gate::new();
+    let held = held_provider(&gate).await;
+    let other = provider(ProviderConfig::default()).await;
+    let file = dir.join("providers");
+    let log = dir.join("broker.log");
+    std::fs::write(
+        &file,
+        format!(
+            "{HELD_SERVICE},EchoService={}\nEchoService={}\n",
+            held.addr, other.addr
+        ),
+    )
+    .unwrap();
+    let b = broker_process(&file, &log);
+    let c = client(b.rpc).await;
+    until_ready(&c).await;
+    until_served_by(&c, &held).await;
+
+    let call = held_call(&c, "held through the leave");
+    wait_until("the held call to reach its provider", || {
+        gate.arrived() == 1
+    })
+    .await;
+    replace_file(&file, &format!("EchoService={}\n", other.addr));
+    wait_until("the smaller file to be applied", || {
+        reloads(&b, "ok") >= 1.0
+    })
+    .await;
+
+    let held_before = held.calls("ok");
+    for i in 0..50 {
+        echo_ok(&c, &format!("after {i}")).await;
+    }
+    assert_eq!(
+        held.calls("ok"),
+        held_before,
+        "no new call went to the provider that left"
+    );
+    let r = c
+        .call(
+            HELD_SERVICE,
+            "Echo",
+            &EchoRequest {
+                message: "late".into(),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.error_msg, format!("service not found: {HELD_SERVICE}"));
+    assert_eq!(gate.arrived(), 1, "the late call did not reach it");
+
+    // Its connections stay open for the call they carry...
+    let open = || held.metric(CONNECTIONS_OPEN.name, &[("side", "inbound")]);
+    assert!(open() >= 1.0);
+    gate.open();
+    let r = call.await.unwrap().unwrap();
+    assert_eq!(r.status, Status::Success, "{}", r.error_msg);
+    assert_eq!(
+        r.decode::<EchoResponse>().unwrap().message,
+        "held through the leave"
+    );
+    // ...and close once it is answered.
+    wait_until("the connections to the provider that left to close", || {
+        open() == 0.0
+    })
+    .await;
+    wait_until("the broker to log the provider gone", || {
+        std::fs::read_to_string(&log).is_ok_and(|l| l.contains("provider gone"))
+    })
+    .await;
+
+    drop(b);
+    held.stop().await;
+    other.stop().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_providers_file_is_kept_out_with_its_line_logged_and_the_providers_stay() {
+    let dir = test_dir("bad");
+    let (pa, pb) = (
+        provider(ProviderConfig::default()).await,
+        provider(ProviderConfig::default()).await,
+    );
+    let file = dir.join("providers");
+    let log = dir.join("broker.log");
+    std::fs::write(&file, format!("{}\n", pa.addr)).unwrap();
+    let b = broker_process(&file, &log);
+    let c = client(b.rpc).await;
+    until_ready(&c).await;
+
+    replace_file(
+        &file,
+        &format!("{}\nnot an address\n{}\n", pa.addr, pb.addr),
+    );
+    wait_until("the bad file to be kept out", || {
+        reloads(&b, "error") >= 1.0
+    })
+    .await;
+    let expected = format!(
+        "providers file {}: line 2: \"not an address\": expected HOST:PORT",
+        file.display()
+    );
+    let logged = std::fs::read_to_string(&log).unwrap();
+    let line = logged
+        .lines()
+        .find(|l| l.contains(&expected))
+        .unwrap_or_else(|| panic!("no log line with {expected:?} in:\n{logged}"));
+    assert!(
+        line.contains("ERROR") && line.contains("kept out"),
+        "{line}"
+    );
+    // The previous providers stay: A serves, B (on the bad file's third line) does not.
+    for i in 0..30 {
+        echo_ok(&c, &format!("kept {i}")).await;
+    }
+    assert_eq!(pb.calls("ok"), 0.0);
+    // A SIGHUP reads it again, and keeps it out again.
+    b.child.signal("HUP");
+    wait_until("the SIGHUP's read to be kept out", || {
+        reloads(&b, "error") >= 2.0
+    })
+    .await;
+    assert_eq!(reloads(&b, "ok"), 0.0);
+
+    // Fixed, it is applied.
+    replace_file(&file, &format!("{}\n{}\n", pa.addr, pb.addr));
+    wait_until("the fixed file to be applied", || reloads(&b, "ok") >= 1.0).await;
+    until_served_by(&c, &pb).await;
+
+    drop(b);
+    pa.stop().await;
+    pb.stop().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Calls at most, in each load phase of the drain test: a hang detector for the loop.
+const MAX_LOAD_CALLS: usize = 100_000;
+/// Callers making calls one after the other during the drain test.
+const LOAD_WORKERS: usize = 8;
+
+/// Echo calls from [`LOAD_WORKERS`] callers until `stop` (at most [`MAX_LOAD_CALLS`]):
+/// how many were made, and what every call that did not succeed got.
+fn load(c: &Client, stop: &Arc<AtomicBool>) -> tokio::task::JoinHandle<(usize, Vec<String>)> {
+    let (c, stop) = (c.clone(), stop.clone());
+    tokio::spawn(async move {
+        let issued = Arc::new(AtomicUsize::new(0));
+        let workers: Vec<_> = (0..LOAD_WORKERS)
+            .map(|w| {
+                let (c, stop, issued) = (c.clone(), stop.clone(), issued.clone());
+                tokio::spawn(async move {
+                    let mut bad = Vec::new();
+                    while !stop.load(Ordering::Relaxed)
+                        && issued.fetch_add(1, Ordering::Relaxed) < MAX_LOAD_CALLS
+                    {
+                        let message = format!("w{w}");
+                        match c
+                            .call(
+                                "EchoService",
+                                "Echo",
+                                &EchoRequest {
+                                    message: message.clone(),
+                                },
+                            )
+                            .await
+                        {
+                            Ok(r)
+                                if r.status == Status::Success
+                                    && r.decode::<EchoResponse>()
+                                        .is_ok_and(|e| e.message == message) => {}
+                            Ok(r) => bad.push(format!("{:?}: {}", r.status, r.error_msg)),
+                            Err(e) => bad.push(e.to_string()),
+                        }
+                    }
+                    bad
+                })
+            })
+            .collect();
+        let mut bad = Vec::new();
+        for w in workers {
+            bad.extend(w.await.unwrap());
+        }
+        let made = issued.load(Ordering::Relaxed).min(MAX_LOAD_CALLS);
+        (made, bad)
+    })
+}
+
+fn spawn_provider(addr: SocketAddr) -> ChildGuard {
+    let listen = addr.to_string();
+    ChildGuard::spawn(
+        &testkit::bin_path("provider"),
+        &[
+            "--listen",
+            &listen,
+            "--metrics-listen",
+            "off",
+            "--threads",
+            "1",
+        ],
+    )
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_drained_by_sigterm_under_load_costs_the_callers_nothing_and_comes_back() {
+    let dir = test_dir("sigterm");
+    let a_addr = SocketAddr::from(([127, 0, 0, 1], testkit::free_port()));
+    let mut a = spawn_provider(a_addr);
+    testkit::wait_listening(a_addr).await;
+    let other = provider(ProviderConfig::default()).await;
+    let file = dir.join("providers");
+    std::fs::write(&file, format!("{a_addr}\n{}\n", other.addr)).unwrap();
+    let b = broker_process(&file, &dir.join("broker.log"));
+    let c = client(b.rpc).await;
+    until_ready(&c).await;
+    let ok_before = b.metric(CALLS_TOTAL.name, &[("status", "ok")]);
+    let all_before = b.metric(CALLS_TOTAL.name, &[]);
+
+    // Load on both providers; A is stopped under it, once it has served some.
+    let stop = Arc::new(AtomicBool::new(false));
+    let running = load(&c, &stop);
+    wait_until("A to serve calls under the load", || {
+        upstream_ok(&b, a_addr) >= 200.0
+    })
+    .await;
+    a.signal("TERM");
+    let exit = tokio::task::block_in_place(|| a.wait_timeout(testkit::WAIT_TIMEOUT));
+    assert!(
+        exit.is_some_and(|s| s.success()),
+        "A drained and exited 0: {exit:?}"
+    );
+    // The load goes on with A gone, until the other provider has served more.
+    let other_at_exit = other.calls("ok");
+    wait_until("the other provider to serve the load alone", || {
+        other.calls("ok") >= other_at_exit + 500.0
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    let (made, bad) = running.await.unwrap();
+    assert!(
+        bad.is_empty(),
+        "{} of {made} calls failed: {:?}",
+        bad.len(),
+        &bad[..bad.len().min(5)]
+    );
+    assert!(
+        made < MAX_LOAD_CALLS,
+        "the load ended on its stop, not its bound"
+    );
+    let rerouted = b.metric(CALLS_REROUTED_TOTAL.name, &[("reason", "not_run")]);
+    assert!(
+        rerouted > 0.0,
+        "calls A refused while draining went to the other provider"
+    );
+    // Every call made has exactly one outcome at the broker, and it is ok.
+    let ok = b.metric(CALLS_TOTAL.name, &[("status", "ok")]) - ok_before;
+    let all = b.metric(CALLS_TOTAL.name, &[]) - all_before;
+    assert_eq!((ok, all), (made as f64, made as f64), "rerouted {rerouted}");
+    println!("drain under load: {made} calls, all ok, {rerouted} rerouted");
+
+    // A restarted on the same port is found again and takes calls.
+    let a_served = upstream_ok(&b, a_addr);
+    let _a2 = spawn_provider(a_addr);
+    testkit::wait_listening(a_addr).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let running = load(&c, &stop);
+    wait_until("the restarted A to take calls", || {
+        upstream_ok(&b, a_addr) > a_served
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    let (made, bad) = running.await.unwrap();
+    assert!(
+        bad.is_empty(),
+        "{} of {made} calls failed: {:?}",
+        bad.len(),
+        &bad[..bad.len().min(5)]
+    );
+
+    drop(b);
+    other.stop().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
