@@ -301,3 +301,17 @@ fn systemd_analyze_verify_finds_nothing_in_the_rps_unit() {
     assert!(out.status.success(), "rpcmesh-rps.service: {said}");
     assert!(said.trim().is_empty(), "rpcmesh-rps.service: {said}");
 }
+
+#[test]
+fn every_group_variable_is_listed_in_the_deployment_guide() {
+    let guide = read(&testkit::workspace_root().join("docs/deployment.md"));
+    let missing: Vec<String> = group_vars()
+        .into_iter()
+        .filter(|(name, _)| !guide.contains(&format!("`{name}`")))
+        .map(|(name, v)| format!("{name} ({})", v.file))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "docs/deployment.md does not list: {missing:?}"
+    );
+}
