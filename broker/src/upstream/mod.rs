@@ -189,6 +189,8 @@ impl ProviderPool {
         let settings = ConnSettings {
             label: Arc::from(spec.label()),
             ext: spec.ext,
+            // A plain v1 server may leave Nagle's algorithm on (connection.rs, module doc).
+            quick_ack: !spec.ext,
             max_body_len: config.max_body_len,
             max_in_flight: config.max_in_flight_per_upstream_conn,
             call_timeout: config.call_timeout,
