@@ -12,7 +12,10 @@
 //!   providers file changes (SIGHUP, or a change seen on disk); `providers_file`: that
 //!   file's format.
 //! - `upstream`: the pools (`bb8`) and the connection tasks that own calls in flight,
-//!   remap request ids and time calls out.
+//!   remap request ids and time calls out. Towards a plain v1 server (`--upstream-v1`),
+//!   which may leave Nagle's algorithm on, a connection ACKs each read at once while calls
+//!   are still in flight on it, so that the server's next reply does not wait 40 ms for a
+//!   delayed ACK (`upstream::connection`, docs/performance.md).
 //! - `call`: the messages between sessions and upstream connections.
 //! - `failure`: every answer the broker makes itself, with its side and retry safety.
 //! - [`config`], [`metrics`].

@@ -12,7 +12,7 @@ use rpcmesh_common::metrics::catalogue::{
     POOL_CONNECTIONS, POOL_CONNECTIONS_CLOSED_TOTAL, POOL_GET_WAIT_SECONDS,
     POOL_GETS_TIMED_OUT_TOTAL, POOL_GETS_WAITED_TOTAL, POOL_HEALTHY_CONNECTIONS,
     POOL_IDLE_CONNECTIONS, UPSTREAM_CALLS_IN_FLIGHT, UPSTREAM_CALLS_TOTAL,
-    UPSTREAM_CONNECT_FAILURES_TOTAL,
+    UPSTREAM_CONNECT_FAILURES_TOTAL, UPSTREAM_QUICK_ACKS_TOTAL,
 };
 use rpcmesh_common::metrics::families::{
     CallCounters, ConnCounters, ShedCounters, Stages, WireCounters,
@@ -152,6 +152,7 @@ impl BrokerMetrics {
             wire: WireCounters::new(t, ROLE, "upstream"),
             conns: Arc::new(ConnCounters::outbound(t, ROLE, "upstream")),
             connect_failures: t.counter(&UPSTREAM_CONNECT_FAILURES_TOTAL, &l),
+            quick_acks: t.counter(&UPSTREAM_QUICK_ACKS_TOTAL, &l),
             calls: Arc::new(
                 Status::ALL.map(|s| {
                     t.counter(&UPSTREAM_CALLS_TOTAL, &[l[0], l[1], ("status", s.label())])
@@ -229,6 +230,8 @@ pub struct UpstreamMetrics {
     pub conns: Arc<ConnCounters>,
     /// Connection attempts that failed.
     pub connect_failures: Counter,
+    /// ACKs sent at once after reads from a plain v1 server with calls in flight.
+    pub quick_acks: Counter,
     /// Calls written to this provider, by outcome.
     calls: Arc<[Counter; Status::ALL.len()]>,
     pool_connections: Gauge,

@@ -9,6 +9,13 @@ use serde::{Deserialize, Serialize};
 use crate::pacer::{Arrival, Pacing, Schedule};
 use crate::stats::{Latency, LatencySummary, Tally};
 
+/// A successful call slower than this counts as `slow` in the report: 30 ms. On a LAN or
+/// one machine no queue makes a call that slow at a sane load; a stall does. It sits above
+/// the machine's own stalls (under 5 ms on the reference VM, docs/performance.md) and
+/// below the 40 ms of a delayed ACK meeting Nagle's algorithm, the stall of issue 15, which
+/// percentiles can hide when it hits under 1 % of the calls.
+pub const SLOW_CALL_US: u64 = 30_000;
+
 /// Everything a run measured.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Report {
@@ -157,6 +164,9 @@ pub struct CallFigures {
     pub late_replies: u64,
     /// Failed connection attempts, and connections that closed before bringing a reply.
     pub connect_failures: u64,
+    /// Successful calls slower than [`SLOW_CALL_US`] (30 ms), from the intended start.
+    #[serde(default)]
+    pub slow: u64,
 }
 
 /// Bytes of the measured window.
@@ -211,6 +221,7 @@ impl CallFigures {
             latency_uncorrected: open_loop.then(|| t.calls_uncorrected.summary()),
             late_replies: late,
             connect_failures,
+            slow: t.calls.count_above_us(SLOW_CALL_US),
         }
     }
 }

@@ -81,6 +81,16 @@ impl Latency {
         }
     }
 
+    /// Samples above `us` microseconds: above the histogram bucket that holds `us` (its
+    /// resolution is 0.1 %: at 30 ms, samples from 30.016 ms on count).
+    pub fn count_above_us(&self, us: u64) -> u64 {
+        let from = self.0.next_non_equivalent(us);
+        if self.0.is_empty() || from > self.0.max() {
+            return 0;
+        }
+        self.0.count_between(from, self.0.max())
+    }
+
     /// The value at quantile `q` (0..=1), in µs; 0 when empty.
     pub fn quantile_us(&self, q: f64) -> u64 {
         if self.0.is_empty() {
@@ -522,6 +532,18 @@ mod tests {
         assert!((s.p99_ms - 9.9).abs() < 0.01, "{s:?}");
         assert!((s.max_ms - 10.0).abs() < 0.01, "{s:?}");
         assert!((s.mean_ms - 5.0).abs() < 0.01, "{s:?}");
+    }
+
+    #[test]
+    fn calls_above_a_threshold_are_counted_apart_from_the_percentiles() {
+        let mut h = Latency::default();
+        assert_eq!(h.count_above_us(30_000), 0);
+        for us in [100, 200, 29_000, 30_000, 41_000, 45_000] {
+            h.record_us(us);
+        }
+        assert_eq!(h.count_above_us(30_000), 2);
+        assert_eq!(h.count_above_us(45_000), 0);
+        assert_eq!(h.count_above_us(0), 6);
     }
 
     #[test]

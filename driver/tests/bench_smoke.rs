@@ -1,10 +1,14 @@
-//! The benchmark command, `scripts/bench`, in its smoke mode: one short repeat of echo at 8
-//! calls in flight over each of the four paths (direct, through the broker, through
-//! HAProxy, through nginx's stream proxy), so that the command cannot rot. Nothing about speed is asserted: only that the
-//! command exits 0, that its JSON report has calls on every path and, for every run, where
-//! the CPU of each process on the path went, and that the machine's stall probe ran. A
-//! second smoke run gives `--baseline-broker` the same broker binary: the report must have
-//! the fifth path, `before`, and the broker ÷ before ratios (a few seconds more).
+//! The benchmark command, `scripts/bench`, in its smoke mode: one short repeat at 8 calls in
+//! flight over each of the four paths (direct, through the broker, through HAProxy, through
+//! nginx's stream proxy) of both upstream kinds (echo against rpcmesh's provider; the
+//! `classic` workload, plain v1 echo against the classic server, `provider --classic`,
+//! behind a broker of its own with `--upstream-v1`), so that the command cannot rot.
+//! Nothing about speed is asserted: only that the command exits 0, that its JSON report has
+//! calls on every path of both kinds and, for every run, where the CPU of each process on
+//! the path went, the count of slow calls and the CPU of all processes per call (P2's
+//! input), the p99.9 ratio (P3's), and that the machine's stall probe ran. A second smoke
+//! run gives `--baseline-broker` the same broker binary: the report must have the fifth
+//! path, `before`, for both kinds, and the broker ÷ before ratios (a few seconds more).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -53,8 +57,11 @@ fn require_haproxy() {
     );
 }
 
+/// The smoke run's workloads: one per upstream kind.
+const KINDS: [&str; 2] = ["echo", "classic"];
+
 #[test]
-fn bench_smoke_mode_reports_calls_on_all_four_paths() {
+fn bench_smoke_mode_reports_calls_on_all_four_paths_of_both_upstream_kinds() {
     require_haproxy();
     let _one = ONE_BENCH.lock().unwrap_or_else(|e| e.into_inner());
     let smoke = testkit::smoke_script(
@@ -76,14 +83,36 @@ fn bench_smoke_mode_reports_calls_on_all_four_paths() {
         "no stall probe in the report: {stalls}\n{output}"
     );
     let runs = report["runs"].as_array().expect("runs is a list");
-    for path in ["direct", "broker", "haproxy", "nginx"] {
-        let ok: u64 = runs
-            .iter()
-            .filter(|r| r["path"] == path)
-            .map(|r| r["calls_ok"].as_u64().unwrap_or(0))
-            .sum();
-        assert!(ok > 0, "no successful call on the {path} path\n{output}");
+    for workload in KINDS {
+        for path in ["direct", "broker", "haproxy", "nginx"] {
+            let ok: u64 = runs
+                .iter()
+                .filter(|r| r["path"] == path && r["workload"] == workload)
+                .map(|r| r["calls_ok"].as_u64().unwrap_or(0))
+                .sum();
+            assert!(
+                ok > 0,
+                "no successful {workload} call on the {path} path\n{output}"
+            );
+        }
     }
+    for run in runs {
+        assert!(
+            run["slow_calls"].as_u64().is_some() && run["cpu_us_per_call_all"].as_f64().is_some(),
+            "a run without slow_calls or cpu_us_per_call_all: {run}\n{output}"
+        );
+    }
+    let classic = report["ratios"]
+        .as_array()
+        .expect("ratios is a list")
+        .iter()
+        .find(|r| r["workload"] == "classic" && r["kind"] == "classic")
+        .unwrap_or_else(|| panic!("no ratio row of the classic server\n{output}"));
+    assert!(
+        classic["broker_over_haproxy"].as_f64().is_some()
+            && classic["broker_over_haproxy_p999"].as_f64().is_some(),
+        "the classic row lacks P3's ratios: {classic}\n{output}"
+    );
     // Without --baseline-broker, no trace of it.
     assert!(
         report.get("baseline").is_none() && runs.iter().all(|r| r["path"] != "before"),
@@ -130,10 +159,17 @@ fn bench_smoke_mode_reports_calls_on_all_four_paths() {
         run.stdout.contains("Where the CPU goes"),
         "the text report lacks the CPU split table\n{output}"
     );
-    assert!(
-        run.stdout.contains("broker/nginx calls/s"),
-        "the text report lacks the broker/nginx ratio column\n{output}"
-    );
+    for column in [
+        "broker/nginx calls/s",
+        "broker/haproxy p99.9",
+        "added cpu us broker/haproxy",
+        "calls >30ms",
+    ] {
+        assert!(
+            run.stdout.contains(column),
+            "the text report lacks the column {column:?}\n{output}"
+        );
+    }
 }
 
 #[test]
@@ -170,25 +206,31 @@ fn bench_smoke_mode_with_a_baseline_broker_adds_the_before_path_and_its_ratios()
     let report: serde_json::Value = serde_json::from_str(&smoke.report("bench-", "json")).unwrap();
     let md = smoke.report("bench-", "md");
     let runs = report["runs"].as_array().expect("runs is a list");
-    let order: Vec<&str> = runs
-        .iter()
-        .map(|r| r["path"].as_str().unwrap_or("?"))
-        .collect();
-    assert_eq!(
-        order,
-        ["direct", "broker", "before", "haproxy", "nginx"],
-        "{output}"
-    );
-    let before = runs.iter().find(|r| r["path"] == "before").unwrap();
-    assert!(
-        before["calls_ok"].as_u64().is_some_and(|n| n > 0),
-        "no successful call on the before path\n{output}"
-    );
-    for process in ["driver", "before", "provider"] {
-        assert!(
-            before["per_call"][process]["user_us"].as_f64().is_some(),
-            "the before run has no per_call.{process}\n{output}"
+    for workload in KINDS {
+        let order: Vec<&str> = runs
+            .iter()
+            .filter(|r| r["workload"] == workload)
+            .map(|r| r["path"].as_str().unwrap_or("?"))
+            .collect();
+        assert_eq!(
+            order,
+            ["direct", "broker", "before", "haproxy", "nginx"],
+            "{workload}\n{output}"
         );
+        let before = runs
+            .iter()
+            .find(|r| r["path"] == "before" && r["workload"] == workload)
+            .unwrap();
+        assert!(
+            before["calls_ok"].as_u64().is_some_and(|n| n > 0),
+            "no successful {workload} call on the before path\n{output}"
+        );
+        for process in ["driver", "before", "provider"] {
+            assert!(
+                before["per_call"][process]["user_us"].as_f64().is_some(),
+                "the {workload} before run has no per_call.{process}\n{output}"
+            );
+        }
     }
     let ratio = &report["ratios"][0];
     assert!(

@@ -99,6 +99,12 @@ pub struct Args {
     /// Per-stage latency timing.
     #[command(flatten)]
     pub stages: StageArgs,
+    /// Serve as a classic plain RPCF v1 server instead, the way the original framework's
+    /// server does: TCP_NODELAY never set, one call at a time per connection in order, one
+    /// write per reply, EchoService.Echo only (for testing and benchmarking the broker
+    /// behind such servers; see the `classic` module).
+    #[arg(long, env = "RPCMESH_CLASSIC", conflicts_with_all = ["service_time", "service_work"])]
+    pub classic: bool,
 }
 
 /// Validated provider settings, as `run` takes them.
@@ -130,6 +136,8 @@ pub struct ProviderConfig {
     pub memory_budget: usize,
     /// Stages are timed on one call in this many; 0 = not at all.
     pub stage_sample: u32,
+    /// Serve as the classic plain v1 server (`crate::classic`) instead of the provider.
+    pub classic: bool,
 }
 
 impl Default for ProviderConfig {
@@ -148,6 +156,7 @@ impl Default for ProviderConfig {
             timeouts: Timeouts::default(),
             memory_budget: DEFAULT_MEMORY_BUDGET,
             stage_sample: DEFAULT_STAGE_SAMPLE,
+            classic: false,
         }
     }
 }
@@ -192,6 +201,7 @@ impl Args {
             timeouts,
             memory_budget,
             stage_sample: self.stages.every(self.metrics_listen),
+            classic: self.classic,
         })
     }
 }
@@ -229,6 +239,17 @@ mod tests {
         assert_eq!(c, ProviderConfig::default());
         assert!(c.compression.is_some());
         assert_eq!(c.max_body_len, DEFAULT_MAX_BODY_LEN);
+    }
+
+    #[test]
+    fn the_classic_server_takes_no_service_time() {
+        let c = Args::parse_from(["provider", "--classic"])
+            .config()
+            .unwrap();
+        assert!(c.classic);
+        let e = Args::try_parse_from(["provider", "--classic", "--service-time", "1ms"])
+            .expect_err("a classic server has no simulated service time");
+        assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{e}");
     }
 
     #[test]

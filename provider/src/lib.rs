@@ -6,10 +6,15 @@
 //! - `session`: one connection: frames → calls → handlers → replies (the protocol run by
 //!   the shared server-session skeleton, `rpcmesh_common::net::session`).
 //! - [`metrics`]: the metric handles.
+//! - [`classic`]: the classic plain RPCF v1 server (`provider --classic`): Nagle on, one
+//!   call at a time per connection, one write per reply, as the original framework's
+//!   server; the broker is tested and benchmarked behind it.
 //!
 //! [`run`] serves a bound listener until its shutdown future resolves, then drains; tests
-//! call it on port 0, `main` with the configured address and SIGTERM/SIGINT.
+//! call it on port 0, `main` with the configured address and SIGTERM/SIGINT
+//! ([`classic::run`] likewise).
 
+pub mod classic;
 pub mod config;
 pub mod metrics;
 pub mod service;
@@ -39,8 +44,12 @@ pub fn main_with(args: &Args) -> anyhow::Result<()> {
         args.listen,
         args.metrics_listen,
         args.runtime.threads,
-        |telemetry, listener, shutdown| {
-            run_with(config, Registry::builtin(), telemetry, listener, shutdown)
+        |telemetry, listener, shutdown| async move {
+            if config.classic {
+                classic::run(config, telemetry, listener, shutdown).await
+            } else {
+                run_with(config, Registry::builtin(), telemetry, listener, shutdown).await
+            }
         },
     )?;
     Ok(())

@@ -18,7 +18,32 @@
 //! - when the socket fails, answers every call in flight at once with "unavailable" and
 //!   the cause, and hands calls it never wrote back to their sessions to be routed again;
 //! - when the broker's grace period ends, answers every call in flight "unavailable:
-//!   shutting down", so that no caller is left without an answer.
+//!   shutting down", so that no caller is left without an answer;
+//! - on a plain v1 server's connection, ACKs each read at once while calls are still in
+//!   flight there (below).
+//!
+//! ## Quick ACKs towards plain v1 servers
+//!
+//! The broker puts several calls on one pooled connection. A plain RPCF v1 server such as
+//! the original framework's (`provider --classic` stands for it) answers them one at a time,
+//! one `write` per reply, and never sets `TCP_NODELAY`. Nagle's algorithm then holds each
+//! reply written while the previous one is still unacknowledged until its ACK arrives. On
+//! the broker's side Linux delays that ACK (up to 40 ms, `TCP_DELACK_MIN`) in the hope of
+//! sending it with data of its own, and with every other call on the connection waiting
+//! for its reply the broker has no data to send there: the server waits for the ACK, the
+//! broker for the reply, and the call stalls about 40 ms. Through an L4 proxy each client
+//! connection has a server connection of its own, and a client that makes one call at a
+//! time never has a second reply queued behind the first, so the stall is the broker's
+//! alone (issue 15: 0.75 % of the calls behind such a server).
+//!
+//! So after every read from a plain v1 server that leaves calls (or a heartbeat) in flight
+//! on the connection, the task asks the kernel for an immediate ACK
+//! ([`FramedIo::quick_ack`], `TCP_QUICKACK`). Linux does not keep that setting: it leaves
+//! quick-ACK mode by itself once the connection looks interactive again, so it is asked
+//! again after each such read. It costs one `setsockopt` per read and, at most, one pure
+//! ACK segment per reply; a read that leaves nothing in flight needs none (the next
+//! request carries the ACK). rpcmesh providers set `TCP_NODELAY` and are never asked:
+//! their connections take no extra system call. Figures: docs/performance.md.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -73,6 +98,8 @@ pub(crate) const REQUEST_RETAIN: Duration = Duration::from_secs(1);
 /// The process's budget of lost-connection log lines (a provider that accepts and closes
 /// at once loses a connection per reconnect).
 static LOST_LINES: Thinned = Thinned::new();
+/// The process's budget of "quick ACK refused" log lines (one per connection at most).
+static QUICK_ACK_LINES: Thinned = Thinned::new();
 
 /// Why a call could not be queued on this connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,6 +115,9 @@ pub(crate) enum Refused {
 pub(crate) struct ConnSettings {
     pub label: Arc<str>,
     pub ext: bool,
+    /// ACK each read at once while calls are in flight (plain v1 servers: see the module
+    /// doc).
+    pub quick_ack: bool,
     pub max_body_len: u32,
     pub max_in_flight: usize,
     pub call_timeout: Duration,
@@ -160,6 +190,7 @@ impl UpstreamConn {
             table: SlotTable::default(),
             heartbeats: Vec::new(),
             next_heartbeat_id: 1,
+            quick_ack: settings.quick_ack,
             round: Vec::new(),
             written_now: 0,
             bad_input: BadInputLog::new(metrics.errors.clone(), Side::Provider),
@@ -256,6 +287,9 @@ struct ConnTask {
     table: SlotTable<Slot>,
     heartbeats: Vec<(u64, oneshot::Sender<()>)>,
     next_heartbeat_id: u64,
+    /// ACK reads at once while calls are in flight (see the module doc); turned off on
+    /// this connection if the kernel refuses it.
+    quick_ack: bool,
     /// Ids of the timed calls written this round.
     round: Vec<u64>,
     /// Calls put in the write buffer this round.
@@ -286,6 +320,7 @@ impl ConnTask {
                         if let Err(cause) = self.take_frames() {
                             break Some(cause.into());
                         }
+                        self.ack_at_once();
                     }
                     Ok(IoEvent::Wrote) => {}
                     Err(e) => break Some(format!("socket error: {e}").into()),
@@ -329,6 +364,26 @@ impl ConnTask {
             }
         };
         self.close(cause);
+    }
+
+    /// After a read from a plain v1 server: if calls (or a heartbeat) are still in flight
+    /// on the connection, the ACK of what was read goes out now instead of up to 40 ms
+    /// later, so that a server with Nagle's algorithm on sends its next reply at once (see
+    /// the module doc). Counted; a refusal (not expected on Linux) is logged, thinned, and
+    /// turns it off for this connection.
+    fn ack_at_once(&mut self) {
+        if !self.quick_ack || (self.table.is_empty() && self.heartbeats.is_empty()) {
+            return;
+        }
+        match self.io.quick_ack() {
+            Ok(()) => self.metrics.quick_acks.increment(1),
+            Err(e) => {
+                self.quick_ack = false;
+                if let Some(a) = QUICK_ACK_LINES.admit() {
+                    tracing::warn!(error = %e, refused = a.seen, left_out = a.left_out, "TCP_QUICKACK refused; replies of this plain v1 server may wait for delayed ACKs");
+                }
+            }
+        }
     }
 
     /// The deadline sweep: every call past its deadline is taken off the table and its

@@ -1,6 +1,7 @@
 //! The broker's side towards providers: per provider, a pool of multiplexed connections.
 //!
-//! - [`connection`]: one connection and the task that owns its calls in flight.
+//! - [`connection`]: one connection and the task that owns its calls in flight (and, to
+//!   a plain v1 server, ACKs its reads at once while calls are in flight: see there).
 //! - [`ProviderPool`] (here): the connections of one provider. `bb8` owns their life:
 //!   connecting, validating each with a heartbeat round trip on checkout, dropping broken
 //!   ones and reconnecting. A keeper task checks all of them out every health interval
@@ -285,6 +286,8 @@ impl ProviderPool {
         let settings = ConnSettings {
             label: Arc::from(spec.label()),
             ext: spec.ext,
+            // A plain v1 server may leave Nagle's algorithm on (connection.rs, module doc).
+            quick_ack: !spec.ext,
             max_body_len: config.max_body_len,
             max_in_flight: config.max_in_flight_per_upstream_conn,
             call_timeout: config.call_timeout,

@@ -141,6 +141,28 @@ pub async fn held_provider(gate: &Arc<Gate>) -> Running {
     .await
 }
 
+/// The classic server (`provider --classic`: a plain v1 server with Nagle's algorithm on
+/// that answers one call at a time per connection), with [`HELD_SERVICE`] besides its
+/// `EchoService`: a call of it holds its connection at `gate` until the test opens it.
+pub async fn held_classic(gate: &Arc<Gate>) -> Running {
+    let mut registry = rpcmesh_provider::classic::registry();
+    let held = Held {
+        inner: echo::echo,
+        hold: gate.holder(),
+    };
+    registry.register(HELD_SERVICE, echo::METHOD, held);
+    InProcess::start(|listener, telemetry, stop| {
+        rpcmesh_provider::classic::run_with(
+            ProviderConfig::default(),
+            registry,
+            telemetry,
+            listener,
+            stop,
+        )
+    })
+    .await
+}
+
 /// Starts a call of [`HELD_SERVICE`] carrying `message` on `c`, in the background.
 pub fn held_call(c: &Client, message: &str) -> JoinHandle<Result<Reply, ClientError>> {
     let (c, message) = (c.clone(), message.to_string());

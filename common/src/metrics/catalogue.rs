@@ -294,6 +294,14 @@ pub const UPSTREAM_CALLS_TOTAL: Family = Family {
     roles: BROKER,
     help: "Calls the broker routed to this provider, by outcome: the status of the provider's reply, or the broker's own answer (timeout, unavailable when the connection was lost or the grace period ended, failed for an unusable reply). A call a draining provider refused (NOT_RUN) counts there as unavailable, and again at the provider it was routed to next.",
 };
+/// `rpcmesh_upstream_quick_acks_total{role, upstream}`.
+pub const UPSTREAM_QUICK_ACKS_TOTAL: Family = Family {
+    name: "rpcmesh_upstream_quick_acks_total",
+    kind: Counter,
+    labels: ROLE_UPSTREAM,
+    roles: BROKER,
+    help: "Reads from a plain v1 server (--upstream-v1) after which the broker sent its ACK at once (TCP_QUICKACK, one setsockopt each) because calls were still in flight there: a server with Nagle's algorithm on holds its next reply until that ACK, which the kernel would delay up to 40 ms.",
+};
 /// `rpcmesh_pool_connections{role, upstream}`.
 pub const POOL_CONNECTIONS: Family = Family {
     name: "rpcmesh_pool_connections",
@@ -562,6 +570,7 @@ pub const CATALOGUE: &[&Family] = &[
     &UPSTREAM_CONNECT_FAILURES_TOTAL,
     &UPSTREAM_CALLS_IN_FLIGHT,
     &UPSTREAM_CALLS_TOTAL,
+    &UPSTREAM_QUICK_ACKS_TOTAL,
     &POOL_CONNECTIONS,
     &POOL_IDLE_CONNECTIONS,
     &POOL_HEALTHY_CONNECTIONS,

@@ -153,6 +153,14 @@ impl FramedIo {
         if let Err(e) = stream.set_nodelay(true) {
             tracing::warn!(error = %e, "could not set TCP_NODELAY");
         }
+        FramedIo::keeping_nagle(stream, codec)
+    }
+
+    /// As [`FramedIo::new`], but leaves Nagle's algorithm on (`TCP_NODELAY` unset, the
+    /// kernel's default): for the classic server (`provider --classic`), which stands for
+    /// the plain RPCF v1 servers that never set it, so that the broker is measured and
+    /// tested against them as they are.
+    pub fn keeping_nagle(stream: TcpStream, codec: FrameCodec) -> Self {
         let keepalive = socket2::TcpKeepalive::new()
             .with_time(KEEPALIVE_IDLE)
             .with_interval(KEEPALIVE_INTERVAL)
@@ -333,6 +341,28 @@ impl FramedIo {
         let n = len.min(self.rbuf.len());
         self.rbuf.advance(n);
         self.discard = len - n;
+    }
+
+    /// Sends the ACK of what was read at once, if the kernel was delaying it, and leaves
+    /// delayed-ACK ("ping-pong") mode until the kernel goes back to it by itself (Linux
+    /// `TCP_QUICKACK` is not sticky: it must be asked again after every read that should
+    /// be acknowledged at once). One `setsockopt`; a no-op on systems without it.
+    ///
+    /// For a reader whose peer may be holding its next bytes until this ACK comes: a
+    /// sender with Nagle's algorithm on keeps a small segment back while an earlier one is
+    /// unacknowledged, and a receiver that delays its ACK (up to 40 ms on Linux) and has
+    /// nothing of its own to send (which would carry the ACK) stalls them both for that
+    /// long. The broker calls it after reads from plain v1 upstream connections with calls
+    /// still in flight (`rpcmesh_broker::upstream`, docs/performance.md).
+    pub fn quick_ack(&self) -> io::Result<()> {
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        {
+            socket2::SockRef::from(&self.stream).set_tcp_quickack(true)
+        }
+        #[cfg(not(any(target_os = "linux", target_os = "android")))]
+        {
+            Ok(())
+        }
     }
 
     /// Writes as much of the write buffer as the socket takes now.
