@@ -12,6 +12,7 @@ from . import proc
 from .remote import Controller
 from .topology import (
     BROKER_METRICS_PORT,
+    MACHINES,
     DRIVER_METRICS_PORT,
     PROMETHEUS_PORT,
     PROVIDER_METRICS_PORT,
@@ -71,13 +72,23 @@ def system_state(ctl: Controller, m: Host) -> str:
 
 
 def units_active(ctl: Controller, *, joined: bool) -> dict[str, str]:
-    """Each deployed machine's unit and its state (`active` when all is well)."""
+    """Each deployed machine's unit and its state (`active` when all is well), and each
+    machine's own state (`running`: no unit failed)."""
     states = {}
+    for m in MACHINES:
+        if joined or not m.joins_later:
+            states[f"{m.name} system"] = system_state(ctl, m)
     for g, unit in UNITS.items():
         for m in group(g, joined=joined):
             r = ctl.ssh(m, f"systemctl is-active {unit}", check=False)
             states[f"{m.name} {unit}"] = r.stdout.decode().strip() or f"exit {r.returncode}"
     return states
+
+
+def not_well(states: dict[str, str]) -> dict[str, str]:
+    """The entries of `units_active` that are not as they should be."""
+    return {k: v for k, v in states.items()
+            if v != ("running" if k.endswith(" system") else "active")}
 
 
 def prometheus_targets(ctl: Controller) -> list[dict]:

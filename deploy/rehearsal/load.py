@@ -77,8 +77,16 @@ def finished(s: dict[str, str]) -> bool:
     return s.get("SubState") in ("exited", "failed", "dead")
 
 
-def running_everywhere(ctl: Controller, run: Run) -> bool:
-    return all(state(ctl, run, d).get("SubState") == "running" for d in run.drivers)
+def measuring_everywhere(ctl: Controller, run: Run) -> bool:
+    """Whether every driver of the run is past its warm-up (its progress lines say
+    `measuring`), so that every call made from now on is counted."""
+    for d in run.drivers:
+        if state(ctl, run, d).get("SubState") != "running":
+            return False
+        lines = ctl.ssh_text(d, f"journalctl -u {run.unit} --no-pager -o cat | tail -n 3")
+        if "measuring" not in lines:
+            return False
+    return True
 
 
 def stop(ctl: Controller, run: Run) -> None:

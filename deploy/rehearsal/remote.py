@@ -17,11 +17,28 @@ from pathlib import Path
 from . import proc
 from .topology import CONTROLLER, GROUPS, MACHINES, Host
 
-#: The ansible-core the rehearsal runs: the newest line that supports Python 3.11
-#: (Debian 12's, the controller's and the machines').
-ANSIBLE_CORE = "ansible-core>=2.19,<2.20"
-#: Where the venv lives: a folder per requirement, so a change of pin makes a new one.
-VENV = Path("/var/lib/rpcmesh-lab") / ("venv-" + ANSIBLE_CORE.replace(">=", "-").replace(",<", "-").replace("=", "-"))
+#: The controller tools of deploy/ansible: the ansible-core pinned there is the one run.
+REQUIREMENTS = Path(__file__).resolve().parents[1] / "ansible/requirements.txt"
+#: The pin used while deploy/ansible has no requirements file: the newest ansible-core
+#: line that supports Python 3.11 (Debian 12's, the controller's and the machines').
+FALLBACK_ANSIBLE_CORE = "ansible-core==2.19.14"
+
+
+def _ansible_core() -> str:
+    try:
+        for line in REQUIREMENTS.read_text().splitlines():
+            if line.strip().startswith("ansible-core"):
+                return line.split("#")[0].strip()
+    except OSError:
+        pass
+    return FALLBACK_ANSIBLE_CORE
+
+
+#: The ansible-core requirement the rehearsal installs and runs.
+ANSIBLE_CORE = _ansible_core()
+#: Where its venv lives: a folder per requirement, so that a new pin makes a new one.
+VENV = Path("/var/lib/rpcmesh-lab") / ("venv-" + "".join(
+    c if c.isalnum() or c in ".-" else "-" for c in ANSIBLE_CORE.replace("==", "-")))
 #: An SSH command that does not answer in this long has hung.
 SSH_TIMEOUT = 60.0
 #: Each HTTP GET (a /metrics page, a Prometheus query).
@@ -144,6 +161,8 @@ def playbook(controller: Controller, playbook: Path, inventory: Path, log: Path,
         ANSIBLE_FORCE_COLOR="0",
         ANSIBLE_RETRY_FILES_ENABLED="0",
         PYTHONDONTWRITEBYTECODE="1",
+        # The same output with a time stamp on each line, to see where the time goes.
+        ANSIBLE_LOG_PATH=str(log.with_suffix(".timed.log")),
     )
     cfg = playbook.parent / "ansible.cfg"
     if cfg.exists():
