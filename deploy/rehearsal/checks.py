@@ -16,6 +16,7 @@ from .topology import (
     DRIVER_METRICS_PORT,
     PROMETHEUS_PORT,
     PROVIDER_METRICS_PORT,
+    PROVIDER_PORT,
     UNITS,
     Host,
     group,
@@ -111,6 +112,12 @@ def prometheus_query(ctl: Controller, query: str) -> list[dict]:
     return got["data"]["result"]
 
 
+def prometheus_value(ctl: Controller, query: str) -> float | None:
+    """The value of a query that gives one number (None when it gives none)."""
+    result = prometheus_query(ctl, query)
+    return float(result[0]["value"][1]) if result else None
+
+
 def wait_targets_up(ctl: Controller, expected: list[tuple[Host, int]], timeout: float) -> list[dict]:
     """Waits until Prometheus has a target for every expected (machine, port), named by
     address or by host name, and every target is up (Prometheus's first scrape comes
@@ -141,3 +148,19 @@ def expected_targets(*, joined: bool, drivers: bool) -> list[tuple[Host, int]]:
     if drivers:
         ports["drivers"] = DRIVER_METRICS_PORT
     return [(m, p) for g, p in ports.items() for m in group(g, joined=joined)]
+
+
+def provider_calls(ctl: Controller, host: Host) -> float:
+    """Calls a provider answered, by its own /metrics (0 before it counted any)."""
+    samples = scrape(ctl, host, PROVIDER_METRICS_PORT)
+    return metric_sum(samples, "rpcmesh_calls_total", role="provider") or 0.0
+
+
+def brokers_routed_to(ctl: Controller, host: Host) -> float:
+    """Calls the brokers routed to a provider, by their /metrics."""
+    total = 0.0
+    for b in group("brokers"):
+        samples = scrape(ctl, b, BROKER_METRICS_PORT)
+        total += metric_sum(samples, "rpcmesh_upstream_calls_total",
+                            upstream=f"{host.ip}:{PROVIDER_PORT}") or 0.0
+    return total

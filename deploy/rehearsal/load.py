@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import proc
-from .checks import metric_sum, parse_metrics
 from .remote import Controller
 from .topology import BROKER_PORT, DRIVER_METRICS_PORT, PREFIX, Host, group
 
@@ -27,9 +26,6 @@ LOAD_DIR = "/var/lib/rpcm-load"
 DRIVER = "/usr/local/bin/driver"
 #: How long a run may take past its own duration to write its report and exit.
 EXIT_MARGIN = 30.0
-#: The driver's count of calls it sent again to another target after a draining broker
-#: refused them unrun (branch `drain`).
-REROUTED_METRIC = "rpcmesh_driver_rerouted_calls_total"
 
 
 @dataclass
@@ -162,13 +158,20 @@ def failed_calls(run: Run) -> dict[str, int]:
     return {k: v for k, v in failed.items() if v}
 
 
-def rerouted_calls(out_dir: Path, run: Run) -> int | str:
-    """Calls the drivers re-routed, from the /metrics pages saved at the end of the run
-    (`change-<driver>-metrics.txt`); a sentence when the driver does not count them."""
-    total, counted = 0.0, False
-    for d in run.drivers:
-        page = out_dir / f"{run.name}-{d.name}-metrics.txt"
-        got = metric_sum(parse_metrics(page.read_text(errors="replace")), REROUTED_METRIC)
-        if got is not None:
-            counted, total = True, total + got
-    return int(total) if counted else f"not counted (the driver exports no {REROUTED_METRIC})"
+def rerouted_calls(run: Run) -> int | str:
+    """Calls the drivers sent again to another target because a draining broker refused
+    them unrun (their reports' `calls.rerouted`); a sentence when the driver does not
+    count them."""
+    counts = [r["calls"].get("rerouted") for r in run.results.values()]
+    if any(c is None for c in counts):
+        return "not counted (this driver's report has no calls.rerouted)"
+    return int(sum(counts))
+
+
+def latency_figures(merged: dict) -> dict:
+    """The calls' figures of a merged report: rate, count and percentiles (ms)."""
+    calls = merged["figures"]["calls"]
+    lat = calls["latency"]
+    return {"calls_per_second": round(calls["per_second"]), "calls": calls["count"],
+            "p50_ms": lat["p50_ms"], "p99_ms": lat["p99_ms"], "p999_ms": lat["p999_ms"],
+            "max_ms": lat["max_ms"]}

@@ -8,6 +8,12 @@ machine but the monitoring host, the image's Prometheus is masked (a real deploy
 not install it there). The host has no system bus, so nspawn runs with `--register=no
 --keep-unit`; a machine is halted by SIGTERM to its nspawn process, which powers it off.
 
+Each nspawn starts in a cgroup of its own (`rpcm-<machine>`, in every hierarchy that
+systemd uses). Without one, every nspawn started from the same cgroup puts its machine in
+the same `payload` cgroup, and the machines' systemds share one `system.slice`: a unit
+stopped on one machine is killed on all of them (and on another lab's), and their boots
+race for the same cgroups (`status=219/CGROUP`).
+
 The process ids of every machine are kept in STATE, so that `--cleanup` can stop the
 machines of a run that was killed before its own teardown.
 """
@@ -52,6 +58,60 @@ class Machine:
         return None
 
 
+#: Where cgroup hierarchies are mounted.
+CGROUP_FS = Path("/sys/fs/cgroup")
+
+
+def cgroup_parents() -> list[Path]:
+    """The folders, one per hierarchy systemd uses here, under which a machine's own
+    cgroup is made: this process's cgroup in the unified hierarchy (cgroup v2) or, on a
+    hybrid host, in `name=systemd` and in the unified one beside it."""
+    mine = {}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        mine[controllers] = path.lstrip("/")
+    if (CGROUP_FS / "cgroup.controllers").exists():
+        return [CGROUP_FS / mine.get("", "")]
+    parents = []
+    if "name=systemd" in mine and (CGROUP_FS / "systemd").is_dir():
+        parents.append(CGROUP_FS / "systemd" / mine["name=systemd"])
+    if "" in mine and (CGROUP_FS / "unified/cgroup.controllers").exists():
+        parents.append(CGROUP_FS / "unified" / mine[""])
+    return parents
+
+
+def cgroups_of(name: str) -> list[Path]:
+    return [p / name for p in cgroup_parents()]
+
+
+def remove_cgroups(names: list[str] | None = None) -> list[str]:
+    """Removes the machines' cgroups (by default every `rpcm-` one), innermost first,
+    after killing any process left in one (by its id: the cgroup holds only what its
+    machine ran). Returns the names removed."""
+    removed = set()
+    for parent in cgroup_parents():
+        for top in sorted(parent.glob("rpcm-*")) if parent.is_dir() else []:
+            if names is not None and top.name not in names:
+                continue
+            for procs in top.rglob("cgroup.procs"):
+                for pid in procs.read_text().split():
+                    proc.kill(int(pid), signal.SIGKILL)
+            deadline = time.monotonic() + proc.STOP_GRACE
+            for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [top]:
+                while True:
+                    try:
+                        d.rmdir()
+                        break
+                    except FileNotFoundError:
+                        break
+                    except OSError:
+                        if time.monotonic() > deadline:
+                            break
+                        time.sleep(proc.POLL)
+            removed.add(top.name)
+    return sorted(removed)
+
+
 def prepare(run_dir: Path) -> None:
     """The files bound into the machines: /etc/hosts of the fleet, each one's host name."""
     etc = run_dir / "etc"
@@ -81,7 +141,15 @@ def boot(host: Host, image: Path, run_dir: Path, out_dir: Path) -> Machine:
     # tuning (somaxconn and friends) applies; the rest of /proc/sys stays read-only.
     env = dict(os.environ, SYSTEMD_NSPAWN_API_VFS_WRITABLE="network")
     console = out_dir / f"console-{host.name}.log"
-    return Machine(host, proc.start(argv, log=console, env=env), console)
+    cgroups = cgroups_of(host.name)
+    for cg in cgroups:
+        cg.mkdir(exist_ok=True)
+
+    def enter_cgroups() -> None:  # in the child, before nspawn runs
+        for cg in cgroups:
+            (cg / "cgroup.procs").write_text("0")
+
+    return Machine(host, proc.start(argv, log=console, env=env, preexec=enter_cgroups), console)
 
 
 def save_state(machines: list[Machine]) -> None:

@@ -97,11 +97,14 @@ def output(argv: list[str], *, timeout: float, check: bool = True) -> str:
     return run(argv, timeout=timeout, check=check).stdout.decode(errors="replace")
 
 
-def start(argv: list[str], *, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Starts argv in the background, its output to `log`; remembered for teardown."""
+def start(argv: list[str], *, log: Path, env: dict[str, str] | None = None,
+          preexec=None) -> subprocess.Popen:
+    """Starts argv in the background, its output to `log`; remembered for teardown.
+    `preexec` runs in the child just before argv (e.g. to enter a cgroup)."""
     with open(log, "ab") as f:
         p = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env
+            argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
+            preexec_fn=preexec,
         )
     _background.append(p)
     return p

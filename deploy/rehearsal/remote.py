@@ -123,9 +123,10 @@ def install_ansible(log: Path | None = None) -> None:
     proc.run([str(VENV / "bin/pip"), "install", "--quiet", ANSIBLE_CORE], timeout=600, log=log)
 
 
-def write_inventory(path: Path, controller: Controller, bin_dir: Path, *, joined: bool) -> None:
+def write_inventory(path: Path, controller: Controller, bin_dir: Path, *, joined: bool,
+                    extra: dict | None = None) -> None:
     """The rehearsal's inventory (YAML's JSON subset), made from the machines booted: a
-    group per role; the late provider only when `joined`."""
+    group per role; the late provider only when `joined`; `extra` variables for all."""
     children = {}
     for g in GROUPS:
         hosts = {m.name: {"ansible_host": m.ip} for m in MACHINES
@@ -142,6 +143,7 @@ def write_inventory(path: Path, controller: Controller, bin_dir: Path, *, joined
                     if o not in ("-F", "/dev/null", "-i", str(controller.key))
                 ),
                 "rpcmesh_bin_dir": str(bin_dir),
+                **(extra or {}),
             },
             "children": children,
         }
@@ -172,3 +174,28 @@ def playbook(controller: Controller, playbook: Path, inventory: Path, log: Path,
                        *(extra or []), str(playbook)]),
         timeout=timeout, log=log, env=env, cwd=playbook.parent,
     )
+
+
+def recap(log: Path) -> dict[str, int]:
+    """Changed tasks per host, from the last PLAY RECAP of an Ansible log."""
+    part = log.read_text(errors="replace").rsplit("PLAY RECAP", 1)[-1]
+    changed = {}
+    for line in part.splitlines():
+        if " : ok=" in line and "changed=" in line:
+            host = line.split(":", 1)[0].strip()
+            changed[host] = int(line.split("changed=", 1)[1].split()[0])
+    return changed
+
+
+def prometheus_config(source: Path, run_dir: Path, interval: str) -> Path:
+    """A copy of the deployment's Prometheus configuration with the scrape and evaluation
+    intervals (and the scrape timeout) at `interval`, and nothing else changed."""
+    lines = []
+    for line in source.read_text().splitlines():
+        key = line.strip().split(":", 1)[0]
+        if line.startswith("  ") and key in ("scrape_interval", "scrape_timeout", "evaluation_interval"):
+            line = f"{line.split(':', 1)[0]}: {interval}"
+        lines.append(line)
+    path = run_dir / "prometheus.yml"
+    path.write_text("\n".join(lines) + "\n")
+    return path

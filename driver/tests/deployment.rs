@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use rpcmesh_common::testkit;
 
-/// The rehearsal takes about four minutes (six with the base image to build); this only
+/// The rehearsal takes about five minutes (seven with the base image to build); this only
 /// catches a hang (every wait of the rehearsal is bounded on its own).
 const REHEARSAL_TIMEOUT: Duration = Duration::from_secs(20 * 60);
 
