@@ -28,11 +28,11 @@ class Report:
     ok: bool = False
 
     @contextmanager
-    def step(self, name: str, say=print):
+    def step(self, name: str, say=lambda line: print(line, flush=True)):
         """Times a step; a step that raises is recorded as failed (and re-raised)."""
         s = Step(name)
         self.steps.append(s)
-        say(f"== {name}", flush=True)
+        say(f"== {name}")
         t = time.monotonic()
         try:
             yield s
@@ -40,10 +40,10 @@ class Report:
             s.ok, s.seconds = False, time.monotonic() - t
             if not s.detail:
                 s.detail = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-            say(f"   FAILED after {s.seconds:.1f} s: {e}", flush=True)
+            say(f"   FAILED after {s.seconds:.1f} s: {e}")
             raise
         s.ok, s.seconds = True, time.monotonic() - t
-        say(f"   ok {s.seconds:.1f} s" + (f": {s.detail}" if s.detail else ""), flush=True)
+        say(f"   ok {s.seconds:.1f} s" + (f": {s.detail}" if s.detail else ""))
 
     def total(self) -> float:
         return time.monotonic() - self.started
@@ -58,7 +58,9 @@ class Report:
         if self.figures:
             lines.append("")
             for k, v in self.figures.items():
-                lines.append(f"  {k}: {v}")
+                if isinstance(v, dict):
+                    v = ", ".join(f"{kk} {vv}" for kk, vv in v.items())
+                lines.append(f"  {k.replace('_', ' ')}: {v}")
         return "\n".join(lines) + "\n"
 
     def write(self, out_dir: Path) -> None:

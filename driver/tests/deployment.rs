@@ -76,9 +76,10 @@ fn rehearsal_deploys_joins_a_provider_and_restarts_the_fleet_with_zero_failed_ca
     assert!(f["fleet"]["calls"].as_u64().unwrap() > 0, "{f:#}");
     assert!(f["fleet"]["p99_ms"].as_f64().unwrap() > 0.0, "{f:#}");
     assert_eq!(f["fleet"]["failed_calls"], 0, "{f:#}");
-    // Every program's metrics scraped by the monitoring host: 3 providers, 2 brokers and
-    // 2 drivers after the join (2 providers before it).
-    assert!(f["prometheus_targets_up"].as_u64().unwrap() >= 6, "{f:#}");
+    // Every program's metrics scraped by the monitoring host: 2 providers, 2 brokers and
+    // 2 drivers, and the third provider after the join.
+    assert_eq!(f["prometheus_targets_up"]["fleet_run"], 6, "{f:#}");
+    assert_eq!(f["prometheus_targets_up"]["after_join"], 7, "{f:#}");
     // The third provider took calls once the providers file named it.
     assert!(
         f["joined_provider"]["calls_answered"].as_u64().unwrap() >= 100,
