@@ -1,8 +1,8 @@
 """Running commands: every one with a timeout, its output to a log or captured, and every
 process a run starts in the background remembered, so that teardown can stop it by its id.
 
-A signal (SIGTERM, SIGHUP) becomes an `Interrupted` exception in the main thread, as
-Ctrl-C becomes KeyboardInterrupt, so that the command's `finally` tears everything down.
+A signal (Ctrl-C's SIGINT, SIGTERM, SIGHUP) becomes an `Interrupted` exception in the
+main thread, so that the command's `finally` tears everything down.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ class RehearsalError(Exception):
 
 
 class Interrupted(BaseException):
-    """SIGTERM or SIGHUP arrived (a BaseException, as KeyboardInterrupt is, so that no
-    `except Exception` swallows it)."""
+    """SIGINT, SIGTERM or SIGHUP arrived (a BaseException, as KeyboardInterrupt is, so
+    that no `except Exception` swallows it)."""
 
 
 #: How long a background process has after SIGTERM before it gets SIGKILL.
@@ -36,8 +36,9 @@ def _raise_interrupted(signum: int, _frame) -> None:
 
 
 def trap_signals() -> None:
-    """SIGTERM and SIGHUP raise Interrupted from now on (SIGINT raises KeyboardInterrupt)."""
-    for s in (signal.SIGTERM, signal.SIGHUP):
+    """SIGINT, SIGTERM and SIGHUP raise Interrupted from now on (SIGINT too: a shell
+    starts a background command with SIGINT ignored, and Python then leaves it so)."""
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, _raise_interrupted)
 
 
