@@ -69,16 +69,17 @@ lab_exec() {
   ip netns exec "$ns" "$@"
 }
 
-# lab_machine NAME: boot a systemd machine in host NAME's namespace (lab_host first), with
-# the lab's key as root's authorized_keys. Returns once systemd-nspawn is started; see
-# lab_wait_running.
+# lab_machine NAME [NSPAWN_ARG...]: boot a systemd machine in host NAME's namespace
+# (lab_host first), with the lab's key as root's authorized_keys, and any further
+# systemd-nspawn arguments. Returns once systemd-nspawn is started; see lab_wait_running.
 lab_machine() {
   local name="$1" machine="${LAB_PREFIX}-$1"
+  shift
   systemd-nspawn --quiet --register=no --keep-unit --boot \
     --directory="$LAB_BASE" --volatile=overlay --machine="$machine" \
     --network-namespace-path="/run/netns/$machine" \
     --bind-ro="$LAB_DIR/authorized_keys:/root/.ssh/authorized_keys" \
-    --console=passive \
+    --console=passive "$@" \
     >"$LAB_DIR/$name.console" 2>&1 </dev/null &
   echo "$name $!" >>"$LAB_DIR/machines"
 }
