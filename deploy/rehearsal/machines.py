@@ -10,9 +10,11 @@ not install it there). The host has no system bus, so nspawn runs with `--regist
 
 Each nspawn starts in a cgroup of its own (`rpcm-<machine>`, in every hierarchy that
 systemd uses). Without one, every nspawn started from the same cgroup puts its machine in
-the same `payload` cgroup, and the machines' systemds share one `system.slice`: a unit
-stopped on one machine is killed on all of them (and on another lab's), and their boots
-race for the same cgroups (`status=219/CGROUP`).
+the same `payload` cgroup, so the machines' systemds share one `system.slice`: the same
+unit on two machines is one cgroup on the host, holding both machines' processes, and a
+unit starting on one machine while the same unit stops on another fails to attach to the
+cgroup the other just removed (`status=219/CGROUP`; seen at boot, with
+systemd-remount-fs).
 
 The process ids of every machine are kept in STATE, so that `--cleanup` can stop the
 machines of a run that was killed before its own teardown.
