@@ -862,18 +862,26 @@ pub struct ScriptRun {
 /// block on a full pipe), and kills it if it runs past `timeout` (a hang detector: the
 /// scripts bound their own waits). Panics if it cannot be started (python3 missing).
 pub fn run_script(name: &str, args: &[&std::ffi::OsStr], timeout: Duration) -> ScriptRun {
+    run_repo_command(&format!("scripts/{name}"), args, timeout)
+}
+
+/// Runs the workspace's command at `path` (relative to the workspace root, e.g.
+/// `deploy/rehearse`) with `args`, as [`run_script`] does: from the root, output to files,
+/// killed past `timeout`.
+pub fn run_repo_command(path: &str, args: &[&std::ffi::OsStr], timeout: Duration) -> ScriptRun {
     let root = workspace_root();
+    let name = path.rsplit('/').next().unwrap_or(path);
     let dir = std::env::temp_dir().join(format!("rpcmesh-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("a folder for the script's output");
     let (out, err) = (dir.join("stdout.txt"), dir.join("stderr.txt"));
-    let mut child = std::process::Command::new(root.join("scripts").join(name))
+    let mut child = std::process::Command::new(root.join(path))
         .args(args)
         .current_dir(&root)
         .stdin(std::process::Stdio::null())
         .stdout(std::fs::File::create(&out).expect("stdout file"))
         .stderr(std::fs::File::create(&err).expect("stderr file"))
         .spawn()
-        .unwrap_or_else(|e| panic!("run scripts/{name} (python3 must be installed): {e}"));
+        .unwrap_or_else(|e| panic!("run {path} (python3 must be installed): {e}"));
     // Wall time on purpose: the deadline stops a hung script.
     let deadline = std::time::Instant::now() + timeout;
     let status = loop {
@@ -883,7 +891,7 @@ pub fn run_script(name: &str, args: &[&std::ffi::OsStr], timeout: Duration) -> S
         if std::time::Instant::now() > deadline {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("scripts/{name} still running after {timeout:?}; killed");
+            panic!("{path} still running after {timeout:?}; killed");
         }
         std::thread::sleep(WAIT_POLL);
     };

@@ -1,0 +1,18 @@
+"""The deployment rehearsal behind `deploy/rehearse`: real systemd machines in network
+namespaces, deployed by the real Ansible playbooks, loaded by the real driver.
+
+One module per concern, each used only by the ones after it:
+
+- `topology`: the machines, their groups, addresses, ports and names (no side effects);
+- `proc`: running commands with a timeout, and the processes a run started;
+- `network`: the namespaces, the bridge in a namespace of its own, the shaped links;
+- `image`: the Debian base the machines boot from, built once and cached;
+- `machines`: booting and halting the systemd-nspawn machines;
+- `remote`: SSH, HTTP and Ansible from the controller namespace;
+- `checks`: units, Prometheus targets, metrics scraped from the programs;
+- `load`: driver runs on the driver machines, their HDR logs and reports, the merge;
+- `report`: the steps' outcomes and the figures, printed and as JSON.
+
+`deploy/rehearse` is the command: it runs the steps in order and removes everything it
+made, on success, failure or a signal.
+"""

@@ -1,0 +1,107 @@
+//! The deployment test: `deploy/rehearse`, the whole rehearsal of deploy/REHEARSAL.md,
+//! end to end. Eight Debian machines booted with systemd-nspawn in network namespaces,
+//! the Ansible playbooks run over SSH from a controller namespace, the units and the
+//! Prometheus targets checked, both drivers against both brokers with their HDR logs
+//! merged, a third provider joined through the providers file, the rolling restart under
+//! load; then everything removed.
+//!
+//! It needs root, systemd-nspawn, debootstrap and ansible-core in the rehearsal's venv
+//! (`scripts/deps` installs them: `deploy/rehearse --install`); it fails, saying so, when
+//! one is missing, and never skips. It builds the Debian base once (about 100 s) when
+//! /var/lib/rpcmesh-lab/ has none.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::ffi::OsStr;
+use std::path::Path;
+use std::time::Duration;
+
+use rpcmesh_common::testkit;
+
+/// The rehearsal takes about five minutes (seven with the base image to build); this only
+/// catches a hang (every wait of the rehearsal is bounded on its own).
+const REHEARSAL_TIMEOUT: Duration = Duration::from_secs(20 * 60);
+
+/// The steps the report must have, each ok, in this order.
+const STEPS: [&str; 10] = [
+    "build",
+    "image",
+    "network",
+    "boot",
+    "deploy",
+    "units active",
+    "fleet run",
+    "join a provider",
+    "rolling restart",
+    "teardown",
+];
+
+#[test]
+fn rehearsal_deploys_joins_a_provider_and_restarts_the_fleet_with_zero_failed_calls() {
+    testkit::release_binaries();
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("rehearsal");
+    let run = testkit::run_repo_command(
+        "deploy/rehearse",
+        &[
+            OsStr::new("--no-build"),
+            OsStr::new("--out"),
+            out.as_os_str(),
+        ],
+        REHEARSAL_TIMEOUT,
+    );
+    let output = &run.output;
+    assert!(
+        run.status.success(),
+        "deploy/rehearse failed ({})\n{output}",
+        run.status
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["ok"], true, "{report:#}\n{output}");
+    let steps: Vec<(&str, bool)> = report["steps"]
+        .as_array()
+        .expect("a list of steps")
+        .iter()
+        .map(|s| (s["name"].as_str().unwrap(), s["ok"] == true))
+        .collect();
+    assert_eq!(
+        steps,
+        STEPS.iter().map(|s| (*s, true)).collect::<Vec<_>>(),
+        "{output}"
+    );
+
+    let f = &report["figures"];
+    // Both drivers' logs, merged.
+    assert_eq!(f["fleet"]["drivers"], 2, "{f:#}");
+    assert!(f["fleet"]["calls"].as_u64().unwrap() > 0, "{f:#}");
+    assert!(f["fleet"]["p99_ms"].as_f64().unwrap() > 0.0, "{f:#}");
+    assert_eq!(f["fleet"]["failed_calls"], 0, "{f:#}");
+    // Every program's metrics scraped by the monitoring host: 2 providers, 2 brokers and
+    // 2 drivers, and the third provider after the join.
+    assert_eq!(f["prometheus_targets_up"]["fleet_run"], 6, "{f:#}");
+    assert_eq!(f["prometheus_targets_up"]["after_join"], 7, "{f:#}");
+    // The third provider took calls once the providers file named it.
+    assert!(
+        f["joined_provider"]["calls_answered"].as_u64().unwrap() >= 100,
+        "{f:#}"
+    );
+    // The join and the rolling restart under load: not one call failed.
+    let during = &f["during_join_and_restart"];
+    assert!(during["calls"].as_u64().unwrap() > 0, "{f:#}");
+    assert_eq!(during["failed_calls"], 0, "{f:#}");
+
+    // Nothing is left behind: no namespace of the rehearsal, no machine state.
+    let left = std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .unwrap();
+    let left = String::from_utf8_lossy(&left.stdout);
+    assert!(
+        !left.lines().any(|l| l.starts_with("rpcm-")),
+        "namespaces left: {left}"
+    );
+    assert!(
+        !Path::new("/run/rpcm-rehearsal").exists(),
+        "the run's files were left in /run/rpcm-rehearsal"
+    );
+}
