@@ -116,11 +116,14 @@ def ansible_bin(name: str) -> Path:
 
 
 def install_ansible(log: Path | None = None) -> None:
-    """Makes the venv with ansible-core (PyPI) unless it is there."""
-    if ansible_bin("ansible-playbook").exists():
+    """Makes the venv with deploy/ansible/requirements.txt (ansible-core and ansible-lint,
+    from PyPI) unless both are there."""
+    if all(ansible_bin(b).exists() for b in ("ansible-playbook", "ansible-lint")):
         return
-    proc.run([sys.executable, "-m", "venv", str(VENV)], timeout=120, log=log)
-    proc.run([str(VENV / "bin/pip"), "install", "--quiet", ANSIBLE_CORE], timeout=600, log=log)
+    if not ansible_bin("python").exists():
+        proc.run([sys.executable, "-m", "venv", str(VENV)], timeout=120, log=log)
+    proc.run([str(VENV / "bin/pip"), "install", "--quiet", "-r", str(REQUIREMENTS)],
+             timeout=900, log=log)
 
 
 def write_inventory(path: Path, controller: Controller, bin_dir: Path, *, joined: bool,

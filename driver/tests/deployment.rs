@@ -23,8 +23,9 @@ use rpcmesh_common::testkit;
 const REHEARSAL_TIMEOUT: Duration = Duration::from_secs(20 * 60);
 
 /// The steps the report must have, each ok, in this order.
-const STEPS: [&str; 10] = [
+const STEPS: [&str; 11] = [
     "build",
+    "lint",
     "image",
     "network",
     "boot",
