@@ -42,25 +42,22 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::BytesMut;
-use rpcmesh_common::metrics::families::publish_budget;
-use rpcmesh_common::metrics::system::Housekeeping;
 use rpcmesh_common::metrics::{BadInputLog, ErrorKind, Side, Telemetry};
-use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::connection::{CloseReason, FramedIo};
-use rpcmesh_common::net::listener::{self, AcceptConfig, ServeSummary};
+use rpcmesh_common::net::listener::ServeSummary;
 use rpcmesh_common::net::session::{DRAIN_LINGER, Stop};
-use rpcmesh_common::net::shutdown::{self, CancellationToken};
 use rpcmesh_wire::Status;
 use rpcmesh_wire::body::Heartbeat;
 use rpcmesh_wire::codec::FrameCodec;
-use rpcmesh_wire::envelope::{CallCodec, put_error_response, service_not_found};
+use rpcmesh_wire::envelope::{CallCodec, put_error_response};
 use rpcmesh_wire::frame::{Flags, Frame, FrameError, MsgType};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::Instrument;
 
 use crate::ProviderConfig;
-use crate::metrics::{self, ProviderMetrics};
+use crate::metrics::ProviderMetrics;
 use crate::service::{Lookup, MethodId, Outcome, Registry, ServiceError, echo};
+use crate::session::Shared;
 
 /// The services of the classic server: `EchoService.Echo`, the one the original
 /// framework's benchmark calls.
@@ -94,47 +91,15 @@ pub async fn run_with(
 ) -> ServeSummary {
     // No stage is timed: the classic server stands for a program without rpcmesh's stages.
     let metrics = ProviderMetrics::new(telemetry, &registry, 0);
-    let accept = AcceptConfig {
-        max_connections: config.max_connections,
-        grace: config.grace,
-    };
     tracing::info!(
         addr = ?listener.local_addr().ok(),
         services = ?registry.services(),
         "classic plain RPCF v1 server listening (Nagle on, one call at a time per connection)"
     );
-    let observer = metrics.conns.clone();
-    let budget = MemoryBudget::new(config.memory_budget);
-    publish_budget(&metrics.telemetry, metrics::ROLE, &budget);
-    let shared = Arc::new(Shared {
-        budget,
-        config,
-        registry,
-        metrics,
-    });
-    let token = shutdown::token_from(shutdown);
-    let housekeeping = Housekeeping::start(&shared.metrics.telemetry, metrics::ROLE);
-    let summary = listener::serve(
-        listener,
-        accept,
-        token,
-        CancellationToken::new(),
-        observer,
-        move |stream, peer, stop| serve(stream, peer, shared.clone(), stop),
-    )
-    .await;
-    drop(housekeeping);
+    let summary =
+        crate::serve_connections(config, registry, metrics, listener, shutdown, serve).await;
     tracing::info!(?summary, "classic server stopped");
     summary
-}
-
-/// What every connection of one classic server shares (read-only).
-#[derive(Debug)]
-struct Shared {
-    config: ProviderConfig,
-    registry: Registry,
-    metrics: ProviderMetrics,
-    budget: Arc<MemoryBudget>,
 }
 
 /// Serves one connection until the caller leaves, the input is beyond repair, a timeout
@@ -316,25 +281,13 @@ impl Conn {
             .lookup(&call.request.service, &call.request.method)
         {
             Lookup::Found(h, method) => (h, method),
-            Lookup::NoService => {
-                shared
-                    .metrics
-                    .errors
-                    .inc(ErrorKind::UnknownService, Side::Client);
-                let msg = service_not_found(call.request.service_name());
-                return self.reply_error(id, None, Status::Failed, &msg);
-            }
-            Lookup::NoMethod => {
-                shared
-                    .metrics
-                    .errors
-                    .inc(ErrorKind::UnknownMethod, Side::Client);
-                let msg = format!(
-                    "method not found: {}.{}",
-                    call.request.service_name(),
-                    call.request.method_name()
-                );
-                return self.reply_error(id, None, Status::Failed, &msg);
+            miss => {
+                let (service, method) = (call.request.service_name(), call.request.method_name());
+                if let Some((kind, msg)) = miss.not_found(service, method) {
+                    shared.metrics.errors.inc(kind, Side::Client);
+                    self.reply_error(id, None, Status::Failed, &msg);
+                }
+                return;
             }
         };
         self.scratch.clear();

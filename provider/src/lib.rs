@@ -21,15 +21,18 @@ pub mod service;
 mod session;
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use rpcmesh_common::metrics::Telemetry;
 use rpcmesh_common::metrics::families::publish_budget;
 use rpcmesh_common::metrics::system::Housekeeping;
 use rpcmesh_common::net::budget::MemoryBudget;
+use rpcmesh_common::net::connection::CloseReason;
 use rpcmesh_common::net::listener::{self, AcceptConfig, ServeSummary};
+use rpcmesh_common::net::session::Stop;
 use rpcmesh_common::net::shutdown::{self, CancellationToken};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 
 pub use config::{Args, ProviderConfig};
 pub use metrics::ProviderMetrics;
@@ -72,28 +75,25 @@ pub async fn run(
     .await
 }
 
-/// As [`run`], with the services and the metrics recorder given.
-pub async fn run_with(
+/// What the provider and the classic server ([`classic`]) share around their sessions:
+/// the memory budget and its gauges, the housekeeping metrics, and the accept loop that
+/// runs `session` for each connection until `shutdown`, then drains.
+pub(crate) async fn serve_connections<F, Fut>(
     config: ProviderConfig,
     registry: Registry,
-    telemetry: Telemetry,
+    metrics: ProviderMetrics,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> ServeSummary {
-    let registry = registry.with_service_time(config.service_time, config.service_mode);
-    let metrics = ProviderMetrics::new(telemetry, &registry, config.stage_sample);
+    session: F,
+) -> ServeSummary
+where
+    F: Fn(TcpStream, SocketAddr, Arc<session::Shared>, Stop) -> Fut,
+    Fut: Future<Output = CloseReason> + Send + 'static,
+{
     let accept = AcceptConfig {
         max_connections: config.max_connections,
         grace: config.grace,
     };
-    tracing::info!(
-        addr = ?listener.local_addr().ok(),
-        services = ?registry.services(),
-        compression = config.compression.is_some(),
-        service_time = %config.service_time,
-        service_mode = ?config.service_mode,
-        "provider listening"
-    );
     let observer = metrics.conns.clone();
     let budget = MemoryBudget::new(config.memory_budget);
     publish_budget(&metrics.telemetry, metrics::ROLE, &budget);
@@ -111,10 +111,40 @@ pub async fn run_with(
         token,
         CancellationToken::new(),
         observer,
-        move |stream, peer, stop| session::serve(stream, peer, shared.clone(), stop),
+        move |stream, peer, stop| session(stream, peer, shared.clone(), stop),
     )
     .await;
     drop(housekeeping);
+    summary
+}
+
+/// As [`run`], with the services and the metrics recorder given.
+pub async fn run_with(
+    config: ProviderConfig,
+    registry: Registry,
+    telemetry: Telemetry,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> ServeSummary {
+    let registry = registry.with_service_time(config.service_time, config.service_mode);
+    let metrics = ProviderMetrics::new(telemetry, &registry, config.stage_sample);
+    tracing::info!(
+        addr = ?listener.local_addr().ok(),
+        services = ?registry.services(),
+        compression = config.compression.is_some(),
+        service_time = %config.service_time,
+        service_mode = ?config.service_mode,
+        "provider listening"
+    );
+    let summary = serve_connections(
+        config,
+        registry,
+        metrics,
+        listener,
+        shutdown,
+        session::serve,
+    )
+    .await;
     tracing::info!(?summary, "provider stopped");
     summary
 }

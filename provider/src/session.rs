@@ -29,9 +29,7 @@ use rpcmesh_common::net::timer::{Aim, PreciseTimer};
 use rpcmesh_wire::Status;
 use rpcmesh_wire::body::Heartbeat;
 use rpcmesh_wire::codec::FrameCodec;
-use rpcmesh_wire::envelope::{
-    CallCodec, put_error_response, put_not_run_response, service_not_found,
-};
+use rpcmesh_wire::envelope::{CallCodec, put_error_response, put_not_run_response};
 use rpcmesh_wire::frame::{Flags, Frame, FrameError};
 use tokio::net::TcpStream;
 use tracing::Instrument;
@@ -296,26 +294,12 @@ impl Session {
                 self.last_method = Some(m);
                 (h, m)
             }
-            Lookup::NoService => {
-                shared
-                    .metrics
-                    .errors
-                    .inc(ErrorKind::UnknownService, Side::Client);
-                let msg = service_not_found(call.request.service_name());
-                self.reply_error(io, id, flags, None, Status::Failed, &msg);
-                return Served::Now(None);
-            }
-            Lookup::NoMethod => {
-                shared
-                    .metrics
-                    .errors
-                    .inc(ErrorKind::UnknownMethod, Side::Client);
-                let msg = format!(
-                    "method not found: {}.{}",
-                    call.request.service_name(),
-                    call.request.method_name()
-                );
-                self.reply_error(io, id, flags, None, Status::Failed, &msg);
+            miss => {
+                let (service, method) = (call.request.service_name(), call.request.method_name());
+                if let Some((kind, msg)) = miss.not_found(service, method) {
+                    shared.metrics.errors.inc(kind, Side::Client);
+                    self.reply_error(io, id, flags, None, Status::Failed, &msg);
+                }
                 return Served::Now(None);
             }
         };

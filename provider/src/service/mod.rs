@@ -18,7 +18,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
+use rpcmesh_common::metrics::ErrorKind;
 use rpcmesh_wire::Status;
+use rpcmesh_wire::envelope::service_not_found;
 use rpcmesh_wire::proto::rpc::RpcRequest;
 
 use time::Timed;
@@ -102,6 +104,21 @@ pub enum Lookup<'a> {
     NoService,
     /// The service exists but has no such method.
     NoMethod,
+}
+
+impl Lookup<'_> {
+    /// For a call that found no handler: the error kind it counts as and its
+    /// `error_msg` (status 1, worded as v1 peers word it). `None` when it was found.
+    pub fn not_found(&self, service: &str, method: &str) -> Option<(ErrorKind, String)> {
+        match self {
+            Lookup::Found(..) => None,
+            Lookup::NoService => Some((ErrorKind::UnknownService, service_not_found(service))),
+            Lookup::NoMethod => Some((
+                ErrorKind::UnknownMethod,
+                format!("method not found: {service}.{method}"),
+            )),
+        }
+    }
 }
 
 /// The methods of one service: name → index into the registry's handlers.
