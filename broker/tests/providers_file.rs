@@ -416,12 +416,7 @@ async fn a_provider_drained_by_sigterm_under_load_costs_the_callers_nothing_and_
     .await;
     stop.store(true, Ordering::Relaxed);
     let (made, bad) = running.await.unwrap();
-    assert!(
-        bad.is_empty(),
-        "{} of {made} calls failed: {:?}",
-        bad.len(),
-        &bad[..bad.len().min(5)]
-    );
+    assert_all_ok(made, &bad);
     assert!(
         made < MAX_LOAD_CALLS,
         "the load ended on its stop, not its bound"
@@ -449,14 +444,19 @@ async fn a_provider_drained_by_sigterm_under_load_costs_the_callers_nothing_and_
     .await;
     stop.store(true, Ordering::Relaxed);
     let (made, bad) = running.await.unwrap();
+    assert_all_ok(made, &bad);
+
+    drop(b);
+    other.stop().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Fails the test if any of the `made` calls failed, showing the first few failures.
+fn assert_all_ok<T: std::fmt::Debug>(made: usize, bad: &[T]) {
     assert!(
         bad.is_empty(),
         "{} of {made} calls failed: {:?}",
         bad.len(),
         &bad[..bad.len().min(5)]
     );
-
-    drop(b);
-    other.stop().await;
-    let _ = std::fs::remove_dir_all(&dir);
 }

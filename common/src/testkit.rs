@@ -528,6 +528,25 @@ pub fn need_tool(tool: &str, package: &str) -> std::path::PathBuf {
         })
 }
 
+/// Runs `systemd-analyze verify` on a unit file and fails the test unless it exits 0
+/// and prints nothing (unknown keys and bad values are only warnings with exit 0).
+pub fn systemd_analyze_verify(unit: &std::path::Path) {
+    need_tool("systemd-analyze", "systemd");
+    let out = std::process::Command::new("systemd-analyze")
+        .args(["verify", "--man=no"])
+        .arg(unit)
+        .output()
+        .unwrap_or_else(|e| panic!("systemd-analyze: {e}"));
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let name = unit.display();
+    assert!(out.status.success(), "{name}: {said}");
+    assert!(said.trim().is_empty(), "{name}: {said}");
+}
+
 /// A plain HTTP/1.0 GET on 127.0.0.1 (so that the answer is never chunked): the status
 /// code and the body, or None if nothing answers.
 pub fn http(to: std::net::SocketAddr, path: &str) -> Option<(u16, String)> {

@@ -135,6 +135,14 @@ fn assert_nothing_lost(r: &Report) {
     assert!(r.calls.ok > 0);
 }
 
+/// Prints what a run sent, re-routed and failed to connect (for the test's log).
+fn print_counts(r: &Report) {
+    println!(
+        "{} calls, {} re-routed, {} failed connection attempts",
+        r.calls.sent, r.calls.rerouted, r.calls.connect_failures
+    );
+}
+
 /// Closed loop: every request started finished, each of its calls once.
 fn assert_every_call_accounted(r: &Report) {
     let failed: u64 = r.calls.errors.values().sum();
@@ -165,10 +173,7 @@ async fn a_broker_drained_mid_run_costs_no_call_its_calls_go_to_the_other() {
     assert_nothing_lost(&r);
     assert_every_call_accounted(&r);
     assert!(served(&b) > on_b);
-    println!(
-        "{} calls, {} re-routed, {} failed connection attempts",
-        r.calls.sent, r.calls.rerouted, r.calls.connect_failures
-    );
+    print_counts(&r);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -197,10 +202,7 @@ async fn a_rolling_restart_of_both_brokers_costs_no_call() {
     assert_every_call_accounted(&r);
     assert!(served(&a) > 0.0, "the restarted A took the calls B refused");
     drop(b);
-    println!(
-        "{} calls, {} re-routed, {} failed connection attempts",
-        r.calls.sent, r.calls.rerouted, r.calls.connect_failures
-    );
+    print_counts(&r);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

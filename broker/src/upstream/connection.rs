@@ -393,12 +393,10 @@ impl ConnTask {
         self.heartbeats.retain(|(_, tx)| !tx.is_closed());
         let now = Instant::now();
         self.table.take_where(|s| s.deadline <= now, expired);
-        // Requests admitted longer ago than REQUEST_RETAIN are let go (their deadline is
-        // then less than the timeout minus that away).
+        // Requests admitted longer ago than REQUEST_RETAIN are let go.
         if self.settings.ext {
-            let keep_until = self.settings.call_timeout.saturating_sub(REQUEST_RETAIN);
             for s in self.table.values_mut() {
-                if s.request.is_some() && s.deadline.saturating_duration_since(now) < keep_until {
+                if s.request.is_some() && now.duration_since(s.info.admitted) > REQUEST_RETAIN {
                     s.request = None;
                 }
             }
