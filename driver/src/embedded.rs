@@ -15,6 +15,9 @@ use tokio::sync::oneshot;
 /// Worker threads of the embedded provider and of the embedded broker each: one, so that
 /// on a small machine the driver keeps CPU to generate load with.
 pub const EMBEDDED_THREADS: usize = 1;
+/// Where the embedded programs listen: loopback, on a port the kernel picks.
+const EMBEDDED_ADDR: std::net::SocketAddr =
+    std::net::SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 0);
 /// How long the embedded mesh may take to answer its first call.
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -123,7 +126,7 @@ where
                 }
             };
             rt.block_on(async move {
-                let listener = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
+                let listener = match rpcmesh_common::cli::startup::bind(EMBEDDED_ADDR) {
                     Ok(l) => l,
                     Err(e) => {
                         let _ = addr_tx.send(Err(e.into()));

@@ -6,11 +6,34 @@
 use std::future::Future;
 use std::net::SocketAddr;
 
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 
 use crate::cli::values::MetricsListen;
 use crate::metrics::Telemetry;
 use crate::net::shutdown::{self, ShutdownSignal};
+
+/// How many connections may wait to be accepted on a server's listen socket. The kernel
+/// caps it at `net.core.somaxconn` (4,096 by default since Linux 5.4, and what the
+/// deployment's tuning role sets), so the operator's sysctl is the one knob. Tokio's own
+/// `TcpListener::bind` gets 128 (mio's choice), which a fleet of drivers reconnecting at
+/// once after a broker restart (or 200 connections opened together by one driver) can
+/// fill: the kernel then drops SYNs and those connects wait a second or more for their
+/// retransmit.
+pub const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds a server's listen socket at `addr` with [`LISTEN_BACKLOG`] (and `SO_REUSEADDR`,
+/// as `TcpListener::bind` sets it, so a restarted server binds while old connections are
+/// in TIME_WAIT).
+pub fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
 
 /// Why a program could not start.
 #[derive(Debug, thiserror::Error)]
@@ -115,12 +138,10 @@ where
 {
     let rt = start(program, "info", threads)?;
     rt.block_on(async {
-        let listener = TcpListener::bind(listen)
-            .await
-            .map_err(|source| StartupError::Bind {
-                addr: listen,
-                source,
-            })?;
+        let listener = bind(listen).map_err(|source| StartupError::Bind {
+            addr: listen,
+            source,
+        })?;
         let telemetry =
             crate::metrics::recorder::start(metrics.0).map_err(|source| StartupError::Metrics {
                 addr: metrics.0.unwrap_or(listen),
@@ -183,6 +204,49 @@ mod tests {
             assert_eq!(parse_listening_line(&line), Some((rpc, metrics)), "{line}");
         }
         assert_eq!(parse_listening_line("something else"), None);
+    }
+
+    /// The backlog the kernel holds for a listening socket, as `ss` reports it (Send-Q of
+    /// a socket in LISTEN).
+    fn listen_backlog(addr: SocketAddr) -> u32 {
+        let out = std::process::Command::new("ss")
+            .args(["-ltnH", "src", &addr.to_string()])
+            .output()
+            .expect("ss (iproute2, installed by scripts/deps) runs");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let line = text
+            .lines()
+            .next()
+            .unwrap_or_else(|| panic!("{addr} listed: {text:?}"));
+        // State Recv-Q Send-Q Local Peer
+        let send_q = line.split_whitespace().nth(2).expect("a Send-Q column");
+        send_q.parse().expect("Send-Q is a number")
+    }
+
+    #[test]
+    fn servers_listen_with_the_backlog_the_kernel_allows() {
+        let somaxconn: u32 = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let rt = build("test", 1).unwrap();
+        rt.block_on(async {
+            let ours = bind("127.0.0.1:0".parse().unwrap()).unwrap();
+            let tokio_default = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let got = listen_backlog(ours.local_addr().unwrap());
+            assert_eq!(got, LISTEN_BACKLOG.min(somaxconn));
+            // The control: Tokio's own bind (mio asks for 128) shows less on this machine,
+            // so the figure above is the setting and not a constant of the machine.
+            let default = listen_backlog(tokio_default.local_addr().unwrap());
+            assert!(default < got, "tokio's bind: {default}, ours: {got}");
+            // It is the socket the servers get, and it accepts.
+            let addr = ours.local_addr().unwrap();
+            let (accepted, connected) =
+                tokio::join!(ours.accept(), tokio::net::TcpStream::connect(addr));
+            accepted.unwrap();
+            connected.unwrap();
+        });
     }
 
     #[test]
