@@ -12,6 +12,12 @@
 //! hammered. Only when every target is pausing does the worker wait, for the first pause
 //! to end.
 //!
+//! A worker that moved away goes back to its own target once that answers again: every
+//! [`HOME_RETRY`] while it is away (and its own target is not pausing) it dials it, and a
+//! connection that is made there becomes the worker's (the old one finishes its calls and
+//! closes). Without that, every worker of a rolling restart would end on the broker that
+//! restarted first, and the run would go on measuring one broker instead of all of them.
+//!
 //! Owns the choice of target, the back-offs and the counts; the connections themselves,
 //! and what runs over them, are the worker's.
 
@@ -28,6 +34,10 @@ use crate::metrics::DriverMetrics;
 /// Timeout of one connection attempt: a healthy target on a LAN answers in well under a
 /// millisecond; two seconds covers a loaded one and a lost SYN's first retransmission.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often a worker away from its own target tries to go back to it: a broker that
+/// restarts is listening again within a second or two, and a target that stays down costs
+/// one connection attempt per interval per worker.
+pub const HOME_RETRY: Duration = Duration::from_secs(1);
 /// Connections lost that are logged at warn per worker; the next ones at debug (the
 /// report counts them all): a rolling restart is a few, a flapping target is many.
 const LOST_WARNINGS: u64 = 3;
@@ -80,6 +90,13 @@ pub struct Connector {
     targets: Vec<Target>,
     /// The target to try first next time.
     next: usize,
+    /// The worker's own target (where it started).
+    home: usize,
+    /// While the worker is away from its own target: since when, or since its last try to
+    /// go back.
+    away_since: Option<Instant>,
+    /// Times the worker went back to its own target.
+    returns: u64,
     /// The worker's number, for logs.
     worker: usize,
     /// Failed attempts, and connections lost before any reply.
@@ -103,6 +120,9 @@ impl Connector {
                 })
                 .collect(),
             next: first % n,
+            home: first % n,
+            away_since: None,
+            returns: 0,
             worker,
             failures: 0,
             lost: 0,
@@ -112,6 +132,44 @@ impl Connector {
     /// Failed connection attempts so far (the report's `connect_failures`).
     pub fn failures(&self) -> u64 {
         self.failures
+    }
+
+    /// Times the worker went back to its own target after moving away.
+    pub fn returns(&self) -> u64 {
+        self.returns
+    }
+
+    /// With the current connection on `current`: the attempt to go back to the worker's
+    /// own target, when it is away from it, has been for [`HOME_RETRY`] since it left or
+    /// last tried, and its own target is not pausing after a failed attempt.
+    pub fn return_home(&mut self, current: usize, now: Instant) -> Option<Attempt> {
+        if current == self.home {
+            self.away_since = None;
+            return None;
+        }
+        let since = *self.away_since.get_or_insert(now);
+        let pausing = self
+            .targets
+            .get(self.home)
+            .and_then(|t| t.not_before)
+            .is_some_and(|t| t > now);
+        if pausing || now.duration_since(since) < HOME_RETRY {
+            return None;
+        }
+        self.away_since = Some(now);
+        Some(Attempt {
+            target: self.home,
+            at: now,
+        })
+    }
+
+    /// A connection to `target` became the worker's: when that is its own target after
+    /// being away, it is back.
+    pub fn now_on(&mut self, target: usize) {
+        if target == self.home && self.away_since.take().is_some() {
+            self.returns += 1;
+            tracing::debug!(worker = self.worker, target = %self.addr(target), "back on its own target");
+        }
     }
 
     /// The address of target `target`.
@@ -256,6 +314,37 @@ mod tests {
         let c = Connector::new(vec![addr.to_string()], 0, 0);
         let mut d = c.dial(c.next_attempt(Instant::now()));
         assert!(d.finish().await.is_err());
+    }
+
+    #[test]
+    fn a_worker_away_from_its_own_target_tries_it_again_every_interval_unless_it_pauses() {
+        let mut c = two();
+        let m = metrics();
+        let t0 = Instant::now();
+        assert_eq!(c.return_home(1, t0), None, "at home");
+        // Moved to target 0: the first look starts the clock.
+        assert_eq!(c.return_home(0, t0), None);
+        assert_eq!(c.return_home(0, t0 + HOME_RETRY / 2), None);
+        let back = Attempt {
+            target: 1,
+            at: t0 + HOME_RETRY,
+        };
+        assert_eq!(c.return_home(0, t0 + HOME_RETRY), Some(back));
+        // That try failed: its own target pauses, and no try is made before the pause ends.
+        c.failed(1, "refused", &m);
+        let paused_until = c.targets[1].not_before.unwrap();
+        let later = (t0 + HOME_RETRY * 2).min(paused_until);
+        if later < paused_until {
+            assert_eq!(c.return_home(0, later), None, "pausing");
+        }
+        let after = paused_until.max(t0 + HOME_RETRY * 2);
+        assert_eq!(c.return_home(0, after).map(|a| a.target), Some(1));
+        assert_eq!(c.returns(), 0);
+        c.now_on(1);
+        assert_eq!(c.returns(), 1, "back home");
+        assert_eq!(c.return_home(1, after), None);
+        c.now_on(1);
+        assert_eq!(c.returns(), 1, "only a return counts");
     }
 
     #[test]

@@ -266,7 +266,10 @@ fn build_report(
         },
         measured_seconds: secs,
         requests: RequestFigures::of(&t, secs, open_loop, Some(&end.lag)),
-        calls: CallFigures::of(&t, secs, open_loop, end.late_replies, end.connect_failures),
+        calls: CallFigures {
+            returned_home: end.returned_home,
+            ..CallFigures::of(&t, secs, open_loop, end.late_replies, end.connect_failures)
+        },
         bytes: ByteFigures::of(&t),
         steps,
     }

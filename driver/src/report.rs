@@ -164,6 +164,10 @@ pub struct CallFigures {
     pub late_replies: u64,
     /// Failed connection attempts, and connections that closed before bringing a reply.
     pub connect_failures: u64,
+    /// Times a worker that had moved to another target (its own refused, failed or
+    /// drained) went back to its own once it answered again.
+    #[serde(default)]
+    pub returned_home: u64,
     /// Successful calls slower than [`SLOW_CALL_US`] (30 ms), from the intended start.
     #[serde(default)]
     pub slow: u64,
@@ -221,6 +225,7 @@ impl CallFigures {
             latency_uncorrected: open_loop.then(|| t.calls_uncorrected.summary()),
             late_replies: late,
             connect_failures,
+            returned_home: 0,
             slow: t.calls.count_above_us(SLOW_CALL_US),
         }
     }
@@ -425,6 +430,13 @@ impl Report {
                 o,
                 "  late replies {}, failed connection attempts {}",
                 self.calls.late_replies, self.calls.connect_failures
+            );
+        }
+        if self.calls.returned_home > 0 {
+            let _ = writeln!(
+                o,
+                "  workers back on their own target after moving away: {}",
+                self.calls.returned_home
             );
         }
         let b = &self.bytes;

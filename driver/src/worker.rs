@@ -147,6 +147,8 @@ pub(crate) struct WorkerFigures {
     pub steps: Vec<Tally>,
     /// Connection attempts that failed.
     pub connect_failures: u64,
+    /// Times a worker went back to its own target after moving away.
+    pub returned_home: u64,
     /// Replies that came after their call had timed out.
     pub late_replies: u64,
     /// When the last measured call finished.
@@ -166,6 +168,7 @@ impl WorkerFigures {
             a.add(b);
         }
         self.connect_failures += o.connect_failures;
+        self.returned_home += o.returned_home;
         self.late_replies += o.late_replies;
         self.last_done = self.last_done.max(o.last_done);
         self.lag.add(&o.lag);
@@ -281,6 +284,7 @@ pub(crate) async fn run(mut plan: Plan, shared: Arc<RunShared>) -> WorkerFigures
     WorkerFigures {
         steps: w.books.steps,
         connect_failures: w.connector.failures(),
+        returned_home: w.connector.returns(),
         late_replies: w.late_replies,
         last_done: w.last_done,
         lag: w.lag,
@@ -321,7 +325,8 @@ struct Worker {
     /// Connections that said they are draining, until their calls are answered (at most
     /// [`MAX_DRAINING`]).
     draining: Vec<Link>,
-    /// The connection attempt under way (while there is no current connection).
+    /// The connection attempt under way: while there is no current connection, or to go
+    /// back to the worker's own target (`Connector::return_home`).
     dialing: Option<Dialing>,
     /// Ids of calls waiting for a connection, oldest first (bounded by the table: each is
     /// a user's call).
@@ -533,10 +538,15 @@ impl Worker {
         self.abandon();
     }
 
-    /// A connection to `target` is up: it becomes the current one, the parked calls are
-    /// written on it, and the users go on.
+    /// A connection to `target` is up: it becomes the current one (a current one to
+    /// another target, when this was the way back to the worker's own, is set aside until
+    /// its calls are answered), the parked calls are written on it, and the users go on.
     fn connected(&mut self, target: usize, stream: TcpStream) {
         self.shared.metrics.conns.opened();
+        if let Some(old) = self.current.take() {
+            self.set_aside(old);
+        }
+        self.connector.now_on(target);
         self.serials = self.serials.wrapping_add(1);
         self.current = Some(Link {
             io: FramedIo::new(stream, FrameCodec::new(DEFAULT_MAX_BODY_LEN)),
@@ -611,6 +621,13 @@ impl Worker {
         };
         self.connector.drained(link.target);
         self.down_since = Instant::now();
+        self.set_aside(link);
+        self.dial_next();
+    }
+
+    /// `link` takes no more calls: it is closed now if none is in flight on it, else kept
+    /// and read until they are answered.
+    fn set_aside(&mut self, link: Link) {
         if link.in_flight == 0 {
             self.retire(link, CloseReason::Local);
         } else {
@@ -624,7 +641,20 @@ impl Worker {
             }
             self.draining.push(link);
         }
-        self.dial_next();
+    }
+
+    /// Away from its own target, the worker dials it again from time to time
+    /// (`Connector::return_home`); the current connection carries the calls meanwhile.
+    fn maybe_return_home(&mut self, now: Instant) {
+        if self.gave_up || self.dialing.is_some() || self.shared.stop.is_cancelled() {
+            return;
+        }
+        let Some(current) = self.current.as_ref().filter(|l| !l.ending) else {
+            return;
+        };
+        if let Some(attempt) = self.connector.return_home(current.target, now) {
+            self.dialing = Some(self.connector.dial(attempt));
+        }
     }
 
     /// Closes `link`, counting its last bytes and why it closed.
@@ -833,6 +863,7 @@ impl Worker {
             let table = &mut self.table;
             self.parked.retain(|&id| table.get_mut(id).is_some());
         }
+        self.maybe_return_home(now);
         self.publish();
     }
 

@@ -191,18 +191,31 @@ async fn a_rolling_restart_of_both_brokers_costs_no_call() {
     terminate(a).await;
     let a = broker(&provider, Some(addr_a));
     healthy(&a).await;
+    // The workers that started on A go back to it: both carry calls again before B goes.
+    back_on(&a).await;
     more_calls(&telemetry).await;
-    // Then B: its calls go to the new A.
+    // Then B: its calls go to the new A, and come back to the new B.
     terminate(b).await;
     let b = broker(&provider, Some(addr_b));
     healthy(&b).await;
+    back_on(&b).await;
     more_calls(&telemetry).await;
     let r = finish(run, stop).await;
     assert_nothing_lost(&r);
     assert_every_call_accounted(&r);
     assert!(served(&a) > 0.0, "the restarted A took the calls B refused");
+    assert!(
+        r.calls.returned_home >= 2,
+        "workers of both brokers went back: {r:#?}"
+    );
     drop(b);
     print_counts(&r);
+}
+
+/// Waits until the restarted `broker` has served calls: workers that started on it came
+/// back once it answered (without that, a worker stays where its fail-over took it).
+async fn back_on(broker: &Spawned) {
+    wait_until("workers back on their own broker", || served(broker) > 0.0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
