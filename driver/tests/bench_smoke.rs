@@ -9,6 +9,8 @@
 //! input), the p99.9 ratio (P3's), and that the machine's stall probe ran. A second smoke
 //! run gives `--baseline-broker` the same broker binary: the report must have the fifth
 //! path, `before`, for both kinds, and the broker ÷ before ratios (a few seconds more).
+//! A third test runs the script's `judge` on made-up ratios: P1's and P3's verdicts carry
+//! the deciding cell's range over the repeats, and say when it straddles the goal.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -267,4 +269,66 @@ fn bench_smoke_mode_with_a_baseline_broker_adds_the_before_path_and_its_ratios()
             );
         }
     }
+}
+
+/// The bench's verdicts on P1 and P3 say when the deciding cell's single repeats fall on
+/// both sides of the goal (the median's verdict is then the machine's noise as much as the
+/// broker's), and not when they all fall on one side: `judge` from `scripts/bench`, run by
+/// python on made-up ratios.
+#[test]
+fn the_verdicts_say_when_the_repeats_of_the_deciding_cell_straddle_the_goal() {
+    let bench = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/bench");
+    let program = r#"
+import importlib.machinery, importlib.util, json, sys
+loader = importlib.machinery.SourceFileLoader("bench", sys.argv[1])
+spec = importlib.util.spec_from_loader("bench", loader)
+bench = importlib.util.module_from_spec(spec)
+loader.exec_module(bench)
+
+def row(kind, workload, by_haproxy, by_nginx, best):
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    return {
+        "kind": kind, "workload": workload, "in_flight": 8, "connections_asked": 8,
+        "broker_over_haproxy": med(by_haproxy), "broker_over_nginx": med(by_nginx),
+        "best_proxy": best, "broker_over_best_proxy": med(by_nginx if best == "nginx" else by_haproxy),
+        "broker_over_haproxy_p999": 1.1,
+        "broker_over_haproxy_by_repeat": by_haproxy, "broker_over_nginx_by_repeat": by_nginx,
+    }
+
+ratios = [
+    # P1: the worst cell's repeats against nginx all below 1.3.
+    row("rpcmesh", "echo", [1.5, 1.6, 1.7], [1.1, 1.2, 1.25], "nginx"),
+    row("rpcmesh", "platform", [1.5, 1.6, 1.7], [1.4, 1.5, 1.6], "nginx"),
+    # P3: repeats on both sides of 1.0.
+    row("classic", "classic", [0.9, 0.97, 1.05], [1.0, 1.0, 1.0], "haproxy"),
+]
+out = {t["id"]: t for t in bench.judge([], ratios, [])}
+print(json.dumps({k: out[k] for k in ("P1", "P3")}))
+"#;
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(program)
+        .arg(&bench)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (p1, p3) = (&v["P1"], &v["P3"]);
+    assert_eq!(p1["verdict"], "MISS", "{p1}");
+    assert_eq!(p1["repeat_range"], serde_json::json!([1.1, 1.25]), "{p1}");
+    assert_eq!(p1["settled"], true, "{p1}");
+    assert!(!p1["note"].as_str().unwrap().contains("does not settle"));
+    assert_eq!(p3["verdict"], "MISS", "the median 0.97 misses: {p3}");
+    assert_eq!(p3["settled"], false, "{p3}");
+    assert!(
+        p3["note"]
+            .as_str()
+            .unwrap()
+            .contains("single repeats 0.90-1.05 (some meet the goal and some do not"),
+        "{p3}"
+    );
 }
