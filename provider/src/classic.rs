@@ -114,9 +114,8 @@ async fn serve(
         .with_budget(Some(shared.budget.clone()));
     let span = tracing::debug_span!("classic", %peer);
     let conn = Conn {
-        calls: CallCodec::new(None, shared.config.max_inflated)
-            .with_max_body(shared.config.max_body_len)
-            .with_max_metadata(shared.config.max_metadata),
+        // Replies are never compressed: a plain v1 caller could not read them.
+        calls: shared.config.call_codec(None),
         bad_input: BadInputLog::new(shared.metrics.errors.clone(), Side::Client),
         scratch: BytesMut::with_capacity(1024),
         io,

@@ -10,7 +10,7 @@ use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
 use rpcmesh_common::net::budget::DEFAULT_MEMORY_BUDGET;
 use rpcmesh_common::net::session::{DEFAULT_MAX_IN_FLIGHT_PER_LINK, Timeouts};
 use rpcmesh_wire::compress::{CompressionConfig, DEFAULT_MAX_INFLATED_LEN};
-use rpcmesh_wire::envelope::DEFAULT_MAX_METADATA_BYTES;
+use rpcmesh_wire::envelope::{CallCodec, DEFAULT_MAX_METADATA_BYTES};
 use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
 
 use crate::service::{ServiceMode, ServiceTime};
@@ -138,6 +138,17 @@ pub struct ProviderConfig {
     pub stage_sample: u32,
     /// Serve as the classic plain v1 server (`crate::classic`) instead of the provider.
     pub classic: bool,
+}
+
+impl ProviderConfig {
+    /// A connection's call codec with this provider's limits on what a request may carry
+    /// (body, inflated payload, metadata), compressing replies per `compression`: both
+    /// servers take their limits from here, so a new limit cannot be left out of one.
+    pub(crate) fn call_codec(&self, compression: Option<CompressionConfig>) -> CallCodec {
+        CallCodec::new(compression, self.max_inflated)
+            .with_max_body(self.max_body_len)
+            .with_max_metadata(self.max_metadata)
+    }
 }
 
 impl Default for ProviderConfig {

@@ -198,10 +198,9 @@ impl Session {
     fn new(shared: Arc<Shared>) -> Self {
         let c = &shared.config;
         Session {
-            calls: CallCodec::new(c.compression, c.max_inflated)
-                .timed(shared.metrics.compression.clone())
-                .with_max_body(c.max_body_len)
-                .with_max_metadata(c.max_metadata),
+            calls: c
+                .call_codec(c.compression)
+                .timed(shared.metrics.compression.clone()),
             pending: FuturesUnordered::new(),
             held: BinaryHeap::new(),
             clock: PreciseTimer::new(),
