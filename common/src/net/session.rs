@@ -209,6 +209,13 @@ async fn run<P: Protocol>(
     loop {
         let paused = io.budget_pause();
         let reading = !io.is_eof() && io.pending_write() < WRITE_BACKLOG_LIMIT && paused.is_none();
+        if !reading {
+            // The frame clock runs only while this side reads: a frame the memory budget
+            // (or the caller's own unread backlog) keeps from finishing is not the caller's
+            // slowness. Stopped now, before the round waits, and not only at its end: the
+            // timer armed while reading would otherwise fire in the wait and close it.
+            clock.stop_frame();
+        }
         let mut frames = None;
         tokio::select! {
             biased;
@@ -293,6 +300,12 @@ impl Clock {
         };
         clock.arm(now + limits.idle);
         clock
+    }
+
+    /// This side stopped reading: the frame being read is not timed meanwhile (it starts
+    /// again, from zero, when reading resumes).
+    fn stop_frame(&mut self) {
+        self.frame_since = None;
     }
 
     /// Takes the round's state: `frames` is how many whole frames a read brought (`None`:
@@ -565,6 +578,15 @@ mod tests {
     }
 
     async fn start_with(timeouts: Timeouts, reply_len: usize) -> Running {
+        start_budgeted(timeouts, reply_len, None).await
+    }
+
+    /// As [`start_with`], the connection's buffers counted in `budget`.
+    async fn start_budgeted(
+        timeouts: Timeouts,
+        reply_len: usize,
+        budget: Option<std::sync::Arc<crate::net::budget::MemoryBudget>>,
+    ) -> Running {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let client = TcpStream::connect(listener.local_addr().unwrap())
             .await
@@ -574,7 +596,7 @@ mod tests {
         let (ended_tx, ended) = tokio::sync::oneshot::channel();
         let shutdown = Stop::default();
         let session = tokio::spawn(serve(
-            FramedIo::new(stream, FrameCodec::default()),
+            FramedIo::new(stream, FrameCodec::default()).with_budget(budget),
             Held {
                 release: rx,
                 held: Vec::new(),
@@ -662,6 +684,63 @@ mod tests {
         s.client.write_all(&frame[..10]).await.unwrap();
         s.closed().await;
         assert_eq!(s.session.await.unwrap(), CloseReason::FrameTimeout);
+    }
+
+    #[tokio::test]
+    async fn a_frame_the_memory_budget_keeps_from_finishing_is_not_timed_out() {
+        use crate::net::budget::{MemoryBudget, PAUSE_FLOOR, PAUSE_SHARE};
+        let frame_timeout = 150;
+        let budget = MemoryBudget::new(8 << 20);
+        let mut s = start_budgeted(
+            timeouts(None, Some(frame_timeout), None),
+            0,
+            Some(budget.clone()),
+        )
+        .await;
+        // A request twice the pause floor, sent up to a little past the floor: the
+        // session holds that much of an unfinished frame.
+        let mut big = BytesMut::new();
+        Request {
+            service: bytes::Bytes::from_static(b"S"),
+            method: bytes::Bytes::from_static(b"M"),
+            payload: bytes::Bytes::from(vec![7; 2 * PAUSE_FLOOR]),
+        }
+        .put(&mut big, Flags::NONE, 1)
+        .expect("the frame encodes");
+        let cut = PAUSE_FLOOR + 4096;
+        // The rest of the process holds the budget past its pause mark: the session stops
+        // reading once it holds the floor.
+        let others = (budget.limit() as f64 * PAUSE_SHARE) as usize;
+        budget.add(others);
+        s.client.write_all(&big[..cut]).await.unwrap();
+        wait_until_held(&budget, others + PAUSE_FLOOR).await;
+        // Paused for many frame timeouts: the frame is not the caller's to finish.
+        tokio::time::sleep(Duration::from_millis(5 * frame_timeout)).await;
+        budget.release(others);
+        s.client.write_all(&big[cut..]).await.unwrap();
+        s.release.send(1).unwrap();
+        assert_eq!(
+            s.answered().await,
+            1,
+            "the paused call was read and answered"
+        );
+        // Reading again, the frame clock runs as before.
+        s.client.write_all(&request(2)[..10]).await.unwrap();
+        s.closed().await;
+        assert_eq!(s.session.await.unwrap(), CloseReason::FrameTimeout);
+    }
+
+    /// Waits until `budget` counts at least `n` bytes (the session has read that far).
+    async fn wait_until_held(budget: &crate::net::budget::MemoryBudget, n: usize) {
+        let give_up = std::time::Instant::now() + Duration::from_secs(10);
+        while budget.used() < n {
+            assert!(
+                std::time::Instant::now() < give_up,
+                "the session read {} of {n}",
+                budget.used()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
 
     #[tokio::test]
