@@ -564,33 +564,44 @@ async fn a_spent_budget_refuses_large_calls_overloaded_and_serves_small_ones() {
         platform_succeeds(broker.rpc).await.then_some(())
     })
     .await;
-    // Each large call on its own connection: no connection holds enough to be paused,
-    // but together they spend the budget.
-    let large: Vec<_> = (0..HELD_LARGE)
-        .map(|_| {
-            let to = broker.rpc;
-            tokio::spawn(async move {
-                // Held calls wait longer than the test: no client-side timeout meanwhile.
-                let config = ClientConfig {
-                    timeout: Duration::from_secs(120),
-                    ..ClientConfig::default()
-                };
-                let c = Client::connect(to, config).await.unwrap();
-                let msg = rpcmesh_wire::proto::rpc::EchoRequest {
-                    message: "x".repeat(FLOOD_FRAME),
-                };
-                c.call("EchoService", "Echo", &msg).await
-            })
+    // Large calls one at a time, each on its own connection, until one is shed: each is
+    // read whole (what the admitted ones hold stays under the mark past which the largest
+    // holders stop reading) and is either admitted, held at the slow provider, or, once
+    // the admitted ones hold half the budget, answered overloaded. Sent all at once
+    // instead, their unfinished frames could pass that mark together and all wait, unread,
+    // for the budget: backpressure, not shedding.
+    let shed = || broker.metric("rpcmesh_shed_total", &[("cap", "memory")]);
+    let held = || broker.metric("rpcmesh_calls_in_flight", &[]);
+    let mut large = Vec::new();
+    for _ in 0..HELD_LARGE {
+        let (shed_before, held_before) = (shed(), held());
+        let to = broker.rpc;
+        large.push(tokio::spawn(async move {
+            // Held calls wait longer than the test: no client-side timeout meanwhile.
+            let config = ClientConfig {
+                timeout: Duration::from_secs(120),
+                ..ClientConfig::default()
+            };
+            let c = Client::connect(to, config).await.unwrap();
+            let msg = rpcmesh_wire::proto::rpc::EchoRequest {
+                message: "x".repeat(FLOOD_FRAME),
+            };
+            c.call("EchoService", "Echo", &msg).await
+        }));
+        testkit::wait_until("the large call admitted or shed", || {
+            shed() > shed_before || held() > held_before
         })
-        .collect();
-    testkit::wait_until("a large call is shed at the memory cap", || {
-        broker.metric("rpcmesh_shed_total", &[("cap", "memory")]) >= 1.0
-    })
-    .await;
+        .await;
+        if shed() > shed_before {
+            break;
+        }
+    }
+    testkit::wait_until("a large call is shed at the memory cap", || shed() >= 1.0).await;
     assert!(
         platform_succeeds(broker.rpc).await,
         "a small call is served while large ones are refused"
     );
+    let sent = large.len();
     let mut refused = 0;
     for call in large {
         if !call.is_finished() {
@@ -608,7 +619,7 @@ async fn a_spent_budget_refuses_large_calls_overloaded_and_serves_small_ones() {
     }
     assert!(refused >= 1, "the shed calls were answered overloaded");
     eprintln!(
-        "{refused} of {HELD_LARGE} large calls answered overloaded; {:.1} MiB buffered",
+        "{refused} of {sent} large calls answered overloaded; {:.1} MiB buffered",
         broker.metric("rpcmesh_buffered_bytes", &[]) / f64::from(1 << 20)
     );
 }
