@@ -89,13 +89,13 @@ pub(crate) async fn show(shared: Arc<RunShared>, started: Instant, done: Cancell
             // A target is draining: its refusals went elsewhere.
             let _ = write!(line, "   re-routed {}", second.rerouted);
         }
-        let mut err = std::io::stderr().lock();
         if live {
+            let mut err = std::io::stderr().lock();
             let _ = write!(err, "\r\x1b[2K{line}");
+            let _ = err.flush();
         } else {
-            let _ = writeln!(err, "{line}");
+            say(format_args!("{line}"));
         }
-        let _ = err.flush();
         printed = true;
     }
     if let (Some(sched), Some((j, t, from))) = (schedule, step) {
@@ -121,15 +121,25 @@ fn step_line(live: bool, i: usize, sched: &Schedule, t: &Tally, took: Duration) 
         t.requests_not_sent,
         t.failed()
     );
-    let mut err = std::io::stderr().lock();
     if live {
-        let _ = write!(err, "\r\x1b[2K");
+        say(format_args!("\r\x1b[2K{line}"));
+    } else {
+        say(format_args!("{line}"));
     }
-    let _ = writeln!(err, "{line}");
 }
 
 /// The offered rate at the start of step `i`.
 fn step_rate(sched: &Schedule, i: usize) -> f64 {
     let each = sched.step_length().unwrap_or_default();
     sched.rate_at(each * i as u32)
+}
+
+/// Writes one whole line to stderr in a single `write`. The servers of `driver capacity`'s
+/// local mesh share the driver's stderr, and a line written piece by piece (as
+/// `eprintln!` writes to the unbuffered stderr: one `write` per piece of the format) can be
+/// cut in two by one of their log lines; a pipe keeps a single write of up to 4 KiB whole.
+pub(crate) fn say(line: std::fmt::Arguments<'_>) {
+    let mut text = line.to_string();
+    text.push('\n');
+    let _ = std::io::stderr().lock().write_all(text.as_bytes());
 }
