@@ -1,6 +1,7 @@
 //! The once-a-second progress line: requests/s, calls/s, that second's call p99 and errors.
 //! A live line rewritten in place on a terminal, one plain line per second otherwise. It
-//! goes to stderr, so that stdout carries only the report.
+//! goes to stderr, so that stdout carries only the report. Every line the driver prints
+//! there (this one, `driver capacity`'s through [`say!`]) leaves in a single `write`.
 
 use std::fmt::Write as _;
 use std::io::{IsTerminal, Write};
@@ -90,11 +91,9 @@ pub(crate) async fn show(shared: Arc<RunShared>, started: Instant, done: Cancell
             let _ = write!(line, "   re-routed {}", second.rerouted);
         }
         if live {
-            let mut err = std::io::stderr().lock();
-            let _ = write!(err, "\r\x1b[2K{line}");
-            let _ = err.flush();
+            write_whole(&format!("{CLEAR_LINE}{line}"));
         } else {
-            say(format_args!("{line}"));
+            say!("{line}");
         }
         printed = true;
     }
@@ -104,7 +103,7 @@ pub(crate) async fn show(shared: Arc<RunShared>, started: Instant, done: Cancell
         }
     }
     if live && printed {
-        eprintln!();
+        write_whole("\n");
     }
 }
 
@@ -121,11 +120,7 @@ fn step_line(live: bool, i: usize, sched: &Schedule, t: &Tally, took: Duration) 
         t.requests_not_sent,
         t.failed()
     );
-    if live {
-        say(format_args!("\r\x1b[2K{line}"));
-    } else {
-        say(format_args!("{line}"));
-    }
+    say!("{}{line}", if live { CLEAR_LINE } else { "" });
 }
 
 /// The offered rate at the start of step `i`.
@@ -134,12 +129,26 @@ fn step_rate(sched: &Schedule, i: usize) -> f64 {
     sched.rate_at(each * i as u32)
 }
 
-/// Writes one whole line to stderr in a single `write`. The servers of `driver capacity`'s
-/// local mesh share the driver's stderr, and a line written piece by piece (as
-/// `eprintln!` writes to the unbuffered stderr: one `write` per piece of the format) can be
-/// cut in two by one of their log lines; a pipe keeps a single write of up to 4 KiB whole.
-pub(crate) fn say(line: std::fmt::Arguments<'_>) {
-    let mut text = line.to_string();
-    text.push('\n');
+/// Back to the start of the terminal's line, and clear it (the live line is redrawn there).
+const CLEAR_LINE: &str = "\r\x1b[2K";
+
+/// `eprintln!`, but the line leaves in one `write` ([`write_line`]).
+macro_rules! say {
+    ($($arg:tt)*) => {
+        $crate::progress::write_line(format_args!($($arg)*))
+    };
+}
+pub(crate) use say;
+
+/// Writes one whole line to stderr ([`write_whole`]); use it through [`say!`].
+pub(crate) fn write_line(line: std::fmt::Arguments<'_>) {
+    write_whole(&format!("{line}\n"));
+}
+
+/// Writes `text` to stderr in a single `write`. The servers of `driver capacity`'s local
+/// mesh share the driver's stderr, and text written piece by piece (as `eprintln!` writes
+/// to the unbuffered stderr: one `write` per piece of the format) can be cut in two by one
+/// of their log lines; a pipe keeps a single write of up to 4 KiB whole.
+fn write_whole(text: &str) {
     let _ = std::io::stderr().lock().write_all(text.as_bytes());
 }

@@ -34,6 +34,7 @@ use self::report::{
 };
 use self::step::{Measured, Runner};
 use crate::config::WorkloadKind;
+use crate::progress::say;
 
 /// A search's `ended_by` when the time budget cut it short.
 const ENDED_BY_TIME: &str = "time";
@@ -65,10 +66,13 @@ pub async fn run(
             ("broker".into(), mesh.broker.metrics),
             ("provider".into(), mesh.provider.metrics),
         ];
-        crate::progress::say(format_args!(
+        say!(
             "capacity: local mesh: broker {} (metrics {}), provider {} (metrics {})",
-            mesh.broker.rpc, mesh.broker.metrics, mesh.provider.rpc, mesh.provider.metrics
-        ));
+            mesh.broker.rpc,
+            mesh.broker.metrics,
+            mesh.provider.rpc,
+            mesh.provider.metrics
+        );
         Some(mesh)
     } else {
         None
@@ -199,18 +203,18 @@ impl Experiment<'_> {
         compression: &Option<CompressionConfig>,
     ) -> Option<Step> {
         self.steps_run += 1;
-        crate::progress::say(format_args!(
+        say!(
             "capacity: step {} ({}, compression {}): offering {} requests/s for {:.0} s",
             self.steps_run,
             phase.name(),
             label(compression),
             crate::report::thousands(rate),
             self.config.step.as_secs_f64()
-        ));
+        );
         let m = self.runner.open(rate, *compression, &self.stop).await;
         let m = self.finished(m)?;
         let s = Step::of(phase, rate, &m, &self.config.slo);
-        crate::progress::say(format_args!(
+        say!(
             "capacity:   achieved {} requests/s ({} calls/s), p99 {} ms, errors {:.3}%, CPU µs/call {}: {}",
             crate::report::thousands(s.achieved),
             crate::report::thousands(s.calls_per_second),
@@ -222,7 +226,7 @@ impl Experiment<'_> {
             } else {
                 format!("FAIL ({})", s.broken.join(", "))
             }
-        ));
+        );
         Some(s)
     }
 
@@ -237,10 +241,7 @@ impl Experiment<'_> {
             }
             Ok(m) => Some(m),
             Err(e) => {
-                crate::progress::say(format_args!(
-                    "capacity: step {} failed: {e:#}",
-                    self.steps_run
-                ));
+                say!("capacity: step {} failed: {e:#}", self.steps_run);
                 self.stopped_early = Some(format!("step {} failed: {e:#}", self.steps_run));
                 None
             }
@@ -358,7 +359,7 @@ impl Experiment<'_> {
                 crate::report::thousands(self.config.bounds.max)
             );
         }
-        crate::progress::say(format_args!("capacity: {}", c.verdict));
+        say!("capacity: {}", c.verdict);
         (c, steps.0, steps.1)
     }
 
@@ -370,20 +371,20 @@ impl Experiment<'_> {
                 break;
             }
             self.steps_run += 1;
-            crate::progress::say(format_args!(
+            say!(
                 "capacity: step {} (sweep, compression {}): {users} users, closed loop, for {:.0} s",
                 self.steps_run,
                 label(&compression),
                 self.config.step.as_secs_f64()
-            ));
+            );
             let m = self.runner.closed(users, compression, &self.stop).await;
             let Some(m) = self.finished(m) else { break };
             let p = SweepPoint::of(users, &m);
-            crate::progress::say(format_args!(
+            say!(
                 "capacity:   {} requests/s, p99 {} ms",
                 crate::report::thousands(p.throughput),
                 crate::report::ms(p.latency.p99_ms)
-            ));
+            );
             points.push(p);
         }
         // A point where nothing succeeded says nothing about scaling (the path failed): it
