@@ -84,6 +84,19 @@ def uninterruptible():
             signal.signal(s, _on_signal)
 
 
+#: Where the scripts find provider, broker and driver unless `--bin-dir` names another
+#: folder: the release build, the one whose figures the docs quote.
+RELEASE_DIR = ROOT / "target" / "release"
+
+
+def add_binary_args(p) -> None:
+    """`--no-build` and `--bin-dir`, the same in every script."""
+    p.add_argument("--no-build", action="store_true", help="use target/release/* as they are (no cargo build)")
+    p.add_argument("--bin-dir", type=Path, metavar="DIR",
+                   help="run the provider, broker and driver in DIR as they are (implies --no-build); "
+                        "the tests' smoke runs use their debug build. Figures are only those of a release build")  # fmt: skip
+
+
 def build_release() -> float:
     """`cargo build --release --locked`; returns the seconds it took."""
     t = time.monotonic()
@@ -94,12 +107,21 @@ def build_release() -> float:
     return time.monotonic() - t
 
 
-def release_binaries(names) -> dict[str, Path]:
-    """target/release/<name> for each name, checked to be there."""
-    bins = {n: ROOT / "target" / "release" / n for n in names}
+def build_unless_told(args) -> float | None:
+    """Builds the release binaries unless `--no-build` or `--bin-dir` was given; the seconds
+    it took, or None."""
+    return None if args.no_build or args.bin_dir is not None else build_release()
+
+
+def binaries(names, bin_dir: Path | None = None) -> dict[str, Path]:
+    """<bin_dir>/<name> for each name (bin_dir RELEASE_DIR unless given), made absolute
+    (the servers run from the workspace root) and checked to be there."""
+    folder = (bin_dir or RELEASE_DIR).resolve()
+    bins = {n: folder / n for n in names}
     for b in bins.values():
         if not os.access(b, os.X_OK):
-            raise ScriptError(f"{b} missing: build it with `cargo build --release --locked` (or drop --no-build)")
+            hint = "build it with `cargo build --release --locked` (or drop --no-build)" if bin_dir is None else "check --bin-dir"
+            raise ScriptError(f"{b} missing: {hint}")
     return bins
 
 

@@ -846,24 +846,23 @@ pub fn workspace_root() -> std::path::PathBuf {
         .to_path_buf()
 }
 
-/// Builds `target/release/{provider,broker,driver}` (once per test process), as the
-/// measurement scripts use them, through the cargo that runs the test.
-pub fn release_binaries() {
-    use std::sync::OnceLock;
-    static BUILT: OnceLock<()> = OnceLock::new();
-    BUILT.get_or_init(|| {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = std::process::Command::new(cargo)
-            .args(["build", "--quiet", "--release", "--locked", "--bins"])
-            .arg("--manifest-path")
-            .arg(workspace_root().join("Cargo.toml"))
-            .status()
-            .expect("run cargo build");
-        assert!(
-            status.success(),
-            "cargo build --release --locked --bins failed"
-        );
-    });
+/// The folder of provider, broker and driver built in the profile the tests run in (each
+/// through [`bin_path`], a no-op after `cargo test --workspace`, which built them): what
+/// the measurement scripts' smoke runs and the deployment rehearsal get as `--bin-dir`.
+/// Their full runs use release builds; a smoke run checks that everything runs, and a
+/// release build from scratch would cost CI about five minutes.
+pub fn program_dir() -> std::path::PathBuf {
+    let dir = |name: &str| {
+        bin_path(name)
+            .parent()
+            .expect("a binary sits in a folder")
+            .to_path_buf()
+    };
+    let folder = dir("provider");
+    for name in ["broker", "driver"] {
+        assert_eq!(dir(name), folder, "provider and {name} in one folder");
+    }
+    folder
 }
 
 /// What a script run by [`run_script`] did.
@@ -966,11 +965,11 @@ impl Drop for SmokeRun {
     }
 }
 
-/// Runs `scripts/<name> --smoke --no-build --out DIR` on the release binaries (built first),
-/// DIR a fresh folder under `tmp` (a test's `CARGO_TARGET_TMPDIR`), and asserts that it
-/// exited 0; `timeout` as in [`run_script`].
+/// Runs `scripts/<name> --smoke --bin-dir BINS --out DIR` on the tests' build of the
+/// programs ([`program_dir`]), DIR a fresh folder under `tmp` (a test's
+/// `CARGO_TARGET_TMPDIR`), and asserts that it exited 0; `timeout` as in [`run_script`].
 pub fn smoke_script(name: &str, tmp: &std::path::Path, timeout: Duration) -> SmokeRun {
-    release_binaries();
+    let bins = program_dir();
     let out = tmp.join(format!("{name}-smoke-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out).expect("a folder for the reports");
@@ -978,7 +977,8 @@ pub fn smoke_script(name: &str, tmp: &std::path::Path, timeout: Duration) -> Smo
         name,
         &[
             "--smoke".as_ref(),
-            "--no-build".as_ref(),
+            "--bin-dir".as_ref(),
+            bins.as_os_str(),
             "--out".as_ref(),
             out.as_os_str(),
         ],

@@ -8,8 +8,10 @@ it is the same suite and has every package of the list installed.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import shutil
+import time
 from pathlib import Path
 
 from . import proc
@@ -31,6 +33,14 @@ LAB_DIR = Path("/var/lib/rpcmesh-lab")
 HAND_BUILT = LAB_DIR / "base"
 #: debootstrap took 100 s here; a slow mirror gets some room.
 DEBOOTSTRAP_TIMEOUT = 900.0
+#: Held while a base is looked for or built: `deploy/rehearse --image` (which scripts/test
+#: starts beside the compile) and a rehearsal's image step may run at the same time, and
+#: the second waits for the first's base instead of building its own.
+IMAGE_LOCK = LAB_DIR / "image.lock"
+#: How long a waiter waits for the lock: one whole debootstrap, and a minute more.
+IMAGE_LOCK_WAIT_S = DEBOOTSTRAP_TIMEOUT + 60.0
+#: How often it tries again.
+IMAGE_LOCK_POLL_S = 0.5
 
 
 def key() -> str:
@@ -70,7 +80,24 @@ def fits(root: Path) -> bool:
 def ensure(log: Path) -> tuple[Path, bool]:
     """The base to boot: the cached one, the hand-built one if it fits, or one built now
     (into a scratch folder renamed when complete, so an interrupted build is never used).
-    Returns the path and whether it was built now."""
+    Returns the path and whether it was built now. Holds IMAGE_LOCK meanwhile."""
+    LAB_DIR.mkdir(parents=True, exist_ok=True)
+    with open(IMAGE_LOCK, "a+") as lock:
+        deadline = time.monotonic() + IMAGE_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise proc.RehearsalError(
+                        f"{IMAGE_LOCK} still held after {IMAGE_LOCK_WAIT_S:.0f} s by another image build"
+                    ) from None
+                time.sleep(IMAGE_LOCK_POLL_S)
+        return _ensure_locked(log)
+
+
+def _ensure_locked(log: Path) -> tuple[Path, bool]:
     cached = cached_path()
     if fits(cached):
         return cached, False

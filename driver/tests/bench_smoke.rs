@@ -178,10 +178,9 @@ fn bench_smoke_mode_reports_calls_on_all_four_paths_of_both_upstream_kinds() {
 fn bench_smoke_mode_with_a_baseline_broker_adds_the_before_path_and_its_ratios() {
     require_haproxy();
     let _one = ONE_BENCH.lock().unwrap_or_else(|e| e.into_inner());
-    testkit::release_binaries();
+    let bins = testkit::program_dir();
     // The baseline is the same binary: this checks the plumbing, not a regression.
-    let root = testkit::workspace_root();
-    let baseline = root.join("target").join("release").join("broker");
+    let baseline = bins.join("broker");
     let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("bench-baseline-smoke-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
@@ -190,7 +189,8 @@ fn bench_smoke_mode_with_a_baseline_broker_adds_the_before_path_and_its_ratios()
         "bench",
         &[
             "--smoke".as_ref(),
-            "--no-build".as_ref(),
+            "--bin-dir".as_ref(),
+            bins.as_os_str(),
             "--out".as_ref(),
             out.as_os_str(),
             "--baseline-broker".as_ref(),

@@ -39,12 +39,13 @@ const STEPS: [&str; 11] = [
 
 #[test]
 fn rehearsal_deploys_joins_a_provider_and_restarts_the_fleet_with_zero_failed_calls() {
-    testkit::release_binaries();
+    let bins = testkit::program_dir();
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("rehearsal");
     let run = testkit::run_repo_command(
         "deploy/rehearse",
         &[
-            OsStr::new("--no-build"),
+            OsStr::new("--bin-dir"),
+            bins.as_os_str(),
             OsStr::new("--out"),
             out.as_os_str(),
         ],
@@ -105,4 +106,86 @@ fn rehearsal_deploys_joins_a_provider_and_restarts_the_fleet_with_zero_failed_ca
         !Path::new("/run/rpcm-rehearsal").exists(),
         "the run's files were left in /run/rpcm-rehearsal"
     );
+}
+
+/// The lock of the rehearsal's base image (deploy/rehearsal/image.py's `IMAGE_LOCK`).
+const IMAGE_LOCK: &str = "/var/lib/rpcmesh-lab/image.lock";
+
+/// `deploy/rehearse --image` (which scripts/test starts beside the compile) waits while
+/// another holds the image lock, here a `flock` of util-linux, and ends, having found or
+/// built the base, only after that holder is gone: a background build and a rehearsal
+/// never build the base at the same time, and the rehearsal uses the background's.
+#[test]
+fn image_preparation_waits_for_whoever_holds_the_image_lock() {
+    use std::process::{Command, Stdio};
+    let lock = Path::new(IMAGE_LOCK);
+    std::fs::create_dir_all(lock.parent().unwrap()).unwrap();
+    let flock = testkit::need_tool("flock", "util-linux");
+    // `cat` holds the lock (inherited from flock) until its stdin closes.
+    let mut holder = testkit::ChildGuard(Some(
+        Command::new(&flock)
+            .arg(lock)
+            .arg("cat")
+            .stdin(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    let held = || {
+        !Command::new(&flock)
+            .args(["-n", IMAGE_LOCK, "true"])
+            .status()
+            .unwrap()
+            .success()
+    };
+    poll("the holder takes the lock", held);
+
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("rehearse-image");
+    let mut waiter = testkit::ChildGuard(Some(
+        Command::new(testkit::workspace_root().join("deploy/rehearse"))
+            .args([OsStr::new("--image"), OsStr::new("--out"), out.as_os_str()])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    let pid = waiter.0.as_ref().unwrap().id();
+    // It has opened the lock file: it is trying to take the lock, or waiting for it.
+    poll("rehearse --image opens the lock", || {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|t| t == lock))
+    });
+    // With the base cached it would end within milliseconds if it did not wait.
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(
+        waiter.0.as_mut().unwrap().try_wait().unwrap().is_none(),
+        "rehearse --image ended while another held the image lock"
+    );
+    assert!(held(), "the holder still holds the lock");
+
+    let mut h = holder.0.take().unwrap();
+    drop(h.stdin.take());
+    assert!(h.wait().unwrap().success(), "the holder let go");
+    let done = waiter.0.take().unwrap().wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&done.stdout);
+    assert!(done.status.success(), "rehearse --image failed: {said}");
+    assert!(
+        said.contains("rehearse --image: /var/lib/rpcmesh-lab/"),
+        "it names the base: {said}"
+    );
+}
+
+/// Waits until `condition` holds, looking every [`testkit::WAIT_POLL`]; fails the test,
+/// naming `what`, after [`testkit::WAIT_TIMEOUT`] (a hang detector).
+fn poll(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + testkit::WAIT_TIMEOUT;
+    while !condition() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: not within {:?}",
+            testkit::WAIT_TIMEOUT
+        );
+        std::thread::sleep(testkit::WAIT_POLL);
+    }
 }
