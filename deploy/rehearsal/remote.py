@@ -126,10 +126,18 @@ def install_ansible(log: Path | None = None) -> None:
              timeout=900, log=log)
 
 
+def vars_path(inventory: Path) -> Path:
+    """Where the variables of the rehearsal's settings go beside its inventory."""
+    return inventory.with_name(inventory.stem + ".vars.json")
+
+
 def write_inventory(path: Path, controller: Controller, bin_dir: Path, *, joined: bool,
                     extra: dict | None = None) -> None:
     """The rehearsal's inventory (YAML's JSON subset), made from the machines booted: a
-    group per role; the late provider only when `joined`; `extra` variables for all."""
+    group per role; the late provider only when `joined`. `rpcmesh_bin_dir` and the `extra`
+    variables go to `vars_path(path)`, which `playbook` gives as extra variables: in the
+    inventory, the playbook's own group_vars (deploy/ansible/group_vars/) would win over
+    them."""
     children = {}
     for g in GROUPS:
         hosts = {m.name: {"ansible_host": m.ip} for m in MACHINES
@@ -145,13 +153,13 @@ def write_inventory(path: Path, controller: Controller, bin_dir: Path, *, joined
                     o for o in controller.ssh_options()
                     if o not in ("-F", "/dev/null", "-i", str(controller.key))
                 ),
-                "rpcmesh_bin_dir": str(bin_dir),
-                **(extra or {}),
             },
             "children": children,
         }
     }
     path.write_text(json.dumps(inventory, indent=2) + "\n")
+    settings = {"rpcmesh_bin_dir": str(bin_dir), **(extra or {})}
+    vars_path(path).write_text(json.dumps(settings, indent=2) + "\n")
 
 
 def playbook(controller: Controller, playbook: Path, inventory: Path, log: Path,
@@ -174,7 +182,7 @@ def playbook(controller: Controller, playbook: Path, inventory: Path, log: Path,
         env["ANSIBLE_CONFIG"] = str(cfg)
     proc.run(
         in_controller([str(ansible_bin("ansible-playbook")), "-i", str(inventory),
-                       *(extra or []), str(playbook)]),
+                       "-e", f"@{vars_path(inventory)}", *(extra or []), str(playbook)]),
         timeout=timeout, log=log, env=env, cwd=playbook.parent,
     )
 
