@@ -17,6 +17,7 @@ use rpcmesh_common::metrics::catalogue::{
 use rpcmesh_common::metrics::families::{
     CallCounters, ConnCounters, ShedCounters, Stages, WireCounters,
 };
+use rpcmesh_common::metrics::recorder::Exposure;
 use rpcmesh_common::metrics::{ErrorCounters, Role, Telemetry};
 use rpcmesh_wire::Status;
 
@@ -189,6 +190,7 @@ impl BrokerMetrics {
                     ("reason", "invalid"),
                 ],
             ),
+            _exposed: Arc::new(t.exposure("upstream", label)),
         }
     }
 }
@@ -243,6 +245,10 @@ pub struct UpstreamMetrics {
     conn_in_flight: Vec<Gauge>,
     pool_closed_broken: Counter,
     pool_closed_invalid: Counter,
+    /// Keeps this provider's series exported: the pool, its keeper and its connection
+    /// tasks hold clones, so they go once the provider left and its last connection
+    /// closed (before that, a leaving provider shows its draining connections).
+    _exposed: Arc<Exposure>,
 }
 
 impl UpstreamMetrics {

@@ -228,9 +228,13 @@ async fn a_provider_removed_from_the_file_takes_no_new_call_and_finishes_the_one
     assert_eq!(r.error_msg, format!("service not found: {HELD_SERVICE}"));
     assert_eq!(gate.arrived(), 1, "the late call did not reach it");
 
-    // Its connections stay open for the call they carry...
+    // Its connections stay open for the call they carry, and the broker still exports
+    // its series (the draining pool)...
     let open = || held.metric(CONNECTIONS_OPEN.name, &[("side", "inbound")]);
     assert!(open() >= 1.0);
+    let its_label = format!("upstream=\"{}\"", held.addr);
+    let exported = |label: &str| b.scrape().lines().any(|l| l.contains(label));
+    assert!(exported(&its_label), "{}", b.scrape());
     gate.open();
     let r = call.await.unwrap().unwrap();
     assert_eq!(r.status, Status::Success, "{}", r.error_msg);
@@ -247,6 +251,16 @@ async fn a_provider_removed_from_the_file_takes_no_new_call_and_finishes_the_one
         std::fs::read_to_string(&log).is_ok_and(|l| l.contains("provider gone"))
     })
     .await;
+    // ...and, once they are closed, no series of it is exported (its pool gauges would
+    // read zero healthy connections for ever and fire RpcmeshPoolUnhealthy), while the
+    // provider that stays keeps all of its own.
+    wait_until("the series of the provider that left to go", || {
+        !exported(&its_label)
+    })
+    .await;
+    let others = format!("upstream=\"{}\"", other.addr);
+    assert!(exported(&others), "{}", b.scrape());
+    assert!(upstream_ok(&b, other.addr) >= 50.0);
 
     drop(b);
     held.stop().await;

@@ -9,7 +9,13 @@
 //! Handles are registered on the instance's own recorder rather than through the global
 //! `metrics` macros, so that several providers and brokers in one test process keep
 //! separate counts.
+//!
+//! Series of something that comes and goes (the broker's providers: a provider that left
+//! the providers file) are exported only while an [`Exposure`] of their label lives: the
+//! exporter cannot delete a series, so the rendering leaves them out instead, and a
+//! provider that left is neither graphed nor alerted on for ever.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use metrics::{Counter, Gauge, Histogram, Key, Label, Metadata, Recorder};
@@ -34,12 +40,37 @@ const METADATA: Metadata<'static> = Metadata::new("rpcmesh", metrics::Level::INF
 /// Work run before each scrape's rendering (see [`Telemetry::on_scrape`]).
 pub type Refresh = Arc<dyn Fn() + Send + Sync>;
 
+/// For each (label name, value) ever given an [`Exposure`], how many live now; at zero the
+/// value's series are left out of the rendering. One entry per value ever exposed (a
+/// broker's: per provider address it ever served), as the exporter keeps their series.
+type Exposures = Arc<Mutex<HashMap<(&'static str, String), usize>>>;
+
+/// Keeps the series labelled `label="value"` in the rendering while it lives (it and any
+/// other exposure of the same label and value); made by [`Telemetry::exposure`]. Once
+/// the last is dropped, they are left out until another is made (their counts go on
+/// from where they were, as the series are the exporter's).
+#[derive(Debug)]
+pub struct Exposure {
+    exposures: Exposures,
+    key: (&'static str, String),
+}
+
+impl Drop for Exposure {
+    fn drop(&mut self) {
+        let mut all = self.exposures.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = all.get_mut(&self.key) {
+            *n = n.saturating_sub(1);
+        }
+    }
+}
+
 /// A recorder of one program instance, and the handle that renders it; or nothing at all
 /// ([`Telemetry::discard`]), when no one can read the metrics.
 #[derive(Clone)]
 pub struct Telemetry {
     inner: Option<(Arc<PrometheusRecorder>, PrometheusHandle)>,
     refresh: Arc<Mutex<Vec<Refresh>>>,
+    exposures: Exposures,
     served_at: Option<std::net::SocketAddr>,
 }
 
@@ -74,6 +105,7 @@ impl Telemetry {
         let t = Telemetry {
             inner: Some((Arc::new(recorder), handle)),
             refresh: Arc::default(),
+            exposures: Arc::default(),
             served_at: None,
         };
         catalogue::describe_all(&t);
@@ -86,6 +118,7 @@ impl Telemetry {
         Telemetry {
             inner: None,
             refresh: Arc::default(),
+            exposures: Arc::default(),
             served_at: None,
         }
     }
@@ -174,11 +207,47 @@ impl Telemetry {
         }
     }
 
-    /// The Prometheus text exposition of everything recorded so far.
+    /// Keeps the series labelled `label="value"` exported while the returned exposure
+    /// (or another of the same pair) lives; see [`Exposure`].
+    pub fn exposure(&self, label: &'static str, value: &str) -> Exposure {
+        let key = (label, value.to_string());
+        *self
+            .exposures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(key.clone())
+            .or_default() += 1;
+        Exposure {
+            exposures: self.exposures.clone(),
+            key,
+        }
+    }
+
+    /// The Prometheus text exposition of everything recorded so far, less the series of
+    /// label values no [`Exposure`] keeps any more.
     pub fn render(&self) -> String {
-        self.inner
-            .as_ref()
-            .map_or_else(String::new, |(_, h)| h.render())
+        let Some((_, h)) = &self.inner else {
+            return String::new();
+        };
+        let text = h.render();
+        let hidden: Vec<String> = self
+            .exposures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(_, live)| **live == 0)
+            .map(|((label, value), _)| format!("{label}=\"{}\"", escape_label_value(value)))
+            .collect();
+        if hidden.is_empty() {
+            return text;
+        }
+        let mut kept = String::with_capacity(text.len());
+        for line in text.split_inclusive('\n') {
+            if !hidden.iter().any(|pair| has_label(line, pair)) {
+                kept.push_str(line);
+            }
+        }
+        kept
     }
 
     /// Drains histogram samples into their buckets; run it periodically so that samples
@@ -216,6 +285,32 @@ pub fn start(listen: Option<std::net::SocketAddr>) -> std::io::Result<Telemetry>
         Some(a) => Telemetry::serve_http(a),
         None => Ok(Telemetry::discard()),
     }
+}
+
+/// A label value as the text exposition writes it (backslash, double quote and newline
+/// escaped).
+fn escape_label_value(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// Whether the sample `line` has the label `pair` (`name="escaped value"`): inside its
+/// braces, right after `{` or `,`, and followed by `,` or `}`. Comment lines have none.
+fn has_label(line: &str, pair: &str) -> bool {
+    if line.starts_with('#') {
+        return false;
+    }
+    let Some(open) = line.find('{') else {
+        return false;
+    };
+    let labels = &line[open..];
+    labels.match_indices(pair).any(|(at, _)| {
+        let before = labels[..at].chars().next_back();
+        let after = labels[at + pair.len()..].chars().next();
+        matches!(before, Some('{' | ',')) && matches!(after, Some(',' | '}'))
+    })
 }
 
 fn key(name: &'static str, labels: &[(&'static str, &str)]) -> Key {
@@ -280,6 +375,46 @@ mod tests {
     #[should_panic(expected = "takes the labels")]
     fn a_registration_with_other_labels_than_the_catalogue_is_caught() {
         let _ = Telemetry::new().counter(&catalogue::CALLS_SENT_TOTAL, &[("kind", "x")]);
+    }
+
+    #[test]
+    fn series_of_a_label_value_are_rendered_only_while_an_exposure_of_it_lives() {
+        let t = Telemetry::new();
+        let f = &catalogue::UPSTREAM_CALLS_TOTAL;
+        let labels = |up| [("role", "broker"), ("upstream", up), ("status", "ok")];
+        let a = t.exposure("upstream", "a:1");
+        let again = t.exposure("upstream", "a:1");
+        let _b = t.exposure("upstream", "a:10");
+        t.counter(f, &labels("a:1")).increment(2);
+        t.counter(f, &labels("a:10")).increment(5);
+        let up = |t: &Telemetry, v| sample(&t.render(), f.name, &[("upstream", v)]);
+        assert_eq!(up(&t, "a:1"), Some(2.0));
+        drop(a);
+        assert_eq!(up(&t, "a:1"), Some(2.0), "another exposure still lives");
+        drop(again);
+        assert_eq!(up(&t, "a:1"), None, "left out once none lives");
+        // Only that value: one that merely starts the same stays, and so does the help.
+        assert_eq!(up(&t, "a:10"), Some(5.0));
+        assert!(t.render().contains(&format!("# TYPE {} counter", f.name)));
+        // Shown again, its count goes on.
+        let _back = t.exposure("upstream", "a:1");
+        t.counter(f, &labels("a:1")).increment(1);
+        assert_eq!(up(&t, "a:1"), Some(3.0));
+    }
+
+    #[test]
+    fn a_label_is_matched_whole_inside_the_braces() {
+        let pair = "upstream=\"a:1\"";
+        assert!(has_label("m{upstream=\"a:1\"} 1\n", pair));
+        assert!(has_label(
+            "m{role=\"b\",upstream=\"a:1\",le=\"1\"} 1\n",
+            pair
+        ));
+        assert!(!has_label("m{upstream=\"a:10\"} 1\n", pair));
+        assert!(!has_label("m{xupstream=\"a:1\"} 1\n", pair));
+        assert!(!has_label("# HELP m upstream=\"a:1\"\n", pair));
+        assert!(!has_label("m 1\n", pair));
+        assert_eq!(escape_label_value("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
     }
 
     #[test]
