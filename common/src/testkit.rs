@@ -155,6 +155,31 @@ where
     }
 }
 
+/// Looks every `every` until `f` holds, from a plain (non-async) test; false if it still
+/// does not after `timeout`.
+pub fn eventually(timeout: Duration, every: Duration, mut f: impl FnMut() -> bool) -> bool {
+    // Wall time on purpose: the deadline only stops a hung test.
+    let end = std::time::Instant::now() + timeout;
+    loop {
+        if f() {
+            return true;
+        }
+        if std::time::Instant::now() >= end {
+            return false;
+        }
+        std::thread::sleep(every);
+    }
+}
+
+/// [`wait_until`] for a plain (non-async) test: looks every [`WAIT_POLL`] and fails the
+/// test, naming `what`, after [`WAIT_TIMEOUT`].
+pub fn wait_until_blocking(what: &str, f: impl FnMut() -> bool) {
+    assert!(
+        eventually(WAIT_TIMEOUT, WAIT_POLL, f),
+        "timed out after {WAIT_TIMEOUT:?} waiting for {what}"
+    );
+}
+
 /// Waits until nothing accepts connections on `addr` any more (a draining server has
 /// closed its listener); fails the test after [`WAIT_TIMEOUT`].
 pub async fn wait_refused(addr: std::net::SocketAddr) {
@@ -852,17 +877,14 @@ pub fn workspace_root() -> std::path::PathBuf {
 /// Their full runs use release builds; a smoke run checks that everything runs, and a
 /// release build from scratch would cost CI about five minutes.
 pub fn program_dir() -> std::path::PathBuf {
-    let dir = |name: &str| {
-        bin_path(name)
-            .parent()
-            .expect("a binary sits in a folder")
-            .to_path_buf()
-    };
-    let folder = dir("provider");
-    for name in ["broker", "driver"] {
-        assert_eq!(dir(name), folder, "provider and {name} in one folder");
+    for name in ["provider", "broker"] {
+        bin_path(name);
     }
-    folder
+    let driver = bin_path("driver");
+    driver
+        .parent()
+        .expect("a binary sits in its profile's folder")
+        .to_path_buf()
 }
 
 /// What a script run by [`run_script`] did.

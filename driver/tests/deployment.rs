@@ -150,7 +150,7 @@ fn image_preparation_waits_for_whoever_holds_the_image_lock() {
             .unwrap()
             .success()
     };
-    poll("the holder takes the lock", held);
+    testkit::wait_until_blocking("the holder to take the lock", held);
 
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("rehearse-image");
     let mut waiter = testkit::ChildGuard(Some(
@@ -162,7 +162,7 @@ fn image_preparation_waits_for_whoever_holds_the_image_lock() {
     ));
     let pid = waiter.0.as_ref().unwrap().id();
     // It has opened the lock file: it is trying to take the lock, or waiting for it.
-    poll("rehearse --image opens the lock", || {
+    testkit::wait_until_blocking("rehearse --image to open the lock", || {
         std::fs::read_dir(format!("/proc/{pid}/fd"))
             .into_iter()
             .flatten()
@@ -187,18 +187,4 @@ fn image_preparation_waits_for_whoever_holds_the_image_lock() {
         said.contains("rehearse --image: /var/lib/rpcmesh-lab/"),
         "it names the base: {said}"
     );
-}
-
-/// Waits until `condition` holds, looking every [`testkit::WAIT_POLL`]; fails the test,
-/// naming `what`, after [`testkit::WAIT_TIMEOUT`] (a hang detector).
-fn poll(what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = std::time::Instant::now() + testkit::WAIT_TIMEOUT;
-    while !condition() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{what}: not within {:?}",
-            testkit::WAIT_TIMEOUT
-        );
-        std::thread::sleep(testkit::WAIT_POLL);
-    }
 }

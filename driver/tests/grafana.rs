@@ -382,18 +382,8 @@ fn has_data(prom: SocketAddr, q: &str) -> bool {
 }
 
 /// Looks every 500 ms until `f` holds; false if it still does not after `timeout`.
-fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
-    // Wall time on purpose: the deadline only stops a hung test.
-    let end = Instant::now() + timeout;
-    loop {
-        if f() {
-            return true;
-        }
-        if Instant::now() >= end {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(500));
-    }
+fn eventually(timeout: Duration, f: impl FnMut() -> bool) -> bool {
+    testkit::eventually(timeout, Duration::from_millis(500), f)
 }
 
 fn wait_until(what: &str, timeout: Duration, f: impl FnMut() -> bool) {

@@ -12,7 +12,7 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rpcmesh_common::metrics::Role;
 use rpcmesh_common::metrics::catalogue::{self, CATALOGUE, Kind};
@@ -65,18 +65,8 @@ fn scalar(prom: SocketAddr, q: &str) -> f64 {
 const WAIT: Duration = testkit::WAIT_TIMEOUT;
 
 /// Looks every 200 ms until `f` holds; false if it still does not after `timeout`.
-fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
-    // Wall time on purpose: the deadline only stops a hung test.
-    let end = Instant::now() + timeout;
-    loop {
-        if f() {
-            return true;
-        }
-        if Instant::now() >= end {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
+fn eventually(timeout: Duration, f: impl FnMut() -> bool) -> bool {
+    testkit::eventually(timeout, Duration::from_millis(200), f)
 }
 
 /// Waits until `f` holds; fails the test, naming `what`, after `timeout`.
