@@ -206,6 +206,12 @@ async fn run<P: Protocol>(
     let mut cut = false;
     let mut drain = Drain::default();
     let mut clock = Clock::new(timeouts);
+    // Made once and kept registered with their tokens: a `cancelled()` made each round
+    // would lock the token to add itself as a waiter and lock it again to leave, twice a
+    // round, for a signal that comes once in the session's life.
+    let drain_begun = stop.drain.cancelled();
+    let grace_ended = stop.grace_over.cancelled();
+    tokio::pin!(drain_begun, grace_ended);
     loop {
         let paused = io.budget_pause();
         let reading = !io.is_eof() && io.pending_write() < WRITE_BACKLOG_LIMIT && paused.is_none();
@@ -234,11 +240,11 @@ async fn run<P: Protocol>(
                 }
             }
             () = drain.lingered(), if draining => {}
-            () = stop.drain.cancelled(), if !draining => {
+            () = &mut drain_begun, if !draining => {
                 tracing::debug!(in_flight = p.in_flight(), "draining");
                 draining = true;
             }
-            () = stop.grace_over.cancelled(), if !cut => {
+            () = &mut grace_ended, if !cut => {
                 tracing::debug!(in_flight = p.in_flight(), "grace period over");
                 p.on_grace_over(io);
                 (draining, cut) = (true, true);

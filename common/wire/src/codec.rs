@@ -88,7 +88,7 @@ impl FrameCodec {
             src.reserve(missing.min(src.len()));
             return Ok(None);
         }
-        Frame::from_bytes(src.split_to(total).freeze()).map(Some)
+        Frame::from_prefixed(src.split_to(total).freeze(), p).map(Some)
     }
 
     /// The stream does not start with a magic: drop junk up to the next magic found in

@@ -17,6 +17,8 @@
 //! The extension flags live in the high bits of `msg_type` (see `docs/protocol.md`): a plain
 //! v1 frame has them all clear and is therefore byte-identical to what v1 peers send.
 
+use std::sync::LazyLock;
+
 use bytes::{BufMut, Bytes, BytesMut};
 
 /// `"RPCF"` as a big-endian u32.
@@ -267,12 +269,14 @@ impl Header {
 
     /// Appends the 18 header bytes.
     pub fn put(&self, dst: &mut BytesMut) {
-        dst.reserve(HEADER_LEN);
-        dst.put_u32(MAGIC);
-        dst.put_u8(VERSION);
-        dst.put_u8(self.raw_type());
-        dst.put_u32(self.body_len);
-        dst.put_u64(self.req_id);
+        // One copy of the assembled header: five `put_*` calls check the capacity five times.
+        let mut h = [0u8; HEADER_LEN];
+        h[0..4].copy_from_slice(&MAGIC.to_be_bytes());
+        h[4] = VERSION;
+        h[5] = self.raw_type();
+        h[6..10].copy_from_slice(&self.body_len.to_be_bytes());
+        h[10..18].copy_from_slice(&self.req_id.to_be_bytes());
+        dst.extend_from_slice(&h);
     }
 }
 
@@ -289,14 +293,26 @@ pub(crate) struct Prefix {
 impl Prefix {
     /// Reads the header fields without judging them. `buf` holds at least `HEADER_LEN`.
     pub(crate) fn read(buf: &[u8]) -> Prefix {
+        // One bounds check for the whole header instead of one per field.
+        let h: &[u8; HEADER_LEN] = buf[..HEADER_LEN].try_into().expect("HEADER_LEN bytes");
         Prefix {
-            magic: be_u32(&buf[0..4]),
-            version: buf[4],
-            raw_type: buf[TYPE_AT],
-            body_len: be_u32(&buf[BODY_LEN_AT..BODY_LEN_AT + 4]),
-            req_id: be_u64(&buf[REQ_ID_AT..REQ_ID_AT + 8]),
+            magic: be_u32(&h[0..4]),
+            version: h[4],
+            raw_type: h[TYPE_AT],
+            body_len: be_u32(&h[BODY_LEN_AT..BODY_LEN_AT + 4]),
+            req_id: be_u64(&h[REQ_ID_AT..REQ_ID_AT + 8]),
         }
     }
+}
+
+/// CRC-32 of `bytes` (the trailer's). `crc32fast` picks its implementation (SIMD where
+/// the CPU has it) in `Hasher::new`, for every hasher; cloning one made once spares that
+/// check on each of the four CRCs of a forwarded call.
+fn crc32(bytes: &[u8]) -> u32 {
+    static PROTOTYPE: LazyLock<crc32fast::Hasher> = LazyLock::new(crc32fast::Hasher::new);
+    let mut h = PROTOTYPE.clone();
+    h.update(bytes);
+    h.finalize()
 }
 
 /// A complete, CRC-checked frame. `body` is a slice of the buffer it was read into: no copy.
@@ -312,6 +328,11 @@ impl Frame {
     /// Checks and splits one whole frame (`22 + body_len` bytes, nothing more). Length
     /// and limit checks belong to the caller ([`crate::codec::FrameCodec`]).
     pub fn from_bytes(frame: Bytes) -> Result<Frame, FrameError> {
+        if frame.len() < HEADER_LEN {
+            return Err(FrameError::Truncated {
+                buffered: frame.len(),
+            });
+        }
         let p = Prefix::read(&frame);
         if p.magic != MAGIC {
             return Err(FrameError::BadMagic { found: p.magic });
@@ -319,6 +340,13 @@ impl Frame {
         if p.version != VERSION {
             return Err(FrameError::BadVersion { version: p.version });
         }
+        Frame::from_prefixed(frame, p)
+    }
+
+    /// As [`from_bytes`](Self::from_bytes), for a frame whose header `p` was already
+    /// read and whose magic and version were checked (the codec's path: the header is
+    /// not read twice).
+    pub(crate) fn from_prefixed(frame: Bytes, p: Prefix) -> Result<Frame, FrameError> {
         let end = HEADER_LEN + p.body_len as usize;
         if frame.len() != end + TRAILER_LEN {
             return Err(FrameError::Truncated {
@@ -326,7 +354,7 @@ impl Frame {
             });
         }
         let expected = be_u32(&frame[end..]);
-        let actual = crc32fast::hash(&frame[..end]);
+        let actual = crc32(&frame[..end]);
         if expected != actual {
             return Err(FrameError::Crc {
                 req_id: p.req_id,
@@ -380,7 +408,7 @@ pub fn put_frame(dst: &mut BytesMut, header: &Header, body: &[u8]) {
     }
     .put(dst);
     dst.extend_from_slice(body);
-    let crc = crc32fast::hash(&dst[start..]);
+    let crc = crc32(&dst[start..]);
     dst.put_u32(crc);
 }
 
@@ -405,7 +433,7 @@ pub fn put_forwarded_response(
     .put(dst);
     dst.put_u8(status);
     dst.extend_from_slice(body.get(1..).unwrap_or_default());
-    let crc = crc32fast::hash(&dst[start..]);
+    let crc = crc32(&dst[start..]);
     dst.put_u32(crc);
 }
 
@@ -448,7 +476,7 @@ impl FrameWriter {
             let p = (dst.len() - at - 4) as u32;
             dst[at..at + 4].copy_from_slice(&p.to_be_bytes());
         }
-        let crc = crc32fast::hash(&dst[self.start..]);
+        let crc = crc32(&dst[self.start..]);
         dst.put_u32(crc);
         Ok(())
     }
@@ -528,6 +556,18 @@ mod tests {
         assert_eq!(f.header.msg_type, MsgType::Request);
         assert!(f.header.flags.contains(Flags::COMPRESSED));
         assert!(!f.header.flags.contains(Flags::ACCEPT_COMPRESSED));
+    }
+
+    #[test]
+    fn a_buffer_shorter_than_a_header_is_truncated_not_a_panic() {
+        let whole = request_frame(Flags::NONE, 3);
+        for n in [0, 1, 4, HEADER_LEN - 1] {
+            let e = Frame::from_bytes(whole.slice(..n)).unwrap_err();
+            assert!(
+                matches!(e, FrameError::Truncated { buffered } if buffered == n),
+                "{e:?}"
+            );
+        }
     }
 
     #[test]
