@@ -35,6 +35,10 @@ pub(crate) async fn run(
         Pacing::Lean => Aim::Sleeping,
     };
     let mut turn = 0usize;
+    // Made once and kept registered with the token, not once per request (see the
+    // session loop in `rpcmesh_common::net::session`).
+    let stopped = shared.stop.cancelled();
+    tokio::pin!(stopped);
     loop {
         let due = pacer.next_due();
         // The run ends before the next request is due: do not wait for it.
@@ -43,7 +47,7 @@ pub(crate) async fn run(
         }
         tokio::select! {
             () = timer.wait_until(due, aim) => {}
-            () = shared.stop.cancelled() => return,
+            () = &mut stopped => return,
         }
         if !dispatch(&mut pacer, &shared, &mut connections, &mut turn) {
             return;

@@ -325,8 +325,9 @@ pub struct Frame {
 }
 
 impl Frame {
-    /// Checks and splits one whole frame (`22 + body_len` bytes, nothing more). Length
-    /// and limit checks belong to the caller ([`crate::codec::FrameCodec`]).
+    /// Checks and splits one whole frame (`22 + body_len` bytes, nothing more; anything
+    /// shorter or longer is `Truncated`). Finding the frame's end in a stream and the
+    /// body limit belong to the caller ([`crate::codec::FrameCodec`]).
     pub fn from_bytes(frame: Bytes) -> Result<Frame, FrameError> {
         if frame.len() < HEADER_LEN {
             return Err(FrameError::Truncated {
