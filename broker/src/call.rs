@@ -1,23 +1,201 @@
 //! A call on its way through the broker: what a session hands to an upstream connection
-//! ([`Forward`]) and what comes back to the session ([`Reply`]).
+//! ([`Forward`]) and how its outcome comes back to the session (its [`Inbox`]).
 //!
 //! The request travels as the frame the session read (its body a slice of the session's
 //! read buffer); the upstream connection copies it once, into its write buffer, under its
-//! own request id. The reply travels as the frame the upstream connection read; the
-//! session copies it once, into its write buffer, under the caller's request id. The
-//! upstream connection keeps the request frame until the reply (for a while at most), so
-//! that a call a draining provider refused comes back whole ([`Reply::Retry`]).
+//! own request id. A provider's reply is copied once by the upstream connection that read
+//! it, straight into the [`Inbox`] of the caller's session under the caller's request id
+//! ([`Inbox::answer`]); the session moves those bytes into its write buffer in one piece
+//! each round, and counts the calls from a small record each. Every other outcome (the
+//! broker's own answers, calls to route again, large replies that hold a memory
+//! reservation) reaches the session whole, as a [`Reply`] ([`Inbox::send`]). The upstream
+//! connection keeps the request frame until the reply (for a while at most), so that a
+//! call a draining provider refused comes back whole ([`Reply::Retry`]).
 
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Waker};
 use std::time::Instant;
 
-use rpcmesh_common::net::budget::Reserved;
-use rpcmesh_wire::frame::{Flags, Frame};
-use tokio::sync::mpsc;
+use bytes::BytesMut;
+use rpcmesh_common::net::budget::{Reserved, SMALL_BODY};
+use rpcmesh_wire::Status;
+use rpcmesh_wire::frame::{Flags, Frame, put_forwarded_response};
 
 use crate::failure::Failure;
 
-/// Where an upstream connection sends a call's outcome: the session that admitted it.
-pub(crate) type ReplyTx = mpsc::UnboundedSender<Reply>;
+/// Where an upstream connection puts a call's outcome: the inbox of the session that
+/// admitted it.
+pub(crate) type ReplyTx = Arc<Inbox>;
+
+/// The outcomes of one session's calls, put there by upstream connections and taken by
+/// the session once per round. A mutex, not a channel: an upstream connection copies a
+/// reply's bytes in and records the call in a few words, and the session takes everything
+/// at once, so a call costs neither a message moved through a queue nor one taken out
+/// (measured: docs/performance.md, "What each optimisation bought"). Upstream connections
+/// hold the lock only to append; the session only to swap the contents out.
+#[derive(Debug, Default)]
+pub(crate) struct Inbox {
+    state: Mutex<InboxState>,
+}
+
+#[derive(Debug, Default)]
+struct InboxState {
+    /// Provider replies, under their callers' ids, ready to be written.
+    replies: BytesMut,
+    /// One record per reply in `replies`, in order.
+    answered: Vec<Answered>,
+    /// Every other outcome.
+    other: Vec<Reply>,
+    /// The session, when it waits for an outcome.
+    waker: Option<Waker>,
+    /// The session is gone: outcomes are dropped.
+    closed: bool,
+}
+
+/// A call answered by its provider into the inbox's replies: what the session counts.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Answered {
+    /// The session's tag for the call.
+    pub tag: u32,
+    /// The status the provider answered.
+    pub status: Status,
+    /// When the session read the request, and when the reply was read from the provider
+    /// (the calls whose stages are timed only).
+    pub timed: Option<(Instant, Option<Instant>)>,
+}
+
+/// What a session takes from its inbox in one go ([`Inbox::take`]).
+#[derive(Debug, Default)]
+pub(crate) struct Taken {
+    pub answered: Vec<Answered>,
+    pub other: Vec<Reply>,
+}
+
+impl Inbox {
+    pub fn new() -> Arc<Inbox> {
+        Arc::new(Inbox::default())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, InboxState> {
+        // Nothing under the lock can panic half-way through an update that matters.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Passes a provider's reply to the caller: its bytes under the caller's id, or, for a
+    /// reply that holds a memory reservation or is itself large, the whole frame (see
+    /// [`Reply::Done`]). Returns the status the provider answered.
+    pub fn answer(&self, frame: Frame, info: CallInfo, reserved: Option<Reserved>) -> Status {
+        if reserved.is_some() || frame.body.len() >= SMALL_BODY {
+            // Large: it goes on with its reservation (or, a large reply to a small call,
+            // as the frame in the provider connection's read buffer, which the budget
+            // counts there) until the session copied it.
+            let status = status_of(&frame);
+            self.send(Reply::Done {
+                info,
+                outcome: Ok(frame),
+                reserved,
+            });
+            return status;
+        }
+        let mut st = self.lock();
+        let status = if st.closed {
+            status_of(&frame)
+        } else {
+            let status = write_reply_to(&mut st.replies, &frame, info);
+            st.answered.push(Answered {
+                tag: info.tag,
+                status,
+                timed: info.routed.map(|_| (info.admitted, info.replied)),
+            });
+            status
+        };
+        let waker = st.waker.take();
+        drop(st);
+        if let Some(w) = waker {
+            w.wake();
+        }
+        status
+    }
+
+    /// Hands the session an outcome it acts on itself. Dropped when the session is gone
+    /// (nobody is left to answer).
+    pub fn send(&self, reply: Reply) {
+        let mut st = self.lock();
+        if st.closed {
+            return;
+        }
+        st.other.push(reply);
+        let waker = st.waker.take();
+        drop(st);
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+
+    /// Ready when outcomes wait; else the session is woken by the next one.
+    pub fn poll_ready(&self, cx: &mut Context<'_>) -> Poll<()> {
+        let mut st = self.lock();
+        if !st.answered.is_empty() || !st.other.is_empty() {
+            return Poll::Ready(());
+        }
+        match &st.waker {
+            Some(w) if w.will_wake(cx.waker()) => {}
+            _ => st.waker = Some(cx.waker().clone()),
+        }
+        Poll::Pending
+    }
+
+    /// Moves the replies' bytes to the end of `wbuf` and the records into `into` (which
+    /// must be empty); returns how many outcomes were taken.
+    pub fn take(&self, wbuf: &mut BytesMut, into: &mut Taken) -> usize {
+        let mut st = self.lock();
+        let n = st.answered.len() + st.other.len();
+        if !st.replies.is_empty() {
+            if wbuf.is_empty() {
+                // The buffers trade places: no copy, and each keeps its room.
+                std::mem::swap(wbuf, &mut st.replies);
+            } else {
+                wbuf.extend_from_slice(&st.replies);
+                st.replies.clear();
+            }
+        }
+        std::mem::swap(&mut into.answered, &mut st.answered);
+        std::mem::swap(&mut into.other, &mut st.other);
+        n
+    }
+
+    /// The session is gone: later outcomes are dropped, and what waits is let go.
+    pub fn close(&self) {
+        let mut st = self.lock();
+        st.closed = true;
+        st.replies = BytesMut::new();
+        st.answered = Vec::new();
+        st.other = Vec::new();
+        st.waker = None;
+    }
+}
+
+/// The status a provider's reply carries ("failed" for one the broker does not know).
+fn status_of(frame: &Frame) -> Status {
+    Status::from_wire(frame.body[0]).unwrap_or(Status::Failed)
+}
+
+/// Copies the provider's reply to `dst` under the caller's id, degrading an extended
+/// status to "failed" for a caller that did not ask for them. A caller without extended
+/// statuses gets no `NOT_RUN` either (a v1 peer would take the frame for an unknown
+/// type): it is only ever set with status 3, which such a caller gets as 1.
+pub(crate) fn write_reply_to(dst: &mut BytesMut, frame: &Frame, info: CallInfo) -> Status {
+    let status = status_of(frame);
+    let ext = info.client_flags.contains(Flags::EXT_STATUS);
+    let wire = status.to_wire(ext);
+    let flags = if ext {
+        frame.header.flags
+    } else {
+        frame.header.flags.without(Flags::NOT_RUN)
+    };
+    put_forwarded_response(dst, info.client_id, flags, &frame.body, wire);
+    status
+}
 
 /// What the session needs back to answer the caller.
 #[derive(Debug, Clone, Copy)]
@@ -89,5 +267,182 @@ impl Reroute {
             Reroute::Unsent => "unsent",
             Reroute::NotRun => "not_run",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rpcmesh_wire::envelope::put_not_run_response;
+
+    fn info(client_flags: Flags) -> CallInfo {
+        CallInfo {
+            client_id: 7,
+            client_flags,
+            tag: 0,
+            admitted: Instant::now(),
+            routed: None,
+            replied: None,
+        }
+    }
+
+    /// A provider's NOT_RUN refusal, as the broker reads it (it always asks rpcmesh
+    /// providers for extended statuses).
+    fn not_run_reply() -> Frame {
+        let mut b = BytesMut::new();
+        put_not_run_response(&mut b, 99, Flags::EXT_STATUS, "provider shutting down");
+        Frame::from_bytes(b.freeze()).unwrap()
+    }
+
+    #[test]
+    fn not_run_is_passed_on_only_to_callers_that_take_extended_statuses() {
+        let reply = not_run_reply();
+        assert!(reply.header.flags.contains(Flags::NOT_RUN));
+        let mut out = BytesMut::new();
+        let status = write_reply_to(&mut out, &reply, info(Flags::NONE));
+        assert_eq!(status, Status::Unavailable);
+        let v1 = Frame::from_bytes(out.split().freeze()).unwrap();
+        assert_eq!(v1.header.req_id, 7);
+        assert_eq!(
+            v1.header.flags,
+            Flags::NONE,
+            "a v1 caller gets a plain frame"
+        );
+        assert_eq!(v1.body[0], Status::Failed as u8, "and status 1");
+        write_reply_to(&mut out, &reply, info(Flags::EXT_STATUS));
+        let ext = Frame::from_bytes(out.split().freeze()).unwrap();
+        assert_eq!(ext.header.flags, Flags::NOT_RUN);
+        assert_eq!(ext.body[0], Status::Unavailable as u8);
+    }
+
+    /// A provider's reply with status `status` and a body of `extra` more bytes of message.
+    fn reply(id: u64, status: Status, extra: usize) -> Frame {
+        let mut b = BytesMut::new();
+        let message = "x".repeat(extra);
+        rpcmesh_wire::envelope::put_error_response(&mut b, id, Flags::EXT_STATUS, status, &message);
+        Frame::from_bytes(b.freeze()).unwrap()
+    }
+
+    /// Counts the wake-ups of the task that polled.
+    struct CountWakes(std::sync::atomic::AtomicUsize);
+
+    impl std::task::Wake for CountWakes {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    #[test]
+    fn replies_reach_the_session_as_bytes_under_the_callers_ids_with_one_record_each() {
+        let inbox = Inbox::new();
+        let wakes = Arc::new(CountWakes(0.into()));
+        let waker = Waker::from(wakes.clone());
+        let mut cx = Context::from_waker(&waker);
+        assert!(inbox.poll_ready(&mut cx).is_pending(), "nothing yet");
+        let mut a = info(Flags::EXT_STATUS);
+        a.tag = 3;
+        let mut b = info(Flags::NONE);
+        b.client_id = 8;
+        b.routed = Some(Instant::now());
+        assert_eq!(
+            inbox.answer(reply(1, Status::Success, 0), a, None),
+            Status::Success
+        );
+        assert_eq!(
+            inbox.answer(reply(2, Status::Unavailable, 0), b, None),
+            Status::Unavailable
+        );
+        assert_eq!(
+            wakes.0.load(std::sync::atomic::Ordering::Relaxed),
+            1,
+            "woken once"
+        );
+        assert!(inbox.poll_ready(&mut cx).is_ready());
+
+        // Taken after bytes already in the write buffer: appended, in order.
+        let mut wbuf = BytesMut::from(&b"earlier"[..]);
+        let mut taken = Taken::default();
+        assert_eq!(inbox.take(&mut wbuf, &mut taken), 2);
+        assert_eq!(&wbuf[..7], b"earlier");
+        let mut rest = wbuf.split_off(7);
+        let codec = rpcmesh_wire::codec::FrameCodec::new(1 << 20);
+        let first = codec.decode_frame(&mut rest).unwrap().unwrap();
+        let second = codec.decode_frame(&mut rest).unwrap().unwrap();
+        assert!(rest.is_empty());
+        assert_eq!(
+            (first.header.req_id, first.body[0]),
+            (7, Status::Success as u8)
+        );
+        assert_eq!(
+            (second.header.req_id, second.body[0]),
+            (8, Status::Failed as u8),
+            "a v1 caller gets an extended status as failed"
+        );
+        let records: Vec<_> = taken.answered.iter().map(|r| (r.tag, r.status)).collect();
+        assert_eq!(records, [(3, Status::Success), (0, Status::Unavailable)]);
+        assert!(taken.answered[0].timed.is_none(), "untimed call");
+        assert!(
+            taken.answered[1].timed.is_some(),
+            "timed call keeps its times"
+        );
+        assert!(taken.other.is_empty());
+        assert!(inbox.poll_ready(&mut cx).is_pending(), "empty again");
+    }
+
+    #[test]
+    fn a_large_reply_and_a_reserved_call_go_whole_and_a_closed_inbox_drops_everything() {
+        let inbox = Inbox::new();
+        let budget = rpcmesh_common::net::budget::MemoryBudget::new(1 << 20);
+        inbox.answer(
+            reply(1, Status::Success, SMALL_BODY),
+            info(Flags::NONE),
+            None,
+        );
+        let reserved = Reserved::new(&budget, 10_000);
+        inbox.answer(
+            reply(2, Status::Success, 0),
+            info(Flags::NONE),
+            Some(reserved),
+        );
+        let mut wbuf = BytesMut::new();
+        let mut taken = Taken::default();
+        assert_eq!(inbox.take(&mut wbuf, &mut taken), 2);
+        assert!(wbuf.is_empty() && taken.answered.is_empty());
+        assert!(matches!(
+            &taken.other[..],
+            [
+                Reply::Done {
+                    outcome: Ok(_),
+                    reserved: None,
+                    ..
+                },
+                Reply::Done {
+                    outcome: Ok(_),
+                    reserved: Some(_),
+                    ..
+                }
+            ]
+        ));
+        assert!(
+            budget.used() > 0,
+            "the reservation is held until the session copied the reply"
+        );
+        taken.other.clear();
+        assert_eq!(budget.used(), 0);
+
+        inbox.close();
+        inbox.answer(reply(3, Status::Success, 0), info(Flags::NONE), None);
+        inbox.send(Reply::Done {
+            info: info(Flags::NONE),
+            outcome: Err(Failure::KeptClosing),
+            reserved: None,
+        });
+        let mut taken = Taken::default();
+        assert_eq!(
+            inbox.take(&mut wbuf, &mut taken),
+            0,
+            "dropped: the session is gone"
+        );
+        assert!(wbuf.is_empty());
     }
 }

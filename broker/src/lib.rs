@@ -11,12 +11,15 @@
 //! - `membership`: which providers are served, and their joins and leaves when the
 //!   providers file changes (SIGHUP, or a change seen on disk); `providers_file`: that
 //!   file's format.
-//! - `upstream`: the pools (`bb8`) and the connection tasks that own calls in flight,
-//!   remap request ids and time calls out. Towards a plain v1 server (`--upstream-v1`),
+//! - `upstream`: the pools (`bb8`) and the connections: a session queues a call on one
+//!   itself, under the connection's request id; the connection's task writes the calls,
+//!   matches the replies and times calls out. Towards a plain v1 server (`--upstream-v1`),
 //!   which may leave Nagle's algorithm on, a connection ACKs each read at once while calls
 //!   are still in flight on it, so that the server's next reply does not wait 40 ms for a
 //!   delayed ACK (`upstream::connection`, docs/performance.md).
-//! - `call`: the messages between sessions and upstream connections.
+//! - `call`: what passes between sessions and upstream connections: a call offered for
+//!   routing (`Forward`), and the session's inbox, into which upstream connections copy
+//!   replies under the callers' ids.
 //! - `failure`: every answer the broker makes itself, with its side and retry safety.
 //! - [`config`], [`metrics`].
 //!

@@ -44,16 +44,17 @@ pub(crate) enum NoRoute {
 /// for the first call of a read and kept for the rest ([`Picker::new_batch`] starts a new
 /// one). Calls that arrived in one segment then leave in one write and come back in one,
 /// instead of being spread thin over the pool and trickling back; balancing still acts
-/// on every read.
+/// on every read. The batch's connection is kept at hand, so that the rest of the batch
+/// goes straight to it without looking up the pool's connections again.
 #[derive(Debug)]
 pub(crate) struct Picker {
     rng: fastrand::Rng,
     turn: usize,
-    /// (pool, connection) that took the current batch's calls. Indices into the router
-    /// of that call: after the providers changed they may name another provider, which
-    /// costs nothing but the batch's togetherness (it is only a preference, checked
-    /// against the current router's candidates).
-    batch: Option<(usize, usize)>,
+    /// (pool, connection index, connection) that took the current batch's calls. Indices
+    /// into the router of that call: after the providers changed they may name another
+    /// provider, which costs nothing but the batch's togetherness (it is only a
+    /// preference, checked against the current router's candidates).
+    batch: Option<(usize, usize, Arc<UpstreamConn>)>,
 }
 
 impl Picker {
@@ -67,7 +68,9 @@ impl Picker {
         }
     }
 
-    /// The next calls belong to a new batch: choose afresh.
+    /// The next calls belong to a new batch: choose afresh. Also lets go of the batch's
+    /// connection, which a session must not keep while idle (a pool that dropped it waits
+    /// for its last handle).
     pub fn new_batch(&mut self) {
         self.batch = None;
     }
@@ -137,10 +140,24 @@ impl Router {
             return Err((fwd, NoRoute::UnknownService));
         }
         let needs_ext = fwd.frame.header.flags.contains(Flags::COMPRESSED);
+        // The connection that took this batch's earlier calls, if it may take this one.
+        if let Some((pool_idx, _, conn)) = &picker.batch {
+            let pool = &self.pools[*pool_idx];
+            if cands.contains(pool_idx) && !pool.is_draining() && (!needs_ext || pool.spec.ext) {
+                fwd = match conn.try_forward(fwd) {
+                    Ok(()) => return Ok(()),
+                    Err((f, _)) => f,
+                };
+            }
+        }
         let mut why = NoRoute::NoHealthy;
         // The provider that took this batch's earlier calls, tried first (on all its
         // connections, the batch's one first) and not again below.
-        let batch = picker.batch.filter(|(p, _)| cands.contains(p));
+        let batch = picker
+            .batch
+            .as_ref()
+            .map(|(p, c, _)| (*p, *c))
+            .filter(|(p, _)| cands.contains(p));
         if let Some((pool_idx, conn_idx)) = batch {
             fwd = match self.offer(pool_idx, fwd, picker, Some(conn_idx), needs_ext, &mut why) {
                 Ok(()) => return Ok(()),
@@ -207,8 +224,8 @@ impl Router {
             return Err(fwd);
         }
         match try_pool(pool, fwd, picker, prefer, self.pack) {
-            Ok(c) => {
-                picker.batch = Some((pool_idx, c));
+            Ok((c, conn)) => {
+                picker.batch = Some((pool_idx, c, conn));
                 Ok(())
             }
             Err((fwd, refused)) => {
@@ -223,8 +240,8 @@ impl Router {
 
 /// Offers the call to `prefer` (a connection index), else to the first open connection of
 /// `pool` under `pack` calls in flight (rpcmesh providers only; 0 = never), else to the
-/// less loaded of two, then to the others; returns the index that took it. `None` in
-/// the error = the pool has no open connection.
+/// less loaded of two, then to the others; returns the index that took it, and the
+/// connection. `None` in the error = the pool has no open connection.
 // A refused call is handed back by value (no allocation on the per-call path).
 #[allow(clippy::result_large_err)]
 fn try_pool(
@@ -233,7 +250,7 @@ fn try_pool(
     picker: &mut Picker,
     prefer: Option<usize>,
     pack: usize,
-) -> Result<usize, (Forward, Option<Refused>)> {
+) -> Result<(usize, Arc<UpstreamConn>), (Forward, Option<Refused>)> {
     let conns = pool.ready();
     let n = conns.len();
     if n == 0 {
@@ -265,7 +282,7 @@ fn try_pool(
             continue;
         }
         match c.try_forward(fwd) {
-            Ok(()) => return Ok(i),
+            Ok(()) => return Ok((i, c.clone())),
             Err((f, r)) => {
                 fwd = f;
                 if r == Refused::Full {

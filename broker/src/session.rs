@@ -6,7 +6,8 @@
 //! The broker's [`Protocol`] over the shared server-session skeleton
 //! (`rpcmesh_common::net::session`: the loop, backlog limit, drain and final flush). One
 //! task owns the socket, the write buffer and the session's count of calls in flight.
-//! Replies reach it through its own channel from the upstream connections' tasks.
+//! Replies reach it through its [`Inbox`], where the upstream connections' tasks put them
+//! already under the callers' ids.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -16,7 +17,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use rpcmesh_common::metrics::families::InFlightShare;
 use rpcmesh_common::metrics::families::{CallCounters, Sampler};
 use rpcmesh_common::metrics::{BadInputLog, Side};
@@ -28,19 +29,16 @@ use rpcmesh_wire::Status;
 use rpcmesh_wire::body::{Heartbeat, request_names, request_service};
 use rpcmesh_wire::codec::FrameCodec;
 use rpcmesh_wire::envelope::{put_error_response, put_not_run_response};
-use rpcmesh_wire::frame::{Flags, Frame, FrameError, put_forwarded_response};
+use rpcmesh_wire::frame::{Flags, Frame, FrameError};
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
 use tracing::Instrument;
 
 use crate::BrokerConfig;
-use crate::call::{CallInfo, Forward, Reply};
+use crate::call::{CallInfo, Forward, Inbox, Reply, Taken, write_reply_to};
 use crate::failure::{Cap, Failure};
 use crate::metrics::{ADMIT, BrokerMetrics, TOTAL, WRITE_BACK};
 use crate::route::{NoRoute, Picker, Router};
 
-/// Replies taken from the channel per round before the socket is served again.
-const REPLY_BATCH: usize = 1024;
 /// Times the session lets the other ready tasks run before writing, while each turn
 /// brings more replies (replies from several upstream connections then share a write).
 const GATHER_YIELDS: usize = 1;
@@ -88,9 +86,14 @@ pub(crate) async fn serve(
 
 struct Session {
     shared: Arc<Shared>,
-    replies_tx: mpsc::UnboundedSender<Reply>,
-    replies: mpsc::UnboundedReceiver<Reply>,
+    /// Where the upstream connections put this session's outcomes.
+    inbox: Arc<Inbox>,
+    /// What the last take from the inbox brought (kept for its room).
+    taken: Taken,
     picker: Picker,
+    /// The router this round's calls are routed with: read once per round, not per call,
+    /// and let go at its end (a session must not keep providers that left alive).
+    router: Option<Arc<Router>>,
     in_flight: usize,
     /// This connection's share of the calls-in-flight gauge.
     in_flight_share: InFlightShare,
@@ -115,18 +118,16 @@ struct Session {
 }
 
 impl Protocol for Session {
-    type Event = Reply;
+    /// Outcomes wait in the inbox.
+    type Event = ();
 
-    async fn next_event(&mut self) -> Reply {
-        match self.replies.recv().await {
-            Some(r) => r,
-            // The session holds a sender itself: the channel never closes while it lives.
-            None => std::future::pending().await,
-        }
+    async fn next_event(&mut self) {
+        let inbox = &self.inbox;
+        std::future::poll_fn(|cx| inbox.poll_ready(cx)).await;
     }
 
-    fn on_event(&mut self, reply: Reply, io: &mut FramedIo) {
-        self.on_reply(reply, io);
+    fn on_event(&mut self, (): (), io: &mut FramedIo) {
+        self.take_replies(io);
     }
 
     fn on_read(&mut self) {
@@ -165,6 +166,9 @@ impl Protocol for Session {
                 }
             }
         }
+        // The round's calls are routed: its router and its batch's connection are let go.
+        self.router = None;
+        self.picker.new_batch();
     }
 
     fn after_write(&mut self, io: &mut FramedIo) {
@@ -180,6 +184,7 @@ impl Protocol for Session {
     /// Calls still in flight when the caller left: their replies find no one; count them
     /// out of the global cap as they would have been.
     fn on_end(&mut self) {
+        self.inbox.close();
         if self.in_flight > 0 {
             tracing::debug!(calls = self.in_flight, "client left with calls in flight");
             self.shared
@@ -192,11 +197,11 @@ impl Protocol for Session {
 
 impl Session {
     fn new(shared: Arc<Shared>) -> Self {
-        let (replies_tx, replies) = mpsc::unbounded_channel();
         Session {
-            replies_tx,
-            replies,
+            inbox: Inbox::new(),
+            taken: Taken::default(),
             picker: Picker::new(),
+            router: None,
             in_flight: 0,
             in_flight_share: InFlightShare::new(shared.metrics.in_flight.clone()),
             bad_input: BadInputLog::new(shared.metrics.errors.clone(), Side::Client),
@@ -212,15 +217,33 @@ impl Session {
         }
     }
 
-    /// Handles the replies arrived so far (up to a batch).
+    /// Takes every outcome arrived so far: the providers' replies go to the write buffer
+    /// in one piece and are counted; the rest is handled one by one. Returns how many.
     fn take_replies(&mut self, io: &mut FramedIo) -> usize {
-        for n in 0..REPLY_BATCH {
-            match self.replies.try_recv() {
-                Ok(r) => self.on_reply(r, io),
-                Err(_) => return n,
+        let n = self.inbox.take(io.wbuf(), &mut self.taken);
+        if n == 0 {
+            return 0;
+        }
+        let mut answered = std::mem::take(&mut self.taken.answered);
+        if !answered.is_empty() {
+            self.in_flight -= answered.len();
+            self.shared
+                .in_flight
+                .fetch_sub(answered.len(), Ordering::Relaxed);
+            for a in answered.drain(..) {
+                let counters = self.counted(a.tag, a.status);
+                if let Some((admitted, replied)) = a.timed {
+                    self.written.push((admitted, replied, counters));
+                }
             }
         }
-        REPLY_BATCH
+        self.taken.answered = answered;
+        let mut other = std::mem::take(&mut self.taken.other);
+        for reply in other.drain(..) {
+            self.on_reply(reply, io);
+        }
+        self.taken.other = other;
+        n
     }
 
     /// Reads a request's names, sheds it over the caps, or hands it to routing.
@@ -263,7 +286,7 @@ impl Session {
                 routed: self.sampler.stamp(),
                 replied: None,
             },
-            reply_to: self.replies_tx.clone(),
+            reply_to: self.inbox.clone(),
             deadline: now + cfg.call_timeout,
             retries: 0,
             refused_by_drain: false,
@@ -279,7 +302,10 @@ impl Session {
                 .stages
                 .record_span(ADMIT, fwd.info.admitted, routed);
         }
-        let routed = self.shared.router.load().forward(fwd, &mut self.picker);
+        let router = self
+            .router
+            .get_or_insert_with(|| self.shared.router.load_full());
+        let routed = router.forward(fwd, &mut self.picker);
         if let Err((fwd, why)) = routed {
             let name = String::from_utf8_lossy(request_service(&fwd.frame.body)).into_owned();
             let failure = match why {
@@ -336,7 +362,7 @@ impl Session {
         self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
         let counters = match outcome {
             Ok(frame) => {
-                let status = write_reply(io, &frame, info);
+                let status = write_reply_to(io.wbuf(), &frame, info);
                 self.counted(info.tag, status)
             }
             Err(failure) => self.answer(io, info.client_id, info.client_flags, info.tag, &failure),
@@ -468,72 +494,5 @@ impl Session {
             stages.record_span(TOTAL, admitted, now);
             self.counters[counters].time(admitted, now);
         }
-    }
-}
-
-/// Copies the provider's reply to the caller under the caller's id, degrading an extended
-/// status to "failed" for a caller that did not ask for them.
-fn write_reply(io: &mut FramedIo, frame: &Frame, info: CallInfo) -> Status {
-    write_reply_to(io.wbuf(), frame, info)
-}
-
-/// As [`write_reply`], into `dst`. A caller without extended statuses gets no `NOT_RUN`
-/// either (a v1 peer would take the frame for an unknown type): it is only ever set with
-/// status 3, which such a caller gets as 1.
-fn write_reply_to(dst: &mut BytesMut, frame: &Frame, info: CallInfo) -> Status {
-    let status = Status::from_wire(frame.body[0]).unwrap_or(Status::Failed);
-    let ext = info.client_flags.contains(Flags::EXT_STATUS);
-    let wire = status.to_wire(ext);
-    let flags = if ext {
-        frame.header.flags
-    } else {
-        frame.header.flags.without(Flags::NOT_RUN)
-    };
-    put_forwarded_response(dst, info.client_id, flags, &frame.body, wire);
-    status
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn info(client_flags: Flags) -> CallInfo {
-        CallInfo {
-            client_id: 7,
-            client_flags,
-            tag: 0,
-            admitted: Instant::now(),
-            routed: None,
-            replied: None,
-        }
-    }
-
-    /// A provider's NOT_RUN refusal, as the broker reads it (it always asks rpcmesh
-    /// providers for extended statuses).
-    fn not_run_reply() -> Frame {
-        let mut b = BytesMut::new();
-        put_not_run_response(&mut b, 99, Flags::EXT_STATUS, "provider shutting down");
-        Frame::from_bytes(b.freeze()).unwrap()
-    }
-
-    #[test]
-    fn not_run_is_passed_on_only_to_callers_that_take_extended_statuses() {
-        let reply = not_run_reply();
-        assert!(reply.header.flags.contains(Flags::NOT_RUN));
-        let mut out = BytesMut::new();
-        let status = write_reply_to(&mut out, &reply, info(Flags::NONE));
-        assert_eq!(status, Status::Unavailable);
-        let v1 = Frame::from_bytes(out.split().freeze()).unwrap();
-        assert_eq!(v1.header.req_id, 7);
-        assert_eq!(
-            v1.header.flags,
-            Flags::NONE,
-            "a v1 caller gets a plain frame"
-        );
-        assert_eq!(v1.body[0], Status::Failed as u8, "and status 1");
-        write_reply_to(&mut out, &reply, info(Flags::EXT_STATUS));
-        let ext = Frame::from_bytes(out.split().freeze()).unwrap();
-        assert_eq!(ext.header.flags, Flags::NOT_RUN);
-        assert_eq!(ext.body[0], Status::Unavailable as u8);
     }
 }

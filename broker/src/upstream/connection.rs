@@ -1,14 +1,19 @@
 //! One pooled connection to a provider, carrying many calls at once.
 //!
 //! [`UpstreamConn`] is the handle sessions and the pool hold; behind it one task owns the
-//! socket, the write buffer and the in-flight table (upstream request id → caller), so the
-//! per-call path takes no lock. The task:
+//! socket. A session that routes a call here queues it itself
+//! ([`UpstreamConn::try_forward`]): under the connection's lock it gives the call a fresh
+//! request id (slot index + generation) in the in-flight table (upstream request id →
+//! caller), writes the header under that id and copies the body once into the queue's
+//! buffer, and wakes the task if it waits. No message is passed per call, and the lock is
+//! held for the copy only (one uncontended lock per call). The task:
 //!
-//! - gives each call a fresh request id (slot index + generation), rewrites the header and
-//!   copies the body once into its write buffer; everything queued in a round leaves in
-//!   one `write`;
-//! - matches each reply to its slot and sends it to the caller's session; a reply for no
-//!   slot (its call timed out) is dropped and counted;
+//! - moves what was queued to its write buffer once per round (the buffers trade places
+//!   when its own is empty), after letting the other ready sessions queue theirs, so that
+//!   everything queued in a round leaves in one `write`;
+//! - matches each reply to its slot and copies it into the caller's session's inbox
+//!   (`crate::call::Inbox`); a reply for no slot (its call timed out) is dropped and
+//!   counted;
 //! - keeps each call's request frame (a `Bytes` slice of the caller's read buffer, no
 //!   copy) in its slot until the reply, for [`REQUEST_RETAIN`] at most: a provider that
 //!   is draining answers the calls it did not start "unavailable" with `NOT_RUN`, and
@@ -16,7 +21,8 @@
 //!   provider, while the whole provider is marked draining ([`PoolLink`]);
 //! - sweeps the table for calls past their deadline and answers them "timeout";
 //! - when the socket fails, answers every call in flight at once with "unavailable" and
-//!   the cause, and hands calls it never wrote back to their sessions to be routed again;
+//!   the cause, and hands calls still queued (never moved to its write buffer) back to
+//!   their sessions to be routed again;
 //! - when the broker's grace period ends, answers every call in flight "unavailable:
 //!   shutting down", so that no caller is left without an answer;
 //! - on a plain v1 server's connection, ACKs each read at once while calls are still in
@@ -45,15 +51,18 @@
 //! request carries the ACK). rpcmesh providers set `TCP_NODELAY` and are never asked:
 //! their connections take no extra system call. Figures: docs/performance.md.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
 
 use rpcmesh_common::metrics::{BadInputLog, ErrorKind, Side};
 use rpcmesh_common::net::budget::{MemoryBudget, Reserved};
 use rpcmesh_common::net::busy_poll::Activity;
 use rpcmesh_common::net::connection::{CloseReason, FramedIo, IoEvent};
-use rpcmesh_common::net::shutdown::CancellationToken;
+use rpcmesh_common::net::shutdown::{CancellationToken, Cancelled};
 use rpcmesh_common::net::slots::SlotTable;
 use rpcmesh_common::net::thinned::Thinned;
 use rpcmesh_wire::Status;
@@ -67,13 +76,13 @@ use tracing::Instrument;
 use rpcmesh_common::net::listener::AcceptObserver;
 
 use crate::call::{CallInfo, Forward, Reply, ReplyTx, Reroute};
+
+/// A health check's waiter: told when the heartbeat's answer comes.
+type HeartbeatTx = oneshot::Sender<()>;
 use crate::failure::Failure;
 use crate::metrics::{QUEUE, UPSTREAM, UpstreamMetrics};
 use crate::upstream::{PoolLink, UpstreamError};
 
-/// Commands taken from the queue per round before the socket is served again: enough to
-/// batch a burst into one write, few enough that replies are not held back by a flood.
-const COMMAND_BATCH: usize = 512;
 /// Times the task lets the other ready tasks run before writing, while each turn brings
 /// more calls: sessions woken by the same poll add theirs and one write carries them all
 /// (measured: about half the upstream writes of writing at once, for one extra poll).
@@ -129,16 +138,55 @@ pub(crate) struct ConnSettings {
     pub budget: Arc<MemoryBudget>,
 }
 
-/// State shared by the handle and the task.
+/// What the handles (the sessions routing calls here, the pool) and the task share.
 #[derive(Debug, Default)]
 struct ConnState {
+    /// Calls queued or in flight: the router's measure of the connection's load, and what
+    /// the cap is checked against (without the lock).
     in_flight: AtomicUsize,
+    /// Set once the connection failed, was retired, or its provider is going away: no
+    /// new call is routed here.
     closed: AtomicBool,
+    /// The calls, under the lock.
+    calls: Mutex<Calls>,
 }
 
-enum Command {
-    Call(Forward),
-    Heartbeat(oneshot::Sender<()>),
+impl ConnState {
+    fn lock(&self) -> MutexGuard<'_, Calls> {
+        // Nothing under the lock can panic half-way through an update that matters.
+        self.calls.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Ready when calls were queued since the task last took them; else the task is woken
+    /// by the next one.
+    fn poll_queued(&self, cx: &mut Context<'_>) -> Poll<()> {
+        let mut calls = self.lock();
+        if !calls.queued.is_empty() {
+            return Poll::Ready(());
+        }
+        match &calls.waker {
+            Some(w) if w.will_wake(cx.waker()) => {}
+            _ => calls.waker = Some(cx.waker().clone()),
+        }
+        Poll::Pending
+    }
+}
+
+/// A connection's calls: queued by sessions, written and matched to replies by its task.
+#[derive(Debug, Default)]
+struct Calls {
+    /// The frames of the calls queued since the task last took them, under this
+    /// connection's request ids, ready to be written.
+    wbuf: BytesMut,
+    /// The ids of the calls in `wbuf`, in order.
+    queued: Vec<u64>,
+    /// Calls queued or written and waiting for their reply, by upstream request id.
+    table: SlotTable<Slot>,
+    /// The task, when it waits for calls.
+    waker: Option<Waker>,
+    /// The task has ended: nothing more is queued (set under the lock, so a call is
+    /// either queued before, and answered by the task's close, or refused).
+    ended: bool,
 }
 
 /// The handle of one upstream connection. Dropping the last handle lets the task finish
@@ -147,18 +195,12 @@ enum Command {
 pub(crate) struct UpstreamConn {
     /// Unique per provider, in the order the connections were made.
     id: u64,
-    tx: mpsc::UnboundedSender<Command>,
+    /// Health checks to the task; closed when the last handle is dropped.
+    heartbeats: mpsc::UnboundedSender<HeartbeatTx>,
     state: Arc<ConnState>,
     cap: usize,
-}
-
-impl std::fmt::Debug for Command {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Command::Call(c) => write!(f, "Call({})", c.info.client_id),
-            Command::Heartbeat(_) => f.write_str("Heartbeat"),
-        }
-    }
+    /// The provider speaks rpcmesh's extensions (calls ask for extended statuses).
+    ext: bool,
 }
 
 impl UpstreamConn {
@@ -176,23 +218,22 @@ impl UpstreamConn {
             .await
             .map_err(|_| UpstreamError::ConnectTimeout(connect_timeout))?
             .map_err(UpstreamError::Connect)?;
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (heartbeats, heartbeat_rx) = mpsc::unbounded_channel();
         let state = Arc::new(ConnState::default());
         let span = tracing::debug_span!("upstream", provider = %settings.label, conn = id);
         let cap = settings.max_in_flight;
+        let ext = settings.ext;
         let sweep = (settings.call_timeout / 20).clamp(SWEEP_MIN, SWEEP_MAX);
         let task = ConnTask {
             io: FramedIo::new(stream, FrameCodec::new(settings.max_body_len))
                 .with_activity(settings.activity.clone())
                 .with_budget(Some(settings.budget.clone())),
-            rx,
+            heartbeat_rx,
             state: state.clone(),
-            table: SlotTable::default(),
             heartbeats: Vec::new(),
             next_heartbeat_id: 1,
             quick_ack: settings.quick_ack,
             round: Vec::new(),
-            written_now: 0,
             bad_input: BadInputLog::new(metrics.errors.clone(), Side::Provider),
             settings,
             metrics,
@@ -201,34 +242,85 @@ impl UpstreamConn {
         tracing::debug!(parent: &span, "connected");
         task.link.task_started();
         tokio::spawn(task.run(sweep).instrument(span));
-        Ok(UpstreamConn { id, tx, state, cap })
+        Ok(UpstreamConn {
+            id,
+            heartbeats,
+            state,
+            cap,
+            ext,
+        })
     }
 
-    /// Queues a call. On refusal the call is handed back untouched.
+    /// Queues a call: its frame goes into the connection's queue under a fresh request id,
+    /// and the task is woken if it waits. On refusal the call is handed back untouched.
     // A refused call is handed back by value (no allocation on the per-call path).
     #[allow(clippy::result_large_err)]
     pub fn try_forward(&self, fwd: Forward) -> Result<(), (Forward, Refused)> {
-        if self.state.closed.load(Ordering::Relaxed) {
+        let state = &*self.state;
+        if state.closed.load(Ordering::Relaxed) {
             return Err((fwd, Refused::Closed));
         }
-        if self.state.in_flight.fetch_add(1, Ordering::Relaxed) >= self.cap {
-            self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if state.in_flight.fetch_add(1, Ordering::Relaxed) >= self.cap {
+            state.in_flight.fetch_sub(1, Ordering::Relaxed);
             return Err((fwd, Refused::Full));
         }
-        self.tx.send(Command::Call(fwd)).map_err(|e| {
-            self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
-            match e.0 {
-                Command::Call(fwd) => (fwd, Refused::Closed),
-                Command::Heartbeat(_) => unreachable!("a call was sent"),
-            }
-        })
+        let mut calls = state.lock();
+        if calls.ended {
+            drop(calls);
+            state.in_flight.fetch_sub(1, Ordering::Relaxed);
+            return Err((fwd, Refused::Closed));
+        }
+        let flags = if self.ext {
+            // Ask for extended statuses always: the session degrades them for v1 callers,
+            // and an "unavailable" from the provider tells the pool it is draining.
+            fwd.frame.header.flags | Flags::EXT_STATUS
+        } else {
+            Flags::NONE
+        };
+        let body_len = fwd.frame.header.body_len;
+        let Calls {
+            wbuf,
+            queued,
+            table,
+            waker,
+            ..
+        } = &mut *calls;
+        // The frame stays with the call until the task takes it (so that a call still
+        // queued when the connection fails can be routed again), and for an rpcmesh
+        // provider until the reply or REQUEST_RETAIN (see `Slot::request`).
+        let id = table.insert(Slot {
+            info: fwd.info,
+            reply_to: fwd.reply_to,
+            deadline: fwd.deadline,
+            sent: None,
+            reserved: fwd.reserved,
+            request: Some(fwd.frame),
+            retries: fwd.retries,
+            refused_by_drain: fwd.refused_by_drain,
+        });
+        let header = Header {
+            msg_type: MsgType::Request,
+            flags,
+            body_len,
+            req_id: id,
+        };
+        if let Some(frame) = table.get_mut(id).and_then(|s| s.request.as_ref()) {
+            put_frame(wbuf, &header, &frame.body);
+        }
+        queued.push(id);
+        let waker = waker.take();
+        drop(calls);
+        if let Some(w) = waker {
+            w.wake();
+        }
+        Ok(())
     }
 
     /// A heartbeat round trip, for the pool's health check.
     pub async fn heartbeat(&self, timeout: Duration) -> Result<(), UpstreamError> {
         let (tx, rx) = oneshot::channel();
-        self.tx
-            .send(Command::Heartbeat(tx))
+        self.heartbeats
+            .send(tx)
             .map_err(|_| UpstreamError::Closed)?;
         match tokio::time::timeout(timeout, rx).await {
             Ok(Ok(())) => Ok(()),
@@ -261,8 +353,9 @@ impl UpstreamConn {
     }
 }
 
-/// A call written upstream and waiting for its reply (its request id is its key in the
-/// connection's [`SlotTable`]).
+/// A call queued or written upstream and waiting for its reply (its request id is its key
+/// in the connection's [`SlotTable`]).
+#[derive(Debug)]
 struct Slot {
     info: CallInfo,
     reply_to: ReplyTx,
@@ -272,28 +365,29 @@ struct Slot {
     /// A large call's bytes, counted against the memory budget until its reply is in the
     /// caller's write buffer (or it fails).
     reserved: Option<Reserved>,
-    /// The caller's request frame, to route the call elsewhere if the provider refuses it
-    /// `NOT_RUN` (rpcmesh providers only; dropped after [`REQUEST_RETAIN`]).
+    /// The caller's request frame: while the call is queued, to route it elsewhere should
+    /// the connection fail first; then, for an rpcmesh provider, to route it elsewhere if
+    /// the provider refuses it `NOT_RUN` (dropped after [`REQUEST_RETAIN`]). A plain v1
+    /// server's calls let go of it once written.
     request: Option<Frame>,
     /// Times the call was handed back and routed again before.
     retries: u8,
+    /// A draining provider refused it before (see [`Forward::refused_by_drain`]).
+    refused_by_drain: bool,
 }
 
 struct ConnTask {
     io: FramedIo,
-    rx: mpsc::UnboundedReceiver<Command>,
+    /// Health checks from the pool; `None` once every handle is gone.
+    heartbeat_rx: mpsc::UnboundedReceiver<HeartbeatTx>,
     state: Arc<ConnState>,
-    /// Calls written and waiting for their reply, by upstream request id.
-    table: SlotTable<Slot>,
-    heartbeats: Vec<(u64, oneshot::Sender<()>)>,
+    heartbeats: Vec<(u64, HeartbeatTx)>,
     next_heartbeat_id: u64,
     /// ACK reads at once while calls are in flight (see the module doc); turned off on
     /// this connection if the kernel refuses it.
     quick_ack: bool,
     /// Ids of the timed calls written this round.
     round: Vec<u64>,
-    /// Calls put in the write buffer this round.
-    written_now: usize,
     settings: ConnSettings,
     metrics: UpstreamMetrics,
     /// What this connection shares with its pool.
@@ -306,13 +400,13 @@ impl ConnTask {
     async fn run(mut self, sweep: Duration) {
         let mut sweeper = tokio::time::interval(sweep);
         sweeper.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut queue_open = true;
+        let mut handles_left = true;
         let mut expired = Vec::new();
-        let grace = self.settings.grace_over.clone();
-        let grace_over = grace.cancelled();
-        tokio::pin!(grace_over);
+        let mut grace_over = Cancelled::new(&self.settings.grace_over);
         let mut cut = false;
+        let state = self.state.clone();
         let cause: Option<Arc<str>> = loop {
+            let busy = state.in_flight.load(Ordering::Relaxed) > 0 || !self.heartbeats.is_empty();
             tokio::select! {
                 biased;
                 ev = self.io.wait_io(true) => match ev {
@@ -325,12 +419,13 @@ impl ConnTask {
                     Ok(IoEvent::Wrote) => {}
                     Err(e) => break Some(format!("socket error: {e}").into()),
                 },
-                cmd = self.rx.recv(), if queue_open => match cmd {
-                    Some(cmd) => self.on_command(cmd, Instant::now()),
+                () = std::future::poll_fn(|cx| state.poll_queued(cx)) => {}
+                tx = self.heartbeat_rx.recv(), if handles_left => match tx {
+                    Some(tx) => self.send_heartbeat(tx),
                     // Every handle is gone: finish what is in flight, then close.
-                    None => queue_open = false,
+                    None => handles_left = false,
                 },
-                _ = sweeper.tick(), if !self.table.is_empty() || !self.heartbeats.is_empty() => {
+                _ = sweeper.tick(), if busy => {
                     self.answer_timed_out(&mut expired);
                 }
                 () = &mut grace_over, if !cut => {
@@ -340,26 +435,27 @@ impl ConnTask {
             }
             // Calls queued meanwhile leave in the same write. Before writing, when other
             // calls are in flight on this connection (traffic is concurrent), let every
-            // other ready task run: sessions woken by the same poll add their calls, and
+            // other ready task run: sessions woken by the same poll queue their calls, and
             // one write carries them all. A lone call goes out at once.
-            self.take_commands();
-            let concurrent = self.state.in_flight.load(Ordering::Relaxed) > self.written_now;
+            let mut taken = self.take_queued();
+            let concurrent = state.in_flight.load(Ordering::Relaxed) > taken;
             if self.io.pending_write() > 0 && concurrent {
                 for _ in 0..GATHER_YIELDS {
                     tokio::task::yield_now().await;
-                    if self.take_commands() == 0 {
+                    let more = self.take_queued();
+                    if more == 0 {
                         break;
                     }
+                    taken += more;
                 }
             }
             if let Err(e) = self.io.try_flush() {
                 break Some(format!("write failed: {e}").into());
             }
             self.io.account();
-            self.written_now = 0;
             self.record_sent();
             self.metrics.wire.add(self.io.take_counts());
-            if !queue_open && self.table.is_empty() {
+            if !handles_left && state.in_flight.load(Ordering::Relaxed) == 0 {
                 break None;
             }
         };
@@ -372,7 +468,9 @@ impl ConnTask {
     /// the module doc). Counted; a refusal (not expected on Linux) is logged, thinned, and
     /// turns it off for this connection.
     fn ack_at_once(&mut self) {
-        if !self.quick_ack || (self.table.is_empty() && self.heartbeats.is_empty()) {
+        if !self.quick_ack
+            || (self.state.in_flight.load(Ordering::Relaxed) == 0 && self.heartbeats.is_empty())
+        {
             return;
         }
         match self.io.quick_ack() {
@@ -388,23 +486,30 @@ impl ConnTask {
 
     /// The deadline sweep: every call past its deadline is taken off the table and its
     /// caller answered "timeout" (a reply that comes later finds no slot and is dropped,
-    /// counted `late_reply`). Health checks whose waiter gave up are forgotten.
+    /// counted `late_reply`); one still queued, never written, is answered that it timed
+    /// out waiting. Health checks whose waiter gave up are forgotten.
     fn answer_timed_out(&mut self, expired: &mut Vec<(u64, Slot)>) {
         self.heartbeats.retain(|(_, tx)| !tx.is_closed());
         let now = Instant::now();
-        self.table.take_where(|s| s.deadline <= now, expired);
-        // Requests admitted longer ago than REQUEST_RETAIN are let go.
-        if self.settings.ext {
-            for s in self.table.values_mut() {
+        let mut calls = self.state.lock();
+        calls.table.take_where(|s| s.deadline <= now, expired);
+        // Requests admitted longer ago than REQUEST_RETAIN are let go. Calls still queued
+        // keep theirs until written: when some are, this waits for the next sweep.
+        if self.settings.ext && calls.queued.is_empty() {
+            for s in calls.table.values_mut() {
                 if s.request.is_some() && now.duration_since(s.info.admitted) > REQUEST_RETAIN {
                     s.request = None;
                 }
             }
         }
-        for (_, slot) in expired.drain(..) {
-            let failure = Failure::Timeout {
-                provider: self.settings.label.clone(),
-                after: self.settings.call_timeout,
+        for (id, slot) in expired.drain(..) {
+            let failure = if calls.queued.contains(&id) {
+                Failure::TimedOutQueued
+            } else {
+                Failure::Timeout {
+                    provider: self.settings.label.clone(),
+                    after: self.settings.call_timeout,
+                }
             };
             fail(
                 &self.state,
@@ -420,7 +525,10 @@ impl ConnTask {
     /// "unavailable: shutting down" at once, so that its session can answer its caller and
     /// close (a reply that comes later finds no slot and is dropped).
     fn answer_grace_over(&mut self) {
-        for (_, slot) in self.table.drain() {
+        let mut calls = self.state.lock();
+        calls.queued.clear();
+        calls.wbuf.clear();
+        for (_, slot) in calls.table.drain() {
             let failure = Failure::GraceOver;
             fail(
                 &self.state,
@@ -438,8 +546,9 @@ impl ConnTask {
             return;
         }
         let now = Instant::now();
+        let mut calls = self.state.lock();
         for id in self.round.drain(..) {
-            if let Some(slot) = self.table.get_mut(id) {
+            if let Some(slot) = calls.table.get_mut(id) {
                 slot.sent = Some(now);
                 if let Some(routed) = slot.info.routed {
                     self.metrics.stages.record_span(QUEUE, routed, now);
@@ -448,30 +557,53 @@ impl ConnTask {
         }
     }
 
-    /// Handles the calls queued so far (up to a batch).
-    fn take_commands(&mut self) -> usize {
-        // One clock read for the batch: deadlines are checked against it.
-        let mut now = None;
-        for n in 0..COMMAND_BATCH {
-            match self.rx.try_recv() {
-                Ok(cmd) => {
-                    let t = *now.get_or_insert_with(Instant::now);
-                    self.on_command(cmd, t);
+    /// Moves the calls queued since the last look to the write buffer; returns how many.
+    fn take_queued(&mut self) -> usize {
+        let mut calls = self.state.lock();
+        let Calls {
+            wbuf,
+            queued,
+            table,
+            ..
+        } = &mut *calls;
+        let n = queued.len();
+        if n == 0 {
+            return 0;
+        }
+        let out = self.io.wbuf();
+        if out.is_empty() {
+            // The buffers trade places: no copy, and each keeps its room.
+            std::mem::swap(out, wbuf);
+        } else {
+            out.extend_from_slice(wbuf);
+            wbuf.clear();
+        }
+        let keep_request = self.settings.ext;
+        for id in queued.drain(..) {
+            if let Some(slot) = table.get_mut(id) {
+                // A plain v1 server's calls keep nothing of the caller's read buffer once
+                // written (only an rpcmesh provider refuses with NOT_RUN).
+                if !keep_request {
+                    slot.request = None;
                 }
-                Err(_) => return n,
+                if slot.info.routed.is_some() {
+                    self.round.push(id);
+                }
             }
         }
-        COMMAND_BATCH
+        n
     }
 
     /// Handles every whole frame read so far.
     fn take_frames(&mut self) -> Result<(), String> {
         let read_at = self.metrics.stages.on().then(Instant::now);
+        let state = self.state.clone();
+        let mut calls = state.lock();
         loop {
             match self.io.next_frame() {
-                Ok(Some(frame)) => self.on_frame(frame, read_at),
+                Ok(Some(frame)) => self.on_frame(&mut calls, frame, read_at),
                 Ok(None) => break,
-                Err(e) => self.on_bad_frame(e)?,
+                Err(e) => self.on_bad_frame(&mut calls, e)?,
             }
         }
         if self.io.is_eof() {
@@ -480,66 +612,20 @@ impl ConnTask {
         Ok(())
     }
 
-    fn on_command(&mut self, cmd: Command, now: Instant) {
-        match cmd {
-            Command::Call(fwd) => self.write_call(fwd, now),
-            Command::Heartbeat(tx) => {
-                // Heartbeat ids count down from the top so they never meet call ids.
-                let id = u64::MAX - self.next_heartbeat_id;
-                self.next_heartbeat_id += 1;
-                if Heartbeat::put_now(self.io.wbuf(), id, "broker", "rpcmesh-broker").is_ok() {
-                    self.heartbeats.push((id, tx));
-                }
-            }
+    /// Writes a health check's heartbeat; its answer is matched by id.
+    fn send_heartbeat(&mut self, tx: HeartbeatTx) {
+        // Heartbeat ids count down from the top so they never meet call ids.
+        let id = u64::MAX - self.next_heartbeat_id;
+        self.next_heartbeat_id += 1;
+        if Heartbeat::put_now(self.io.wbuf(), id, "broker", "rpcmesh-broker").is_ok() {
+            self.heartbeats.push((id, tx));
         }
     }
 
-    fn write_call(&mut self, fwd: Forward, now: Instant) {
-        if now >= fwd.deadline {
-            let failure = Failure::TimedOutQueued;
-            return fail(&self.state, &self.metrics, &fwd.reply_to, fwd.info, failure);
-        }
-        let flags = if self.settings.ext {
-            // Ask for extended statuses always: the session degrades them for v1 callers,
-            // and an "unavailable" from the provider tells the pool it is draining.
-            fwd.frame.header.flags | Flags::EXT_STATUS
-        } else {
-            Flags::NONE
-        };
-        let frame = fwd.frame;
-        let id = self.table.insert(Slot {
-            info: fwd.info,
-            reply_to: fwd.reply_to,
-            deadline: fwd.deadline,
-            sent: None,
-            reserved: fwd.reserved,
-            request: None,
-            retries: fwd.retries,
-        });
-        if fwd.info.routed.is_some() {
-            self.round.push(id);
-        }
-        let header = Header {
-            msg_type: MsgType::Request,
-            flags,
-            body_len: frame.header.body_len,
-            req_id: id,
-        };
-        put_frame(self.io.wbuf(), &header, &frame.body);
-        // Only an rpcmesh provider refuses with NOT_RUN: a v1 server's calls keep nothing
-        // of the caller's read buffer once written.
-        if self.settings.ext {
-            if let Some(slot) = self.table.get_mut(id) {
-                slot.request = Some(frame);
-            }
-        }
-        self.written_now += 1;
-    }
-
-    fn on_frame(&mut self, frame: Frame, read_at: Option<Instant>) {
+    fn on_frame(&mut self, calls: &mut Calls, frame: Frame, read_at: Option<Instant>) {
         match frame.header.msg_type {
             MsgType::Response => {
-                let Some(mut slot) = self.table.take(frame.header.req_id) else {
+                let Some(mut slot) = calls.table.take(frame.header.req_id) else {
                     self.metrics
                         .errors
                         .inc(ErrorKind::LateReply, Side::Provider);
@@ -605,7 +691,7 @@ impl ConnTask {
     /// Counts and logs (thinned) a frame from the provider that cannot be used. A reply
     /// whose header could be read fails its own call only and the others on this
     /// connection go on; the connection ends on input it cannot get past.
-    fn on_bad_frame(&mut self, e: FrameError) -> Result<(), String> {
+    fn on_bad_frame(&mut self, calls: &mut Calls, e: FrameError) -> Result<(), String> {
         self.bad_input.record(&e);
         let Some((id, Some(MsgType::Response))) = e.frame_id() else {
             if e.is_fatal() {
@@ -620,7 +706,7 @@ impl ConnTask {
             self.io.skip(FRAME_OVERHEAD + body_len as usize);
         }
         // Counted above, as the frame error it is.
-        if let Some(slot) = self.table.take(id) {
+        if let Some(slot) = calls.table.take(id) {
             let failure = Failure::ReplyRefused {
                 provider: self.settings.label.clone(),
                 error: e,
@@ -670,12 +756,12 @@ impl ConnTask {
             reserved: slot.reserved,
             refused_by_drain: true,
         };
-        // A send fails only when the caller's session is gone; nobody is left to answer.
-        let _ = to.send(Reply::Retry(fwd, Reroute::NotRun));
+        // Dropped when the caller's session is gone; nobody is left to answer.
+        to.send(Reply::Retry(fwd, Reroute::NotRun));
     }
 
     /// Ends the connection (`cause`: why, or `None` when every handle was dropped and the
-    /// calls were done): every call in flight is answered with the cause, every call still
+    /// calls were done): every call written is answered with the cause, every call still
     /// queued goes back to its session to be routed again.
     fn close(mut self, cause: Option<Arc<str>>) {
         self.mark_closed();
@@ -684,29 +770,49 @@ impl ConnTask {
             Some(_) => CloseReason::Error,
         };
         self.metrics.conns.closed(reason);
-        self.rx.close();
-        let failed = self.table.len();
+        self.heartbeat_rx.close();
+        let (slots, queued) = {
+            let mut calls = self.state.lock();
+            calls.ended = true;
+            calls.waker = None;
+            calls.wbuf = BytesMut::new();
+            let queued = std::mem::take(&mut calls.queued);
+            (calls.table.drain().collect::<Vec<_>>(), queued)
+        };
         let why: Arc<str> = cause.clone().unwrap_or_else(|| Arc::from("closed"));
-        for (_, slot) in self.table.drain() {
-            let failure = Failure::ConnectionLost {
-                provider: self.settings.label.clone(),
-                cause: why.clone(),
-            };
-            fail(
-                &self.state,
-                &self.metrics,
-                &slot.reply_to,
-                slot.info,
-                failure,
-            );
-        }
-        let mut requeued = 0;
-        while let Ok(cmd) = self.rx.try_recv() {
-            if let Command::Call(fwd) = cmd {
-                self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
-                requeued += 1;
-                let to = fwd.reply_to.clone();
-                let _ = to.send(Reply::Retry(fwd, Reroute::Unsent));
+        let queued: std::collections::HashSet<u64> = queued.into_iter().collect();
+        let (mut failed, mut requeued) = (0, 0);
+        for (id, mut slot) in slots {
+            match slot.request.take().filter(|_| queued.contains(&id)) {
+                Some(request) => {
+                    self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+                    requeued += 1;
+                    let to = slot.reply_to.clone();
+                    let fwd = Forward {
+                        frame: request,
+                        info: slot.info,
+                        reply_to: slot.reply_to,
+                        deadline: slot.deadline,
+                        retries: slot.retries,
+                        reserved: slot.reserved,
+                        refused_by_drain: slot.refused_by_drain,
+                    };
+                    to.send(Reply::Retry(fwd, Reroute::Unsent));
+                }
+                None => {
+                    failed += 1;
+                    let failure = Failure::ConnectionLost {
+                        provider: self.settings.label.clone(),
+                        cause: why.clone(),
+                    };
+                    fail(
+                        &self.state,
+                        &self.metrics,
+                        &slot.reply_to,
+                        slot.info,
+                        failure,
+                    );
+                }
             }
         }
         self.link.task_ended();
@@ -722,14 +828,6 @@ impl ConnTask {
     }
 }
 
-/// The status a call's outcome gives its caller: the provider's, or the broker's own.
-fn status_of(outcome: &Result<Frame, Failure>) -> Status {
-    match outcome {
-        Ok(frame) => Status::from_wire(frame.body[0]).unwrap_or(Status::Failed),
-        Err(f) => f.status(),
-    }
-}
-
 /// Gives a call taken off this connection its outcome: it is counted by status for this
 /// provider, no longer counts against the connection's load, and its session gets the
 /// answer (with the call's memory reservation, released once the reply is copied).
@@ -741,14 +839,21 @@ fn settle(
     outcome: Result<Frame, Failure>,
     reserved: Option<Reserved>,
 ) {
-    metrics.outcome(status_of(&outcome));
     state.in_flight.fetch_sub(1, Ordering::Relaxed);
-    // A send fails only when the caller's session is gone; nobody is left to answer.
-    let _ = to.send(Reply::Done {
-        info,
-        outcome,
-        reserved,
-    });
+    // The status the caller is given: the provider's, or the broker's own.
+    let status = match outcome {
+        Ok(frame) => to.answer(frame, info, reserved),
+        Err(failure) => {
+            let status = failure.status();
+            to.send(Reply::Done {
+                info,
+                outcome: Err(failure),
+                reserved,
+            });
+            status
+        }
+    };
+    metrics.outcome(status);
 }
 
 /// Settles a call with a failure of the broker's own making, counted in

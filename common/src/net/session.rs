@@ -22,7 +22,7 @@ use rpcmesh_wire::frame::{Frame, FrameError, MsgType};
 use tokio::time::Instant;
 
 use crate::net::connection::{CloseReason, FramedIo, IoEvent};
-use crate::net::shutdown::CancellationToken;
+use crate::net::shutdown::{CancellationToken, Cancelled};
 
 /// Replies waiting to be written beyond which a session stops reading requests until the
 /// caller reads: 8 MiB, so a caller that stops reading cannot make a server buffer without
@@ -206,12 +206,12 @@ async fn run<P: Protocol>(
     let mut cut = false;
     let mut drain = Drain::default();
     let mut clock = Clock::new(timeouts);
-    // Made once and kept registered with their tokens: a `cancelled()` made each round
-    // would lock the token to add itself as a waiter and lock it again to leave, twice a
+    // Made once and kept registered with their tokens, and asking them only when they
+    // woke the task: a `cancelled()` made each round would lock the token to add itself as
+    // a waiter and lock it again to leave, and even one kept locks it twice per poll, every
     // round, for a signal that comes once in the session's life.
-    let drain_begun = stop.drain.cancelled();
-    let grace_ended = stop.grace_over.cancelled();
-    tokio::pin!(drain_begun, grace_ended);
+    let mut drain_begun = Cancelled::new(&stop.drain);
+    let mut grace_ended = Cancelled::new(&stop.grace_over);
     loop {
         let paused = io.budget_pause();
         let reading = !io.is_eof() && io.pending_write() < WRITE_BACKLOG_LIMIT && paused.is_none();

@@ -88,7 +88,18 @@ impl FrameCodec {
             src.reserve(missing.min(src.len()));
             return Ok(None);
         }
-        Frame::from_prefixed(src.split_to(total).freeze(), p).map(Some)
+        // Checked where it lies, then split off whole whatever the verdict (a bad frame's
+        // bytes are gone): the body is cut out of the split part in place, so that the
+        // frame shares the read buffer through one reference, not two.
+        let checked = Frame::check(&src[..total], &p);
+        let mut frame = src.split_to(total);
+        let header = checked?;
+        frame.advance(HEADER_LEN);
+        frame.truncate(p.body_len as usize);
+        Ok(Some(Frame {
+            header,
+            body: frame.freeze(),
+        }))
     }
 
     /// The stream does not start with a magic: drop junk up to the next magic found in

@@ -354,6 +354,18 @@ impl Frame {
                 buffered: frame.len(),
             });
         }
+        let header = Frame::check(&frame, &p)?;
+        Ok(Frame {
+            header,
+            body: frame.slice(HEADER_LEN..end),
+        })
+    }
+
+    /// Checks a whole frame in place (`22 + body_len` bytes, its header `p` already read
+    /// and its magic and version checked): its CRC and its type. Returns its header. The
+    /// codec checks frames where they lie in the read buffer, before splitting them off.
+    pub(crate) fn check(frame: &[u8], p: &Prefix) -> Result<Header, FrameError> {
+        let end = HEADER_LEN + p.body_len as usize;
         let expected = be_u32(&frame[end..]);
         let actual = crc32(&frame[..end]);
         if expected != actual {
@@ -374,14 +386,11 @@ impl Frame {
                 });
             }
         };
-        Ok(Frame {
-            header: Header {
-                msg_type,
-                flags: Flags::from_bits(p.raw_type),
-                body_len: p.body_len,
-                req_id: p.req_id,
-            },
-            body: frame.slice(HEADER_LEN..end),
+        Ok(Header {
+            msg_type,
+            flags: Flags::from_bits(p.raw_type),
+            body_len: p.body_len,
+            req_id: p.req_id,
         })
     }
 
