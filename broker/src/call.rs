@@ -89,7 +89,7 @@ impl Inbox {
             // Large: it goes on with its reservation (or, a large reply to a small call,
             // as the frame in the provider connection's read buffer, which the budget
             // counts there) until the session copied it.
-            let status = status_of(&frame);
+            let status = status_of(&frame.body);
             self.send(Reply::Done {
                 info,
                 outcome: Ok(frame),
@@ -97,11 +97,19 @@ impl Inbox {
             });
             return status;
         }
+        self.answer_small(frame.header.flags, &frame.body, info)
+    }
+
+    /// Passes a provider's small reply (flags and body, wherever they lie: the provider
+    /// connection reads them in place) to the caller, as its bytes under the caller's id.
+    /// The caller of this has checked that it is under [`SMALL_BODY`] and that the call
+    /// holds no reservation. Returns the status the provider answered.
+    pub fn answer_small(&self, flags: Flags, body: &[u8], info: CallInfo) -> Status {
         let mut st = self.lock();
         let status = if st.closed {
-            status_of(&frame)
+            status_of(body)
         } else {
-            let status = write_reply_to(&mut st.replies, &frame, info);
+            let status = put_reply(&mut st.replies, flags, body, info);
             st.answered.push(Answered {
                 tag: info.tag,
                 status,
@@ -175,9 +183,10 @@ impl Inbox {
     }
 }
 
-/// The status a provider's reply carries ("failed" for one the broker does not know).
-fn status_of(frame: &Frame) -> Status {
-    Status::from_wire(frame.body[0]).unwrap_or(Status::Failed)
+/// The status a provider's reply body carries ("failed" for one the broker does not
+/// know). The body is at least a status byte and a payload length long (checked).
+pub(crate) fn status_of(body: &[u8]) -> Status {
+    Status::from_wire(body[0]).unwrap_or(Status::Failed)
 }
 
 /// Copies the provider's reply to `dst` under the caller's id, degrading an extended
@@ -185,15 +194,20 @@ fn status_of(frame: &Frame) -> Status {
 /// statuses gets no `NOT_RUN` either (a v1 peer would take the frame for an unknown
 /// type): it is only ever set with status 3, which such a caller gets as 1.
 pub(crate) fn write_reply_to(dst: &mut BytesMut, frame: &Frame, info: CallInfo) -> Status {
-    let status = status_of(frame);
+    put_reply(dst, frame.header.flags, &frame.body, info)
+}
+
+/// [`write_reply_to`], from the reply's flags and body.
+fn put_reply(dst: &mut BytesMut, flags: Flags, body: &[u8], info: CallInfo) -> Status {
+    let status = status_of(body);
     let ext = info.client_flags.contains(Flags::EXT_STATUS);
     let wire = status.to_wire(ext);
     let flags = if ext {
-        frame.header.flags
+        flags
     } else {
-        frame.header.flags.without(Flags::NOT_RUN)
+        flags.without(Flags::NOT_RUN)
     };
-    put_forwarded_response(dst, info.client_id, flags, &frame.body, wire);
+    put_forwarded_response(dst, info.client_id, flags, body, wire);
     status
 }
 

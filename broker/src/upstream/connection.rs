@@ -59,7 +59,7 @@ use std::time::{Duration, Instant};
 use bytes::BytesMut;
 
 use rpcmesh_common::metrics::{BadInputLog, ErrorKind, Side};
-use rpcmesh_common::net::budget::{MemoryBudget, Reserved};
+use rpcmesh_common::net::budget::{MemoryBudget, Reserved, SMALL_BODY};
 use rpcmesh_common::net::busy_poll::Activity;
 use rpcmesh_common::net::connection::{CloseReason, FramedIo, IoEvent};
 use rpcmesh_common::net::shutdown::{CancellationToken, Cancelled};
@@ -600,8 +600,13 @@ impl ConnTask {
         let state = self.state.clone();
         let mut calls = state.lock();
         loop {
-            match self.io.next_frame() {
-                Ok(Some(frame)) => self.on_frame(&mut calls, frame, read_at),
+            match self.io.peek_frame() {
+                Ok(Some(header)) => {
+                    if !self.answer_in_place(&mut calls, &header, read_at) {
+                        let frame = self.io.take_peeked(header);
+                        self.on_frame(&mut calls, frame, read_at);
+                    }
+                }
                 Ok(None) => break,
                 Err(e) => self.on_bad_frame(&mut calls, e)?,
             }
@@ -620,6 +625,45 @@ impl ConnTask {
         if Heartbeat::put_now(self.io.wbuf(), id, "broker", "rpcmesh-broker").is_ok() {
             self.heartbeats.push((id, tx));
         }
+    }
+
+    /// Passes a provider's small, ordinary reply to its caller straight from the read
+    /// buffer (the common case: no frame of its own is made) and drops it; true when done.
+    /// Anything else (a heartbeat, a late or malformed reply, "unavailable", a large reply
+    /// or one whose call holds a memory reservation) is left to [`ConnTask::on_frame`].
+    fn answer_in_place(
+        &mut self,
+        calls: &mut Calls,
+        header: &Header,
+        read_at: Option<Instant>,
+    ) -> bool {
+        if header.msg_type != MsgType::Response {
+            return false;
+        }
+        let body = self.io.peeked_body(header);
+        if body.len() < 5 || body.len() >= SMALL_BODY || body[0] == Status::Unavailable as u8 {
+            return false;
+        }
+        let holds_reservation = calls
+            .table
+            .get_mut(header.req_id)
+            .map(|s| s.reserved.is_some());
+        if holds_reservation != Some(false) {
+            // No such call (late), or one the session must copy with its reservation.
+            return false;
+        }
+        let Some(mut slot) = calls.table.take(header.req_id) else {
+            return false;
+        };
+        if let (Some(sent), Some(read)) = (slot.sent, read_at) {
+            self.metrics.stages.record_span(UPSTREAM, sent, read);
+        }
+        slot.info.replied = read_at.filter(|_| slot.info.routed.is_some());
+        self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+        let status = slot.reply_to.answer_small(header.flags, body, slot.info);
+        self.metrics.outcome(status);
+        self.io.skip_peeked(header);
+        true
     }
 
     fn on_frame(&mut self, calls: &mut Calls, frame: Frame, read_at: Option<Instant>) {

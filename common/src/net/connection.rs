@@ -18,8 +18,8 @@ use std::task::{Context, Poll};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use rpcmesh_wire::codec::FrameCodec;
-use rpcmesh_wire::frame::{Frame, FrameError};
+use rpcmesh_wire::codec::{self, FrameCodec};
+use rpcmesh_wire::frame::{Frame, FrameError, Header};
 
 use crate::net::budget::{Held, MemoryBudget};
 use crate::net::busy_poll::Activity;
@@ -316,6 +316,16 @@ impl FramedIo {
     /// bytes are gone and this may be called again. At end of stream, leftover bytes are
     /// reported once as [`FrameError::Truncated`] and dropped.
     pub fn next_frame(&mut self) -> Result<Option<Frame>, FrameError> {
+        Ok(self
+            .peek_frame()?
+            .map(|h| codec::split_frame(&mut self.rbuf, h)))
+    }
+
+    /// As [`FramedIo::next_frame`], but the frame is left in the read buffer and only its
+    /// header returned: read its body with [`FramedIo::peeked_body`], then take it
+    /// ([`FramedIo::take_peeked`]) or drop it ([`FramedIo::skip_peeked`]) before the next
+    /// call.
+    pub fn peek_frame(&mut self) -> Result<Option<Header>, FrameError> {
         if self.discard > 0 {
             let n = self.discard.min(self.rbuf.len());
             self.rbuf.advance(n);
@@ -324,7 +334,7 @@ impl FramedIo {
                 return Ok(None);
             }
         }
-        match self.codec.decode_frame(&mut self.rbuf) {
+        match self.codec.peek_frame(&mut self.rbuf) {
             Ok(None) if self.eof && !self.rbuf.is_empty() => {
                 let e = self.codec.check_eof(&self.rbuf);
                 self.rbuf.clear();
@@ -332,6 +342,21 @@ impl FramedIo {
             }
             other => other,
         }
+    }
+
+    /// The body of the frame [`FramedIo::peek_frame`] returned the header of.
+    pub fn peeked_body(&self, header: &Header) -> &[u8] {
+        codec::body_in_place(&self.rbuf, header)
+    }
+
+    /// Takes the frame [`FramedIo::peek_frame`] returned the header of.
+    pub fn take_peeked(&mut self, header: Header) -> Frame {
+        codec::split_frame(&mut self.rbuf, header)
+    }
+
+    /// Drops the frame [`FramedIo::peek_frame`] returned the header of.
+    pub fn skip_peeked(&mut self, header: &Header) {
+        codec::skip_frame(&mut self.rbuf, header);
     }
 
     /// Drops the next `len` bytes of the stream, as they arrive: a whole frame that was

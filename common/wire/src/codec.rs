@@ -22,7 +22,8 @@
 use bytes::{Buf, BytesMut};
 
 use crate::frame::{
-    DEFAULT_MAX_BODY_LEN, FRAME_OVERHEAD, Frame, FrameError, HEADER_LEN, MAGIC, Prefix, VERSION,
+    DEFAULT_MAX_BODY_LEN, FRAME_OVERHEAD, Frame, FrameError, HEADER_LEN, Header, MAGIC, Prefix,
+    VERSION,
 };
 
 /// How far past a bad magic the decoder looks for the next one before giving up on the
@@ -56,6 +57,16 @@ impl FrameCodec {
     /// [fatal](FrameError::is_fatal) the offending bytes have been consumed and the caller
     /// may call again.
     pub fn decode_frame(&self, src: &mut BytesMut) -> Result<Option<Frame>, FrameError> {
+        Ok(self.peek_frame(src)?.map(|h| split_frame(src, h)))
+    }
+
+    /// As [`decode_frame`](Self::decode_frame), but a whole frame that passes its checks is
+    /// left where it lies and only its header returned: the caller reads the body in place
+    /// ([`body_in_place`]), then drops the frame ([`skip_frame`]) or takes it
+    /// ([`split_frame`]). A reply the broker copies straight to its caller needs no frame
+    /// of its own, nor a reference to the read buffer. Errors consume the bad bytes as
+    /// `decode_frame` does.
+    pub fn peek_frame(&self, src: &mut BytesMut) -> Result<Option<Header>, FrameError> {
         if src.len() < HEADER_LEN {
             // Catch garbage early, without waiting for 18 bytes that may never come.
             let n = src.len().min(4);
@@ -88,18 +99,14 @@ impl FrameCodec {
             src.reserve(missing.min(src.len()));
             return Ok(None);
         }
-        // Checked where it lies, then split off whole whatever the verdict (a bad frame's
-        // bytes are gone): the body is cut out of the split part in place, so that the
-        // frame shares the read buffer through one reference, not two.
-        let checked = Frame::check(&src[..total], &p);
-        let mut frame = src.split_to(total);
-        let header = checked?;
-        frame.advance(HEADER_LEN);
-        frame.truncate(p.body_len as usize);
-        Ok(Some(Frame {
-            header,
-            body: frame.freeze(),
-        }))
+        // Checked where it lies; a bad frame's bytes are gone.
+        match Frame::check(&src[..total], &p) {
+            Ok(header) => Ok(Some(header)),
+            Err(e) => {
+                src.advance(total);
+                Err(e)
+            }
+        }
     }
 
     /// The stream does not start with a magic: drop junk up to the next magic found in
@@ -136,6 +143,29 @@ impl FrameCodec {
                 buffered: src.len(),
             })
         }
+    }
+}
+
+/// The body of the frame [`FrameCodec::peek_frame`] found at the front of `src`.
+pub fn body_in_place<'a>(src: &'a BytesMut, header: &Header) -> &'a [u8] {
+    &src[HEADER_LEN..HEADER_LEN + header.body_len as usize]
+}
+
+/// Drops the frame [`FrameCodec::peek_frame`] found at the front of `src`.
+pub fn skip_frame(src: &mut BytesMut, header: &Header) {
+    src.advance(FRAME_OVERHEAD + header.body_len as usize);
+}
+
+/// Takes the frame [`FrameCodec::peek_frame`] found at the front of `src`: the body is
+/// cut out of the split part in place, so that the frame shares the read buffer through
+/// one reference, not two.
+pub fn split_frame(src: &mut BytesMut, header: Header) -> Frame {
+    let mut frame = src.split_to(FRAME_OVERHEAD + header.body_len as usize);
+    frame.advance(HEADER_LEN);
+    frame.truncate(header.body_len as usize);
+    Frame {
+        header,
+        body: frame.freeze(),
     }
 }
 
