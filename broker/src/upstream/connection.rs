@@ -376,6 +376,27 @@ struct Slot {
     refused_by_drain: bool,
 }
 
+impl Slot {
+    /// Gives the call back to its session with its request frame, to be routed again.
+    /// Dropped when the session is gone (nobody is left to answer).
+    fn hand_back(self, request: Frame, why: Reroute) {
+        let to = self.reply_to.clone();
+        let fwd = Forward {
+            frame: request,
+            info: CallInfo {
+                replied: None,
+                ..self.info
+            },
+            reply_to: self.reply_to,
+            deadline: self.deadline,
+            retries: self.retries,
+            reserved: self.reserved,
+            refused_by_drain: self.refused_by_drain || why == Reroute::NotRun,
+        };
+        to.send(Reply::Retry(fwd, why));
+    }
+}
+
 struct ConnTask {
     io: FramedIo,
     /// Health checks from the pool; `None` once every handle is gone.
@@ -511,13 +532,7 @@ impl ConnTask {
                     after: self.settings.call_timeout,
                 }
             };
-            fail(
-                &self.state,
-                &self.metrics,
-                &slot.reply_to,
-                slot.info,
-                failure,
-            );
+            self.fail_slot(slot, failure);
         }
     }
 
@@ -530,13 +545,7 @@ impl ConnTask {
         calls.wbuf.clear();
         for (_, slot) in calls.table.drain() {
             let failure = Failure::GraceOver;
-            fail(
-                &self.state,
-                &self.metrics,
-                &slot.reply_to,
-                slot.info,
-                failure,
-            );
+            self.fail_slot(slot, failure);
         }
     }
 
@@ -787,21 +796,18 @@ impl ConnTask {
     fn hand_back(&mut self, slot: Slot, request: Frame) {
         self.metrics.outcome(Status::Unavailable);
         self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
-        let to = slot.reply_to.clone();
-        let fwd = Forward {
-            frame: request,
-            info: CallInfo {
-                replied: None,
-                ..slot.info
-            },
-            reply_to: slot.reply_to,
-            deadline: slot.deadline,
-            retries: slot.retries,
-            reserved: slot.reserved,
-            refused_by_drain: true,
-        };
-        // Dropped when the caller's session is gone; nobody is left to answer.
-        to.send(Reply::Retry(fwd, Reroute::NotRun));
+        slot.hand_back(request, Reroute::NotRun);
+    }
+
+    /// Answers a call taken off the table with a failure of the broker's own making.
+    fn fail_slot(&self, slot: Slot, failure: Failure) {
+        fail(
+            &self.state,
+            &self.metrics,
+            &slot.reply_to,
+            slot.info,
+            failure,
+        );
     }
 
     /// Ends the connection (`cause`: why, or `None` when every handle was dropped and the
@@ -831,17 +837,7 @@ impl ConnTask {
                 Some(request) => {
                     self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
                     requeued += 1;
-                    let to = slot.reply_to.clone();
-                    let fwd = Forward {
-                        frame: request,
-                        info: slot.info,
-                        reply_to: slot.reply_to,
-                        deadline: slot.deadline,
-                        retries: slot.retries,
-                        reserved: slot.reserved,
-                        refused_by_drain: slot.refused_by_drain,
-                    };
-                    to.send(Reply::Retry(fwd, Reroute::Unsent));
+                    slot.hand_back(request, Reroute::Unsent);
                 }
                 None => {
                     failed += 1;
@@ -849,13 +845,7 @@ impl ConnTask {
                         provider: self.settings.label.clone(),
                         cause: why.clone(),
                     };
-                    fail(
-                        &self.state,
-                        &self.metrics,
-                        &slot.reply_to,
-                        slot.info,
-                        failure,
-                    );
+                    self.fail_slot(slot, failure);
                 }
             }
         }
