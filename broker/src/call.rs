@@ -18,6 +18,7 @@ use std::time::Instant;
 
 use bytes::BytesMut;
 use rpcmesh_common::net::budget::{Reserved, SMALL_BODY};
+use rpcmesh_common::net::connection::SHRINK_ABOVE;
 use rpcmesh_wire::Status;
 use rpcmesh_wire::frame::{Flags, Frame, put_forwarded_response};
 
@@ -166,10 +167,21 @@ impl Inbox {
                 wbuf.extend_from_slice(&st.replies);
                 st.replies.clear();
             }
+            // A burst of replies must not cost the session its room for the rest of its
+            // life (the bound a connection's own buffers keep).
+            if st.replies.capacity() > SHRINK_ABOVE {
+                st.replies = BytesMut::new();
+            }
         }
         std::mem::swap(&mut into.answered, &mut st.answered);
         std::mem::swap(&mut into.other, &mut st.other);
         n
+    }
+
+    /// The room of the reply buffer (for tests).
+    #[cfg(test)]
+    fn room(&self) -> usize {
+        self.lock().replies.capacity()
     }
 
     /// The session is gone: later outcomes are dropped, and what waits is let go.
@@ -458,5 +470,20 @@ mod tests {
             "dropped: the session is gone"
         );
         assert!(wbuf.is_empty());
+    }
+
+    #[test]
+    fn a_burst_of_replies_does_not_keep_its_room() {
+        let inbox = Inbox::new();
+        for id in 0..400 {
+            inbox.answer(reply(id, Status::Success, 1000), info(Flags::NONE), None);
+        }
+        assert!(inbox.room() > SHRINK_ABOVE);
+        // Taken behind bytes already waiting: copied, and the inbox's buffer given back.
+        let mut wbuf = BytesMut::from(&b"waiting"[..]);
+        let mut taken = Taken::default();
+        assert_eq!(inbox.take(&mut wbuf, &mut taken), 400);
+        assert!(wbuf.len() > SHRINK_ABOVE);
+        assert_eq!(inbox.room(), 0);
     }
 }

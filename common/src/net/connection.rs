@@ -37,7 +37,7 @@ const MIN_READ_ROOM: usize = 4096;
 /// A buffer left empty with more room than this after a peak is given back (replaced by a
 /// fresh, small one): one large frame must not cost a connection its size for the rest of
 /// its life.
-const SHRINK_ABOVE: usize = 4 * READ_CHUNK;
+pub const SHRINK_ABOVE: usize = 4 * READ_CHUNK;
 
 /// Idle time before the first keepalive probe: a minute, long beyond any pause in a
 /// healthy conversation, short enough that a dead peer's connection is freed within
