@@ -218,12 +218,27 @@ impl UpstreamConn {
             .await
             .map_err(|_| UpstreamError::ConnectTimeout(connect_timeout))?
             .map_err(UpstreamError::Connect)?;
+        let span = tracing::debug_span!("upstream", provider = %settings.label, conn = id);
+        let sweep = (settings.call_timeout / 20).clamp(SWEEP_MIN, SWEEP_MAX);
+        let (conn, task) = UpstreamConn::pair(stream, id, settings, metrics, link);
+        tracing::debug!(parent: &span, "connected");
+        task.link.task_started();
+        tokio::spawn(task.run(sweep).instrument(span));
+        Ok(conn)
+    }
+
+    /// The handle and the task of a connected socket (the task not started yet).
+    fn pair(
+        stream: TcpStream,
+        id: u64,
+        settings: ConnSettings,
+        metrics: UpstreamMetrics,
+        link: Arc<PoolLink>,
+    ) -> (UpstreamConn, ConnTask) {
         let (heartbeats, heartbeat_rx) = mpsc::unbounded_channel();
         let state = Arc::new(ConnState::default());
-        let span = tracing::debug_span!("upstream", provider = %settings.label, conn = id);
         let cap = settings.max_in_flight;
         let ext = settings.ext;
-        let sweep = (settings.call_timeout / 20).clamp(SWEEP_MIN, SWEEP_MAX);
         let task = ConnTask {
             io: FramedIo::new(stream, FrameCodec::new(settings.max_body_len))
                 .with_activity(settings.activity.clone())
@@ -239,16 +254,14 @@ impl UpstreamConn {
             metrics,
             link,
         };
-        tracing::debug!(parent: &span, "connected");
-        task.link.task_started();
-        tokio::spawn(task.run(sweep).instrument(span));
-        Ok(UpstreamConn {
+        let conn = UpstreamConn {
             id,
             heartbeats,
             state,
             cap,
             ext,
-        })
+        };
+        (conn, task)
     }
 
     /// Queues a call: its frame goes into the connection's queue under a fresh request id,
@@ -901,4 +914,141 @@ fn fail(
 ) {
     failure.count(&metrics.errors);
     settle(state, metrics, to, info, Err(failure), None);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::call::{Inbox, Taken};
+    use bytes::{Bytes, BytesMut};
+    use rpcmesh_common::metrics::Telemetry;
+    use rpcmesh_wire::body::Request;
+    use tokio::net::TcpListener;
+
+    /// A connection to a listener of the test's (which accepts and reads nothing), with
+    /// its task not started: the test drives the task's steps itself.
+    async fn connection(ext: bool) -> (UpstreamConn, ConnTask, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let stream = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        let settings = ConnSettings {
+            label: Arc::from("test"),
+            ext,
+            quick_ack: !ext,
+            max_body_len: 1 << 20,
+            max_in_flight: 4,
+            call_timeout: Duration::from_secs(5),
+            activity: None,
+            grace_over: CancellationToken::new(),
+            budget: MemoryBudget::new(1 << 30),
+        };
+        let metrics = crate::metrics::BrokerMetrics::new(Telemetry::new(), 8).upstream("test", 1);
+        let (conn, task) =
+            UpstreamConn::pair(stream, 1, settings, metrics, Arc::new(PoolLink::new()));
+        (conn, task, server)
+    }
+
+    /// A call from a session with inbox `inbox`, with the caller's id `id`.
+    fn call(id: u64, inbox: &Arc<Inbox>) -> Forward {
+        let mut b = BytesMut::new();
+        Request {
+            service: Bytes::from_static(b"EchoService"),
+            method: Bytes::from_static(b"Echo"),
+            payload: Bytes::from_static(b"x"),
+        }
+        .put(&mut b, Flags::EXT_STATUS, id)
+        .unwrap();
+        let now = Instant::now();
+        Forward {
+            frame: Frame::from_bytes(b.freeze()).unwrap(),
+            info: CallInfo {
+                client_id: id,
+                client_flags: Flags::EXT_STATUS,
+                tag: 0,
+                admitted: now,
+                routed: None,
+                replied: None,
+            },
+            reply_to: inbox.clone(),
+            deadline: now + Duration::from_secs(5),
+            retries: 0,
+            refused_by_drain: false,
+            reserved: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_call_is_queued_under_a_fresh_id_and_the_cap_refuses_the_fifth() {
+        let (conn, mut task, _server) = connection(true).await;
+        let inbox = Inbox::new();
+        for id in 1..=4 {
+            conn.try_forward(call(id, &inbox)).unwrap();
+        }
+        assert_eq!(conn.load(), 4);
+        let (back, why) = conn.try_forward(call(5, &inbox)).unwrap_err();
+        assert_eq!((back.info.client_id, why), (5, Refused::Full));
+        assert_eq!(conn.load(), 4, "a refused call is not counted");
+        assert_eq!(task.take_queued(), 4);
+        // The task's write buffer holds the four frames under the connection's own ids,
+        // asking an rpcmesh provider for extended statuses.
+        let mut written = task.io.wbuf().split();
+        let codec = FrameCodec::new(1 << 20);
+        let mut ids = Vec::new();
+        while let Some(f) = codec.decode_frame(&mut written).unwrap() {
+            assert!(f.header.flags.contains(Flags::EXT_STATUS));
+            ids.push(f.header.req_id);
+        }
+        assert_eq!(ids.len(), 4);
+        assert!(
+            ids.iter().all(|id| !(1..=4).contains(id)),
+            "remapped: {ids:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn when_the_connection_ends_calls_still_queued_go_back_to_be_routed_and_written_ones_fail()
+     {
+        let (conn, mut task, _server) = connection(false).await;
+        let inbox = Inbox::new();
+        conn.try_forward(call(1, &inbox)).unwrap();
+        assert_eq!(
+            task.take_queued(),
+            1,
+            "call 1 is in the task's write buffer"
+        );
+        conn.try_forward(call(2, &inbox)).unwrap();
+        task.close(Some(Arc::from("closed by provider")));
+        assert!(conn.is_closed());
+        assert_eq!(conn.load(), 0);
+        let (back, why) = conn.try_forward(call(3, &inbox)).unwrap_err();
+        assert_eq!((back.info.client_id, why), (3, Refused::Closed));
+
+        let mut wbuf = BytesMut::new();
+        let mut taken = Taken::default();
+        assert_eq!(inbox.take(&mut wbuf, &mut taken), 2);
+        let mut lost = None;
+        let mut rerouted = None;
+        for reply in taken.other.drain(..) {
+            match reply {
+                Reply::Done {
+                    info,
+                    outcome: Err(f),
+                    ..
+                } => lost = Some((info.client_id, f)),
+                Reply::Retry(fwd, why) => rerouted = Some((fwd.info.client_id, why, fwd.frame)),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        let (id, failure) = lost.expect("the written call is answered");
+        assert_eq!(id, 1);
+        assert!(
+            matches!(failure, Failure::ConnectionLost { .. }),
+            "{failure:?}"
+        );
+        let (id, why, frame) = rerouted.expect("the queued call goes back");
+        assert_eq!((id, why), (2, Reroute::Unsent));
+        assert_eq!(frame.header.req_id, 2, "with the caller's own frame");
+    }
 }
