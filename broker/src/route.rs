@@ -44,17 +44,14 @@ pub(crate) enum NoRoute {
 /// for the first call of a read and kept for the rest ([`Picker::new_batch`] starts a new
 /// one). Calls that arrived in one segment then leave in one write and come back in one,
 /// instead of being spread thin over the pool and trickling back; balancing still acts
-/// on every read. The batch's connection is kept at hand, so that the rest of the batch
-/// goes straight to it without looking up the pool's connections again.
+/// on every read.
 #[derive(Debug)]
 pub(crate) struct Picker {
     rng: fastrand::Rng,
     turn: usize,
-    /// (pool, connection index, connection) that took the current batch's calls. Indices
-    /// into the router of that call: after the providers changed they may name another
-    /// provider, which costs nothing but the batch's togetherness (it is only a
-    /// preference, checked against the current router's candidates).
-    batch: Option<(usize, usize, Arc<UpstreamConn>)>,
+    /// The provider (an index into the session's router, which stays the same for the
+    /// round) and the connection that took the current batch's first call.
+    batch: Option<(usize, Arc<UpstreamConn>)>,
 }
 
 impl Picker {
@@ -140,29 +137,22 @@ impl Router {
             return Err((fwd, NoRoute::UnknownService));
         }
         let needs_ext = fwd.frame.header.flags.contains(Flags::COMPRESSED);
-        // The connection that took this batch's earlier calls, if it may take this one.
-        if let Some((pool_idx, _, conn)) = &picker.batch {
-            let pool = &self.pools[*pool_idx];
-            if cands.contains(pool_idx) && !pool.is_draining() && (!needs_ext || pool.spec.ext) {
+        let mut why = NoRoute::NoHealthy;
+        // The rest of a batch goes straight to the connection that took its first call
+        // (without looking up the pool's connections); when that one cannot take it, the
+        // call is balanced like any other.
+        if let Some((pool_idx, conn)) = &picker.batch {
+            if cands.contains(pool_idx) && self.refusal(*pool_idx, needs_ext).is_none() {
                 fwd = match conn.try_forward(fwd) {
                     Ok(()) => return Ok(()),
-                    Err((f, _)) => f,
+                    Err((f, refused)) => {
+                        if refused == Refused::Full {
+                            why = NoRoute::Full;
+                        }
+                        f
+                    }
                 };
             }
-        }
-        let mut why = NoRoute::NoHealthy;
-        // The provider that took this batch's earlier calls, tried first (on all its
-        // connections, the batch's one first) and not again below.
-        let batch = picker
-            .batch
-            .as_ref()
-            .map(|(p, c, _)| (*p, *c))
-            .filter(|(p, _)| cands.contains(p));
-        if let Some((pool_idx, conn_idx)) = batch {
-            fwd = match self.offer(pool_idx, fwd, picker, Some(conn_idx), needs_ext, &mut why) {
-                Ok(()) => return Ok(()),
-                Err(f) => f,
-            };
         }
         let n = cands.len();
         // Order of providers to try: the better of two random ones (or the next in turn)
@@ -185,15 +175,25 @@ impl Router {
         };
         for k in 0..n {
             let pool_idx = cands[(first + k) % n];
-            if batch.is_some_and(|(b, _)| b == pool_idx) {
-                continue;
-            }
-            fwd = match self.offer(pool_idx, fwd, picker, None, needs_ext, &mut why) {
+            fwd = match self.offer(pool_idx, fwd, picker, needs_ext, &mut why) {
                 Ok(()) => return Ok(()),
                 Err(f) => f,
             };
         }
         Err((fwd, why))
+    }
+
+    /// Why provider `pool_idx` takes no call of this kind now, if it does not: it cannot
+    /// take a compressed call (`needs_ext`), or it drains.
+    fn refusal(&self, pool_idx: usize, needs_ext: bool) -> Option<NoRoute> {
+        let pool = &self.pools[pool_idx];
+        if needs_ext && !pool.spec.ext {
+            Some(NoRoute::NeedsExtension)
+        } else if pool.is_draining() {
+            Some(NoRoute::Draining)
+        } else {
+            None
+        }
     }
 
     /// Offers `fwd` to provider `pool_idx` (see [`try_pool`]); on success it becomes the
@@ -206,26 +206,18 @@ impl Router {
         pool_idx: usize,
         fwd: Forward,
         picker: &mut Picker,
-        prefer: Option<usize>,
         needs_ext: bool,
         why: &mut NoRoute,
     ) -> Result<(), Forward> {
-        let pool = &self.pools[pool_idx];
-        if needs_ext && !pool.spec.ext {
+        if let Some(r) = self.refusal(pool_idx, needs_ext) {
             if *why == NoRoute::NoHealthy {
-                *why = NoRoute::NeedsExtension;
+                *why = r;
             }
             return Err(fwd);
         }
-        if pool.is_draining() {
-            if *why == NoRoute::NoHealthy {
-                *why = NoRoute::Draining;
-            }
-            return Err(fwd);
-        }
-        match try_pool(pool, fwd, picker, prefer, self.pack) {
-            Ok((c, conn)) => {
-                picker.batch = Some((pool_idx, c, conn));
+        match try_pool(&self.pools[pool_idx], fwd, picker, self.pack) {
+            Ok(conn) => {
+                picker.batch = Some((pool_idx, conn));
                 Ok(())
             }
             Err((fwd, refused)) => {
@@ -238,27 +230,24 @@ impl Router {
     }
 }
 
-/// Offers the call to `prefer` (a connection index), else to the first open connection of
-/// `pool` under `pack` calls in flight (rpcmesh providers only; 0 = never), else to the
-/// less loaded of two, then to the others; returns the index that took it, and the
-/// connection. `None` in the error = the pool has no open connection.
+/// Offers the call to the first open connection of `pool` under `pack` calls in flight
+/// (rpcmesh providers only; 0 = never), else to the less loaded of two, then to the
+/// others; returns the connection that took it. `None` in the error = the pool has no
+/// open connection.
 // A refused call is handed back by value (no allocation on the per-call path).
 #[allow(clippy::result_large_err)]
 fn try_pool(
     pool: &ProviderPool,
     mut fwd: Forward,
     picker: &mut Picker,
-    prefer: Option<usize>,
     pack: usize,
-) -> Result<(usize, Arc<UpstreamConn>), (Forward, Option<Refused>)> {
+) -> Result<Arc<UpstreamConn>, (Forward, Option<Refused>)> {
     let conns = pool.ready();
     let n = conns.len();
     if n == 0 {
         return Err((fwd, None));
     }
-    let start = if let Some(p) = prefer.filter(|p| *p < n) {
-        p
-    } else if let Some(i) = (pool.spec.ext && pack > 0)
+    let start = if let Some(i) = (pool.spec.ext && pack > 0)
         .then(|| conns.iter().position(|c| load(c) < pack))
         .flatten()
     {
@@ -276,13 +265,12 @@ fn try_pool(
     };
     let mut refused = None;
     for k in 0..n {
-        let i = (start + k) % n;
-        let c = &conns[i];
+        let c = &conns[(start + k) % n];
         if c.is_closed() {
             continue;
         }
         match c.try_forward(fwd) {
-            Ok(()) => return Ok((i, c.clone())),
+            Ok(()) => return Ok(c.clone()),
             Err((f, r)) => {
                 fwd = f;
                 if r == Refused::Full {

@@ -132,7 +132,6 @@ impl Protocol for Session {
 
     fn on_read(&mut self) {
         self.read_at = Instant::now();
-        self.picker.new_batch();
     }
 
     fn on_request(&mut self, frame: Frame, io: &mut FramedIo, draining: bool) {
@@ -166,7 +165,8 @@ impl Protocol for Session {
                 }
             }
         }
-        // The round's calls are routed: its router and its batch's connection are let go.
+        // The round's calls are routed: its router and its batch's connection are let go
+        // (the next read's calls make a batch of their own).
         self.router = None;
         self.picker.new_batch();
     }
