@@ -76,12 +76,12 @@ use tracing::Instrument;
 use rpcmesh_common::net::listener::AcceptObserver;
 
 use crate::call::{CallInfo, Forward, Reply, ReplyTx, Reroute};
-
-/// A health check's waiter: told when the heartbeat's answer comes.
-type HeartbeatTx = oneshot::Sender<()>;
 use crate::failure::Failure;
 use crate::metrics::{QUEUE, UPSTREAM, UpstreamMetrics};
 use crate::upstream::{PoolLink, UpstreamError};
+
+/// A health check's waiter: told when the heartbeat's answer comes.
+type HeartbeatTx = oneshot::Sender<()>;
 
 /// Times the task lets the other ready tasks run before writing, while each turn brings
 /// more calls: sessions woken by the same poll add theirs and one write carries them all
@@ -301,7 +301,7 @@ impl UpstreamConn {
         // The frame stays with the call until the task takes it (so that a call still
         // queued when the connection fails can be routed again), and for an rpcmesh
         // provider until the reply or REQUEST_RETAIN (see `Slot::request`).
-        let id = table.insert(Slot {
+        let (id, slot) = table.insert_mut(Slot {
             info: fwd.info,
             reply_to: fwd.reply_to,
             deadline: fwd.deadline,
@@ -317,7 +317,7 @@ impl UpstreamConn {
             body_len,
             req_id: id,
         };
-        if let Some(frame) = table.get_mut(id).and_then(|s| s.request.as_ref()) {
+        if let Some(frame) = &slot.request {
             put_frame(wbuf, &header, &frame.body);
         }
         queued.push(id);
@@ -445,7 +445,7 @@ impl ConnTask {
                 biased;
                 ev = self.io.wait_io(true) => match ev {
                     Ok(IoEvent::Read) => {
-                        if let Err(cause) = self.take_frames() {
+                        if let Err(cause) = self.take_frames(&state) {
                             break Some(cause.into());
                         }
                         self.ack_at_once();
@@ -617,9 +617,8 @@ impl ConnTask {
     }
 
     /// Handles every whole frame read so far.
-    fn take_frames(&mut self) -> Result<(), String> {
+    fn take_frames(&mut self, state: &ConnState) -> Result<(), String> {
         let read_at = self.metrics.stages.on().then(Instant::now);
-        let state = self.state.clone();
         let mut calls = state.lock();
         loop {
             match self.io.peek_frame() {
@@ -666,26 +665,25 @@ impl ConnTask {
         if body.len() < 5 || body.len() >= SMALL_BODY || body[0] == Status::Unavailable as u8 {
             return false;
         }
-        let holds_reservation = calls
-            .table
-            .get_mut(header.req_id)
-            .map(|s| s.reserved.is_some());
-        if holds_reservation != Some(false) {
-            // No such call (late), or one the session must copy with its reservation.
-            return false;
-        }
-        let Some(mut slot) = calls.table.take(header.req_id) else {
+        // Not a late reply, nor one the session must copy with its call's reservation.
+        let Some(mut slot) = calls.table.take_if(header.req_id, |s| s.reserved.is_none()) else {
             return false;
         };
-        if let (Some(sent), Some(read)) = (slot.sent, read_at) {
-            self.metrics.stages.record_span(UPSTREAM, sent, read);
-        }
-        slot.info.replied = read_at.filter(|_| slot.info.routed.is_some());
+        self.reply_read(&mut slot, read_at);
         self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
         let status = slot.reply_to.answer_small(header.flags, body, slot.info);
         self.metrics.outcome(status);
         self.io.skip_peeked(header);
         true
+    }
+
+    /// A timed call's reply was read (`read_at`, stages on): its `upstream` stage is
+    /// recorded and the time kept for its `write_back`.
+    fn reply_read(&self, slot: &mut Slot, read_at: Option<Instant>) {
+        if let (Some(sent), Some(read)) = (slot.sent, read_at) {
+            self.metrics.stages.record_span(UPSTREAM, sent, read);
+        }
+        slot.info.replied = read_at.filter(|_| slot.info.routed.is_some());
     }
 
     fn on_frame(&mut self, calls: &mut Calls, frame: Frame, read_at: Option<Instant>) {
@@ -701,10 +699,7 @@ impl ConnTask {
                     );
                     return;
                 };
-                if let (Some(sent), Some(read)) = (slot.sent, read_at) {
-                    self.metrics.stages.record_span(UPSTREAM, sent, read);
-                }
-                slot.info.replied = read_at.filter(|_| slot.info.routed.is_some());
+                self.reply_read(&mut slot, read_at);
                 let outcome = if frame.body.len() < 5 {
                     let failure = Failure::MalformedReply;
                     failure.count(&self.metrics.errors);

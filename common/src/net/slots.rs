@@ -35,6 +35,12 @@ impl<T> SlotTable<T> {
 
     /// Stores `value` under a fresh request id, and returns the id.
     pub fn insert(&mut self, value: T) -> u64 {
+        self.insert_mut(value).0
+    }
+
+    /// As [`SlotTable::insert`], and the value stored, for a caller that writes its call
+    /// out under the new id from what it just stored.
+    pub fn insert_mut(&mut self, value: T) -> (u64, &mut T) {
         self.generation = self.generation.wrapping_add(1);
         let idx = match self.free.pop() {
             Some(i) => i,
@@ -44,16 +50,22 @@ impl<T> SlotTable<T> {
             }
         };
         let id = (u64::from(self.generation) << 32) | u64::from(idx);
-        self.slots[idx as usize] = Some((id, value));
-        id
+        let (_, stored) = self.slots[idx as usize].insert((id, value));
+        (id, stored)
     }
 
     /// Takes the call with request id `id` out of the table; `None` when there is none (its
     /// slot is empty, or holds a later call).
     pub fn take(&mut self, id: u64) -> Option<T> {
+        self.take_if(id, |_| true)
+    }
+
+    /// Takes the call with request id `id` out of the table if `pred` holds for it; `None`
+    /// (and the call stays) otherwise, or when there is no such call.
+    pub fn take_if(&mut self, id: u64, pred: impl FnOnce(&T) -> bool) -> Option<T> {
         let idx = slot_of(id);
         let entry = self.slots.get_mut(idx)?;
-        if entry.as_ref().is_some_and(|(i, _)| *i == id) {
+        if entry.as_ref().is_some_and(|(i, v)| *i == id && pred(v)) {
             self.free.push(idx as u32);
             entry.take().map(|(_, v)| v)
         } else {
@@ -123,6 +135,22 @@ mod tests {
         assert_eq!(t.take(a), Some("a"));
         assert_eq!(t.take(a), None, "taken once");
         assert_eq!(t.len(), 1);
+    }
+
+    #[test]
+    fn take_if_leaves_a_call_the_test_refuses_and_insert_mut_gives_what_it_stored() {
+        let mut t = SlotTable::default();
+        let (a, stored) = t.insert_mut(1);
+        *stored += 1;
+        assert_eq!(t.take_if(a, |v| *v > 5), None, "refused: it stays");
+        assert_eq!(t.len(), 1);
+        assert_eq!(
+            t.take_if(a + (1 << 32), |_| true),
+            None,
+            "another generation"
+        );
+        assert_eq!(t.take_if(a, |v| *v == 2), Some(2));
+        assert!(t.is_empty());
     }
 
     #[test]
