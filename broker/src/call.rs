@@ -110,7 +110,7 @@ impl Inbox {
         let status = if st.closed {
             status_of(body)
         } else {
-            let status = put_reply(&mut st.replies, flags, body, info);
+            let status = write_reply_to(&mut st.replies, flags, body, info);
             st.answered.push(Answered {
                 tag: info.tag,
                 status,
@@ -201,16 +201,17 @@ pub(crate) fn status_of(body: &[u8]) -> Status {
     Status::from_wire(body[0]).unwrap_or(Status::Failed)
 }
 
-/// Copies the provider's reply to `dst` under the caller's id, degrading an extended
-/// status to "failed" for a caller that did not ask for them. A caller without extended
-/// statuses gets no `NOT_RUN` either (a v1 peer would take the frame for an unknown
-/// type): it is only ever set with status 3, which such a caller gets as 1.
-pub(crate) fn write_reply_to(dst: &mut BytesMut, frame: &Frame, info: CallInfo) -> Status {
-    put_reply(dst, frame.header.flags, &frame.body, info)
-}
-
-/// [`write_reply_to`], from the reply's flags and body.
-fn put_reply(dst: &mut BytesMut, flags: Flags, body: &[u8], info: CallInfo) -> Status {
+/// Copies the provider's reply (its flags and body) to `dst` under the caller's id,
+/// degrading an extended status to "failed" for a caller that did not ask for them. A
+/// caller without extended statuses gets no `NOT_RUN` either (a v1 peer would take the
+/// frame for an unknown type): it is only ever set with status 3, which such a caller gets
+/// as 1.
+pub(crate) fn write_reply_to(
+    dst: &mut BytesMut,
+    flags: Flags,
+    body: &[u8],
+    info: CallInfo,
+) -> Status {
     let status = status_of(body);
     let ext = info.client_flags.contains(Flags::EXT_STATUS);
     let wire = status.to_wire(ext);
@@ -325,7 +326,8 @@ mod tests {
         let reply = not_run_reply();
         assert!(reply.header.flags.contains(Flags::NOT_RUN));
         let mut out = BytesMut::new();
-        let status = write_reply_to(&mut out, &reply, info(Flags::NONE));
+        let (flags, body) = (reply.header.flags, &reply.body[..]);
+        let status = write_reply_to(&mut out, flags, body, info(Flags::NONE));
         assert_eq!(status, Status::Unavailable);
         let v1 = Frame::from_bytes(out.split().freeze()).unwrap();
         assert_eq!(v1.header.req_id, 7);
@@ -335,7 +337,7 @@ mod tests {
             "a v1 caller gets a plain frame"
         );
         assert_eq!(v1.body[0], Status::Failed as u8, "and status 1");
-        write_reply_to(&mut out, &reply, info(Flags::EXT_STATUS));
+        write_reply_to(&mut out, flags, body, info(Flags::EXT_STATUS));
         let ext = Frame::from_bytes(out.split().freeze()).unwrap();
         assert_eq!(ext.header.flags, Flags::NOT_RUN);
         assert_eq!(ext.body[0], Status::Unavailable as u8);

@@ -362,7 +362,7 @@ impl Session {
         self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
         let counters = match outcome {
             Ok(frame) => {
-                let status = write_reply_to(io.wbuf(), &frame, info);
+                let status = write_reply_to(io.wbuf(), frame.header.flags, &frame.body, info);
                 self.counted(info.tag, status)
             }
             Err(failure) => self.answer(io, info.client_id, info.client_flags, info.tag, &failure),

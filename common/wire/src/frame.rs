@@ -341,13 +341,6 @@ impl Frame {
         if p.version != VERSION {
             return Err(FrameError::BadVersion { version: p.version });
         }
-        Frame::from_prefixed(frame, p)
-    }
-
-    /// As [`from_bytes`](Self::from_bytes), for a frame whose header `p` was already
-    /// read and whose magic and version were checked (the codec's path: the header is
-    /// not read twice).
-    pub(crate) fn from_prefixed(frame: Bytes, p: Prefix) -> Result<Frame, FrameError> {
         let end = HEADER_LEN + p.body_len as usize;
         if frame.len() != end + TRAILER_LEN {
             return Err(FrameError::Truncated {
