@@ -14,6 +14,9 @@ use crate::outcome::CallOutcome;
 /// Largest latency a histogram holds exactly: 60 s, above any sane call timeout
 /// (longer values are clamped to it).
 pub const MAX_LATENCY_US: u64 = 60_000_000;
+/// How much larger than the largest latency seen so far a connection makes the histograms
+/// of a step it prepares (see [`Books::prepare`]), so that they rarely grow during it.
+const PREPARED_HEADROOM: u64 = 2;
 /// Significant digits of the run's histograms: 3 gives 0.1 % resolution, enough to tell
 /// p99.99 apart from max.
 const SIGFIGS: u8 = 3;
@@ -21,35 +24,54 @@ const SIGFIGS: u8 = 3;
 const INTERVAL_SIGFIGS: u8 = 2;
 
 /// A latency histogram in microseconds.
+///
+/// It covers the latencies it has been given, not [`MAX_LATENCY_US`] from the start: it
+/// grows (HdrHistogram's auto-resizing) when a larger one arrives. At 3 significant digits
+/// the whole 60 s range takes 147 KB, and every connection keeps four histograms per
+/// measured step: with the range made up front, 200 connections took 111 MB at the start
+/// of the measured window, all at once, and their page faults held the driver's thread for
+/// about 0.5 ms per connection, which every call in flight then took as latency (about 100
+/// ms at 200 connections: docs/performance.md, "The driver's own stall"). Calls of a few
+/// milliseconds need 16–40 KB.
 #[derive(Debug, Clone)]
 pub struct Latency(Histogram<u64>);
 
 impl Default for Latency {
     fn default() -> Self {
-        Latency::with_sigfigs(SIGFIGS)
+        Latency::covering(0, SIGFIGS)
     }
 }
 
 impl Latency {
     /// A histogram for per-second figures (smaller, coarser).
     pub fn interval() -> Self {
-        Latency::with_sigfigs(INTERVAL_SIGFIGS)
+        Latency::covering(0, INTERVAL_SIGFIGS)
     }
 
-    fn with_sigfigs(s: u8) -> Self {
-        Latency(
-            Histogram::new_with_bounds(1, MAX_LATENCY_US, s).expect("bounds are valid constants"),
-        )
+    /// A histogram that already covers latencies up to `high_us` (at least its smallest
+    /// range, at most [`MAX_LATENCY_US`]) and grows beyond.
+    fn covering(high_us: u64, sigfigs: u8) -> Self {
+        let mut h = Histogram::new_with_bounds(1, high_us.clamp(2, MAX_LATENCY_US), sigfigs)
+            .expect("bounds and digits are valid constants");
+        h.auto(true);
+        Latency(h)
     }
 
-    /// Records one latency.
+    /// Records one latency (clamped to [`MAX_LATENCY_US`], so that no histogram grows
+    /// beyond it).
     pub fn record_us(&mut self, us: u64) {
-        self.0.saturating_record(us.max(1));
+        let us = us.clamp(1, MAX_LATENCY_US);
+        // `record` grows the histogram (`saturating_record` would clamp to its current
+        // range instead); growing within 60 s cannot fail, and were it to, the sample is
+        // still counted, at the range's top.
+        if self.0.record(us).is_err() {
+            self.0.saturating_record(us);
+        }
     }
 
-    /// Adds another histogram's samples.
+    /// Adds another histogram's samples (this one grows to hold them: addition cannot
+    /// fail).
     pub fn add(&mut self, other: &Latency) {
-        // Same bounds on both sides: addition cannot fail.
         let _ = self.0.add(&other.0);
     }
 
@@ -206,6 +228,16 @@ impl Tally {
         "requests_uncorrected",
         "calls_uncorrected",
     ];
+
+    /// A tally whose histograms already cover latencies up to `high_us` (see
+    /// [`Books::prepare`]).
+    pub fn covering(high_us: u64) -> Self {
+        let mut t = Tally::default();
+        for h in t.latencies_mut() {
+            *h = Latency::covering(high_us, SIGFIGS);
+        }
+        t
+    }
 
     /// A tally for per-second figures (coarser histograms).
     pub fn interval() -> Self {
@@ -393,6 +425,9 @@ pub struct Books {
     /// With `--hdr-log`: the measured figures since the last tick, at full precision (the
     /// interval log's; its intervals add up to the steps').
     pub log: Option<Tally>,
+    /// The largest latency entered so far, warm-up included, µs: what a step made ahead
+    /// of time is sized for.
+    largest_us: u64,
 }
 
 impl Default for Books {
@@ -401,6 +436,7 @@ impl Default for Books {
             steps: Vec::new(),
             interval: Tally::interval(),
             log: None,
+            largest_us: 0,
         }
     }
 }
@@ -423,13 +459,24 @@ impl Books {
         self
     }
 
-    /// The figures of a measured step (made when first needed).
-    fn step(&mut self, step: Option<usize>) -> Option<&mut Tally> {
-        let i = step?;
+    /// Makes the figures of measured step `step` (and of any before it) now, if they are not
+    /// made yet, with histograms sized for [`PREPARED_HEADROOM`] times the largest latency
+    /// seen so far. A worker calls it on its tick ahead of the step's start: made when the
+    /// step's first call ends instead, every connection would make its figures at that
+    /// same moment, holding the thread while calls are in flight (the measured window's
+    /// first calls would then measure the driver).
+    pub fn prepare(&mut self, step: Option<usize>) {
+        let Some(i) = step else { return };
         if self.steps.len() <= i {
-            self.steps.resize_with(i + 1, Tally::default);
+            let high = self.largest_us.saturating_mul(PREPARED_HEADROOM);
+            self.steps.resize_with(i + 1, || Tally::covering(high));
         }
-        self.steps.get_mut(i)
+    }
+
+    /// The figures of a measured step (made when first needed, if not prepared).
+    fn step(&mut self, step: Option<usize>) -> Option<&mut Tally> {
+        self.prepare(step);
+        self.steps.get_mut(step?)
     }
 
     /// A call was issued.
@@ -444,12 +491,19 @@ impl Books {
 
     /// A call ended with `outcome`, having taken `latency`.
     pub fn call(&mut self, step: Option<usize>, outcome: CallOutcome, latency: Took) {
+        self.saw(latency);
         self.both(step, |t| t.call(outcome, latency));
     }
 
     /// A request ended, having taken `latency`.
     pub fn request(&mut self, step: Option<usize>, failed: bool, latency: Took) {
+        self.saw(latency);
         self.both(step, |t| t.request(failed, latency));
+    }
+
+    fn saw(&mut self, latency: Took) {
+        let us = latency.us.max(latency.uncorrected_us.unwrap_or(0));
+        self.largest_us = self.largest_us.max(us);
     }
 
     /// A request is due (it will start, now or from the backlog, or be not sent).
@@ -557,6 +611,79 @@ mod tests {
         h.record_us(u64::MAX);
         assert_eq!(h.count(), 1);
         assert!(h.summary().max_ms >= 59_000.0);
+    }
+
+    /// The counts array's length: what a histogram's memory grows with.
+    fn size(h: &Latency) -> usize {
+        h.histogram().distinct_values()
+    }
+
+    #[test]
+    fn a_histogram_takes_the_memory_of_the_latencies_it_holds_not_of_its_whole_range() {
+        let whole = Histogram::<u64>::new_with_bounds(1, MAX_LATENCY_US, SIGFIGS).unwrap();
+        let mut h = Latency::default();
+        assert!(
+            size(&h) * 8 <= whole.distinct_values(),
+            "{} of {}",
+            size(&h),
+            whole.distinct_values()
+        );
+        h.record_us(500);
+        let small = size(&h);
+        h.record_us(80_000);
+        assert!(size(&h) > small, "it grows for a larger latency");
+        assert!(size(&h) < whole.distinct_values() / 2);
+        h.record_us(u64::MAX);
+        assert_eq!(
+            size(&h),
+            whole.distinct_values(),
+            "and no further than the largest latency kept"
+        );
+        let s = h.summary();
+        assert_eq!(s.count, 3);
+        assert!((s.p50_ms - 80.0).abs() < 0.1, "{s:?}");
+    }
+
+    #[test]
+    fn histograms_of_different_ranges_add_up_sample_for_sample() {
+        let mut small = Latency::default();
+        for us in [100, 200, 300] {
+            small.record_us(us);
+        }
+        let mut large = Latency::interval();
+        large.record_us(45_000);
+        let mut a = small.clone();
+        a.add(&large);
+        let mut b = large.clone();
+        b.add(&small);
+        for h in [&a, &b] {
+            assert_eq!(h.count(), 4);
+            assert_eq!(h.count_above_us(30_000), 1);
+            assert!((h.summary().max_ms - 45.0).abs() < 0.5, "{:?}", h.summary());
+        }
+    }
+
+    #[test]
+    fn a_prepared_step_holds_latencies_like_those_seen_before_without_growing() {
+        let mut b = Books::default();
+        b.call(None, CallOutcome::Ok, us(30_000));
+        b.prepare(Some(1));
+        assert_eq!(b.steps.len(), 2, "a step and every one before it");
+        let before: Vec<usize> = b.steps[0].latencies().iter().map(|h| size(h)).collect();
+        b.sent(Some(0));
+        b.call(Some(0), CallOutcome::Ok, us(55_000));
+        b.request(Some(0), false, us(55_000));
+        let after: Vec<usize> = b.steps[0].latencies().iter().map(|h| size(h)).collect();
+        assert_eq!(before, after, "the step's first figures grow nothing");
+        assert_eq!(b.steps[0].calls.count(), 1);
+        b.prepare(Some(0));
+        assert_eq!(
+            b.steps[0].calls.count(),
+            1,
+            "preparing again keeps the figures"
+        );
+        b.prepare(None);
+        assert_eq!(b.steps.len(), 2, "the warm-up has no step");
     }
 
     fn us(n: u64) -> Took {

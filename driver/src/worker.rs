@@ -63,6 +63,10 @@ use crate::workload::Workload;
 
 /// How often a worker checks deadlines and hands its figures to the progress line.
 const TICK: Duration = Duration::from_millis(100);
+/// How long before a measured step starts a worker makes its figures (on a tick, see
+/// [`Books::prepare`]): several ticks, so that a late tick still comes before it, and each
+/// worker's at its own phase of the tick period rather than all at the step's start.
+const PREPARE_AHEAD: Duration = Duration::from_millis(500);
 /// How many times a call refused unstarted (`NOT_RUN`) is sent again before the refusal
 /// counts as its outcome (`unavailable`): one try per other broker of a two- or
 /// three-broker deployment, and one more for a provider draining behind a broker. A call
@@ -107,6 +111,16 @@ impl RunShared {
                 .as_ref()
                 .map_or(0, |s| s.step_of(since)),
         )
+    }
+
+    /// The measured step under way [`PREPARE_AHEAD`] from `now` (`None` in the warm-up, and
+    /// once no request starts then: the run is ending).
+    fn step_ahead(&self, now: Instant) -> Option<usize> {
+        let t = now + PREPARE_AHEAD;
+        if self.until.is_some_and(|u| t >= u) {
+            return None;
+        }
+        self.step_of(t)
     }
 
     /// Whether a new request may start now (claims one from the budget if so).
@@ -359,6 +373,10 @@ impl Worker {
         // The workers' ticks are spread over the period, not all at once: each holds the
         // thread for tens of µs, and eight together delayed the requests due then by a few
         // hundred (a tail in the pacer's start lag).
+        // The measured window's figures are made before it starts when the warm-up is
+        // shorter than PREPARE_AHEAD, else on a tick during the warm-up.
+        self.books.prepare(self.shared.step_of(Instant::now()));
+        self.books.prepare(self.shared.step_ahead(Instant::now()));
         let phase = TICK * self.plan.index as u32 / self.shared.config.connections.max(1) as u32;
         let mut tick = tokio::time::interval_at((Instant::now() + phase).into(), TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -840,6 +858,7 @@ impl Worker {
     /// then hands the interval's figures on.
     fn on_tick(&mut self) {
         let now = Instant::now();
+        self.books.prepare(self.shared.step_ahead(now));
         let timeout = self.shared.config.call_timeout;
         let mut expired = std::mem::take(&mut self.expired);
         self.table
