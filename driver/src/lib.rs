@@ -125,6 +125,7 @@ async fn drive(
     let shared = Arc::new(RunShared {
         workload,
         metrics,
+        finish: worker::FinishLine::new(n),
         measure_from,
         until,
         budget,

