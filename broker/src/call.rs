@@ -86,7 +86,7 @@ impl Inbox {
     /// reply that holds a memory reservation or is itself large, the whole frame (see
     /// [`Reply::Done`]). Returns the status the provider answered.
     pub fn answer(&self, frame: Frame, info: CallInfo, reserved: Option<Reserved>) -> Status {
-        if reserved.is_some() || frame.body.len() >= SMALL_BODY {
+        if !copied_at_once(frame.body.len(), reserved.is_some()) {
             // Large: it goes on with its reservation (or, a large reply to a small call,
             // as the frame in the provider connection's read buffer, which the budget
             // counts there) until the session copied it.
@@ -103,8 +103,8 @@ impl Inbox {
 
     /// Passes a provider's small reply (flags and body, wherever they lie: the provider
     /// connection reads them in place) to the caller, as its bytes under the caller's id.
-    /// The caller of this has checked that it is under [`SMALL_BODY`] and that the call
-    /// holds no reservation. Returns the status the provider answered.
+    /// The caller of this has checked [`copied_at_once`]. Returns the status the provider
+    /// answered.
     pub fn answer_small(&self, flags: Flags, body: &[u8], info: CallInfo) -> Status {
         let mut st = self.lock();
         let status = if st.closed {
@@ -193,6 +193,13 @@ impl Inbox {
         st.other = Vec::new();
         st.waker = None;
     }
+}
+
+/// Whether a provider's reply of `body_len` bytes is copied into its caller's inbox at
+/// once: a small one whose call holds no memory reservation. Any other goes on whole,
+/// with its reservation, until the session copies it.
+pub(crate) fn copied_at_once(body_len: usize, reserved: bool) -> bool {
+    !reserved && body_len < SMALL_BODY
 }
 
 /// The status a provider's reply body carries ("failed" for one the broker does not

@@ -232,18 +232,18 @@ impl Tally {
     /// A tally whose histograms already cover latencies up to `high_us` (see
     /// [`Books::prepare`]).
     pub fn covering(high_us: u64) -> Self {
-        let mut t = Tally::default();
-        for h in t.latencies_mut() {
-            *h = Latency::covering(high_us, SIGFIGS);
-        }
-        t
+        Tally::with_latencies(|| Latency::covering(high_us, SIGFIGS))
     }
 
     /// A tally for per-second figures (coarser histograms).
     pub fn interval() -> Self {
+        Tally::with_latencies(Latency::interval)
+    }
+
+    fn with_latencies(make: impl Fn() -> Latency) -> Self {
         let mut t = Tally::default();
         for h in t.latencies_mut() {
-            *h = Latency::interval();
+            *h = make();
         }
         t
     }

@@ -442,13 +442,14 @@ impl Worker {
             self.users.free_all();
         }
         self.dial_next();
+        // The measured window's figures are made before it starts when the warm-up is
+        // shorter than PREPARE_AHEAD, else on a tick during the warm-up.
+        let now = Instant::now();
+        self.books.prepare(self.shared.step_of(now));
+        self.books.prepare(self.shared.step_ahead(now));
         // The workers' ticks are spread over the period, not all at once: each holds the
         // thread for tens of µs, and eight together delayed the requests due then by a few
         // hundred (a tail in the pacer's start lag).
-        // The measured window's figures are made before it starts when the warm-up is
-        // shorter than PREPARE_AHEAD, else on a tick during the warm-up.
-        self.books.prepare(self.shared.step_of(Instant::now()));
-        self.books.prepare(self.shared.step_ahead(Instant::now()));
         let phase = TICK * self.plan.index as u32 / self.shared.config.connections.max(1) as u32;
         let mut tick = tokio::time::interval_at((Instant::now() + phase).into(), TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -59,7 +59,7 @@ use std::time::{Duration, Instant};
 use bytes::BytesMut;
 
 use rpcmesh_common::metrics::{BadInputLog, ErrorKind, Side};
-use rpcmesh_common::net::budget::{MemoryBudget, Reserved, SMALL_BODY};
+use rpcmesh_common::net::budget::{MemoryBudget, Reserved};
 use rpcmesh_common::net::busy_poll::Activity;
 use rpcmesh_common::net::connection::{CloseReason, FramedIo, IoEvent};
 use rpcmesh_common::net::shutdown::{CancellationToken, Cancelled};
@@ -75,7 +75,7 @@ use tracing::Instrument;
 
 use rpcmesh_common::net::listener::AcceptObserver;
 
-use crate::call::{CallInfo, Forward, Reply, ReplyTx, Reroute};
+use crate::call::{CallInfo, Forward, Reply, ReplyTx, Reroute, copied_at_once};
 use crate::failure::Failure;
 use crate::metrics::{QUEUE, UPSTREAM, UpstreamMetrics};
 use crate::upstream::{PoolLink, UpstreamError};
@@ -662,17 +662,18 @@ impl ConnTask {
             return false;
         }
         let body = self.io.peeked_body(header);
-        if body.len() < 5 || body.len() >= SMALL_BODY || body[0] == Status::Unavailable as u8 {
+        if body.len() < 5 || body[0] == Status::Unavailable as u8 {
             return false;
         }
         // Not a late reply, nor one the session must copy with its call's reservation.
-        let Some(mut slot) = calls.table.take_if(header.req_id, |s| s.reserved.is_none()) else {
+        let Some(mut slot) = calls.table.take_if(header.req_id, |s| {
+            copied_at_once(body.len(), s.reserved.is_some())
+        }) else {
             return false;
         };
         self.reply_read(&mut slot, read_at);
-        self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
         let status = slot.reply_to.answer_small(header.flags, body, slot.info);
-        self.metrics.outcome(status);
+        settled(&self.state, &self.metrics, status);
         self.io.skip_peeked(header);
         true
     }
@@ -802,8 +803,7 @@ impl ConnTask {
     /// to be routed again. The provider's refusal counts as its answer (`unavailable`) in
     /// this provider's outcomes; the call's own outcome is still to come.
     fn hand_back(&mut self, slot: Slot, request: Frame) {
-        self.metrics.outcome(Status::Unavailable);
-        self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+        settled(&self.state, &self.metrics, Status::Unavailable);
         slot.hand_back(request, Reroute::NotRun);
     }
 
@@ -881,7 +881,6 @@ fn settle(
     outcome: Result<Frame, Failure>,
     reserved: Option<Reserved>,
 ) {
-    state.in_flight.fetch_sub(1, Ordering::Relaxed);
     // The status the caller is given: the provider's, or the broker's own.
     let status = match outcome {
         Ok(frame) => to.answer(frame, info, reserved),
@@ -895,6 +894,13 @@ fn settle(
             status
         }
     };
+    settled(state, metrics, status);
+}
+
+/// A call has its outcome (`status`, as its caller is given it): it leaves the
+/// connection's count of calls in flight and is counted.
+fn settled(state: &ConnState, metrics: &UpstreamMetrics, status: Status) {
+    state.in_flight.fetch_sub(1, Ordering::Relaxed);
     metrics.outcome(status);
 }
 
