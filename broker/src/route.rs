@@ -4,8 +4,10 @@
 //! any service. Among them the broker picks by least outstanding calls of two chosen at
 //! random (the default) or in turn. Within an rpcmesh provider, calls are packed: the
 //! oldest connection with fewer than `--pack-in-flight` (64) calls takes the call, and only
-//! when all are that busy does the less loaded of two (see [`Router`]). Plain v1 servers,
-//! which may work through a connection one call at a time, get the less loaded of two. A
+//! when all are that busy does the less loaded of two (see [`Router`]). Plain v1 servers
+//! work through a connection one call at a time: their connections are packed only as
+//! deep as the server's measured pace keeps a call's wait under `--pack-wait-v1`, and get
+//! the less loaded of two until then (`crate::upstream::pace`). A
 //! provider with no open connection is passed over; a full one too, and one that is
 //! draining (it refused a call with `NOT_RUN`), and the call goes to the next. Only when
 //! no provider takes it is the caller answered.
@@ -231,7 +233,8 @@ impl Router {
 }
 
 /// Offers the call to the first open connection of `pool` under `pack` calls in flight
-/// (rpcmesh providers only; 0 = never), else to the less loaded of two, then to the
+/// (0 = never; a plain v1 server's connections as deep as its pace allows, see
+/// `upstream::pace`), else to the less loaded of two, then to the
 /// others; returns the connection that took it. `None` in the error = the pool has no
 /// open connection.
 // A refused call is handed back by value (no allocation on the per-call path).
@@ -247,8 +250,15 @@ fn try_pool(
     if n == 0 {
         return Err((fwd, None));
     }
-    let start = if let Some(i) = (pool.spec.ext && pack > 0)
-        .then(|| conns.iter().position(|c| load(c) < pack))
+    // rpcmesh providers are packed up to `pack`; plain v1 servers as deep as they answer
+    // fast enough (`upstream::pace`).
+    let depth = if pool.spec.ext {
+        pack
+    } else {
+        pool.v1_pack_depth(pack)
+    };
+    let start = if let Some(i) = (depth > 1 || (pool.spec.ext && depth > 0))
+        .then(|| conns.iter().position(|c| load(c) < depth))
         .flatten()
     {
         i

@@ -765,6 +765,82 @@ async fn calls_are_packed_onto_one_connection_until_it_is_busy() {
     server.stop();
 }
 
+/// Behind a plain v1 server, which answers a connection's calls one at a time, calls are
+/// packed onto one pooled connection only as deep as the server's measured pace allows
+/// (`--pack-wait-v1`). The same server, writing each reply 2 ms after the one before, gets
+/// the calls of eight clients spread over the pool with the default wait (100 µs: no call
+/// may wait behind another), and packed onto one connection with a wait of 10 s.
+#[tokio::test]
+async fn a_plain_v1_server_is_packed_only_as_deep_as_its_pace_allows() {
+    use rpcmesh_broker::config::DEFAULT_PACK_WAIT_V1;
+    use rpcmesh_common::metrics::catalogue::UPSTREAM_V1_PACE_SECONDS;
+    const CLIENTS: usize = 8;
+    const ROUNDS: usize = 12;
+    for (wait, packs) in [
+        (DEFAULT_PACK_WAIT_V1, false),
+        (Duration::from_secs(10), true),
+    ] {
+        let server = V1Server::one_by_one(Duration::from_millis(2)).await;
+        let mut cfg = broker_config(&[]);
+        cfg.upstreams = vec![UpstreamSpec::parse(&server.addr.to_string(), false).unwrap()];
+        cfg.pool_size = 4;
+        cfg.pack_wait_v1 = wait;
+        let b = broker(cfg).await;
+        let mut clients = Vec::new();
+        for _ in 0..CLIENTS {
+            clients.push(client(b.addr).await);
+        }
+        until_ready(&clients[0]).await;
+        wait_until("all four pooled connections to be published", || {
+            b.metric("rpcmesh_pool_healthy_connections", &[]) >= 4.0
+        })
+        .await;
+        // Each round: one call from each client, all in flight together (each its own
+        // read at the broker, so each routed on its own). Connections used, per round.
+        let mut used = Vec::new();
+        for _ in 0..ROUNDS {
+            let before = server.counts();
+            let calls: Vec<_> = clients.iter().map(|c| testkit::echo_call(c, "x")).collect();
+            for call in calls {
+                assert_eq!(call.await.unwrap().unwrap().status, Status::Success);
+            }
+            let after = server.counts();
+            let per_conn: Vec<usize> = after
+                .iter()
+                .enumerate()
+                .map(|(i, a)| a - before.get(i).copied().unwrap_or(0))
+                .collect();
+            assert_eq!(per_conn.iter().sum::<usize>(), CLIENTS, "{per_conn:?}");
+            used.push(per_conn.iter().filter(|n| **n > 0).count());
+        }
+        println!("wait {wait:?}: connections used per round {used:?}");
+        // The pool publishes what it measured: more than the default wait per call.
+        let pace = || b.metric(UPSTREAM_V1_PACE_SECONDS.name, &[]);
+        wait_until("the measured pace to be published", || pace() > 0.0).await;
+        assert!(
+            pace() > DEFAULT_PACK_WAIT_V1.as_secs_f64(),
+            "a 2 ms server measured at {} s per call",
+            pace()
+        );
+        if packs {
+            // The first round, unmeasured, spreads; once a reply's pace is known (a
+            // connection read with a call still waiting behind it), every call goes to
+            // the first connection.
+            let first = used.iter().position(|u| *u == 1);
+            let first = first.unwrap_or_else(|| panic!("never packed: {used:?}"));
+            assert!(used[first..].iter().all(|u| *u == 1), "{used:?}");
+            assert!(first < ROUNDS / 2, "{used:?}");
+        } else {
+            assert!(
+                used.iter().all(|u| *u >= 2),
+                "a 2 ms server packed: {used:?}"
+            );
+        }
+        b.stop().await;
+        server.stop();
+    }
+}
+
 /// Callers choose the service and method names; only names that have been answered
 /// successfully get their own labels, so bogus names cannot use up the label budget.
 #[tokio::test]

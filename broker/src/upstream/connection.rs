@@ -78,6 +78,7 @@ use rpcmesh_common::net::listener::AcceptObserver;
 use crate::call::{CallInfo, Forward, Reply, ReplyTx, Reroute, copied_at_once};
 use crate::failure::Failure;
 use crate::metrics::{QUEUE, UPSTREAM, UpstreamMetrics};
+use crate::upstream::pace::Backlog;
 use crate::upstream::{PoolLink, UpstreamError};
 
 /// A health check's waiter: told when the heartbeat's answer comes.
@@ -253,6 +254,7 @@ impl UpstreamConn {
             settings,
             metrics,
             link,
+            backlog: Backlog::default(),
         };
         let conn = UpstreamConn {
             id,
@@ -428,6 +430,9 @@ struct ConnTask {
     link: Arc<PoolLink>,
     /// Bad frames from the provider: counted, and logged thinned.
     bad_input: BadInputLog,
+    /// A plain v1 server's calls waiting at its last read, to time how fast it answers
+    /// (`super::pace`); unused towards rpcmesh providers.
+    backlog: Backlog,
 }
 
 impl ConnTask {
@@ -620,6 +625,7 @@ impl ConnTask {
     fn take_frames(&mut self, state: &ConnState) -> Result<(), String> {
         let read_at = self.metrics.stages.on().then(Instant::now);
         let mut calls = state.lock();
+        let before = calls.table.len();
         loop {
             match self.io.peek_frame() {
                 Ok(Some(header)) => {
@@ -631,6 +637,15 @@ impl ConnTask {
                 Ok(None) => break,
                 Err(e) => self.on_bad_frame(&mut calls, e)?,
             }
+        }
+        if !self.settings.ext {
+            // Sessions queue under this lock, so the table changed by the replies alone.
+            let answered = before - calls.table.len();
+            // (A queued call that timed out leaves its id in the queue until taken.)
+            let waiting = calls.table.len().saturating_sub(calls.queued.len());
+            let now = read_at.unwrap_or_else(Instant::now);
+            self.backlog
+                .on_read(now, answered, waiting, &self.link.pace);
         }
         if self.io.is_eof() {
             return Err("closed by provider".into());
@@ -946,8 +961,13 @@ mod tests {
             budget: MemoryBudget::new(1 << 30),
         };
         let metrics = crate::metrics::BrokerMetrics::new(Telemetry::new(), 8).upstream("test", 1);
-        let (conn, task) =
-            UpstreamConn::pair(stream, 1, settings, metrics, Arc::new(PoolLink::new()));
+        let (conn, task) = UpstreamConn::pair(
+            stream,
+            1,
+            settings,
+            metrics,
+            Arc::new(PoolLink::new(Duration::ZERO)),
+        );
         (conn, task, server)
     }
 

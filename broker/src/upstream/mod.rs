@@ -21,6 +21,7 @@
 //!   [`Backoff`]'s pause; the first answered heartbeat resets it.
 
 pub(crate) mod connection;
+pub(crate) mod pace;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -73,16 +74,22 @@ pub(crate) struct PoolLink {
     tasks: AtomicUsize,
     /// Notified when a connection task ends.
     task_done: Notify,
+    /// A plain v1 server's time per call on one connection, measured by the connections
+    /// and read by the router to decide how deep it packs them ([`pace`]).
+    pub pace: pace::Pace,
 }
 
 impl PoolLink {
-    fn new() -> Self {
+    /// `pack_wait_v1`: how long packing may make a call wait on a plain v1 server's
+    /// connection (`--pack-wait-v1`).
+    fn new(pack_wait_v1: Duration) -> Self {
         PoolLink {
             wake: Notify::new(),
             next_id: AtomicU64::new(1),
             draining_below: AtomicU64::new(0),
             tasks: AtomicUsize::new(0),
             task_done: Notify::new(),
+            pace: pace::Pace::new(pack_wait_v1),
         }
     }
 
@@ -282,7 +289,7 @@ impl ProviderPool {
         grace_over: CancellationToken,
         budget: Arc<MemoryBudget>,
     ) -> Arc<ProviderPool> {
-        let link = Arc::new(PoolLink::new());
+        let link = Arc::new(PoolLink::new(config.pack_wait_v1));
         let settings = ConnSettings {
             label: Arc::from(spec.label()),
             ext: spec.ext,
@@ -328,6 +335,12 @@ impl ProviderPool {
     /// The connections to use now (some may have closed since; check `is_closed`).
     pub fn ready(&self) -> arc_swap::Guard<Arc<Vec<Arc<UpstreamConn>>>> {
         self.ready.load()
+    }
+
+    /// How many calls the router may pack onto one connection of this plain v1 server
+    /// before it goes on to the next (see [`pace`]); `pack` is `--pack-in-flight`.
+    pub fn v1_pack_depth(&self, pack: usize) -> usize {
+        self.link.pace.depth(pack)
     }
 
     /// True while the provider drains (see [`PoolLink`]): the router passes it over.
@@ -393,6 +406,7 @@ impl ProviderPool {
             let healthy = conns.len();
             self.metrics
                 .publish_conn_loads(conns.iter().map(|c| c.load()));
+            self.metrics.publish_v1_pace(self.link.pace.per_call());
             // A connection made after the provider said it was draining answered its
             // heartbeat: the provider is back.
             let mark = self.link.draining_below.load(Ordering::Relaxed);

@@ -196,10 +196,23 @@ struct V1State {
     received: watch::Sender<usize>,
     /// Replies wait until `received` reaches this.
     hold_until: AtomicUsize,
+    /// One write per reply, each this long after the one before (`None`: the replies
+    /// to one read leave together, at once).
+    one_by_one: Option<Duration>,
 }
 
 impl V1Server {
     pub async fn start(lenient: bool) -> V1Server {
+        V1Server::start_with(lenient, None).await
+    }
+
+    /// A strict server that writes each reply on its own, `per_call` after the one before
+    /// on the same connection.
+    pub async fn one_by_one(per_call: Duration) -> V1Server {
+        V1Server::start_with(false, Some(per_call)).await
+    }
+
+    async fn start_with(lenient: bool, one_by_one: Option<Duration>) -> V1Server {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let flagged = Arc::new(AtomicUsize::new(0));
@@ -209,6 +222,7 @@ impl V1Server {
             flagged: flagged.clone(),
             received: watch::Sender::new(0),
             hold_until: AtomicUsize::new(0),
+            one_by_one,
         });
         let shared = state.clone();
         let task = tokio::spawn(async move {
@@ -262,6 +276,9 @@ async fn v1_echo(s: TcpStream, n: usize, state: Arc<V1State>) {
                 if received.wait_for(|r| *r >= target).await.is_err() {
                     return;
                 }
+                if let Some(pause) = state.one_by_one {
+                    tokio::time::sleep(pause).await;
+                }
                 state.per_conn.lock().unwrap()[n] += requests;
                 if wr.write_all(&out).await.is_err() {
                     return;
@@ -288,20 +305,46 @@ async fn v1_echo(s: TcpStream, n: usize, state: Arc<V1State>) {
                 }
             }
             match f.header.msg_type {
-                MsgType::Heartbeat => Heartbeat::default().put(&mut out, f.header.req_id).unwrap(),
+                MsgType::Heartbeat => {
+                    let mut beat = BytesMut::new();
+                    Heartbeat::default()
+                        .put(&mut beat, f.header.req_id)
+                        .unwrap();
+                    if state.one_by_one.is_some() {
+                        if tx.send((beat, 0)).is_err() {
+                            return;
+                        }
+                    } else {
+                        out.extend_from_slice(&beat);
+                    }
+                }
                 MsgType::Request => {
                     let call = codec.decode_request(&f).unwrap();
                     let msg = <EchoRequest as prost::Message>::decode(call.rpc.payload).unwrap();
                     let inner = prost::Message::encode_to_vec(&EchoResponse {
                         message: msg.message,
                     });
-                    codec
-                        .put_ok_response(&mut out, f.header.req_id, Flags::NONE, &inner)
-                        .unwrap();
-                    requests += 1;
+                    if state.one_by_one.is_some() {
+                        let mut reply = BytesMut::new();
+                        codec
+                            .put_ok_response(&mut reply, f.header.req_id, Flags::NONE, &inner)
+                            .unwrap();
+                        state.received.send_modify(|r| *r += 1);
+                        if tx.send((reply, 1)).is_err() {
+                            return;
+                        }
+                    } else {
+                        codec
+                            .put_ok_response(&mut out, f.header.req_id, Flags::NONE, &inner)
+                            .unwrap();
+                        requests += 1;
+                    }
                 }
                 MsgType::Response => {}
             }
+        }
+        if state.one_by_one.is_some() {
+            continue; // each reply went on its own
         }
         state.received.send_modify(|r| *r += requests);
         if tx.send((out, requests)).is_err() {
