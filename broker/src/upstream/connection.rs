@@ -19,7 +19,9 @@
 //!   is draining answers the calls it did not start "unavailable" with `NOT_RUN`, and
 //!   such a call goes back to its session with its frame to be routed to another
 //!   provider, while the whole provider is marked draining ([`PoolLink`]);
-//! - sweeps the table for calls past their deadline and answers them "timeout";
+//! - sweeps the table for calls past their deadline and answers them "timeout" (and,
+//!   towards a plain v1 server, times a server that has fallen silent: `super::pace`);
+//! - times how fast a plain v1 server answers, for the router's packing (`super::pace`);
 //! - when the socket fails, answers every call in flight at once with "unavailable" and
 //!   the cause, and hands calls still queued (never moved to its write buffer) back to
 //!   their sessions to be routed again;
@@ -530,6 +532,9 @@ impl ConnTask {
     fn answer_timed_out(&mut self, expired: &mut Vec<(u64, Slot)>) {
         self.heartbeats.retain(|(_, tx)| !tx.is_closed());
         let now = Instant::now();
+        if !self.settings.ext {
+            self.backlog.on_sweep(now, &self.link.pace);
+        }
         let mut calls = self.state.lock();
         calls.table.take_where(|s| s.deadline <= now, expired);
         // Requests admitted longer ago than REQUEST_RETAIN are let go. Calls still queued
@@ -944,6 +949,14 @@ mod tests {
     /// A connection to a listener of the test's (which accepts and reads nothing), with
     /// its task not started: the test drives the task's steps itself.
     async fn connection(ext: bool) -> (UpstreamConn, ConnTask, TcpStream) {
+        connection_with(ext, Arc::new(PoolLink::new(Duration::ZERO))).await
+    }
+
+    /// The same, sharing `link` with the test.
+    async fn connection_with(
+        ext: bool,
+        link: Arc<PoolLink>,
+    ) -> (UpstreamConn, ConnTask, TcpStream) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let stream = TcpStream::connect(listener.local_addr().unwrap())
             .await
@@ -961,13 +974,7 @@ mod tests {
             budget: MemoryBudget::new(1 << 30),
         };
         let metrics = crate::metrics::BrokerMetrics::new(Telemetry::new(), 8).upstream("test", 1);
-        let (conn, task) = UpstreamConn::pair(
-            stream,
-            1,
-            settings,
-            metrics,
-            Arc::new(PoolLink::new(Duration::ZERO)),
-        );
+        let (conn, task) = UpstreamConn::pair(stream, 1, settings, metrics, link);
         (conn, task, server)
     }
 
@@ -998,6 +1005,49 @@ mod tests {
             refused_by_drain: false,
             reserved: None,
         }
+    }
+
+    /// A plain v1 server that answers the first of two calls and then nothing is timed at
+    /// the deadline sweep, before any further reply: its pace rises above the wait and its
+    /// connections are no longer packed.
+    #[tokio::test]
+    async fn a_plain_v1_server_that_falls_silent_stops_being_packed_at_the_sweep() {
+        use rpcmesh_wire::envelope::CallCodec;
+        let link = Arc::new(PoolLink::new(Duration::from_millis(1)));
+        let (conn, mut task, mut server) = connection_with(false, link.clone()).await;
+        let inbox = Inbox::new();
+        conn.try_forward(call(1, &inbox)).unwrap();
+        conn.try_forward(call(2, &inbox)).unwrap();
+        assert_eq!(task.take_queued(), 2);
+        task.io.try_flush().unwrap();
+        // The server reads both and answers the first.
+        let mut buf = BytesMut::new();
+        let requests = rpcmesh_common::testkit::read_frames(&mut server, &mut buf, 2)
+            .await
+            .unwrap();
+        let mut reply = BytesMut::new();
+        CallCodec::new(None, 1 << 20)
+            .put_ok_response(&mut reply, requests[0].header.req_id, Flags::NONE, b"")
+            .unwrap();
+        tokio::io::AsyncWriteExt::write_all(&mut server, &reply)
+            .await
+            .unwrap();
+        let state = task.state.clone();
+        loop {
+            assert!(matches!(task.io.wait_io(true).await, Ok(IoEvent::Read)));
+            task.take_frames(&state).unwrap();
+            if conn.load() == 1 {
+                break;
+            }
+        }
+        // One reply, read with the second call waiting: no sample yet.
+        assert_eq!(link.pace.per_call(), None);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        task.answer_timed_out(&mut Vec::new());
+        let pace = link.pace.per_call().expect("timed at the sweep");
+        assert!(pace >= Duration::from_millis(5), "{pace:?}");
+        assert_eq!(link.pace.depth(64), 1);
+        assert_eq!(conn.load(), 1, "the sweep answered nothing");
     }
 
     #[tokio::test]

@@ -13,15 +13,19 @@
 //!
 //! So the router packs a plain v1 server's connections only as deep as keeps the wait
 //! short: a call may have at most as many calls ahead of it on its connection as the
-//! server answers in `--pack-wait-v1` ([`DEFAULT_PACK_WAIT_V1`], 100 µs). How long the server takes per call is measured on
-//! the connections themselves ([`Backlog`]): between two reads of a connection that had
+//! server answers in `--pack-wait-v1` ([`DEFAULT_PACK_WAIT_V1`], 100 µs). How long the
+//! server takes per call is measured on the connections themselves ([`Backlog`]): between two reads of a connection that had
 //! calls written and unanswered at the first, the server was working through that
 //! connection's queue, so the time between them divided by the replies the second read
 //! brought is the time it takes per call on that connection (its work on other
 //! connections meanwhile included, which is the wait a packed call sees). The pool keeps
-//! a moving average of those samples ([`Pace`]). Until there is one, and whenever the
-//! server is slower than that per call, nothing is packed: the less loaded of
-//! two connections takes each call, as before the pace was measured.
+//! a moving average of those samples ([`Pace`]). A connection whose server has answered
+//! nothing for longer than the wait while calls wait there is timed at its deadline sweep
+//! too ([`Backlog::on_sweep`]; every 100 ms at the default call timeout), so that a server
+//! that hangs on a call stops being packed without waiting for a reply that may never
+//! come. Until there is a sample, and whenever the server is slower than the wait per
+//! call, nothing is packed: the less loaded of two connections takes each call, as before
+//! the pace was measured.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -122,6 +126,23 @@ impl Backlog {
         }
         self.since = (waiting > 0).then_some((now, waiting));
     }
+
+    /// At the connection's deadline sweep (`now`, while calls are in flight): a server
+    /// that has answered nothing for longer than a packed call may wait, with calls
+    /// waiting there, has taken at least that long over its current call. `pace` takes
+    /// that as a sample at once, so that a server that stalls or hangs on a call stops
+    /// being packed within a sweep instead of at its next reply (which may never come),
+    /// and the interval starts again from here.
+    pub fn on_sweep(&mut self, now: Instant, pace: &Pace) {
+        let Some((then, waiting)) = self.since else {
+            return;
+        };
+        let silent = now.saturating_duration_since(then);
+        if silent > pace.wait && !pace.wait.is_zero() {
+            pace.note(silent, 1);
+            self.since = Some((now, waiting));
+        }
+    }
 }
 
 #[cfg(test)]
@@ -213,6 +234,29 @@ mod tests {
         // to the server and is not a sample.
         backlog.on_read(t0 + Duration::from_millis(5), 1, 1, &pace);
         assert_eq!(pace.per_call(), Some(15 * US));
+    }
+
+    #[test]
+    fn a_server_that_answers_nothing_is_timed_at_the_sweep() {
+        let pace = new_pace();
+        let mut backlog = Backlog::default();
+        let t0 = Instant::now();
+        backlog.on_sweep(t0 + Duration::from_secs(1), &pace);
+        assert_eq!(pace.per_call(), None, "nothing was waiting");
+        backlog.on_read(t0, 1, 3, &pace);
+        backlog.on_read(t0 + 5 * US, 1, 2, &pace);
+        assert_eq!(pace.depth(64), 21);
+        // A sweep within the wait says nothing ...
+        backlog.on_sweep(t0 + 50 * US, &pace);
+        assert_eq!(pace.per_call(), Some(5 * US));
+        // ... one after 20 ms of silence stops the packing, before any reply ...
+        backlog.on_sweep(t0 + Duration::from_millis(20), &pace);
+        assert_eq!(pace.depth(64), 1, "{:?}", pace.per_call());
+        // ... and the reply that ends the silence is timed from that sweep.
+        let before = pace.per_call().unwrap();
+        backlog.on_read(t0 + Duration::from_millis(20) + 10 * US, 1, 1, &pace);
+        let after = pace.per_call().unwrap();
+        assert!(after < before, "{before:?} -> {after:?}");
     }
 
     #[test]
