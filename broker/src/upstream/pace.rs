@@ -14,12 +14,12 @@
 //! So the router packs a plain v1 server's connections only as deep as keeps the wait
 //! short: a call may have at most as many calls ahead of it on its connection as the
 //! server answers in `--pack-wait-v1` ([`DEFAULT_PACK_WAIT_V1`], 100 µs). How long the
-//! server takes per call is measured on the connections themselves ([`Backlog`]): between two reads of a connection that had
-//! calls written and unanswered at the first, the server was working through that
-//! connection's queue, so the time between them divided by the replies the second read
-//! brought is the time it takes per call on that connection (its work on other
-//! connections meanwhile included, which is the wait a packed call sees). The pool keeps
-//! a moving average of those samples ([`Pace`]). A connection whose server has answered
+//! server takes per call is measured on the connections themselves ([`Backlog`]): between
+//! two reads of a connection that had calls written and unanswered at the first, the
+//! server was working through that connection's queue, so the time between them divided
+//! by the replies the second read brought is the time it takes per call on that
+//! connection (its work on other connections meanwhile included, which is the wait a
+//! packed call sees). The pool keeps a moving average of those samples ([`Pace`]). A connection whose server has answered
 //! nothing for longer than the wait while calls wait there is timed at its deadline sweep
 //! too ([`Backlog::on_sweep`]; every 100 ms at the default call timeout), so that a server
 //! that hangs on a call stops being packed without waiting for a reply that may never
