@@ -645,7 +645,7 @@ impl ConnTask {
         }
         if !self.settings.ext {
             // Sessions queue under this lock, so the table changed by the replies alone.
-            let answered = before - calls.table.len();
+            let answered = before.saturating_sub(calls.table.len());
             // (A queued call that timed out leaves its id in the queue until taken.)
             let waiting = calls.table.len().saturating_sub(calls.queued.len());
             let now = read_at.unwrap_or_else(Instant::now);
