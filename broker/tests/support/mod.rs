@@ -297,6 +297,11 @@ async fn v1_echo(s: TcpStream, n: usize, state: Arc<V1State>) {
         }
         let mut out = BytesMut::new();
         let mut requests = 0;
+        // Answers go to the writer together, after the read, or one by one.
+        let hand_on = |out: BytesMut, requests: usize| {
+            state.received.send_modify(|r| *r += requests);
+            tx.send((out, requests)).is_ok()
+        };
         while let Ok(Some(f)) = fc.decode_frame(&mut buf) {
             if !f.header.flags.is_empty() {
                 state.flagged.fetch_add(1, Ordering::Relaxed);
@@ -305,49 +310,28 @@ async fn v1_echo(s: TcpStream, n: usize, state: Arc<V1State>) {
                 }
             }
             match f.header.msg_type {
-                MsgType::Heartbeat => {
-                    let mut beat = BytesMut::new();
-                    Heartbeat::default()
-                        .put(&mut beat, f.header.req_id)
-                        .unwrap();
-                    if state.one_by_one.is_some() {
-                        if tx.send((beat, 0)).is_err() {
-                            return;
-                        }
-                    } else {
-                        out.extend_from_slice(&beat);
-                    }
-                }
+                MsgType::Heartbeat => Heartbeat::default().put(&mut out, f.header.req_id).unwrap(),
                 MsgType::Request => {
                     let call = codec.decode_request(&f).unwrap();
                     let msg = <EchoRequest as prost::Message>::decode(call.rpc.payload).unwrap();
                     let inner = prost::Message::encode_to_vec(&EchoResponse {
                         message: msg.message,
                     });
-                    if state.one_by_one.is_some() {
-                        let mut reply = BytesMut::new();
-                        codec
-                            .put_ok_response(&mut reply, f.header.req_id, Flags::NONE, &inner)
-                            .unwrap();
-                        state.received.send_modify(|r| *r += 1);
-                        if tx.send((reply, 1)).is_err() {
-                            return;
-                        }
-                    } else {
-                        codec
-                            .put_ok_response(&mut out, f.header.req_id, Flags::NONE, &inner)
-                            .unwrap();
-                        requests += 1;
-                    }
+                    codec
+                        .put_ok_response(&mut out, f.header.req_id, Flags::NONE, &inner)
+                        .unwrap();
+                    requests += 1;
                 }
                 MsgType::Response => {}
             }
+            if state.one_by_one.is_some()
+                && !out.is_empty()
+                && !hand_on(out.split(), std::mem::take(&mut requests))
+            {
+                return;
+            }
         }
-        if state.one_by_one.is_some() {
-            continue; // each reply went on its own
-        }
-        state.received.send_modify(|r| *r += requests);
-        if tx.send((out, requests)).is_err() {
+        if state.one_by_one.is_none() && !hand_on(out, requests) {
             break;
         }
     }
