@@ -232,11 +232,10 @@ impl Router {
     }
 }
 
-/// Offers the call to the first open connection of `pool` under `pack` calls in flight
-/// (0 = never; a plain v1 server's connections as deep as its pace allows, see
-/// `upstream::pace`), else to the less loaded of two, then to the
-/// others; returns the connection that took it. `None` in the error = the pool has no
-/// open connection.
+/// Offers the call to the first open connection of `pool` with room under its packing
+/// depth ([`ProviderPool::pack_depth`]: `pack` for rpcmesh providers, a plain v1 server's
+/// by its pace; 0 = none), else to the less loaded of two, then to the others; returns
+/// the connection that took it. `None` in the error = the pool has no open connection.
 // A refused call is handed back by value (no allocation on the per-call path).
 #[allow(clippy::result_large_err)]
 fn try_pool(
@@ -250,14 +249,8 @@ fn try_pool(
     if n == 0 {
         return Err((fwd, None));
     }
-    // rpcmesh providers are packed up to `pack`; plain v1 servers as deep as they answer
-    // fast enough (`upstream::pace`).
-    let depth = if pool.spec.ext {
-        pack
-    } else {
-        pool.v1_pack_depth(pack)
-    };
-    let start = if let Some(i) = (depth > 1 || (pool.spec.ext && depth > 0))
+    let depth = pool.pack_depth(pack);
+    let start = if let Some(i) = (depth > 0)
         .then(|| conns.iter().position(|c| load(c) < depth))
         .flatten()
     {

@@ -337,10 +337,16 @@ impl ProviderPool {
         self.ready.load()
     }
 
-    /// How many calls the router may pack onto one connection of this plain v1 server
-    /// before it goes on to the next (see [`pace`]); `pack` is `--pack-in-flight`.
-    pub fn v1_pack_depth(&self, pack: usize) -> usize {
-        self.link.pace.depth(pack)
+    /// How many calls the router may pack onto one connection of this provider before it
+    /// goes on to the next (0 = none: the less loaded of two). `pack` is
+    /// `--pack-in-flight`, which an rpcmesh provider gets whole; a plain v1 server, as deep
+    /// as its measured pace allows ([`pace`]).
+    pub fn pack_depth(&self, pack: usize) -> usize {
+        if self.spec.ext {
+            pack
+        } else {
+            self.link.pace.depth(pack)
+        }
     }
 
     /// True while the provider drains (see [`PoolLink`]): the router passes it over.

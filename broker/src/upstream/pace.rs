@@ -90,16 +90,18 @@ impl Pace {
         }
     }
 
-    /// How many calls one connection may hold before the router goes on to the next: one
-    /// more than the server answers in the wait, at most `pack` (`--pack-in-flight`; 0
-    /// turns packing off). 1 or less = no packing.
+    /// How many calls one connection may hold before the router goes on to the next, as
+    /// `--pack-in-flight` says it (`pack`, the most): one more than the server answers in
+    /// the wait, or 0 (no packing) when no call may wait at all, or nothing is measured.
     pub fn depth(&self, pack: usize) -> usize {
         let ns = self.per_call_ns.load(Ordering::Relaxed);
-        if ns == 0 || pack == 0 || self.wait.is_zero() {
+        if ns == 0 {
             return 0;
         }
-        let ahead = usize::try_from(self.wait.as_nanos() / u128::from(ns)).unwrap_or(usize::MAX);
-        ahead.saturating_add(1).min(pack)
+        match usize::try_from(self.wait.as_nanos() / u128::from(ns)).unwrap_or(usize::MAX) {
+            0 => 0,
+            ahead => ahead.saturating_add(1).min(pack),
+        }
     }
 }
 
@@ -179,8 +181,8 @@ mod tests {
         slow.note(Duration::from_millis(20), 1);
         assert_eq!(
             slow.depth(64),
-            1,
-            "a slow server's connections get one call each"
+            0,
+            "a slow server's connections are not packed"
         );
         let edge = new_pace();
         edge.note(WAIT, 1);
@@ -205,7 +207,7 @@ mod tests {
         assert_eq!(pace.depth(64), 2);
         // ... and a second stops packing.
         pace.note(Duration::from_millis(2), 1);
-        assert_eq!(pace.depth(64), 1, "{:?}", pace.per_call());
+        assert_eq!(pace.depth(64), 0, "{:?}", pace.per_call());
         // Fast calls bring it back, more slowly.
         for _ in 0..150 {
             pace.note(5 * US, 1);
@@ -251,7 +253,7 @@ mod tests {
         assert_eq!(pace.per_call(), Some(5 * US));
         // ... one after 20 ms of silence stops the packing, before any reply ...
         backlog.on_sweep(t0 + Duration::from_millis(20), &pace);
-        assert_eq!(pace.depth(64), 1, "{:?}", pace.per_call());
+        assert_eq!(pace.depth(64), 0, "{:?}", pace.per_call());
         // ... and the reply that ends the silence is timed from that sweep.
         let before = pace.per_call().unwrap();
         backlog.on_read(t0 + Duration::from_millis(20) + 10 * US, 1, 1, &pace);
