@@ -70,14 +70,15 @@ pub const DEFAULT_BUSY_POLL: Duration = Duration::from_micros(50);
 /// Calls in flight up to which a provider's connections are filled one after the other
 /// (`--pack-in-flight`); see `route::Router` for why.
 pub const DEFAULT_PACK_IN_FLIGHT: usize = 64;
-/// How long packing may make a call wait behind the calls ahead of it on a plain v1
-/// server's connection (`--pack-wait-v1`; see `upstream::pace`): about one round trip
+/// How long packing may make a call wait behind the calls ahead of it on one of a
+/// provider's connections (`--pack-wait`; see `upstream::pace`): about one round trip
 /// through the broker at a few calls in flight (the broker path's p50 at 8 × 1 on 2 vCPUs
 /// is about 100 µs), so that a packed call waits at most as long again as it would
-/// spread. It packs about fourteen calls behind a server that takes 7 µs per echo on one
-/// connection (the classic server here, wake-ups included), and none behind one that takes
-/// 100 µs or more per call.
-pub const DEFAULT_PACK_WAIT_V1: Duration = Duration::from_micros(100);
+/// spread. It packs about fourteen calls behind a plain v1 server that takes 7 µs per echo
+/// on one connection (the classic server here, wake-ups included), five behind an rpcmesh
+/// provider whose handlers burn 20 µs of CPU a call, the whole `--pack-in-flight` behind
+/// the echo provider (under 1 µs), and none behind one that takes 100 µs or more per call.
+pub const DEFAULT_PACK_WAIT: Duration = Duration::from_micros(100);
 
 /// Whether the broker busy-polls after reads (`--busy-poll`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -262,17 +263,17 @@ pub struct Args {
     #[arg(long, env = "RPCMESH_BUSY_POLL", default_value_t = BusyPoll::Auto)]
     pub busy_poll: BusyPoll,
     /// Calls in flight up to which a provider's connections are filled one after the
-    /// other (fewer, larger batches); 0 = always the less loaded of two. Lower it for
-    /// providers with CPU-heavy handlers on several threads. Plain v1 upstreams are packed
-    /// less deep, as `--pack-wait-v1` says.
+    /// other (fewer, larger batches), at most; 0 = always the less loaded of two. A
+    /// provider that takes longer per call is packed less deep, as `--pack-wait` says.
     #[arg(long, env = "RPCMESH_PACK_IN_FLIGHT", default_value_t = DEFAULT_PACK_IN_FLIGHT)]
     pub pack_in_flight: usize,
-    /// How long a call may wait behind the calls ahead of it on a plain v1 server's
-    /// connection, which it answers one at a time: the broker measures how long the server
-    /// takes per call and packs a connection only as deep as that allows (0 = never pack
-    /// plain v1 servers).
-    #[arg(long, env = "RPCMESH_PACK_WAIT_V1", default_value_t = DurationArg(DEFAULT_PACK_WAIT_V1))]
-    pub pack_wait_v1: DurationArg,
+    /// How long a call may wait behind the calls ahead of it on one of a provider's
+    /// connections, which it works through one after another: the broker knows how long
+    /// the provider takes per call (a plain v1 server's it measures, an rpcmesh provider
+    /// reports its own) and packs a connection only as deep as that allows (0 = never
+    /// pack, except rpcmesh providers that have not reported yet).
+    #[arg(long, env = "RPCMESH_PACK_WAIT", default_value_t = DurationArg(DEFAULT_PACK_WAIT))]
+    pub pack_wait: DurationArg,
     /// Per-stage latency timing.
     #[command(flatten)]
     pub stages: StageArgs,
@@ -320,7 +321,7 @@ pub struct BrokerConfig {
     pub pack_in_flight: usize,
     /// How long packing may make a call wait on a plain v1 server's connection; 0 = never
     /// pack them.
-    pub pack_wait_v1: Duration,
+    pub pack_wait: Duration,
     /// Stages are timed on one call in this many; 0 = not at all.
     pub stage_sample: u32,
 }
@@ -354,7 +355,7 @@ impl BrokerConfig {
             memory_budget: DEFAULT_MEMORY_BUDGET,
             busy_poll: BusyPoll::Auto,
             pack_in_flight: DEFAULT_PACK_IN_FLIGHT,
-            pack_wait_v1: DEFAULT_PACK_WAIT_V1,
+            pack_wait: DEFAULT_PACK_WAIT,
             stage_sample: DEFAULT_STAGE_SAMPLE,
         }
     }
@@ -438,7 +439,7 @@ impl Args {
             memory_budget,
             busy_poll: self.busy_poll,
             pack_in_flight: self.pack_in_flight,
-            pack_wait_v1: self.pack_wait_v1.0,
+            pack_wait: self.pack_wait.0,
             stage_sample: self.stages.every(self.metrics_listen),
         })
     }

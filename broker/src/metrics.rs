@@ -12,7 +12,7 @@ use rpcmesh_common::metrics::catalogue::{
     POOL_CONNECTIONS, POOL_CONNECTIONS_CLOSED_TOTAL, POOL_GET_WAIT_SECONDS,
     POOL_GETS_TIMED_OUT_TOTAL, POOL_GETS_WAITED_TOTAL, POOL_HEALTHY_CONNECTIONS,
     POOL_IDLE_CONNECTIONS, UPSTREAM_CALLS_IN_FLIGHT, UPSTREAM_CALLS_TOTAL,
-    UPSTREAM_CONNECT_FAILURES_TOTAL, UPSTREAM_QUICK_ACKS_TOTAL, UPSTREAM_V1_PACE_SECONDS,
+    UPSTREAM_CONNECT_FAILURES_TOTAL, UPSTREAM_PACE_SECONDS, UPSTREAM_QUICK_ACKS_TOTAL,
 };
 use rpcmesh_common::metrics::families::{
     CallCounters, ConnCounters, ShedCounters, Stages, WireCounters,
@@ -154,7 +154,7 @@ impl BrokerMetrics {
             conns: Arc::new(ConnCounters::outbound(t, ROLE, "upstream")),
             connect_failures: t.counter(&UPSTREAM_CONNECT_FAILURES_TOTAL, &l),
             quick_acks: t.counter(&UPSTREAM_QUICK_ACKS_TOTAL, &l),
-            v1_pace: t.gauge(&UPSTREAM_V1_PACE_SECONDS, &l),
+            pace: t.gauge(&UPSTREAM_PACE_SECONDS, &l),
             calls: Arc::new(
                 Status::ALL.map(|s| {
                     t.counter(&UPSTREAM_CALLS_TOTAL, &[l[0], l[1], ("status", s.label())])
@@ -235,8 +235,8 @@ pub struct UpstreamMetrics {
     pub connect_failures: Counter,
     /// ACKs sent at once after reads from a plain v1 server with calls in flight.
     pub quick_acks: Counter,
-    /// A plain v1 server's measured time per call on one connection (`upstream::pace`).
-    v1_pace: Gauge,
+    /// The provider's time per call on one connection (`upstream::pace`).
+    pace: Gauge,
     /// Calls written to this provider, by outcome.
     calls: Arc<[Counter; Status::ALL.len()]>,
     pool_connections: Gauge,
@@ -268,9 +268,9 @@ impl UpstreamMetrics {
         }
     }
 
-    /// Sets a plain v1 server's measured time per call (`None`: not measured).
-    pub(crate) fn publish_v1_pace(&self, per_call: Option<std::time::Duration>) {
-        self.v1_pace.set(per_call.map_or(0.0, |d| d.as_secs_f64()));
+    /// Sets the provider's time per call, measured or reported (`None`: not known).
+    pub(crate) fn publish_pace(&self, per_call: Option<std::time::Duration>) {
+        self.pace.set(per_call.map_or(0.0, |d| d.as_secs_f64()));
     }
 
     /// The pool stopped (its provider left, or the broker is stopping): its gauges go to
@@ -279,7 +279,7 @@ impl UpstreamMetrics {
         for g in &self.conn_in_flight {
             g.set(0.0);
         }
-        self.v1_pace.set(0.0);
+        self.pace.set(0.0);
         self.pool_connections.set(0.0);
         self.pool_idle.set(0.0);
         self.pool_healthy.set(0.0);

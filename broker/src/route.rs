@@ -2,12 +2,14 @@
 //!
 //! A service's providers are those configured for it by name, else those configured for
 //! any service. Among them the broker picks by least outstanding calls of two chosen at
-//! random (the default) or in turn. Within an rpcmesh provider, calls are packed: the
-//! oldest connection with fewer than `--pack-in-flight` (64) calls takes the call, and only
-//! when all are that busy does the less loaded of two (see [`Router`]). Plain v1 servers
-//! work through a connection one call at a time: their connections are packed only as
-//! deep as the server's measured pace keeps a call's wait under `--pack-wait-v1`, and get
-//! the less loaded of two until then (`crate::upstream::pace`). A
+//! random (the default) or in turn. Within a provider, calls are packed: the oldest
+//! connection with fewer than its packing depth in flight takes the call, and only when
+//! all are that busy does the less loaded of two (see [`Router`]). A provider works
+//! through a connection's calls one after another, so the depth is as many calls as it
+//! answers in `--pack-wait`, by its time per call (measured for a plain v1 server,
+//! reported by an rpcmesh provider), at most `--pack-in-flight` (64); a v1 server not yet
+//! measured gets the less loaded of two, an rpcmesh provider not yet reported the whole
+//! 64 (`crate::upstream::pace`). A
 //! provider with no open connection is passed over; a full one too, and one that is
 //! draining (it refused a call with `NOT_RUN`), and the call goes to the next. Only when
 //! no provider takes it is the caller answered.
@@ -77,15 +79,18 @@ impl Picker {
 
 /// Services → providers.
 ///
-/// Packing: a provider's connections are filled in order up to `pack` calls in flight
-/// each; only when every one has that many does the less loaded of two take the next
-/// call. Calls packed onto one connection pile up in one socket while the provider is
+/// Packing: a provider's connections are filled in order up to its depth of calls in
+/// flight each ([`ProviderPool::pack_depth`], at most `pack`); only when every one has that
+/// many does the less loaded of two take the next call. Calls packed onto one connection pile up in one socket while the provider is
 /// busy and are read, answered and written back in large batches: on a 2-core machine at
 /// 64 calls in flight, packing instead of spreading over four connections cut the
 /// provider's CPU per call from 1.15 to 0.73 µs and raised the broker path's calls/s by
-/// 10–15 % (docs/performance.md). The price is parallelism below `pack` calls: an rpcmesh
-/// provider runs a connection's handlers on one thread, so a provider whose handlers are
-/// CPU-heavy and spread over several threads wants a lower `--pack-in-flight` (or 0).
+/// 10–15 % (docs/performance.md). The price is parallelism: an rpcmesh provider runs a
+/// connection's handlers on one thread, so behind a provider with CPU-heavy handlers on
+/// several threads, calls packed onto one connection would wait for one thread while the
+/// others idle. Its time per call bounds the depth (20 µs a call: 6 calls), which on
+/// 2 vCPUs took such a provider on two threads from 0.63 to 0.88 of HAProxy's calls/s at
+/// 64 calls in flight.
 #[derive(Debug)]
 pub(crate) struct Router {
     pools: Vec<Arc<ProviderPool>>,

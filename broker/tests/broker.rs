@@ -765,62 +765,72 @@ async fn calls_are_packed_onto_one_connection_until_it_is_busy() {
     server.stop();
 }
 
+/// Eight clients make one call each per round, all in flight together (each its own read
+/// at the broker, so each routed on its own), through a broker with a pool of four
+/// connections to `server` (an rpcmesh provider when `ext`) and `--pack-wait` `wait`.
+/// Returns the connections used in each round, and the time per call the pool published
+/// after them (`rpcmesh_upstream_pace_seconds`, waited for).
+async fn connections_used_per_round(
+    server: &V1Server,
+    ext: bool,
+    wait: Duration,
+) -> (Vec<usize>, f64) {
+    use rpcmesh_common::metrics::catalogue::UPSTREAM_PACE_SECONDS;
+    const CLIENTS: usize = 8;
+    const ROUNDS: usize = 12;
+    let mut cfg = broker_config(&[]);
+    cfg.upstreams = vec![UpstreamSpec::parse(&server.addr.to_string(), ext).unwrap()];
+    cfg.pool_size = 4;
+    cfg.pack_wait = wait;
+    let b = broker(cfg).await;
+    let mut clients = Vec::new();
+    for _ in 0..CLIENTS {
+        clients.push(client(b.addr).await);
+    }
+    until_ready(&clients[0]).await;
+    wait_until("all four pooled connections to be published", || {
+        b.metric("rpcmesh_pool_healthy_connections", &[]) >= 4.0
+    })
+    .await;
+    let mut used = Vec::new();
+    for _ in 0..ROUNDS {
+        let before = server.counts();
+        let calls: Vec<_> = clients.iter().map(|c| testkit::echo_call(c, "x")).collect();
+        for call in calls {
+            assert_eq!(call.await.unwrap().unwrap().status, Status::Success);
+        }
+        let after = server.counts();
+        let per_conn: Vec<usize> = after
+            .iter()
+            .enumerate()
+            .map(|(i, a)| a - before.get(i).copied().unwrap_or(0))
+            .collect();
+        assert_eq!(per_conn.iter().sum::<usize>(), CLIENTS, "{per_conn:?}");
+        used.push(per_conn.iter().filter(|n| **n > 0).count());
+    }
+    let pace = || b.metric(UPSTREAM_PACE_SECONDS.name, &[]);
+    wait_until("the time per call to be published", || pace() > 0.0).await;
+    let published = pace();
+    b.stop().await;
+    (used, published)
+}
+
 /// Behind a plain v1 server, which answers a connection's calls one at a time, calls are
 /// packed onto one pooled connection only as deep as the server's measured pace allows
-/// (`--pack-wait-v1`). The same server, writing each reply 2 ms after the one before, gets
+/// (`--pack-wait`). The same server, writing each reply 2 ms after the one before, gets
 /// the calls of eight clients spread over the pool with the default wait (100 µs: no call
 /// may wait behind another), and packed onto one connection with a wait of 10 s.
 #[tokio::test]
 async fn a_plain_v1_server_is_packed_only_as_deep_as_its_pace_allows() {
-    use rpcmesh_broker::config::DEFAULT_PACK_WAIT_V1;
-    use rpcmesh_common::metrics::catalogue::UPSTREAM_V1_PACE_SECONDS;
-    const CLIENTS: usize = 8;
-    const ROUNDS: usize = 12;
-    for (wait, packs) in [
-        (DEFAULT_PACK_WAIT_V1, false),
-        (Duration::from_secs(10), true),
-    ] {
+    use rpcmesh_broker::config::DEFAULT_PACK_WAIT;
+    for (wait, packs) in [(DEFAULT_PACK_WAIT, false), (Duration::from_secs(10), true)] {
         let server = V1Server::one_by_one(Duration::from_millis(2)).await;
-        let mut cfg = broker_config(&[]);
-        cfg.upstreams = vec![UpstreamSpec::parse(&server.addr.to_string(), false).unwrap()];
-        cfg.pool_size = 4;
-        cfg.pack_wait_v1 = wait;
-        let b = broker(cfg).await;
-        let mut clients = Vec::new();
-        for _ in 0..CLIENTS {
-            clients.push(client(b.addr).await);
-        }
-        until_ready(&clients[0]).await;
-        wait_until("all four pooled connections to be published", || {
-            b.metric("rpcmesh_pool_healthy_connections", &[]) >= 4.0
-        })
-        .await;
-        // Each round: one call from each client, all in flight together (each its own
-        // read at the broker, so each routed on its own). Connections used, per round.
-        let mut used = Vec::new();
-        for _ in 0..ROUNDS {
-            let before = server.counts();
-            let calls: Vec<_> = clients.iter().map(|c| testkit::echo_call(c, "x")).collect();
-            for call in calls {
-                assert_eq!(call.await.unwrap().unwrap().status, Status::Success);
-            }
-            let after = server.counts();
-            let per_conn: Vec<usize> = after
-                .iter()
-                .enumerate()
-                .map(|(i, a)| a - before.get(i).copied().unwrap_or(0))
-                .collect();
-            assert_eq!(per_conn.iter().sum::<usize>(), CLIENTS, "{per_conn:?}");
-            used.push(per_conn.iter().filter(|n| **n > 0).count());
-        }
+        let (used, pace) = connections_used_per_round(&server, false, wait).await;
         println!("wait {wait:?}: connections used per round {used:?}");
         // The pool publishes what it measured: more than the default wait per call.
-        let pace = || b.metric(UPSTREAM_V1_PACE_SECONDS.name, &[]);
-        wait_until("the measured pace to be published", || pace() > 0.0).await;
         assert!(
-            pace() > DEFAULT_PACK_WAIT_V1.as_secs_f64(),
-            "a 2 ms server measured at {} s per call",
-            pace()
+            pace > DEFAULT_PACK_WAIT.as_secs_f64(),
+            "a 2 ms server measured at {pace} s per call"
         );
         if packs {
             // The first round, unmeasured, spreads; once a reply's pace is known (a
@@ -829,16 +839,71 @@ async fn a_plain_v1_server_is_packed_only_as_deep_as_its_pace_allows() {
             let first = used.iter().position(|u| *u == 1);
             let first = first.unwrap_or_else(|| panic!("never packed: {used:?}"));
             assert!(used[first..].iter().all(|u| *u == 1), "{used:?}");
-            assert!(first < ROUNDS / 2, "{used:?}");
+            assert!(first < used.len() / 2, "{used:?}");
         } else {
             assert!(
                 used.iter().all(|u| *u >= 2),
                 "a 2 ms server packed: {used:?}"
             );
         }
-        b.stop().await;
         server.stop();
     }
+}
+
+/// An rpcmesh provider reports its time per call in its heartbeat answers, and its
+/// connections are packed by the same rule: one that reports 500 ns per call (light
+/// handlers) gets the calls of eight clients on one connection, one that reports 2 ms
+/// (CPU-heavy handlers, which one connection would confine to one of its threads) gets
+/// them spread over the pool from the first round on (the pool's first heartbeats
+/// come before it is published).
+#[tokio::test]
+async fn an_rpcmesh_provider_is_packed_only_as_deep_as_its_reported_time_allows() {
+    use rpcmesh_broker::config::DEFAULT_PACK_WAIT;
+    for per_call in [Duration::from_nanos(500), Duration::from_millis(2)] {
+        let server = V1Server::reporting(per_call).await;
+        let (used, pace) = connections_used_per_round(&server, true, DEFAULT_PACK_WAIT).await;
+        println!("reported {per_call:?}: connections used per round {used:?}");
+        assert_eq!(pace, per_call.as_secs_f64(), "the report, published");
+        if per_call < DEFAULT_PACK_WAIT {
+            assert!(used.iter().all(|u| *u == 1), "{used:?}");
+        } else {
+            // The less loaded of two connections takes each call: a round all on one
+            // connection is possible (when the calls of the round before were all
+            // answered, the pool is idle), but rare.
+            let packed = used.iter().filter(|u| **u == 1).count();
+            assert!(packed <= 1, "a 2 ms provider packed: {used:?}");
+        }
+        server.stop();
+    }
+}
+
+/// End to end with the real provider: it times its own work per call (here a handler
+/// that burns 2 ms of CPU) and the broker publishes what it reported.
+#[tokio::test]
+async fn a_providers_reported_time_per_call_reaches_the_broker() {
+    use rpcmesh_common::metrics::catalogue::UPSTREAM_PACE_SECONDS;
+    use rpcmesh_provider::service::{ServiceMode, ServiceTime};
+    let p = provider(ProviderConfig {
+        service_time: ServiceTime::Fixed(Duration::from_millis(2)),
+        service_mode: ServiceMode::Work,
+        ..ProviderConfig::default()
+    })
+    .await;
+    let b = broker(broker_config(&[p.addr])).await;
+    let c = client(b.addr).await;
+    until_ready(&c).await;
+    for _ in 0..3 {
+        let r = testkit::echo_call(&c, "x").await.unwrap().unwrap();
+        assert_eq!(r.status, Status::Success);
+    }
+    let pace = || b.metric(UPSTREAM_PACE_SECONDS.name, &[]);
+    wait_until("the provider's time per call to be published", || {
+        pace() >= 0.002
+    })
+    .await;
+    assert!(pace() < 1.0, "{}", pace());
+    b.stop().await;
+    p.stop().await;
 }
 
 /// Callers choose the service and method names; only names that have been answered

@@ -30,6 +30,7 @@ use rpcmesh_common::metrics::system::Housekeeping;
 use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::connection::CloseReason;
 use rpcmesh_common::net::listener::{self, AcceptConfig, ServeSummary};
+use rpcmesh_common::net::pace::PerCall;
 use rpcmesh_common::net::session::Stop;
 use rpcmesh_common::net::shutdown::{self, CancellationToken};
 use tokio::net::{TcpListener, TcpStream};
@@ -102,6 +103,7 @@ where
         config,
         registry,
         metrics,
+        pace: PerCall::new(),
     });
     let token = shutdown::token_from(shutdown);
     let housekeeping = Housekeeping::start(&shared.metrics.telemetry, metrics::ROLE);

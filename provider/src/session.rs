@@ -24,6 +24,7 @@ use rpcmesh_common::metrics::families::{Sampler, Stages};
 use rpcmesh_common::metrics::{BadInputLog, ErrorKind, Side};
 use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::connection::{CloseReason, FramedIo};
+use rpcmesh_common::net::pace::{self, PerCall};
 use rpcmesh_common::net::session::{self, Protocol, Stop};
 use rpcmesh_common::net::timer::{Aim, PreciseTimer};
 use rpcmesh_wire::Status;
@@ -46,6 +47,10 @@ pub(crate) struct Shared {
     pub metrics: ProviderMetrics,
     /// The process's budget of buffered bytes.
     pub budget: Arc<MemoryBudget>,
+    /// How long a call takes on one connection (decoded, handled, encoded): every
+    /// session's reads feed it, and heartbeats that ask for it are answered with it, so
+    /// that a broker packs this provider's connections only as deep as that allows.
+    pub pace: PerCall,
 }
 
 /// Serves one connection until the caller leaves, the input is beyond repair, a timeout
@@ -90,6 +95,10 @@ struct Session {
     bad_input: BadInputLog,
     /// When the current read returned, when stages are recorded at all.
     read_at: Option<Instant>,
+    /// When the current read returned, and the calls among its frames: the work of a
+    /// read, over its calls, is a sample of [`Shared::pace`].
+    read_began: Instant,
+    calls_in_read: usize,
     /// Read times of the timed calls answered this round (for the `total` stage), and
     /// their method when one was found.
     answered: Vec<(Instant, Option<MethodId>)>,
@@ -129,11 +138,22 @@ impl Protocol for Session {
     }
 
     fn on_read(&mut self) {
-        // One timestamp per read, taken only when stages are recorded at all.
-        self.read_at = self.shared.metrics.stages.on().then(Instant::now);
+        // Two timestamps per read, around the work on its frames.
+        let now = Instant::now();
+        self.read_at = self.shared.metrics.stages.on().then_some(now);
+        self.read_began = now;
+        self.calls_in_read = 0;
+    }
+
+    fn after_frames(&mut self) {
+        if self.calls_in_read > 0 {
+            let busy = self.read_began.elapsed();
+            self.shared.pace.note(busy, self.calls_in_read);
+        }
     }
 
     fn on_request(&mut self, frame: Frame, io: &mut FramedIo, draining: bool) {
+        self.calls_in_read += 1;
         // Only a sample of the calls is timed.
         let read_at = self.read_at.filter(|_| self.sampler.pick());
         if let Served::Now(method) = self.serve_call(frame, read_at, io, draining) {
@@ -142,11 +162,23 @@ impl Protocol for Session {
     }
 
     fn on_heartbeat(&mut self, frame: Frame, io: &mut FramedIo) {
-        if let Err(e) = Heartbeat::parse(&frame.body) {
-            self.on_bad_frame(&e, io);
-        }
+        // A broker asks for the time per call (rpcmesh_common::net::pace); anyone else gets
+        // the plain answer.
+        let asked = match Heartbeat::parse(&frame.body) {
+            Ok(hb) => hb.extra_value(pace::HEARTBEAT_KEY).is_some(),
+            Err(e) => {
+                self.on_bad_frame(&e, io);
+                false
+            }
+        };
         let node_id = &self.shared.config.node_id;
-        if let Err(e) = Heartbeat::put_now(io.wbuf(), frame.header.req_id, "provider", node_id) {
+        let answer = [(
+            pace::HEARTBEAT_KEY.to_owned(),
+            self.shared.pace.to_heartbeat_value(),
+        )];
+        let extra: &[_] = if asked { &answer } else { &[] };
+        let id = frame.header.req_id;
+        if let Err(e) = Heartbeat::put_now_with(io.wbuf(), id, "provider", node_id, extra) {
             tracing::warn!(error = %e, "heartbeat reply not encodable (node id too long?)");
         }
     }
@@ -208,6 +240,8 @@ impl Session {
             in_flight_share: InFlightShare::new(shared.metrics.in_flight.clone()),
             bad_input: BadInputLog::new(shared.metrics.errors.clone(), Side::Client),
             read_at: None,
+            read_began: Instant::now(),
+            calls_in_read: 0,
             answered: Vec::new(),
             sampler: shared.metrics.stages.sampler(),
             last_method: None,

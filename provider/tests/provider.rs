@@ -490,3 +490,60 @@ async fn a_metadata_bomb_is_refused_and_the_connection_goes_on() {
     assert_eq!(p.errors_from("too_large", "client"), 1.0);
     p.stop().await;
 }
+
+/// A broker asks for the provider's time per call in its heartbeats
+/// (`rpcmesh_common::net::pace`): the answer carries the provider's moving average over the
+/// calls it has worked through ("0" before the first), here a handler that burns 2 ms of
+/// CPU a call. A heartbeat that does not ask is answered plainly, as a v1 peer expects.
+#[tokio::test]
+async fn a_heartbeat_that_asks_is_answered_with_the_time_per_call() {
+    use rpcmesh_common::net::pace::{HEARTBEAT_KEY, PerCall};
+    use rpcmesh_provider::service::{ServiceMode, ServiceTime};
+    use rpcmesh_wire::body::Heartbeat;
+    use std::time::Duration;
+    let p = start(ProviderConfig {
+        service_time: ServiceTime::Fixed(Duration::from_millis(2)),
+        service_mode: ServiceMode::Work,
+        ..ProviderConfig::default()
+    })
+    .await;
+    let mut raw = TcpStream::connect(p.addr).await.unwrap();
+    let mut buf = BytesMut::new();
+    let ask = vec![(HEARTBEAT_KEY.to_owned(), String::new())];
+    let mut round_trip = async |id: u64, extra: &[(String, String)]| -> Heartbeat {
+        let mut out = BytesMut::new();
+        Heartbeat::put_now_with(&mut out, id, "broker", "test", extra).unwrap();
+        raw.write_all(&out).await.unwrap();
+        let got = testkit::read_frames(&mut raw, &mut buf, 1).await.unwrap();
+        assert_eq!(got[0].header.req_id, id);
+        Heartbeat::parse(&got[0].body).unwrap()
+    };
+    let before = round_trip(1, &ask).await;
+    assert_eq!(before.extra_value(HEARTBEAT_KEY), Some("0"), "{before:?}");
+    let c = Client::connect(p.addr, ClientConfig::default())
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        let r = c
+            .call(
+                "EchoService",
+                "Echo",
+                &EchoRequest {
+                    message: "x".into(),
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, Status::Success);
+    }
+    let after = round_trip(2, &ask).await;
+    let per_call = after
+        .extra_value(HEARTBEAT_KEY)
+        .and_then(PerCall::parse_heartbeat_value)
+        .unwrap_or_else(|| panic!("no time per call in {after:?}"));
+    assert!(per_call >= Duration::from_millis(2), "{per_call:?}");
+    assert!(per_call < Duration::from_secs(1), "{per_call:?}");
+    let plain = round_trip(3, &[]).await;
+    assert!(plain.extra.is_empty(), "{plain:?}");
+    p.stop().await;
+}

@@ -21,7 +21,8 @@
 //!   provider, while the whole provider is marked draining ([`PoolLink`]);
 //! - sweeps the table for calls past their deadline and answers them "timeout" (and,
 //!   towards a plain v1 server, times a server that has fallen silent: `super::pace`);
-//! - times how fast a plain v1 server answers, for the router's packing (`super::pace`);
+//! - times how fast a plain v1 server answers, and takes an rpcmesh provider's own time
+//!   per call from its heartbeat answers, for the router's packing (`super::pace`);
 //! - when the socket fails, answers every call in flight at once with "unavailable" and
 //!   the cause, and hands calls still queued (never moved to its write buffer) back to
 //!   their sessions to be routed again;
@@ -82,6 +83,7 @@ use crate::failure::Failure;
 use crate::metrics::{QUEUE, UPSTREAM, UpstreamMetrics};
 use crate::upstream::pace::Backlog;
 use crate::upstream::{PoolLink, UpstreamError};
+use rpcmesh_common::net::pace::{HEARTBEAT_KEY, PerCall};
 
 /// A health check's waiter: told when the heartbeat's answer comes.
 type HeartbeatTx = oneshot::Sender<()>;
@@ -658,12 +660,30 @@ impl ConnTask {
         Ok(())
     }
 
+    /// Takes an rpcmesh provider's time per call from its heartbeat answer, for the
+    /// router's packing (`super::pace`). An answer without it (an older provider) leaves
+    /// what the pool knows; one that cannot be read is not this check's business (the
+    /// round trip is what it checks).
+    fn take_reported_pace(&self, body: &[u8]) {
+        if let Ok(hb) = Heartbeat::parse(body) {
+            if let Some(value) = hb.extra_value(HEARTBEAT_KEY) {
+                self.link
+                    .pace
+                    .reported(PerCall::parse_heartbeat_value(value));
+            }
+        }
+    }
+
     /// Writes a health check's heartbeat; its answer is matched by id.
     fn send_heartbeat(&mut self, tx: HeartbeatTx) {
         // Heartbeat ids count down from the top so they never meet call ids.
         let id = u64::MAX - self.next_heartbeat_id;
         self.next_heartbeat_id += 1;
-        if Heartbeat::put_now(self.io.wbuf(), id, "broker", "rpcmesh-broker").is_ok() {
+        // An rpcmesh provider is asked for its time per call (`super::pace`); a plain v1
+        // server gets the plain heartbeat.
+        let ask = [(HEARTBEAT_KEY.to_owned(), String::new())];
+        let extra: &[_] = if self.settings.ext { &ask } else { &[] };
+        if Heartbeat::put_now_with(self.io.wbuf(), id, "broker", "rpcmesh-broker", extra).is_ok() {
             self.heartbeats.push((id, tx));
         }
     }
@@ -757,6 +777,10 @@ impl ConnTask {
                     .iter()
                     .position(|(id, _)| *id == frame.header.req_id)
                 {
+                    // The report first: the check's waiter may publish the connection.
+                    if self.settings.ext {
+                        self.take_reported_pace(&frame.body);
+                    }
                     let (_, tx) = self.heartbeats.swap_remove(i);
                     let _ = tx.send(());
                 }
@@ -941,6 +965,7 @@ fn fail(
 mod tests {
     use super::*;
     use crate::call::{Inbox, Taken};
+    use crate::upstream::pace;
     use bytes::{Bytes, BytesMut};
     use rpcmesh_common::metrics::Telemetry;
     use rpcmesh_wire::body::Request;
@@ -949,7 +974,8 @@ mod tests {
     /// A connection to a listener of the test's (which accepts and reads nothing), with
     /// its task not started: the test drives the task's steps itself.
     async fn connection(ext: bool) -> (UpstreamConn, ConnTask, TcpStream) {
-        connection_with(ext, Arc::new(PoolLink::new(Duration::ZERO))).await
+        let link = PoolLink::new(Duration::ZERO, pace::Source::of(ext));
+        connection_with(ext, Arc::new(link)).await
     }
 
     /// The same, sharing `link` with the test.
@@ -1013,7 +1039,10 @@ mod tests {
     #[tokio::test]
     async fn a_plain_v1_server_that_falls_silent_stops_being_packed_at_the_sweep() {
         use rpcmesh_wire::envelope::CallCodec;
-        let link = Arc::new(PoolLink::new(Duration::from_millis(1)));
+        let link = Arc::new(PoolLink::new(
+            Duration::from_millis(1),
+            pace::Source::Measured,
+        ));
         let (conn, mut task, mut server) = connection_with(false, link.clone()).await;
         let inbox = Inbox::new();
         conn.try_forward(call(1, &inbox)).unwrap();

@@ -2,6 +2,9 @@
 //!
 //! - [`connection`]: one connection and the task that owns its calls in flight (and, to
 //!   a plain v1 server, ACKs its reads at once while calls are in flight: see there).
+//! - [`pace`]: how long the provider takes per call on one connection (measured for a
+//!   plain v1 server, reported by an rpcmesh provider), and so how deep the router may
+//!   pack its connections.
 //! - [`ProviderPool`] (here): the connections of one provider. `bb8` owns their life:
 //!   connecting, validating each with a heartbeat round trip on checkout, dropping broken
 //!   ones and reconnecting. A keeper task checks all of them out every health interval
@@ -74,22 +77,23 @@ pub(crate) struct PoolLink {
     tasks: AtomicUsize,
     /// Notified when a connection task ends.
     task_done: Notify,
-    /// A plain v1 server's time per call on one connection, measured by the connections
-    /// and read by the router to decide how deep it packs them ([`pace`]).
+    /// The provider's time per call on one connection, measured by the connections (a
+    /// plain v1 server) or reported in heartbeat answers (an rpcmesh provider), and read by
+    /// the router to decide how deep it packs them ([`pace`]).
     pub pace: pace::Pace,
 }
 
 impl PoolLink {
-    /// `pack_wait_v1`: how long packing may make a call wait on a plain v1 server's
-    /// connection (`--pack-wait-v1`).
-    fn new(pack_wait_v1: Duration) -> Self {
+    /// `pack_wait`: how long packing may make a call wait behind others on one of the
+    /// provider's connections (`--pack-wait`); `source`: where its time per call comes from.
+    fn new(pack_wait: Duration, source: pace::Source) -> Self {
         PoolLink {
             wake: Notify::new(),
             next_id: AtomicU64::new(1),
             draining_below: AtomicU64::new(0),
             tasks: AtomicUsize::new(0),
             task_done: Notify::new(),
-            pace: pace::Pace::new(pack_wait_v1),
+            pace: pace::Pace::new(pack_wait, source),
         }
     }
 
@@ -289,7 +293,8 @@ impl ProviderPool {
         grace_over: CancellationToken,
         budget: Arc<MemoryBudget>,
     ) -> Arc<ProviderPool> {
-        let link = Arc::new(PoolLink::new(config.pack_wait_v1));
+        let source = pace::Source::of(spec.ext);
+        let link = Arc::new(PoolLink::new(config.pack_wait, source));
         let settings = ConnSettings {
             label: Arc::from(spec.label()),
             ext: spec.ext,
@@ -338,15 +343,10 @@ impl ProviderPool {
     }
 
     /// How many calls the router may pack onto one connection of this provider before it
-    /// goes on to the next (0 = none: the less loaded of two). `pack` is
-    /// `--pack-in-flight`, which an rpcmesh provider gets whole; a plain v1 server, as deep
-    /// as its measured pace allows ([`pace`]).
+    /// goes on to the next (0 = none: the less loaded of two): as deep as its time per
+    /// call allows, at most `pack` (`--pack-in-flight`; see [`pace`]).
     pub fn pack_depth(&self, pack: usize) -> usize {
-        if self.spec.ext {
-            pack
-        } else {
-            self.link.pace.depth(pack)
-        }
+        self.link.pace.depth(pack)
     }
 
     /// True while the provider drains (see [`PoolLink`]): the router passes it over.
@@ -412,7 +412,7 @@ impl ProviderPool {
             let healthy = conns.len();
             self.metrics
                 .publish_conn_loads(conns.iter().map(|c| c.load()));
-            self.metrics.publish_v1_pace(self.link.pace.per_call());
+            self.metrics.publish_pace(self.link.pace.per_call());
             // A connection made after the provider said it was draining answered its
             // heartbeat: the provider is back.
             let mark = self.link.draining_below.load(Ordering::Relaxed);

@@ -1,104 +1,131 @@
-//! How fast a plain v1 server works through the calls queued on one connection, and so how
-//! many calls the router may pack onto one of its connections.
+//! How fast a provider works through the calls queued on one of its connections, and so
+//! how many calls the router may pack onto one connection.
 //!
-//! A plain v1 server answers a connection's calls one at a time, in order. Calls packed
-//! onto one of its connections therefore wait for each other, where calls spread over the
-//! pool might run side by side (a server with a thread per connection). But a server that
-//! answers faster than a call crosses the broker gains from packing what an rpcmesh
-//! provider gains (`route::Router`): it reads several requests at once, its Nagle-held
-//! replies leave together after the broker's ACK, and the broker reads them together. On
-//! 2 vCPUs behind the classic server at 8 calls in flight over 8 client connections,
-//! packing all of them onto one connection instead of two on each of four raised the
-//! broker path's calls/s by a quarter and cut its p99.9 (docs/performance.md).
+//! A connection's calls are worked through one after another: a plain v1 server answers
+//! them one at a time, in order, and an rpcmesh provider's session task runs a read's
+//! handlers in turn on one thread. Calls packed onto one connection therefore wait for
+//! each other, where calls spread over the pool might run side by side (a server with a
+//! thread per connection, a provider with several worker threads). But a provider that
+//! answers faster than a call crosses the broker gains from packing: it reads several
+//! requests at once, writes their replies together, and the broker reads them together
+//! (`route::Router`; on 2 vCPUs at 64 calls in flight, 10–15 % more calls/s, and behind
+//! the classic server at 8 in flight a quarter more, docs/performance.md).
 //!
-//! So the router packs a plain v1 server's connections only as deep as keeps the wait
-//! short: a call may have at most as many calls ahead of it on its connection as the
-//! server answers in `--pack-wait-v1` ([`DEFAULT_PACK_WAIT_V1`], 100 µs). How long the
-//! server takes per call is measured on the connections themselves ([`Backlog`]): between
-//! two reads of a connection that had calls written and unanswered at the first, the
-//! server was working through that connection's queue, so the time between them divided
-//! by the replies the second read brought is the time it takes per call on that
-//! connection (its work on other connections meanwhile included, which is the wait a
-//! packed call sees). The pool keeps a moving average of those samples ([`Pace`]). A connection whose server has answered
-//! nothing for longer than the wait while calls wait there is timed at its deadline sweep
-//! too ([`Backlog::on_sweep`]; every 100 ms at the default call timeout), so that a server
-//! that hangs on a call stops being packed without waiting for a reply that may never
-//! come. Until there is a sample, and whenever the server is slower than the wait per
-//! call, nothing is packed: the less loaded of two connections takes each call, as before
-//! the pace was measured.
+//! So the router packs a provider's connections only as deep as keeps the wait short: a
+//! call may have at most as many calls ahead of it on its connection as the provider
+//! answers in `--pack-wait` ([`DEFAULT_PACK_WAIT`], 100 µs). Where the time per call comes
+//! from depends on the provider ([`Source`]):
+//!
+//! - **A plain v1 server** is timed on the connections themselves ([`Backlog`]): between
+//!   two reads of a connection that had calls written and unanswered at the first, the
+//!   server was working through that connection's queue, so the time between them divided
+//!   by the replies the second read brought is the time it takes per call on that
+//!   connection (its work on other connections meanwhile included, which is the wait a
+//!   packed call sees). The pool keeps a moving average of those samples. A connection
+//!   whose server has answered nothing for longer than the wait while calls wait there is
+//!   timed at its deadline sweep too ([`Backlog::on_sweep`]; every 100 ms at the default
+//!   call timeout), so that a server that hangs on a call stops being packed without
+//!   waiting for a reply that may never come. Until there is a sample nothing is packed:
+//!   the less loaded of two connections takes each call.
+//! - **An rpcmesh provider** answers calls in batches, so the time between the broker's
+//!   reads is mostly the round trip, not the work (behind the echo provider at 8 calls in
+//!   flight it read 26–33 µs per call, against a provider that spends under 1 µs on each).
+//!   The provider measures its own time per call instead (a read's frames decoded,
+//!   handled and encoded, over the calls among them) and reports it in its answer to the
+//!   pool's heartbeats, once per health interval per connection
+//!   (`rpcmesh_common::net::pace::HEARTBEAT_KEY`). Until it has reported a time (an older
+//!   rpcmesh provider never does) the connections are packed to `--pack-in-flight`, as
+//!   before: a provider with light handlers, the common case, loses nothing while the
+//!   first report is on its way.
+//!
+//! Either way, a provider slower than the wait per call is not packed at all.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use rpcmesh_common::net::pace::PerCall;
+
 #[cfg(doc)]
-use crate::config::DEFAULT_PACK_WAIT_V1;
+use crate::config::DEFAULT_PACK_WAIT;
 
-/// Weight of a new sample in the pool's moving average, as a right shift: 1/32. The
-/// samples are noisy (an interval also holds the server's wake-ups and the broker's own
-/// delays before it reads: behind the classic server, mostly 2–4 µs with a third over
-/// 14 µs): with 1/8 the depth swung between about 6 and 14 around the 8 calls of the
-/// bench's shape, and the broker path did 8 % fewer calls/s (8 alternating pairs). A
-/// server that turns slow still stops packing within a few calls: two calls of 2 ms take
-/// the average from 7 µs to over 100 µs.
-const PACE_SHIFT: u32 = 5;
+/// Where a pool's time per call comes from, and what the router does before it has one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Source {
+    /// Timed by the broker between reads ([`Backlog`]): a plain v1 server. Unknown until
+    /// timed, and a server with a thread per connection would run spread calls side by
+    /// side: no packing until then.
+    Measured,
+    /// Reported by the provider in its heartbeat answers: an rpcmesh provider. Packed to
+    /// `--pack-in-flight` until it reports.
+    Reported,
+}
 
-/// A pool's moving average of how long its plain v1 server takes per call on one
-/// connection. Shared by the pool's connection tasks (which feed it) and the router (which
-/// reads it per call, one relaxed load).
+impl Source {
+    /// An rpcmesh provider's (`ext`) time is reported, a plain v1 server's measured.
+    pub fn of(ext: bool) -> Source {
+        if ext {
+            Source::Reported
+        } else {
+            Source::Measured
+        }
+    }
+}
+
+/// A pool's time per call on one connection, and how deep that lets the router pack.
+/// Shared by the pool's connection tasks (which feed it) and the router (which reads it
+/// per call, one relaxed load).
 #[derive(Debug)]
 pub(crate) struct Pace {
-    /// Nanoseconds per call, averaged; 0 = no sample yet.
-    per_call_ns: AtomicU64,
-    /// How long a packed call may wait (`--pack-wait-v1`); zero = never pack.
+    /// The average (nanoseconds per call, lock-free).
+    per_call: PerCall,
+    /// How long a packed call may wait (`--pack-wait`); zero = never pack.
     wait: Duration,
+    /// Where the time comes from.
+    source: Source,
 }
 
 impl Pace {
-    /// No sample yet; packs as deep as keeps a call's wait under `wait`.
-    pub fn new(wait: Duration) -> Self {
+    /// Nothing measured yet; packs as deep as keeps a call's wait under `wait`.
+    pub fn new(wait: Duration, source: Source) -> Self {
         Pace {
-            per_call_ns: AtomicU64::new(0),
+            per_call: PerCall::new(),
             wait,
+            source,
         }
     }
 
-    /// Takes one sample: `replies` calls answered over `busy`.
+    /// Takes one sample of the broker's own timing: `replies` calls answered over `busy`.
     pub fn note(&self, busy: Duration, replies: usize) {
-        if replies == 0 {
-            return;
-        }
-        let sample = u64::try_from(busy.as_nanos() / replies as u128)
-            .unwrap_or(u64::MAX)
-            .max(1);
-        // A lost update between two connection tasks on different threads loses a
-        // sample, no more: the average needs no lock.
-        let old = self.per_call_ns.load(Ordering::Relaxed);
-        let new = if old == 0 {
-            sample
-        } else {
-            old - (old >> PACE_SHIFT) + (sample >> PACE_SHIFT)
-        };
-        self.per_call_ns.store(new.max(1), Ordering::Relaxed);
+        self.per_call.note(busy, replies);
     }
 
-    /// The time per call the pool has measured, if any (the pool's keeper publishes it as
-    /// `rpcmesh_upstream_v1_pace_seconds`).
+    /// Takes the provider's report (`None`: it has measured nothing yet).
+    pub fn reported(&self, per_call: Option<Duration>) {
+        self.per_call.set(per_call);
+    }
+
+    /// The time per call the pool knows, if any (the pool's keeper publishes it as
+    /// `rpcmesh_upstream_pace_seconds`).
     pub fn per_call(&self) -> Option<Duration> {
-        match self.per_call_ns.load(Ordering::Relaxed) {
-            0 => None,
-            ns => Some(Duration::from_nanos(ns)),
-        }
+        self.per_call.get()
     }
 
     /// How many calls one connection may hold before the router goes on to the next, as
-    /// `--pack-in-flight` says it (`pack`, the most): one more than the server answers in
-    /// the wait, or 0 (no packing) when no call may wait at all, or nothing is measured.
+    /// `--pack-in-flight` says it (`pack`, the most): one more than the provider answers in
+    /// the wait, or 0 (no packing) when no call may wait at all. Unknown: 0 for a plain
+    /// v1 server, `pack` for an rpcmesh provider ([`Source`]).
     pub fn depth(&self, pack: usize) -> usize {
-        let ns = self.per_call_ns.load(Ordering::Relaxed);
-        if ns == 0 {
-            return 0;
-        }
-        match usize::try_from(self.wait.as_nanos() / u128::from(ns)).unwrap_or(usize::MAX) {
+        let Some(per_call) = self.per_call.get() else {
+            return match self.source {
+                Source::Measured => 0,
+                Source::Reported => pack,
+            };
+        };
+        // In u64 (584 years of nanoseconds), not u128: the router asks once per read.
+        let wait = u64::try_from(self.wait.as_nanos()).unwrap_or(u64::MAX);
+        let ns = u64::try_from(per_call.as_nanos())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        match usize::try_from(wait / ns).unwrap_or(usize::MAX) {
             0 => 0,
             ahead => ahead.saturating_add(1).min(pack),
         }
@@ -152,17 +179,42 @@ mod tests {
     use super::*;
 
     const US: Duration = Duration::from_micros(1);
-    const WAIT: Duration = crate::config::DEFAULT_PACK_WAIT_V1;
+    const WAIT: Duration = crate::config::DEFAULT_PACK_WAIT;
 
     fn new_pace() -> Pace {
-        Pace::new(WAIT)
+        Pace::new(WAIT, Source::Measured)
     }
 
     #[test]
-    fn no_sample_no_packing() {
+    fn no_sample_no_packing_of_a_v1_server_but_an_rpcmesh_provider_is_packed_whole() {
         let pace = new_pace();
         assert_eq!(pace.per_call(), None);
         assert_eq!(pace.depth(64), 0);
+        let reported = Pace::new(WAIT, Source::Reported);
+        assert_eq!(reported.depth(64), 64);
+        assert_eq!(reported.depth(0), 0, "--pack-in-flight 0 turns packing off");
+    }
+
+    #[test]
+    fn an_rpcmesh_providers_report_sets_the_depth_by_the_same_rule() {
+        let pace = Pace::new(WAIT, Source::Reported);
+        // Light handlers (the echo provider reports well under 1 µs): packed whole.
+        pace.reported(Some(Duration::from_nanos(400)));
+        assert_eq!(pace.depth(64), 64);
+        // CPU-heavy handlers of 20 µs: 100 / 20 = 5 calls ahead, plus the call.
+        pace.reported(Some(20 * US));
+        assert_eq!(pace.depth(64), 6);
+        assert_eq!(
+            pace.per_call(),
+            Some(20 * US),
+            "a report replaces, not averages"
+        );
+        // Slower than the wait: not packed.
+        pace.reported(Some(Duration::from_millis(1)));
+        assert_eq!(pace.depth(64), 0);
+        // A provider that has measured nothing (again) is packed whole.
+        pace.reported(None);
+        assert_eq!(pace.depth(64), 64);
     }
 
     #[test]
@@ -187,9 +239,9 @@ mod tests {
         let edge = new_pace();
         edge.note(WAIT, 1);
         assert_eq!(edge.depth(64), 2, "one call may wait one call's time");
-        let never = Pace::new(Duration::ZERO);
+        let never = Pace::new(Duration::ZERO, Source::Measured);
         never.note(US, 1);
-        assert_eq!(never.depth(64), 0, "--pack-wait-v1 0 turns it off");
+        assert_eq!(never.depth(64), 0, "--pack-wait 0 turns it off");
     }
 
     #[test]

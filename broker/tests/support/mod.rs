@@ -14,6 +14,7 @@ use bytes::BytesMut;
 use rpcmesh_broker::BrokerConfig;
 use rpcmesh_common::net::client::{Client, ClientConfig, ClientError, Reply};
 use rpcmesh_common::net::listener::ServeSummary;
+use rpcmesh_common::net::pace;
 use rpcmesh_common::testkit::{self, Gate, InProcess};
 use rpcmesh_provider::service::{Held, echo};
 use rpcmesh_provider::{ProviderConfig, Registry};
@@ -199,20 +200,33 @@ struct V1State {
     /// One write per reply, each this long after the one before (`None`: the replies
     /// to one read leave together, at once).
     one_by_one: Option<Duration>,
+    /// The time per call it reports when a heartbeat asks for it, as an rpcmesh provider
+    /// does (`rpcmesh_common::net::pace`); `None`: it never reports.
+    report: Option<Duration>,
 }
 
 impl V1Server {
     pub async fn start(lenient: bool) -> V1Server {
-        V1Server::start_with(lenient, None).await
+        V1Server::start_with(lenient, None, None).await
     }
 
     /// A strict server that writes each reply on its own, `per_call` after the one before
     /// on the same connection.
     pub async fn one_by_one(per_call: Duration) -> V1Server {
-        V1Server::start_with(false, Some(per_call)).await
+        V1Server::start_with(false, Some(per_call), None).await
     }
 
-    async fn start_with(lenient: bool, one_by_one: Option<Duration>) -> V1Server {
+    /// A lenient server that answers at once but, asked in a heartbeat as an rpcmesh
+    /// provider is, reports that it takes `per_call` per call.
+    pub async fn reporting(per_call: Duration) -> V1Server {
+        V1Server::start_with(true, None, Some(per_call)).await
+    }
+
+    async fn start_with(
+        lenient: bool,
+        one_by_one: Option<Duration>,
+        report: Option<Duration>,
+    ) -> V1Server {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let flagged = Arc::new(AtomicUsize::new(0));
@@ -223,6 +237,7 @@ impl V1Server {
             received: watch::Sender::new(0),
             hold_until: AtomicUsize::new(0),
             one_by_one,
+            report,
         });
         let shared = state.clone();
         let task = tokio::spawn(async move {
@@ -310,7 +325,19 @@ async fn v1_echo(s: TcpStream, n: usize, state: Arc<V1State>) {
                 }
             }
             match f.header.msg_type {
-                MsgType::Heartbeat => Heartbeat::default().put(&mut out, f.header.req_id).unwrap(),
+                MsgType::Heartbeat => {
+                    let asked = Heartbeat::parse(&f.body)
+                        .is_ok_and(|hb| hb.extra_value(pace::HEARTBEAT_KEY).is_some());
+                    let extra = match state.report.filter(|_| asked) {
+                        Some(t) => vec![(pace::HEARTBEAT_KEY.into(), t.as_nanos().to_string())],
+                        None => Vec::new(),
+                    };
+                    let hb = Heartbeat {
+                        extra,
+                        ..Heartbeat::default()
+                    };
+                    hb.put(&mut out, f.header.req_id).unwrap();
+                }
                 MsgType::Request => {
                     let call = codec.decode_request(&f).unwrap();
                     let msg = <EchoRequest as prost::Message>::decode(call.rpc.payload).unwrap();

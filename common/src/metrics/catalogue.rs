@@ -302,13 +302,13 @@ pub const UPSTREAM_QUICK_ACKS_TOTAL: Family = Family {
     roles: BROKER,
     help: "Reads from a plain v1 server (--upstream-v1) after which the broker sent its ACK at once (TCP_QUICKACK, one setsockopt each) because calls were still in flight there: a server with Nagle's algorithm on holds its next reply until that ACK, which the kernel would delay up to 40 ms.",
 };
-/// `rpcmesh_upstream_v1_pace_seconds{role, upstream}`.
-pub const UPSTREAM_V1_PACE_SECONDS: Family = Family {
-    name: "rpcmesh_upstream_v1_pace_seconds",
+/// `rpcmesh_upstream_pace_seconds{role, upstream}`.
+pub const UPSTREAM_PACE_SECONDS: Family = Family {
+    name: "rpcmesh_upstream_pace_seconds",
     kind: Gauge,
     labels: ROLE_UPSTREAM,
     roles: BROKER,
-    help: "A plain v1 server's (--upstream-v1) time per call on one pooled connection, as the broker measures it between reads while calls wait there (moving average; 0 until measured, and for rpcmesh providers). The broker packs calls onto one of its connections only as deep as keeps a call's wait behind the others under --pack-wait-v1.",
+    help: "A provider's time per call on one pooled connection: for a plain v1 server (--upstream-v1) as the broker measures it between reads while calls wait there, for an rpcmesh provider as the provider reports it in its heartbeat answers (its own work per call: decoded, handled, encoded). Moving average; 0 until known. The broker packs calls onto one of its connections only as deep as keeps a call's wait behind the others under --pack-wait.",
 };
 /// `rpcmesh_pool_connections{role, upstream}`.
 pub const POOL_CONNECTIONS: Family = Family {
@@ -579,7 +579,7 @@ pub const CATALOGUE: &[&Family] = &[
     &UPSTREAM_CALLS_IN_FLIGHT,
     &UPSTREAM_CALLS_TOTAL,
     &UPSTREAM_QUICK_ACKS_TOTAL,
-    &UPSTREAM_V1_PACE_SECONDS,
+    &UPSTREAM_PACE_SECONDS,
     &POOL_CONNECTIONS,
     &POOL_IDLE_CONNECTIONS,
     &POOL_HEALTHY_CONNECTIONS,

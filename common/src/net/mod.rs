@@ -7,6 +7,8 @@
 //!   task per connection, drain on shutdown.
 //! - [`session`]: the server-session skeleton the provider and broker share: the loop,
 //!   the write-backlog limit, the connection timeouts, the drain, the final flush.
+//! - [`pace`]: how long one call takes on one connection (a lock-free moving average), and
+//!   the heartbeat pair a provider reports it in.
 //! - [`slots`]: the table of calls in flight on a multiplexed connection, by request id.
 //! - [`busy_poll`]: keeping a worker polling after a read instead of sleeping.
 //! - [`timer`]: a timer finer than Tokio's millisecond wheel (a `timerfd`), for simulated
@@ -28,6 +30,7 @@ pub mod busy_poll;
 pub mod client;
 pub mod connection;
 pub mod listener;
+pub mod pace;
 pub mod session;
 pub mod shutdown;
 pub mod slots;

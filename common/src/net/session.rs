@@ -132,6 +132,9 @@ pub trait Protocol: Send {
     /// A read brought bytes; its frames follow.
     fn on_read(&mut self) {}
 
+    /// Called after the frames of a read were handled (before anything is written).
+    fn after_frames(&mut self) {}
+
     /// Handles one request. `draining`: shutdown has begun, new calls are to be refused.
     fn on_request(&mut self, frame: Frame, io: &mut FramedIo, draining: bool);
 
@@ -411,7 +414,10 @@ fn take_frames<P: Protocol>(
                     p.on_unexpected();
                 }
             },
-            Ok(None) => return Ok(n),
+            Ok(None) => {
+                p.after_frames();
+                return Ok(n);
+            }
             Err(e) => {
                 p.on_bad_frame(&e, io);
                 if e.is_fatal() {

@@ -224,7 +224,27 @@ impl Heartbeat {
         service_name: &str,
         node_id: &str,
     ) -> Result<(), FrameError> {
-        put_heartbeat(dst, req_id, service_name, node_id, now_ms(), &[])
+        Heartbeat::put_now_with(dst, req_id, service_name, node_id, &[])
+    }
+
+    /// The same, with `extra` pairs (rpcmesh's own questions and answers, which plain v1
+    /// peers are never sent).
+    pub fn put_now_with(
+        dst: &mut BytesMut,
+        req_id: u64,
+        service_name: &str,
+        node_id: &str,
+        extra: &[(String, String)],
+    ) -> Result<(), FrameError> {
+        put_heartbeat(dst, req_id, service_name, node_id, now_ms(), extra)
+    }
+
+    /// The value of the first extra pair named `key`, if any.
+    pub fn extra_value(&self, key: &str) -> Option<&str> {
+        self.extra
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
     }
 }
 
