@@ -88,7 +88,7 @@ impl Picker {
 /// 10–15 % (docs/performance.md). The price is parallelism: an rpcmesh provider runs a
 /// connection's handlers on one thread, so behind a provider with CPU-heavy handlers on
 /// several threads, calls packed onto one connection would wait for one thread while the
-/// others idle. Its time per call bounds the depth (20 µs a call: 6 calls), which on
+/// others idle. Its time per call bounds the depth (20 µs handlers: 5 calls), which on
 /// 2 vCPUs took such a provider on two threads from 0.63 to 0.88 of HAProxy's calls/s at
 /// 64 calls in flight.
 #[derive(Debug)]
