@@ -271,7 +271,7 @@ pub struct Args {
     /// connections, which it works through one after another: the broker knows how long
     /// the provider takes per call (a plain v1 server's it measures, an rpcmesh provider
     /// reports its own) and packs a connection only as deep as that allows (0 = never
-    /// pack, except rpcmesh providers that have not reported yet).
+    /// pack).
     #[arg(long, env = "RPCMESH_PACK_WAIT", default_value_t = DurationArg(DEFAULT_PACK_WAIT))]
     pub pack_wait: DurationArg,
     /// Per-stage latency timing.
@@ -319,8 +319,8 @@ pub struct BrokerConfig {
     pub busy_poll: BusyPoll,
     /// Calls in flight up to which a provider's connections are filled in order; 0 = off.
     pub pack_in_flight: usize,
-    /// How long packing may make a call wait on a plain v1 server's connection; 0 = never
-    /// pack them.
+    /// How long packing may make a call wait behind others on one of a provider's
+    /// connections; 0 = never pack.
     pub pack_wait: Duration,
     /// Stages are timed on one call in this many; 0 = not at all.
     pub stage_sample: u32,

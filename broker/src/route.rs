@@ -238,8 +238,8 @@ impl Router {
 }
 
 /// Offers the call to the first open connection of `pool` with room under its packing
-/// depth ([`ProviderPool::pack_depth`]: `pack` for rpcmesh providers, a plain v1 server's
-/// by its pace; 0 = none), else to the less loaded of two, then to the others; returns
+/// depth ([`ProviderPool::pack_depth`]: by the provider's time per call, at most `pack`;
+/// 0 = none), else to the less loaded of two, then to the others; returns
 /// the connection that took it. `None` in the error = the pool has no open connection.
 // A refused call is handed back by value (no allocation on the per-call path).
 #[allow(clippy::result_large_err)]

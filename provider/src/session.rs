@@ -1,12 +1,14 @@
 //! One caller's connection to the provider (a broker's pooled connection, or a client's):
 //! reads request frames, decodes the calls, runs their handlers and writes each reply as it
-//! finishes, batched into as few writes as the socket allows. Answers heartbeats, sheds
-//! over the in-flight cap, and turns bad input into error replies, counts and log lines.
+//! finishes, batched into as few writes as the socket allows. Answers heartbeats (with
+//! the provider's time per call when a broker asks), sheds over the in-flight cap, and
+//! turns bad input into error replies, counts and log lines.
 //!
 //! The provider's [`Protocol`] over the shared server-session skeleton
 //! (`rpcmesh_common::net::session`: the loop, backlog limit, drain and final flush). One
 //! task owns the socket, the calls waiting on handlers and the write buffer; nothing here
-//! is shared with other connections but the read-only registry and metric handles.
+//! is shared with other connections but the read-only registry, the metric handles and
+//! the time per call every session feeds (`Shared::pace`).
 
 use std::collections::BinaryHeap;
 use std::future::Future;
@@ -95,8 +97,8 @@ struct Session {
     bad_input: BadInputLog,
     /// When the current read returned, when stages are recorded at all.
     read_at: Option<Instant>,
-    /// When the current read returned, and the calls among its frames: the work of a
-    /// read, over its calls, is a sample of [`Shared::pace`].
+    /// When the current read returned, and the calls among its frames whose handlers ran
+    /// within it: the work of a read, over those calls, is a sample of [`Shared::pace`].
     read_began: Instant,
     calls_in_read: usize,
     /// Read times of the timed calls answered this round (for the `total` stage), and
@@ -153,7 +155,6 @@ impl Protocol for Session {
     }
 
     fn on_request(&mut self, frame: Frame, io: &mut FramedIo, draining: bool) {
-        self.calls_in_read += 1;
         // Only a sample of the calls is timed.
         let read_at = self.read_at.filter(|_| self.sampler.pick());
         if let Served::Now(method) = self.serve_call(frame, read_at, io, draining) {
@@ -338,6 +339,15 @@ impl Session {
         };
         self.scratch.clear();
         let outcome = handler.call(call.rpc, &mut self.scratch);
+        // A handler that answered (or whose answer waits for its instant without the CPU)
+        // did its work within the read: a call of the read's sample (`Shared::pace`). One
+        // whose answer is a future works when the session polls it, outside the sample.
+        // Refusals and error replies before this point cost little and are not calls the
+        // sample is about: their time is spread over the handled calls, which errs towards
+        // packing less.
+        if !matches!(outcome, Outcome::Later(_)) {
+            self.calls_in_read += 1;
+        }
         let meta = CallMeta {
             req_id: id,
             flags,

@@ -493,8 +493,9 @@ async fn a_metadata_bomb_is_refused_and_the_connection_goes_on() {
 
 /// A broker asks for the provider's time per call in its heartbeats
 /// (`rpcmesh_common::net::pace`): the answer carries the provider's moving average over the
-/// calls it has worked through ("0" before the first), here a handler that burns 2 ms of
-/// CPU a call. A heartbeat that does not ask is answered plainly, as a v1 peer expects.
+/// calls whose handlers it ran ("0" before the first), here a handler that burns 2 ms of
+/// CPU a call (calls refused before a handler ran, here for an unknown service, are not
+/// in it). A heartbeat that does not ask is answered plainly, as a v1 peer expects.
 #[tokio::test]
 async fn a_heartbeat_that_asks_is_answered_with_the_time_per_call() {
     use rpcmesh_common::net::pace::{HEARTBEAT_KEY, PerCall};
@@ -535,6 +536,18 @@ async fn a_heartbeat_that_asks_is_answered_with_the_time_per_call() {
             .await
             .unwrap();
         assert_eq!(r.status, Status::Success);
+        // Calls answered with an error before any handler ran are not in the average.
+        let r = c
+            .call(
+                "NoSuchService",
+                "Echo",
+                &EchoRequest {
+                    message: "x".into(),
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, Status::Failed);
     }
     let after = round_trip(2, &ask).await;
     let per_call = after

@@ -31,14 +31,15 @@
 //!   reads is mostly the round trip, not the work (behind the echo provider at 8 calls in
 //!   flight it read 26–33 µs per call, against a provider that spends under 1 µs on each).
 //!   The provider measures its own time per call instead (a read's frames decoded,
-//!   handled and encoded, over the calls among them) and reports it in its answer to the
-//!   pool's heartbeats, once per health interval per connection
+//!   handled and encoded, over the calls whose handlers ran in it) and reports it in its
+//!   answers to the pool's heartbeats, once per health interval per connection
 //!   (`rpcmesh_common::net::pace::HEARTBEAT_KEY`). Until it has reported a time (an older
 //!   rpcmesh provider never does) the connections are packed to `--pack-in-flight`, as
 //!   before: a provider with light handlers, the common case, loses nothing while the
 //!   first report is on its way.
 //!
-//! Either way, a provider slower than the wait per call is not packed at all.
+//! Either way, a provider slower than the wait per call is not packed at all, and with
+//! `--pack-wait 0` no provider is.
 
 use std::time::{Duration, Instant};
 
@@ -111,9 +112,13 @@ impl Pace {
 
     /// How many calls one connection may hold before the router goes on to the next, as
     /// `--pack-in-flight` says it (`pack`, the most): one more than the provider answers in
-    /// the wait, or 0 (no packing) when no call may wait at all. Unknown: 0 for a plain
-    /// v1 server, `pack` for an rpcmesh provider ([`Source`]).
+    /// the wait, or 0 (no packing) when no call may wait at all (`--pack-wait 0`, or a
+    /// provider slower than the wait per call). Unknown: 0 for a plain v1 server, `pack`
+    /// for an rpcmesh provider ([`Source`]).
     pub fn depth(&self, pack: usize) -> usize {
+        if self.wait.is_zero() {
+            return 0;
+        }
         let Some(per_call) = self.per_call.get() else {
             return match self.source {
                 Source::Measured => 0,
@@ -193,6 +198,10 @@ mod tests {
         let reported = Pace::new(WAIT, Source::Reported);
         assert_eq!(reported.depth(64), 64);
         assert_eq!(reported.depth(0), 0, "--pack-in-flight 0 turns packing off");
+        let never = Pace::new(Duration::ZERO, Source::Reported);
+        assert_eq!(never.depth(64), 0, "--pack-wait 0, reported or not");
+        never.reported(Some(US));
+        assert_eq!(never.depth(64), 0);
     }
 
     #[test]

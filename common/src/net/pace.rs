@@ -7,8 +7,8 @@
 //! ones ahead of it, so the broker packs a provider's connections only as deep as this
 //! time allows (`broker::upstream::pace`). The broker measures it for a plain v1 server
 //! (between two reads of a connection with calls waiting); an rpcmesh provider measures
-//! its own (a read's frames, decoded, handled and encoded, over the calls among them) and
-//! reports it in its answer to the broker's heartbeat ([`HEARTBEAT_KEY`]).
+//! its own (a read's frames, decoded, handled and encoded, over the calls whose handlers
+//! ran within it) and reports it in its answer to the broker's heartbeat ([`HEARTBEAT_KEY`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;

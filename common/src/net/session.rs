@@ -132,7 +132,8 @@ pub trait Protocol: Send {
     /// A read brought bytes; its frames follow.
     fn on_read(&mut self) {}
 
-    /// Called after the frames of a read were handled (before anything is written).
+    /// Called after the frames of a read were handled (before anything is written), also
+    /// when the read ends in input the session cannot get past.
     fn after_frames(&mut self) {}
 
     /// Handles one request. `draining`: shutdown has begun, new calls are to be refused.
@@ -421,6 +422,7 @@ fn take_frames<P: Protocol>(
             Err(e) => {
                 p.on_bad_frame(&e, io);
                 if e.is_fatal() {
+                    p.after_frames();
                     return Err(SessionError::BadInput(e));
                 }
             }
