@@ -485,6 +485,10 @@ mod tests {
         ended: Option<tokio::sync::oneshot::Sender<(usize, bool)>>,
         /// Payload bytes of each answer.
         reply_len: usize,
+        /// Request frames of the read being handled, and those of each read handled
+        /// (`after_frames`).
+        this_read: usize,
+        reads: std::sync::Arc<std::sync::Mutex<Vec<usize>>>,
     }
 
     impl Protocol for Held {
@@ -506,7 +510,12 @@ mod tests {
         }
         fn on_heartbeat(&mut self, _: Frame, _: &mut FramedIo) {}
         fn on_unexpected(&mut self) {}
+        fn after_frames(&mut self) {
+            let n = std::mem::take(&mut self.this_read);
+            self.reads.lock().unwrap().push(n);
+        }
         fn on_request(&mut self, frame: Frame, io: &mut FramedIo, draining: bool) {
+            self.this_read += 1;
             if draining || self.released.contains(&frame.header.req_id) {
                 self.seen_draining |= draining;
                 return answer(io, frame.header.req_id, self.reply_len);
@@ -574,6 +583,8 @@ mod tests {
         ended: tokio::sync::oneshot::Receiver<(usize, bool)>,
         shutdown: Stop,
         session: tokio::task::JoinHandle<CloseReason>,
+        /// Request frames per read, as `after_frames` saw them.
+        reads: std::sync::Arc<std::sync::Mutex<Vec<usize>>>,
     }
 
     async fn start() -> Running {
@@ -609,6 +620,7 @@ mod tests {
         let (release, rx) = mpsc::unbounded_channel();
         let (ended_tx, ended) = tokio::sync::oneshot::channel();
         let shutdown = Stop::default();
+        let reads = std::sync::Arc::default();
         let session = tokio::spawn(serve(
             FramedIo::new(stream, FrameCodec::default()).with_budget(budget),
             Held {
@@ -618,6 +630,8 @@ mod tests {
                 seen_draining: false,
                 ended: Some(ended_tx),
                 reply_len,
+                this_read: 0,
+                reads: std::sync::Arc::clone(&reads),
             },
             timeouts,
             shutdown.clone(),
@@ -629,6 +643,7 @@ mod tests {
             ended,
             shutdown,
             session,
+            reads,
         }
     }
 
@@ -651,6 +666,38 @@ mod tests {
                     .unwrap();
             assert_eq!(n, 0, "nothing more was answered");
         }
+    }
+
+    /// `after_frames` follows every read whose frames were handled, with the frames of that
+    /// read behind it, and also a read that ends in input the session cannot get past.
+    #[tokio::test]
+    async fn after_frames_follows_each_read_also_one_that_ends_the_session() {
+        let mut s = start().await;
+        let mut three = BytesMut::new();
+        for id in 1..=3 {
+            three.extend_from_slice(&request(id));
+        }
+        s.client.write_all(&three).await.unwrap();
+        let total = |s: &Running| s.reads.lock().unwrap().iter().sum::<usize>();
+        for _ in 0..1000 {
+            if total(&s) == 3 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(total(&s), 3, "{:?}", s.reads.lock().unwrap());
+        // A request, then a header whose body length is over the frame limit: fatal.
+        let mut fatal = request(4);
+        fatal.extend_from_slice(b"RPCF\x01\x00");
+        fatal.extend_from_slice(&u32::MAX.to_be_bytes());
+        fatal.extend_from_slice(&5u64.to_be_bytes());
+        s.client.write_all(&fatal).await.unwrap();
+        let reason = tokio::time::timeout(Duration::from_secs(10), &mut s.session)
+            .await
+            .expect("the session ends")
+            .unwrap();
+        assert_eq!(reason, CloseReason::BadInput, "{reason:?}");
+        assert_eq!(total(&s), 4, "{:?}", s.reads.lock().unwrap());
     }
 
     #[tokio::test]
