@@ -262,9 +262,9 @@ pub struct Args {
     /// of one busy core while traffic flows.
     #[arg(long, env = "RPCMESH_BUSY_POLL", default_value_t = BusyPoll::Auto)]
     pub busy_poll: BusyPoll,
-    /// Calls in flight up to which a provider's connections are filled one after the
-    /// other (fewer, larger batches), at most; 0 = always the less loaded of two. A
-    /// provider that takes longer per call is packed less deep, as `--pack-wait` says.
+    /// The most calls in flight to which a provider's connections are filled one after
+    /// the other (fewer, larger batches); 0 = always the less loaded of two. A provider
+    /// that takes longer per call is packed less deep, as `--pack-wait` says.
     #[arg(long, env = "RPCMESH_PACK_IN_FLIGHT", default_value_t = DEFAULT_PACK_IN_FLIGHT)]
     pub pack_in_flight: usize,
     /// How long a call may wait behind the calls ahead of it on one of a provider's
