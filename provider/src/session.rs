@@ -95,10 +95,9 @@ struct Session {
     /// This connection's share of the calls-in-flight gauge.
     in_flight_share: InFlightShare,
     bad_input: BadInputLog,
-    /// When the current read returned, when stages are recorded at all.
-    read_at: Option<Instant>,
-    /// When the current read returned, and the calls among its frames whose handlers ran
-    /// within it: the work of a read, over those calls, is a sample of [`Shared::pace`].
+    /// When the current read returned (its calls' `queue` stage starts there), and the
+    /// calls among its frames whose handlers ran within it: the work of a read, over those
+    /// calls, is a sample of [`Shared::pace`].
     read_began: Instant,
     calls_in_read: usize,
     /// Read times of the timed calls answered this round (for the `total` stage), and
@@ -141,9 +140,7 @@ impl Protocol for Session {
 
     fn on_read(&mut self) {
         // Two timestamps per read, around the work on its frames.
-        let now = Instant::now();
-        self.read_at = self.shared.metrics.stages.on().then_some(now);
-        self.read_began = now;
+        self.read_began = Instant::now();
         self.calls_in_read = 0;
     }
 
@@ -156,7 +153,8 @@ impl Protocol for Session {
 
     fn on_request(&mut self, frame: Frame, io: &mut FramedIo, draining: bool) {
         // Only a sample of the calls is timed.
-        let read_at = self.read_at.filter(|_| self.sampler.pick());
+        let timed = self.shared.metrics.stages.on() && self.sampler.pick();
+        let read_at = timed.then_some(self.read_began);
         if let Served::Now(method) = self.serve_call(frame, read_at, io, draining) {
             self.answered.extend(read_at.map(|t| (t, method)));
         }
@@ -173,11 +171,11 @@ impl Protocol for Session {
             }
         };
         let node_id = &self.shared.config.node_id;
-        let answer = [(
-            pace::HEARTBEAT_KEY.to_owned(),
-            self.shared.pace.to_heartbeat_value(),
-        )];
-        let extra: &[_] = if asked { &answer } else { &[] };
+        let value = asked.then(|| self.shared.pace.to_heartbeat_value());
+        let extra: &[(&str, &str)] = match &value {
+            Some(v) => &[(pace::HEARTBEAT_KEY, v.as_str())],
+            None => &[],
+        };
         let id = frame.header.req_id;
         if let Err(e) = Heartbeat::put_now_with(io.wbuf(), id, "provider", node_id, extra) {
             tracing::warn!(error = %e, "heartbeat reply not encodable (node id too long?)");
@@ -240,7 +238,6 @@ impl Session {
             scratch: BytesMut::with_capacity(1024),
             in_flight_share: InFlightShare::new(shared.metrics.in_flight.clone()),
             bad_input: BadInputLog::new(shared.metrics.errors.clone(), Side::Client),
-            read_at: None,
             read_began: Instant::now(),
             calls_in_read: 0,
             answered: Vec::new(),

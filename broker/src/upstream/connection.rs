@@ -681,8 +681,11 @@ impl ConnTask {
         self.next_heartbeat_id += 1;
         // An rpcmesh provider is asked for its time per call (`super::pace`); a plain v1
         // server gets the plain heartbeat.
-        let ask = [(HEARTBEAT_KEY.to_owned(), String::new())];
-        let extra: &[_] = if self.settings.ext { &ask } else { &[] };
+        let extra: &[(&str, &str)] = if self.settings.ext {
+            &[(HEARTBEAT_KEY, "")]
+        } else {
+            &[]
+        };
         if Heartbeat::put_now_with(self.io.wbuf(), id, "broker", "rpcmesh-broker", extra).is_ok() {
             self.heartbeats.push((id, tx));
         }

@@ -78,8 +78,9 @@ impl Source {
 pub(crate) struct Pace {
     /// The average (nanoseconds per call, lock-free).
     per_call: PerCall,
-    /// How long a packed call may wait (`--pack-wait`); zero = never pack.
-    wait: Duration,
+    /// How long a packed call may wait (`--pack-wait`), in nanoseconds (the router divides
+    /// it per read); zero = never pack.
+    wait_ns: u64,
     /// Where the time comes from.
     source: Source,
 }
@@ -89,7 +90,7 @@ impl Pace {
     pub fn new(wait: Duration, source: Source) -> Self {
         Pace {
             per_call: PerCall::new(),
-            wait,
+            wait_ns: u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX),
             source,
         }
     }
@@ -116,23 +117,13 @@ impl Pace {
     /// provider slower than the wait per call). Unknown: 0 for a plain v1 server, `pack`
     /// for an rpcmesh provider ([`Source`]).
     pub fn depth(&self, pack: usize) -> usize {
-        if self.wait.is_zero() {
-            return 0;
-        }
-        let Some(per_call) = self.per_call.get() else {
-            return match self.source {
-                Source::Measured => 0,
-                Source::Reported => pack,
-            };
-        };
-        // In u64 (584 years of nanoseconds), not u128: the router asks once per read.
-        let wait = u64::try_from(self.wait.as_nanos()).unwrap_or(u64::MAX);
-        let ns = u64::try_from(per_call.as_nanos())
-            .unwrap_or(u64::MAX)
-            .max(1);
-        match usize::try_from(wait / ns).unwrap_or(usize::MAX) {
-            0 => 0,
-            ahead => ahead.saturating_add(1).min(pack),
+        match (self.wait_ns, self.per_call.nanos(), self.source) {
+            (0, _, _) | (_, 0, Source::Measured) => 0,
+            (_, 0, Source::Reported) => pack,
+            (wait, ns, _) => match usize::try_from(wait / ns).unwrap_or(usize::MAX) {
+                0 => 0,
+                ahead => ahead.saturating_add(1).min(pack),
+            },
         }
     }
 }
@@ -172,7 +163,7 @@ impl Backlog {
             return;
         };
         let silent = now.saturating_duration_since(then);
-        if silent > pace.wait && !pace.wait.is_zero() {
+        if pace.wait_ns != 0 && silent > Duration::from_nanos(pace.wait_ns) {
             pace.note(silent, 1);
             self.since = Some((now, waiting));
         }

@@ -68,16 +68,22 @@ impl PerCall {
 
     /// The average, if anything was measured.
     pub fn get(&self) -> Option<Duration> {
-        match self.ns.load(Ordering::Relaxed) {
+        match self.nanos() {
             0 => None,
             ns => Some(Duration::from_nanos(ns)),
         }
     }
 
+    /// The average in nanoseconds, 0 when nothing was measured (one relaxed load, for
+    /// readers on the call path).
+    pub fn nanos(&self) -> u64 {
+        self.ns.load(Ordering::Relaxed)
+    }
+
     /// The average as the heartbeat pair's value: nanoseconds, `"0"` when nothing was
     /// measured.
     pub fn to_heartbeat_value(&self) -> String {
-        self.ns.load(Ordering::Relaxed).to_string()
+        self.nanos().to_string()
     }
 
     /// Reads a heartbeat pair's value: `None` for `"0"`, an empty or a malformed value.

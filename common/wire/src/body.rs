@@ -224,17 +224,17 @@ impl Heartbeat {
         service_name: &str,
         node_id: &str,
     ) -> Result<(), FrameError> {
-        Heartbeat::put_now_with(dst, req_id, service_name, node_id, &[])
+        Heartbeat::put_now_with::<&str, &str>(dst, req_id, service_name, node_id, &[])
     }
 
     /// The same, with `extra` pairs (rpcmesh's own questions and answers, which plain v1
-    /// peers are never sent).
-    pub fn put_now_with(
+    /// peers are never sent), owned or borrowed.
+    pub fn put_now_with<K: AsRef<str>, V: AsRef<str>>(
         dst: &mut BytesMut,
         req_id: u64,
         service_name: &str,
         node_id: &str,
-        extra: &[(String, String)],
+        extra: &[(K, V)],
     ) -> Result<(), FrameError> {
         put_heartbeat(dst, req_id, service_name, node_id, now_ms(), extra)
     }
@@ -255,13 +255,13 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-fn put_heartbeat(
+fn put_heartbeat<K: AsRef<str>, V: AsRef<str>>(
     dst: &mut BytesMut,
     req_id: u64,
     service_name: &str,
     node_id: &str,
     timestamp_ms: u64,
-    extra: &[(String, String)],
+    extra: &[(K, V)],
 ) -> Result<(), FrameError> {
     let w = FrameWriter::begin(dst, MsgType::Heartbeat, Flags::NONE, req_id);
     let body = (|| {
@@ -272,8 +272,8 @@ fn put_heartbeat(
             u16::try_from(extra.len()).map_err(|_| FrameError::Unencodable { len: extra.len() })?;
         dst.put_u16(n);
         for (k, v) in extra {
-            put_short_str(dst, k.as_bytes())?;
-            put_short_str(dst, v.as_bytes())?;
+            put_short_str(dst, k.as_ref().as_bytes())?;
+            put_short_str(dst, v.as_ref().as_bytes())?;
         }
         Ok(())
     })();
