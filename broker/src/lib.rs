@@ -143,6 +143,15 @@ pub async fn run_with_reload(
         },
         &providers,
     );
+    let token = shutdown::token_from(shutdown);
+    // Calls are accepted once every provider has settled (bounded): a caller that connects
+    // meanwhile waits in the listen backlog instead of being answered "unavailable".
+    tokio::select! {
+        late = members.settled() => if !late.is_empty() {
+            tracing::warn!(providers = ?late, "providers still connecting: calls to them are answered \"unavailable\" until they answer");
+        },
+        () = token.cancelled() => {}
+    }
     tracing::info!(
         addr = ?listener.local_addr().ok(),
         upstreams = ?providers.iter().map(|u| u.addr.as_str()).collect::<Vec<_>>(),
@@ -166,7 +175,6 @@ pub async fn run_with_reload(
         metrics,
         in_flight: AtomicUsize::new(0),
     });
-    let token = shutdown::token_from(shutdown);
     let watcher = tokio::spawn(membership::watch(
         members,
         shared.clone(),

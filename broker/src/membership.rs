@@ -146,6 +146,28 @@ impl Membership {
         }
     }
 
+    /// Waits until every provider served now has settled (its first connections answered
+    /// their heartbeats, or a connect failed; `upstream`'s module doc), at most one pool
+    /// connection timeout (`--connect-timeout` + `--health-timeout`), after which every
+    /// pool's first round has ended. Returns the providers that had not settled by then.
+    pub async fn settled(&self) -> Vec<Arc<str>> {
+        let config = &self.maker.config;
+        let bound = config.connect_timeout + config.health_timeout;
+        let waits = self.members.iter().map(|m| {
+            let link = m.pool.link();
+            async move { link.settled().await }
+        });
+        match tokio::time::timeout(bound, futures_util::future::join_all(waits)).await {
+            Ok(_) => Vec::new(),
+            Err(_) => self
+                .members
+                .iter()
+                .filter(|m| !m.pool.link().is_settled())
+                .map(|m| Arc::from(m.spec.addr.as_str()))
+                .collect(),
+        }
+    }
+
     /// The router over the providers served now.
     pub fn router(&self) -> Router {
         let members: Vec<_> = self

@@ -594,6 +594,72 @@ async fn a_draining_broker_answers_late_requests_unavailable() {
     p.stop().await;
 }
 
+/// A call made as soon as the broker runs waits for the provider's first connections
+/// instead of being answered "unavailable" at once: the broker accepts calls only once
+/// its pools have settled. The provider here answers nothing, heartbeats included, until
+/// the test sends it a request of its own, so the broker's pool cannot be ready before.
+#[tokio::test]
+async fn a_call_made_as_the_broker_starts_waits_for_the_providers_first_connections() {
+    let server = V1Server::start(true).await;
+    server.hold_replies_until(1);
+    let mut cfg = broker_config(&[server.addr]);
+    // The broker waits at most one connect and one heartbeat timeout for its pools.
+    cfg.health_timeout = Duration::from_secs(30);
+    let b = broker(cfg).await;
+    let c = client(b.addr).await;
+    let first = {
+        let c = c.clone();
+        tokio::spawn(async move { c.call("EchoService", "Echo", &echo("first")).await })
+    };
+    // Whatever the broker would answer before the provider's heartbeats, it has had the
+    // time to: a broker that accepted calls before its pool was ready answered
+    // "unavailable" here.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !first.is_finished(),
+        "answered before the provider's first connection was ready: {:?}",
+        first.await
+    );
+    // The test's own request lets the server answer everything it holds.
+    let direct = Client::connect(server.addr, ClientConfig::plain_v1())
+        .await
+        .unwrap();
+    let r = direct
+        .call("EchoService", "Echo", &echo("direct"))
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Success);
+    let r = first.await.unwrap().unwrap();
+    assert_eq!(r.status, Status::Success);
+    assert_eq!(r.decode::<EchoResponse>().unwrap().message, "first");
+    b.stop().await;
+    server.stop();
+}
+
+/// A broker whose provider is down starts at once (the failed connect settles its pool)
+/// and answers "unavailable", not after the pool's connection timeout.
+#[tokio::test]
+async fn a_broker_whose_provider_is_down_answers_unavailable_without_waiting_for_it() {
+    // A port nothing listens on: bound, then closed.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let mut cfg = broker_config(&[dead]);
+    cfg.connect_timeout = Duration::from_secs(60);
+    cfg.health_timeout = Duration::from_secs(60);
+    let b = broker(cfg).await;
+    let c = client(b.addr).await;
+    // Were the broker waiting out the pool's connection timeout, this call would wait
+    // two minutes: the client's own timeout (shorter) would end it instead.
+    let r = c
+        .call("EchoService", "Echo", &echo("to nobody"))
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Unavailable);
+    b.stop().await;
+}
+
 /// A strict RPCF v1 server behind the broker (`--upstream-v1`): it drops any frame with
 /// extension bits, as v1 peers skip unknown types. The broker strips the bits of extended
 /// callers before forwarding, and refuses compressed payloads, which v1 cannot read.

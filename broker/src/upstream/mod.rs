@@ -18,6 +18,12 @@
 //!   their next check and close once their calls are done, and the mark is lifted when a
 //!   connection made after it answers a heartbeat (the provider is back, typically
 //!   restarted on the same address; reconnects back off meanwhile).
+//! - At the start a pool **settles** ([`PoolLink::settled`]) when its first round of
+//!   checks is published, or at once when a connect fails (nothing listens there): the
+//!   broker accepts calls only once every pool has settled, so that a call sent as soon
+//!   as the broker runs is not answered "unavailable" only because the first connections
+//!   were still being made. Bounded by the pool's connection timeout (`--connect-timeout`
+//!   + `--health-timeout`), after which a round always ends.
 //! - Reconnects back off: after a failed connect, a failed heartbeat, or a connection
 //!   that closed before its first heartbeat was answered (a provider at its connection
 //!   cap accepts and closes at once), the next connect waits for the shared
@@ -27,7 +33,7 @@ pub(crate) mod connection;
 pub(crate) mod pace;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -77,6 +83,10 @@ pub(crate) struct PoolLink {
     tasks: AtomicUsize,
     /// Notified when a connection task ends.
     task_done: Notify,
+    /// Set when the pool has settled (see the module's doc); never unset.
+    settled: AtomicBool,
+    /// Notified when `settled` is set.
+    settled_now: Notify,
     /// The provider's time per call on one connection, measured by the connections (a
     /// plain v1 server) or reported in heartbeat answers (an rpcmesh provider), and read by
     /// the router to decide how deep it packs them ([`pace`]).
@@ -93,6 +103,8 @@ impl PoolLink {
             draining_below: AtomicU64::new(0),
             tasks: AtomicUsize::new(0),
             task_done: Notify::new(),
+            settled: AtomicBool::new(false),
+            settled_now: Notify::new(),
             pace: pace::Pace::new(pack_wait, source),
         }
     }
@@ -137,6 +149,30 @@ impl PoolLink {
     /// Connection tasks still running.
     pub fn open_tasks(&self) -> usize {
         self.tasks.load(Ordering::Relaxed)
+    }
+
+    /// The pool has settled: its first round of checks is published, or a connect failed.
+    fn settle(&self) {
+        if !self.settled.swap(true, Ordering::Relaxed) {
+            self.settled_now.notify_waiters();
+        }
+    }
+
+    /// True once the pool has settled.
+    pub fn is_settled(&self) -> bool {
+        self.settled.load(Ordering::Relaxed)
+    }
+
+    /// Waits until the pool has settled (see the module's doc).
+    pub async fn settled(&self) {
+        let now = self.settled_now.notified();
+        tokio::pin!(now);
+        // Registered before looking, so that a settling between the two is not missed.
+        now.as_mut().enable();
+        if self.is_settled() {
+            return;
+        }
+        now.await;
     }
 
     /// Waits until no connection task of the pool runs (once the pool is dropped, each
@@ -225,6 +261,8 @@ impl bb8::ManageConnection for Manager {
             Err(e) => {
                 self.metrics.connect_failures.increment(1);
                 self.failed();
+                // Nothing answers there (yet): waiting for the round would not help.
+                self.link.settle();
                 match CONNECT_FAILED_LINES.admit() {
                     Some(a) => {
                         tracing::warn!(provider = %self.spec.addr, error = %e, failures = a.seen, left_out = a.left_out, "connect failed")
@@ -424,6 +462,7 @@ impl ProviderPool {
                     .compare_exchange(mark, 0, Ordering::Relaxed, Ordering::Relaxed)
                     .is_ok();
             self.ready.store(Arc::new(conns));
+            self.link.settle();
             if back {
                 tracing::info!(provider = %self.spec.addr, connections = healthy, "provider back after its drain");
             }
