@@ -147,9 +147,7 @@ pub async fn run_with_reload(
     // Calls are accepted once every provider has settled (bounded): a caller that connects
     // meanwhile waits in the listen backlog instead of being answered "unavailable".
     tokio::select! {
-        late = members.settled() => if !late.is_empty() {
-            tracing::warn!(providers = ?late, "providers still connecting: calls to them are answered \"unavailable\" until they answer");
-        },
+        () = members.settled() => {}
         () = token.cancelled() => {}
     }
     tracing::info!(

@@ -6,8 +6,10 @@
 //! providers file again when asked ([`Reload`]: SIGHUP) and when the file changes (its
 //! [`FileStamp`] is looked at every [`FILE_POLL`]), and applies what changed:
 //!
-//! - a provider new to the set **joins**: its pool is made and its keeper started; it
-//!   takes calls once one of its connections has answered a heartbeat;
+//! - a provider new to the set **joins**: its pool is made and its keeper started, and
+//!   the new router is published once its pool has settled (its first connections
+//!   answered their heartbeats, or a connect failed; at most the connect and heartbeat
+//!   timeouts), so that it takes calls with connections ready;
 //! - a provider no longer listed **leaves**: the new router offers it no call, its keeper
 //!   stops, and its connections close once the calls they carry are answered or time out;
 //! - a provider listed before (same address, same kind) keeps its pool and connections
@@ -149,22 +151,26 @@ impl Membership {
     /// Waits until every provider served now has settled (its first connections answered
     /// their heartbeats, or a connect failed; `upstream`'s module doc), at most one pool
     /// connection timeout (`--connect-timeout` + `--health-timeout`), after which every
-    /// pool's first round has ended. Returns the providers that had not settled by then.
-    pub async fn settled(&self) -> Vec<Arc<str>> {
+    /// pool's first round has ended; logs those still connecting then. Providers served
+    /// before have settled already.
+    pub async fn settled(&self) {
         let config = &self.maker.config;
         let bound = config.connect_timeout + config.health_timeout;
         let waits = self.members.iter().map(|m| {
             let link = m.pool.link();
             async move { link.settled().await }
         });
-        match tokio::time::timeout(bound, futures_util::future::join_all(waits)).await {
-            Ok(_) => Vec::new(),
-            Err(_) => self
+        if tokio::time::timeout(bound, futures_util::future::join_all(waits))
+            .await
+            .is_err()
+        {
+            let late: Vec<&str> = self
                 .members
                 .iter()
                 .filter(|m| !m.pool.link().is_settled())
-                .map(|m| Arc::from(m.spec.addr.as_str()))
-                .collect(),
+                .map(|m| m.spec.addr.as_str())
+                .collect();
+            tracing::warn!(providers = ?late, "providers still connecting: calls to them are answered \"unavailable\" until they answer");
         }
     }
 
@@ -236,15 +242,24 @@ impl Membership {
     }
 
     /// Reads the providers file at `path` and serves what it lists with the flags'
-    /// providers; on success the new router is published in `shared`.
-    fn apply(
+    /// providers; on success the new router is published in `shared`, once the providers
+    /// that joined have settled (as at the start: a call is not answered "unavailable"
+    /// only because a new provider's first connections were still being made), or `stop`.
+    async fn apply(
         &mut self,
         shared: &Shared,
         path: &Path,
         text: &str,
+        stop: &CancellationToken,
     ) -> Result<Change, ProvidersFileError> {
         let specs = providers_file::providers_of(path, text, &self.maker.config.upstreams)?;
         let (change, left) = self.change(&specs);
+        if change.joined > 0 {
+            tokio::select! {
+                () = self.settled() => {}
+                () = stop.cancelled() => {}
+            }
+        }
         shared.router.store(Arc::new(self.router()));
         self.retire(left);
         Ok(change)
@@ -364,7 +379,11 @@ pub(crate) async fn watch(
         if matches!(wake, Wake::Poll) && read.as_ref().ok() == text.as_ref() {
             continue;
         }
-        match read.and_then(|t| m.apply(&shared, path, &t).map(|c| (c, t))) {
+        let applied = match read {
+            Ok(t) => m.apply(&shared, path, &t, &stop).await.map(|c| (c, t)),
+            Err(e) => Err(e),
+        };
+        match applied {
             Ok((change, t)) => {
                 shared.metrics.reloads_ok.increment(1);
                 tracing::info!(file = %path.display(), providers = m.members.len(), joined = change.joined, left = change.left, kept = change.kept, "providers file applied");

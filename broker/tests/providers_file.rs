@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use rpcmesh_common::metrics::catalogue::{
     CALLS_REROUTED_TOTAL, CALLS_TOTAL, CONFIG_RELOADS_TOTAL, CONNECTIONS_OPEN, UPSTREAM_CALLS_TOTAL,
 };
-use rpcmesh_common::net::client::Client;
+use rpcmesh_common::net::client::{Client, ClientConfig};
 use rpcmesh_common::testkit::{self, ChildGuard, Gate, Spawned, wait_until};
 use rpcmesh_provider::ProviderConfig;
 use rpcmesh_wire::Status;
@@ -54,6 +54,11 @@ fn rewrite_unseen(path: &Path, text: &str) {
 /// The broker as a process serving the providers of `file`, with test-friendly health
 /// checks, its log written to `log`.
 fn broker_process(file: &Path, log: &Path) -> Spawned {
+    broker_process_with(file, log, "500ms")
+}
+
+/// As [`broker_process`], with `health_timeout` for one heartbeat.
+fn broker_process_with(file: &Path, log: &Path, health_timeout: &str) -> Spawned {
     Spawned::start_with(
         &[],
         "broker",
@@ -65,7 +70,7 @@ fn broker_process(file: &Path, log: &Path) -> Spawned {
             "--connect-timeout",
             "500ms",
             "--health-timeout",
-            "500ms",
+            health_timeout,
             "--threads",
             "1",
             "--busy-poll",
@@ -171,6 +176,81 @@ async fn a_provider_added_to_the_file_takes_calls_after_a_sighup_and_after_a_cha
     for p in [pa, pb, pc] {
         p.stop().await;
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A provider that joins is offered calls once its first connections are ready: until
+/// then the read is not applied (the broker goes on with the providers it had), so a call
+/// to a service only the newcomer serves is answered "service not found", then served,
+/// and never "unavailable" because the newcomer's pool was still connecting. The newcomer
+/// here answers nothing, heartbeats included, until the test sends it a request of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_that_joins_is_offered_calls_once_its_connections_are_ready() {
+    let dir = test_dir("join-ready");
+    let pa = provider(ProviderConfig::default()).await;
+    let newcomer = V1Server::start(true).await;
+    newcomer.hold_replies_until(1);
+    let file = dir.join("providers");
+    std::fs::write(&file, format!("EchoService={}\n", pa.addr)).unwrap();
+    // Heartbeats may wait long: the newcomer's pool settles when the test lets it answer.
+    let b = broker_process_with(&file, &dir.join("broker.log"), "30s");
+    let c = client(b.rpc).await;
+    until_ready(&c).await;
+    let other = || async {
+        c.call(
+            "OtherService",
+            "Echo",
+            &EchoRequest {
+                message: "to the newcomer".into(),
+            },
+        )
+        .await
+        .unwrap()
+    };
+    let r = other().await;
+    assert_eq!(r.error_msg, "service not found: OtherService");
+
+    let text = format!("EchoService={}\nOtherService={}\n", pa.addr, newcomer.addr);
+    replace_file(&file, &text);
+    b.child.signal("HUP");
+    // The read has begun (a SIGHUP is served at once) and found the newcomer; a broker
+    // that published it before its connections were ready answers "unavailable" now.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let r = other().await;
+    assert_ne!(r.status, Status::Unavailable, "{}", r.error_msg);
+    assert_eq!(r.error_msg, "service not found: OtherService");
+    assert_eq!(
+        reloads(&b, "ok"),
+        0.0,
+        "applied before the newcomer settled"
+    );
+
+    // The test's own request lets the newcomer answer its heartbeats.
+    let direct = Client::connect(newcomer.addr, ClientConfig::plain_v1())
+        .await
+        .unwrap();
+    let r = direct
+        .call(
+            "OtherService",
+            "Echo",
+            &EchoRequest {
+                message: "direct".into(),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Success);
+    wait_until("the read to be applied", || reloads(&b, "ok") >= 1.0).await;
+    let r = other().await;
+    assert_eq!(r.status, Status::Success, "{}", r.error_msg);
+    assert_eq!(
+        r.decode::<EchoResponse>().unwrap().message,
+        "to the newcomer"
+    );
+
+    drop(b);
+    pa.stop().await;
+    newcomer.stop();
     let _ = std::fs::remove_dir_all(&dir);
 }
 
