@@ -146,20 +146,24 @@ pub async fn run_with_reload(
     let token = shutdown::token_from(shutdown);
     // Calls are accepted once every provider has settled (bounded): a caller that connects
     // meanwhile waits in the listen backlog instead of being answered "unavailable".
-    tokio::select! {
-        () = members.settled() => {}
-        () = token.cancelled() => {}
+    let stopped = tokio::select! {
+        () = members.settled() => false,
+        () = token.cancelled() => true,
+    };
+    // Stopped before it served: the accept loop below returns at once, and callers that
+    // waited in the backlog are reset when the listener closes.
+    if !stopped {
+        tracing::info!(
+            addr = ?listener.local_addr().ok(),
+            upstreams = ?providers.iter().map(|u| u.addr.as_str()).collect::<Vec<_>>(),
+            providers_file = ?config.providers_file,
+            pool_size = config.pool_size,
+            balance = ?config.balance,
+            ?busy_poll,
+            workers,
+            "broker listening"
+        );
     }
-    tracing::info!(
-        addr = ?listener.local_addr().ok(),
-        upstreams = ?providers.iter().map(|u| u.addr.as_str()).collect::<Vec<_>>(),
-        providers_file = ?config.providers_file,
-        pool_size = config.pool_size,
-        balance = ?config.balance,
-        ?busy_poll,
-        workers,
-        "broker listening"
-    );
     let accept = AcceptConfig {
         max_connections: config.max_connections,
         grace: config.grace,

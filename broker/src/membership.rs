@@ -9,7 +9,8 @@
 //! - a provider new to the set **joins**: its pool is made and its keeper started, and
 //!   the new router is published once its pool has settled (its first connections
 //!   answered their heartbeats, or a connect failed; at most the connect and heartbeat
-//!   timeouts), so that it takes calls with connections ready;
+//!   timeouts), so that it takes calls with connections ready. Until then the read's
+//!   other changes wait too: the routing is the one before, whole;
 //! - a provider no longer listed **leaves**: the new router offers it no call, its keeper
 //!   stops, and its connections close once the calls they carry are answered or time out;
 //! - a provider listed before (same address, same kind) keeps its pool and connections
@@ -150,9 +151,9 @@ impl Membership {
 
     /// Waits until every provider served now has settled (its first connections answered
     /// their heartbeats, or a connect failed; `upstream`'s module doc), at most one pool
-    /// connection timeout (`--connect-timeout` + `--health-timeout`), after which every
-    /// pool's first round has ended; logs those still connecting then. Providers served
-    /// before have settled already.
+    /// connection timeout (`--connect-timeout` + `--health-timeout`), by which a pool's
+    /// first round has normally ended; logs those still connecting then. Providers that
+    /// settled before cost nothing.
     pub async fn settled(&self) {
         let config = &self.maker.config;
         let bound = config.connect_timeout + config.health_timeout;
@@ -325,10 +326,10 @@ pub(crate) async fn watch(
     stop: CancellationToken,
 ) -> Membership {
     let path: Option<PathBuf> = shared.config.providers_file.clone();
-    let mut stamp = match &path {
-        Some(p) => stamp_of(p.clone()).await,
-        None => None,
-    };
+    // No stamp yet: the first poll reads the file and compares its text with the text
+    // served (read before the start's wait for the providers, which can take seconds), so
+    // a change made meanwhile is applied, and an unchanged file changes nothing.
+    let mut stamp: Option<FileStamp> = None;
     let mut poll = tokio::time::interval(FILE_POLL);
     poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     poll.reset();

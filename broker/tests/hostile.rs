@@ -336,6 +336,13 @@ async fn a_broker_answers_its_calls_in_flight_when_the_grace_period_ends() {
             &upstream,
         ],
     );
+    // The broker takes calls once its pool has settled, which a slow first heartbeat (over
+    // the health timeout, on a loaded machine) can do with no connection ready: calls
+    // would then be answered "unavailable" at once and never be in flight.
+    testkit::wait_until("the broker's pool to be ready", || {
+        broker.metric("rpcmesh_pool_healthy_connections", &[]) >= 1.0
+    })
+    .await;
     calls_in_flight_at_the_end_of_the_grace_period_are_answered(
         broker,
         "broker shutting down: the grace period ended",

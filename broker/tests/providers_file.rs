@@ -1,6 +1,7 @@
 //! The broker's providers file (`--providers-file`), with the broker as a real process
 //! (its SIGHUP, its log): a provider added to the file takes calls, by SIGHUP and by the
-//! change alone; one removed takes no new call and finishes the one it holds before its
+//! change alone, once its connections are ready; a change made while the broker waits
+//! for its providers at the start is applied; one removed takes no new call and finishes the one it holds before its
 //! connections close; a bad file is kept out with a log line naming the file and the
 //! line, and the providers stay as they were; and a provider stopped by SIGTERM under load
 //! beside a healthy one costs the callers nothing (the calls it refused `NOT_RUN` go to
@@ -19,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use rpcmesh_common::metrics::catalogue::{
     CALLS_REROUTED_TOTAL, CALLS_TOTAL, CONFIG_RELOADS_TOTAL, CONNECTIONS_OPEN, UPSTREAM_CALLS_TOTAL,
 };
-use rpcmesh_common::net::client::{Client, ClientConfig};
+use rpcmesh_common::net::client::Client;
 use rpcmesh_common::testkit::{self, ChildGuard, Gate, Spawned, wait_until};
 use rpcmesh_provider::ProviderConfig;
 use rpcmesh_wire::Status;
@@ -226,20 +227,7 @@ async fn a_provider_that_joins_is_offered_calls_once_its_connections_are_ready()
     );
 
     // The test's own request lets the newcomer answer its heartbeats.
-    let direct = Client::connect(newcomer.addr, ClientConfig::plain_v1())
-        .await
-        .unwrap();
-    let r = direct
-        .call(
-            "OtherService",
-            "Echo",
-            &EchoRequest {
-                message: "direct".into(),
-            },
-        )
-        .await
-        .unwrap();
-    assert_eq!(r.status, Status::Success);
+    newcomer.release().await;
     wait_until("the read to be applied", || reloads(&b, "ok") >= 1.0).await;
     let r = other().await;
     assert_eq!(r.status, Status::Success, "{}", r.error_msg);
@@ -251,6 +239,64 @@ async fn a_provider_that_joins_is_offered_calls_once_its_connections_are_ready()
     drop(b);
     pa.stop().await;
     newcomer.stop();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A change of the file made while the broker waits, at its start, for its providers'
+/// first connections is applied once it serves (the file's text read at the start is
+/// what the first look compares with, not the file as it is when the wait ends). The held
+/// provider answers nothing until the test sends it a request of its own, so the change
+/// falls inside the wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_of_the_file_during_the_start_is_applied() {
+    let dir = test_dir("start-change");
+    let (pa, pc) = (
+        provider(ProviderConfig::default()).await,
+        provider(ProviderConfig::default()).await,
+    );
+    let held = V1Server::start(true).await;
+    held.hold_replies_until(1);
+    let file = dir.join("providers");
+    std::fs::write(
+        &file,
+        format!("EchoService={}\nHeldService={}\n", pa.addr, held.addr),
+    )
+    .unwrap();
+    let b = broker_process_with(&file, &dir.join("broker.log"), "30s");
+    // The broker has read the file (its pools connect) and waits for the held provider.
+    wait_until("the broker to connect to the held provider", || {
+        !held.counts().is_empty()
+    })
+    .await;
+    replace_file(
+        &file,
+        &format!(
+            "EchoService={}\nHeldService={}\nPlatformService={}\n",
+            pa.addr, held.addr, pc.addr
+        ),
+    );
+    held.release().await;
+    let c = client(b.rpc).await;
+    until_ready(&c).await;
+    testkit::wait_for("PlatformService to be served", || async {
+        let r = c
+            .call(
+                "PlatformService",
+                "doQuery",
+                &rpcmesh_wire::proto::platform::reference_query(),
+            )
+            .await
+            .unwrap();
+        (r.status == Status::Success).then_some(())
+    })
+    .await;
+    assert_eq!(pc.calls("ok"), 1.0);
+
+    drop(b);
+    for p in [pa, pc] {
+        p.stop().await;
+    }
+    held.stop();
     let _ = std::fs::remove_dir_all(&dir);
 }
 

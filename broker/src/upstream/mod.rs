@@ -153,14 +153,15 @@ impl PoolLink {
 
     /// The pool has settled: its first round of checks is published, or a connect failed.
     fn settle(&self) {
-        if !self.settled.swap(true, Ordering::Relaxed) {
+        // Release: whoever sees it settled also sees the connections published before.
+        if !self.settled.swap(true, Ordering::Release) {
             self.settled_now.notify_waiters();
         }
     }
 
     /// True once the pool has settled.
     pub fn is_settled(&self) -> bool {
-        self.settled.load(Ordering::Relaxed)
+        self.settled.load(Ordering::Acquire)
     }
 
     /// Waits until the pool has settled (see the module's doc).

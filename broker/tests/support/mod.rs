@@ -271,6 +271,25 @@ impl V1Server {
         self.state.hold_until.store(target, Ordering::SeqCst);
     }
 
+    /// Sends the server a request of its own, as a client beside the broker would: the
+    /// one request that replies held by `hold_replies_until(1)` wait for.
+    pub async fn release(&self) {
+        let direct = Client::connect(self.addr, ClientConfig::plain_v1())
+            .await
+            .unwrap();
+        let r = direct
+            .call(
+                "EchoService",
+                "Echo",
+                &EchoRequest {
+                    message: "direct".into(),
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, Status::Success);
+    }
+
     pub fn stop(self) {
         self.task.abort();
     }
