@@ -10,8 +10,16 @@
 # routes private ranges to the real network. Commands that talk to the lab run inside a
 # namespace of it (lab_exec CONTROLLER ...).
 #
-# Everything made is recorded in $LAB_DIR (namespaces, machine PIDs), and lab_down removes
-# exactly that: machines by SIGTERM to their systemd-nspawn PID, then the namespaces.
+# Each machine's systemd-nspawn starts in a cgroup of its own (the machine's name, under
+# this shell's cgroup in every hierarchy systemd uses), as the rehearsal's machines do
+# (deploy/rehearsal/machines.py): started from one shared cgroup, the machines' systemds
+# share one system.slice on the host, and the same unit starting on one machine while it
+# stops on another fails to attach to the cgroup the other just removed
+# (status=219/CGROUP, seen at boot).
+#
+# Everything made is recorded in $LAB_DIR (namespaces, machine PIDs, cgroups), and lab_down
+# removes exactly that: machines by SIGTERM to their systemd-nspawn PID, then their
+# cgroups, then the namespaces.
 #
 # Settings (environment):
 #   LAB_PREFIX  prefix of every namespace and machine name (ans); keep it apart from other labs
@@ -33,6 +41,7 @@ lab_init() {
   mkdir -p "$LAB_DIR"
   : >>"$LAB_DIR/netns"
   : >>"$LAB_DIR/machines"
+  : >>"$LAB_DIR/cgroups"
   if [ ! -f "$LAB_DIR/id_ed25519" ]; then
     ssh-keygen -q -t ed25519 -N '' -C "${LAB_PREFIX}-lab" -f "$LAB_DIR/id_ed25519"
   fi
@@ -69,18 +78,48 @@ lab_exec() {
   ip netns exec "$ns" "$@"
 }
 
+# lab_cgroup_parents: the folders, one per line and one per hierarchy systemd uses here,
+# under which a machine's own cgroup is made: this shell's cgroup in the unified hierarchy
+# (cgroup v2) or, on a hybrid host, in name=systemd and in the unified one beside it.
+lab_cgroup_parents() {
+  local fs=/sys/fs/cgroup controllers path unified="" named=""
+  while IFS=: read -r _ controllers path; do
+    case "$controllers" in
+      "") unified="${path#/}" ;;
+      name=systemd) named="${path#/}" ;;
+    esac
+  done </proc/self/cgroup
+  if [ -f "$fs/cgroup.controllers" ]; then
+    echo "$fs/$unified"
+    return
+  fi
+  if [ -d "$fs/systemd" ]; then echo "$fs/systemd/$named"; fi
+  if [ -f "$fs/unified/cgroup.controllers" ]; then echo "$fs/unified/$unified"; fi
+}
+
 # lab_machine NAME [NSPAWN_ARG...]: boot a systemd machine in host NAME's namespace
-# (lab_host first), with the lab's key as root's authorized_keys, and any further
-# systemd-nspawn arguments. Returns once systemd-nspawn is started; see lab_wait_running.
+# (lab_host first), in cgroups of its own, with the lab's key as root's authorized_keys,
+# and any further systemd-nspawn arguments. Returns once systemd-nspawn is started; see
+# lab_wait_running.
 lab_machine() {
-  local name="$1" machine="${LAB_PREFIX}-$1"
+  local name="$1" machine="${LAB_PREFIX}-$1" parent cg
+  local -a cgroups=()
   shift
-  systemd-nspawn --quiet --register=no --keep-unit --boot \
-    --directory="$LAB_BASE" --volatile=overlay --machine="$machine" \
-    --network-namespace-path="/run/netns/$machine" \
-    --bind-ro="$LAB_DIR/authorized_keys:/root/.ssh/authorized_keys" \
-    --console=passive "$@" \
-    >"$LAB_DIR/$name.console" 2>&1 </dev/null &
+  while read -r parent; do
+    cg="${parent%/}/$machine"
+    mkdir -p "$cg"
+    echo "$cg" >>"$LAB_DIR/cgroups"
+    cgroups+=("$cg")
+  done < <(lab_cgroup_parents)
+  (
+    # This subshell enters the machine's cgroups ("0": the writer), then becomes nspawn.
+    for cg in "${cgroups[@]}"; do echo 0 >"$cg/cgroup.procs"; done
+    exec systemd-nspawn --quiet --register=no --keep-unit --boot \
+      --directory="$LAB_BASE" --volatile=overlay --machine="$machine" \
+      --network-namespace-path="/run/netns/$machine" \
+      --bind-ro="$LAB_DIR/authorized_keys:/root/.ssh/authorized_keys" \
+      --console=passive "$@"
+  ) >"$LAB_DIR/$name.console" 2>&1 </dev/null &
   echo "$name $!" >>"$LAB_DIR/machines"
 }
 
@@ -145,6 +184,21 @@ lab_down() {
       fi
     done <"$LAB_DIR/machines"
     : >"$LAB_DIR/machines"
+  fi
+  # The machines' cgroups, innermost first, once what is left in them is killed (they
+  # hold only what their machine ran).
+  if [ -f "$LAB_DIR/cgroups" ]; then
+    while read -r cg; do
+      [ -d "$cg" ] || continue
+      find "$cg" -name cgroup.procs -exec cat {} + 2>/dev/null | xargs -r kill -KILL 2>/dev/null || true
+      for ((i = 0; i < 20; i++)); do
+        find "$cg" -depth -type d -exec rmdir {} + 2>/dev/null || true
+        [ -d "$cg" ] || break
+        sleep 0.5
+      done
+      if [ -d "$cg" ]; then lab_log "cgroup $cg not removed"; else lab_log "cgroup $cg removed"; fi
+    done <"$LAB_DIR/cgroups"
+    : >"$LAB_DIR/cgroups"
   fi
   if [ -f "$LAB_DIR/netns" ]; then
     tac "$LAB_DIR/netns" | while read -r ns; do
