@@ -157,10 +157,7 @@ impl Membership {
     pub async fn settled(&self) {
         let config = &self.maker.config;
         let bound = config.connect_timeout + config.health_timeout;
-        let waits = self.members.iter().map(|m| {
-            let link = m.pool.link();
-            async move { link.settled().await }
-        });
+        let waits = self.members.iter().map(|m| m.pool.settled());
         if tokio::time::timeout(bound, futures_util::future::join_all(waits))
             .await
             .is_err()
@@ -168,7 +165,7 @@ impl Membership {
             let late: Vec<&str> = self
                 .members
                 .iter()
-                .filter(|m| !m.pool.link().is_settled())
+                .filter(|m| !m.pool.is_settled())
                 .map(|m| m.spec.addr.as_str())
                 .collect();
             tracing::warn!(providers = ?late, "providers still connecting: calls to them are answered \"unavailable\" until they answer");

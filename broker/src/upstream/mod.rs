@@ -18,7 +18,7 @@
 //!   their next check and close once their calls are done, and the mark is lifted when a
 //!   connection made after it answers a heartbeat (the provider is back, typically
 //!   restarted on the same address; reconnects back off meanwhile).
-//! - At the start a pool **settles** ([`PoolLink::settled`]) when its first round of
+//! - At the start a pool **settles** ([`ProviderPool::settled`]) when its first round of
 //!   checks is published, or at once when a connect fails (nothing listens there): the
 //!   broker accepts calls only once every pool has settled, so that a call sent as soon
 //!   as the broker runs is not answered "unavailable" only because the first connections
@@ -33,7 +33,7 @@ pub(crate) mod connection;
 pub(crate) mod pace;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -41,7 +41,7 @@ use rpcmesh_common::net::backoff::Backoff;
 use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::shutdown::CancellationToken;
 use rpcmesh_common::net::thinned::Thinned;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
 use rpcmesh_common::net::busy_poll::Activity;
@@ -83,10 +83,8 @@ pub(crate) struct PoolLink {
     tasks: AtomicUsize,
     /// Notified when a connection task ends.
     task_done: Notify,
-    /// Set when the pool has settled (see the module's doc); never unset.
-    settled: AtomicBool,
-    /// Notified when `settled` is set.
-    settled_now: Notify,
+    /// True once the pool has settled (see the module's doc); never unset.
+    settled: watch::Sender<bool>,
     /// The provider's time per call on one connection, measured by the connections (a
     /// plain v1 server) or reported in heartbeat answers (an rpcmesh provider), and read by
     /// the router to decide how deep it packs them ([`pace`]).
@@ -103,8 +101,7 @@ impl PoolLink {
             draining_below: AtomicU64::new(0),
             tasks: AtomicUsize::new(0),
             task_done: Notify::new(),
-            settled: AtomicBool::new(false),
-            settled_now: Notify::new(),
+            settled: watch::Sender::new(false),
             pace: pace::Pace::new(pack_wait, source),
         }
     }
@@ -153,27 +150,16 @@ impl PoolLink {
 
     /// The pool has settled: its first round of checks is published, or a connect failed.
     fn settle(&self) {
-        // Release: whoever sees it settled also sees the connections published before.
-        if !self.settled.swap(true, Ordering::Release) {
-            self.settled_now.notify_waiters();
-        }
+        self.settled.send_replace(true);
     }
 
-    /// True once the pool has settled.
-    pub fn is_settled(&self) -> bool {
-        self.settled.load(Ordering::Acquire)
+    fn is_settled(&self) -> bool {
+        *self.settled.borrow()
     }
 
-    /// Waits until the pool has settled (see the module's doc).
-    pub async fn settled(&self) {
-        let now = self.settled_now.notified();
-        tokio::pin!(now);
-        // Registered before looking, so that a settling between the two is not missed.
-        now.as_mut().enable();
-        if self.is_settled() {
-            return;
-        }
-        now.await;
+    async fn settled(&self) {
+        // The sender lives as long as `self`: the wait ends only when it is true.
+        let _ = self.settled.subscribe().wait_for(|settled| *settled).await;
     }
 
     /// Waits until no connection task of the pool runs (once the pool is dropped, each
@@ -386,6 +372,16 @@ impl ProviderPool {
     /// call allows, at most `pack` (`--pack-in-flight`; see [`pace`]).
     pub fn pack_depth(&self, pack: usize) -> usize {
         self.link.pace.depth(pack)
+    }
+
+    /// Waits until the pool has settled (see the module's doc).
+    pub async fn settled(&self) {
+        self.link.settled().await;
+    }
+
+    /// True once the pool has settled.
+    pub fn is_settled(&self) -> bool {
+        self.link.is_settled()
     }
 
     /// True while the provider drains (see [`PoolLink`]): the router passes it over.
