@@ -327,6 +327,13 @@ pub struct BrokerConfig {
 }
 
 impl BrokerConfig {
+    /// The longest one pooled connection may take to be made and pass its first heartbeat
+    /// (`--connect-timeout` + `--health-timeout`): bb8's wait for a connection, and so the
+    /// longest a pool's round of checks takes.
+    pub fn checkout_timeout(&self) -> Duration {
+        self.connect_timeout + self.health_timeout
+    }
+
     /// Defaults with the given providers (each serving any service).
     pub fn with_upstreams<S: Into<String>>(addrs: impl IntoIterator<Item = S>) -> Self {
         BrokerConfig {

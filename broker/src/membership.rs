@@ -155,8 +155,7 @@ impl Membership {
     /// first round has normally ended; logs those still connecting then. Providers that
     /// settled before cost nothing.
     pub async fn settled(&self) {
-        let config = &self.maker.config;
-        let bound = config.connect_timeout + config.health_timeout;
+        let bound = self.maker.config.checkout_timeout();
         let waits = self.members.iter().map(|m| m.pool.settled());
         if tokio::time::timeout(bound, futures_util::future::join_all(waits))
             .await
@@ -220,7 +219,7 @@ impl Membership {
         // Beyond the call timeout, by a connect attempt in progress and its heartbeat,
         // which may hold the pool that long.
         let config = &self.maker.config;
-        let bound = config.call_timeout + config.connect_timeout + config.health_timeout;
+        let bound = config.call_timeout + config.checkout_timeout();
         for m in left {
             tracing::info!(provider = %m.spec.addr, calls_in_flight = m.pool.calls_in_flight(), "provider left: no new calls; its connections close once their calls are done");
             m.stop.cancel();

@@ -349,7 +349,7 @@ impl ProviderPool {
             // idle and lifetime reapers would only close busy connections.
             .idle_timeout(None)
             .max_lifetime(None)
-            .connection_timeout(config.connect_timeout + config.health_timeout)
+            .connection_timeout(config.checkout_timeout())
             .build_unchecked(manager);
         Arc::new(ProviderPool {
             spec,
