@@ -1,0 +1,14 @@
+"""The benchmark behind `scripts/bench`: on 127.0.0.1, the broker against a direct
+connection and against two L4 proxies (HAProxy and nginx's stream module), in front of
+rpcmesh's provider and of the classic server, every process on the path accounted for.
+
+One module per concern, each used only by the ones after it:
+
+- `plan`: the paths, upstream kinds, roles, workloads, levels and durations (no side effects);
+- `usage`: CPU time and context switches of a process, the children, the machine;
+- `stalls`: the machine stall probe (every CPU kept busy by a clock-reading spinner);
+- `proxies`: finding HAProxy and nginx, their generated configurations;
+
+`scripts/bench` is the command: it runs these in order and stops every process it started,
+on success, failure or a signal.
+"""

@@ -1,0 +1,75 @@
+"""CPU and context-switch accounting: what a live process (a server) has used, from
+/proc/<pid>; what the children this script has waited for have used (the drivers, each
+reaped before it is counted), from their rusage; this script's own CPU; and the whole
+machine's busy and stolen CPU, from /proc/stat. Reading only: the processes are started
+elsewhere."""
+
+from __future__ import annotations
+
+import os
+import resource
+from typing import NamedTuple
+
+#: The unit of the times in /proc/<pid>/stat and /proc/stat.
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class Usage(NamedTuple):
+    """What a process has used so far: where its CPU time went, and how often it was
+    switched out (the wake-ups it needed)."""
+
+    #: CPU seconds in user mode.
+    user: float
+    #: CPU seconds in the kernel: system calls, and the network stack's work done on their
+    #: behalf (on loopback, a send also runs the receiving socket's softirq work).
+    system: float
+    #: Context switches, voluntary (slept, e.g. in epoll_wait) and involuntary (preempted).
+    switches: int
+
+    @property
+    def cpu(self) -> float:
+        return self.user + self.system
+
+    def __sub__(self, other: "Usage") -> "Usage":
+        return Usage(self.user - other.user, self.system - other.system, self.switches - other.switches)
+
+
+def proc_usage(pid: int) -> Usage:
+    """A live process's usage (all its threads): times from /proc/<pid>/stat, context
+    switches summed over /proc/<pid>/task/*/status (a thread that already exited is missed:
+    the programs' threads live as long as they do, bar Tokio's idle blocking threads)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read().decode(errors="replace")
+    # Fields after "pid (comm)"; comm may hold spaces and parentheses, so split after the
+    # last ')'. utime and stime are fields 14 and 15 of the whole line.
+    rest = stat[stat.rindex(")") + 2 :].split()
+    switches = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+                        switches += int(line.split()[1])
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            pass
+    return Usage(int(rest[11]) / CLK_TCK, int(rest[12]) / CLK_TCK, switches)
+
+
+def children_usage() -> Usage:
+    """The usage of every child this script has waited for (all their threads, ended ones too)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return Usage(r.ru_utime, r.ru_stime, r.ru_nvcsw + r.ru_nivcsw)
+
+
+def own_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def machine_cpu() -> tuple[float, float]:
+    """CPU seconds the whole machine has been busy (all CPUs) and stolen by the hypervisor."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal (guest time is inside user)
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / CLK_TCK, (v[7] if len(v) > 7 else 0) / CLK_TCK
+
