@@ -8,6 +8,9 @@ One module per concern, each used only by the ones after it:
 - `usage`: CPU time and context switches of a process, the children, the machine;
 - `stalls`: the machine stall probe (every CPU kept busy by a clock-reading spinner);
 - `proxies`: finding HAProxy and nginx, their generated configurations;
+- `servers`: the upstreams, brokers and proxies of the whole bench, started and stopped;
+- `runs`: the driver's command line, the readiness probe, one measured run and its record;
+- `schedule`: the interleaved order of the runs (the paths in turn within each repeat);
 
 `scripts/bench` is the command: it runs these in order and stops every process it started,
 on success, failure or a signal.

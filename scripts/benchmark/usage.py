@@ -1,13 +1,14 @@
 """CPU and context-switch accounting: what a live process (a server) has used, from
 /proc/<pid>; what the children this script has waited for have used (the drivers, each
 reaped before it is counted), from their rusage; this script's own CPU; and the whole
-machine's busy and stolen CPU, from /proc/stat. Reading only: the processes are started
-elsewhere."""
+machine's busy and stolen CPU, from /proc/stat, which `Interference` turns into the CPU
+other work took from the bench. Reading only: the processes are started elsewhere."""
 
 from __future__ import annotations
 
 import os
 import resource
+import time
 from typing import NamedTuple
 
 #: The unit of the times in /proc/<pid>/stat and /proc/stat.
@@ -73,3 +74,26 @@ def machine_cpu() -> tuple[float, float]:
     # user nice system idle iowait irq softirq steal (guest time is inside user)
     return (v[0] + v[1] + v[2] + v[5] + v[6]) / CLK_TCK, (v[7] if len(v) > 7 else 0) / CLK_TCK
 
+
+class Interference:
+    """What other work took from the bench: the machine's busy CPU time over the bench
+    minus that of the bench's own processes (servers, drivers, this script). Made when the
+    bench starts; `measure` at its end, while the servers still run."""
+
+    def __init__(self):
+        self.busy, self.steal = machine_cpu()
+        self.ours = children_usage().cpu + own_cpu()
+
+    def measure(self, servers_cpu, started: float) -> dict:
+        """The report's `interference`: `servers_cpu()` gives the servers' CPU seconds so
+        far, `started` is when the bench began (time.monotonic)."""
+        busy, steal = machine_cpu()
+        ours = children_usage().cpu + own_cpu() + servers_cpu() - self.ours
+        wall = time.monotonic() - started
+        return {
+            "wall_seconds": round(wall, 1),
+            "machine_busy_cpu_seconds": round(busy - self.busy, 2),
+            "bench_cpu_seconds": round(ours, 2),
+            "other_cpu_seconds": round(max(0.0, busy - self.busy - ours), 2),
+            "steal_seconds": round(steal - self.steal, 2),
+        }

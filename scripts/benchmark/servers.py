@@ -1,0 +1,133 @@
+"""The servers of the whole bench, one instance each, started once and stopped at the end:
+per upstream kind, the upstream (rpcmesh's provider or the classic server), its broker and,
+with --baseline-broker, its baseline broker; one HAProxy and one nginx with a frontend per
+kind. `procs` starts them (their own process group, tied to this script's life) and stops
+them by PID, in the reverse of the start order; this module knows their command lines,
+their ports and which addresses each path's driver targets."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import procs
+from procs import ScriptError, free_ports, log, spawn, stop, tail, wait_listening
+
+from . import plan, proxies
+from .usage import Usage, proc_usage
+
+# The baseline broker and the classic kind's brokers are stopped with the broker's patience,
+# the classic server with the provider's (procs keys it by name).
+for _name in ("before", "broker-v1", "before-v1"):
+    procs.STOP_TIMEOUT_S.setdefault(_name, procs.STOP_TIMEOUT_S["broker"])
+procs.STOP_TIMEOUT_S.setdefault("classic", procs.STOP_TIMEOUT_S["provider"])
+# nginx (one process, master_process off) stops at once on SIGTERM, like HAProxy.
+procs.STOP_TIMEOUT_S.setdefault("nginx", procs.STOP_TIMEOUT_S["haproxy"])
+
+
+class Servers:
+    """The started servers by name, each with its log in the bench's temp folder."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+
+    def start(self, name: str, argv: list[str], port: int) -> None:
+        path = self.workdir / f"{name}.log"
+        self.logs[name] = path
+        with open(path, "wb") as f:
+            self.procs[name] = spawn(argv, f, f)
+        wait_listening(name, self.procs[name], port, lambda: tail(path, name))
+
+    def wait_listening(self, name: str, port: int) -> None:
+        """A started server's further port (a second frontend) accepts connections."""
+        wait_listening(name, self.procs[name], port, lambda: tail(self.logs[name], name))
+
+    def pid(self, name: str) -> int:
+        return self.procs[name].pid
+
+    def check_alive(self, names) -> None:
+        for n in names:
+            rc = self.procs[n].poll()
+            if rc is not None:
+                raise ScriptError(f"{n} exited (status {rc}) during the bench\n{tail(self.logs[n], n)}", status=1)
+
+    def usage(self, names) -> dict[str, Usage]:
+        """CPU time and context switches so far of each named server."""
+        try:
+            return {n: proc_usage(self.pid(n)) for n in names}
+        except (OSError, ValueError):
+            self.check_alive(names)  # says which one died
+            raise
+
+    def cpu(self) -> float:
+        """CPU seconds so far of every server together."""
+        return sum(u.cpu for u in self.usage(tuple(self.procs)).values())
+
+    def stop_all(self) -> None:
+        # The reverse of the start order: clients of the provider go first, so the
+        # provider has nothing in flight when it is told to stop.
+        for name in reversed(list(self.procs)):
+            try:
+                stop(name, self.procs[name])
+            except Exception as e:  # keep stopping the others
+                log(f"bench: stopping {name}: {e}")
+
+
+def upstream_argv(provider: Path, kind: str, port: int, args) -> list[str]:
+    """The upstream of `kind`: rpcmesh's provider with the provider flags, or the classic
+    server, which stands for a fixed program: no provider flags but its thread count."""
+    if kind == "rpcmesh":
+        return [str(provider), "--listen", f"127.0.0.1:{port}", "--metrics-listen", "off",
+                "--threads", str(args.provider_threads), *args.provider_args]  # fmt: skip
+    return [str(provider), "--classic", "--listen", f"127.0.0.1:{port}",
+            "--metrics-listen", "off", "--threads", str(args.provider_threads)]  # fmt: skip
+
+
+def broker_argv(binary: Path, port: int, upstream_port: int, args, kind: str = "rpcmesh") -> list[str]:
+    """A broker in front of the upstream of `kind` (the classic server is a plain v1 server:
+    --upstream-v1): the current one, or the baseline with the same flags."""
+    upstream = "--upstream" if kind == "rpcmesh" else "--upstream-v1"
+    return [
+        str(binary), "--listen", f"127.0.0.1:{port}", upstream, f"127.0.0.1:{upstream_port}",
+        "--metrics-listen", "off", "--threads", str(args.broker_threads), *args.broker_args,
+    ]  # fmt: skip
+
+
+def start_all(servers: Servers, bins: dict[str, Path], args, kinds, haproxy: str, nginx: str) -> dict[str, dict[str, str]]:
+    """Starts every server of `kinds` and waits for each to listen; returns the address each
+    kind's paths target (kind -> path -> host:port)."""
+    # Per kind: the upstream, the broker, HAProxy's and nginx's frontends, and the
+    # baseline broker's port with --baseline-broker.
+    per_kind = 5 if args.baseline_broker else 4
+    ports = free_ports(per_kind * len(kinds))
+    addresses: dict[str, dict[str, str]] = {}
+    frontends = []
+    for k, kind in enumerate(kinds):
+        uport, bport, hport, nport, *more = ports[k * per_kind : (k + 1) * per_kind]
+        role = plan.KIND_PROCESSES[kind]
+        servers.start(role["provider"], upstream_argv(bins["provider"], kind, uport, args), uport)
+        servers.start(role["broker"], broker_argv(bins["broker"], bport, uport, args, kind), bport)
+        addresses[kind] = {"direct": f"127.0.0.1:{uport}", "broker": f"127.0.0.1:{bport}",
+                           "haproxy": f"127.0.0.1:{hport}", "nginx": f"127.0.0.1:{nport}"}  # fmt: skip
+        if args.baseline_broker:
+            (oport,) = more
+            try:
+                servers.start(role["before"], broker_argv(args.baseline_broker, oport, uport, args, kind), oport)
+            except ScriptError as e:
+                raise ScriptError(f"the baseline broker {args.baseline_broker} (started with the broker's "
+                                  f"flags) did not start: {e}") from None  # fmt: skip
+            addresses[kind]["before"] = f"127.0.0.1:{oport}"
+        frontends.append((kind, hport, nport, uport))
+    cfg = servers.workdir / "haproxy.cfg"
+    cfg.write_text(proxies.haproxy_config([(k, h, u) for k, h, _, u in frontends]))
+    servers.start("haproxy", proxies.haproxy_argv(haproxy, cfg), frontends[0][1])
+    for _, h, _, _ in frontends[1:]:
+        servers.wait_listening("haproxy", h)
+    ncfg = servers.workdir / "nginx.conf"
+    ncfg.write_text(proxies.nginx_config([(k, n, u) for k, _, n, u in frontends], servers.workdir))
+    servers.start("nginx", proxies.nginx_argv(nginx, ncfg, servers.workdir), frontends[0][2])
+    for _, _, n, _ in frontends[1:]:
+        servers.wait_listening("nginx", n)
+    return addresses
