@@ -11,6 +11,10 @@ One module per concern, each used only by the ones after it:
 - `servers`: the upstreams, brokers and proxies of the whole bench, started and stopped;
 - `runs`: the driver's command line, the readiness probe, one measured run and its record;
 - `schedule`: the interleaved order of the runs (the paths in turn within each repeat);
+- `summary`: cells (medians over the repeats) and ratio rows (the paths against each other);
+- `tables`: the reports' table rows and their drawing as text or Markdown;
+- `targets`: the targets T1-T5 and P1-P3 and their verdicts;
+- `baseline`: the verdict on a baseline broker (--baseline-broker);
 
 `scripts/bench` is the command: it runs these in order and stops every process it started,
 on success, failure or a signal.
