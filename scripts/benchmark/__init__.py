@@ -5,6 +5,7 @@ rpcmesh's provider and of the classic server, every process on the path accounte
 One module per concern, each used only by the ones after it:
 
 - `plan`: the paths, upstream kinds, roles, workloads, levels and durations (no side effects);
+- `options`: the command line, validated into the settings of one run;
 - `usage`: CPU time and context switches of a process, the children, the machine;
 - `stalls`: the machine stall probe (every CPU kept busy by a clock-reading spinner);
 - `proxies`: finding HAProxy and nginx, their generated configurations;
@@ -15,6 +16,7 @@ One module per concern, each used only by the ones after it:
 - `tables`: the reports' table rows and their drawing as text or Markdown;
 - `targets`: the targets T1-T5 and P1-P3 and their verdicts;
 - `baseline`: the verdict on a baseline broker (--baseline-broker);
+- `report`: the result document, written as JSON and Markdown and printed as text.
 
 `scripts/bench` is the command: it runs these in order and stops every process it started,
 on success, failure or a signal.

@@ -10,7 +10,8 @@ across the cells fails. A narrower run (--workloads, --levels) has fewer cells a
 noise; each cell's broker_over_before_by_repeat in the JSON, and the range printed on the
 summary line, show the run's own spread: where the single repeats spread wider than 3 % (a
 busy machine), 3 % cannot be resolved. The verdict informs, like the targets: it does not
-change the exit status, and smoke mode does not judge it."""
+change the exit status, and smoke mode does not judge it. The targets are computed from the
+same paths with or without the option."""
 
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ def judge(cells, ratios, runs, stalls=None) -> list[dict]:
     r = ratio("echo", (64, 8))
     if r and r["broker_over_direct"] is not None:
         found["T1"] = (r["broker_over_direct"], "echo, 64 in flight / 8 connections")
-    # T2, T3: the issue names no workload, so both must meet it; the worst is reported.
+    # T2, T3 name no workload, so both must meet them; the worst is reported.
     vals = [(r["broker_over_haproxy"], r["workload"]) for r in ratios
             if (r["in_flight"], r["connections_asked"]) == (200, 200) and r["broker_over_haproxy"] is not None]  # fmt: skip
     if vals:
