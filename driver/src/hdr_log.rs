@@ -283,7 +283,7 @@ pub fn merge(paths: &[PathBuf]) -> Result<MergedReport, HdrLogError> {
             sums.entry(tag.to_string())
                 .or_default()
                 .add_histogram(&h)
-                .map_err(bad)?;
+                .map_err(|e| bad(format!("{e:?}")))?;
             *counts.entry(tag.to_string()).or_default() += h.len();
             intervals += 1;
             let start = base + interval.start_timestamp().as_secs_f64();

@@ -6,6 +6,7 @@
 use std::time::Instant;
 
 use hdrhistogram::Histogram;
+use hdrhistogram::errors::AdditionError;
 use rpcmesh_wire::envelope::PayloadSize;
 use serde::Serialize;
 
@@ -90,9 +91,10 @@ impl Latency {
         &self.0
     }
 
-    /// Adds a histogram read from an interval log.
-    pub fn add_histogram(&mut self, other: &Histogram<u64>) -> Result<(), String> {
-        self.0.add(other).map_err(|e| format!("{e:?}"))
+    /// Adds a histogram read from an interval log (this one grows to hold it; growing
+    /// fails only past what a `usize` indexes).
+    pub fn add_histogram(&mut self, other: &Histogram<u64>) -> Result<(), AdditionError> {
+        self.0.add(other)
     }
 
     /// Each distinct value recorded (µs, as the histogram's resolution keeps it) with how
