@@ -22,6 +22,7 @@
 //! and what runs over them, are the worker's.
 
 use std::future::Future;
+use std::io;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
 
@@ -30,6 +31,7 @@ use rpcmesh_common::net::backoff::Backoff;
 use tokio::net::TcpStream;
 
 use crate::metrics::DriverMetrics;
+use crate::outcome::Loss;
 
 /// Timeout of one connection attempt: a healthy target on a LAN answers in well under a
 /// millisecond; two seconds covers a loaded one and a lost SYN's first retransmission.
@@ -61,12 +63,23 @@ pub struct Attempt {
     pub at: Instant,
 }
 
+/// Why a connection attempt made no connection.
+#[derive(Debug, thiserror::Error)]
+pub enum DialError {
+    /// The connect failed (refused, unreachable, ...).
+    #[error("{0}")]
+    Connect(#[from] io::Error),
+    /// No answer within [`CONNECT_TIMEOUT`].
+    #[error("timed out after {CONNECT_TIMEOUT:?}")]
+    TimedOut,
+}
+
 /// A connection attempt under way: a future that owns what it needs, so that the worker
 /// keeps it across its rounds (serving its other connections meanwhile).
 pub struct Dialing {
     /// The target being dialled.
     pub target: usize,
-    attempt: Pin<Box<dyn Future<Output = Result<TcpStream, String>> + Send>>,
+    attempt: Pin<Box<dyn Future<Output = Result<TcpStream, DialError>> + Send>>,
 }
 
 impl std::fmt::Debug for Dialing {
@@ -79,7 +92,7 @@ impl std::fmt::Debug for Dialing {
 
 impl Dialing {
     /// Waits for the attempt: the connected socket, or why there is none.
-    pub async fn finish(&mut self) -> Result<TcpStream, String> {
+    pub async fn finish(&mut self) -> Result<TcpStream, DialError> {
         (&mut self.attempt).await
     }
 }
@@ -210,9 +223,8 @@ impl Connector {
             attempt: Box::pin(async move {
                 tokio::time::sleep_until(at.into()).await;
                 match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&addr)).await {
-                    Ok(Ok(s)) => Ok(s),
-                    Ok(Err(e)) => Err(e.to_string()),
-                    Err(_) => Err(format!("timed out after {CONNECT_TIMEOUT:?}")),
+                    Ok(r) => Ok(r?),
+                    Err(_) => Err(DialError::TimedOut),
                 }
             }),
         }
@@ -220,7 +232,7 @@ impl Connector {
 
     /// The attempt to `target` failed with `error`: it pauses, and the next target in turn
     /// is tried first.
-    pub fn failed(&mut self, target: usize, error: &str, metrics: &DriverMetrics) {
+    pub fn failed(&mut self, target: usize, error: &DialError, metrics: &DriverMetrics) {
         self.failures += 1;
         metrics.errors.inc(ErrorKind::Io, Side::Server);
         // One line per worker and outage; the count goes in the report.
@@ -245,7 +257,7 @@ impl Connector {
     /// The connection to `target` was lost with `calls` calls on it (`replied`: it had
     /// brought a reply); the next target in turn is tried first, at once, unless the
     /// connection brought nothing (that counts as a failed attempt, and the target pauses).
-    pub fn lost(&mut self, target: usize, replied: bool, calls: usize, cause: &str) {
+    pub fn lost(&mut self, target: usize, replied: bool, calls: usize, cause: &Loss) {
         self.lost += 1;
         let addr = self.addr(target).to_string();
         if self.lost <= LOST_WARNINGS {
@@ -291,6 +303,10 @@ mod tests {
         DriverMetrics::new(Telemetry::new(), "EchoService", "Echo", 0)
     }
 
+    fn refused() -> DialError {
+        io::Error::from(io::ErrorKind::ConnectionRefused).into()
+    }
+
     fn two() -> Connector {
         Connector::new(vec!["a:1".into(), "b:2".into()], 1, 7)
     }
@@ -331,7 +347,7 @@ mod tests {
         };
         assert_eq!(c.return_home(0, t0 + HOME_RETRY), Some(back));
         // That try failed: its own target pauses, and no try is made before the pause ends.
-        c.failed(1, "refused", &m);
+        c.failed(1, &refused(), &m);
         let paused_until = c.targets[1].not_before.unwrap();
         let later = (t0 + HOME_RETRY * 2).min(paused_until);
         if later < paused_until {
@@ -358,11 +374,11 @@ mod tests {
     fn a_refused_target_hands_over_to_the_next_at_once_and_pauses_itself() {
         let mut c = two();
         let m = metrics();
-        c.failed(1, "refused", &m);
+        c.failed(1, &refused(), &m);
         let now = Instant::now();
         assert_eq!(c.next_attempt(now), Attempt { target: 0, at: now });
         // Both refuse: the worker waits for the first pause to end, on that target.
-        c.failed(0, "refused", &m);
+        c.failed(0, &refused(), &m);
         let next = c.next_attempt(now);
         assert!(next.at > now, "{next:?}");
         assert_eq!(c.failures(), 2);
@@ -379,7 +395,7 @@ mod tests {
         let mut last = Duration::ZERO;
         let mut grew = 0;
         for _ in 0..6 {
-            c.failed(0, "refused", &m);
+            c.failed(0, &refused(), &m);
             let wait = c.next_attempt(now).at.duration_since(now);
             if wait > last {
                 grew += 1;
@@ -396,10 +412,10 @@ mod tests {
     fn a_lost_connection_moves_on_at_once_if_it_had_replied_and_pauses_if_not() {
         let mut c = two();
         let now = Instant::now();
-        c.lost(1, true, 3, "closed by peer");
+        c.lost(1, true, 3, &Loss::ClosedByPeer);
         assert_eq!(c.next_attempt(now), Attempt { target: 0, at: now });
         assert_eq!(c.failures(), 0);
-        c.lost(0, false, 0, "closed by peer");
+        c.lost(0, false, 0, &Loss::ClosedByPeer);
         assert_eq!(
             c.failures(),
             1,

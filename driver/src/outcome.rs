@@ -5,11 +5,19 @@
 //! encoded). Every call sent has exactly one. A reply flagged `NOT_RUN` (a draining target
 //! did not start the call) is not an outcome: the worker sends the call again elsewhere.
 //!
+//! How one of the worker's connections was lost ([`Loss`]): the cause the log gives, the
+//! close reason the connection metrics count, and the outcome of the calls that were
+//! written on it, each decided here once.
+//!
 //! Owns the outcome labels (the `status` of `rpcmesh_calls_total{role="driver"}`, the keys
 //! of the report's error counts) and how each maps to an error kind and side.
 
+use std::{fmt, io};
+
 use rpcmesh_common::metrics::{ErrorKind, Side};
+use rpcmesh_common::net::connection::CloseReason;
 use rpcmesh_wire::Status;
+use rpcmesh_wire::frame::FrameError;
 
 /// How one call ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -119,9 +127,71 @@ impl CallOutcome {
     }
 }
 
+/// Why one of the worker's connections was lost. Every call written on it and not yet
+/// answered ends as [`Loss::OUTCOME`]; its `Display` is the `cause` of the log line.
+#[derive(Debug)]
+pub enum Loss {
+    /// The socket failed while the worker waited on it.
+    Socket(io::Error),
+    /// A write failed.
+    Write(io::Error),
+    /// The peer sent bytes the stream cannot be split into frames after.
+    BadFrames(FrameError),
+    /// The peer closed it.
+    ClosedByPeer,
+    /// It was the oldest of more draining connections than a worker keeps.
+    TooManyDraining,
+}
+
+impl Loss {
+    /// The outcome of every call lost with a connection: it was written, so it may have run.
+    pub const OUTCOME: CallOutcome = CallOutcome::Connection;
+
+    /// The reason the connection metrics count its close under.
+    pub fn close_reason(&self) -> CloseReason {
+        match self {
+            Loss::Socket(_) | Loss::Write(_) | Loss::BadFrames(_) => CloseReason::Error,
+            Loss::ClosedByPeer => CloseReason::Peer,
+            Loss::TooManyDraining => CloseReason::Local,
+        }
+    }
+}
+
+impl fmt::Display for Loss {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Loss::Socket(e) => write!(f, "socket: {e}"),
+            Loss::Write(e) => write!(f, "write: {e}"),
+            Loss::BadFrames(e) => write!(f, "bad frames: {e}"),
+            Loss::ClosedByPeer => f.write_str("closed by peer"),
+            Loss::TooManyDraining => f.write_str("more connections draining than a worker keeps"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_loss_logs_its_cause_and_counts_its_close_by_who_ended_it() {
+        let reset = || io::Error::from(io::ErrorKind::ConnectionReset);
+        let cases = [
+            (Loss::Socket(reset()), "socket: ", CloseReason::Error),
+            (Loss::Write(reset()), "write: ", CloseReason::Error),
+            (Loss::ClosedByPeer, "closed by peer", CloseReason::Peer),
+            (
+                Loss::TooManyDraining,
+                "more connections draining than a worker keeps",
+                CloseReason::Local,
+            ),
+        ];
+        for (loss, text, reason) in cases {
+            assert!(loss.to_string().starts_with(text), "{loss}");
+            assert_eq!(loss.close_reason(), reason, "{loss}");
+        }
+        assert_eq!(Loss::OUTCOME.label(), "connection");
+    }
 
     #[test]
     fn indexes_and_labels_are_one_to_one() {

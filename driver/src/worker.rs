@@ -53,9 +53,9 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::config::DriverConfig;
-use crate::connection::{Connector, Dialing};
+use crate::connection::{Connector, DialError, Dialing};
 use crate::metrics::{CALL, CONNECTION_WAIT, DECODE, DriverMetrics, ENCODE, REQUEST, ROUND_TRIP};
-use crate::outcome::CallOutcome;
+use crate::outcome::{CallOutcome, Loss};
 use crate::pacer::{Backlog, Offered};
 use crate::stats::{Books, Latency, Tally, Took};
 use crate::users::{Finished, Next, Users};
@@ -306,7 +306,7 @@ enum Event {
     /// A connection, by serial, made progress or failed.
     Io(u32, io::Result<IoEvent>),
     /// A connection attempt to a target ended.
-    Dialed(usize, Result<TcpStream, String>),
+    Dialed(usize, Result<TcpStream, DialError>),
     /// The tick.
     Tick,
 }
@@ -468,9 +468,7 @@ impl Worker {
                 Event::Due(None) => self.dues = None,
                 Event::Io(serial, Ok(IoEvent::Read)) => self.on_read(serial),
                 Event::Io(_, Ok(IoEvent::Wrote)) => {}
-                Event::Io(serial, Err(e)) => {
-                    self.lose(serial, &format!("socket: {e}"), CloseReason::Error);
-                }
+                Event::Io(serial, Err(e)) => self.lose(serial, Loss::Socket(e)),
                 Event::Dialed(target, r) => {
                     self.dialing = None;
                     match r {
@@ -669,10 +667,10 @@ impl Worker {
         }
     }
 
-    /// The connection `serial` is gone (`cause`): every call written on it fails (it may
+    /// The connection `serial` is gone (`loss`): every call written on it fails (it may
     /// have run); when it was the current one, the worker dials the next target, and the
     /// users' next calls wait for that connection.
-    fn lose(&mut self, serial: u32, cause: &str, reason: CloseReason) {
+    fn lose(&mut self, serial: u32, loss: Loss) {
         let was_current = self.current.as_ref().is_some_and(|l| l.serial == serial);
         let link = if was_current {
             self.current.take()
@@ -689,18 +687,18 @@ impl Worker {
         self.table.take_where(|s| s.link == Some(serial), &mut lost);
         if was_current {
             self.connector
-                .lost(link.target, link.replied, lost.len(), cause);
+                .lost(link.target, link.replied, lost.len(), &loss);
             self.down_since = Instant::now();
         } else if !lost.is_empty() {
-            tracing::warn!(worker = self.plan.index, target = %self.connector.addr(link.target), calls = lost.len(), %cause, "draining connection lost");
+            tracing::warn!(worker = self.plan.index, target = %self.connector.addr(link.target), calls = lost.len(), cause = %loss, "draining connection lost");
         } else {
-            tracing::debug!(worker = self.plan.index, %cause, "draining connection closed");
+            tracing::debug!(worker = self.plan.index, cause = %loss, "draining connection closed");
         }
-        self.retire(link, reason);
+        self.retire(link, loss.close_reason());
         self.dial_next();
         let now = Instant::now();
         for (_, s) in lost.drain(..) {
-            self.call_done(s, CallOutcome::Connection, now);
+            self.call_done(s, Loss::OUTCOME, now);
         }
         self.expired = lost;
     }
@@ -726,11 +724,7 @@ impl Worker {
         } else {
             if self.draining.len() >= MAX_DRAINING {
                 let oldest = self.draining[0].serial;
-                self.lose(
-                    oldest,
-                    "more connections draining than a worker keeps",
-                    CloseReason::Local,
-                );
+                self.lose(oldest, Loss::TooManyDraining);
             }
             self.draining.push(link);
         }
@@ -780,7 +774,7 @@ impl Worker {
         if let Some(l) = &mut self.current {
             if let Err(e) = l.io.try_flush() {
                 let serial = l.serial;
-                self.lose(serial, &format!("write: {e}"), CloseReason::Error);
+                self.lose(serial, Loss::Write(e));
             }
         }
         let mut i = 0;
@@ -789,7 +783,7 @@ impl Worker {
                 Ok(()) => i += 1,
                 Err(e) => {
                     let serial = self.draining[i].serial;
-                    self.lose(serial, &format!("write: {e}"), CloseReason::Error);
+                    self.lose(serial, Loss::Write(e));
                 }
             }
         }
@@ -810,7 +804,7 @@ impl Worker {
                 Ok(None) => break,
                 Err(e) if !e.is_fatal() => tracing::warn!(error = %e, "bad frame skipped"),
                 Err(e) => {
-                    fatal = Some(format!("bad frames: {e}"));
+                    fatal = Some(e);
                     break;
                 }
             }
@@ -824,10 +818,10 @@ impl Worker {
             self.on_frame(frame, serial, now);
         }
         self.inbox = inbox;
-        if let Some(cause) = fatal {
-            self.lose(serial, &cause, CloseReason::Error);
+        if let Some(e) = fatal {
+            self.lose(serial, Loss::BadFrames(e));
         } else if eof {
-            self.lose(serial, "closed by peer", CloseReason::Peer);
+            self.lose(serial, Loss::ClosedByPeer);
         }
     }
 
@@ -1141,7 +1135,7 @@ async fn wait_draining(links: &mut [Link]) -> (u32, io::Result<IoEvent>) {
 
 /// The end of the connection attempt under way, with its target (pending for ever
 /// without one).
-async fn dialed(dialing: &mut Option<Dialing>) -> (usize, Result<TcpStream, String>) {
+async fn dialed(dialing: &mut Option<Dialing>) -> (usize, Result<TcpStream, DialError>) {
     match dialing {
         Some(d) => (d.target, d.finish().await),
         None => std::future::pending().await,
