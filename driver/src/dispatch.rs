@@ -19,7 +19,7 @@ use rpcmesh_common::net::timer::{Aim, PreciseTimer};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::pacer::{EXACT_SPIN, Pacer, Pacing};
-use crate::worker::RunShared;
+use crate::shared::RunShared;
 
 /// Hands every due request of `pacer` to one of `connections` in turn, until the run
 /// ends (the schedule's end, the budget, Ctrl-C) or every connection is gone; then closes

@@ -175,7 +175,7 @@ fn write_log(
 /// workers' measured figures of that second to the log `writer`, then the last part;
 /// hands the writer back.
 pub(crate) async fn record(
-    shared: std::sync::Arc<crate::worker::RunShared>,
+    shared: std::sync::Arc<crate::shared::RunShared>,
     started: std::time::Instant,
     writer: std::sync::mpsc::Sender<LogEntryOut>,
     done: rpcmesh_common::net::shutdown::CancellationToken,

@@ -33,6 +33,7 @@ pub mod outcome;
 pub mod pacer;
 mod progress;
 pub mod report;
+mod shared;
 pub mod stats;
 pub mod users;
 mod worker;

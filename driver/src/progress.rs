@@ -12,8 +12,8 @@ use rpcmesh_common::net::shutdown::CancellationToken;
 
 use crate::config::ProgressMode;
 use crate::pacer::Schedule;
+use crate::shared::RunShared;
 use crate::stats::Tally;
-use crate::worker::RunShared;
 
 /// Each second until `done`: updates the rate gauges and prints a line (unless progress
 /// is off).

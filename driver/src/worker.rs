@@ -2,7 +2,8 @@
 //! generator's engine. The parts it runs live beside it: [`crate::users`] (the request
 //! state machine), [`crate::pacer`] (the open-loop schedule), [`crate::connection`] (which
 //! target to dial, and when), the slot table of calls in flight
-//! (`rpcmesh_common::net::slots`), and [`crate::stats::Books`] (the figures).
+//! (`rpcmesh_common::net::slots`), and [`crate::stats::Books`] (the figures); what the
+//! run's workers share is [`crate::shared`]'s.
 //!
 //! One task per worker runs its users: a reply is matched to its call by request id in the
 //! slot table, and the user's next call is encoded straight into the current connection's
@@ -32,8 +33,6 @@
 use std::collections::VecDeque;
 use std::io;
 use std::sync::Arc;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
@@ -42,7 +41,6 @@ use rpcmesh_common::metrics::families::Sampler;
 use rpcmesh_common::metrics::{ErrorKind, Side};
 use rpcmesh_common::net::connection::{CloseReason, FramedIo, IoEvent};
 use rpcmesh_common::net::listener::AcceptObserver;
-use rpcmesh_common::net::shutdown::CancellationToken;
 use rpcmesh_common::net::slots::SlotTable;
 use rpcmesh_wire::Status;
 use rpcmesh_wire::codec::FrameCodec;
@@ -52,21 +50,17 @@ use rpcmesh_wire::frame::{DEFAULT_MAX_BODY_LEN, Flags, Frame, MsgType};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::config::DriverConfig;
 use crate::connection::{Connector, DialError, Dialing};
-use crate::metrics::{CALL, CONNECTION_WAIT, DECODE, DriverMetrics, ENCODE, REQUEST, ROUND_TRIP};
+use crate::metrics::{CALL, CONNECTION_WAIT, DECODE, ENCODE, REQUEST, ROUND_TRIP};
 use crate::outcome::{CallOutcome, Loss};
 use crate::pacer::{Backlog, Offered};
 use crate::stats::{Books, Latency, Tally, Took};
 use crate::users::{Finished, Next, Users};
-use crate::workload::Workload;
+// `lib.rs` names these through the worker.
+pub(crate) use crate::shared::{FinishLine, RunShared};
 
 /// How often a worker checks deadlines and hands its figures to the progress line.
 const TICK: Duration = Duration::from_millis(100);
-/// How long before a measured step starts a worker makes its figures (on a tick, see
-/// [`Books::prepare`]): several ticks, so that a late tick still comes before it, and each
-/// worker's at its own phase of the tick period rather than all at the step's start.
-const PREPARE_AHEAD: Duration = Duration::from_millis(500);
 /// How many times a call refused unstarted (`NOT_RUN`) is sent again before the refusal
 /// counts as its outcome (`unavailable`): one try per other broker of a two- or
 /// three-broker deployment, and one more for a provider draining behind a broker. A call
@@ -78,132 +72,6 @@ pub const MAX_REROUTES: u8 = 3;
 /// period, and bounds a worker's sockets at five; beyond it the oldest is closed and its
 /// calls count as `connection`.
 pub const MAX_DRAINING: usize = 4;
-
-/// What all workers of a run share.
-#[derive(Debug)]
-pub(crate) struct RunShared {
-    pub config: DriverConfig,
-    pub workload: Workload,
-    /// Calls and requests started from here on are measured.
-    pub measure_from: Instant,
-    /// No request starts after this (duration mode).
-    pub until: Option<Instant>,
-    /// Measured requests left to start (count mode).
-    pub budget: Option<AtomicU64>,
-    /// Cancelled to stop starting requests (Ctrl-C).
-    pub stop: CancellationToken,
-    /// Each worker's figures since the progress line last took them.
-    pub intervals: Vec<Mutex<Tally>>,
-    /// With `--hdr-log`: each worker's measured figures since the log last took them.
-    pub logs: Vec<Mutex<Tally>>,
-    /// Metric handles.
-    pub metrics: DriverMetrics,
-    /// Where workers wait for each other before closing their connections.
-    pub finish: FinishLine,
-}
-
-/// Workers close their connections only once every worker is done, so that no call still
-/// in flight waits behind another connection's close (the driver's own work, and the
-/// server's, which sees the close). At 200 connections the run's last calls were slower
-/// than the p99 of the rest of the run in every one of four runs (their max 1.22–1.66 ×
-/// that p99); with the workers waiting for each other, 0.42–0.94 ×.
-#[derive(Debug)]
-pub(crate) struct FinishLine {
-    /// Workers not done yet.
-    left: AtomicUsize,
-    /// Cancelled when the last one is.
-    all: CancellationToken,
-}
-
-impl FinishLine {
-    /// A line for `workers` workers.
-    pub fn new(workers: usize) -> Self {
-        let all = CancellationToken::new();
-        if workers == 0 {
-            all.cancel();
-        }
-        FinishLine {
-            left: AtomicUsize::new(workers),
-            all,
-        }
-    }
-
-    /// A worker's place on the line: it counts as done when it crosses, or when it is
-    /// dropped without crossing (a worker that panicked holds no one up).
-    pub fn runner(&self) -> Runner<'_> {
-        Runner {
-            line: self,
-            crossed: false,
-        }
-    }
-
-    fn done(&self) {
-        if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.all.cancel();
-        }
-    }
-}
-
-/// One worker's place on the [`FinishLine`].
-#[derive(Debug)]
-pub(crate) struct Runner<'a> {
-    line: &'a FinishLine,
-    crossed: bool,
-}
-
-impl Runner<'_> {
-    /// This worker is done: returns once every worker is.
-    pub async fn cross(mut self) {
-        self.crossed = true;
-        self.line.done();
-        self.line.all.cancelled().await;
-    }
-}
-
-impl Drop for Runner<'_> {
-    fn drop(&mut self) {
-        if !self.crossed {
-            self.line.done();
-        }
-    }
-}
-
-impl RunShared {
-    /// The measured step that a call or request meant to start at `intended` belongs to;
-    /// `None` for the warm-up.
-    fn step_of(&self, intended: Instant) -> Option<usize> {
-        let since = intended.checked_duration_since(self.measure_from)?;
-        Some(
-            self.config
-                .schedule
-                .as_ref()
-                .map_or(0, |s| s.step_of(since)),
-        )
-    }
-
-    /// The measured step under way [`PREPARE_AHEAD`] from `now` (`None` in the warm-up, and
-    /// once no request starts then: the run is ending).
-    fn step_ahead(&self, now: Instant) -> Option<usize> {
-        let t = now + PREPARE_AHEAD;
-        if self.until.is_some_and(|u| t >= u) {
-            return None;
-        }
-        self.step_of(t)
-    }
-
-    /// Whether a new request may start now (claims one from the budget if so).
-    pub(crate) fn may_start(&self, now: Instant) -> bool {
-        if self.stop.is_cancelled() || self.until.is_some_and(|u| now >= u) {
-            return false;
-        }
-        match &self.budget {
-            Some(b) if now >= self.measure_from => b
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-                .is_ok(),
-            _ => true,
-        }
-    }
-}
 
 /// What one worker does.
 #[derive(Debug)]
@@ -1156,44 +1024,5 @@ async fn next_due(dues: &mut Option<UnboundedReceiver<Instant>>) -> Option<Insta
     match dues {
         Some(rx) => rx.recv().await,
         None => std::future::pending().await,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn a_worker_passes_the_finish_line_only_once_every_worker_is_done() {
-        let line = Arc::new(FinishLine::new(2));
-        let first = {
-            let line = line.clone();
-            tokio::spawn(async move { line.runner().cross().await })
-        };
-        for _ in 0..10 {
-            tokio::task::yield_now().await;
-        }
-        assert!(!first.is_finished(), "the other worker is still running");
-        line.runner().cross().await;
-        first.await.unwrap();
-    }
-
-    #[tokio::test]
-    async fn a_worker_that_panics_holds_no_one_up() {
-        let line = Arc::new(FinishLine::new(2));
-        let panicked = {
-            let line = line.clone();
-            tokio::spawn(async move {
-                let _runner = line.runner();
-                panic!("a worker's bug");
-            })
-        };
-        assert!(panicked.await.is_err());
-        line.runner().cross().await;
-    }
-
-    #[tokio::test]
-    async fn a_run_without_workers_waits_for_none() {
-        FinishLine::new(0).all.cancelled().await;
     }
 }
