@@ -24,6 +24,7 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use rpcmesh_common::metrics::{ErrorKind, Side};
@@ -63,6 +64,16 @@ pub struct Attempt {
     pub at: Instant,
 }
 
+/// What a connection has heard from its target: one lost before its first reply counts as
+/// a failed attempt ([`Connector::lost`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Heard {
+    /// No reply yet.
+    Nothing,
+    /// At least one reply: the target is healthy.
+    Reply,
+}
+
 /// Why a connection attempt made no connection.
 #[derive(Debug, thiserror::Error)]
 pub enum DialError {
@@ -94,6 +105,11 @@ impl Dialing {
     /// Waits for the attempt: the connected socket, or why there is none.
     pub async fn finish(&mut self) -> Result<TcpStream, DialError> {
         (&mut self.attempt).await
+    }
+
+    /// [`Dialing::finish`] as a poll, for a caller that waits on its connections too.
+    pub fn poll_finish(&mut self, cx: &mut Context<'_>) -> Poll<Result<TcpStream, DialError>> {
+        self.attempt.as_mut().poll(cx)
     }
 }
 
@@ -150,6 +166,11 @@ impl Connector {
     /// Times the worker went back to its own target after moving away.
     pub fn returns(&self) -> u64 {
         self.returns
+    }
+
+    /// The worker's number (for logs).
+    pub fn worker(&self) -> usize {
+        self.worker
     }
 
     /// With the current connection on `current`: the attempt to go back to the worker's
@@ -254,10 +275,10 @@ impl Connector {
         }
     }
 
-    /// The connection to `target` was lost with `calls` calls on it (`replied`: it had
-    /// brought a reply); the next target in turn is tried first, at once, unless the
-    /// connection brought nothing (that counts as a failed attempt, and the target pauses).
-    pub fn lost(&mut self, target: usize, replied: bool, calls: usize, cause: &Loss) {
+    /// The connection to `target` was lost with `calls` calls on it, having `heard` a reply
+    /// or not; the next target in turn is tried first, at once, unless the connection
+    /// brought nothing (that counts as a failed attempt, and the target pauses).
+    pub fn lost(&mut self, target: usize, heard: Heard, calls: usize, cause: &Loss) {
         self.lost += 1;
         let addr = self.addr(target).to_string();
         if self.lost <= LOST_WARNINGS {
@@ -265,11 +286,12 @@ impl Connector {
         } else {
             tracing::debug!(worker = self.worker, target = %addr, calls, %cause, "connection lost; reconnecting");
         }
-        if replied {
-            self.next = self.after(target);
-        } else {
-            self.failures += 1;
-            self.pause(target);
+        match heard {
+            Heard::Reply => self.next = self.after(target),
+            Heard::Nothing => {
+                self.failures += 1;
+                self.pause(target);
+            }
         }
     }
 
@@ -412,10 +434,10 @@ mod tests {
     fn a_lost_connection_moves_on_at_once_if_it_had_replied_and_pauses_if_not() {
         let mut c = two();
         let now = Instant::now();
-        c.lost(1, true, 3, &Loss::ClosedByPeer);
+        c.lost(1, Heard::Reply, 3, &Loss::ClosedByPeer);
         assert_eq!(c.next_attempt(now), Attempt { target: 0, at: now });
         assert_eq!(c.failures(), 0);
-        c.lost(0, false, 0, &Loss::ClosedByPeer);
+        c.lost(0, Heard::Nothing, 0, &Loss::ClosedByPeer);
         assert_eq!(
             c.failures(),
             1,

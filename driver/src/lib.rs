@@ -28,6 +28,7 @@ pub mod connection;
 mod dispatch;
 pub mod embedded;
 pub mod hdr_log;
+mod links;
 pub mod metrics;
 pub mod outcome;
 pub mod pacer;

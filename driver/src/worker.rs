@@ -18,7 +18,8 @@
 //!   not an outcome: the call is sent again on the worker's next connection, to the next
 //!   target in turn, at most [`MAX_REROUTES`] times, still timed from its first intended
 //!   start. The connection that said it is draining takes no more calls; it is kept, and
-//!   read, until the calls written on it are answered (at most [`MAX_DRAINING`] at once),
+//!   read, until the calls written on it are answered (at most
+//!   [`crate::links::MAX_DRAINING`] at once),
 //!   and new calls go to a new connection.
 //! - A refused connect or a lost connection moves the worker to the next target at once
 //!   (each target keeps its own back-off). Calls lost with a connection after they were
@@ -31,9 +32,7 @@
 //!   is due is counted not sent.
 
 use std::collections::VecDeque;
-use std::io;
 use std::sync::Arc;
-use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use rpcmesh_common::metrics::families::InFlightShare;
@@ -50,7 +49,8 @@ use rpcmesh_wire::frame::{DEFAULT_MAX_BODY_LEN, Flags, Frame, MsgType};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::connection::{Connector, DialError, Dialing};
+use crate::connection::Connector;
+use crate::links::{Aside, Link, LinkEvent, Links, Patience, Reach};
 use crate::metrics::{CALL, CONNECTION_WAIT, DECODE, ENCODE, REQUEST, ROUND_TRIP};
 use crate::outcome::{CallOutcome, Loss};
 use crate::pacer::{Backlog, Offered};
@@ -66,12 +66,6 @@ const TICK: Duration = Duration::from_millis(100);
 /// three-broker deployment, and one more for a provider draining behind a broker. A call
 /// refused more often than that finds nothing healthy, and says so.
 pub const MAX_REROUTES: u8 = 3;
-/// Connections one worker keeps draining at once (each until the calls written on it are
-/// answered: within the server's grace period, 10 s by default). A rolling restart drains
-/// one target at a time, so four covers one through five targets faster than a grace
-/// period, and bounds a worker's sockets at five; beyond it the oldest is closed and its
-/// calls count as `connection`.
-pub const MAX_DRAINING: usize = 4;
 
 /// What one worker does.
 #[derive(Debug)]
@@ -139,7 +133,7 @@ struct Slot {
     user: u32,
     /// The measured step it belongs to (`None`: warm-up).
     step: Option<usize>,
-    /// The connection it is written on ([`Link::serial`]); `None` while parked.
+    /// The connection it is written on (its serial); `None` while parked.
     link: Option<u32>,
     /// Times it was sent again after a `NOT_RUN` refusal.
     tries: u8,
@@ -149,32 +143,12 @@ struct Slot {
     written: Option<Instant>,
 }
 
-/// One of the worker's connections: the current one (new calls are written to it) or
-/// one draining (it said so; only read until its calls are answered).
-#[derive(Debug)]
-struct Link {
-    io: FramedIo,
-    /// Tells its calls apart from the other connections' in the slot table.
-    serial: u32,
-    /// Which target it is to.
-    target: usize,
-    /// Calls written on it and not yet answered.
-    in_flight: usize,
-    /// It has brought a reply.
-    replied: bool,
-    /// The peer closed it (or its input is beyond repair): the frames still read from it
-    /// are handled, but no call is written on it meanwhile.
-    ending: bool,
-}
-
 /// What woke the worker.
 enum Event {
     /// The pacer handed over a request (`None`: the schedule is over).
     Due(Option<Instant>),
-    /// A connection, by serial, made progress or failed.
-    Io(u32, io::Result<IoEvent>),
-    /// A connection attempt to a target ended.
-    Dialed(usize, Result<TcpStream, DialError>),
+    /// One of the connections did something.
+    Link(LinkEvent),
     /// The tick.
     Tick,
 }
@@ -207,18 +181,20 @@ pub(crate) async fn run(mut plan: Plan, shared: Arc<RunShared>) -> WorkerFigures
         sampler: shared.metrics.stages.sampler(),
         request_sampler: shared.metrics.stages.sampler(),
         last_read: now,
-        connector: Connector::new(targets, plan.first, plan.index),
-        current: None,
-        draining: Vec::new(),
-        dialing: None,
+        links: Links::new(
+            Connector::new(targets, plan.first, plan.index),
+            Patience {
+                until: shared.until,
+                after: c.call_timeout,
+                stop: shared.stop.clone(),
+            },
+            now,
+        ),
         parked: VecDeque::new(),
         inbox: Vec::new(),
-        serials: 0,
-        down_since: now,
         // The closed loop's users begin once connected; the open loop's requests come from
         // the pacer, connected or not.
         begun: open_loop,
-        gave_up: false,
         books: if c.hdr_log.is_some() {
             Books::default().logging()
         } else {
@@ -233,8 +209,8 @@ pub(crate) async fn run(mut plan: Plan, shared: Arc<RunShared>) -> WorkerFigures
     w.run().await;
     WorkerFigures {
         steps: w.books.steps,
-        connect_failures: w.connector.failures(),
-        returned_home: w.connector.returns(),
+        connect_failures: w.links.connector().failures(),
+        returned_home: w.links.connector().returns(),
         late_replies: w.late_replies,
         last_done: w.last_done,
         lag: w.lag,
@@ -269,29 +245,15 @@ struct Worker {
     request_sampler: Sampler,
     /// When the last read returned (the clock of the byte counts).
     last_read: Instant,
-    connector: Connector,
-    /// The connection new calls are written to (`None` while one is being made).
-    current: Option<Link>,
-    /// Connections that said they are draining, until their calls are answered (at most
-    /// [`MAX_DRAINING`]).
-    draining: Vec<Link>,
-    /// The connection attempt under way: while there is no current connection, or to go
-    /// back to the worker's own target (`Connector::return_home`).
-    dialing: Option<Dialing>,
+    /// The connections, and the attempt to make one.
+    links: Links<FramedIo>,
     /// Ids of calls waiting for a connection, oldest first (bounded by the table: each is
     /// a user's call).
     parked: VecDeque<u64>,
     /// The frames of one read, handled after it (kept for its memory).
     inbox: Vec<Frame>,
-    /// The last connection's serial.
-    serials: u32,
-    /// Since when there has been no current connection.
-    down_since: Instant,
     /// Users make requests (closed loop: since the first connection).
     begun: bool,
-    /// No target could be reached in time: nothing new starts, and the worker ends once
-    /// what is in flight on its draining connections is answered.
-    gave_up: bool,
     books: Books,
     late_replies: u64,
     last_done: Option<Instant>,
@@ -309,7 +271,6 @@ impl Worker {
         if self.open_loop {
             self.users.free_all();
         }
-        self.dial_next();
         // The measured window's figures are made before it starts when the warm-up is
         // shorter than PREPARE_AHEAD, else on a tick during the warm-up.
         let now = Instant::now();
@@ -325,27 +286,25 @@ impl Worker {
             let event = tokio::select! {
                 biased;
                 due = next_due(&mut self.dues) => Event::Due(due),
-                (serial, ev) = wait_current(&mut self.current) => Event::Io(serial, ev),
-                (serial, ev) = wait_draining(&mut self.draining) => Event::Io(serial, ev),
-                (target, r) = dialed(&mut self.dialing) => Event::Dialed(target, r),
+                ev = self.links.next_event() => Event::Link(ev),
                 _ = tick.tick() => Event::Tick,
             };
             match event {
                 Event::Due(Some(due)) => self.on_due(due),
                 // The schedule is over.
                 Event::Due(None) => self.dues = None,
-                Event::Io(serial, Ok(IoEvent::Read)) => self.on_read(serial),
-                Event::Io(_, Ok(IoEvent::Wrote)) => {}
-                Event::Io(serial, Err(e)) => self.lose(serial, Loss::Socket(e)),
-                Event::Dialed(target, r) => {
-                    self.dialing = None;
-                    match r {
-                        Ok(stream) => self.connected(target, stream),
-                        Err(e) => {
-                            self.connector.failed(target, &e, &self.shared.metrics);
-                            self.dial_next();
-                        }
-                    }
+                Event::Link(LinkEvent::Io(serial, Ok(IoEvent::Read))) => self.on_read(serial),
+                Event::Link(LinkEvent::Io(_, Ok(IoEvent::Wrote))) => {}
+                Event::Link(LinkEvent::Io(serial, Err(e))) => self.lose(serial, Loss::Socket(e)),
+                Event::Link(LinkEvent::Dialed(target, Ok(stream))) => {
+                    self.connected(target, stream);
+                }
+                Event::Link(LinkEvent::Dialed(target, Err(e))) => {
+                    let now = Instant::now();
+                    let reach = self
+                        .links
+                        .dial_failed(target, &e, &self.shared.metrics, now);
+                    self.reach(reach);
                 }
                 Event::Tick => self.on_tick(),
             }
@@ -356,13 +315,7 @@ impl Worker {
         }
         // Nothing in flight here any more; the others may still have calls out.
         runner.cross().await;
-        let links: Vec<Link> = self
-            .current
-            .take()
-            .into_iter()
-            .chain(self.draining.drain(..))
-            .collect();
-        for l in links {
+        for l in self.links.close_all() {
             self.retire(l, CloseReason::Local);
         }
         self.publish();
@@ -371,7 +324,7 @@ impl Worker {
     /// The worker is done: nothing in flight or parked, no request under way or waiting,
     /// and none to come.
     fn finished(&self) -> bool {
-        (self.begun || self.gave_up)
+        (self.begun || self.links.gave_up())
             && self.table.is_empty()
             && self.users.active() == 0
             && self.dues.is_none()
@@ -453,36 +406,17 @@ impl Worker {
         }
     }
 
-    /// When to stop trying to connect: the run's end, or one call timeout after the last
-    /// connection went.
-    fn give_up_by(&self) -> Instant {
-        self.shared
-            .until
-            .unwrap_or(self.down_since + self.shared.config.call_timeout)
-    }
-
-    /// Without a current connection: starts the next attempt (the next target in turn, at
-    /// once unless every target is pausing), or gives up when that attempt would come too
-    /// late or the run is stopping.
-    fn dial_next(&mut self) {
-        if self.gave_up || self.dialing.is_some() || self.current.is_some() {
-            return;
-        }
-        let now = Instant::now();
-        let attempt = self.connector.next_attempt(now);
-        if attempt.at > now && (attempt.at >= self.give_up_by() || self.shared.stop.is_cancelled())
-        {
+    /// What a transition of the connections did to the worker's reach: when it gave up,
+    /// so does the worker.
+    fn reach(&mut self, reach: Reach) {
+        if reach == Reach::GaveUp {
             self.give_up();
-            return;
         }
-        self.dialing = Some(self.connector.dial(attempt));
     }
 
     /// No target could be reached in time: the parked calls fail, unwritten; what is due
     /// is not sent; the users start nothing more.
     fn give_up(&mut self) {
-        self.gave_up = true;
-        self.dialing = None;
         tracing::warn!(
             worker = self.plan.index,
             parked = self.parked.len(),
@@ -502,19 +436,9 @@ impl Worker {
     /// its calls are answered), the parked calls are written on it, and the users go on.
     fn connected(&mut self, target: usize, stream: TcpStream) {
         self.shared.metrics.conns.opened();
-        if let Some(old) = self.current.take() {
-            self.set_aside(old);
-        }
-        self.connector.now_on(target);
-        self.serials = self.serials.wrapping_add(1);
-        self.current = Some(Link {
-            io: FramedIo::new(stream, FrameCodec::new(DEFAULT_MAX_BODY_LEN)),
-            serial: self.serials,
-            target,
-            in_flight: 0,
-            replied: false,
-            ending: false,
-        });
+        let io = FramedIo::new(stream, FrameCodec::new(DEFAULT_MAX_BODY_LEN));
+        let aside = self.links.connected(target, io);
+        self.set_aside(aside);
         let now = Instant::now();
         for _ in 0..self.parked.len() {
             match self.parked.pop_front() {
@@ -539,31 +463,18 @@ impl Worker {
     /// have run); when it was the current one, the worker dials the next target, and the
     /// users' next calls wait for that connection.
     fn lose(&mut self, serial: u32, loss: Loss) {
-        let was_current = self.current.as_ref().is_some_and(|l| l.serial == serial);
-        let link = if was_current {
-            self.current.take()
-        } else {
-            self.draining
-                .iter()
-                .position(|l| l.serial == serial)
-                .map(|i| self.draining.remove(i))
-        };
-        let Some(link) = link else {
-            return;
-        };
+        if let Some((link, reach)) = self.links.lose(serial, &loss, Instant::now()) {
+            self.reach(reach);
+            self.lost(link, loss);
+        }
+    }
+
+    /// `link` was lost (`loss`): it closes, and every call written on it fails.
+    fn lost(&mut self, link: Link<FramedIo>, loss: Loss) {
+        let serial = link.serial();
         let mut lost = std::mem::take(&mut self.expired);
         self.table.take_where(|s| s.link == Some(serial), &mut lost);
-        if was_current {
-            self.connector
-                .lost(link.target, link.replied, lost.len(), &loss);
-            self.down_since = Instant::now();
-        } else if !lost.is_empty() {
-            tracing::warn!(worker = self.plan.index, target = %self.connector.addr(link.target), calls = lost.len(), cause = %loss, "draining connection lost");
-        } else {
-            tracing::debug!(worker = self.plan.index, cause = %loss, "draining connection closed");
-        }
         self.retire(link, loss.close_reason());
-        self.dial_next();
         let now = Instant::now();
         for (_, s) in lost.drain(..) {
             self.call_done(s, Loss::OUTCOME, now);
@@ -575,85 +486,45 @@ impl Worker {
     /// current one, it takes no more calls (it is kept until its calls are answered) and
     /// the worker dials the next target.
     fn draining_link(&mut self, serial: u32) {
-        let Some(link) = self.current.take_if(|l| l.serial == serial) else {
-            return;
-        };
-        self.connector.drained(link.target);
-        self.down_since = Instant::now();
-        self.set_aside(link);
-        self.dial_next();
-    }
-
-    /// `link` takes no more calls: it is closed now if none is in flight on it, else kept
-    /// and read until they are answered.
-    fn set_aside(&mut self, link: Link) {
-        if link.in_flight == 0 {
-            self.retire(link, CloseReason::Local);
-        } else {
-            if self.draining.len() >= MAX_DRAINING {
-                let oldest = self.draining[0].serial;
-                self.lose(oldest, Loss::TooManyDraining);
-            }
-            self.draining.push(link);
+        if let Some((aside, reach)) = self.links.drained(serial, Instant::now()) {
+            self.reach(reach);
+            self.set_aside(aside);
         }
     }
 
-    /// Away from its own target, the worker dials it again from time to time
-    /// (`Connector::return_home`); the current connection carries the calls meanwhile.
-    fn maybe_return_home(&mut self, now: Instant) {
-        if self.gave_up || self.dialing.is_some() || self.shared.stop.is_cancelled() {
-            return;
-        }
-        let Some(current) = self.current.as_ref().filter(|l| !l.ending) else {
-            return;
-        };
-        if let Some(attempt) = self.connector.return_home(current.target, now) {
-            self.dialing = Some(self.connector.dial(attempt));
+    /// Closes a connection that takes no more calls, if it is to close now.
+    fn set_aside(&mut self, aside: Aside<FramedIo>) {
+        match aside {
+            Aside::Kept => {}
+            Aside::Close(link) => self.retire(link, CloseReason::Local),
+            Aside::Evict(link) => self.lost(link, Loss::TooManyDraining),
         }
     }
 
     /// Closes `link`, counting its last bytes and why it closed.
-    fn retire(&mut self, mut link: Link, reason: CloseReason) {
+    fn retire(&mut self, mut link: Link<FramedIo>, reason: CloseReason) {
         self.count_link(&mut link.io);
         self.shared.metrics.conns.closed(reason);
     }
 
     /// Closes the draining connections whose calls are all answered.
     fn reap(&mut self) {
-        let mut i = 0;
-        while i < self.draining.len() {
-            if self.draining[i].in_flight == 0 {
-                let link = self.draining.remove(i);
-                let reason = if link.io.is_eof() {
-                    CloseReason::Peer
-                } else {
-                    CloseReason::Local
-                };
-                self.retire(link, reason);
+        while let Some(link) = self.links.take_answered() {
+            let reason = if link.io.is_eof() {
+                CloseReason::Peer
             } else {
-                i += 1;
-            }
+                CloseReason::Local
+            };
+            self.retire(link, reason);
         }
     }
 
-    /// Writes what every connection has to write (a draining one may still hold calls
-    /// encoded in the round it said it was draining).
+    /// Writes what every connection has to write; loses those whose write fails.
     fn flush(&mut self) {
-        if let Some(l) = &mut self.current {
-            if let Err(e) = l.io.try_flush() {
-                let serial = l.serial;
-                self.lose(serial, Loss::Write(e));
-            }
-        }
-        let mut i = 0;
-        while i < self.draining.len() {
-            match self.draining[i].io.try_flush() {
-                Ok(()) => i += 1,
-                Err(e) => {
-                    let serial = self.draining[i].serial;
-                    self.lose(serial, Loss::Write(e));
-                }
-            }
+        let mut from = 0;
+        while let Err((at, serial, e)) = self.links.flush(from) {
+            self.lose(serial, Loss::Write(e));
+            from = at;
         }
     }
 
@@ -662,7 +533,7 @@ impl Worker {
     fn on_read(&mut self, serial: u32) {
         let now = Instant::now();
         self.last_read = now;
-        let Some(link) = find(&mut self.current, &mut self.draining, serial) else {
+        let Some(link) = self.links.find(serial) else {
             return;
         };
         let mut fatal = None;
@@ -680,7 +551,9 @@ impl Worker {
         let eof = link.io.is_eof();
         // A connection the peer closed takes no call, not even one its last replies would
         // make: it would only be lost with it.
-        link.ending = eof || fatal.is_some();
+        if eof || fatal.is_some() {
+            self.links.ending(serial);
+        }
         let mut inbox = std::mem::take(&mut self.inbox);
         for frame in inbox.drain(..) {
             self.on_frame(frame, serial, now);
@@ -697,12 +570,7 @@ impl Worker {
         if frame.header.msg_type != MsgType::Response {
             return;
         }
-        if let Some(link) = find(&mut self.current, &mut self.draining, serial) {
-            if !link.replied {
-                link.replied = true;
-                self.connector.replied(link.target);
-            }
-        }
+        self.links.heard(serial);
         let id = frame.header.req_id;
         let ours = self
             .table
@@ -716,7 +584,7 @@ impl Worker {
                 .inc(ErrorKind::LateReply, Side::Server);
             return;
         };
-        self.settle(serial);
+        self.links.settle(serial);
         let decoding = slot.written.map(|_| Instant::now());
         let outcome = match self.codec.view_response(&frame) {
             Ok(r) => {
@@ -750,13 +618,6 @@ impl Worker {
             }
         }
         self.call_done(slot, outcome, now);
-    }
-
-    /// A call answered or timed out on the connection `serial`: one fewer in flight there.
-    fn settle(&mut self, serial: u32) {
-        if let Some(link) = find(&mut self.current, &mut self.draining, serial) {
-            link.in_flight = link.in_flight.saturating_sub(1);
-        }
     }
 
     /// Sends `slot`'s call again (it was refused unstarted), keeping its intended start.
@@ -804,7 +665,7 @@ impl Worker {
         for (_, s) in expired.drain(..) {
             let outcome = match s.link {
                 Some(serial) => {
-                    self.settle(serial);
+                    self.links.settle(serial);
                     CallOutcome::NoReply
                 }
                 None => {
@@ -819,7 +680,7 @@ impl Worker {
             let table = &mut self.table;
             self.parked.retain(|&id| table.get_mut(id).is_some());
         }
-        self.maybe_return_home(now);
+        self.links.return_home(now);
         self.publish();
     }
 
@@ -842,7 +703,7 @@ impl Worker {
     /// Moves every connection's byte counts to the metrics and the figures.
     fn count_bytes(&mut self) {
         let step = self.shared.step_of(self.last_read);
-        for l in self.current.iter_mut().chain(self.draining.iter_mut()) {
+        for l in self.links.iter_mut() {
             let c = l.io.take_counts();
             self.shared.metrics.wire.add(c);
             self.books.wire(step, c.bytes_written, c.bytes_read);
@@ -892,12 +753,12 @@ impl Worker {
     /// Whether new calls can be written now (there is a current connection, and it is not
     /// ending).
     fn writable(&self) -> bool {
-        self.current.as_ref().is_some_and(|l| !l.ending)
+        self.links.is_writable()
     }
 
     /// Writes call `id` on the current connection, or parks it until there is one.
     fn send(&mut self, id: u64) {
-        let Some(link) = self.current.as_mut().filter(|l| !l.ending) else {
+        let Some(link) = self.links.writable() else {
             self.parked.push_back(id);
             return;
         };
@@ -911,8 +772,8 @@ impl Worker {
             .encode(&mut self.codec, link.io.wbuf(), id, self.flags);
         match encoded {
             Ok(size) => {
-                link.in_flight += 1;
-                slot.link = Some(link.serial);
+                link.carry();
+                slot.link = Some(link.serial());
                 slot.encoding = encoding;
                 if let Some(a) = encoding {
                     let b = Instant::now();
@@ -940,7 +801,10 @@ impl Worker {
             self.last_done = Some(now);
         }
         let u = slot.user as usize;
-        match self.users.call_done(u, outcome.is_ok(), !self.gave_up) {
+        match self
+            .users
+            .call_done(u, outcome.is_ok(), !self.links.gave_up())
+        {
             // The request's next call is meant to start now: its predecessor ended.
             Next::Call => self.issue_call(u, now, slot.step, now),
             Next::Wait => {}
@@ -959,54 +823,10 @@ impl Worker {
         if open_loop {
             // The slot takes the oldest backlogged request, or waits for the pacer.
             self.start_backlogged(u, now);
-        } else if !self.gave_up && self.shared.may_start(now) {
+        } else if !self.links.gave_up() && self.shared.may_start(now) {
             self.books.due(self.shared.step_of(now));
             self.start_request(u, now, now);
         }
-    }
-}
-
-/// The connection `serial`, current or draining.
-fn find<'a>(
-    current: &'a mut Option<Link>,
-    draining: &'a mut [Link],
-    serial: u32,
-) -> Option<&'a mut Link> {
-    match current {
-        Some(l) if l.serial == serial => Some(l),
-        _ => draining.iter_mut().find(|l| l.serial == serial),
-    }
-}
-
-/// The current connection's next progress, with its serial (pending for ever without
-/// one).
-async fn wait_current(link: &mut Option<Link>) -> (u32, io::Result<IoEvent>) {
-    match link {
-        Some(l) => (l.serial, l.io.wait_io(true).await),
-        None => std::future::pending().await,
-    }
-}
-
-/// The next progress of any draining connection, with its serial (pending for ever
-/// without one).
-async fn wait_draining(links: &mut [Link]) -> (u32, io::Result<IoEvent>) {
-    std::future::poll_fn(|cx| {
-        for l in links.iter_mut() {
-            if let Poll::Ready(r) = l.io.poll_io(cx, true) {
-                return Poll::Ready((l.serial, r));
-            }
-        }
-        Poll::Pending
-    })
-    .await
-}
-
-/// The end of the connection attempt under way, with its target (pending for ever
-/// without one).
-async fn dialed(dialing: &mut Option<Dialing>) -> (usize, Result<TcpStream, DialError>) {
-    match dialing {
-        Some(d) => (d.target, d.finish().await),
-        None => std::future::pending().await,
     }
 }
 
