@@ -22,12 +22,14 @@
 //! - [`hdr_log`]: the interval log, and `driver merge` of a fleet's logs.
 //! - [`embedded`]: the local provider + broker of the default run.
 
+mod calls;
 pub mod capacity;
 pub mod config;
 pub mod connection;
 mod dispatch;
 pub mod embedded;
 pub mod hdr_log;
+mod intake;
 mod links;
 pub mod metrics;
 pub mod outcome;

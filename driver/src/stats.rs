@@ -1,7 +1,7 @@
 //! Statistics of a run, kept apart from I/O: latency histograms (HdrHistogram, in
-//! microseconds), call outcomes, byte counts, and their summaries. Each connection keeps
-//! its [`Books`] (the run's figures and the interval's); the run merges the workers' at
-//! the end.
+//! microseconds), call outcomes, byte counts, and their summaries. Each worker keeps its
+//! [`Books`] (the run's figures and the interval's) and hands back its
+//! [`WorkerFigures`]; the run adds the workers' up at the end.
 
 use std::time::Instant;
 
@@ -560,6 +560,41 @@ impl Books {
             into.add(log);
             log.clear();
         }
+    }
+}
+
+/// What a worker hands back.
+#[derive(Debug, Default)]
+pub(crate) struct WorkerFigures {
+    /// The measured window's figures, by step of the schedule.
+    pub steps: Vec<Tally>,
+    /// Connection attempts that failed.
+    pub connect_failures: u64,
+    /// Times a worker went back to its own target after moving away.
+    pub returned_home: u64,
+    /// Replies that came after their call had timed out.
+    pub late_replies: u64,
+    /// When the last measured call finished.
+    pub last_done: Option<Instant>,
+    /// Open loop: how late measured requests that found a free slot started after their
+    /// intended time, µs (the pacer's precision).
+    pub lag: Latency,
+}
+
+impl WorkerFigures {
+    /// Adds another worker's figures (the run's are the sum of its workers').
+    pub fn add(&mut self, o: &WorkerFigures) {
+        if self.steps.len() < o.steps.len() {
+            self.steps.resize_with(o.steps.len(), Tally::default);
+        }
+        for (a, b) in self.steps.iter_mut().zip(&o.steps) {
+            a.add(b);
+        }
+        self.connect_failures += o.connect_failures;
+        self.returned_home += o.returned_home;
+        self.late_replies += o.late_replies;
+        self.last_done = self.last_done.max(o.last_done);
+        self.lag.add(&o.lag);
     }
 }
 

@@ -1,26 +1,24 @@
-//! One worker: a share of the run's users and the connections they call over, the load
-//! generator's engine. The parts it runs live beside it: [`crate::users`] (the request
-//! state machine), [`crate::pacer`] (the open-loop schedule), [`crate::connection`] (which
-//! target to dial, and when), the slot table of calls in flight
-//! (`rpcmesh_common::net::slots`), and [`crate::stats::Books`] (the figures); what the
-//! run's workers share is [`crate::shared`]'s.
+//! One worker: a share of the run's users, their calls, and the connections they call
+//! over; the load generator's engine. What it runs lives beside it: [`crate::users`] (the
+//! request state machine), [`crate::intake`] (where requests come from: the users, or the
+//! pacer's schedule and a backlog), [`crate::calls`] (the calls written or parked),
+//! [`crate::links`] (the connections' lifecycle; [`crate::connection`] chooses the
+//! targets) and [`crate::stats::Books`] (the figures); what the run's workers share is
+//! [`crate::shared`]'s.
 //!
-//! One task per worker runs its users: a reply is matched to its call by request id in the
-//! slot table, and the user's next call is encoded straight into the current connection's
-//! write buffer in the same round. No task per user, no channel or allocation per call;
-//! every call issued in a round leaves in one `write`. Every tick the worker times out
-//! calls past the deadline and hands its interval's figures to the shared metrics and the
-//! progress line.
+//! One task per worker runs its users: a reply is matched to its call by request id, and
+//! the user's next call is encoded straight into the current connection's write buffer in
+//! the same round. No task per user, no channel or allocation per call; every call issued
+//! in a round leaves in one `write`. Every tick the worker times out calls past the
+//! deadline and hands its interval's figures to the shared metrics and the progress line.
 //!
-//! Rolling restarts cost no failed call while another target is healthy:
+//! Every call sent has exactly one outcome, and rolling restarts cost no failed call while
+//! another target is healthy:
 //!
 //! - A reply flagged `NOT_RUN` (a draining broker or provider did not start the call) is
 //!   not an outcome: the call is sent again on the worker's next connection, to the next
 //!   target in turn, at most [`MAX_REROUTES`] times, still timed from its first intended
-//!   start. The connection that said it is draining takes no more calls; it is kept, and
-//!   read, until the calls written on it are answered (at most
-//!   [`crate::links::MAX_DRAINING`] at once),
-//!   and new calls go to a new connection.
+//!   start. The connection that said so takes no more calls and drains.
 //! - A refused connect or a lost connection moves the worker to the next target at once
 //!   (each target keeps its own back-off). Calls lost with a connection after they were
 //!   written count as `connection` (they may have run).
@@ -31,16 +29,13 @@
 //!   When no target can be reached in time the worker gives up: what is parked fails, what
 //!   is due is counted not sent.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rpcmesh_common::metrics::families::InFlightShare;
-use rpcmesh_common::metrics::families::Sampler;
+use rpcmesh_common::metrics::families::{InFlightShare, Sampler};
 use rpcmesh_common::metrics::{ErrorKind, Side};
 use rpcmesh_common::net::connection::{CloseReason, FramedIo, IoEvent};
 use rpcmesh_common::net::listener::AcceptObserver;
-use rpcmesh_common::net::slots::SlotTable;
 use rpcmesh_wire::Status;
 use rpcmesh_wire::codec::FrameCodec;
 use rpcmesh_wire::compress::DEFAULT_MAX_INFLATED_LEN;
@@ -49,15 +44,17 @@ use rpcmesh_wire::frame::{DEFAULT_MAX_BODY_LEN, Flags, Frame, MsgType};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use crate::calls::{Calls, Place, Slot};
 use crate::connection::Connector;
+use crate::intake::Intake;
 use crate::links::{Aside, Link, LinkEvent, Links, Patience, Reach};
 use crate::metrics::{CALL, CONNECTION_WAIT, DECODE, ENCODE, REQUEST, ROUND_TRIP};
 use crate::outcome::{CallOutcome, Loss};
-use crate::pacer::{Backlog, Offered};
-use crate::stats::{Books, Latency, Tally, Took};
+use crate::stats::{Books, Took};
 use crate::users::{Finished, Next, Users};
 // `lib.rs` names these through the worker.
 pub(crate) use crate::shared::{FinishLine, RunShared};
+pub(crate) use crate::stats::WorkerFigures;
 
 /// How often a worker checks deadlines and hands its figures to the progress line.
 const TICK: Duration = Duration::from_millis(100);
@@ -84,63 +81,13 @@ pub(crate) struct Plan {
     pub backlog: usize,
 }
 
-/// What a worker hands back.
-#[derive(Debug, Default)]
-pub(crate) struct WorkerFigures {
-    /// The measured window's figures, by step of the schedule.
-    pub steps: Vec<Tally>,
-    /// Connection attempts that failed.
-    pub connect_failures: u64,
-    /// Times a worker went back to its own target after moving away.
-    pub returned_home: u64,
-    /// Replies that came after their call had timed out.
-    pub late_replies: u64,
-    /// When the last measured call finished.
-    pub last_done: Option<Instant>,
-    /// Open loop: how late measured requests that found a free slot started after their
-    /// intended time, µs (the pacer's precision).
-    pub lag: Latency,
-}
-
-impl WorkerFigures {
-    /// Adds another worker's figures (the run's are the sum of its workers').
-    pub fn add(&mut self, o: &WorkerFigures) {
-        if self.steps.len() < o.steps.len() {
-            self.steps.resize_with(o.steps.len(), Tally::default);
-        }
-        for (a, b) in self.steps.iter_mut().zip(&o.steps) {
-            a.add(b);
-        }
-        self.connect_failures += o.connect_failures;
-        self.returned_home += o.returned_home;
-        self.late_replies += o.late_replies;
-        self.last_done = self.last_done.max(o.last_done);
-        self.lag.add(&o.lag);
-    }
-}
-
-/// A call issued and waiting for its outcome (its request id is its key in the table):
-/// written on a connection, or parked until there is one.
-#[derive(Debug, Clone, Copy)]
-struct Slot {
-    /// When the call was meant to start: its request's intended start for the first call
-    /// (every call with `--parallel`), its own start for the next ones. Latency runs from
-    /// here, through every re-send.
-    intended: Instant,
-    /// When the call was issued (the round's time): the uncorrected latency and the call
-    /// timeout run from here (a re-send does not move them).
-    sent: Instant,
-    user: u32,
-    /// The measured step it belongs to (`None`: warm-up).
-    step: Option<usize>,
-    /// The connection it is written on (its serial); `None` while parked.
-    link: Option<u32>,
-    /// Times it was sent again after a `NOT_RUN` refusal.
-    tries: u8,
-    /// Stage stamps (stages on only): encoding began, encoding ended, write returned.
-    encoding: Option<Instant>,
-    encoded: Option<Instant>,
-    written: Option<Instant>,
+/// Which calls and requests have their stages timed, and the timed calls encoded this
+/// round (stamped when the round's write has returned).
+#[derive(Debug)]
+struct Timing {
+    calls: Sampler,
+    requests: Sampler,
+    round: Vec<u64>,
 }
 
 /// What woke the worker.
@@ -154,7 +101,7 @@ enum Event {
 }
 
 /// Runs one worker's users until the run ends; returns their figures.
-pub(crate) async fn run(mut plan: Plan, shared: Arc<RunShared>) -> WorkerFigures {
+pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> WorkerFigures {
     let c = &shared.config;
     let mut flags = Flags::NONE;
     if c.ext {
@@ -164,100 +111,86 @@ pub(crate) async fn run(mut plan: Plan, shared: Arc<RunShared>) -> WorkerFigures
         }
     }
     let now = Instant::now();
-    let open_loop = plan.dues.is_some();
-    let targets = std::mem::take(&mut plan.targets);
+    let mut users = Users::new(plan.users, c.fanout, c.parallel, now);
+    let intake = match plan.dues {
+        // Open loop: requests are handed over from now on, connected or not; the users
+        // are the slots they take.
+        Some(dues) => {
+            users.free_all();
+            Intake::open(dues, plan.backlog)
+        }
+        None => Intake::Waiting,
+    };
+    let patience = Patience {
+        until: shared.until,
+        after: c.call_timeout,
+        stop: shared.stop.clone(),
+    };
     let mut w = Worker {
+        index: plan.index,
         codec: CallCodec::new(c.compression, DEFAULT_MAX_INFLATED_LEN)
             .timed(shared.metrics.compression.clone()),
-        users: Users::new(plan.users, c.fanout, c.parallel, now),
-        table: SlotTable::with_capacity(plan.users * c.fanout as usize),
-        dues: None,
-        open_loop,
-        backlog: Backlog::new(plan.backlog),
         flags,
-        in_flight_share: InFlightShare::new(shared.metrics.in_flight.clone()),
-        round: Vec::new(),
-        expired: Vec::new(),
-        sampler: shared.metrics.stages.sampler(),
-        request_sampler: shared.metrics.stages.sampler(),
-        last_read: now,
+        calls: Calls::with_capacity(plan.users * c.fanout as usize),
+        users,
+        intake,
         links: Links::new(
-            Connector::new(targets, plan.first, plan.index),
-            Patience {
-                until: shared.until,
-                after: c.call_timeout,
-                stop: shared.stop.clone(),
-            },
+            Connector::new(plan.targets, plan.first, plan.index),
+            patience,
             now,
         ),
-        parked: VecDeque::new(),
+        timing: Timing {
+            calls: shared.metrics.stages.sampler(),
+            requests: shared.metrics.stages.sampler(),
+            round: Vec::new(),
+        },
+        in_flight_share: InFlightShare::new(shared.metrics.in_flight.clone()),
+        last_read: now,
         inbox: Vec::new(),
-        // The closed loop's users begin once connected; the open loop's requests come from
-        // the pacer, connected or not.
-        begun: open_loop,
+        ended: Vec::new(),
         books: if c.hdr_log.is_some() {
             Books::default().logging()
         } else {
             Books::default()
         },
-        late_replies: 0,
-        last_done: None,
-        lag: Latency::default(),
+        figures: WorkerFigures::default(),
         shared: shared.clone(),
-        plan,
     };
     w.run().await;
     WorkerFigures {
         steps: w.books.steps,
         connect_failures: w.links.connector().failures(),
         returned_home: w.links.connector().returns(),
-        late_replies: w.late_replies,
-        last_done: w.last_done,
-        lag: w.lag,
+        ..w.figures
     }
 }
 
 struct Worker {
-    plan: Plan,
+    /// Its number in the run.
+    index: usize,
     shared: Arc<RunShared>,
     codec: CallCodec,
+    /// The flags of every request.
     flags: Flags,
     users: Users,
-    /// Calls issued and without an outcome yet, on every connection, and parked.
-    table: SlotTable<Slot>,
-    /// Open loop: the intended starts of this worker's requests (`None` once the schedule
-    /// is over, and in the closed loop).
-    dues: Option<UnboundedReceiver<Instant>>,
-    /// An open-loop run.
-    open_loop: bool,
-    /// Open loop: the requests that were due while every slot was busy, or while there was
-    /// no connection.
-    backlog: Backlog,
-    /// This worker's share of the calls-in-flight gauge.
-    in_flight_share: InFlightShare,
-    /// Ids of the timed calls encoded this round.
-    round: Vec<u64>,
-    /// Calls past their deadline or lost with a connection, taken out of the table (kept
-    /// for its memory).
-    expired: Vec<(u64, Slot)>,
-    /// Pick the calls and requests whose stages are timed.
-    sampler: Sampler,
-    request_sampler: Sampler,
-    /// When the last read returned (the clock of the byte counts).
-    last_read: Instant,
+    calls: Calls,
+    intake: Intake,
     /// The connections, and the attempt to make one.
     links: Links<FramedIo>,
-    /// Ids of calls waiting for a connection, oldest first (bounded by the table: each is
-    /// a user's call).
-    parked: VecDeque<u64>,
+    timing: Timing,
+    /// This worker's share of the calls-in-flight gauge.
+    in_flight_share: InFlightShare,
+    /// When the last read returned (the clock of the byte counts).
+    last_read: Instant,
     /// The frames of one read, handled after it (kept for its memory).
     inbox: Vec<Frame>,
-    /// Users make requests (closed loop: since the first connection).
-    begun: bool,
+    /// Calls past their deadline or lost with a connection, taken out at once and then
+    /// given their outcomes (kept for its memory).
+    ended: Vec<(u64, Slot)>,
     books: Books,
-    late_replies: u64,
-    last_done: Option<Instant>,
-    lag: Latency,
+    /// The figures the books do not keep: late replies, the last measured call's end, the
+    /// open loop's start lag.
+    figures: WorkerFigures,
 }
 
 impl Worker {
@@ -266,33 +199,27 @@ impl Worker {
         // the worker ends.
         let shared = self.shared.clone();
         let runner = shared.finish.runner();
-        // Open loop: requests are handed over from now on, connected or not.
-        self.dues = self.plan.dues.take();
-        if self.open_loop {
-            self.users.free_all();
-        }
         // The measured window's figures are made before it starts when the warm-up is
-        // shorter than PREPARE_AHEAD, else on a tick during the warm-up.
+        // shorter than the preparation's lead, else on a tick during the warm-up.
         let now = Instant::now();
         self.books.prepare(self.shared.step_of(now));
         self.books.prepare(self.shared.step_ahead(now));
         // The workers' ticks are spread over the period, not all at once: each holds the
-        // thread for tens of µs, and eight together delayed the requests due then by a few
-        // hundred (a tail in the pacer's start lag).
-        let phase = TICK * self.plan.index as u32 / self.shared.config.connections.max(1) as u32;
+        // thread for tens of µs, and all together would delay the requests due then (a
+        // tail in the pacer's start lag).
+        let phase = TICK * self.index as u32 / self.shared.config.connections.max(1) as u32;
         let mut tick = tokio::time::interval_at((Instant::now() + phase).into(), TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         while !self.finished() {
             let event = tokio::select! {
                 biased;
-                due = next_due(&mut self.dues) => Event::Due(due),
+                due = self.intake.next_due() => Event::Due(due),
                 ev = self.links.next_event() => Event::Link(ev),
                 _ = tick.tick() => Event::Tick,
             };
             match event {
                 Event::Due(Some(due)) => self.on_due(due),
-                // The schedule is over.
-                Event::Due(None) => self.dues = None,
+                Event::Due(None) => self.intake.schedule_over(),
                 Event::Link(LinkEvent::Io(serial, Ok(IoEvent::Read))) => self.on_read(serial),
                 Event::Link(LinkEvent::Io(_, Ok(IoEvent::Wrote))) => {}
                 Event::Link(LinkEvent::Io(serial, Err(e))) => self.lose(serial, Loss::Socket(e)),
@@ -324,11 +251,9 @@ impl Worker {
     /// The worker is done: nothing in flight or parked, no request under way or waiting,
     /// and none to come.
     fn finished(&self) -> bool {
-        (self.begun || self.links.gave_up())
-            && self.table.is_empty()
+        self.intake.is_over(self.links.gave_up())
+            && self.calls.is_empty()
             && self.users.active() == 0
-            && self.dues.is_none()
-            && self.backlog.is_empty()
     }
 
     /// Open loop: starts the request due at `due` (and every other one already handed
@@ -343,7 +268,7 @@ impl Worker {
         while let Some(due) = next {
             let step = self.shared.step_of(due);
             self.books.due(step);
-            let free = if self.writable() {
+            let free = if self.links.is_writable() {
                 self.users.take_free()
             } else {
                 None
@@ -352,21 +277,21 @@ impl Worker {
                 Some(u) => {
                     if step.is_some() {
                         let lag = now.saturating_duration_since(due).as_micros() as u64;
-                        self.lag.record_us(lag);
+                        self.figures.lag.record_us(lag);
                     }
                     self.start_request(u, due, now);
                 }
-                None => wait_for_slot(&mut self.backlog, &mut self.books, due, step),
+                None => self.intake.wait_for_slot(due, step, &mut self.books),
             }
-            next = self.dues.as_mut().and_then(|d| d.try_recv().ok());
+            next = self.intake.try_due();
         }
     }
 
     /// Open loop, a slot is free: the oldest backlogged request starts on it (once there
     /// is a connection), else it waits for the pacer.
     fn start_backlogged(&mut self, u: usize, now: Instant) {
-        let waiting = if self.writable() {
-            self.backlog.take()
+        let waiting = if self.links.is_writable() {
+            self.intake.take_backlogged()
         } else {
             None
         };
@@ -379,29 +304,23 @@ impl Worker {
         }
     }
 
-    /// Open loop, just connected: the requests that waited meanwhile start on the free
-    /// slots, oldest first.
+    /// Just connected: the users go on. Open loop: the requests that waited meanwhile
+    /// start on the free slots, oldest first. Closed loop: the users begin, on the first
+    /// connection.
     fn start_waiting(&mut self, now: Instant) {
-        while !self.backlog.is_empty() && self.writable() {
-            let Some(u) = self.users.take_free() else {
-                return;
-            };
-            self.start_backlogged(u, now);
-        }
-    }
-
-    /// No target can be reached in time: requests waiting for a slot, or yet to be handed
-    /// over, can no longer be sent; the pacer hands no more to this worker.
-    fn abandon(&mut self) {
-        for due in self.backlog.drain() {
-            self.books.not_sent(self.shared.step_of(due));
-        }
-        if let Some(mut dues) = self.dues.take() {
-            dues.close();
-            while let Ok(due) = dues.try_recv() {
-                let step = self.shared.step_of(due);
-                self.books.due(step);
-                self.books.not_sent(step);
+        if self.intake.is_open() {
+            while self.intake.has_backlog() && self.links.is_writable() {
+                let Some(u) = self.users.take_free() else {
+                    return;
+                };
+                self.start_backlogged(u, now);
+            }
+        } else if self.intake.begin() {
+            for u in 0..self.users.len() {
+                if self.shared.may_start(now) {
+                    self.books.due(self.shared.step_of(now));
+                    self.start_request(u, now, now);
+                }
             }
         }
     }
@@ -414,21 +333,24 @@ impl Worker {
         }
     }
 
-    /// No target could be reached in time: the parked calls fail, unwritten; what is due
-    /// is not sent; the users start nothing more.
+    /// No target could be reached in time: the parked calls fail, unwritten; requests
+    /// waiting for a slot, or yet to be handed over, can no longer be sent (the pacer hands
+    /// no more to this worker); the users start nothing more.
     fn give_up(&mut self) {
         tracing::warn!(
-            worker = self.plan.index,
-            parked = self.parked.len(),
+            worker = self.index,
+            parked = self.calls.parked(),
             "no target reachable in time; this worker stops"
         );
         let now = Instant::now();
-        while let Some(id) = self.parked.pop_front() {
-            if let Some(slot) = self.table.take(id) {
+        while let Some(id) = self.calls.unpark() {
+            if let Some(slot) = self.calls.take(id) {
                 self.call_done(slot, CallOutcome::NoConnection, now);
             }
         }
-        self.abandon();
+        let shared = &self.shared;
+        self.intake
+            .abandon(&mut self.books, |due| shared.step_of(due));
     }
 
     /// A connection to `target` is up: it becomes the current one (a current one to
@@ -440,23 +362,13 @@ impl Worker {
         let aside = self.links.connected(target, io);
         self.set_aside(aside);
         let now = Instant::now();
-        for _ in 0..self.parked.len() {
-            match self.parked.pop_front() {
+        for _ in 0..self.calls.parked() {
+            match self.calls.unpark() {
                 Some(id) => self.send(id),
                 None => break,
             }
         }
-        if self.open_loop {
-            self.start_waiting(now);
-        } else if !self.begun {
-            self.begun = true;
-            for u in 0..self.users.len() {
-                if self.shared.may_start(now) {
-                    self.books.due(self.shared.step_of(now));
-                    self.start_request(u, now, now);
-                }
-            }
-        }
+        self.start_waiting(now);
     }
 
     /// The connection `serial` is gone (`loss`): every call written on it fails (it may
@@ -471,21 +383,20 @@ impl Worker {
 
     /// `link` was lost (`loss`): it closes, and every call written on it fails.
     fn lost(&mut self, link: Link<FramedIo>, loss: Loss) {
-        let serial = link.serial();
-        let mut lost = std::mem::take(&mut self.expired);
-        self.table.take_where(|s| s.link == Some(serial), &mut lost);
+        let mut lost = std::mem::take(&mut self.ended);
+        self.calls.take_on(link.serial(), &mut lost);
         self.retire(link, loss.close_reason());
         let now = Instant::now();
         for (_, s) in lost.drain(..) {
             self.call_done(s, Loss::OUTCOME, now);
         }
-        self.expired = lost;
+        self.ended = lost;
     }
 
-    /// The connection `serial` refused a call unstarted: it is draining. If it is the
-    /// current one, it takes no more calls (it is kept until its calls are answered) and
-    /// the worker dials the next target.
-    fn draining_link(&mut self, serial: u32) {
+    /// The connection `serial` refused a call unstarted: its target is draining. If it is
+    /// the current one, it takes no more calls (it is kept until its calls are answered)
+    /// and the worker dials the next target.
+    fn drained(&mut self, serial: u32) {
         if let Some((aside, reach)) = self.links.drained(serial, Instant::now()) {
             self.reach(reach);
             self.set_aside(aside);
@@ -503,7 +414,10 @@ impl Worker {
 
     /// Closes `link`, counting its last bytes and why it closed.
     fn retire(&mut self, mut link: Link<FramedIo>, reason: CloseReason) {
-        self.count_link(&mut link.io);
+        let c = link.io.take_counts();
+        self.shared.metrics.wire.add(c);
+        let step = self.shared.step_of(self.last_read);
+        self.books.wire(step, c.bytes_written, c.bytes_read);
         self.shared.metrics.conns.closed(reason);
     }
 
@@ -571,13 +485,8 @@ impl Worker {
             return;
         }
         self.links.heard(serial);
-        let id = frame.header.req_id;
-        let ours = self
-            .table
-            .get_mut(id)
-            .is_some_and(|s| s.link == Some(serial));
-        let Some(slot) = ours.then(|| self.table.take(id)).flatten() else {
-            self.late_replies += 1;
+        let Some(slot) = self.calls.take_answered(frame.header.req_id, serial) else {
+            self.figures.late_replies += 1;
             self.shared
                 .metrics
                 .errors
@@ -602,7 +511,7 @@ impl Worker {
         let not_run = frame.header.flags.contains(Flags::NOT_RUN);
         if not_run && outcome == CallOutcome::Replied(Status::Unavailable) {
             // Not an outcome: the call did not start there. The connection takes no more.
-            self.draining_link(serial);
+            self.drained(serial);
             if slot.tries < MAX_REROUTES {
                 self.reroute(slot);
                 return;
@@ -623,27 +532,20 @@ impl Worker {
     /// Sends `slot`'s call again (it was refused unstarted), keeping its intended start.
     fn reroute(&mut self, slot: Slot) {
         self.books.rerouted(slot.step);
-        let id = self.table.insert(Slot {
-            link: None,
-            tries: slot.tries + 1,
-            encoding: None,
-            encoded: None,
-            written: None,
-            ..slot
-        });
+        let id = self.calls.issue(slot.retry());
         self.send(id);
     }
 
     /// Stamps the calls written this round and records their `connection_wait` stage.
     fn record_written(&mut self) {
-        if self.round.is_empty() {
+        if self.timing.round.is_empty() {
             return;
         }
         let now = Instant::now();
         let stages = &self.shared.metrics.stages;
         // Drained, not taken: the round's buffer is kept for the next round.
-        for id in self.round.drain(..) {
-            if let Some(slot) = self.table.get_mut(id) {
+        for id in self.timing.round.drain(..) {
+            if let Some(slot) = self.calls.get_mut(id) {
                 slot.written = Some(now);
                 if let Some(e) = slot.encoded {
                     stages.record_span(CONNECTION_WAIT, e, now);
@@ -658,40 +560,31 @@ impl Worker {
         let now = Instant::now();
         self.books.prepare(self.shared.step_ahead(now));
         let timeout = self.shared.config.call_timeout;
-        let mut expired = std::mem::take(&mut self.expired);
-        self.table
-            .take_where(|s| now.duration_since(s.sent) >= timeout, &mut expired);
-        let mut unparked = false;
+        let mut expired = std::mem::take(&mut self.ended);
+        self.calls.take_expired(now, timeout, &mut expired);
         for (_, s) in expired.drain(..) {
-            let outcome = match s.link {
-                Some(serial) => {
+            let outcome = match s.place {
+                Place::On(serial) => {
                     self.links.settle(serial);
                     CallOutcome::NoReply
                 }
-                None => {
-                    unparked = true;
-                    CallOutcome::NoConnection
-                }
+                Place::Parked => CallOutcome::NoConnection,
             };
             self.call_done(s, outcome, now);
         }
-        self.expired = expired;
-        if unparked {
-            let table = &mut self.table;
-            self.parked.retain(|&id| table.get_mut(id).is_some());
-        }
+        self.ended = expired;
         self.links.return_home(now);
         self.publish();
     }
 
     /// Hands the figures since the last tick to the shared metrics and the progress line.
     fn publish(&mut self) {
-        if let Some(m) = self.shared.logs.get(self.plan.index) {
+        if let Some(m) = self.shared.logs.get(self.index) {
             let mut shared = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             self.books.take_log(&mut shared);
         }
         self.shared.metrics.add(&self.books.interval);
-        match self.shared.intervals.get(self.plan.index) {
+        match self.shared.intervals.get(self.index) {
             Some(m) => {
                 let mut shared = m.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                 self.books.take_interval(&mut shared);
@@ -708,23 +601,14 @@ impl Worker {
             self.shared.metrics.wire.add(c);
             self.books.wire(step, c.bytes_written, c.bytes_read);
         }
-        let written = self.table.len().saturating_sub(self.parked.len());
-        self.in_flight_share.report(written);
-    }
-
-    /// Moves one connection's byte counts (one about to close).
-    fn count_link(&mut self, io: &mut FramedIo) {
-        let c = io.take_counts();
-        self.shared.metrics.wire.add(c);
-        let step = self.shared.step_of(self.last_read);
-        self.books.wire(step, c.bytes_written, c.bytes_read);
+        self.in_flight_share.report(self.calls.written());
     }
 
     /// User `u` starts, at `now`, a request meant to start at `intended` (the same instant
     /// in the closed loop); it is measured when that instant is in the measured window.
     fn start_request(&mut self, u: usize, intended: Instant, now: Instant) {
         let step = self.shared.step_of(intended);
-        let timed = self.request_sampler.pick();
+        let timed = self.timing.requests.pick();
         let calls = self.users.start(u, intended, now, step, timed);
         for _ in 0..calls {
             self.issue_call(u, intended, step, now);
@@ -733,39 +617,23 @@ impl Worker {
 
     /// Issues a call of user `u`'s request, which belongs to `step` (the request's).
     fn issue_call(&mut self, u: usize, intended: Instant, step: Option<usize>, now: Instant) {
-        let id = self.table.insert(Slot {
-            intended,
-            sent: now,
-            user: u as u32,
-            step,
-            link: None,
-            tries: 0,
-            encoding: None,
-            encoded: None,
-            written: None,
-        });
+        let id = self.calls.issue(Slot::new(u, intended, step, now));
         // Sent, whether or not it encodes or finds a connection: every call sent gets
         // exactly one outcome.
         self.books.sent(step);
         self.send(id);
     }
 
-    /// Whether new calls can be written now (there is a current connection, and it is not
-    /// ending).
-    fn writable(&self) -> bool {
-        self.links.is_writable()
-    }
-
     /// Writes call `id` on the current connection, or parks it until there is one.
     fn send(&mut self, id: u64) {
         let Some(link) = self.links.writable() else {
-            self.parked.push_back(id);
+            self.calls.park(id);
             return;
         };
-        let Some(slot) = self.table.get_mut(id) else {
+        let Some(slot) = self.calls.get_mut(id) else {
             return;
         };
-        let encoding = self.sampler.stamp();
+        let encoding = self.timing.calls.stamp();
         let encoded = self
             .shared
             .workload
@@ -773,19 +641,19 @@ impl Worker {
         match encoded {
             Ok(size) => {
                 link.carry();
-                slot.link = Some(link.serial());
+                slot.place = Place::On(link.serial());
                 slot.encoding = encoding;
                 if let Some(a) = encoding {
                     let b = Instant::now();
                     self.shared.metrics.stages.record_span(ENCODE, a, b);
                     slot.encoded = Some(b);
-                    self.round.push(id);
+                    self.timing.round.push(id);
                 }
                 self.books.payload_out(slot.step, size);
             }
             Err(e) => {
                 tracing::error!(error = %e, "request not encodable");
-                if let Some(slot) = self.table.take(id) {
+                if let Some(slot) = self.calls.take(id) {
                     self.call_done(slot, CallOutcome::Encode, Instant::now());
                 }
             }
@@ -795,10 +663,10 @@ impl Worker {
     /// A call has its outcome: count it, and move its user on.
     fn call_done(&mut self, slot: Slot, outcome: CallOutcome, now: Instant) {
         // The progress line shows the warm-up too; the report only what is measured.
-        let took = Took::between(slot.intended, slot.sent, now, self.open_loop);
+        let took = Took::between(slot.intended, slot.sent, now, self.intake.is_open());
         self.books.call(slot.step, outcome, took);
         if slot.step.is_some() {
-            self.last_done = Some(now);
+            self.figures.last_done = Some(now);
         }
         let u = slot.user as usize;
         match self
@@ -813,7 +681,7 @@ impl Worker {
     }
 
     fn request_done(&mut self, u: usize, request: Finished, now: Instant) {
-        let open_loop = self.open_loop;
+        let open_loop = self.intake.is_open();
         let took = Took::between(request.intended, request.started, now, open_loop);
         if request.timed {
             let stages = &self.shared.metrics.stages;
@@ -827,22 +695,5 @@ impl Worker {
             self.books.due(self.shared.step_of(now));
             self.start_request(u, now, now);
         }
-    }
-}
-
-/// Open loop: a request due while no slot can take it waits in the backlog, or, beyond
-/// its bound, is not sent.
-fn wait_for_slot(backlog: &mut Backlog, books: &mut Books, due: Instant, step: Option<usize>) {
-    if backlog.offer(due) == Offered::NotSent {
-        books.not_sent(step);
-    }
-}
-
-/// The next intended start handed to this worker (pending for ever in the closed loop,
-/// `None` once the schedule is over).
-async fn next_due(dues: &mut Option<UnboundedReceiver<Instant>>) -> Option<Instant> {
-    match dues {
-        Some(rx) => rx.recv().await,
-        None => std::future::pending().await,
     }
 }
