@@ -5,9 +5,9 @@
 //! and hands the instant to the connections in turn; each connection starts the request
 //! at once (or, when every slot is busy or it has no connection, between one target and
 //! the next, backlogs it, or counts it not sent), timed from that instant: a request held
-//! back by a fail-over shows its wait in the latency. With one timer per
-//! connection, eight connections' timers woke and spun over one another, and the start
-//! lag's p99 rose from tens to hundreds of µs (measured on the 2-vCPU VM).
+//! back by a fail-over shows its wait in the latency. One timer for the run, because
+//! timers of their own per connection wake and spin over one another, and the start
+//! lag's tail grows with the number of connections.
 //!
 //! Owns the waking and the handing out; when requests are due is [`crate::pacer`]'s, what
 //! a connection does with one is the worker's.
@@ -53,8 +53,8 @@ pub(crate) async fn run(
             return;
         }
         // Let the connections start what was handed to them before the timer is armed
-        // again: arming it is a syscall that costs a VM exit (measured: it added 13 µs to
-        // the median start lag when done first).
+        // again: arming it is a syscall (on a VM, an exit), which would otherwise delay
+        // every request just handed over.
         tokio::task::yield_now().await;
     }
 }

@@ -53,25 +53,23 @@ pub enum Arrival {
 )]
 #[serde(rename_all = "lowercase")]
 pub enum Pacing {
-    /// Spins (yielding to the connections) through the last [`EXACT_SPIN`] before each
-    /// request, so that its thread never halts then: start lag within tens of µs even on a
+    /// Spins (yielding to the connections) through the last 2 ms (`EXACT_SPIN`) before
+    /// each request, so that its thread never halts then: start lag within tens of µs even on a
     /// shared VM, for up to one core's worth of spinning.
     #[default]
     Exact,
     /// Sleeps until each request is due (no lead, no spinning): a few per cent of a core
     /// whatever the load, and a start lag of tens to hundreds of µs on a shared VM (a
     /// halted vCPU is sometimes woken late). For a driver that shares its machine with
-    /// what it measures. (It used to aim early by the wake-ups' p99.5 lateness and spin
-    /// through it; under load that tail grew to milliseconds and the pacer spun a core,
-    /// which starved the mesh it shared the machine with: at 4,000 requests/s through a
-    /// one-thread broker, requests' p50 was 4.3 ms against 0.3 ms at 1,000/s.)
+    /// what it measures: it does not aim early, because under load the wake-ups' lateness
+    /// grows to milliseconds, and spinning through it would take a core from the mesh.
     Lean,
 }
 
 /// Exact pacing spins through this much of the time before each request: at 500
 /// requests/s and more, then, the pacer's thread does not halt at all; below, it sleeps
 /// the rest of each gap. A vCPU woken 2 ms ahead has time to run again however long its
-/// wake-up takes (on the 2-vCPU VM, up to a few ms, rarely).
+/// wake-up takes (on a shared VM, up to a few ms, rarely).
 pub const EXACT_SPIN: Duration = Duration::from_millis(2);
 
 impl fmt::Display for Pacing {

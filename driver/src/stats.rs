@@ -29,11 +29,9 @@ const INTERVAL_SIGFIGS: u8 = 2;
 /// It covers the latencies it has been given, not [`MAX_LATENCY_US`] from the start: it
 /// grows (HdrHistogram's auto-resizing) when a larger one arrives. At 3 significant digits
 /// the whole 60 s range takes 147 KB, and every connection keeps four histograms per
-/// measured step: with the range made up front, 200 connections took 111 MB at the start
-/// of the measured window, all at once, and their page faults held the driver's thread for
-/// about 0.5 ms per connection, which every call in flight then took as latency (about 100
-/// ms at 200 connections: docs/performance.md, "The driver's own stall"). Calls of a few
-/// milliseconds need 16–40 KB.
+/// measured step: made up front, hundreds of connections would fault in tens of MB at the
+/// start of the measured window, all at once, holding the driver's thread while every
+/// call in flight takes the wait as latency. Calls of a few milliseconds need 16–40 KB.
 #[derive(Debug, Clone)]
 pub struct Latency(Histogram<u64>);
 
