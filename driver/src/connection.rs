@@ -74,6 +74,16 @@ pub enum Heard {
     Reply,
 }
 
+/// Whether a worker still reaches, or tries to reach, a target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reach {
+    /// A connection is up, or an attempt is under way (or the run is over).
+    Reachable,
+    /// No target could be reached in time, and nothing is dialled any more: the worker
+    /// starts nothing new, and its requests under way end at once.
+    GaveUp,
+}
+
 /// Why a connection attempt made no connection.
 #[derive(Debug, thiserror::Error)]
 pub enum DialError {

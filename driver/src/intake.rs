@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use crate::connection::Reach;
 use crate::pacer::{Backlog, Offered};
 use crate::stats::Books;
 
@@ -47,9 +48,9 @@ impl Intake {
 
     /// No request waits or is to come: open loop, once the schedule is over and the
     /// backlog empty; closed loop, once the users began, or the worker gave up before.
-    pub fn is_over(&self, gave_up: bool) -> bool {
+    pub fn is_over(&self, reach: Reach) -> bool {
         match self {
-            Intake::Waiting => gave_up,
+            Intake::Waiting => reach == Reach::GaveUp,
             Intake::Closed => true,
             Intake::Open { dues, backlog } => dues.is_none() && backlog.is_empty(),
         }
@@ -146,11 +147,11 @@ mod tests {
     #[test]
     fn the_closed_loop_begins_once_and_is_over_once_begun_or_given_up() {
         let mut i = Intake::Waiting;
-        assert!(!i.is_over(false), "its users have not begun");
-        assert!(i.is_over(true), "it gave up before they could");
+        assert!(!i.is_over(Reach::Reachable), "its users have not begun");
+        assert!(i.is_over(Reach::GaveUp), "it gave up before they could");
         assert!(i.begin());
         assert!(!i.begin(), "only the first connection begins them");
-        assert!(i.is_over(false) && !i.is_open());
+        assert!(i.is_over(Reach::Reachable) && !i.is_open());
     }
 
     #[test]
@@ -169,12 +170,10 @@ mod tests {
             "the one that waits keeps its start"
         );
         drop(tx);
-        assert!(
-            !i.is_over(false),
-            "the schedule is not over until the worker hears it"
-        );
+        let over = i.is_over(Reach::Reachable);
+        assert!(!over, "the schedule is not over until the worker hears it");
         i.schedule_over();
-        assert!(i.is_over(false));
+        assert!(i.is_over(Reach::Reachable));
     }
 
     #[test]
@@ -194,7 +193,7 @@ mod tests {
         i.abandon(&mut books, |_| None);
         let t = &books.interval;
         assert_eq!((t.requests_due, t.requests_not_sent), (5, 5));
-        assert!(i.is_over(false));
+        assert!(i.is_over(Reach::GaveUp));
         assert!(tx.send(t0).is_err(), "the pacer hands no more");
     }
 }

@@ -36,7 +36,7 @@ use rpcmesh_common::net::connection::{FramedIo, IoEvent};
 use rpcmesh_common::net::shutdown::CancellationToken;
 use tokio::net::TcpStream;
 
-use crate::connection::{Connector, DialError, Dialing, Heard};
+use crate::connection::{Connector, DialError, Dialing, Heard, Reach};
 use crate::metrics::DriverMetrics;
 use crate::outcome::Loss;
 
@@ -115,14 +115,15 @@ impl Patience {
     }
 }
 
-/// Whether a transition gave up on reaching any target.
+/// Whether a transition made the worker give up reaching any target.
 #[must_use]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Reach {
-    /// It did not: a connection is up, an attempt is under way, or nothing changed.
-    Reachable,
-    /// It did: no target can be reached in time, nothing is dialled any more. The worker
-    /// fails the calls waiting for a connection and starts nothing new.
+pub(crate) enum Move {
+    /// It goes on: a connection is up, an attempt is under way, or nothing changed.
+    On,
+    /// It gave up, now: no target can be reached in time, nothing is dialled any more
+    /// ([`Links::reach`] says so from then on). The worker fails the calls waiting for a
+    /// connection and starts nothing new.
     GaveUp,
 }
 
@@ -195,9 +196,12 @@ impl<C> Links<C> {
         matches!(self.state, State::Up { .. })
     }
 
-    /// Whether the worker gave up reaching any target.
-    pub fn gave_up(&self) -> bool {
-        matches!(self.state, State::GaveUp)
+    /// Whether the worker still reaches, or tries to reach, a target.
+    pub fn reach(&self) -> Reach {
+        match self.state {
+            State::GaveUp => Reach::GaveUp,
+            _ => Reach::Reachable,
+        }
     }
 
     /// The connection `serial`, current or draining.
@@ -277,7 +281,7 @@ impl<C> Links<C> {
         error: &DialError,
         metrics: &DriverMetrics,
         now: Instant,
-    ) -> Reach {
+    ) -> Move {
         self.connector.failed(target, error, metrics);
         match &mut self.state {
             State::Dialing { since, .. } => {
@@ -286,29 +290,29 @@ impl<C> Links<C> {
             }
             State::Up { home, .. } | State::Ending { home, .. } => {
                 *home = None;
-                Reach::Reachable
+                Move::On
             }
-            State::GaveUp | State::Closed => Reach::Reachable,
+            State::GaveUp | State::Closed => Move::On,
         }
     }
 
     /// The connection `serial` is lost (`loss`): it is handed back, to close and fail the
     /// calls on it. When it was the current one the worker moves on (see the module's
     /// doc). `None` when there is no such connection.
-    pub fn lose(&mut self, serial: u32, loss: &Loss, now: Instant) -> Option<(Link<C>, Reach)> {
+    pub fn lose(&mut self, serial: u32, loss: &Loss, now: Instant) -> Option<(Link<C>, Move)> {
         match std::mem::replace(&mut self.state, State::Closed) {
             State::Up { link, home } | State::Ending { link, home } if link.serial == serial => {
                 self.connector
                     .lost(link.target, link.heard, link.in_flight, loss);
-                let reach = self.move_on(home, now);
-                Some((link, reach))
+                let moved = self.move_on(home, now);
+                Some((link, moved))
             }
             other => {
                 self.state = other;
                 let i = self.draining.iter().position(|l| l.serial == serial)?;
                 let link = self.draining.remove(i);
                 self.log_draining_lost(&link, loss);
-                Some((link, Reach::Reachable))
+                Some((link, Move::On))
             }
         }
     }
@@ -316,13 +320,13 @@ impl<C> Links<C> {
     /// The connection `serial` refused a call unstarted: its target is draining. When it
     /// is the current one it takes no more calls (it is set aside), and the worker moves
     /// on as when it is lost. `None` when it is not the current one.
-    pub fn drained(&mut self, serial: u32, now: Instant) -> Option<(Aside<C>, Reach)> {
+    pub fn drained(&mut self, serial: u32, now: Instant) -> Option<(Aside<C>, Move)> {
         match std::mem::replace(&mut self.state, State::Closed) {
             State::Up { link, home } | State::Ending { link, home } if link.serial == serial => {
                 self.connector.drained(link.target);
                 let aside = self.set_aside(link);
-                let reach = self.move_on(home, now);
-                Some((aside, reach))
+                let moved = self.move_on(home, now);
+                Some((aside, moved))
             }
             other => {
                 self.state = other;
@@ -362,14 +366,14 @@ impl<C> Links<C> {
 
     /// Without a current connection since `now`: to the attempt to go back home if one is
     /// under way, else to the next target in turn.
-    fn move_on(&mut self, home: Option<Dialing>, now: Instant) -> Reach {
+    fn move_on(&mut self, home: Option<Dialing>, now: Instant) -> Move {
         match home {
             Some(attempt) => {
                 self.state = State::Dialing {
                     attempt,
                     since: now,
                 };
-                Reach::Reachable
+                Move::On
             }
             None => self.dial_next(now, now),
         }
@@ -378,19 +382,19 @@ impl<C> Links<C> {
     /// Without a connection since `since`: starts the next attempt (the next target in
     /// turn, at once unless every target is pausing), or gives up when that attempt would
     /// come too late or the run is stopping.
-    fn dial_next(&mut self, since: Instant, now: Instant) -> Reach {
+    fn dial_next(&mut self, since: Instant, now: Instant) -> Move {
         let attempt = self.connector.next_attempt(now);
         if attempt.at > now
             && (attempt.at >= self.patience.give_up_by(since) || self.patience.stop.is_cancelled())
         {
             self.state = State::GaveUp;
-            return Reach::GaveUp;
+            return Move::GaveUp;
         }
         self.state = State::Dialing {
             attempt: self.connector.dial(attempt),
             since,
         };
-        Reach::Reachable
+        Move::On
     }
 
     /// `link` takes no more calls: closed now if none is in flight on it, else kept and
@@ -554,7 +558,7 @@ mod tests {
     fn a_worker_starts_by_dialling_its_own_target_and_writes_on_the_connection_made() {
         let mut l = links(2, 1, LONG);
         assert_eq!(is(&l), Is::Dialing(1));
-        assert!(!l.is_writable() && !l.gave_up());
+        assert!(!l.is_writable() && l.reach() == Reach::Reachable);
         assert!(matches!(l.connected(1, ()), Aside::Kept));
         let up = Is::Up {
             serial: 1,
@@ -568,8 +572,8 @@ mod tests {
     #[test]
     fn a_refused_attempt_dials_the_next_target_at_once() {
         let mut l = links(2, 0, LONG);
-        let reach = l.dial_failed(0, &refused(), &metrics(), Instant::now());
-        assert_eq!(reach, Reach::Reachable);
+        let moved = l.dial_failed(0, &refused(), &metrics(), Instant::now());
+        assert_eq!(moved, Move::On);
         assert_eq!(is(&l), Is::Dialing(1));
         assert_eq!(l.connector().failures(), 1);
     }
@@ -578,7 +582,7 @@ mod tests {
     fn a_worker_waits_out_a_pause_while_its_patience_lasts_and_gives_up_after() {
         let mut patient = links(1, 0, LONG);
         let r = patient.dial_failed(0, &refused(), &metrics(), Instant::now());
-        assert_eq!(r, Reach::Reachable);
+        assert_eq!(r, Move::On);
         assert_eq!(
             is(&patient),
             Is::Dialing(0),
@@ -587,9 +591,9 @@ mod tests {
 
         let mut hasty = links(1, 0, Duration::ZERO);
         let r = hasty.dial_failed(0, &refused(), &metrics(), Instant::now());
-        assert_eq!(r, Reach::GaveUp);
+        assert_eq!(r, Move::GaveUp);
         assert_eq!(is(&hasty), Is::GaveUp);
-        assert!(hasty.gave_up() && !hasty.is_writable());
+        assert!(hasty.reach() == Reach::GaveUp && !hasty.is_writable());
         hasty.return_home(Instant::now() + HOME_RETRY * 2);
         assert_eq!(is(&hasty), Is::GaveUp, "nothing is dialled any more");
     }
@@ -599,14 +603,14 @@ mod tests {
         let mut l = links(1, 0, LONG);
         l.patience.stop.cancel();
         let r = l.dial_failed(0, &refused(), &metrics(), Instant::now());
-        assert_eq!(r, Reach::GaveUp);
+        assert_eq!(r, Move::GaveUp);
     }
 
     #[test]
     fn a_target_that_is_not_pausing_is_dialled_whatever_the_patience() {
         let mut l = links(2, 0, Duration::ZERO);
         let r = l.dial_failed(0, &refused(), &metrics(), Instant::now());
-        assert_eq!(r, Reach::Reachable);
+        assert_eq!(r, Move::On);
         assert_eq!(is(&l), Is::Dialing(1));
     }
 
@@ -616,11 +620,8 @@ mod tests {
         let _ = l.connected(0, ());
         let s = carrying(&mut l, 2);
         l.heard(s);
-        let (link, reach) = l.lose(s, &Loss::ClosedByPeer, Instant::now()).unwrap();
-        assert_eq!(
-            (serial(&link), link.in_flight, reach),
-            (s, 2, Reach::Reachable)
-        );
+        let (link, moved) = l.lose(s, &Loss::ClosedByPeer, Instant::now()).unwrap();
+        assert_eq!((serial(&link), link.in_flight, moved), (s, 2, Move::On));
         assert_eq!(is(&l), Is::Dialing(1));
         assert_eq!(l.connector().failures(), 0);
         assert!(l.lose(s, &Loss::ClosedByPeer, Instant::now()).is_none());
@@ -641,9 +642,9 @@ mod tests {
         let mut l = links(2, 0, LONG);
         let _ = l.connected(0, ());
         let s = carrying(&mut l, 2);
-        let (aside, reach) = l.drained(s, Instant::now()).unwrap();
+        let (aside, moved) = l.drained(s, Instant::now()).unwrap();
         assert!(matches!(aside, Aside::Kept));
-        assert_eq!(reach, Reach::Reachable);
+        assert_eq!(moved, Move::On);
         assert_eq!(is(&l), Is::Dialing(1), "new calls go to the next target");
         assert_eq!(draining(&l), [s]);
         assert!(l.drained(s, Instant::now()).is_none(), "it drains already");
@@ -721,7 +722,7 @@ mod tests {
     fn a_failed_way_back_keeps_the_current_connection() {
         let (mut l, s) = away_and_going_home(LONG);
         let r = l.dial_failed(0, &refused(), &metrics(), Instant::now());
-        assert_eq!(r, Reach::Reachable);
+        assert_eq!(r, Move::On);
         let up = Is::Up {
             serial: s,
             target: 1,
@@ -733,8 +734,8 @@ mod tests {
     #[test]
     fn the_way_back_home_under_way_outlives_the_current_connection() {
         let (mut l, s) = away_and_going_home(Duration::ZERO);
-        let (_, reach) = l.lose(s, &Loss::ClosedByPeer, Instant::now()).unwrap();
-        assert_eq!(reach, Reach::Reachable);
+        let (_, moved) = l.lose(s, &Loss::ClosedByPeer, Instant::now()).unwrap();
+        assert_eq!(moved, Move::On);
         assert_eq!(is(&l), Is::Dialing(0), "the attempt home goes on");
     }
 
@@ -774,8 +775,8 @@ mod tests {
         l.heard(s);
         l.settle(s);
         assert!(l.find(s).is_some_and(|link| link.in_flight == 0));
-        let (_, reach) = l.lose(s, &Loss::ClosedByPeer, Instant::now()).unwrap();
-        assert_eq!(reach, Reach::Reachable);
+        let (_, moved) = l.lose(s, &Loss::ClosedByPeer, Instant::now()).unwrap();
+        assert_eq!(moved, Move::On);
         assert_eq!(is(&l), Is::Dialing(1));
         assert_eq!(l.connector().failures(), 0, "it had replied");
     }
@@ -791,7 +792,7 @@ mod tests {
         let all: Vec<u32> = l.close_all().iter().map(serial).collect();
         assert_eq!(all, [second, first]);
         assert_eq!(is(&l), Is::Closed);
-        assert!(!l.is_writable() && !l.gave_up());
+        assert!(!l.is_writable() && l.reach() == Reach::Reachable);
     }
 
     #[test]

@@ -8,6 +8,8 @@
 
 use std::time::Instant;
 
+use crate::connection::Reach;
+
 /// What a user is doing.
 #[derive(Debug, Clone, Copy)]
 struct User {
@@ -130,17 +132,18 @@ impl Users {
         if self.parallel { self.fanout } else { 1 }
     }
 
-    /// A call of user `u` ended (`ok` or not). `connected`: the next call could be made
-    /// now; without a connection the request ends at once, failed, its remaining calls not
-    /// made (with `--parallel`, once the calls already out have ended too).
-    pub fn call_done(&mut self, u: usize, ok: bool, connected: bool) -> Next {
+    /// A call of user `u` ended (`ok` or not). While the worker reaches (or tries to
+    /// reach) a target the request goes on; once it gave up, the request ends at once,
+    /// failed, its remaining calls not made (with `--parallel`, once the calls already out
+    /// have ended too).
+    pub fn call_done(&mut self, u: usize, ok: bool, reach: Reach) -> Next {
         let fanout = self.fanout;
         let parallel = self.parallel;
         let user = &mut self.users[u];
         user.replies += 1;
         user.failed |= !ok;
         let finished = user.replies == fanout;
-        if !connected {
+        if reach == Reach::GaveUp {
             if !finished && parallel {
                 return Next::Wait;
             }
@@ -163,15 +166,18 @@ impl Users {
 mod tests {
     use super::*;
 
+    const ON: Reach = Reach::Reachable;
+    const GAVE_UP: Reach = Reach::GaveUp;
+
     #[test]
     fn a_request_in_a_row_makes_its_calls_one_after_another() {
         let t0 = Instant::now();
         let mut u = Users::new(2, 3, false, t0);
         assert_eq!(u.start(1, t0, t0, Some(0), false), 1);
         assert_eq!(u.active(), 1);
-        assert_eq!(u.call_done(1, true, true), Next::Call);
-        assert_eq!(u.call_done(1, true, true), Next::Call);
-        let done = u.call_done(1, true, true);
+        assert_eq!(u.call_done(1, true, ON), Next::Call);
+        assert_eq!(u.call_done(1, true, ON), Next::Call);
+        let done = u.call_done(1, true, ON);
         assert_eq!(
             done,
             Next::Done(Finished {
@@ -190,22 +196,22 @@ mod tests {
         let t0 = Instant::now();
         let mut u = Users::new(1, 3, true, t0);
         assert_eq!(u.start(0, t0, t0, None, true), 3);
-        assert_eq!(u.call_done(0, true, true), Next::Wait);
-        assert_eq!(u.call_done(0, false, true), Next::Wait);
-        match u.call_done(0, true, true) {
+        assert_eq!(u.call_done(0, true, ON), Next::Wait);
+        assert_eq!(u.call_done(0, false, ON), Next::Wait);
+        match u.call_done(0, true, ON) {
             Next::Done(f) => assert!(f.failed && f.timed && f.step.is_none()),
             other => panic!("{other:?}"),
         }
     }
 
     #[test]
-    fn without_a_connection_a_request_in_a_row_ends_at_once_failed() {
+    fn once_the_worker_gave_up_a_request_in_a_row_ends_at_once_failed() {
         let t0 = Instant::now();
         let mut u = Users::new(1, 5, false, t0);
         u.start(0, t0, t0, Some(0), false);
-        assert_eq!(u.call_done(0, true, true), Next::Call);
-        // The connection is lost with the second call on it: the last three are not made.
-        match u.call_done(0, false, false) {
+        assert_eq!(u.call_done(0, true, ON), Next::Call);
+        // The worker gives up with the second call out: the last three are not made.
+        match u.call_done(0, false, GAVE_UP) {
             Next::Done(f) => assert!(f.failed),
             other => panic!("{other:?}"),
         }
@@ -213,12 +219,12 @@ mod tests {
     }
 
     #[test]
-    fn without_a_connection_a_parallel_request_ends_with_its_last_call_out() {
+    fn once_the_worker_gave_up_a_parallel_request_ends_with_its_last_call_out() {
         let t0 = Instant::now();
         let mut u = Users::new(1, 2, true, t0);
         u.start(0, t0, t0, Some(0), false);
-        assert_eq!(u.call_done(0, true, false), Next::Wait);
-        assert!(matches!(u.call_done(0, true, false), Next::Done(f) if f.failed));
+        assert_eq!(u.call_done(0, true, GAVE_UP), Next::Wait);
+        assert!(matches!(u.call_done(0, true, GAVE_UP), Next::Done(f) if f.failed));
     }
 
     #[test]

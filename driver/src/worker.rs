@@ -45,9 +45,9 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::calls::{Calls, Place, Slot};
-use crate::connection::Connector;
+use crate::connection::{Connector, Reach};
 use crate::intake::Intake;
-use crate::links::{Aside, Link, LinkEvent, Links, Patience, Reach};
+use crate::links::{Aside, Link, LinkEvent, Links, Move, Patience};
 use crate::metrics::{CALL, CONNECTION_WAIT, DECODE, ENCODE, REQUEST, ROUND_TRIP};
 use crate::outcome::{CallOutcome, Loss};
 use crate::stats::{Books, Took};
@@ -228,10 +228,10 @@ impl Worker {
                 }
                 Event::Link(LinkEvent::Dialed(target, Err(e))) => {
                     let now = Instant::now();
-                    let reach = self
+                    let moved = self
                         .links
                         .dial_failed(target, &e, &self.shared.metrics, now);
-                    self.reach(reach);
+                    self.moved(moved);
                 }
                 Event::Tick => self.on_tick(),
             }
@@ -251,9 +251,7 @@ impl Worker {
     /// The worker is done: nothing in flight or parked, no request under way or waiting,
     /// and none to come.
     fn finished(&self) -> bool {
-        self.intake.is_over(self.links.gave_up())
-            && self.calls.is_empty()
-            && self.users.active() == 0
+        self.intake.is_over(self.links.reach()) && self.calls.is_empty() && self.users.active() == 0
     }
 
     /// Open loop: starts the request due at `due` (and every other one already handed
@@ -325,10 +323,9 @@ impl Worker {
         }
     }
 
-    /// What a transition of the connections did to the worker's reach: when it gave up,
-    /// so does the worker.
-    fn reach(&mut self, reach: Reach) {
-        if reach == Reach::GaveUp {
+    /// After a transition of the connections: when it gave up, so does the worker.
+    fn moved(&mut self, moved: Move) {
+        if moved == Move::GaveUp {
             self.give_up();
         }
     }
@@ -375,8 +372,8 @@ impl Worker {
     /// have run); when it was the current one, the worker dials the next target, and the
     /// users' next calls wait for that connection.
     fn lose(&mut self, serial: u32, loss: Loss) {
-        if let Some((link, reach)) = self.links.lose(serial, &loss, Instant::now()) {
-            self.reach(reach);
+        if let Some((link, moved)) = self.links.lose(serial, &loss, Instant::now()) {
+            self.moved(moved);
             self.lost(link, loss);
         }
     }
@@ -397,8 +394,8 @@ impl Worker {
     /// the current one, it takes no more calls (it is kept until its calls are answered)
     /// and the worker dials the next target.
     fn drained(&mut self, serial: u32) {
-        if let Some((aside, reach)) = self.links.drained(serial, Instant::now()) {
-            self.reach(reach);
+        if let Some((aside, moved)) = self.links.drained(serial, Instant::now()) {
+            self.moved(moved);
             self.set_aside(aside);
         }
     }
@@ -669,10 +666,7 @@ impl Worker {
             self.figures.last_done = Some(now);
         }
         let u = slot.user as usize;
-        match self
-            .users
-            .call_done(u, outcome.is_ok(), !self.links.gave_up())
-        {
+        match self.users.call_done(u, outcome.is_ok(), self.links.reach()) {
             // The request's next call is meant to start now: its predecessor ended.
             Next::Call => self.issue_call(u, now, slot.step, now),
             Next::Wait => {}
@@ -691,7 +685,7 @@ impl Worker {
         if open_loop {
             // The slot takes the oldest backlogged request, or waits for the pacer.
             self.start_backlogged(u, now);
-        } else if !self.links.gave_up() && self.shared.may_start(now) {
+        } else if self.links.reach() == Reach::Reachable && self.shared.may_start(now) {
             self.books.due(self.shared.step_of(now));
             self.start_request(u, now, now);
         }
