@@ -145,7 +145,8 @@ pub(crate) enum Aside<C> {
 pub(crate) enum LinkEvent {
     /// The connection with this serial made progress, or failed.
     Io(u32, io::Result<IoEvent>),
-    /// The attempt to this target ended.
+    /// The attempt to this target ended: the worker hands what it made to
+    /// [`Links::connected`] or [`Links::dial_failed`], which put the finished attempt away.
     Dialed(usize, Result<TcpStream, DialError>),
 }
 
