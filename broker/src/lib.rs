@@ -53,6 +53,10 @@ use tokio::net::TcpListener;
 pub use config::{Args, Balance, BrokerConfig, BusyPoll, UpstreamSpec};
 pub use membership::{FILE_POLL, Reload};
 pub use metrics::BrokerMetrics;
+// Fixed limits that are not flags, public so that the docs quoting them are held to the
+// code (`tests/docs_constants.rs`).
+pub use session::MAX_RETRIES;
+pub use upstream::connection::REQUEST_RETAIN;
 
 /// The whole program after its flags are parsed: validates them, then serves until
 /// SIGTERM/SIGINT, reading the providers file again on SIGHUP (what `broker`'s `main` is,

@@ -48,7 +48,7 @@ const PENDING: u32 = 1 << 31;
 /// written, or a draining provider refused it) is routed again. Each refusing provider is
 /// out of the routing from then on, so a few tries find a healthy one if there is any, and
 /// a call cannot bounce for ever between connections that keep closing.
-const MAX_RETRIES: u8 = 3;
+pub const MAX_RETRIES: u8 = 3;
 
 /// What every session of one broker shares.
 #[derive(Debug)]

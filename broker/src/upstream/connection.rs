@@ -107,7 +107,7 @@ const SWEEP_MAX: Duration = Duration::from_millis(100);
 /// into: a call held by a slow provider must not pin it for the whole call timeout. A
 /// refusal that comes later is passed on to the caller (with `NOT_RUN` if it takes
 /// extended statuses, so a driver may send it to another broker).
-pub(crate) const REQUEST_RETAIN: Duration = Duration::from_secs(1);
+pub const REQUEST_RETAIN: Duration = Duration::from_secs(1);
 
 /// The process's budget of lost-connection log lines (a provider that accepts and closes
 /// at once loses a connection per reconnect).
