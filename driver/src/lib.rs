@@ -52,6 +52,10 @@ use rpcmesh_common::net::shutdown::CancellationToken;
 
 pub use config::{Args, DriverConfig, Stop, WorkloadKind};
 pub use report::Report;
+// Fixed limits that are not flags, public so that the docs quoting them are held to the
+// code (`tests/docs_constants.rs`).
+pub use links::MAX_DRAINING;
+pub use worker::MAX_REROUTES;
 
 use crate::stats::Tally;
 use crate::worker::{Plan, RunShared};

@@ -1,0 +1,42 @@
+//! The driver's limits, timeouts and defaults that the docs quote are the code's: each
+//! quote (a row of the limits table in docs/architecture.md, or a value followed by
+//! "(`driver::NAME`" in any doc; the rules are in common/tests/quoted/mod.rs) is held to
+//! the constant it names, and the test fails naming the row or line that differs.
+
+#[path = "../../common/tests/quoted/mod.rs"]
+mod quoted;
+
+use std::time::Duration;
+
+use quoted::{Value, count, time};
+use rpcmesh_driver::config::{DEFAULT_BACKLOG, DEFAULT_CALL_TIMEOUT};
+use rpcmesh_driver::connection::HOME_RETRY;
+use rpcmesh_driver::pacer::EXACT_SPIN;
+use rpcmesh_driver::stats::MAX_LATENCY_US;
+use rpcmesh_driver::{MAX_DRAINING, MAX_REROUTES};
+
+/// The driver's constants the docs quote, by the name they quote them under.
+fn driver() -> Vec<(&'static str, Value)> {
+    vec![
+        ("driver::MAX_REROUTES", count(MAX_REROUTES)),
+        ("driver::MAX_DRAINING", count(MAX_DRAINING)),
+        ("driver::DEFAULT_CALL_TIMEOUT", time(DEFAULT_CALL_TIMEOUT)),
+        ("driver::DEFAULT_BACKLOG", count(DEFAULT_BACKLOG)),
+        ("driver::HOME_RETRY", time(HOME_RETRY)),
+        ("driver::EXACT_SPIN", time(EXACT_SPIN)),
+        (
+            "driver::MAX_LATENCY_US",
+            time(Duration::from_micros(MAX_LATENCY_US)),
+        ),
+    ]
+}
+
+#[test]
+fn the_reader_of_quoted_constants_reads_what_it_should() {
+    quoted::self_test();
+}
+
+#[test]
+fn the_docs_quote_the_drivers_limits_timeouts_and_re_sends_as_the_code_sets_them() {
+    quoted::check("driver", &driver());
+}
