@@ -4,6 +4,7 @@
 //!   help). Handles are registered through it only.
 //! - [`recorder`]: the per-instance Prometheus recorder ([`Telemetry`]), its buckets and
 //!   rendering.
+//! - [`exposition`]: reading the text it renders: a series' value by exact name and labels.
 //! - [`endpoint`]: the bounded `/metrics` HTTP endpoint, refreshing `/proc` figures at
 //!   each scrape.
 //! - [`families`]: the handle groups every program registers alike (stages, connections,
@@ -18,6 +19,7 @@
 pub mod catalogue;
 pub mod endpoint;
 pub mod errors;
+pub mod exposition;
 pub mod families;
 pub mod recorder;
 pub mod system;

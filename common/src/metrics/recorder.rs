@@ -1,10 +1,12 @@
 //! The recorder: one Prometheus recorder per program instance, from which each program
 //! registers its metric handles once (at start or per connection) and then only increments
-//! them on the hot path; its histogram buckets, its rendering and its `/metrics` endpoint.
+//! them on the hot path; its histogram buckets and its rendering.
 //!
 //! Owns the recorder. What each family is called and means is the catalogue's
 //! ([`crate::metrics::catalogue`]): handles are registered by [`Family`], never by a name
-//! spelled at the call site.
+//! spelled at the call site. Serving the rendering is [`crate::metrics::endpoint`]'s;
+//! reading it back (a series' value, whether a line carries a label) is
+//! [`crate::metrics::exposition`]'s.
 //!
 //! Handles are registered on the instance's own recorder rather than through the global
 //! `metrics` macros, so that several providers and brokers in one test process keep
@@ -22,6 +24,10 @@ use metrics::{Counter, Gauge, Histogram, Key, Label, Metadata, Recorder};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
 
 use crate::metrics::catalogue::{self, Family, Kind};
+use crate::metrics::exposition::LabelPair;
+// The reader of what `Telemetry::render` writes, where the test kit, the tests and the
+// capacity probe look for it.
+pub use crate::metrics::exposition::sample;
 
 /// Upper bounds (seconds) of every latency histogram: a 1-2-5 series from 10 µs to 10 s,
 /// so that one set of buckets covers a loopback hop (tens of µs) and a timed-out call
@@ -230,20 +236,20 @@ impl Telemetry {
             return String::new();
         };
         let text = h.render();
-        let hidden: Vec<String> = self
+        let hidden: Vec<LabelPair> = self
             .exposures
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .iter()
             .filter(|(_, live)| **live == 0)
-            .map(|((label, value), _)| format!("{label}=\"{}\"", escape_label_value(value)))
+            .map(|((label, value), _)| LabelPair::new(label, value))
             .collect();
         if hidden.is_empty() {
             return text;
         }
         let mut kept = String::with_capacity(text.len());
         for line in text.split_inclusive('\n') {
-            if !hidden.iter().any(|pair| has_label(line, pair)) {
+            if !hidden.iter().any(|pair| pair.carried_by(line)) {
                 kept.push_str(line);
             }
         }
@@ -287,72 +293,12 @@ pub fn start(listen: Option<std::net::SocketAddr>) -> std::io::Result<Telemetry>
     }
 }
 
-/// A label value as the text exposition writes it (backslash, double quote and newline
-/// escaped).
-fn escape_label_value(value: &str) -> String {
-    value
-        .replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
-
-/// Whether the sample `line` has the label `pair` (`name="escaped value"`): inside its
-/// braces, right after `{` or `,`, and followed by `,` or `}`. Comment lines have none.
-fn has_label(line: &str, pair: &str) -> bool {
-    if line.starts_with('#') {
-        return false;
-    }
-    let Some(open) = line.find('{') else {
-        return false;
-    };
-    let labels = &line[open..];
-    labels.match_indices(pair).any(|(at, _)| {
-        let before = labels[..at].chars().next_back();
-        let after = labels[at + pair.len()..].chars().next();
-        matches!(before, Some('{' | ',')) && matches!(after, Some(',' | '}'))
-    })
-}
-
 fn key(name: &'static str, labels: &[(&'static str, &str)]) -> Key {
     let labels: Vec<Label> = labels
         .iter()
         .map(|(k, v)| Label::new(*k, v.to_string()))
         .collect();
     Key::from_parts(name, labels)
-}
-
-/// The value of one sample in a Prometheus text exposition: the line whose name is
-/// `name` and whose labels include all of `labels`. Sums over every matching line.
-/// For tests and tools.
-pub fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-    let mut found = None;
-    for line in text.lines() {
-        if line.starts_with('#') {
-            continue;
-        }
-        let Some(rest) = line.strip_prefix(name) else {
-            continue;
-        };
-        let (label_text, value) = match rest.strip_prefix('{') {
-            Some(r) => match r.split_once("} ") {
-                Some((l, v)) => (l, v),
-                None => continue,
-            },
-            None => match rest.strip_prefix(' ') {
-                Some(v) => ("", v),
-                None => continue,
-            },
-        };
-        let ok = labels
-            .iter()
-            .all(|(k, v)| label_text.contains(&format!("{k}=\"{v}\"")));
-        if ok {
-            if let Ok(v) = value.trim().parse::<f64>() {
-                *found.get_or_insert(0.0) += v;
-            }
-        }
-    }
-    found
 }
 
 #[cfg(test)]
@@ -400,21 +346,6 @@ mod tests {
         let _back = t.exposure("upstream", "a:1");
         t.counter(f, &labels("a:1")).increment(1);
         assert_eq!(up(&t, "a:1"), Some(3.0));
-    }
-
-    #[test]
-    fn a_label_is_matched_whole_inside_the_braces() {
-        let pair = "upstream=\"a:1\"";
-        assert!(has_label("m{upstream=\"a:1\"} 1\n", pair));
-        assert!(has_label(
-            "m{role=\"b\",upstream=\"a:1\",le=\"1\"} 1\n",
-            pair
-        ));
-        assert!(!has_label("m{upstream=\"a:10\"} 1\n", pair));
-        assert!(!has_label("m{xupstream=\"a:1\"} 1\n", pair));
-        assert!(!has_label("# HELP m upstream=\"a:1\"\n", pair));
-        assert!(!has_label("m 1\n", pair));
-        assert_eq!(escape_label_value("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
     }
 
     #[test]
