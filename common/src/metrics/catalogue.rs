@@ -4,8 +4,8 @@
 //! ([`Telemetry::counter`](crate::metrics::Telemetry::counter) and its siblings take a
 //! `&Family`, and check in debug builds that the type and the label names are the
 //! catalogued ones), so a name is never spelled at a call site. The `# HELP` lines come
-//! from here (every recorder is given them when it is made), and so does the table in `docs/metrics.md`, which a test
-//! keeps in step.
+//! from here (every recorder is given them when it is made), and so does the table in
+//! `docs/metrics.md`, which a test keeps in step.
 //!
 //! Owns names, types, labels and meanings. The handles are registered where they are used
 //! ([`crate::metrics::families`] for the groups every program shares, each program's

@@ -1,12 +1,12 @@
-//! Collecting the system metrics of one program instance: reading the `/proc` files, keeping
-//! what must be remembered between two readings, and recording the metrics.
+//! Collecting the system metrics of one program instance: reading the `/proc` files,
+//! keeping what must be remembered between two readings, and recording the metrics.
 //!
-//! Owns the handles of the metrics listed in [`crate::metrics::system`] ([`SystemMetrics`]),
-//! the state behind them (each softirq count's 64-bit total across the kernel's 32-bit
-//! wraps, counters that never go back, the last totals behind the exact histograms), the
-//! task that refreshes them every [`DEFAULT_INTERVAL`] and at each scrape ([`spawn`]), and
-//! the logging of a source that fails. Leaves the text of the files to the parsers
-//! (`parse.rs`).
+//! Owns the handles of the metrics listed in [`crate::metrics::system`]
+//! ([`SystemMetrics`]), the state behind them (each softirq count's 64-bit total across
+//! the kernel's 32-bit wraps, counters that never go back, the last totals behind the
+//! exact histograms), the task that refreshes them every [`DEFAULT_INTERVAL`] and at each
+//! scrape ([`spawn`]), and the logging of a source that fails. Leaves the text of the
+//! files to the parsers (`parse.rs`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -343,8 +343,9 @@ impl SystemMetrics {
 }
 
 /// Collects every `interval` (at least [`MIN_INTERVAL`]), the first time at once, and at
-/// every scrape of the telemetry's endpoint, until `stop` is cancelled, and once more then. The reads run on Tokio's blocking pool: they are file I/O, and
-/// listing `/proc/self/fd` takes a while when thousands of connections are open.
+/// every scrape of the telemetry's endpoint, until `stop` is cancelled, and once more
+/// then. The reads run on Tokio's blocking pool: they are file I/O, and listing
+/// `/proc/self/fd` takes a while when thousands of connections are open.
 pub fn spawn(
     telemetry: Telemetry,
     role: Role,

@@ -65,8 +65,8 @@
 //! (one standard deviation) over `[1m]`, five times less over `[5m]`; use `[5m]` or longer
 //! for small shares. A fractional gauge under another name (`rpcmesh_cpu_seconds`) would
 //! be exact but typed wrongly for `rate()`; we keep the right name and type because they
-//! are the interface that queries are written against: once [`crate::metrics::recorder`] can render
-//! float counters, these become exact without any query changing.
+//! are the interface that queries are written against: once [`crate::metrics::recorder`]
+//! can render float counters, these become exact without any query changing.
 //!
 //! `/proc/softirqs` prints each count as a 32-bit unsigned int that wraps (in about 12 h
 //! at 100 000 `NET_RX` per second on one CPU). Each series therefore keeps its own 64-bit
@@ -86,8 +86,8 @@
 //!
 //! The host's time in each mode, summed over its CPUs, is exported exactly the same way:
 //! `rpcmesh_host_cpu_seconds{mode}`, one observation per collection (the first reading
-//! only sets the start), so its `_sum` is a fractional counter and the softirq share over any window is
-//! `rate(rpcmesh_host_cpu_seconds_sum{mode="softirq"}[1m]) / ignoring(mode)
+//! only sets the start), so its `_sum` is a fractional counter and the softirq share over
+//! any window is `rate(rpcmesh_host_cpu_seconds_sum{mode="softirq"}[1m]) / ignoring(mode)
 //! sum without(mode) (rate(rpcmesh_host_cpu_seconds_sum[1m]))`.
 //!
 //! Every figure here is also read afresh at each scrape of `/metrics` (see
