@@ -6,7 +6,7 @@
 //!
 //! Owns the taxonomy and the wording of the answers. Where each failure is detected is the
 //! session's (`session.rs`: bad requests, caps, routing), or the upstream connection's
-//! (`upstream/connection.rs`: timeouts, lost connections, unusable replies); writing the
+//! (`upstream/connection/`: timeouts, lost connections, unusable replies); writing the
 //! answer is the session's.
 
 use std::fmt;

@@ -1,7 +1,7 @@
 //! The broker's side towards providers: per provider, a pool of multiplexed connections.
 //!
 //! - [`connection`]: one connection and the task that owns its calls in flight (and, to
-//!   a plain v1 server, ACKs its reads at once while calls are in flight: see there).
+//!   a plain v1 server, ACKs its reads at once while calls are in flight: see its `task`).
 //! - [`pace`]: how long the provider takes per call on one connection (measured for a
 //!   plain v1 server, reported by an rpcmesh provider), and so how deep the router may
 //!   pack its connections.
@@ -323,7 +323,7 @@ impl ProviderPool {
         let settings = ConnSettings {
             label: Arc::from(spec.label()),
             ext: spec.ext,
-            // A plain v1 server may leave Nagle's algorithm on (connection.rs, module doc).
+            // A plain v1 server may leave Nagle's algorithm on (connection/task.rs, module doc).
             quick_ack: !spec.ext,
             max_body_len: config.max_body_len,
             max_in_flight: config.max_in_flight_per_upstream_conn,

@@ -1,0 +1,303 @@
+//! What one upstream connection's task does with what it reads, and how each call taken
+//! off its in-flight table gets its outcome.
+//!
+//! - Each reply is matched to its slot and copied into the caller's session's inbox
+//!   (`crate::call::Inbox`), straight from the read buffer when it is small and ordinary
+//!   ([`ConnTask::answer_in_place`]); a reply for no slot (its call timed out) is dropped
+//!   and counted `late_reply`.
+//! - A draining rpcmesh provider answers the calls it did not start "unavailable" with
+//!   `NOT_RUN`: such a call goes back to its session with its request frame (kept in its
+//!   slot for [`REQUEST_RETAIN`] at most) to be routed to another provider, and the whole
+//!   provider is marked draining ([`PoolLink`]).
+//! - A plain v1 server is timed between reads, an rpcmesh provider's own time per call is
+//!   taken from its heartbeat answers, for the router's packing (`crate::upstream::pace`).
+//! - A frame that cannot be used fails its own call when its header could be read; the
+//!   connection ends only on input it cannot get past.
+//!
+//! Queueing is `queue`'s; the loop, the sweep and the connection's end are `task`'s.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use rpcmesh_common::metrics::{ErrorKind, Side};
+use rpcmesh_common::net::budget::Reserved;
+use rpcmesh_common::net::pace::{HEARTBEAT_KEY, PerCall};
+use rpcmesh_wire::Status;
+use rpcmesh_wire::body::Heartbeat;
+use rpcmesh_wire::frame::{FRAME_OVERHEAD, Flags, Frame, FrameError, Header, MsgType};
+
+use super::queue::{Calls, ConnState, Slot};
+use super::task::ConnTask;
+use crate::call::{CallInfo, Reply, ReplyTx, Reroute, copied_at_once};
+use crate::failure::Failure;
+use crate::metrics::{UPSTREAM, UpstreamMetrics};
+
+#[cfg(doc)]
+use {super::REQUEST_RETAIN, crate::upstream::PoolLink};
+
+/// How far past the frame limit a provider's reply may be and still be skipped (failing
+/// its call alone); beyond that the length is taken for garbage and the connection ends.
+const SKIP_FACTOR: u64 = 4;
+
+impl ConnTask {
+    /// Handles every whole frame read so far.
+    pub fn take_frames(&mut self, state: &ConnState) -> Result<(), String> {
+        let read_at = self.metrics.stages.on().then(Instant::now);
+        let mut calls = state.lock();
+        let before = calls.table.len();
+        loop {
+            match self.io.peek_frame() {
+                Ok(Some(header)) => {
+                    if !self.answer_in_place(&mut calls, &header, read_at) {
+                        let frame = self.io.take_peeked(header);
+                        self.on_frame(&mut calls, frame, read_at);
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => self.on_bad_frame(&mut calls, e)?,
+            }
+        }
+        if !self.settings.ext {
+            // Sessions queue under this lock, so the table changed by the replies alone.
+            let answered = before.saturating_sub(calls.table.len());
+            // (A queued call that timed out leaves its id in the queue until taken.)
+            let waiting = calls.table.len().saturating_sub(calls.queued.len());
+            let now = read_at.unwrap_or_else(Instant::now);
+            self.backlog
+                .on_read(now, answered, waiting, &self.link.pace);
+        }
+        if self.io.is_eof() {
+            return Err("closed by provider".into());
+        }
+        Ok(())
+    }
+
+    /// Takes an rpcmesh provider's time per call from its heartbeat answer, for the
+    /// router's packing (`crate::upstream::pace`). An answer without it (an older provider) leaves
+    /// what the pool knows; one that cannot be read is not this check's business (the
+    /// round trip is what it checks).
+    fn take_reported_pace(&self, body: &[u8]) {
+        if let Ok(hb) = Heartbeat::parse(body) {
+            if let Some(value) = hb.extra_value(HEARTBEAT_KEY) {
+                self.link
+                    .pace
+                    .reported(PerCall::parse_heartbeat_value(value));
+            }
+        }
+    }
+
+    /// Passes a provider's small, ordinary reply to its caller straight from the read
+    /// buffer (the common case: no frame of its own is made) and drops it; true when done.
+    /// Anything else (a heartbeat, a late or malformed reply, "unavailable", a large reply
+    /// or one whose call holds a memory reservation) is left to [`ConnTask::on_frame`].
+    fn answer_in_place(
+        &mut self,
+        calls: &mut Calls,
+        header: &Header,
+        read_at: Option<Instant>,
+    ) -> bool {
+        if header.msg_type != MsgType::Response {
+            return false;
+        }
+        let body = self.io.peeked_body(header);
+        if body.len() < 5 || body[0] == Status::Unavailable as u8 {
+            return false;
+        }
+        // Not a late reply, nor one the session must copy with its call's reservation.
+        let Some(mut slot) = calls.table.take_if(header.req_id, |s| {
+            copied_at_once(body.len(), s.reserved.is_some())
+        }) else {
+            return false;
+        };
+        self.reply_read(&mut slot, read_at);
+        let status = slot.reply_to.answer_small(header.flags, body, slot.info);
+        settled(&self.state, &self.metrics, status);
+        self.io.skip_peeked(header);
+        true
+    }
+
+    /// A timed call's reply was read (`read_at`, stages on): its `upstream` stage is
+    /// recorded and the time kept for its `write_back`.
+    fn reply_read(&self, slot: &mut Slot, read_at: Option<Instant>) {
+        if let (Some(sent), Some(read)) = (slot.sent, read_at) {
+            self.metrics.stages.record_span(UPSTREAM, sent, read);
+        }
+        slot.info.replied = read_at.filter(|_| slot.info.routed.is_some());
+    }
+
+    fn on_frame(&mut self, calls: &mut Calls, frame: Frame, read_at: Option<Instant>) {
+        match frame.header.msg_type {
+            MsgType::Response => {
+                let Some(mut slot) = calls.table.take(frame.header.req_id) else {
+                    self.metrics
+                        .errors
+                        .inc(ErrorKind::LateReply, Side::Provider);
+                    tracing::debug!(
+                        req_id = frame.header.req_id,
+                        "reply for no call in flight (late) dropped"
+                    );
+                    return;
+                };
+                self.reply_read(&mut slot, read_at);
+                let outcome = if frame.body.len() < 5 {
+                    let failure = Failure::MalformedReply;
+                    failure.count(&self.metrics.errors);
+                    Err(failure)
+                } else {
+                    if frame.body[0] == Status::Unavailable as u8 {
+                        // The provider is going away: send no more calls here.
+                        self.mark_closed();
+                        if self.settings.ext && frame.header.flags.contains(Flags::NOT_RUN) {
+                            // It is draining and did not run the call: none of its
+                            // connections takes new calls, and the call goes elsewhere.
+                            self.provider_draining();
+                            if let Some(request) = slot.request.take() {
+                                return self.hand_back(slot, request);
+                            }
+                        }
+                    }
+                    Ok(frame)
+                };
+                // The reply goes on with the call's reservation: about as large as the
+                // request, it stays counted until the session has copied it.
+                settle(
+                    &self.state,
+                    &self.metrics,
+                    &slot.reply_to,
+                    slot.info,
+                    outcome,
+                    slot.reserved,
+                );
+            }
+            MsgType::Heartbeat => {
+                if let Some(i) = self
+                    .heartbeats
+                    .iter()
+                    .position(|(id, _)| *id == frame.header.req_id)
+                {
+                    // The report first: the check's waiter may publish the connection.
+                    if self.settings.ext {
+                        self.take_reported_pace(&frame.body);
+                    }
+                    let (_, tx) = self.heartbeats.swap_remove(i);
+                    let _ = tx.send(());
+                }
+            }
+            MsgType::Request => {
+                self.metrics
+                    .errors
+                    .inc(ErrorKind::Unexpected, Side::Provider);
+                tracing::debug!("request frame from a provider dropped");
+            }
+        }
+    }
+
+    /// Counts and logs (thinned) a frame from the provider that cannot be used. A reply
+    /// whose header could be read fails its own call only and the others on this
+    /// connection go on; the connection ends on input it cannot get past.
+    fn on_bad_frame(&mut self, calls: &mut Calls, e: FrameError) -> Result<(), String> {
+        self.bad_input.record(&e);
+        let Some((id, Some(MsgType::Response))) = e.frame_id() else {
+            if e.is_fatal() {
+                return Err(format!("bad frames from provider: {e}"));
+            }
+            return Ok(());
+        };
+        if let FrameError::TooLarge { body_len, max, .. } = e {
+            if u64::from(body_len) > u64::from(max) * SKIP_FACTOR {
+                return Err(format!("bad frames from provider: {e}"));
+            }
+            self.io.skip(FRAME_OVERHEAD + body_len as usize);
+        }
+        // Counted above, as the frame error it is.
+        if let Some(slot) = calls.table.take(id) {
+            let failure = Failure::ReplyRefused {
+                provider: self.settings.label.clone(),
+                error: e,
+            };
+            settle(
+                &self.state,
+                &self.metrics,
+                &slot.reply_to,
+                slot.info,
+                Err(failure),
+                None,
+            );
+        }
+        Ok(())
+    }
+
+    /// The provider refused a call with `NOT_RUN`: the whole pool is out of the routing
+    /// until a connection made after this proves healthy (the provider restarted).
+    fn provider_draining(&self) {
+        if self.link.mark_draining() {
+            tracing::warn!(provider = %self.settings.label, "provider draining: no new calls until it is back; the calls it refused go to other providers");
+        }
+    }
+
+    /// Hands a call the provider did not run back to its session with its request frame,
+    /// to be routed again. The provider's refusal counts as its answer (`unavailable`) in
+    /// this provider's outcomes; the call's own outcome is still to come.
+    fn hand_back(&mut self, slot: Slot, request: Frame) {
+        settled(&self.state, &self.metrics, Status::Unavailable);
+        slot.hand_back(request, Reroute::NotRun);
+    }
+
+    /// Answers a call taken off the table with a failure of the broker's own making.
+    pub fn fail_slot(&self, slot: Slot, failure: Failure) {
+        fail(
+            &self.state,
+            &self.metrics,
+            &slot.reply_to,
+            slot.info,
+            failure,
+        );
+    }
+}
+
+/// Gives a call taken off this connection its outcome: it is counted by status for this
+/// provider, no longer counts against the connection's load, and its session gets the
+/// answer (with the call's memory reservation, released once the reply is copied).
+fn settle(
+    state: &ConnState,
+    metrics: &UpstreamMetrics,
+    to: &ReplyTx,
+    info: CallInfo,
+    outcome: Result<Frame, Failure>,
+    reserved: Option<Reserved>,
+) {
+    // The status the caller is given: the provider's, or the broker's own.
+    let status = match outcome {
+        Ok(frame) => to.answer(frame, info, reserved),
+        Err(failure) => {
+            let status = failure.status();
+            to.send(Reply::Done {
+                info,
+                outcome: Err(failure),
+                reserved,
+            });
+            status
+        }
+    };
+    settled(state, metrics, status);
+}
+
+/// A call has its outcome (`status`, as its caller is given it): it leaves the
+/// connection's count of calls in flight and is counted.
+fn settled(state: &ConnState, metrics: &UpstreamMetrics, status: Status) {
+    state.in_flight.fetch_sub(1, Ordering::Relaxed);
+    metrics.outcome(status);
+}
+
+/// Settles a call with a failure of the broker's own making, counted in
+/// `rpcmesh_errors_total` first.
+fn fail(
+    state: &ConnState,
+    metrics: &UpstreamMetrics,
+    to: &ReplyTx,
+    info: CallInfo,
+    failure: Failure,
+) {
+    failure.count(&metrics.errors);
+    settle(state, metrics, to, info, Err(failure), None);
+}
