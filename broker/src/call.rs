@@ -19,8 +19,8 @@ use std::time::Instant;
 use bytes::BytesMut;
 use rpcmesh_common::net::budget::{Reserved, SMALL_BODY};
 use rpcmesh_common::net::connection::SHRINK_ABOVE;
-use rpcmesh_wire::Status;
 use rpcmesh_wire::frame::{Flags, Frame, put_forwarded_response};
+use rpcmesh_wire::{PeerKind, Status};
 
 use crate::failure::Failure;
 
@@ -220,12 +220,11 @@ pub(crate) fn write_reply_to(
     info: CallInfo,
 ) -> Status {
     let status = status_of(body);
-    let ext = info.client_flags.contains(Flags::EXT_STATUS);
-    let wire = status.to_wire(ext);
-    let flags = if ext {
-        flags
-    } else {
-        flags.without(Flags::NOT_RUN)
+    let caller = PeerKind::of_caller(info.client_flags);
+    let wire = status.to_wire(caller);
+    let flags = match caller {
+        PeerKind::Rpcmesh => flags,
+        PeerKind::V1 => flags.without(Flags::NOT_RUN),
     };
     put_forwarded_response(dst, info.client_id, flags, body, wire);
     status

@@ -14,6 +14,7 @@ use rpcmesh_common::cli::{ConfigProblems, DurationArg, MetricsListen};
 use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
 use rpcmesh_common::net::budget::DEFAULT_MEMORY_BUDGET;
 use rpcmesh_common::net::session::{DEFAULT_MAX_IN_FLIGHT_PER_LINK, Timeouts};
+use rpcmesh_wire::PeerKind;
 use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
 
 /// Where the broker listens unless told otherwise: every interface, port 7700.
@@ -144,14 +145,14 @@ pub struct UpstreamSpec {
     pub addr: String,
     /// Services it serves; empty = any service.
     pub services: Vec<String>,
-    /// True for an rpcmesh provider (takes the extension flags); false for a plain RPCF v1
-    /// server, to which only plain v1 frames are sent.
-    pub ext: bool,
+    /// An rpcmesh provider (it takes the extension flags) or a plain RPCF v1 server, to
+    /// which only plain v1 frames are sent.
+    pub kind: PeerKind,
 }
 
 impl UpstreamSpec {
     /// Parses `HOST:PORT` or `Service1,Service2=HOST:PORT`.
-    pub fn parse(s: &str, ext: bool) -> Result<UpstreamSpec, String> {
+    pub fn parse(s: &str, kind: PeerKind) -> Result<UpstreamSpec, String> {
         let (services, addr) = match s.split_once('=') {
             Some((svc, addr)) => (
                 svc.split(',')
@@ -174,7 +175,7 @@ impl UpstreamSpec {
         Ok(UpstreamSpec {
             addr: addr.to_string(),
             services,
-            ext,
+            kind,
         })
     }
 
@@ -342,7 +343,7 @@ impl BrokerConfig {
                 .map(|a| UpstreamSpec {
                     addr: a.into(),
                     services: Vec::new(),
-                    ext: true,
+                    kind: PeerKind::Rpcmesh,
                 })
                 .collect(),
             providers_file: None,
@@ -375,9 +376,13 @@ impl Args {
         let timeouts = self.limits.timeouts(&mut p);
         let memory_budget = self.limits.memory_budget(&mut p);
         let mut upstreams = Vec::new();
-        for (list, ext) in [(&self.upstreams, true), (&self.upstreams_v1, false)] {
+        let lists = [
+            (&self.upstreams, PeerKind::Rpcmesh),
+            (&self.upstreams_v1, PeerKind::V1),
+        ];
+        for (list, kind) in lists {
             for s in list.iter().filter(|s| !s.trim().is_empty()) {
-                match UpstreamSpec::parse(s, ext) {
+                match UpstreamSpec::parse(s, kind) {
                     Ok(u) => upstreams.push(u),
                     Err(e) => p.0.push(e),
                 }
@@ -459,14 +464,15 @@ mod tests {
 
     #[test]
     fn upstream_specs_parse() {
-        let u = UpstreamSpec::parse("127.0.0.1:7800", true).unwrap();
+        let u = UpstreamSpec::parse("127.0.0.1:7800", PeerKind::Rpcmesh).unwrap();
         assert!(u.services.is_empty());
-        let u = UpstreamSpec::parse("EchoService, PlatformService=p1.example:7800", false).unwrap();
+        let u = UpstreamSpec::parse("EchoService, PlatformService=p1.example:7800", PeerKind::V1)
+            .unwrap();
         assert_eq!(u.services, ["EchoService", "PlatformService"]);
         assert_eq!(u.addr, "p1.example:7800");
-        assert!(!u.ext);
-        assert!(UpstreamSpec::parse("nohost", true).is_err());
-        assert!(UpstreamSpec::parse("h:notaport", true).is_err());
+        assert_eq!(u.kind, PeerKind::V1);
+        assert!(UpstreamSpec::parse("nohost", PeerKind::Rpcmesh).is_err());
+        assert!(UpstreamSpec::parse("h:notaport", PeerKind::Rpcmesh).is_err());
     }
 
     #[test]
@@ -575,8 +581,15 @@ bad
         let addrs: Vec<_> = c
             .upstreams
             .iter()
-            .map(|u| (u.addr.as_str(), u.ext))
+            .map(|u| (u.addr.as_str(), u.kind))
             .collect();
-        assert_eq!(addrs, [("a:1", true), ("b:2", true), ("c:3", false)]);
+        assert_eq!(
+            addrs,
+            [
+                ("a:1", PeerKind::Rpcmesh),
+                ("b:2", PeerKind::Rpcmesh),
+                ("c:3", PeerKind::V1)
+            ]
+        );
     }
 }

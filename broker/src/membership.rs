@@ -28,6 +28,7 @@ use std::time::Duration;
 use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::busy_poll::Activity;
 use rpcmesh_common::net::shutdown::CancellationToken;
+use rpcmesh_wire::PeerKind;
 use tokio::sync::Notify;
 use tokio::task::{JoinHandle, JoinSet};
 
@@ -102,7 +103,7 @@ struct Member {
 impl Member {
     /// The same provider: the same address, of the same kind (rpcmesh or plain v1).
     fn is(&self, spec: &UpstreamSpec) -> bool {
-        self.spec.addr == spec.addr && self.spec.ext == spec.ext
+        self.spec.addr == spec.addr && self.spec.kind == spec.kind
     }
 }
 
@@ -202,7 +203,7 @@ impl Membership {
                     m
                 }
                 None => {
-                    tracing::info!(provider = %spec.addr, services = ?spec.services, v1 = !spec.ext, "provider joined");
+                    tracing::info!(provider = %spec.addr, services = ?spec.services, v1 = spec.kind == PeerKind::V1, "provider joined");
                     change.joined += 1;
                     self.join(spec)
                 }

@@ -23,6 +23,8 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
+use rpcmesh_wire::PeerKind;
+
 use crate::config::UpstreamSpec;
 
 /// Largest providers file read: a file lists tens or hundreds of providers (a few KiB);
@@ -108,11 +110,11 @@ pub fn parse(text: &str, flags: &[UpstreamSpec]) -> Result<Vec<UpstreamSpec>, Ve
         if content.is_empty() {
             continue;
         }
-        let (ext, rest) = match content.split_once(char::is_whitespace) {
-            Some((mark, rest)) if mark == V1_MARK => (false, rest.trim()),
-            _ => (true, content),
+        let (kind, rest) = match content.split_once(char::is_whitespace) {
+            Some((mark, rest)) if mark == V1_MARK => (PeerKind::V1, rest.trim()),
+            _ => (PeerKind::Rpcmesh, content),
         };
-        let spec = match parse_spec(rest, ext) {
+        let spec = match parse_spec(rest, kind) {
             Ok(s) => s,
             Err(problem) => {
                 problems.push(LineProblem { line, problem });
@@ -151,13 +153,13 @@ pub fn parse(text: &str, flags: &[UpstreamSpec]) -> Result<Vec<UpstreamSpec>, Ve
 }
 
 /// One provider: the `--upstream` syntax, with no blank inside the address.
-fn parse_spec(s: &str, ext: bool) -> Result<UpstreamSpec, String> {
+fn parse_spec(s: &str, kind: PeerKind) -> Result<UpstreamSpec, String> {
     let expected = || {
         format!(
             "{s:?}: expected HOST:PORT or SERVICE[,SERVICE]=HOST:PORT, with {V1_MARK:?} before it for a plain v1 server"
         )
     };
-    let spec = UpstreamSpec::parse(s, ext).map_err(|_| expected())?;
+    let spec = UpstreamSpec::parse(s, kind).map_err(|_| expected())?;
     if spec.addr.contains(char::is_whitespace)
         || spec
             .services
@@ -241,13 +243,14 @@ impl FileStamp {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use PeerKind::{Rpcmesh, V1};
 
-    fn addrs(p: &[UpstreamSpec]) -> Vec<(&str, bool, Vec<&str>)> {
+    fn addrs(p: &[UpstreamSpec]) -> Vec<(&str, PeerKind, Vec<&str>)> {
         p.iter()
             .map(|u| {
                 (
                     u.addr.as_str(),
-                    u.ext,
+                    u.kind,
                     u.services.iter().map(String::as_str).collect(),
                 )
             })
@@ -261,10 +264,10 @@ mod tests {
         assert_eq!(
             addrs(&p),
             [
-                ("10.0.0.3:7800", true, vec![]),
-                ("p4:7800", true, vec!["EchoService", "PlatformService"]),
-                ("old:7000", false, vec![]),
-                ("old2:7000", false, vec!["Legacy"]),
+                ("10.0.0.3:7800", Rpcmesh, vec![]),
+                ("p4:7800", Rpcmesh, vec!["EchoService", "PlatformService"]),
+                ("old:7000", V1, vec![]),
+                ("old2:7000", V1, vec!["Legacy"]),
             ]
         );
     }
@@ -277,14 +280,17 @@ mod tests {
 
     #[test]
     fn providers_of_the_flags_come_first() {
-        let flags = [UpstreamSpec::parse("a:1", true).unwrap()];
+        let flags = [UpstreamSpec::parse("a:1", Rpcmesh).unwrap()];
         let p = parse("b:2\n", &flags).unwrap();
-        assert_eq!(addrs(&p), [("a:1", true, vec![]), ("b:2", true, vec![])]);
+        assert_eq!(
+            addrs(&p),
+            [("a:1", Rpcmesh, vec![]), ("b:2", Rpcmesh, vec![])]
+        );
     }
 
     #[test]
     fn every_bad_line_is_named_with_its_number() {
-        let flags = [UpstreamSpec::parse("a:1", true).unwrap()];
+        let flags = [UpstreamSpec::parse("a:1", Rpcmesh).unwrap()];
         let text = "ok:1\nnohost\nv2 x:1\n\nok:1\na:1\nh:notaport\nhost with space:1\n";
         let problems = parse(text, &flags).unwrap_err();
         let lines: Vec<usize> = problems.iter().map(|p| p.line).collect();

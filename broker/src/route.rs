@@ -143,13 +143,13 @@ impl Router {
         if cands.is_empty() {
             return Err((fwd, NoRoute::UnknownService));
         }
-        let needs_ext = fwd.frame.header.flags.contains(Flags::COMPRESSED);
+        let flags = fwd.frame.header.flags;
         let mut why = NoRoute::NoHealthy;
         // The rest of a batch goes straight to the connection that took its first call
         // (without looking up the pool's connections); when that one cannot take it, the
         // call is balanced like any other.
         if let Some((pool_idx, conn)) = &picker.batch {
-            if cands.contains(pool_idx) && self.refusal(*pool_idx, needs_ext).is_none() {
+            if cands.contains(pool_idx) && self.refusal(*pool_idx, flags).is_none() {
                 fwd = match conn.try_forward(fwd) {
                     Ok(()) => return Ok(()),
                     Err((f, refused)) => {
@@ -182,7 +182,7 @@ impl Router {
         };
         for k in 0..n {
             let pool_idx = cands[(first + k) % n];
-            fwd = match self.offer(pool_idx, fwd, picker, needs_ext, &mut why) {
+            fwd = match self.offer(pool_idx, fwd, picker, flags, &mut why) {
                 Ok(()) => return Ok(()),
                 Err(f) => f,
             };
@@ -190,11 +190,11 @@ impl Router {
         Err((fwd, why))
     }
 
-    /// Why provider `pool_idx` takes no call of this kind now, if it does not: it cannot
-    /// take a compressed call (`needs_ext`), or it drains.
-    fn refusal(&self, pool_idx: usize, needs_ext: bool) -> Option<NoRoute> {
+    /// Why provider `pool_idx` takes no call with these `flags` now, if it does not: it
+    /// cannot take a compressed call (a plain v1 server), or it drains.
+    fn refusal(&self, pool_idx: usize, flags: Flags) -> Option<NoRoute> {
         let pool = &self.pools[pool_idx];
-        if needs_ext && !pool.spec.ext {
+        if !pool.spec.kind.takes_request(flags) {
             Some(NoRoute::NeedsExtension)
         } else if pool.is_draining() {
             Some(NoRoute::Draining)
@@ -213,10 +213,10 @@ impl Router {
         pool_idx: usize,
         fwd: Forward,
         picker: &mut Picker,
-        needs_ext: bool,
+        flags: Flags,
         why: &mut NoRoute,
     ) -> Result<(), Forward> {
-        if let Some(r) = self.refusal(pool_idx, needs_ext) {
+        if let Some(r) = self.refusal(pool_idx, flags) {
             if *why == NoRoute::NoHealthy {
                 *why = r;
             }

@@ -13,11 +13,11 @@ use rpcmesh_common::metrics::recorder::sample;
 use rpcmesh_common::net::client::{Client, ClientConfig};
 use rpcmesh_common::testkit::{self, wait_until};
 use rpcmesh_provider::ProviderConfig;
-use rpcmesh_wire::Status;
 use rpcmesh_wire::body::Request;
 use rpcmesh_wire::compress::CompressionConfig;
 use rpcmesh_wire::proto::platform::{QueryRequest, QueryResponse};
 use rpcmesh_wire::proto::rpc::{EchoRequest, EchoResponse};
+use rpcmesh_wire::{PeerKind, Status};
 use support::*;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -169,7 +169,8 @@ async fn unknown_service_fails_with_a_message() {
     let p = provider(ProviderConfig::default()).await;
     // One route with named services: the broker itself knows the rest are unknown.
     let mut cfg = broker_config(&[]);
-    cfg.upstreams = vec![UpstreamSpec::parse(&format!("EchoService={}", p.addr), true).unwrap()];
+    cfg.upstreams =
+        vec![UpstreamSpec::parse(&format!("EchoService={}", p.addr), PeerKind::Rpcmesh).unwrap()];
     let b = broker(cfg).await;
     let c = Client::connect(b.addr, ClientConfig::plain_v1())
         .await
@@ -661,7 +662,7 @@ async fn a_plain_v1_server_can_sit_behind_the_broker() {
     let server = V1Server::start(false).await;
     let v1 = server.addr;
     let mut cfg = broker_config(&[]);
-    cfg.upstreams = vec![UpstreamSpec::parse(&v1.to_string(), false).unwrap()];
+    cfg.upstreams = vec![UpstreamSpec::parse(&v1.to_string(), PeerKind::V1).unwrap()];
     let b = broker(cfg).await;
     // An rpcmesh client (extended statuses, compressed replies accepted) and a plain one.
     let ext = Client::connect(b.addr, ClientConfig::compressed(100_000))
@@ -717,7 +718,8 @@ async fn reads_from_a_plain_v1_server_with_calls_in_flight_are_acked_at_once() {
             held_provider(&gate).await
         };
         let mut cfg = broker_config(&[]);
-        cfg.upstreams = vec![UpstreamSpec::parse(&server.addr.to_string(), !v1).unwrap()];
+        let kind = if v1 { PeerKind::V1 } else { PeerKind::Rpcmesh };
+        cfg.upstreams = vec![UpstreamSpec::parse(&server.addr.to_string(), kind).unwrap()];
         cfg.pool_size = 1;
         let b = broker(cfg).await;
         until_ready(&client(b.addr).await).await;
@@ -828,12 +830,12 @@ async fn calls_are_packed_onto_one_connection_until_it_is_busy() {
 /// Eight clients make one call each per round, all in flight together (each its own read
 /// at the broker, so each routed on its own; with `hold`, the server answers none before
 /// it has all eight), through a broker with a pool of four connections to `server` (an
-/// rpcmesh provider when `ext`) and `--pack-wait` `wait`. Returns the connections used in
+/// rpcmesh provider or a plain v1 server, as `kind` says) and `--pack-wait` `wait`. Returns the connections used in
 /// each round, and the time per call the pool published after them
 /// (`rpcmesh_upstream_pace_seconds`, waited for).
 async fn connections_used_per_round(
     server: &V1Server,
-    ext: bool,
+    kind: PeerKind,
     wait: Duration,
     hold: bool,
 ) -> (Vec<usize>, f64) {
@@ -841,7 +843,7 @@ async fn connections_used_per_round(
     const CLIENTS: usize = 8;
     const ROUNDS: usize = 12;
     let mut cfg = broker_config(&[]);
-    cfg.upstreams = vec![UpstreamSpec::parse(&server.addr.to_string(), ext).unwrap()];
+    cfg.upstreams = vec![UpstreamSpec::parse(&server.addr.to_string(), kind).unwrap()];
     cfg.pool_size = 4;
     cfg.pack_wait = wait;
     let b = broker(cfg).await;
@@ -890,7 +892,7 @@ async fn a_plain_v1_server_is_packed_only_as_deep_as_its_pace_allows() {
     use rpcmesh_broker::config::DEFAULT_PACK_WAIT;
     for (wait, packs) in [(DEFAULT_PACK_WAIT, false), (Duration::from_secs(10), true)] {
         let server = V1Server::one_by_one(Duration::from_millis(2)).await;
-        let (used, pace) = connections_used_per_round(&server, false, wait, false).await;
+        let (used, pace) = connections_used_per_round(&server, PeerKind::V1, wait, false).await;
         println!("wait {wait:?}: connections used per round {used:?}");
         // The pool publishes what it measured: more than the default wait per call.
         assert!(
@@ -928,7 +930,8 @@ async fn an_rpcmesh_provider_is_packed_only_as_deep_as_its_reported_time_allows(
     use rpcmesh_broker::config::DEFAULT_PACK_WAIT;
     for per_call in [Duration::from_micros(30), Duration::from_millis(2)] {
         let server = V1Server::reporting(per_call).await;
-        let (used, pace) = connections_used_per_round(&server, true, DEFAULT_PACK_WAIT, true).await;
+        let (used, pace) =
+            connections_used_per_round(&server, PeerKind::Rpcmesh, DEFAULT_PACK_WAIT, true).await;
         println!("reported {per_call:?}: connections used per round {used:?}");
         assert_eq!(pace, per_call.as_secs_f64(), "the report, published");
         if per_call < DEFAULT_PACK_WAIT {

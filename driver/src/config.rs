@@ -9,6 +9,7 @@ use rpcmesh_common::cli::flags::{CompressionArgs, RuntimeArgs, StageArgs};
 use rpcmesh_common::cli::values::parse_duration;
 use rpcmesh_common::cli::{ConfigProblems, DurationArg, MetricsListen, OnOff};
 use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
+use rpcmesh_wire::PeerKind;
 use rpcmesh_wire::compress::CompressionConfig;
 use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
 
@@ -301,8 +302,8 @@ pub struct DriverConfig {
     pub warmup: Duration,
     /// Request compression (`None` = plain).
     pub compression: Option<CompressionConfig>,
-    /// Send extension flags (false = plain v1 frames).
-    pub ext: bool,
+    /// What the targets are sent: extension flags (rpcmesh) or plain v1 frames.
+    pub kind: PeerKind,
     /// Per-call timeout.
     pub call_timeout: Duration,
     /// Where to write the JSON report.
@@ -333,7 +334,7 @@ impl Default for DriverConfig {
             stop: Stop::Duration(DEFAULT_EMBEDDED_DURATION),
             warmup: DEFAULT_WARMUP,
             compression: DEFAULT_COMPRESS.then(CompressionConfig::default),
-            ext: true,
+            kind: PeerKind::Rpcmesh,
             call_timeout: DEFAULT_CALL_TIMEOUT,
             json: None,
             hdr_log: None,
@@ -494,7 +495,11 @@ impl LoadArgs {
             stop: Stop::Duration(DEFAULT_DURATION),
             warmup: DEFAULT_WARMUP,
             compression,
-            ext: !self.v1,
+            kind: if self.v1 {
+                PeerKind::V1
+            } else {
+                PeerKind::Rpcmesh
+            },
             call_timeout: self.timeout.0,
             json: None,
             hdr_log: None,

@@ -263,7 +263,7 @@ fn build_report(
             fanout: c.fanout,
             parallel: c.parallel,
             compression: c.compression.is_some(),
-            plain_v1: !c.ext,
+            plain_v1: c.kind == rpcmesh_wire::PeerKind::V1,
             warmup_seconds: c.warmup.as_secs_f64(),
             rate: match &c.schedule {
                 Some(pacer::Schedule::Constant(r)) => Some(*r),

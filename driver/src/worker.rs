@@ -36,11 +36,11 @@ use rpcmesh_common::metrics::families::{InFlightShare, Sampler};
 use rpcmesh_common::metrics::{ErrorKind, Side};
 use rpcmesh_common::net::connection::{CloseReason, FramedIo, IoEvent};
 use rpcmesh_common::net::listener::AcceptObserver;
-use rpcmesh_wire::Status;
 use rpcmesh_wire::codec::FrameCodec;
 use rpcmesh_wire::compress::DEFAULT_MAX_INFLATED_LEN;
 use rpcmesh_wire::envelope::CallCodec;
 use rpcmesh_wire::frame::{DEFAULT_MAX_BODY_LEN, Flags, Frame, MsgType};
+use rpcmesh_wire::{PeerKind, Status};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -104,7 +104,7 @@ enum Event {
 pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> WorkerFigures {
     let c = &shared.config;
     let mut flags = Flags::NONE;
-    if c.ext {
+    if c.kind == PeerKind::Rpcmesh {
         flags = flags | Flags::EXT_STATUS;
         if c.compression.is_some() {
             flags = flags | Flags::ACCEPT_COMPRESSED;

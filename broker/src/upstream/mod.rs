@@ -41,6 +41,7 @@ use rpcmesh_common::net::backoff::Backoff;
 use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::shutdown::CancellationToken;
 use rpcmesh_common::net::thinned::Thinned;
+use rpcmesh_wire::PeerKind;
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
@@ -318,13 +319,13 @@ impl ProviderPool {
         grace_over: CancellationToken,
         budget: Arc<MemoryBudget>,
     ) -> Arc<ProviderPool> {
-        let source = pace::Source::of(spec.ext);
+        let source = pace::Source::of(spec.kind);
         let link = Arc::new(PoolLink::new(config.pack_wait, source));
         let settings = ConnSettings {
             label: Arc::from(spec.label()),
-            ext: spec.ext,
+            kind: spec.kind,
             // A plain v1 server may leave Nagle's algorithm on (connection/task.rs, module doc).
-            quick_ack: !spec.ext,
+            quick_ack: spec.kind == PeerKind::V1,
             max_body_len: config.max_body_len,
             max_in_flight: config.max_in_flight_per_upstream_conn,
             call_timeout: config.call_timeout,

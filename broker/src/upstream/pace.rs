@@ -44,6 +44,7 @@
 use std::time::{Duration, Instant};
 
 use rpcmesh_common::net::pace::PerCall;
+use rpcmesh_wire::PeerKind;
 
 #[cfg(doc)]
 use crate::config::DEFAULT_PACK_WAIT;
@@ -61,12 +62,11 @@ pub(crate) enum Source {
 }
 
 impl Source {
-    /// An rpcmesh provider's (`ext`) time is reported, a plain v1 server's measured.
-    pub fn of(ext: bool) -> Source {
-        if ext {
-            Source::Reported
-        } else {
-            Source::Measured
+    /// An rpcmesh provider's time is reported, a plain v1 server's measured.
+    pub fn of(kind: PeerKind) -> Source {
+        match kind {
+            PeerKind::Rpcmesh => Source::Reported,
+            PeerKind::V1 => Source::Measured,
         }
     }
 }

@@ -18,6 +18,7 @@ use rpcmesh_wire::codec::FrameCodec;
 use rpcmesh_wire::compress::{CompressionConfig, DEFAULT_MAX_INFLATED_LEN};
 use rpcmesh_wire::envelope::{CallCodec, CallError, IncomingReply};
 use rpcmesh_wire::frame::{DEFAULT_MAX_BODY_LEN, Flags, FrameError, MsgType};
+use rpcmesh_wire::peer::PeerKind;
 use rpcmesh_wire::status::Status;
 
 use crate::net::connection::{FramedIo, IoEvent};
@@ -36,8 +37,9 @@ const PURGE_AT: usize = 4096;
 pub struct ClientConfig {
     /// Compress request payloads (and accept compressed replies); `None` = plain.
     pub compression: Option<CompressionConfig>,
-    /// Accept extended statuses (overloaded, unavailable, bad request). Off = plain v1.
-    pub ext_status: bool,
+    /// What the client speaks as: an rpcmesh client asks for the extended statuses
+    /// (overloaded, unavailable, bad request), a plain v1 one does not.
+    pub kind: PeerKind,
     /// Largest reply body accepted.
     pub max_body_len: u32,
     /// Largest inflated reply payload.
@@ -50,7 +52,7 @@ impl Default for ClientConfig {
     fn default() -> Self {
         ClientConfig {
             compression: None,
-            ext_status: true,
+            kind: PeerKind::Rpcmesh,
             max_body_len: DEFAULT_MAX_BODY_LEN,
             max_inflated: DEFAULT_MAX_INFLATED_LEN,
             timeout: DEFAULT_CALL_TIMEOUT,
@@ -62,7 +64,7 @@ impl ClientConfig {
     /// A client that sends exactly what an RPCF v1 client sends.
     pub fn plain_v1() -> Self {
         ClientConfig {
-            ext_status: false,
+            kind: PeerKind::V1,
             ..ClientConfig::default()
         }
     }
@@ -81,7 +83,7 @@ impl ClientConfig {
 
     fn flags(&self) -> Flags {
         let mut f = Flags::NONE;
-        if self.ext_status {
+        if self.kind == PeerKind::Rpcmesh {
             f = f | Flags::EXT_STATUS;
         }
         if self.compression.is_some() {

@@ -21,6 +21,7 @@ use prost::encoding::{WireType, encode_key, encode_varint, encoded_len_varint};
 use crate::body::{Request, Response, payload_range};
 use crate::compress::{CompressError, CompressionConfig, Compressor, Inflater};
 use crate::frame::{Flags, Frame, FrameError, FrameWriter, MsgType};
+use crate::peer::PeerKind;
 use crate::proto::rpc::{RpcRequest, RpcResponse};
 use crate::status::Status;
 
@@ -502,10 +503,9 @@ pub fn put_error_response(
 /// "unavailable: `message`", with [`Flags::NOT_RUN`] for a caller that takes extended
 /// statuses (it may send the call elsewhere); a v1 caller gets status 1 and no flag.
 pub fn put_not_run_response(dst: &mut BytesMut, req_id: u64, request_flags: Flags, message: &str) {
-    let flags = if request_flags.contains(Flags::EXT_STATUS) {
-        Flags::NOT_RUN
-    } else {
-        Flags::NONE
+    let flags = match PeerKind::of_caller(request_flags) {
+        PeerKind::Rpcmesh => Flags::NOT_RUN,
+        PeerKind::V1 => Flags::NONE,
     };
     put_error(
         dst,
@@ -525,7 +525,7 @@ fn put_error(
     reply_flags: Flags,
     message: &str,
 ) {
-    let wire = status.to_wire(request_flags.contains(Flags::EXT_STATUS));
+    let wire = status.to_wire(PeerKind::of_caller(request_flags));
     let w = FrameWriter::begin_response(dst, reply_flags, req_id, wire);
     let prefix = status.message_prefix();
     let needs_prefix = !prefix.is_empty() && !message.starts_with(prefix);

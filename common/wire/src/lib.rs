@@ -10,6 +10,7 @@
 //! - [`body`]: the request, response and heartbeat bodies inside a frame.
 //! - [`codec`]: byte stream → frames, with the size limit and the bad-input rules.
 //! - [`compress`]: zlib of payloads, threshold, bounded inflation.
+//! - [`peer`]: the kind of peer (rpcmesh or plain v1), which decides what may be sent to it.
 //! - [`status`]: call outcomes on the wire, and how extended ones degrade for v1 callers.
 //! - [`proto`]: the generated protobuf messages.
 //! - [`envelope`]: frame ↔ call. The `rpc.RpcRequest` / `rpc.RpcResponse` envelopes and the
@@ -23,8 +24,10 @@ pub mod codec;
 pub mod compress;
 pub mod envelope;
 pub mod frame;
+pub mod peer;
 pub mod proto;
 pub mod status;
 
 pub use frame::{Flags, Frame, FrameError, Header, MsgType};
+pub use peer::PeerKind;
 pub use status::Status;

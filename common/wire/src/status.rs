@@ -2,9 +2,12 @@
 //! degrade for plain v1 callers.
 //!
 //! RPCF v1 defines 0 = success, 1 = failed, 2 = timeout. rpcmesh adds 3 = unavailable,
-//! 4 = overloaded, 5 = bad request, sent only to callers whose request carried
-//! [`Flags::EXT_STATUS`](crate::frame::Flags::EXT_STATUS); everyone else gets status 1 with
-//! an `error_msg` that starts with the status name (`"overloaded: ..."`).
+//! 4 = overloaded, 5 = bad request, sent only to rpcmesh peers ([`PeerKind`]: a caller
+//! whose request carried [`Flags::EXT_STATUS`](crate::frame::Flags::EXT_STATUS)); everyone
+//! else gets status 1 with an `error_msg` that starts with the status name
+//! (`"overloaded: ..."`).
+
+use crate::peer::PeerKind;
 
 /// The outcome of one call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -40,13 +43,14 @@ impl Status {
         Status::ALL.get(usize::from(b)).copied()
     }
 
-    /// The byte to send: the status itself to a caller that accepts extended statuses,
+    /// The byte to send to a peer of kind `to`: the status itself to an rpcmesh peer,
     /// else its v1 equivalent.
-    pub fn to_wire(self, ext: bool) -> u8 {
-        match self {
-            Status::Success | Status::Failed | Status::Timeout => self as u8,
-            _ if ext => self as u8,
-            _ => Status::Failed as u8,
+    pub fn to_wire(self, to: PeerKind) -> u8 {
+        match (self, to) {
+            (Status::Success | Status::Failed | Status::Timeout, _) | (_, PeerKind::Rpcmesh) => {
+                self as u8
+            }
+            (_, PeerKind::V1) => Status::Failed as u8,
         }
     }
 
@@ -89,11 +93,11 @@ mod tests {
 
     #[test]
     fn extended_statuses_degrade_to_failed_for_v1_callers() {
-        assert_eq!(Status::Overloaded.to_wire(false), 1);
-        assert_eq!(Status::Overloaded.to_wire(true), 4);
-        assert_eq!(Status::Timeout.to_wire(false), 2);
+        assert_eq!(Status::Overloaded.to_wire(PeerKind::V1), 1);
+        assert_eq!(Status::Overloaded.to_wire(PeerKind::Rpcmesh), 4);
+        assert_eq!(Status::Timeout.to_wire(PeerKind::V1), 2);
         for s in Status::ALL {
-            assert_eq!(Status::from_wire(s.to_wire(true)), Some(s));
+            assert_eq!(Status::from_wire(s.to_wire(PeerKind::Rpcmesh)), Some(s));
         }
         assert_eq!(Status::from_wire(6), None);
     }

@@ -26,6 +26,7 @@ use std::time::Duration;
 use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::busy_poll::Activity;
 use rpcmesh_common::net::shutdown::CancellationToken;
+use rpcmesh_wire::PeerKind;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument;
@@ -66,7 +67,8 @@ pub(crate) enum Refused {
 #[derive(Debug, Clone)]
 pub(crate) struct ConnSettings {
     pub label: Arc<str>,
-    pub ext: bool,
+    /// What the provider may be sent.
+    pub kind: PeerKind,
     /// ACK each read at once while calls are in flight (plain v1 servers: see the module
     /// doc).
     pub quick_ack: bool,
@@ -91,8 +93,9 @@ pub(crate) struct UpstreamConn {
     heartbeats: mpsc::UnboundedSender<HeartbeatTx>,
     state: Arc<ConnState>,
     cap: usize,
-    /// The provider speaks rpcmesh's extensions (calls ask for extended statuses).
-    ext: bool,
+    /// What the provider may be sent (an rpcmesh provider's calls ask for extended
+    /// statuses).
+    kind: PeerKind,
 }
 
 impl UpstreamConn {
@@ -130,14 +133,14 @@ impl UpstreamConn {
         let (heartbeats, heartbeat_rx) = mpsc::unbounded_channel();
         let state = Arc::new(ConnState::default());
         let cap = settings.max_in_flight;
-        let ext = settings.ext;
+        let kind = settings.kind;
         let task = ConnTask::new(stream, state.clone(), heartbeat_rx, settings, metrics, link);
         let conn = UpstreamConn {
             id,
             heartbeats,
             state,
             cap,
-            ext,
+            kind,
         };
         (conn, task)
     }
@@ -147,7 +150,7 @@ impl UpstreamConn {
     // A refused call is handed back by value (no allocation on the per-call path).
     #[allow(clippy::result_large_err)]
     pub fn try_forward(&self, fwd: Forward) -> Result<(), (Forward, Refused)> {
-        self.state.try_queue(fwd, self.cap, self.ext)
+        self.state.try_queue(fwd, self.cap, self.kind)
     }
 
     /// A heartbeat round trip, for the pool's health check.
@@ -202,14 +205,14 @@ mod fixtures {
 
     /// A connection to a listener of the test's (which accepts and reads nothing), with
     /// its task not started: the test drives the task's steps itself.
-    pub async fn connection(ext: bool) -> (UpstreamConn, ConnTask, TcpStream) {
-        let link = PoolLink::new(Duration::ZERO, pace::Source::of(ext));
-        connection_with(ext, Arc::new(link)).await
+    pub async fn connection(kind: PeerKind) -> (UpstreamConn, ConnTask, TcpStream) {
+        let link = PoolLink::new(Duration::ZERO, pace::Source::of(kind));
+        connection_with(kind, Arc::new(link)).await
     }
 
     /// The same, sharing `link` with the test.
     pub async fn connection_with(
-        ext: bool,
+        kind: PeerKind,
         link: Arc<PoolLink>,
     ) -> (UpstreamConn, ConnTask, TcpStream) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -219,8 +222,8 @@ mod fixtures {
         let (server, _) = listener.accept().await.unwrap();
         let settings = ConnSettings {
             label: Arc::from("test"),
-            ext,
-            quick_ack: !ext,
+            kind,
+            quick_ack: kind == PeerKind::V1,
             max_body_len: 1 << 20,
             max_in_flight: 4,
             call_timeout: Duration::from_secs(5),

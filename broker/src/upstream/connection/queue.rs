@@ -18,6 +18,7 @@ use bytes::BytesMut;
 
 use rpcmesh_common::net::budget::Reserved;
 use rpcmesh_common::net::slots::SlotTable;
+use rpcmesh_wire::PeerKind;
 use rpcmesh_wire::frame::{Flags, Frame, Header, MsgType, put_frame};
 
 use super::Refused;
@@ -59,13 +60,18 @@ impl ConnState {
         Poll::Pending
     }
 
-    /// Queues a call: its frame goes into the queue under a fresh request id (`ext`: the
-    /// provider takes rpcmesh's extensions), and the task is woken if it waits. Refused
+    /// Queues a call: its frame goes into the queue under a fresh request id, with the
+    /// flags a provider of kind `to` takes, and the task is woken if it waits. Refused
     /// at the connection's cap (`cap` calls in flight) or once it is closed; the call is
     /// then handed back untouched.
     // A refused call is handed back by value (no allocation on the per-call path).
     #[allow(clippy::result_large_err)]
-    pub fn try_queue(&self, fwd: Forward, cap: usize, ext: bool) -> Result<(), (Forward, Refused)> {
+    pub fn try_queue(
+        &self,
+        fwd: Forward,
+        cap: usize,
+        to: PeerKind,
+    ) -> Result<(), (Forward, Refused)> {
         if self.closed.load(Ordering::Relaxed) {
             return Err((fwd, Refused::Closed));
         }
@@ -79,12 +85,11 @@ impl ConnState {
             self.in_flight.fetch_sub(1, Ordering::Relaxed);
             return Err((fwd, Refused::Closed));
         }
-        let flags = if ext {
+        let flags = match to {
             // Ask for extended statuses always: the session degrades them for v1 callers,
             // and an "unavailable" from the provider tells the pool it is draining.
-            fwd.frame.header.flags | Flags::EXT_STATUS
-        } else {
-            Flags::NONE
+            PeerKind::Rpcmesh => fwd.frame.header.flags | Flags::EXT_STATUS,
+            PeerKind::V1 => Flags::NONE,
         };
         let body_len = fwd.frame.header.body_len;
         let Calls {
@@ -240,7 +245,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_call_is_queued_under_a_fresh_id_and_the_cap_refuses_the_fifth() {
-        let (conn, mut task, _server) = connection(true).await;
+        let (conn, mut task, _server) = connection(PeerKind::Rpcmesh).await;
         let inbox = Inbox::new();
         for id in 1..=4 {
             conn.try_forward(call(id, &inbox)).unwrap();

@@ -22,9 +22,9 @@ use std::time::Instant;
 use rpcmesh_common::metrics::{ErrorKind, Side};
 use rpcmesh_common::net::budget::Reserved;
 use rpcmesh_common::net::pace::{HEARTBEAT_KEY, PerCall};
-use rpcmesh_wire::Status;
 use rpcmesh_wire::body::Heartbeat;
 use rpcmesh_wire::frame::{FRAME_OVERHEAD, Flags, Frame, FrameError, Header, MsgType};
+use rpcmesh_wire::{PeerKind, Status};
 
 use super::queue::{Calls, ConnState, Slot};
 use super::task::ConnTask;
@@ -57,7 +57,7 @@ impl ConnTask {
                 Err(e) => self.on_bad_frame(&mut calls, e)?,
             }
         }
-        if !self.settings.ext {
+        if self.settings.kind == PeerKind::V1 {
             // Sessions queue under this lock, so the table changed by the replies alone.
             let answered = before.saturating_sub(calls.table.len());
             // (A queued call that timed out leaves its id in the queue until taken.)
@@ -147,7 +147,9 @@ impl ConnTask {
                     if frame.body[0] == Status::Unavailable as u8 {
                         // The provider is going away: send no more calls here.
                         self.mark_closed();
-                        if self.settings.ext && frame.header.flags.contains(Flags::NOT_RUN) {
+                        if self.settings.kind == PeerKind::Rpcmesh
+                            && frame.header.flags.contains(Flags::NOT_RUN)
+                        {
                             // It is draining and did not run the call: none of its
                             // connections takes new calls, and the call goes elsewhere.
                             self.provider_draining();
@@ -176,7 +178,7 @@ impl ConnTask {
                     .position(|(id, _)| *id == frame.header.req_id)
                 {
                     // The report first: the check's waiter may publish the connection.
-                    if self.settings.ext {
+                    if self.settings.kind == PeerKind::Rpcmesh {
                         self.take_reported_pace(&frame.body);
                     }
                     let (_, tx) = self.heartbeats.swap_remove(i);

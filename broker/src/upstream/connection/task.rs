@@ -47,6 +47,7 @@ use rpcmesh_common::net::listener::AcceptObserver;
 use rpcmesh_common::net::pace::HEARTBEAT_KEY;
 use rpcmesh_common::net::shutdown::Cancelled;
 use rpcmesh_common::net::thinned::Thinned;
+use rpcmesh_wire::PeerKind;
 use rpcmesh_wire::body::Heartbeat;
 use rpcmesh_wire::codec::FrameCodec;
 use tokio::net::TcpStream;
@@ -218,14 +219,14 @@ impl ConnTask {
     pub fn answer_timed_out(&mut self, expired: &mut Vec<(u64, Slot)>) {
         self.heartbeats.retain(|(_, tx)| !tx.is_closed());
         let now = Instant::now();
-        if !self.settings.ext {
+        if self.settings.kind == PeerKind::V1 {
             self.backlog.on_sweep(now, &self.link.pace);
         }
         let mut calls = self.state.lock();
         calls.table.take_where(|s| s.deadline <= now, expired);
         // Requests admitted longer ago than REQUEST_RETAIN are let go. Calls still queued
         // keep theirs until written: when some are, this waits for the next sweep.
-        if self.settings.ext && calls.queued.is_empty() {
+        if self.settings.kind == PeerKind::Rpcmesh && calls.queued.is_empty() {
             for s in calls.table.values_mut() {
                 if s.request.is_some() && now.duration_since(s.info.admitted) > REQUEST_RETAIN {
                     s.request = None;
@@ -277,7 +278,7 @@ impl ConnTask {
 
     /// Moves the calls queued since the last look to the write buffer; returns how many.
     pub fn take_queued(&mut self) -> usize {
-        let keep_request = self.settings.ext;
+        let keep_request = self.settings.kind == PeerKind::Rpcmesh;
         self.state
             .lock()
             .take_queued(self.io.wbuf(), keep_request, &mut self.round)
@@ -290,10 +291,9 @@ impl ConnTask {
         self.next_heartbeat_id += 1;
         // An rpcmesh provider is asked for its time per call (`crate::upstream::pace`); a
         // plain v1 server gets the plain heartbeat.
-        let extra: &[(&str, &str)] = if self.settings.ext {
-            &[(HEARTBEAT_KEY, "")]
-        } else {
-            &[]
+        let extra: &[(&str, &str)] = match self.settings.kind {
+            PeerKind::Rpcmesh => &[(HEARTBEAT_KEY, "")],
+            PeerKind::V1 => &[],
         };
         if Heartbeat::put_now_with(self.io.wbuf(), id, "broker", "rpcmesh-broker", extra).is_ok() {
             self.heartbeats.push((id, tx));
@@ -378,7 +378,7 @@ mod tests {
             Duration::from_millis(1),
             pace::Source::Measured,
         ));
-        let (conn, mut task, mut server) = connection_with(false, link.clone()).await;
+        let (conn, mut task, mut server) = connection_with(PeerKind::V1, link.clone()).await;
         let inbox = Inbox::new();
         conn.try_forward(call(1, &inbox)).unwrap();
         conn.try_forward(call(2, &inbox)).unwrap();
@@ -417,7 +417,7 @@ mod tests {
     #[tokio::test]
     async fn when_the_connection_ends_calls_still_queued_go_back_to_be_routed_and_written_ones_fail()
      {
-        let (conn, mut task, _server) = connection(false).await;
+        let (conn, mut task, _server) = connection(PeerKind::V1).await;
         let inbox = Inbox::new();
         conn.try_forward(call(1, &inbox)).unwrap();
         assert_eq!(
