@@ -4,17 +4,20 @@
 //! provider) and whether a retry is safe (the call never reached a provider, so sending it
 //! again cannot run it twice).
 //!
-//! Owns the taxonomy and the wording of the answers. Where each failure is detected is the
-//! session's (`session.rs`: bad requests, caps, routing), or the upstream connection's
-//! (`upstream/connection/`: timeouts, lost connections, unusable replies); writing the
-//! answer is the session's.
+//! Owns the taxonomy and the wording of the answers, and how an upstream connection ended
+//! ([`ConnEnd`]: the cause its lost calls are told, and its close reason). Where each
+//! failure is detected is the session's (`session.rs`: bad requests, caps, routing), or
+//! the upstream connection's (`upstream/connection/`: timeouts, lost connections,
+//! unusable replies); writing the answer is the session's.
 
 use std::fmt;
+use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
 use rpcmesh_common::metrics::families::ShedCap;
 use rpcmesh_common::metrics::{ErrorCounters, ErrorKind, Side};
+use rpcmesh_common::net::connection::CloseReason;
 use rpcmesh_wire::Status;
 use rpcmesh_wire::frame::FrameError;
 
@@ -28,6 +31,42 @@ pub(crate) enum Cap {
     /// `--memory-budget`: the bytes the broker buffers (a large call is refused past half
     /// of it).
     Memory(usize),
+}
+
+/// How an upstream connection ended: what its calls in flight are told (the `Display`), and
+/// the [`CloseReason`] it is counted under ([`ConnEnd::close_reason`]).
+#[derive(Debug, Clone, thiserror::Error)]
+pub(crate) enum ConnEnd {
+    /// Every handle was dropped and the calls in flight were done.
+    #[error("closed")]
+    Released,
+    /// The provider closed its side.
+    #[error("closed by provider")]
+    ClosedByProvider,
+    /// Waiting on the socket failed (a reset, ...).
+    #[error("socket error: {0}")]
+    Socket(Arc<io::Error>),
+    /// A write failed.
+    #[error("write failed: {0}")]
+    Write(Arc<io::Error>),
+    /// The provider sent bytes the stream cannot be resynchronised after.
+    #[error("bad frames from provider: {0}")]
+    BadFrames(FrameError),
+}
+
+impl ConnEnd {
+    /// The `reason` it is counted under in `rpcmesh_connections_closed_total`. A pooled
+    /// connection is meant to last as long as the broker holds it, so every end the
+    /// broker did not choose counts as `error`, the provider's own close included.
+    pub fn close_reason(&self) -> CloseReason {
+        match self {
+            ConnEnd::Released => CloseReason::Local,
+            ConnEnd::ClosedByProvider
+            | ConnEnd::Socket(_)
+            | ConnEnd::Write(_)
+            | ConnEnd::BadFrames(_) => CloseReason::Error,
+        }
+    }
 }
 
 /// A call the broker answered itself.
@@ -71,7 +110,7 @@ pub(crate) enum Failure {
         /// The provider, as configured.
         provider: Arc<str>,
         /// What ended the connection.
-        cause: Arc<str>,
+        cause: ConnEnd,
     },
     /// The provider's reply is too short to hold a status and a payload.
     MalformedReply,
@@ -240,7 +279,7 @@ mod tests {
             },
             Failure::ConnectionLost {
                 provider: p.clone(),
-                cause: Arc::from("closed by provider"),
+                cause: ConnEnd::ClosedByProvider,
             },
             Failure::MalformedReply,
             Failure::ReplyRefused {
@@ -248,6 +287,44 @@ mod tests {
                 error: crc,
             },
         ]
+    }
+
+    #[test]
+    fn only_a_connection_the_broker_released_counts_as_closed_locally() {
+        let reset = || Arc::new(io::Error::from(io::ErrorKind::ConnectionReset));
+        let crc = FrameError::Crc {
+            req_id: 1,
+            raw_type: 1,
+            expected: 1,
+            actual: 2,
+        };
+        let ends = [
+            (ConnEnd::Released, CloseReason::Local, "closed".to_string()),
+            (
+                ConnEnd::ClosedByProvider,
+                CloseReason::Error,
+                "closed by provider".to_string(),
+            ),
+            (
+                ConnEnd::Socket(reset()),
+                CloseReason::Error,
+                format!("socket error: {}", reset()),
+            ),
+            (
+                ConnEnd::Write(reset()),
+                CloseReason::Error,
+                format!("write failed: {}", reset()),
+            ),
+            (
+                ConnEnd::BadFrames(crc.clone()),
+                CloseReason::Error,
+                format!("bad frames from provider: {crc}"),
+            ),
+        ];
+        for (end, reason, text) in ends {
+            assert_eq!(end.close_reason(), reason, "{end:?}");
+            assert_eq!(end.to_string(), text);
+        }
     }
 
     #[test]

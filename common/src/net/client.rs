@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::io;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -93,6 +94,23 @@ impl ClientConfig {
     }
 }
 
+/// How the connection ended under a call, or why the call found it gone.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ConnectionEnd {
+    /// The connection's task is gone: it ended before the call was sent or answered.
+    #[error("connection task ended")]
+    TaskEnded,
+    /// The peer closed its side.
+    #[error("closed by peer")]
+    ClosedByPeer,
+    /// The socket failed, reading or writing.
+    #[error("{0}")]
+    Io(Arc<io::Error>),
+    /// The peer sent bytes the stream cannot be resynchronised after.
+    #[error("{0}")]
+    BadFrames(FrameError),
+}
+
 /// Why a call got no reply.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -101,7 +119,11 @@ pub enum ClientError {
     Connect(io::Error),
     /// The connection failed or was closed with the call on it.
     #[error("connection closed: {0}")]
-    Closed(String),
+    Closed(ConnectionEnd),
+    /// The peer answered the call with a frame of another type (a heartbeat for a call,
+    /// a response for a heartbeat).
+    #[error("peer answered with a {0:?} frame")]
+    WrongFrame(MsgType),
     /// No reply within the timeout.
     #[error("no reply within {0:?}")]
     Timeout(Duration),
@@ -243,7 +265,7 @@ impl Client {
         op: Op,
         rx: oneshot::Receiver<Result<T, ClientError>>,
     ) -> Result<T, ClientError> {
-        let closed = || ClientError::Closed("connection task ended".into());
+        let closed = || ClientError::Closed(ConnectionEnd::TaskEnded);
         self.ops.send(op).await.map_err(|_| closed())?;
         match tokio::time::timeout(self.timeout, rx).await {
             Ok(Ok(r)) => r,
@@ -260,7 +282,8 @@ async fn run_connection(stream: TcpStream, config: ClientConfig, mut ops: mpsc::
     let mut waiting: HashMap<u64, Waiter> = HashMap::new();
     let mut next_id: u64 = 1;
     let mut ops_open = true;
-    let cause = loop {
+    // `None`: every handle was dropped and no call was left waiting.
+    let end = loop {
         if !ops_open && waiting.is_empty() {
             break None;
         }
@@ -268,15 +291,15 @@ async fn run_connection(stream: TcpStream, config: ClientConfig, mut ops: mpsc::
             biased;
             ev = io.wait_io(true) => match ev {
                 Ok(IoEvent::Read) => {
-                    if let Err(e) = read_replies(&mut io, &mut codec, &mut waiting) {
-                        break Some(e);
+                    if let Err(end) = read_replies(&mut io, &mut codec, &mut waiting) {
+                        break Some(end);
                     }
                     if io.is_eof() {
-                        break Some("closed by peer".to_string());
+                        break Some(ConnectionEnd::ClosedByPeer);
                     }
                 }
                 Ok(IoEvent::Wrote) => {}
-                Err(e) => break Some(e.to_string()),
+                Err(e) => break Some(ConnectionEnd::Io(Arc::new(e))),
             },
             op = ops.recv(), if ops_open => match op {
                 None => ops_open = false,
@@ -304,12 +327,12 @@ async fn run_connection(stream: TcpStream, config: ClientConfig, mut ops: mpsc::
             },
         }
         if let Err(e) = io.try_flush() {
-            break Some(e.to_string());
+            break Some(ConnectionEnd::Io(Arc::new(e)));
         }
     };
-    if let Some(cause) = cause {
+    if let Some(end) = end {
         for (_, w) in waiting.drain() {
-            w.fail(ClientError::Closed(cause.clone()));
+            w.fail(ClientError::Closed(end.clone()));
         }
     }
 }
@@ -318,7 +341,7 @@ fn read_replies(
     io: &mut FramedIo,
     codec: &mut CallCodec,
     waiting: &mut HashMap<u64, Waiter>,
-) -> Result<(), String> {
+) -> Result<(), ConnectionEnd> {
     loop {
         let frame = match io.next_frame() {
             Ok(Some(f)) => f,
@@ -327,7 +350,7 @@ fn read_replies(
                 tracing::warn!(error = %e, "client skipped a bad frame");
                 continue;
             }
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(ConnectionEnd::BadFrames(e)),
         };
         let Some(w) = waiting.remove(&frame.header.req_id) else {
             tracing::debug!(req_id = frame.header.req_id, "reply for no waiting call");
@@ -347,9 +370,7 @@ fn read_replies(
             (Waiter::Heartbeat(tx), MsgType::Heartbeat) => {
                 let _ = tx.send(Heartbeat::parse(&frame.body).map_err(ClientError::from));
             }
-            (w, t) => w.fail(ClientError::Closed(format!(
-                "peer answered with a {t:?} frame"
-            ))),
+            (w, t) => w.fail(ClientError::WrongFrame(t)),
         }
     }
 }

@@ -29,7 +29,7 @@ use rpcmesh_wire::{PeerKind, Status};
 use super::queue::{Calls, ConnState, Slot};
 use super::task::ConnTask;
 use crate::call::{CallInfo, Reply, ReplyTx, Reroute, copied_at_once};
-use crate::failure::Failure;
+use crate::failure::{ConnEnd, Failure};
 use crate::metrics::{UPSTREAM, UpstreamMetrics};
 
 #[cfg(doc)]
@@ -41,7 +41,7 @@ const SKIP_FACTOR: u64 = 4;
 
 impl ConnTask {
     /// Handles every whole frame read so far.
-    pub fn take_frames(&mut self, state: &ConnState) -> Result<(), String> {
+    pub fn take_frames(&mut self, state: &ConnState) -> Result<(), ConnEnd> {
         let read_at = self.metrics.stages.on().then(Instant::now);
         let mut calls = state.lock();
         let before = calls.table.len();
@@ -67,7 +67,7 @@ impl ConnTask {
                 .on_read(now, answered, waiting, &self.link.pace);
         }
         if self.io.is_eof() {
-            return Err("closed by provider".into());
+            return Err(ConnEnd::ClosedByProvider);
         }
         Ok(())
     }
@@ -197,17 +197,17 @@ impl ConnTask {
     /// Counts and logs (thinned) a frame from the provider that cannot be used. A reply
     /// whose header could be read fails its own call only and the others on this
     /// connection go on; the connection ends on input it cannot get past.
-    fn on_bad_frame(&mut self, calls: &mut Calls, e: FrameError) -> Result<(), String> {
+    fn on_bad_frame(&mut self, calls: &mut Calls, e: FrameError) -> Result<(), ConnEnd> {
         self.bad_input.record(&e);
         let Some((id, Some(MsgType::Response))) = e.frame_id() else {
             if e.is_fatal() {
-                return Err(format!("bad frames from provider: {e}"));
+                return Err(ConnEnd::BadFrames(e));
             }
             return Ok(());
         };
         if let FrameError::TooLarge { body_len, max, .. } = e {
             if u64::from(body_len) > u64::from(max) * SKIP_FACTOR {
-                return Err(format!("bad frames from provider: {e}"));
+                return Err(ConnEnd::BadFrames(e));
             }
             self.io.skip(FRAME_OVERHEAD + body_len as usize);
         }

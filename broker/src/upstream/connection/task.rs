@@ -42,7 +42,7 @@ use std::time::{Duration, Instant};
 use bytes::BytesMut;
 
 use rpcmesh_common::metrics::{BadInputLog, Side};
-use rpcmesh_common::net::connection::{CloseReason, FramedIo, IoEvent};
+use rpcmesh_common::net::connection::{FramedIo, IoEvent};
 use rpcmesh_common::net::listener::AcceptObserver;
 use rpcmesh_common::net::pace::HEARTBEAT_KEY;
 use rpcmesh_common::net::shutdown::Cancelled;
@@ -56,7 +56,7 @@ use tokio::sync::mpsc;
 use super::queue::{ConnState, Slot};
 use super::{ConnSettings, HeartbeatTx, REQUEST_RETAIN};
 use crate::call::Reroute;
-use crate::failure::Failure;
+use crate::failure::{ConnEnd, Failure};
 use crate::metrics::{QUEUE, UpstreamMetrics};
 use crate::upstream::PoolLink;
 use crate::upstream::pace::Backlog;
@@ -133,19 +133,19 @@ impl ConnTask {
         let mut grace_over = Cancelled::new(&self.settings.grace_over);
         let mut cut = false;
         let state = self.state.clone();
-        let cause: Option<Arc<str>> = loop {
+        let end = loop {
             let busy = state.in_flight.load(Ordering::Relaxed) > 0 || !self.heartbeats.is_empty();
             tokio::select! {
                 biased;
                 ev = self.io.wait_io(true) => match ev {
                     Ok(IoEvent::Read) => {
-                        if let Err(cause) = self.take_frames(&state) {
-                            break Some(cause.into());
+                        if let Err(end) = self.take_frames(&state) {
+                            break end;
                         }
                         self.ack_at_once();
                     }
                     Ok(IoEvent::Wrote) => {}
-                    Err(e) => break Some(format!("socket error: {e}").into()),
+                    Err(e) => break ConnEnd::Socket(Arc::new(e)),
                 },
                 () = std::future::poll_fn(|cx| state.poll_queued(cx)) => {}
                 tx = self.heartbeat_rx.recv(), if handles_left => match tx {
@@ -178,16 +178,16 @@ impl ConnTask {
                 }
             }
             if let Err(e) = self.io.try_flush() {
-                break Some(format!("write failed: {e}").into());
+                break ConnEnd::Write(Arc::new(e));
             }
             self.io.account();
             self.record_sent();
             self.metrics.wire.add(self.io.take_counts());
             if !handles_left && state.in_flight.load(Ordering::Relaxed) == 0 {
-                break None;
+                break ConnEnd::Released;
             }
         };
-        self.close(cause);
+        self.close(end);
     }
 
     /// After a read from a plain v1 server: if calls (or a heartbeat) are still in flight
@@ -307,16 +307,11 @@ impl ConnTask {
         }
     }
 
-    /// Ends the connection (`cause`: why, or `None` when every handle was dropped and the
-    /// calls were done): every call written is answered with the cause, every call still
-    /// queued goes back to its session to be routed again.
-    pub fn close(mut self, cause: Option<Arc<str>>) {
+    /// Ends the connection (`end`: why): every call written is answered with the cause,
+    /// every call still queued goes back to its session to be routed again.
+    pub fn close(mut self, end: ConnEnd) {
         self.mark_closed();
-        let reason = match cause {
-            None => CloseReason::Local,
-            Some(_) => CloseReason::Error,
-        };
-        self.metrics.conns.closed(reason);
+        self.metrics.conns.closed(end.close_reason());
         self.heartbeat_rx.close();
         let (slots, queued) = {
             let mut calls = self.state.lock();
@@ -326,7 +321,6 @@ impl ConnTask {
             let queued = std::mem::take(&mut calls.queued);
             (calls.table.drain().collect::<Vec<_>>(), queued)
         };
-        let why: Arc<str> = cause.clone().unwrap_or_else(|| Arc::from("closed"));
         let queued: std::collections::HashSet<u64> = queued.into_iter().collect();
         let (mut failed, mut requeued) = (0, 0);
         for (id, mut slot) in slots {
@@ -340,16 +334,16 @@ impl ConnTask {
                     failed += 1;
                     let failure = Failure::ConnectionLost {
                         provider: self.settings.label.clone(),
-                        cause: why.clone(),
+                        cause: end.clone(),
                     };
                     self.fail_slot(slot, failure);
                 }
             }
         }
         self.link.task_ended();
-        match cause {
-            None => tracing::debug!("closed"),
-            Some(cause) => match LOST_LINES.admit() {
+        match end {
+            ConnEnd::Released => tracing::debug!("closed"),
+            cause => match LOST_LINES.admit() {
                 Some(a) => {
                     tracing::warn!(%cause, failed, requeued, lost = a.seen, left_out = a.left_out, "provider connection lost")
                 }
@@ -426,7 +420,7 @@ mod tests {
             "call 1 is in the task's write buffer"
         );
         conn.try_forward(call(2, &inbox)).unwrap();
-        task.close(Some(Arc::from("closed by provider")));
+        task.close(ConnEnd::ClosedByProvider);
         assert!(conn.is_closed());
         assert_eq!(conn.load(), 0);
         let (back, why) = conn.try_forward(call(3, &inbox)).unwrap_err();
