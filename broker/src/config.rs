@@ -1,6 +1,6 @@
 //! Broker configuration: the command line (each flag with an environment fallback), the
-//! defaults and why they are what they are, the upstream syntax, and validation into
-//! [`BrokerConfig`].
+//! defaults and why they are what they are, and validation into [`BrokerConfig`]. The
+//! upstream syntax is `upstream_spec`'s.
 
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
@@ -16,6 +16,8 @@ use rpcmesh_common::net::budget::DEFAULT_MEMORY_BUDGET;
 use rpcmesh_common::net::session::{DEFAULT_MAX_IN_FLIGHT_PER_LINK, Timeouts};
 use rpcmesh_wire::PeerKind;
 use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
+
+use crate::upstream_spec::UpstreamSpec;
 
 /// Where the broker listens unless told otherwise: every interface, port 7700.
 pub const DEFAULT_LISTEN: SocketAddr =
@@ -136,53 +138,6 @@ pub enum Balance {
     P2c,
     /// Each provider in turn.
     RoundRobin,
-}
-
-/// One configured provider.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UpstreamSpec {
-    /// `HOST:PORT`, resolved at each connect.
-    pub addr: String,
-    /// Services it serves; empty = any service.
-    pub services: Vec<String>,
-    /// An rpcmesh provider (it takes the extension flags) or a plain RPCF v1 server, to
-    /// which only plain v1 frames are sent.
-    pub kind: PeerKind,
-}
-
-impl UpstreamSpec {
-    /// Parses `HOST:PORT` or `Service1,Service2=HOST:PORT`.
-    pub fn parse(s: &str, kind: PeerKind) -> Result<UpstreamSpec, String> {
-        let (services, addr) = match s.split_once('=') {
-            Some((svc, addr)) => (
-                svc.split(',')
-                    .map(str::trim)
-                    .filter(|x| !x.is_empty())
-                    .map(String::from)
-                    .collect::<Vec<_>>(),
-                addr.trim(),
-            ),
-            None => (Vec::new(), s.trim()),
-        };
-        let ok = addr
-            .rsplit_once(':')
-            .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok());
-        if !ok {
-            return Err(format!(
-                "upstream {s:?}: expected HOST:PORT or SERVICE[,SERVICE]=HOST:PORT"
-            ));
-        }
-        Ok(UpstreamSpec {
-            addr: addr.to_string(),
-            services,
-            kind,
-        })
-    }
-
-    /// The label used in metrics and logs: the address as configured.
-    pub fn label(&self) -> &str {
-        &self.addr
-    }
 }
 
 /// The broker's command line.
@@ -461,19 +416,6 @@ impl Args {
 mod tests {
     use super::*;
     use clap::Parser;
-
-    #[test]
-    fn upstream_specs_parse() {
-        let u = UpstreamSpec::parse("127.0.0.1:7800", PeerKind::Rpcmesh).unwrap();
-        assert!(u.services.is_empty());
-        let u = UpstreamSpec::parse("EchoService, PlatformService=p1.example:7800", PeerKind::V1)
-            .unwrap();
-        assert_eq!(u.services, ["EchoService", "PlatformService"]);
-        assert_eq!(u.addr, "p1.example:7800");
-        assert_eq!(u.kind, PeerKind::V1);
-        assert!(UpstreamSpec::parse("nohost", PeerKind::Rpcmesh).is_err());
-        assert!(UpstreamSpec::parse("h:notaport", PeerKind::Rpcmesh).is_err());
-    }
 
     #[test]
     fn busy_polling_is_auto_by_default_and_can_be_set_or_turned_off() {

@@ -21,7 +21,7 @@
 //!   routing (`Forward`), and the session's inbox, into which upstream connections copy
 //!   replies under the callers' ids.
 //! - `failure`: every answer the broker makes itself, with its side and retry safety.
-//! - [`config`], [`metrics`].
+//! - [`config`], [`UpstreamSpec`] (the `--upstream` syntax), [`metrics`].
 //!
 //! [`run`] serves a bound listener until its shutdown future resolves, then drains; tests
 //! call it on port 0, `main` with the configured address and SIGTERM/SIGINT, and SIGHUP
@@ -36,6 +36,7 @@ pub mod providers_file;
 mod route;
 mod session;
 pub mod upstream;
+mod upstream_spec;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -50,9 +51,10 @@ use rpcmesh_common::net::listener::{self, AcceptConfig, ServeSummary};
 use rpcmesh_common::net::shutdown::{self, CancellationToken};
 use tokio::net::TcpListener;
 
-pub use config::{Args, Balance, BrokerConfig, BusyPoll, UpstreamSpec};
+pub use config::{Args, Balance, BrokerConfig, BusyPoll};
 pub use membership::{FILE_POLL, Reload};
 pub use metrics::BrokerMetrics;
+pub use upstream_spec::UpstreamSpec;
 // Fixed limits that are not flags, public so that the docs quoting them are held to the
 // code (`tests/docs_constants.rs`).
 pub use session::MAX_RETRIES;

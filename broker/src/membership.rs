@@ -32,12 +32,13 @@ use rpcmesh_wire::PeerKind;
 use tokio::sync::Notify;
 use tokio::task::{JoinHandle, JoinSet};
 
-use crate::config::{BrokerConfig, UpstreamSpec};
+use crate::config::BrokerConfig;
 use crate::metrics::BrokerMetrics;
 use crate::providers_file::{self, FileStamp, ProvidersFileError};
 use crate::route::Router;
 use crate::session::Shared;
 use crate::upstream::{PoolLink, ProviderPool};
+use crate::upstream_spec::UpstreamSpec;
 
 /// How often the providers file's stamp (device, inode, size, modification time) is
 /// looked at. Ansible and editors replace the file by rename, which a stamp always shows

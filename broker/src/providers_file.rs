@@ -25,7 +25,7 @@ use std::time::SystemTime;
 
 use rpcmesh_wire::PeerKind;
 
-use crate::config::UpstreamSpec;
+use crate::upstream_spec::UpstreamSpec;
 
 /// Largest providers file read: a file lists tens or hundreds of providers (a few KiB);
 /// 1 MiB is far beyond that and bounds what a wrong path (a log file) costs.

@@ -24,8 +24,9 @@ use rpcmesh_wire::body::request_service;
 use rpcmesh_wire::frame::Flags;
 
 use crate::call::Forward;
-use crate::config::{Balance, UpstreamSpec};
+use crate::config::Balance;
 use crate::upstream::{ProviderPool, Refused, UpstreamConn};
+use crate::upstream_spec::UpstreamSpec;
 
 /// Why no provider took a call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

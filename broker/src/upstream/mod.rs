@@ -48,8 +48,9 @@ use tokio::time::Instant;
 use rpcmesh_common::net::busy_poll::Activity;
 use rpcmesh_common::net::listener::AcceptObserver;
 
-use crate::config::{BrokerConfig, UpstreamSpec};
+use crate::config::BrokerConfig;
 use crate::metrics::UpstreamMetrics;
+use crate::upstream_spec::UpstreamSpec;
 pub(crate) use connection::{ConnSettings, Refused, UpstreamConn};
 
 /// Why an upstream connection could not be made or kept.
