@@ -65,10 +65,8 @@ pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
 /// `auto` with one worker thread). A call's next step (the provider's reply, the caller's
 /// next request) arrives within tens of microseconds on a fast network; 50 µs covers that,
 /// so a broker under steady traffic never sleeps and its peers never pay to wake it, and
-/// an idle one stops spinning 50 µs after the last read. Measured on 2 vCPUs
-/// (docs/performance.md): the broker's added latency at 1 call in flight fell from ~30 µs
-/// to below zero (its peers were spared their wake-up costs) and calls/s at 64 in flight
-/// rose by a quarter; windows from 10 to 200 µs did the same within the noise.
+/// an idle one stops spinning 50 µs after the last read. Any window from 10 to 200 µs
+/// does as well within the noise (figures: docs/performance.md).
 pub const DEFAULT_BUSY_POLL: Duration = Duration::from_micros(50);
 /// Calls in flight up to which a provider's connections are filled one after the other
 /// (`--pack-in-flight`); see `route::Router` for why.

@@ -9,10 +9,9 @@
 //! answers in `--pack-wait`, by its time per call (measured for a plain v1 server,
 //! reported by an rpcmesh provider), at most `--pack-in-flight` (64); a v1 server not yet
 //! measured gets the less loaded of two, an rpcmesh provider not yet reported the whole
-//! 64 (`crate::upstream::pace`). A
-//! provider with no open connection is passed over; a full one too, and one that is
-//! draining (it refused a call with `NOT_RUN`), and the call goes to the next. Only when
-//! no provider takes it is the caller answered.
+//! 64 (`crate::upstream::pace`). A provider with no open connection is passed over; a
+//! full one too, and one that is draining (it refused a call with `NOT_RUN`), and the
+//! call goes to the next. Only when no provider takes it is the caller answered.
 //!
 //! A [`Router`] is immutable: the providers file's reloads (`membership`) build a new one
 //! and publish it in an `ArcSwap`, which each call reads without a lock.

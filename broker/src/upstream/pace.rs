@@ -34,9 +34,9 @@
 //!   handled and encoded, over the calls whose handlers ran in it) and reports it in its
 //!   answers to the pool's heartbeats, once per health interval per connection
 //!   (`rpcmesh_common::net::pace::HEARTBEAT_KEY`). Until it has reported a time (an older
-//!   rpcmesh provider never does) the connections are packed to `--pack-in-flight`, as
-//!   before: a provider with light handlers, the common case, loses nothing while the
-//!   first report is on its way.
+//!   rpcmesh provider never does) the connections are packed to `--pack-in-flight`: a
+//!   provider with light handlers, the common case, loses nothing while the first report
+//!   is on its way.
 //!
 //! Either way, a provider slower than the wait per call is not packed at all, and with
 //! `--pack-wait 0` no provider is.
