@@ -3,6 +3,7 @@
 //!
 //! ```text
 //!   cli       flags and values every program takes, config problems, start-up
+//!   format    figures as people read them (ms, thousands, bytes): pure, for every report
 //!   metrics   the catalogue of metrics, the recorder, handle groups, errors, /proc
 //!   net       framed connections, accept loop, server-session skeleton, slot table,
 //!             busy polling, a small client, shutdown
@@ -17,6 +18,7 @@
 //! black-box tests.
 
 pub mod cli;
+pub mod format;
 pub mod metrics;
 pub mod net;
 #[cfg(feature = "test-support")]

@@ -6,14 +6,19 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
+use rpcmesh_common::format::bytes;
+// `ms` and `thousands` are re-exported for the modules that print figures beside the
+// report's (`hdr_log`'s merged report).
+pub(crate) use rpcmesh_common::format::{ms, thousands};
+
 use crate::pacer::{Arrival, Pacing, Schedule};
 use crate::stats::{Latency, LatencySummary, Tally};
 
 /// A successful call slower than this counts as `slow` in the report: 30 ms. On a LAN or
 /// one machine no queue makes a call that slow at a sane load; a stall does. It sits above
 /// the machine's own stalls (under 5 ms on the reference VM, docs/performance.md) and
-/// below the 40 ms of a delayed ACK meeting Nagle's algorithm, the stall of issue 15, which
-/// percentiles can hide when it hits under 1 % of the calls.
+/// below the 40 ms of a delayed ACK meeting Nagle's algorithm, a stall that percentiles
+/// hide when it hits under 1 % of the calls.
 pub const SLOW_CALL_US: u64 = 30_000;
 
 /// Everything a run measured.
@@ -452,52 +457,5 @@ impl Report {
             bytes(b.payload_in_plain)
         );
         o
-    }
-}
-
-pub(crate) fn ms(v: f64) -> String {
-    if v >= 100.0 {
-        format!("{v:.0}")
-    } else if v >= 10.0 {
-        format!("{v:.1}")
-    } else {
-        format!("{v:.3}")
-    }
-}
-
-pub(crate) fn thousands(v: f64) -> String {
-    let n = v.round() as u64;
-    let s = n.to_string();
-    let mut out = String::new();
-    for (i, ch) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(ch);
-    }
-    out
-}
-
-fn bytes(n: u64) -> String {
-    match n {
-        n if n >= 10 << 30 => format!("{:.1} GiB", n as f64 / (1u64 << 30) as f64),
-        n if n >= 10 << 20 => format!("{:.1} MiB", n as f64 / (1u64 << 20) as f64),
-        n if n >= 10 << 10 => format!("{:.1} KiB", n as f64 / 1024.0),
-        n => format!("{n} B"),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn numbers_are_readable() {
-        assert_eq!(thousands(1234567.4), "1,234,567");
-        assert_eq!(thousands(999.0), "999");
-        assert_eq!(ms(0.0421), "0.042");
-        assert_eq!(ms(123.4), "123");
-        assert_eq!(bytes(512), "512 B");
-        assert_eq!(bytes(20 << 20), "20.0 MiB");
     }
 }
