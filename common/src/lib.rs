@@ -91,6 +91,7 @@ mod layering {
             "provider/src",
             "broker/src",
             "driver/src",
+            "capacity/src",
         ] {
             for (path, _) in sources(&root.join(dir)) {
                 let rel = path

@@ -1,10 +1,14 @@
-//! Driver configuration: the command line (each flag with an environment fallback), the
-//! defaults and why they are what they are, and validation into [`DriverConfig`].
+//! Driver configuration: the command line of every command (each flag of a load with an
+//! environment fallback), the defaults and why they are what they are, and validation of
+//! a run into [`DriverConfig`]. `driver capacity`'s flags flatten the load's and the
+//! planner's own (`rpcmesh_capacity::PlanArgs`); the capacity module validates them, and
+//! this module uses nothing of it.
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::PathBuf;
 use std::time::Duration;
 
+use rpcmesh_capacity::{OutputArgs, PlanArgs};
 use rpcmesh_common::cli::flags::{CompressionArgs, RuntimeArgs, StageArgs};
 use rpcmesh_common::cli::values::parse_duration;
 use rpcmesh_common::cli::{ConfigProblems, DurationArg, MetricsListen, OnOff};
@@ -241,11 +245,39 @@ pub enum Command {
     /// with per-step CPU and bytes per call, a closed-loop sweep fitted with the Universal
     /// Scalability Law, and compression off against on. With no --target it starts a
     /// provider and a broker as child processes. See docs/capacity.md.
-    Capacity(Box<crate::capacity::config::CapacityArgs>),
+    Capacity(Box<CapacityArgs>),
     /// Run as the provider or the broker (`driver serve provider --listen ...`): how
     /// `driver capacity` starts its local mesh.
     #[command(hide = true)]
     Serve(ServeArgs),
+}
+
+/// `driver capacity`'s arguments: the load of every step (as for a run), the planner's
+/// own flags, and where the programs on the path are read.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CapacityArgs {
+    /// What is called, and how (as for a run).
+    #[command(flatten)]
+    pub load: LoadArgs,
+    /// The search, the SLO, the comparison and the sweep.
+    #[command(flatten)]
+    pub plan: PlanArgs,
+    /// `/metrics` of a broker on the path (HOST:PORT), for its CPU. Repeatable. Found
+    /// by itself for the local mesh.
+    #[arg(long = "broker-metrics")]
+    pub broker_metrics: Vec<SocketAddr>,
+    /// `/metrics` of a provider on the path (HOST:PORT). Repeatable.
+    #[arg(long = "provider-metrics")]
+    pub provider_metrics: Vec<SocketAddr>,
+    /// Local mesh: the provider's service time (as the provider's --service-time).
+    #[arg(long)]
+    pub service_time: Option<String>,
+    /// Local mesh: the provider burns its service time on the CPU instead of sleeping.
+    #[arg(long)]
+    pub service_work: bool,
+    /// Where the report is written.
+    #[command(flatten)]
+    pub outputs: OutputArgs,
 }
 
 /// `driver serve`'s arguments.

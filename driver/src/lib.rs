@@ -21,6 +21,8 @@
 //! - [`report`]: the figures, as text and JSON.
 //! - [`hdr_log`]: the interval log, and `driver merge` of a fleet's logs.
 //! - [`embedded`]: the local provider + broker of the default run.
+//! - [`capacity`]: `driver capacity`, the capacity planner ([`rpcmesh_capacity`]) run on
+//!   this load engine: its steps, the CPU probes, the local mesh of child processes.
 
 mod calls;
 pub mod capacity;

@@ -9,8 +9,8 @@ use rpcmesh_common::cli::startup;
 use rpcmesh_common::metrics::{Telemetry, recorder};
 use rpcmesh_common::net::shutdown::{self, CancellationToken};
 use rpcmesh_driver::Args;
-use rpcmesh_driver::capacity::config::CapacityArgs;
-use rpcmesh_driver::config::{Command, MergeArgs};
+use rpcmesh_driver::capacity::config::CapacityConfig;
+use rpcmesh_driver::config::{CapacityArgs, Command, MergeArgs};
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -76,28 +76,24 @@ fn merge(m: &MergeArgs) -> anyhow::Result<()> {
 
 /// `driver capacity`: the experiment, its report on stdout and in the files asked for.
 fn capacity(args: &CapacityArgs) -> anyhow::Result<()> {
-    let config = args.config()?;
+    let config = CapacityConfig::new(args)?;
     let exe = std::env::current_exe().context("finding the driver binary")?;
     let rt = startup::start("driver", "warn", args.load.runtime.threads)?;
-    let outputs = (
-        config.json.clone(),
-        config.markdown.clone(),
-        config.html.clone(),
-    );
-    let report =
-        rt.block_on(async { rpcmesh_driver::capacity::run(config, &exe, stop_on_signal()).await })?;
+    let outputs = config.outputs.clone();
+    let stop = rt.block_on(async { stop_on_signal() });
+    let report = rpcmesh_driver::capacity::run(config, &exe, &rt, stop)?;
     print!("{}", report.render_text());
     let write = |path: &std::path::Path, text: String| {
         std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
     };
-    if let Some(p) = &outputs.0 {
+    if let Some(p) = &outputs.json {
         write(p, serde_json::to_string_pretty(&report)? + "\n")?;
     }
-    if let Some(p) = &outputs.1 {
+    if let Some(p) = &outputs.markdown {
         write(p, report.render_markdown())?;
     }
-    if let Some(p) = &outputs.2 {
-        write(p, rpcmesh_driver::capacity::html::render(&report))?;
+    if let Some(p) = &outputs.html {
+        write(p, rpcmesh_capacity::html::render(&report))?;
     }
     Ok(())
 }

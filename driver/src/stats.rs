@@ -147,9 +147,7 @@ impl Latency {
 }
 
 /// Percentiles of a latency histogram, in milliseconds.
-#[derive(
-    Debug, Clone, Copy, Default, PartialEq, Serialize, serde::Deserialize, schemars::JsonSchema,
-)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, serde::Deserialize)]
 pub struct LatencySummary {
     /// Samples.
     pub count: u64,

@@ -11,8 +11,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use rpcmesh_capacity::report::{CapacityReport, Phase};
 use rpcmesh_common::testkit;
-use rpcmesh_driver::capacity::report::{CapacityReport, Phase};
 
 #[test]
 fn a_short_search_brackets_the_capacity_and_reports_it_every_way() {

@@ -8,14 +8,14 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use rpcmesh_common::testkit::headless_dom;
-use rpcmesh_driver::capacity::html::render;
-use rpcmesh_driver::capacity::report::{
-    CapacityReport, CapacitySetup, Comparison, Phase, ProbeSetup, Search, Step, Sweep, SweepPoint,
+use rpcmesh_capacity::html::render;
+use rpcmesh_capacity::report::{
+    CapacityReport, CapacitySetup, Comparison, LatencySummary, Phase, ProbeSetup, Search, Step,
+    Sweep, SweepPoint,
 };
-use rpcmesh_driver::capacity::slo::Slo;
-use rpcmesh_driver::capacity::usl::UslFit;
-use rpcmesh_driver::stats::LatencySummary;
+use rpcmesh_capacity::slo::Slo;
+use rpcmesh_capacity::usl::UslFit;
+use rpcmesh_common::testkit::headless_dom;
 
 fn latency(p50: f64, p99: f64, p999: f64) -> LatencySummary {
     LatencySummary {

@@ -1,53 +1,46 @@
-//! One capacity step: a driver run (open loop at one rate, or closed loop with N users),
-//! with every program on the path read at the start and at the end of its measured window
-//! (CPU time of each process, the host's softirq time), turned into the step's figures.
+//! The driver's side of a capacity step: a driver run (open loop at one rate, or closed
+//! loop with N users) with every program on the path read at the start and at the end of
+//! its measured window (CPU time of each process, the host's softirq time), handed to the
+//! planner as its [`Measured`] figures. [`Runner`] is the planner's [`StepRunner`]: each
+//! step blocks on the driver's runtime until its last reply.
 
-use std::collections::BTreeMap;
+use std::fmt;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use rpcmesh_capacity::step::{Calls, CpuUse, Requests};
+use rpcmesh_capacity::{Compression, Measured, StepRunner};
 use rpcmesh_common::metrics::Telemetry;
 use rpcmesh_common::net::shutdown::CancellationToken;
+use rpcmesh_wire::compress::CompressionConfig;
 
 use super::probe::{self, Reading};
-use super::report::{Phase, Step, SweepPoint};
-use super::slo::Slo;
 use crate::config::{DriverConfig, ProgressMode, Stop};
 use crate::pacer::Schedule;
+use crate::progress::say;
 use crate::report::Report;
+use crate::stats::LatencySummary;
 
 /// The role the driver's own readings are filed under.
 pub const DRIVER: &str = "driver";
 
-/// A run and the CPU of each role from the start of its measured window until its last
-/// reply: all the work its measured requests caused, even those still queued when the
-/// window closed (as they are when the step is beyond capacity).
+/// How the driver runs a capacity step.
 #[derive(Debug)]
-pub struct Measured {
-    /// The driver's report of the run.
-    pub report: Report,
-    /// CPU seconds used, by role (summed over a role's endpoints).
-    pub cpu_seconds: BTreeMap<String, f64>,
-    /// Of those, seconds spent busy polling with nothing to read, by role (only roles that
-    /// did).
-    pub idle_polling: BTreeMap<String, f64>,
-    /// Cores used on average over that time, by role.
-    pub cores: BTreeMap<String, f64>,
-    /// Host softirq share, by role (of its first endpoint).
-    pub softirq: BTreeMap<String, f64>,
-}
-
-/// How a step is run.
-#[derive(Debug, Clone)]
-pub struct Runner {
+pub struct Runner<'a> {
+    /// The runtime every step runs on.
+    pub rt: &'a tokio::runtime::Runtime,
     /// The load (targets, workload, connections, ...).
     pub load: DriverConfig,
+    /// Compression when on.
+    pub compression_on: CompressionConfig,
     /// Measured length.
     pub step: Duration,
     /// Lead-in.
     pub warmup: Duration,
     /// `/metrics` endpoints by role.
     pub probes: Vec<(String, SocketAddr)>,
+    /// Ctrl-C: ends the step under way, and the experiment.
+    pub stop: CancellationToken,
 }
 
 async fn read_all(probes: &[(String, SocketAddr)]) -> Vec<(String, Option<Reading>)> {
@@ -66,13 +59,9 @@ async fn read_all(probes: &[(String, SocketAddr)]) -> Vec<(String, Option<Readin
     out
 }
 
-impl Runner {
+impl Runner<'_> {
     /// Runs `config` (whose schedule or concurrency the caller set) for one step.
-    pub async fn run(
-        &self,
-        mut config: DriverConfig,
-        stop: &CancellationToken,
-    ) -> anyhow::Result<Measured> {
+    async fn run(&self, mut config: DriverConfig) -> anyhow::Result<Measured> {
         config.stop = Stop::Duration(self.step);
         config.warmup = self.warmup;
         config.progress = ProgressMode::Off;
@@ -88,131 +77,108 @@ impl Runner {
             tokio::time::sleep(warmup).await;
             read_all(&probes).await
         });
-        let report = crate::run_with(config, Telemetry::discard(), stop.clone()).await?;
+        let report = crate::run_with(config, Telemetry::discard(), self.stop.clone()).await?;
         let last = read_all(&self.probes).await;
         let first = first.await?;
-        let mut cpu_seconds = BTreeMap::new();
-        let mut idle_polling = BTreeMap::new();
-        let mut cores = BTreeMap::new();
-        let mut softirq = BTreeMap::new();
+        let mut cpu = CpuUse::default();
         for ((role, a), (_, b)) in first.iter().zip(&last) {
             let (Some(a), Some(b)) = (a, b) else { continue };
-            *cpu_seconds.entry(role.clone()).or_insert(0.0) += a.cpu_seconds(b);
+            *cpu.seconds.entry(role.clone()).or_insert(0.0) += a.cpu_seconds(b);
             let idle = a.idle_polling(b);
             if idle > 0.0 {
-                *idle_polling.entry(role.clone()).or_insert(0.0) += idle;
+                *cpu.idle_polling.entry(role.clone()).or_insert(0.0) += idle;
             }
-            *cores.entry(role.clone()).or_insert(0.0) += a.cores(b);
+            *cpu.cores.entry(role.clone()).or_insert(0.0) += a.cores(b);
             if let Some(s) = a.softirq_share(b) {
-                softirq.entry(role.clone()).or_insert(s);
+                cpu.softirq.entry(role.clone()).or_insert(s);
             }
         }
         Ok(Measured {
-            report,
-            cpu_seconds,
-            idle_polling,
-            cores,
-            softirq,
+            cpu,
+            ..Measured::from(&report)
         })
     }
 
-    /// An open-loop step at `rate` requests per second.
-    pub async fn open(
-        &self,
-        rate: f64,
-        compression: Option<rpcmesh_wire::compress::CompressionConfig>,
-        stop: &CancellationToken,
-    ) -> anyhow::Result<Measured> {
+    fn compression(&self, c: Compression) -> Option<CompressionConfig> {
+        match c {
+            Compression::Off => None,
+            Compression::On => Some(self.compression_on),
+        }
+    }
+}
+
+impl StepRunner for Runner<'_> {
+    type Error = anyhow::Error;
+
+    fn open(&mut self, rate: f64, compression: Compression) -> anyhow::Result<Measured> {
         let mut c = self.load.clone();
         c.schedule = Some(Schedule::Constant(rate));
-        c.compression = compression;
-        self.run(c, stop).await
+        c.compression = self.compression(compression);
+        self.rt.block_on(self.run(c))
     }
 
-    /// A closed-loop run with `users`.
-    pub async fn closed(
-        &self,
-        users: usize,
-        compression: Option<rpcmesh_wire::compress::CompressionConfig>,
-        stop: &CancellationToken,
-    ) -> anyhow::Result<Measured> {
+    fn closed(&mut self, users: usize, compression: Compression) -> anyhow::Result<Measured> {
         let mut c = self.load.clone();
         c.schedule = None;
         c.concurrency = users;
         c.connections = c.connections.min(users);
-        c.compression = compression;
-        self.run(c, stop).await
+        c.compression = self.compression(compression);
+        self.rt.block_on(self.run(c))
+    }
+
+    fn stopped(&self) -> bool {
+        self.stop.is_cancelled()
+    }
+
+    /// A step's last replies may take up to the call timeout after its window (when it is
+    /// beyond capacity), and its two readings up to a scrape timeout each.
+    fn overrun(&self) -> Duration {
+        self.load.call_timeout + 2 * probe::SCRAPE_TIMEOUT
+    }
+
+    fn say(&mut self, line: fmt::Arguments<'_>) {
+        say!("{line}");
     }
 }
 
-/// CPU µs per successful call of each role.
-fn per_call(cpu_seconds: &BTreeMap<String, f64>, calls: u64) -> BTreeMap<String, f64> {
-    cpu_seconds
-        .iter()
-        .filter(|_| calls > 0)
-        .map(|(k, v)| (k.clone(), v / calls as f64 * 1e6))
-        .collect()
-}
-
-impl Step {
-    /// The figures of an open-loop step, judged by `slo`.
-    pub fn of(phase: Phase, offered: f64, m: &Measured, slo: &Slo) -> Step {
-        let r = &m.report;
-        let secs = r.measured_seconds.max(1e-9);
-        let due = r
-            .requests
-            .due
-            .max(r.requests.completed + r.requests.not_sent);
-        let error_ratio = if due == 0 {
-            1.0
-        } else {
-            due.saturating_sub(r.requests.ok) as f64 / due as f64
-        };
-        let calls_per_second = r.calls.ok_per_second;
-        let sent = r.calls.sent.max(1) as f64;
-        let latency = r.requests.latency;
-        let mut broken = slo.broken(&latency, error_ratio);
-        if r.requests.ok == 0 {
-            broken.push("no request succeeded".into());
-        }
-        Step {
-            phase,
-            offered,
-            achieved: r.requests.ok as f64 / secs,
-            calls_per_second,
-            due,
-            ok: r.requests.ok,
-            failed: r.requests.failed,
-            not_sent: r.requests.not_sent,
-            latency,
-            latency_uncorrected: r.requests.latency_uncorrected.unwrap_or(latency),
-            errors: r.calls.errors.clone(),
-            error_ratio,
-            bytes_out_per_call: r.bytes.wire_out as f64 / sent,
-            bytes_in_per_call: r.bytes.wire_in as f64 / sent,
-            cpu_us_per_call: per_call(&m.cpu_seconds, r.calls.ok),
-            idle_poll_us_per_call: per_call(&m.idle_polling, r.calls.ok),
-            cpu_cores: m.cores.clone(),
-            softirq_share: m.softirq.clone(),
-            pass: broken.is_empty(),
-            broken,
+impl From<LatencySummary> for rpcmesh_capacity::report::LatencySummary {
+    fn from(l: LatencySummary) -> Self {
+        rpcmesh_capacity::report::LatencySummary {
+            count: l.count,
+            mean_ms: l.mean_ms,
+            p50_ms: l.p50_ms,
+            p90_ms: l.p90_ms,
+            p99_ms: l.p99_ms,
+            p999_ms: l.p999_ms,
+            p9999_ms: l.p9999_ms,
+            max_ms: l.max_ms,
         }
     }
 }
 
-impl SweepPoint {
-    /// The figures of a closed-loop run with `users`.
-    pub fn of(users: usize, m: &Measured) -> SweepPoint {
-        let r = &m.report;
-        let secs = r.measured_seconds.max(1e-9);
-        let completed = r.requests.completed.max(1) as f64;
-        SweepPoint {
-            users,
-            throughput: r.requests.ok as f64 / secs,
-            calls_per_second: r.calls.ok_per_second,
-            latency: r.requests.latency,
-            error_ratio: r.requests.failed as f64 / completed,
-            cpu_cores: m.cores.clone(),
+/// A run's figures as a step's, without the CPU (the probes' part).
+impl From<&Report> for Measured {
+    fn from(r: &Report) -> Self {
+        Measured {
+            seconds: r.measured_seconds,
+            requests: Requests {
+                due: r.requests.due,
+                completed: r.requests.completed,
+                ok: r.requests.ok,
+                failed: r.requests.failed,
+                not_sent: r.requests.not_sent,
+                latency: r.requests.latency.into(),
+                latency_uncorrected: r.requests.latency_uncorrected.map(Into::into),
+            },
+            calls: Calls {
+                sent: r.calls.sent,
+                ok: r.calls.ok,
+                ok_per_second: r.calls.ok_per_second,
+                errors: r.calls.errors.clone(),
+            },
+            wire_out: r.bytes.wire_out,
+            wire_in: r.bytes.wire_in,
+            cpu: CpuUse::default(),
         }
     }
 }

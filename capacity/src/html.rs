@@ -4,8 +4,8 @@
 //! the end marks which charts a browser actually drew (for the tests, and for a person who
 //! wonders why a chart is blank).
 //!
-//! The figures are [`super::report`]'s, the SLO [`super::slo`]'s and the fit
-//! [`super::usl`]'s; this module only shows them. It needs nothing at run time: no fonts
+//! The figures are [`crate::report`]'s, the SLO [`crate::slo`]'s and the fit
+//! [`crate::usl`]'s; this module only shows them. It needs nothing at run time: no fonts
 //! (plotters' SVG backend writes `<text>` elements and leaves the font to the browser), no
 //! external files, no JavaScript libraries.
 
@@ -17,9 +17,10 @@ use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint};
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-use super::report::{CapacityReport, Comparison, Phase, Search, Step, Sweep};
-use super::usl::UslFit;
-use crate::report::{ms, thousands};
+use rpcmesh_common::format::{ms, thousands};
+
+use crate::report::{CapacityReport, Comparison, Phase, Search, Step, Sweep};
+use crate::usl::UslFit;
 
 /// Appends formatted text to a `String`. Writing to a `String` cannot fail, so the
 /// `fmt::Result` is dropped here once instead of at every line.

@@ -1,14 +1,16 @@
 //! The service-level objective a capacity step must meet: latency percentiles of requests
 //! (from their intended start) and the share of requests that did not succeed. Parsed from
-//! `--slo 'p99<=20ms,errors<=0.1%'`; judged on a step's figures.
+//! `--slo 'p99<=20ms,errors<=0.1%'`; judged on a step's figures, each bound a step broke
+//! named by a [`Breach`].
 
 use std::fmt;
 use std::str::FromStr;
 
+use rpcmesh_common::format::ms;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::stats::LatencySummary;
+use crate::report::LatencySummary;
 
 /// The SLO unless told otherwise: the reference dashboard's red lines (shared/workloads.md
 /// §1): p99 response time at most 200 ms, errors at most 0.1 %.
@@ -160,27 +162,73 @@ fn parse_ratio(v: &str) -> Option<f64> {
     (r.is_finite() && (0.0..=1.0).contains(&r)).then_some(r)
 }
 
+/// What a step broke: one bound of the SLO, or success itself.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Breach {
+    /// A latency figure above its bound.
+    Latency {
+        /// The figure.
+        percentile: Percentile,
+        /// Its value, ms.
+        value_ms: f64,
+        /// Its bound, ms.
+        max_ms: f64,
+    },
+    /// More requests failed or went unsent than the SLO allows.
+    Errors {
+        /// Those that did, a share of those due.
+        ratio: f64,
+        /// The SLO's bound.
+        max_ratio: f64,
+    },
+    /// Not one request succeeded: the step measured a failure, not a rate.
+    NothingSucceeded,
+}
+
+impl fmt::Display for Breach {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Breach::Latency {
+                percentile,
+                value_ms,
+                max_ms,
+            } => write!(
+                f,
+                "{} {} > {}",
+                percentile.name(),
+                ms(*value_ms),
+                ms(*max_ms)
+            ),
+            Breach::Errors { ratio, max_ratio } => write!(
+                f,
+                "errors {:.3}% > {:.3}%",
+                ratio * 100.0,
+                max_ratio * 100.0
+            ),
+            Breach::NothingSucceeded => f.write_str("no request succeeded"),
+        }
+    }
+}
+
 impl Slo {
     /// What of this SLO a step with `latency` and `error_ratio` broke (empty: it passed).
-    pub fn broken(&self, latency: &LatencySummary, error_ratio: f64) -> Vec<String> {
+    pub fn broken(&self, latency: &LatencySummary, error_ratio: f64) -> Vec<Breach> {
         let mut broken = Vec::new();
         for b in &self.latency {
             let v = b.percentile.of(latency);
             if v > b.max_ms {
-                broken.push(format!(
-                    "{} {} > {}",
-                    b.percentile.name(),
-                    crate::report::ms(v),
-                    crate::report::ms(b.max_ms)
-                ));
+                broken.push(Breach::Latency {
+                    percentile: b.percentile,
+                    value_ms: v,
+                    max_ms: b.max_ms,
+                });
             }
         }
         if error_ratio > self.max_error_ratio {
-            broken.push(format!(
-                "errors {:.3}% > {:.3}%",
-                error_ratio * 100.0,
-                self.max_error_ratio * 100.0
-            ));
+            broken.push(Breach::Errors {
+                ratio: error_ratio,
+                max_ratio: self.max_error_ratio,
+            });
         }
         broken
     }

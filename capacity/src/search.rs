@@ -2,9 +2,9 @@
 //! grow geometrically from the start rate until a step fails, then bisect between the
 //! highest passing and the lowest failing rate until they are within the precision, then
 //! confirm the highest passing rate with a second run. Owns only the choice of the next
-//! rate; running steps and judging them is the caller's ([`super::step`]).
+//! rate; running steps and judging them is the caller's ([`crate::experiment`]).
 
-use super::report::Phase;
+use crate::report::Phase;
 
 /// The search's bounds and steps.
 #[derive(Debug, Clone, Copy, PartialEq)]
