@@ -1,23 +1,27 @@
 //! Reading the CPU figures of the programs on the path: a broker's or provider's from its
 //! `/metrics` (process CPU time and the host's CPU time by mode, both exact fractional
 //! counters read afresh at each scrape; and a broker's idle busy polling), the driver's
-//! own from `/proc`. Two readings
-//! bound a step: their difference over the time between them is the CPU used.
+//! own from `/proc`. Two readings bound a step: their difference over the time between
+//! them is the CPU used.
 //!
-//! The HTTP GET is a few lines of plain HTTP/1.0 over a Tokio stream (one request, read to
-//! the end, size- and time-bounded) rather than a client crate: the endpoint is ours, the
-//! request fixed, and hyper's client would add a connection pool nobody needs here.
+//! A scrape is one HTTP/1.1 GET over a connection of its own (hyper's client, without a
+//! pool: two scrapes a step need none), bounded in time ([`SCRAPE_TIMEOUT`]) and size
+//! ([`MAX_PAGE`]). Only a `200 OK` page is read: any other answer is an error naming the
+//! status and the endpoint, never a page without CPU figures.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper::body::Bytes;
+use hyper::{Request, StatusCode, header};
+use hyper_util::rt::TokioIo;
 use rpcmesh_common::metrics::recorder::sample;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// How long one scrape may take.
 pub const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The largest `/metrics` page read (a broker with many providers renders well under it).
-const MAX_PAGE: u64 = 16 << 20;
+pub const MAX_PAGE: usize = 16 << 20;
 
 /// One program's CPU figures at one moment.
 #[derive(Debug, Clone, Copy)]
@@ -75,6 +79,24 @@ pub enum ProbeError {
         #[source]
         source: std::io::Error,
     },
+    /// The HTTP exchange failed (a broken answer, a page over [`MAX_PAGE`]).
+    #[error("scraping {addr}: {source}")]
+    Http {
+        /// The endpoint.
+        addr: SocketAddr,
+        /// What went wrong.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The endpoint answered, but not with a page (`404 Not Found` from something that is
+    /// not a program's metrics endpoint, say).
+    #[error("{addr}/metrics answered {status}")]
+    Status {
+        /// The endpoint.
+        addr: SocketAddr,
+        /// Its answer.
+        status: StatusCode,
+    },
     /// The page lacks the process CPU counter (not an rpcmesh program, or too old).
     #[error("{addr}/metrics has no rpcmesh_process_cpu_seconds_sum")]
     NoCpu {
@@ -104,11 +126,12 @@ pub async fn scrape(addr: SocketAddr) -> Result<Reading, ProbeError> {
 }
 
 async fn scrape_once(addr: SocketAddr) -> Result<Reading, ProbeError> {
-    let io = |source| ProbeError::Io { addr, source };
     let page = tokio::time::timeout(SCRAPE_TIMEOUT, get(addr))
         .await
-        .map_err(|_| io(std::io::ErrorKind::TimedOut.into()))?
-        .map_err(io)?;
+        .map_err(|_| ProbeError::Io {
+            addr,
+            source: std::io::ErrorKind::TimedOut.into(),
+        })??;
     let at = Instant::now();
     let process_cpu =
         sample(&page, "rpcmesh_process_cpu_seconds_sum", &[]).ok_or(ProbeError::NoCpu { addr })?;
@@ -125,15 +148,40 @@ async fn scrape_once(addr: SocketAddr) -> Result<Reading, ProbeError> {
     })
 }
 
-async fn get(addr: SocketAddr) -> std::io::Result<String> {
-    let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-        .await?;
-    let mut raw = Vec::new();
-    s.take(MAX_PAGE).read_to_end(&mut raw).await?;
-    let text = String::from_utf8_lossy(&raw);
-    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-    Ok(body.to_string())
+/// `GET /metrics` from `addr`: the page, when the answer is `200 OK`.
+async fn get(addr: SocketAddr) -> Result<String, ProbeError> {
+    let http = |source: Box<dyn std::error::Error + Send + Sync>| ProbeError::Http { addr, source };
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|source| ProbeError::Io { addr, source })?;
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| http(e.into()))?;
+    let request = Request::get("/metrics")
+        .header(header::HOST, addr.to_string())
+        .body(Empty::<Bytes>::new())
+        .map_err(|e| http(e.into()))?;
+    let fetch = async move {
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(|e| http(e.into()))?;
+        let status = response.status();
+        if status != StatusCode::OK {
+            return Err(ProbeError::Status { addr, status });
+        }
+        let body = Limited::new(response.into_body(), MAX_PAGE)
+            .collect()
+            .await
+            .map_err(http)?
+            .to_bytes();
+        // `sender` drops with this future, and the connection closes once idle.
+        Ok(String::from_utf8_lossy(&body).into_owned())
+    };
+    // The connection is driven beside the exchange, on this task: nothing outlives a
+    // scrape. Once the page is read, how the connection ended does not matter.
+    let (page, _connection) = tokio::join!(fetch, connection);
+    page
 }
 
 /// The driver's own reading: its process and its host, from `/proc`.
@@ -152,5 +200,77 @@ pub fn own() -> Reading {
         host_softirq,
         host_total,
         idle_polling: 0.0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A server on 127.0.0.1:0 that answers up to `answers` connections, each with
+    /// `status` and `body`, and then stops.
+    async fn serve(status: &'static str, body: &'static str, answers: usize) -> SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind 127.0.0.1:0");
+        let addr = listener.local_addr().expect("its address");
+        tokio::spawn(async move {
+            for _ in 0..answers {
+                let Ok((mut s, _)) = listener.accept().await else {
+                    return;
+                };
+                let mut request = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => request.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let answer = format!(
+                    "HTTP/1.1 {status}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = s.write_all(answer.as_bytes()).await;
+            }
+        });
+        addr
+    }
+
+    const PAGE: &str = "# TYPE rpcmesh_process_cpu_seconds_sum counter\n\
+        rpcmesh_process_cpu_seconds_sum 1.5\n\
+        rpcmesh_host_cpu_seconds_sum{mode=\"softirq\"} 2\n\
+        rpcmesh_host_cpu_seconds_sum{mode=\"user\"} 8\n";
+
+    #[tokio::test]
+    async fn a_page_gives_the_cpu_figures() {
+        let addr = serve("200 OK", PAGE, 1).await;
+        let r = scrape(addr).await.expect("a reading");
+        assert_eq!(r.process_cpu, 1.5);
+        assert_eq!(r.host_softirq, Some(2.0));
+        assert_eq!(r.host_total, Some(10.0));
+    }
+
+    /// Fails without the status check: the 404's body, read as a page, has no CPU counter
+    /// and comes out as `NoCpu`, as if an rpcmesh program had answered without figures.
+    #[tokio::test]
+    async fn an_answer_other_than_200_is_an_error_naming_the_status_and_the_endpoint() {
+        let addr = serve("404 Not Found", "no such page\n", NO_CPU_TRIES as usize).await;
+        let e = scrape(addr).await.expect_err("a 404 is not a page");
+        assert!(
+            matches!(
+                e,
+                ProbeError::Status {
+                    status: StatusCode::NOT_FOUND,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.to_string(),
+            format!("{addr}/metrics answered 404 Not Found")
+        );
     }
 }
