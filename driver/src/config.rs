@@ -280,11 +280,37 @@ pub struct CapacityArgs {
     pub outputs: OutputArgs,
 }
 
+/// Which program `driver serve` runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ServeRole {
+    /// The provider, with the provider's own flags and `main`.
+    Provider,
+    /// The broker, with the broker's own flags and `main`.
+    Broker,
+}
+
+impl ServeRole {
+    /// Its name on the command line (and as the program's `argv[0]`).
+    pub fn name(self) -> &'static str {
+        match self {
+            ServeRole::Provider => "provider",
+            ServeRole::Broker => "broker",
+        }
+    }
+}
+
+impl std::fmt::Display for ServeRole {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// `driver serve`'s arguments.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeArgs {
-    /// `provider` or `broker`.
-    pub role: String,
+    /// The program to run.
+    #[arg(value_enum)]
+    pub role: ServeRole,
     /// That program's flags.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
     pub flags: Vec<String>,
@@ -689,6 +715,19 @@ mod tests {
             "a ramp needs its length"
         );
         assert!(Args::try_parse_from(["driver", "--rate", "5", "--steps", "1,2"]).is_err());
+    }
+
+    #[test]
+    fn serve_takes_a_role_by_its_name_and_nothing_else() {
+        for role in [ServeRole::Provider, ServeRole::Broker] {
+            let args = Args::parse_from(["driver", "serve", role.name(), "--threads", "1"]);
+            let Some(Command::Serve(s)) = args.command else {
+                panic!("not driver serve")
+            };
+            assert_eq!(s.role, role);
+            assert_eq!(s.flags, ["--threads", "1"]);
+        }
+        assert!(Args::try_parse_from(["driver", "serve", "gateway"]).is_err());
     }
 
     #[test]

@@ -17,7 +17,7 @@ fn main() -> anyhow::Result<()> {
     match &args.command {
         Some(Command::Merge(m)) => return merge(m),
         Some(Command::Capacity(c)) => return capacity(c),
-        Some(Command::Serve(s)) => return rpcmesh_driver::capacity::mesh::serve(&s.role, &s.flags),
+        Some(Command::Serve(s)) => return rpcmesh_driver::capacity::mesh::serve(s.role, &s.flags),
         None => {}
     }
     let config = args.config()?;

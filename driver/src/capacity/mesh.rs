@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use rpcmesh_common::cli::startup::parse_listening_line;
 
+use crate::config::ServeRole;
+
 /// Worker threads of each local server: one, as in the driver's embedded mesh, so that on
 /// a small machine the three processes do not fight over more cores than there are.
 pub const LOCAL_THREADS: usize = 1;
@@ -51,11 +53,11 @@ impl LocalMesh {
         let threads = LOCAL_THREADS.to_string();
         let mut flags: Vec<String> = ["--threads", &threads].map(String::from).to_vec();
         flags.extend(provider_flags.iter().cloned());
-        let provider = LocalServer::start(exe, "provider", &flags)?;
+        let provider = LocalServer::start(exe, ServeRole::Provider, &flags)?;
         let upstream = provider.rpc.to_string();
         let broker = LocalServer::start(
             exe,
-            "broker",
+            ServeRole::Broker,
             &["--threads", &threads, "--upstream", &upstream].map(String::from),
         )?;
         Ok(LocalMesh { broker, provider })
@@ -63,11 +65,11 @@ impl LocalMesh {
 }
 
 impl LocalServer {
-    fn start(exe: &Path, role: &str, flags: &[String]) -> anyhow::Result<LocalServer> {
+    fn start(exe: &Path, role: ServeRole, flags: &[String]) -> anyhow::Result<LocalServer> {
         let mut cmd = Command::new(exe);
         cmd.args([
             "serve",
-            role,
+            role.name(),
             "--listen",
             "127.0.0.1:0",
             "--metrics-listen",
@@ -156,7 +158,7 @@ impl Drop for LocalServer {
 
 /// `driver serve provider|broker FLAGS`: run as that program (its own flags, its own
 /// `main`), dying with the parent. Used by [`LocalMesh`]; hidden from `--help`.
-pub fn serve(role: &str, flags: &[String]) -> anyhow::Result<()> {
+pub fn serve(role: ServeRole, flags: &[String]) -> anyhow::Result<()> {
     use clap::Parser;
     // When the driver ends (even by SIGKILL) its end of stdin closes: drain and exit, as
     // on SIGTERM. (Not PR_SET_PDEATHSIG: it fires when the parent *thread* ends.)
@@ -165,10 +167,13 @@ pub fn serve(role: &str, flags: &[String]) -> anyhow::Result<()> {
         let _ =
             rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::TERM);
     });
-    let argv = std::iter::once(role.to_string()).chain(flags.iter().cloned());
+    let argv = std::iter::once(role.name().to_string()).chain(flags.iter().cloned());
     match role {
-        "provider" => rpcmesh_provider::main_with(&rpcmesh_provider::Args::try_parse_from(argv)?),
-        "broker" => rpcmesh_broker::main_with(&rpcmesh_broker::Args::try_parse_from(argv)?),
-        other => anyhow::bail!("driver serve {other}: expected provider or broker"),
+        ServeRole::Provider => {
+            rpcmesh_provider::main_with(&rpcmesh_provider::Args::try_parse_from(argv)?)
+        }
+        ServeRole::Broker => {
+            rpcmesh_broker::main_with(&rpcmesh_broker::Args::try_parse_from(argv)?)
+        }
     }
 }
