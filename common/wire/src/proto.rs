@@ -9,7 +9,8 @@ pub mod rpc {
 }
 
 /// The reference capacity workload's messages (package `platform`), and its request and
-/// answer (`shared/workloads.md` §1).
+/// answer: the "platform query" of the published broker capacity report, whose figures
+/// rpcmesh is compared with.
 pub mod platform {
     include!(concat!(env!("OUT_DIR"), "/platform.rs"));
 
