@@ -86,8 +86,9 @@ pub fn default_threads() -> usize {
 /// One worker (`threads` 1, or 0 on a one-CPU machine) gets the current-thread scheduler,
 /// not a multi-thread one with one worker: it has no work-stealing queues, no cross-thread
 /// wake-ups and no clock read per batch of polled tasks (the multi-thread scheduler's
-/// queue tuning). With all three programs at one thread, the broker path did about a
-/// sixth more calls per second on the 64-in-flight echo bench (docs/performance.md).
+/// queue tuning). With all three programs at one thread, that gives the broker path about
+/// a sixth more calls per second at 64 echo calls in flight (docs/performance.md, "What
+/// each optimisation bought").
 /// Tasks then run on the thread that calls `block_on` (so `thread_name` names only the
 /// blocking pool's threads), and only while it is inside `block_on`; nothing may block
 /// that thread, as on any worker.

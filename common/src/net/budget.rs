@@ -7,8 +7,9 @@
 //! (half), the programs answer new calls whose body is [`SMALL_BODY`] or larger
 //! "overloaded"; past [`PAUSE_SHARE`] (three quarters), a connection that holds
 //! [`PAUSE_FLOOR`] or more stops reading until the budget falls below that mark again. The
-//! calls and connections that hold the most are refused or wait, small callers go on. Buffers grow only as bytes arrive (the frame codec never reserves on a
-//! header's claim), so what is held is what was sent.
+//! calls and connections that hold the most are refused or wait, small callers go on.
+//! Buffers grow only as bytes arrive (the frame codec never reserves on a header's claim),
+//! so what is held is what was sent.
 //!
 //! Holders report in steps of [`GRANULE`]: a connection with small calls never touches the
 //! shared counter, and the budget is exact to a granule per holder.
@@ -21,7 +22,7 @@ use tokio::sync::Notify;
 /// The budget unless told otherwise: 512 MiB. The buffered bytes of small-call traffic are
 /// a few MiB (the reference workload at 200 users holds under 10 MiB in the broker), so
 /// this is reached only by large frames or callers that stop reading; it fits beside the
-/// kernel's socket buffers on a 2 GiB VM, where an unbounded broker was seen to reach
+/// kernel's socket buffers on a 2 GiB VM, on which a broker without a budget can grow to
 /// 2.8 GiB and abort.
 pub const DEFAULT_MEMORY_BUDGET: usize = 512 << 20;
 /// The smallest budget accepted: a few large frames' worth.
@@ -29,8 +30,8 @@ pub const MIN_MEMORY_BUDGET: usize = 16 << 20;
 
 /// The share of the limit past which large new calls are answered "overloaded": half, so
 /// that what is already in flight then (replies to calls admitted, buffers doubling as
-/// they grow) fits in the other half (measured: with no refusal and readers paused at
-/// three quarters, two 1 MiB-frame flooders took a 64 MiB broker to 72 MiB buffered).
+/// they grow) fits in the other half. Pausing readers at three quarters is not enough on
+/// its own: without refusals, two 1 MiB-frame flooders take a 64 MiB broker to 72 MiB.
 pub const HIGH_SHARE: f64 = 0.5;
 /// Bytes a connection must hold before it is paused under pressure: four read chunks,
 /// well above what a caller of small calls ever holds, well below a large-frame flooder.

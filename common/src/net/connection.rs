@@ -378,7 +378,8 @@ impl FramedIo {
     /// unacknowledged, and a receiver that delays its ACK (up to 40 ms on Linux) and has
     /// nothing of its own to send (which would carry the ACK) stalls them both for that
     /// long. The broker calls it after reads from plain v1 upstream connections with calls
-    /// still in flight (`rpcmesh_broker::upstream`, docs/performance.md).
+    /// still in flight (`rpcmesh_broker::upstream`; docs/performance.md, "Behind a plain v1
+    /// server with Nagle on").
     pub fn quick_ack(&self) -> io::Result<()> {
         #[cfg(any(target_os = "linux", target_os = "android"))]
         {

@@ -22,10 +22,10 @@ pub const HEARTBEAT_KEY: &str = "rpcmesh-ns-per-call";
 
 /// Weight of a new sample in the moving average, as a right shift: 1/32. Samples are
 /// noisy (an interval also holds wake-ups and the other side's delays): behind the classic
-/// v1 server, weight 1/8 swung the broker's packing depth between about 6 and 14 around
-/// the 8 calls of the bench's shape, and the broker path did 8 % fewer calls/s (8
-/// alternating pairs). A connection that turns slow still shows it within a few calls: two
-/// calls of 2 ms take the average from 7 µs to over 100 µs.
+/// v1 server, a weight of 1/8 swings the broker's packing depth between about 6 and 14
+/// around the 8 calls of the bench's shape, and costs the broker path 8 % of its calls/s.
+/// A connection that turns slow still shows it within a few calls: two calls of 2 ms take
+/// the average from 7 µs to over 100 µs.
 const SHIFT: u32 = 5;
 
 /// A moving average of nanoseconds per call; 0 means nothing measured yet.

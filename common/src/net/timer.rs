@@ -1,5 +1,5 @@
 //! A timer finer than Tokio's: Tokio's timer wheel ticks every millisecond, so a sleep of
-//! 200 µs lasts about 1.1 ms and one of 5 ms about 6 ms (measured on the 2-vCPU VM). This
+//! 200 µs lasts about 1.1 ms and one of 5 ms about 6 ms (on the 2-vCPU reference VM). This
 //! one is a Linux `timerfd` (a kernel hrtimer) registered with the runtime's reactor: the
 //! kernel makes it readable at the instant asked, and the runtime wakes for it as for a
 //! socket, without a thread of its own and without spinning.
@@ -16,8 +16,9 @@
 //!   For the driver's pacer, where a request must not leave early and should leave within
 //!   tens of µs. The spin costs that lead per wake-up: where wake-ups are prompt (bare
 //!   metal) it is a few µs; on the 2-vCPU VM, whose wake-ups from idle have a tail of
-//!   100–200 µs, it is about that (a fifth of a core at 1,000 wake-ups a second). A fixed
-//!   lead of the mean plus 40 µs left the pacer's start-lag p99 at 110–150 µs there.
+//!   100–200 µs, it is about that (a fifth of a core at 1,000 wake-ups a second). The lead
+//!   is a learned quantile, not a fixed margin: the mean plus 40 µs leaves the pacer's
+//!   start-lag p99 at 110–150 µs there.
 //! - [`Aim::Sleeping`]: at or after the deadline, by arming the timer for the deadline
 //!   itself: no lead, no spin, as late as the wake-up is. For the driver's lean pacer,
 //!   which must cost no CPU while it waits whatever the load (under load the lateness's
@@ -25,9 +26,9 @@
 //! - [`Aim::Spinning`]: the same, spinning for at least a given time before the deadline.
 //!   On a shared VM a halted vCPU is sometimes woken hundreds of µs late, in stretches of
 //!   seconds (neighbours' load), whatever the lead learned so far: the driver's exact
-//!   pacing does not let its thread halt between requests (measured: start-lag p99 at
-//!   1,000/s with a lead of 150, 300 and 500 µs ranged over 15–110, 6–51 and 5–188 µs
-//!   from run to run; with no halt, 1–2 µs).
+//!   pacing does not let its thread halt between requests. At 1,000 requests/s, with the
+//!   thread free to halt, a lead of 150, 300 or 500 µs leaves the start-lag p99 at 15–110,
+//!   6–51 and 5–188 µs from run to run; with no halt, at 1–2 µs.
 //!
 //! Where no `timerfd` can be made (or one fails), the timer says so once in the log and
 //! waits on Tokio's timer instead: never early, up to a millisecond late.
