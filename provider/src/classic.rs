@@ -2,8 +2,9 @@
 //! original RPCF framework's server does, so that the broker can be measured and tested
 //! behind the servers it must front as they are, not as rpcmesh's provider would be.
 //!
-//! What makes it classic, each on purpose (`../shared/protocol/rpcf-v1.md`,
-//! `../shared/workloads.md` section 2):
+//! What makes it classic, each on purpose: the habits of the original framework's server,
+//! as its published benchmark runs it (docs/broker.md, "Plain v1 servers", says how the
+//! broker meets them):
 //!
 //! - **Nagle's algorithm stays on**: `TCP_NODELAY` is never set on an accepted socket
 //!   ([`FramedIo::keeping_nagle`]). A small reply written while an earlier one is still

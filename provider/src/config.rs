@@ -102,7 +102,7 @@ pub struct Args {
     /// Serve as a classic plain RPCF v1 server instead, the way the original framework's
     /// server does: TCP_NODELAY never set, one call at a time per connection in order, one
     /// write per reply, EchoService.Echo only (for testing and benchmarking the broker
-    /// behind such servers; see the `classic` module).
+    /// behind such servers).
     #[arg(long, env = "RPCMESH_CLASSIC", conflicts_with_all = ["service_time", "service_work"])]
     pub classic: bool,
 }

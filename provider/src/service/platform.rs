@@ -1,6 +1,6 @@
-//! `PlatformService.doQuery`: the reference capacity workload (`shared/workloads.md` §1).
-//! Decodes the query and answers the fixed two-entry list, as the reference handler did:
-//! no database, no I/O.
+//! `PlatformService.doQuery`: the reference capacity workload, the "platform query" of the
+//! published broker capacity report. Decodes the query and answers the fixed two-entry
+//! list, as the reference handler does: no database, no I/O.
 
 use bytes::BytesMut;
 use prost::Message;
@@ -14,7 +14,7 @@ pub const SERVICE: &str = "PlatformService";
 /// Method name.
 pub const METHOD: &str = "doQuery";
 
-/// The handler. Builds the response anew for every call, as the reference did.
+/// The handler. Builds the response anew for every call, as the reference handler does.
 pub fn do_query(request: RpcRequest, out: &mut BytesMut) -> Result<(), ServiceError> {
     let _query: QueryRequest = decode(request.payload, "platform.QueryRequest")?;
     // The answer of the reference workload: two identical entries.
