@@ -66,7 +66,7 @@ pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
 /// next request) arrives within tens of microseconds on a fast network; 50 µs covers that,
 /// so a broker under steady traffic never sleeps and its peers never pay to wake it, and
 /// an idle one stops spinning 50 µs after the last read. Any window from 10 to 200 µs
-/// does as well within the noise (figures: docs/performance.md).
+/// does as well within the noise (the runs: docs/log/performance-runs.md).
 pub const DEFAULT_BUSY_POLL: Duration = Duration::from_micros(50);
 /// Calls in flight up to which a provider's connections are filled one after the other
 /// (`--pack-in-flight`); see `route::Router` for why.
@@ -86,7 +86,8 @@ pub const DEFAULT_PACK_WAIT: Duration = Duration::from_micros(100);
 pub enum BusyPoll {
     /// [`DEFAULT_BUSY_POLL`] when the runtime has one worker thread, else off: with
     /// several, a spinning worker cannot take the reactor from one blocked in `epoll_wait`,
-    /// and busy polling costs more than a core for little (see `rpcmesh_common::busy_poll`).
+    /// and busy polling costs more than a core for little (see
+    /// `rpcmesh_common::net::busy_poll`).
     Auto,
     /// Sleep at once when there is nothing to do.
     Off,

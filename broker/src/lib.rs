@@ -16,7 +16,8 @@
 //!   matches the replies and times calls out. Towards a plain v1 server (`--upstream-v1`),
 //!   which may leave Nagle's algorithm on, a connection ACKs each read at once while calls
 //!   are still in flight on it, so that the server's next reply does not wait 40 ms for a
-//!   delayed ACK (`upstream::connection`, docs/performance.md).
+//!   delayed ACK (`upstream::connection`; docs/performance.md, "Behind a plain v1 server
+//!   with Nagle on").
 //! - `call`: what passes between sessions and upstream connections: a call offered for
 //!   routing (`Forward`), and the session's inbox, into which upstream connections copy
 //!   replies under the callers' ids.

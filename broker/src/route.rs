@@ -81,16 +81,18 @@ impl Picker {
 ///
 /// Packing: a provider's connections are filled in order up to its depth of calls in
 /// flight each ([`ProviderPool::pack_depth`], at most `pack`); only when every one has that
-/// many does the less loaded of two take the next call. Calls packed onto one connection pile up in one socket while the provider is
-/// busy and are read, answered and written back in large batches: on a 2-core machine at
-/// 64 calls in flight, packing instead of spreading over four connections cut the
-/// provider's CPU per call from 1.15 to 0.73 µs and raised the broker path's calls/s by
-/// 10–15 % (docs/performance.md). The price is parallelism: an rpcmesh provider runs a
-/// connection's handlers on one thread, so behind a provider with CPU-heavy handlers on
-/// several threads, calls packed onto one connection would wait for one thread while the
-/// others idle. Its time per call bounds the depth (20 µs handlers: 5 calls), which on
-/// 2 vCPUs took such a provider on two threads from 0.63 to 0.88 of HAProxy's calls/s at
-/// 64 calls in flight.
+/// many does the less loaded of two take the next call. Calls packed onto one connection
+/// pile up in one socket while the provider is busy and are read, answered and written
+/// back in large batches: on a 2-core machine at 64 calls in flight, the provider spends
+/// 0.73 µs of CPU per call packed against 1.15 µs spread over four connections, and the
+/// broker path makes 10–15 % more calls/s (docs/performance.md, "What each optimisation
+/// bought"). The price is parallelism: an rpcmesh provider runs a connection's handlers on
+/// one thread, so behind a provider with CPU-heavy handlers on several threads, calls
+/// packed onto one connection would wait for one thread while the others idle. Its time
+/// per call bounds the depth (20 µs handlers: 5 calls): on 2 vCPUs at 64 calls in flight,
+/// such a provider on two threads then does 0.88 of HAProxy's calls/s, against 0.63
+/// packed to the full depth (docs/performance.md, "Packing an rpcmesh provider by its
+/// reported time per call").
 #[derive(Debug)]
 pub(crate) struct Router {
     pools: Vec<Arc<ProviderPool>>,

@@ -9,7 +9,9 @@
 //! answers faster than a call crosses the broker gains from packing: it reads several
 //! requests at once, writes their replies together, and the broker reads them together
 //! (`route::Router`; on 2 vCPUs at 64 calls in flight, 10–15 % more calls/s, and behind
-//! the classic server at 8 in flight a quarter more, docs/performance.md).
+//! the classic server at 8 in flight a quarter more: docs/performance.md, "What each
+//! optimisation bought" and "Packing a plain v1 server's connections by its measured
+//! pace").
 //!
 //! So the router packs a provider's connections only as deep as keeps the wait short: a
 //! call may have at most as many calls ahead of it on its connection as the provider
@@ -29,7 +31,7 @@
 //!   the less loaded of two connections takes each call.
 //! - **An rpcmesh provider** answers calls in batches, so the time between the broker's
 //!   reads is mostly the round trip, not the work (behind the echo provider at 8 calls in
-//!   flight it read 26–33 µs per call, against a provider that spends under 1 µs on each).
+//!   flight it comes to 26–33 µs per call, where the provider spends under 1 µs on each).
 //!   The provider measures its own time per call instead (a read's frames decoded,
 //!   handled and encoded, over the calls whose handlers ran in it) and reports it in its
 //!   answers to the pool's heartbeats, once per health interval per connection

@@ -33,7 +33,8 @@
 //! again after each such read. It costs one `setsockopt` per read and, at most, one pure
 //! ACK segment per reply; a read that leaves nothing in flight needs none (the next
 //! request carries the ACK). rpcmesh providers set `TCP_NODELAY` and are never asked:
-//! their connections take no extra system call. Figures: docs/performance.md.
+//! their connections take no extra system call. Figures: docs/performance.md, "Behind a
+//! plain v1 server with Nagle on".
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -63,7 +64,7 @@ use crate::upstream::pace::Backlog;
 
 /// Times the task lets the other ready tasks run before writing, while each turn brings
 /// more calls: sessions woken by the same poll add theirs and one write carries them all
-/// (measured: about half the upstream writes of writing at once, for one extra poll).
+/// (about half the upstream writes of writing at once, for one extra poll).
 const GATHER_YIELDS: usize = 4;
 
 /// The process's budget of lost-connection log lines (a provider that accepts and closes
