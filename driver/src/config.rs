@@ -45,8 +45,8 @@ pub const DEFAULT_ECHO_SIZE: usize = 32;
 pub const DEFAULT_METRICS_LISTEN: MetricsListen = MetricsListen(Some(SocketAddr::V4(
     SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 9790),
 )));
-/// The reference workload unless told otherwise: the platform query of
-/// `shared/workloads.md` §1, the one the published figures are for.
+/// The reference workload unless told otherwise: the platform query of the published
+/// broker capacity report, the one its figures are for.
 pub const DEFAULT_WORKLOAD: WorkloadKind = WorkloadKind::Platform;
 /// Requests are not compressed unless asked: the reference report measured plain first,
 /// and compression is the thing a capacity experiment turns on to compare.
@@ -83,7 +83,8 @@ pub const MAX_USERS_PER_CONNECTION: usize = 65_536;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum WorkloadKind {
-    /// `PlatformService.doQuery` with the reference request (shared/workloads.md §1).
+    /// `PlatformService.doQuery` with the reference request: the "platform query" of the
+    /// published broker capacity report.
     Platform,
     /// `EchoService.Echo` with a message of `--payload-size` bytes.
     Echo,

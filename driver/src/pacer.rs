@@ -53,16 +53,16 @@ pub enum Arrival {
 )]
 #[serde(rename_all = "lowercase")]
 pub enum Pacing {
-    /// Spins (yielding to the connections) through the last 2 ms (`EXACT_SPIN`) before
-    /// each request, so that its thread never halts then: start lag within tens of µs even on a
-    /// shared VM, for up to one core's worth of spinning.
+    /// Spins (yielding to the connections) through the last 2 ms before each request, so
+    /// that its thread never halts then: start lag within tens of µs even on a shared VM,
+    /// for up to one core's worth of spinning.
     #[default]
     Exact,
     /// Sleeps until each request is due (no lead, no spinning): a few per cent of a core
     /// whatever the load, and a start lag of tens to hundreds of µs on a shared VM (a
     /// halted vCPU is sometimes woken late). For a driver that shares its machine with
-    /// what it measures: it does not aim early, because under load the wake-ups' lateness
-    /// grows to milliseconds, and spinning through it would take a core from the mesh.
+    /// what it measures: under load the wake-ups' lateness grows to milliseconds, and
+    /// waking early to spin through it would take a core from the mesh.
     Lean,
 }
 
