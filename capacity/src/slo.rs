@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::report::LatencySummary;
 
-/// The SLO unless told otherwise: the reference dashboard's red lines (shared/workloads.md
-/// §1): p99 response time at most 200 ms, errors at most 0.1 %.
+/// The SLO unless told otherwise: the red lines of the reference report's dashboard: p99
+/// response time at most 200 ms, errors at most 0.1 %.
 pub const DEFAULT_SLO: &str = "p99<=200ms,errors<=0.1%";
 
 /// A latency bound: this percentile of request latency at most `max_ms`.
