@@ -66,7 +66,7 @@ ECHO_PAYLOAD_BYTES = 32
 LEVELS = ((1, 8), (8, 8), (64, 8), (200, 200))
 #: The classic server's shape (P3), unless --levels says otherwise: 8 client connections
 #: with one call in flight each, the original framework's benchmark (8 client threads making
-#: synchronous calls over a pool of 8 connections, ../shared/workloads.md section 2). Each
+#: synchronous calls over a pool of 8 connections, as its published figures were run). Each
 #: client connection carries one call at a time, so HAProxy and nginx, one server
 #: connection per client connection, never have two calls on one server connection; the
 #: broker pools the 8 callers onto its 4 connections (--upstream-v1, its defaults), two
