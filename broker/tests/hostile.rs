@@ -11,7 +11,7 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use rpcmesh_common::net::client::{Client, ClientConfig};
-use rpcmesh_common::testkit::{self, Spawned};
+use rpcmesh_testkit::{self as testkit, Launch, Spawned};
 use rpcmesh_wire::Status;
 
 /// Hostile sockets of each kind (idle, partial frame); together they fill the cap.
@@ -227,7 +227,7 @@ async fn a_stalled_provider_is_out_of_service_within_a_health_interval_and_timeo
     let client = Client::connect(broker.rpc, ClientConfig::default())
         .await
         .unwrap();
-    stalled.child.signal("STOP");
+    stalled.child.signal(testkit::Signal::STOP);
     let stalled_at = std::time::Instant::now();
     // STALL_CALLS calls 10 ms apart (about three bounds' worth, counted, not timed); round
     // robin sends every other one to the stalled provider while it is in service, and
@@ -248,7 +248,7 @@ async fn a_stalled_provider_is_out_of_service_within_a_health_interval_and_timeo
             last_stuck = last_stuck.max(sent);
         }
     }
-    stalled.child.signal("CONT");
+    stalled.child.signal(testkit::Signal::CONT);
     eprintln!("stalled provider: last call routed to it {last_stuck:?} after the stall");
     assert!(
         last_stuck > Duration::ZERO,
@@ -279,7 +279,7 @@ async fn calls_in_flight_at_the_end_of_the_grace_period_are_answered(
         server.metric("rpcmesh_calls_in_flight", &[]) == HELD as f64
     })
     .await;
-    server.child.signal("TERM");
+    server.child.signal(testkit::Signal::TERM);
     for call in calls {
         let reply = call
             .await
@@ -380,7 +380,6 @@ async fn budgeted_broker() -> (Spawned, Spawned) {
     // either side of the measurement (seen: +64 MiB of address space, +0 of RSS). The
     // tests are about what the broker reserves for what it is sent.
     let broker = Spawned::start_with(
-        &["env", "MALLOC_ARENA_MAX=1"],
         "broker",
         &[
             "--threads",
@@ -390,7 +389,10 @@ async fn budgeted_broker() -> (Spawned, Spawned) {
             "--upstream",
             &upstream,
         ],
-        None,
+        Launch {
+            env: &[("MALLOC_ARENA_MAX", "1")],
+            ..Launch::default()
+        },
     );
     serves(&broker).await;
     (provider, broker)

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use rpcmesh_common::net::client::{Client, ClientConfig, ClientError};
-use rpcmesh_common::testkit::{self, ChildGuard, Gate, wait_until};
+use rpcmesh_testkit::{self as testkit, ChildGuard, Gate, wait_until};
 use rpcmesh_wire::Status;
 use rpcmesh_wire::proto::rpc::{EchoRequest, EchoResponse};
 use support::*;
@@ -89,7 +89,7 @@ async fn a_provider_killed_with_calls_in_flight_leaves_no_call_without_an_outcom
         || b.calls("ok") >= ok_before + 50.0 && b.metric("rpcmesh_calls_in_flight", &[]) > 0.0,
     )
     .await;
-    prov.signal("KILL");
+    prov.signal(testkit::Signal::KILL);
     assert!(
         prov.wait_timeout(Duration::from_secs(5)).is_some(),
         "provider exited"
@@ -187,7 +187,7 @@ async fn sigterm_drains_a_broker_process_and_it_exits_zero() {
         gate.arrived() == 20
     })
     .await;
-    broker.signal("TERM");
+    broker.signal(testkit::Signal::TERM);
     // "Refused while draining": the calls are still held at the provider.
     testkit::wait_refused(addr(port)).await;
     assert!(

@@ -21,8 +21,8 @@ use rpcmesh_common::metrics::catalogue::{
     CALLS_REROUTED_TOTAL, CALLS_TOTAL, CONFIG_RELOADS_TOTAL, CONNECTIONS_OPEN, UPSTREAM_CALLS_TOTAL,
 };
 use rpcmesh_common::net::client::Client;
-use rpcmesh_common::testkit::{self, ChildGuard, Gate, Spawned, wait_until};
 use rpcmesh_provider::ProviderConfig;
+use rpcmesh_testkit::{self as testkit, ChildGuard, Gate, Launch, Spawned, wait_until};
 use rpcmesh_wire::Status;
 use rpcmesh_wire::proto::rpc::{EchoRequest, EchoResponse};
 use support::*;
@@ -61,7 +61,6 @@ fn broker_process(file: &Path, log: &Path) -> Spawned {
 /// As [`broker_process`], with `health_timeout` for one heartbeat.
 fn broker_process_with(file: &Path, log: &Path, health_timeout: &str) -> Spawned {
     Spawned::start_with(
-        &[],
         "broker",
         &[
             "--providers-file",
@@ -77,7 +76,10 @@ fn broker_process_with(file: &Path, log: &Path, health_timeout: &str) -> Spawned
             "--busy-poll",
             "off",
         ],
-        Some(log),
+        Launch {
+            stderr: Some(log),
+            ..Launch::default()
+        },
     )
 }
 
@@ -149,7 +151,7 @@ async fn a_provider_added_to_the_file_takes_calls_after_a_sighup_and_after_a_cha
     // B replaces the comment; the file's stamp does not change, so the SIGHUP is what
     // makes the broker read it.
     rewrite_unseen(&file, &format!("{}\n{b_line}\n", pa.addr));
-    b.child.signal("HUP");
+    b.child.signal(testkit::Signal::HUP);
     wait_until("the SIGHUP's read to be applied", || {
         reloads(&b, "ok") >= 1.0
     })
@@ -213,7 +215,7 @@ async fn a_provider_that_joins_is_offered_calls_once_its_connections_are_ready()
 
     let text = format!("EchoService={}\nOtherService={}\n", pa.addr, newcomer.addr);
     replace_file(&file, &text);
-    b.child.signal("HUP");
+    b.child.signal(testkit::Signal::HUP);
     // The read has begun (a SIGHUP is served at once) and found the newcomer; a broker
     // that published it before its connections were ready answers "unavailable" now.
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
@@ -435,7 +437,7 @@ async fn a_bad_providers_file_is_kept_out_with_its_line_logged_and_the_providers
     }
     assert_eq!(pb.calls("ok"), 0.0);
     // A SIGHUP reads it again, and keeps it out again.
-    b.child.signal("HUP");
+    b.child.signal(testkit::Signal::HUP);
     wait_until("the SIGHUP's read to be kept out", || {
         reloads(&b, "error") >= 2.0
     })
@@ -542,7 +544,7 @@ async fn a_provider_drained_by_sigterm_under_load_costs_the_callers_nothing_and_
         upstream_ok(&b, a_addr) >= 200.0
     })
     .await;
-    a.signal("TERM");
+    a.signal(testkit::Signal::TERM);
     let exit = tokio::task::block_in_place(|| a.wait_timeout(testkit::WAIT_TIMEOUT));
     assert!(
         exit.is_some_and(|s| s.success()),

@@ -14,15 +14,13 @@
 //!
 //! The test `layers_use_only_the_layers_below` holds the rule for the modules of this
 //! crate; `rpcmesh-wire`'s `Cargo.toml`, which has no runtime or metrics dependency, holds
-//! it for the wire layer. [`testkit`] (feature `test-support`) is shared by the programs'
-//! black-box tests.
+//! it for the wire layer. What the programs' black-box tests share is the crate
+//! `rpcmesh-testkit` (`testkit/`), never compiled into this one.
 
 pub mod cli;
 pub mod format;
 pub mod metrics;
 pub mod net;
-#[cfg(feature = "test-support")]
-pub mod testkit;
 
 #[cfg(test)]
 mod layering {
@@ -55,18 +53,9 @@ mod layering {
     fn layers_use_only_the_layers_below() {
         let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
         // (layer, what it must not use); `metrics::` in net is the metrics crate or layer.
-        let rules: [(&str, &[&str]); 3] = [
-            (
-                "net",
-                &[
-                    "crate::metrics",
-                    "crate::cli",
-                    "crate::testkit",
-                    "metrics::",
-                ],
-            ),
-            ("metrics", &["crate::cli", "crate::testkit"]),
-            ("cli", &["crate::testkit"]),
+        let rules: [(&str, &[&str]); 2] = [
+            ("net", &["crate::metrics", "crate::cli", "metrics::"]),
+            ("metrics", &["crate::cli"]),
         ];
         for (layer, banned) in rules {
             for (path, text) in sources(&src.join(layer)) {
@@ -92,6 +81,8 @@ mod layering {
             "broker/src",
             "driver/src",
             "capacity/src",
+            "testkit/src",
+            "system-tests/src",
         ] {
             for (path, _) in sources(&root.join(dir)) {
                 let rel = path

@@ -1,8 +1,9 @@
 //! `driver capacity` end to end: the binary starts its local provider and broker as child
 //! processes, runs a short search (with compression off and on) and a sweep, and writes
 //! its reports; the test checks that the found rate lies between a passing and a failing
-//! step, that every step has its figures, that the JSON parses and meets the documented
-//! schema, and that the HTML report's charts are all drawn in headless Chromium.
+//! step, that every step has its figures, and that the JSON parses and meets the documented
+//! schema. That the HTML report's charts are all drawn in headless Chromium is checked by
+//! the system tier (`system-tests/tests/capacity_browser.rs`).
 //!
 //! The capacity is made small and independent of the machine's speed: the provider sleeps
 //! 2 ms per call, a request is 5 calls in a row, and at most 4 requests are in flight, so
@@ -12,7 +13,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use rpcmesh_capacity::report::{CapacityReport, Phase};
-use rpcmesh_common::testkit;
+use rpcmesh_testkit as testkit;
 
 #[test]
 fn a_short_search_brackets_the_capacity_and_reports_it_every_way() {
@@ -127,17 +128,9 @@ fn a_short_search_brackets_the_capacity_and_reports_it_every_way() {
 
     let markdown = std::fs::read_to_string(&md).unwrap();
     assert!(markdown.contains("| step | offered/s |"), "{markdown}");
-
-    // Every chart is drawn in a real browser.
-    let dom = testkit::headless_dom(&html).unwrap();
-    for chart in ["throughput", "latency", "usl", "compression"] {
-        assert!(
-            dom.contains(&format!("data-chart=\"{chart}\"")),
-            "{chart} missing"
-        );
-    }
-    assert!(dom.contains("data-charts-drawn=\"4\""), "{dom}");
-    assert!(!dom.contains("data-drawn=\"no\""), "{dom}");
+    // The HTML report is written; that a browser draws its charts is the system tier's
+    // check (rpcmesh-system-tests, capacity_browser.rs).
+    assert!(html.exists(), "{} written", html.display());
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -16,10 +16,10 @@ use std::time::Duration;
 use rpcmesh_common::metrics::Telemetry;
 use rpcmesh_common::metrics::recorder::sample;
 use rpcmesh_common::net::shutdown::CancellationToken;
-use rpcmesh_common::testkit::{self, Spawned, WAIT_TIMEOUT, wait_until};
 use rpcmesh_driver::config::ProgressMode;
 use rpcmesh_driver::pacer::{Pacing, Schedule};
 use rpcmesh_driver::{DriverConfig, Report, Stop};
+use rpcmesh_testkit::{self as testkit, Spawned, WAIT_TIMEOUT, wait_until};
 use rpcmesh_wire::envelope::{CallCodec, put_not_run_response};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -83,7 +83,7 @@ async fn more_calls(t: &Telemetry) {
 
 /// Sends SIGTERM to `p` and waits for it to exit (it drains first); it must exit cleanly.
 async fn terminate(mut p: Spawned) {
-    p.child.signal("TERM");
+    p.child.signal(testkit::Signal::TERM);
     let status = tokio::task::spawn_blocking(move || p.child.wait_timeout(WAIT_TIMEOUT))
         .await
         .unwrap()

@@ -11,12 +11,12 @@ use rpcmesh_common::metrics::Telemetry;
 use rpcmesh_common::metrics::recorder::sample;
 use rpcmesh_common::net::listener::ServeSummary;
 use rpcmesh_common::net::shutdown::CancellationToken;
-use rpcmesh_common::testkit::{self, Gate, InProcess, wait_until};
 use rpcmesh_driver::config::ProgressMode;
 use rpcmesh_driver::pacer::{Pacing, Schedule};
 use rpcmesh_driver::{DriverConfig, Report, Stop, WorkloadKind};
 use rpcmesh_provider::service::{Held, ServiceTime, platform};
 use rpcmesh_provider::{ProviderConfig, Registry};
+use rpcmesh_testkit::{self as testkit, Gate, InProcess, wait_until};
 use tokio::net::TcpListener;
 
 async fn provider(config: ProviderConfig) -> InProcess<ServeSummary> {
@@ -247,7 +247,7 @@ async fn a_provider_going_away_mid_run_is_counted_and_the_run_ends() {
     })
     .await;
     p.stop().await;
-    let r = tokio::time::timeout(rpcmesh_common::testkit::WAIT_TIMEOUT, run)
+    let r = tokio::time::timeout(rpcmesh_testkit::WAIT_TIMEOUT, run)
         .await
         .expect("the run ends")
         .unwrap()
@@ -326,7 +326,7 @@ fn every_program_answers_help() {
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("--target"));
     for (name, must) in [("provider", "--listen"), ("broker", "--upstream")] {
-        let out = std::process::Command::new(rpcmesh_common::testkit::bin_path(name))
+        let out = std::process::Command::new(rpcmesh_testkit::bin_path(name))
             .arg("--help")
             .output()
             .unwrap();

@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use rpcmesh_common::metrics::Telemetry;
 use rpcmesh_common::net::shutdown::CancellationToken;
-use rpcmesh_common::testkit::{self, ChildGuard};
 use rpcmesh_driver::config::ProgressMode;
 use rpcmesh_driver::{DriverConfig, Stop, WorkloadKind};
+use rpcmesh_testkit::{self as testkit, ChildGuard};
 
 /// How long the provider is stopped.
 const STALL: Duration = Duration::from_secs(1);
@@ -65,9 +65,9 @@ async fn a_stall_shows_in_the_latency_from_the_intended_start_and_every_request_
         .is_some_and(|n| n > 0.0)
     })
     .await;
-    provider.signal("STOP");
+    provider.signal(testkit::Signal::STOP);
     tokio::time::sleep(STALL).await;
-    provider.signal("CONT");
+    provider.signal(testkit::Signal::CONT);
     let r = run.await.unwrap().unwrap();
 
     let q = &r.requests;

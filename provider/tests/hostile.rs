@@ -7,7 +7,7 @@
 use std::net::TcpStream;
 
 use rpcmesh_common::net::client::{Client, ClientConfig};
-use rpcmesh_common::testkit::{self, Spawned};
+use rpcmesh_testkit::{self as testkit, Launch, Spawned};
 use rpcmesh_wire::Status;
 
 /// Idle connections opened at once.
@@ -64,7 +64,7 @@ async fn idle_connections_hold_no_compression_state() {
 
 /// File descriptors the provider may hold in the out-of-descriptors test: a few dozen
 /// connections fill them.
-const FEW_FDS: &str = "--nofile=64:64";
+const FEW_FDS: u64 = 64;
 /// Connections opened against it: more than its descriptors allow.
 const FLOOD: usize = 100;
 /// How long the starved provider is watched.
@@ -82,11 +82,20 @@ fn a_provider_out_of_descriptors_does_not_spin_and_serves_metrics_once_they_are_
     std::fs::create_dir_all(&dir).unwrap();
     let log = dir.join("stderr");
     let provider = Spawned::start_with(
-        &["prlimit", FEW_FDS, "--"],
         "provider",
         &["--threads", "1"],
-        Some(&log),
+        Launch {
+            stderr: Some(&log),
+            ..Launch::default()
+        },
     );
+    // Its descriptor limit lowered once it listens, before the flood.
+    let few = rustix::process::Rlimit {
+        current: Some(FEW_FDS),
+        maximum: Some(FEW_FDS),
+    };
+    let pid = rustix::process::Pid::from_raw(i32::try_from(provider.pid()).unwrap()).unwrap();
+    rustix::process::prlimit(Some(pid), rustix::process::Resource::Nofile, few).unwrap();
     let flood: Vec<TcpStream> = (0..FLOOD)
         .map(|_| TcpStream::connect(provider.rpc).unwrap())
         .collect();

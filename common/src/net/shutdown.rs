@@ -15,7 +15,7 @@ pub use tokio_util::sync::CancellationToken;
 use tokio_util::sync::WaitForCancellationFutureOwned;
 
 /// A boxed shutdown trigger, as a server's `run` is handed one by `cli::startup::serve`
-/// (SIGTERM or SIGINT) or by `testkit::InProcess` (the test's stop).
+/// (SIGTERM or SIGINT) or by `rpcmesh_testkit::InProcess` (the test's stop).
 pub type ShutdownSignal = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// Resolves on the first SIGTERM or SIGINT (Ctrl-C).

@@ -381,7 +381,7 @@ mod tests {
         task.io.try_flush().unwrap();
         // The server reads both and answers the first.
         let mut buf = BytesMut::new();
-        let requests = rpcmesh_common::testkit::read_frames(&mut server, &mut buf, 2)
+        let requests = rpcmesh_testkit::read_frames(&mut server, &mut buf, 2)
             .await
             .unwrap();
         let mut reply = BytesMut::new();

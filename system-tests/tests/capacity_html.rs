@@ -15,7 +15,7 @@ use rpcmesh_capacity::report::{
 };
 use rpcmesh_capacity::slo::Slo;
 use rpcmesh_capacity::usl::UslFit;
-use rpcmesh_common::testkit::headless_dom;
+use rpcmesh_system_tests::headless_dom;
 
 fn latency(p50: f64, p99: f64, p999: f64) -> LatencySummary {
     LatencySummary {

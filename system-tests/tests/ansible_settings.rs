@@ -15,7 +15,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use rpcmesh_common::testkit;
+use rpcmesh_system_tests as system;
+use rpcmesh_testkit as testkit;
 
 const PROGRAMS: [&str; 3] = ["provider", "broker", "driver"];
 
@@ -286,7 +287,7 @@ fn systemd_analyze_verify_finds_nothing_in_the_rps_unit() {
     );
     let path = dir.join("rpcmesh-rps.service");
     std::fs::write(&path, local).unwrap();
-    testkit::systemd_analyze_verify(&path);
+    system::systemd_analyze_verify(&path);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -9,14 +9,14 @@
 use std::path::Path;
 use std::time::Duration;
 
-use rpcmesh_common::testkit;
+use rpcmesh_system_tests as system;
 
 /// The smoke run takes about ten seconds; this only catches a hang.
 const SMOKE_TIMEOUT: Duration = Duration::from_secs(180);
 
 #[test]
 fn accuracy_smoke_mode_runs_every_check_and_gives_each_a_verdict() {
-    let smoke = testkit::smoke_script(
+    let smoke = system::smoke_script(
         "accuracy",
         Path::new(env!("CARGO_TARGET_TMPDIR")),
         SMOKE_TIMEOUT,

@@ -16,7 +16,8 @@ use std::ffi::OsStr;
 use std::path::Path;
 use std::time::Duration;
 
-use rpcmesh_common::testkit;
+use rpcmesh_system_tests as system;
+use rpcmesh_testkit as testkit;
 
 /// The rehearsal takes about five minutes (seven with the base image to build); this only
 /// catches a hang (every wait of the rehearsal is bounded on its own).
@@ -48,9 +49,9 @@ const STEPS: [&str; 11] = [
 
 #[test]
 fn rehearsal_deploys_joins_a_provider_and_restarts_the_fleet_with_zero_failed_calls() {
-    let bins = testkit::program_dir();
+    let bins = system::program_dir();
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("rehearsal");
-    let run = testkit::run_repo_command(
+    let run = system::run_repo_command(
         "deploy/rehearse",
         &[
             OsStr::new("--bin-dir"),
@@ -133,7 +134,7 @@ fn image_preparation_waits_for_whoever_holds_the_image_lock() {
     use std::process::{Command, Stdio};
     let lock = Path::new(IMAGE_LOCK);
     std::fs::create_dir_all(lock.parent().unwrap()).unwrap();
-    let flock = testkit::need_tool("flock", "util-linux");
+    let flock = system::need_tool("flock", "util-linux");
     // `cat` holds the lock (inherited from flock) until its stdin closes.
     let mut holder = testkit::ChildGuard(Some(
         Command::new(&flock)

@@ -9,14 +9,14 @@
 use std::path::Path;
 use std::time::Duration;
 
-use rpcmesh_common::testkit;
+use rpcmesh_system_tests as system;
 
 /// The smoke run takes about fifteen seconds; this only catches a hang.
 const SMOKE_TIMEOUT: Duration = Duration::from_secs(240);
 
 #[test]
 fn capacity_lab_smoke_mode_runs_the_search_across_namespaces() {
-    let smoke = testkit::smoke_script(
+    let smoke = system::smoke_script(
         "capacity-lab",
         Path::new(env!("CARGO_TARGET_TMPDIR")),
         SMOKE_TIMEOUT,

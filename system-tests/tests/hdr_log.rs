@@ -13,12 +13,12 @@ use std::process::Command;
 use std::time::Duration;
 
 use rpcmesh_common::net::shutdown::CancellationToken;
-use rpcmesh_common::testkit::InProcess;
 use rpcmesh_driver::config::ProgressMode;
 use rpcmesh_driver::pacer::Schedule;
 use rpcmesh_driver::stats::LatencySummary;
 use rpcmesh_driver::{DriverConfig, Stop};
 use rpcmesh_provider::{ProviderConfig, Registry};
+use rpcmesh_testkit::InProcess;
 
 /// Where Debian's `libhdrhistogram-java` puts HdrHistogram.
 const HDRHISTOGRAM_JAR: &str = "/usr/share/java/hdrhistogram.jar";

@@ -34,7 +34,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rpcmesh_common::cli::startup::parse_listening_line;
-use rpcmesh_common::testkit::{self, ChildGuard};
+use rpcmesh_system_tests as system;
+use rpcmesh_testkit::{self as testkit, ChildGuard};
 use serde_json::Value;
 
 /// The datasource uid every dashboard names, as provisioned.
@@ -274,7 +275,7 @@ fn every_dashboard_meets_grafanas_schema_and_the_house_rules() {
     );
 
     // The JSON is what the generator writes.
-    let python = testkit::need_tool("python3", "python3");
+    let python = system::need_tool("python3", "python3");
     let (ok, said) = run(
         &python,
         &["grafana/make-dashboards", "--check"],
@@ -306,7 +307,7 @@ fn names_after(text: &str, key: &str) -> Vec<String> {
 
 #[test]
 fn promtool_passes_the_config_the_rules_and_their_unit_tests() {
-    let promtool = testkit::need_tool("promtool", "prometheus");
+    let promtool = system::need_tool("promtool", "prometheus");
     let prom_dir = grafana_dir().join("prometheus");
     for args in [
         &["check", "config", "prometheus.yml"][..],
@@ -345,21 +346,18 @@ fn promtool_passes_the_config_the_rules_and_their_unit_tests() {
     }
 }
 
-/// A Prometheus API call's `data`; fails the test on an error answer.
-fn api(prom: SocketAddr, path: &str) -> Value {
-    let (code, body) = testkit::http(prom, path).unwrap_or_else(|| panic!("no answer to {path}"));
-    let v: Value =
-        serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path}: {e} ({code}): {body}"));
+/// A Prometheus API call's `data` (`query`'s pairs percent-encoded into the URL); fails
+/// the test on an error answer.
+fn api(prom: SocketAddr, path: &str, query: &[(&str, &str)]) -> Value {
+    let body = testkit::get_query(prom, path, query).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let v: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path}: {e}: {body}"));
     assert_eq!(v["status"], "success", "{path}: {body}");
     v["data"].clone()
 }
 
 /// An instant query: the result vector as (labels, value) pairs.
 fn query(prom: SocketAddr, q: &str) -> Vec<(Value, f64)> {
-    let data = api(
-        prom,
-        &format!("/api/v1/query?query={}", testkit::urlencode(q)),
-    );
+    let data = api(prom, "/api/v1/query", &[("query", q)]);
     data["result"]
         .as_array()
         .cloned()
@@ -443,7 +441,7 @@ fn copy_rewriting(from: &Path, to: &Path, set: &[(&str, &str)]) -> usize {
 
 /// The alerts Prometheus holds now, as (name, state, labels).
 fn alerts(prom: SocketAddr) -> Vec<(String, String, Value)> {
-    api(prom, "/api/v1/alerts")["alerts"]
+    api(prom, "/api/v1/alerts", &[])["alerts"]
         .as_array()
         .unwrap()
         .iter()
@@ -459,7 +457,7 @@ fn alerts(prom: SocketAddr) -> Vec<(String, String, Value)> {
 
 #[test]
 fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() {
-    let prometheus = testkit::need_tool("prometheus", "prometheus");
+    let prometheus = system::need_tool("prometheus", "prometheus");
     let started = Instant::now();
     let dir = std::env::temp_dir().join(format!("rpcmesh-grafana-test-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -491,7 +489,7 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
     );
     let d_metrics = SocketAddr::from(([127, 0, 0, 1], testkit::free_port()));
     let _driver = ChildGuard::spawn(
-        Path::new(env!("CARGO_BIN_EXE_driver")),
+        &testkit::bin_path("driver"),
         &[
             "--target",
             &b_rpc.to_string(),
@@ -572,7 +570,7 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
     )
     .unwrap();
     wait_until("Prometheus to scrape all three programs", WAIT, || {
-        testkit::http(prom, "/-/ready").is_some_and(|(code, _)| code == 200) && {
+        testkit::get(prom, "/-/ready").is_ok() && {
             let up = query(prom, "up");
             up.len() == 3 && up.iter().all(|(_, v)| *v == 1.0)
         }
@@ -609,12 +607,9 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
                 .and_then(|s| s.strip_suffix(')'))
                 .unwrap_or_else(|| panic!("{name}: {q}"));
             let (selector, label) = inner.rsplit_once(',').unwrap();
-            let path = format!(
-                "/api/v1/label/{}/values?match[]={}",
-                label.trim(),
-                testkit::urlencode(&substitute(selector, TEST_RATE_INTERVAL))
-            );
-            let values: Vec<String> = api(prom, &path)
+            let path = format!("/api/v1/label/{}/values", label.trim());
+            let selector = substitute(selector, TEST_RATE_INTERVAL);
+            let values: Vec<String> = api(prom, &path, &[("match[]", &selector)])
                 .as_array()
                 .unwrap()
                 .iter()
@@ -635,7 +630,7 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
     }
 
     // Every recording rule has data, and every rule evaluates without error.
-    let groups = api(prom, "/api/v1/rules")["groups"].clone();
+    let groups = api(prom, "/api/v1/rules", &[])["groups"].clone();
     let rules: Vec<&Value> = groups
         .as_array()
         .unwrap()
@@ -686,7 +681,7 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
     println!("healthy for {:.1?}: no alert", healthy_from.elapsed());
 
     // The fault: the provider hangs. Every alert it causes fires, on the right series.
-    provider.signal("STOP");
+    provider.signal(testkit::Signal::STOP);
     let stopped = Instant::now();
     let mut firing = Vec::new();
     let all_fired = eventually(WAIT, || {
@@ -752,7 +747,7 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
 
     // Everything stops (SIGKILL, by PID) before its folder goes; a stopped process takes
     // SIGKILL too, SIGCONT first only lets it see it at once.
-    provider.signal("CONT");
+    provider.signal(testkit::Signal::CONT);
     drop(prom_server);
     drop(provider);
     println!("live test: {:.1?}", started.elapsed());

@@ -18,7 +18,7 @@ use std::path::Path;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use rpcmesh_common::testkit;
+use rpcmesh_system_tests as system;
 
 /// The smoke run takes a few seconds; this only catches a hang (the script bounds every
 /// wait itself, and its processes die with it).
@@ -66,7 +66,7 @@ const KINDS: [&str; 2] = ["echo", "classic"];
 fn bench_smoke_mode_reports_calls_on_all_four_paths_of_both_upstream_kinds() {
     require_haproxy();
     let _one = ONE_BENCH.lock().unwrap_or_else(|e| e.into_inner());
-    let smoke = testkit::smoke_script(
+    let smoke = system::smoke_script(
         "bench",
         Path::new(env!("CARGO_TARGET_TMPDIR")),
         SMOKE_TIMEOUT,
@@ -178,14 +178,14 @@ fn bench_smoke_mode_reports_calls_on_all_four_paths_of_both_upstream_kinds() {
 fn bench_smoke_mode_with_a_baseline_broker_adds_the_before_path_and_its_ratios() {
     require_haproxy();
     let _one = ONE_BENCH.lock().unwrap_or_else(|e| e.into_inner());
-    let bins = testkit::program_dir();
+    let bins = system::program_dir();
     // The baseline is the same binary: this checks the plumbing, not a regression.
     let baseline = bins.join("broker");
     let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("bench-baseline-smoke-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out).expect("a folder for the reports");
-    let run = testkit::run_script(
+    let run = system::run_script(
         "bench",
         &[
             "--smoke".as_ref(),
@@ -198,7 +198,7 @@ fn bench_smoke_mode_with_a_baseline_broker_adds_the_before_path_and_its_ratios()
         ],
         SMOKE_TIMEOUT,
     );
-    let smoke = testkit::SmokeRun { run, out };
+    let smoke = system::SmokeRun { run, out };
     let (run, output) = (&smoke.run, &smoke.run.output);
     assert!(
         run.status.success(),

@@ -16,24 +16,17 @@ use std::time::Duration;
 
 use rpcmesh_common::metrics::Role;
 use rpcmesh_common::metrics::catalogue::{self, CATALOGUE, Kind};
-use rpcmesh_common::testkit::{self, ChildGuard};
+use rpcmesh_system_tests as system;
+use rpcmesh_testkit::{self as testkit, ChildGuard};
 
 fn addr(port: u16) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], port))
 }
 
-/// The body of a GET, whatever its status, or None if nothing answers.
-fn http_get(to: SocketAddr, path: &str) -> Option<String> {
-    testkit::http(to, path).map(|(_, body)| body)
-}
-
 /// An instant query; the result vector as (labels, value) pairs.
 fn query(prom: SocketAddr, q: &str) -> Vec<(serde_json::Value, f64)> {
-    let body = http_get(
-        prom,
-        &format!("/api/v1/query?query={}", testkit::urlencode(q)),
-    )
-    .unwrap_or_else(|| panic!("no answer to {q}"));
+    let body = testkit::get_query(prom, "/api/v1/query", &[("query", q)])
+        .unwrap_or_else(|e| panic!("{q}: {e}"));
     let v: serde_json::Value =
         serde_json::from_str(&body).unwrap_or_else(|e| panic!("{q}: {e}: {body}"));
     assert_eq!(v["status"], "success", "{q}: {body}");
@@ -117,8 +110,8 @@ fn promtool_check(promtool: &Path, name: &str, text: &str) {
 
 #[test]
 fn prometheus_scrapes_all_three_programs_and_promtool_finds_no_problem() {
-    let promtool = testkit::need_tool("promtool", "prometheus");
-    let prometheus = testkit::need_tool("prometheus", "prometheus");
+    let promtool = system::need_tool("promtool", "prometheus");
+    let prometheus = system::need_tool("prometheus", "prometheus");
     let dir = std::env::temp_dir().join(format!("rpcmesh-prom-test-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(dir.join("data")).unwrap();
@@ -154,7 +147,7 @@ fn prometheus_scrapes_all_three_programs_and_promtool_finds_no_problem() {
     )
     .unwrap();
     wait_until("the broker's pool", WAIT, || {
-        http_get(addr(bm), "/metrics").is_some_and(|t| {
+        testkit::get(addr(bm), "/metrics").ok().is_some_and(|t| {
             rpcmesh_common::metrics::recorder::sample(&t, "rpcmesh_pool_healthy_connections", &[])
                 .unwrap_or(0.0)
                 > 0.0
@@ -181,7 +174,7 @@ fn prometheus_scrapes_all_three_programs_and_promtool_finds_no_problem() {
 
     let report = dir.join("report.json");
     let mut driver = ChildGuard::spawn(
-        Path::new(env!("CARGO_BIN_EXE_driver")),
+        &testkit::bin_path("driver"),
         &[
             "--target",
             &addr(b).to_string(),
@@ -217,7 +210,7 @@ fn prometheus_scrapes_all_three_programs_and_promtool_finds_no_problem() {
     let prom = addr(pw);
     wait_until("Prometheus to scrape all three programs", WAIT, || {
         // Ready means 200: a starting Prometheus answers 503 "Service Unavailable".
-        testkit::http(prom, "/-/ready").is_some_and(|(code, _)| code == 200) && {
+        testkit::get(prom, "/-/ready").is_ok() && {
             let up = query(prom, "up");
             up.len() == 3 && up.iter().all(|(_, v)| *v == 1.0)
         }
@@ -233,7 +226,9 @@ fn prometheus_scrapes_all_three_programs_and_promtool_finds_no_problem() {
         let mut problems = Vec::new();
         let mut text = String::new();
         let shown = eventually(WAIT, || {
-            text = http_get(addr(port), "/metrics").unwrap_or_default();
+            text = testkit::get(addr(port), "/metrics")
+                .ok()
+                .unwrap_or_default();
             let calls =
                 rpcmesh_common::metrics::recorder::sample(&text, "rpcmesh_calls_total", &[]);
             problems = catalogue::mismatches(role, &text);
@@ -342,7 +337,7 @@ fn prometheus_scrapes_all_three_programs_and_promtool_finds_no_problem() {
     // The process did work: its fractional CPU time is above zero.
     assert!(scalar(prom, "sum(rpcmesh_process_cpu_seconds_sum{job=\"broker\"})") > 0.0);
 
-    driver.signal("TERM");
+    driver.signal(testkit::Signal::TERM);
     let _ = driver.wait_timeout(Duration::from_secs(5));
     let _ = std::fs::remove_dir_all(&dir);
 }

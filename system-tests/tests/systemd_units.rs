@@ -12,7 +12,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use rpcmesh_common::testkit;
+use rpcmesh_system_tests as system;
+use rpcmesh_testkit as testkit;
 
 const PROGRAMS: [&str; 3] = ["provider", "broker", "driver"];
 
@@ -70,7 +71,7 @@ fn systemd_analyze_verify_finds_nothing_in_the_units() {
             );
         let path = dir.join(&unit_name);
         std::fs::write(&path, local).unwrap();
-        testkit::systemd_analyze_verify(&path);
+        system::systemd_analyze_verify(&path);
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

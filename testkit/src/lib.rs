@@ -1,0 +1,48 @@
+//! What the black-box tests of the provider, the broker and the driver share, one module
+//! per job:
+//!
+//! ```text
+//!   in_process  a server's `run_with` in the test process on port 0, echo calls to it
+//!   spawned     a program run as a real process, its addresses, metrics and /proc figures
+//!   child       a child process killed and reaped when dropped, signals by PID
+//!   paths       the workspace's root, the programs' binaries, free ports
+//!   wait        waiting on a condition instead of sleeping (async and blocking)
+//!   gate        holding calls in a handler until the test lets them through
+//!   frames      request frames made by hand, reading frames off a socket
+//!   bad_input   the bad inputs every server must survive, and the probe that sends one
+//!   golden      the reference implementation's golden frames
+//!   http        a GET on 127.0.0.1 that checks the status
+//! ```
+//!
+//! The tests prove order and causality, never how long something took: a test waits for
+//! the condition it needs, and the only deadlines here are hang detectors that fail a
+//! stuck test. Nothing here runs an outside command: the fast tier (`cargo test`) needs
+//! no tool beyond Rust's. What only the system tier uses (a browser, systemd-analyze, the
+//! measurement scripts) is in `rpcmesh-system-tests`.
+//!
+//! Every item is also at the crate's root, so that a test names `testkit::wait_until`.
+
+pub mod bad_input;
+pub mod child;
+pub mod frames;
+pub mod gate;
+pub mod golden;
+pub mod http;
+pub mod in_process;
+pub mod paths;
+pub mod spawned;
+pub mod wait;
+
+pub use bad_input::{BadInput, Observed, PROBE_TIMEOUT, bad_inputs, garbage, probe};
+pub use child::{ChildGuard, Signal};
+pub use frames::{compressed_request, echo_request, metadata_bomb, read_frames};
+pub use gate::Gate;
+pub use golden::{golden, golden_exchange};
+pub use http::{get, get_query};
+pub use in_process::{InProcess, echo_call, echo_calls};
+pub use paths::{bin_path, free_port, workspace_root};
+pub use spawned::{Launch, Spawned};
+pub use wait::{
+    WAIT_POLL, WAIT_TIMEOUT, eventually, wait_for, wait_listening, wait_refused, wait_until,
+    wait_until_blocking,
+};

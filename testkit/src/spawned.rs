@@ -1,0 +1,132 @@
+//! [`Spawned`]: a provider or broker run as a real process on 127.0.0.1 port 0, its RPC
+//! and metrics addresses read from the listening line it prints, its metrics scraped over
+//! HTTP and its CPU time and memory read from `/proc/PID`.
+
+use std::io::BufRead;
+use std::net::SocketAddr;
+use std::path::Path;
+
+use rpcmesh_common::cli::startup::parse_listening_line;
+use rpcmesh_common::metrics::recorder::sample;
+
+use crate::child::ChildGuard;
+use crate::paths::bin_path;
+
+/// The kernel's `USER_HZ`, the unit of `/proc/PID/stat`'s CPU times (100 on every Linux
+/// build this runs on).
+const CLOCK_TICKS_PER_SECOND: f64 = 100.0;
+
+/// How a [`Spawned`] program is started beyond its flags.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Launch<'a> {
+    /// Variables set in its environment (on top of the test's).
+    pub env: &'a [(&'a str, &'a str)],
+    /// Where its stderr goes (`None`: discarded).
+    pub stderr: Option<&'a Path>,
+}
+
+/// A provider or broker run as a real process, killed by PID when dropped.
+#[derive(Debug)]
+pub struct Spawned {
+    /// The process.
+    pub child: ChildGuard,
+    /// Where it takes calls.
+    pub rpc: SocketAddr,
+    /// Where it serves `/metrics`, unless started with `--metrics-listen off`.
+    pub metrics: Option<SocketAddr>,
+}
+
+impl Spawned {
+    /// Starts workspace binary `name` listening on 127.0.0.1 port 0 for calls and for
+    /// metrics, with `args` after, and waits for its listening line. Its later output on
+    /// stdout is read and dropped, its stderr discarded.
+    pub fn start(name: &str, args: &[&str]) -> Spawned {
+        Spawned::start_with(name, args, Launch::default())
+    }
+
+    /// As [`Spawned::start`], started as `launch` says.
+    pub fn start_with(name: &str, args: &[&str], launch: Launch<'_>) -> Spawned {
+        Spawned::spawn(name, "127.0.0.1:0", args, launch)
+    }
+
+    /// As [`Spawned::start`], taking calls on `listen` (an address of the test's, e.g. from
+    /// [`crate::free_port`]), so that the program can be stopped and started again on the
+    /// same address, as a supervisor restarts it.
+    pub fn start_at(name: &str, listen: SocketAddr, args: &[&str]) -> Spawned {
+        Spawned::spawn(name, &listen.to_string(), args, Launch::default())
+    }
+
+    fn spawn(name: &str, listen: &str, args: &[&str], launch: Launch<'_>) -> Spawned {
+        let err = match launch.stderr {
+            Some(path) => std::fs::File::create(path)
+                .map(std::process::Stdio::from)
+                .expect("create the stderr file"),
+            None => std::process::Stdio::null(),
+        };
+        let mut child = std::process::Command::new(bin_path(name))
+            .envs(launch.env.iter().copied())
+            .args(["--listen", listen, "--metrics-listen", "127.0.0.1:0"])
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(err)
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {name}: {e}"));
+        let stdout = child.stdout.take().expect("piped stdout");
+        let child = ChildGuard(Some(child));
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        let (rpc, metrics) = lines
+            .by_ref()
+            .map_while(Result::ok)
+            .find_map(|l| parse_listening_line(&l))
+            .unwrap_or_else(|| panic!("{name} printed no listening line"));
+        std::thread::spawn(move || lines.for_each(drop));
+        Spawned {
+            child,
+            rpc,
+            metrics,
+        }
+    }
+
+    /// CPU time the process has used so far (user + system), in seconds.
+    pub fn cpu_seconds(&self) -> f64 {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid()))
+            .expect("the process is running");
+        // Fields after the command name, which is in parentheses and may hold spaces.
+        let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let ticks: f64 = [11, 12]
+            .iter()
+            .filter_map(|&i| f.get(i)?.parse::<f64>().ok())
+            .sum();
+        ticks / CLOCK_TICKS_PER_SECOND
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.pid()
+    }
+
+    /// Its `/metrics` text now (empty when nothing answers, or answers with an error).
+    pub fn scrape(&self) -> String {
+        self.metrics
+            .and_then(|addr| crate::http::get(addr, "/metrics").ok())
+            .unwrap_or_default()
+    }
+
+    /// The value of a metric (summed over the matching series; 0 when there is none).
+    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        sample(&self.scrape(), name, labels).unwrap_or(0.0)
+    }
+
+    /// A line of `/proc/PID/status` (`VmRSS`, `VmSize`...), in KiB.
+    pub fn status_kib(&self, field: &str) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .expect("the process is running");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{field} in /proc/PID/status"))
+    }
+}
