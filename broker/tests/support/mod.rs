@@ -32,6 +32,16 @@ use tokio::task::JoinHandle;
 /// A provider or broker running in this process.
 pub type Running = InProcess<ServeSummary>;
 
+/// The reference platform query.
+pub fn query() -> rpcmesh_wire::proto::platform::QueryRequest {
+    rpcmesh_wire::proto::platform::reference_query()
+}
+
+/// An echo request carrying `m`.
+pub fn echo(m: &str) -> EchoRequest {
+    EchoRequest { message: m.into() }
+}
+
 pub async fn provider(config: ProviderConfig) -> Running {
     InProcess::start(|listener, telemetry, stop| {
         rpcmesh_provider::run_with(config, Registry::builtin(), telemetry, listener, stop)

@@ -1,45 +1,37 @@
-//! The Grafana dashboards, Prometheus configuration and rules of `grafana/`, proven three
-//! ways:
+//! The dashboards and rules of `grafana/` live: a real provider, broker and driver
+//! (processes on 127.0.0.1 under open-loop load with compression on, stopped by PID)
+//! scraped by a real Prometheus running the committed `prometheus.yml` and rules (its own
+//! data folder, stopped by PID). Every panel query, its variables substituted as Grafana
+//! would for "All", must return data; no alert may fire or even pend while the mesh is
+//! healthy; then the provider is stopped (SIGSTOP: it hangs, as a wedged host does) and
+//! every alert it causes must fire.
 //!
-//! - **statically**: every dashboard validates against `grafana/schema/dashboard.schema.json`
-//!   (made from Grafana's own published types by `grafana/schema/generate`), uses the one
-//!   provisioned datasource, its template variables and `$__rate_interval`, and is what
-//!   `grafana/make-dashboards` writes;
-//! - **with promtool**: `check config`, `check rules` and the rule unit tests of
-//!   `grafana/prometheus/tests/` (which must name every recording rule and alert);
-//! - **live**: a real provider, broker and driver (processes on 127.0.0.1 under open-loop
-//!   load with compression on, stopped by PID) scraped by a real Prometheus running the
-//!   committed `prometheus.yml` and rules (its own data folder, stopped by PID). Every panel
-//!   query, its variables substituted as Grafana would for "All", must return data; no alert
-//!   may fire or even pend while the mesh is healthy; then the provider is stopped (SIGSTOP:
-//!   it hangs, as a wedged host does) and every alert it causes must fire.
+//! What the test changes, and only that: the scrape and evaluation intervals (1s instead
+//! of 15s, scrape timeout to match) and every alert's `for` (shortened to [`TEST_FOR`]);
+//! the expressions are the committed ones. The softirq red line (30 % of the CPU time)
+//! cannot be reached on purpose on a shared two-core machine; its alert is proven by the
+//! promtool unit tests (`grafana_rules.rs`), and here its expression is evaluated with the
+//! threshold at 0 to show that it reads real series of every host.
 //!
-//! What the live test changes, and only that: the scrape and evaluation intervals (1s
-//! instead of 15s, scrape timeout to match) and every alert's `for` (shortened to
-//! [`TEST_FOR`]); the expressions are the committed ones. The softirq red line (30 % of the
-//! CPU time) cannot be reached on purpose on a shared two-core machine; its alert is proven
-//! by the promtool unit tests, and live its expression is evaluated with the threshold at 0
-//! to show that it reads real series of every host.
-//!
-//! Needs `promtool` and `prometheus` (Debian package `prometheus`; `scripts/deps` installs
-//! it) and `python3` (for `grafana/make-dashboards --check`).
+//! Needs `prometheus` (Debian package `prometheus`; `scripts/deps` installs it).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::{BTreeMap, BTreeSet};
+mod grafana;
+
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use grafana::{
+    PanelQuery, RECORDING_RULES, dashboards, grafana_dir, panel_queries, read, substitute,
+};
 use rpcmesh_common::cli::startup::parse_listening_line;
 use rpcmesh_system_tests as system;
 use rpcmesh_testkit::{self as testkit, ChildGuard};
 use serde_json::Value;
-
-/// The datasource uid every dashboard names, as provisioned.
-const DATASOURCE_UID: &str = "rpcmesh-prometheus";
 
 /// The scrape and evaluation interval of the live test (the deployment's is 15s).
 const TEST_INTERVAL: &str = "1s";
@@ -78,273 +70,9 @@ const FAULT_ALERTS: [&str; 6] = [
     "RpcmeshPoolUnhealthy",
     "RpcmeshDriverBelowRate",
 ];
-/// How many recording rules `rules/recording.yml` holds.
-const RECORDING_RULES: usize = 21;
 /// The alert no fault here can cause, and its threshold as written in the rules.
 const SOFTIRQ_ALERT: &str = "RpcmeshSoftirqHigh";
 const SOFTIRQ_THRESHOLD: &str = "> 0.3";
-
-fn grafana_dir() -> PathBuf {
-    testkit::workspace_root().join("grafana")
-}
-
-fn read(path: &Path) -> String {
-    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
-}
-
-/// Runs `program args` in `dir`; its exit status and both outputs.
-fn run(program: &Path, args: &[&str], dir: &Path) -> (bool, String) {
-    let out = Command::new(program)
-        .args(args)
-        .current_dir(dir)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| panic!("run {}: {e}", program.display()));
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), said)
-}
-
-/// The dashboards, by file name.
-fn dashboards() -> BTreeMap<String, Value> {
-    let dir = grafana_dir().join("dashboards");
-    let mut all = BTreeMap::new();
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().is_some_and(|e| e == "json") {
-            let name = path.file_name().unwrap().to_string_lossy().into_owned();
-            let v: Value =
-                serde_json::from_str(&read(&path)).unwrap_or_else(|e| panic!("{name}: {e}"));
-            all.insert(name, v);
-        }
-    }
-    assert_eq!(
-        all.len(),
-        8,
-        "the eight dashboards of issue 13: {:?}",
-        all.keys()
-    );
-    all
-}
-
-/// Every panel of a dashboard that is not a row (rows' own panels included).
-fn panels(d: &Value) -> Vec<&Value> {
-    let mut out = Vec::new();
-    for p in d["panels"].as_array().unwrap() {
-        if p["type"] == "row" {
-            out.extend(p["panels"].as_array().unwrap().iter());
-        } else {
-            out.push(p);
-        }
-    }
-    out
-}
-
-/// One query of one panel.
-struct PanelQuery {
-    dashboard: String,
-    title: String,
-    ref_id: String,
-    expr: String,
-}
-
-fn panel_queries(all: &BTreeMap<String, Value>) -> Vec<PanelQuery> {
-    let mut out = Vec::new();
-    for (name, d) in all {
-        for p in panels(d) {
-            for t in p["targets"].as_array().unwrap() {
-                out.push(PanelQuery {
-                    dashboard: name.clone(),
-                    title: p["title"].as_str().unwrap().to_string(),
-                    ref_id: t["refId"].as_str().unwrap().to_string(),
-                    expr: t["expr"].as_str().unwrap().to_string(),
-                });
-            }
-        }
-    }
-    out
-}
-
-/// A query as Grafana sends it with every variable at "All" (its allValue `.*`).
-fn substitute(expr: &str, rate_interval: &str) -> String {
-    let mut q = expr.replace("$__rate_interval", rate_interval);
-    for var in ["job", "instance", "role", "provider"] {
-        q = q
-            .replace(&format!("${{{var}}}"), ".*")
-            .replace(&format!("${var}"), ".*");
-    }
-    assert!(!q.contains('$'), "a variable nobody defines in {expr}");
-    q
-}
-
-#[test]
-fn every_dashboard_meets_grafanas_schema_and_the_house_rules() {
-    let schema: Value =
-        serde_json::from_str(&read(&grafana_dir().join("schema/dashboard.schema.json"))).unwrap();
-    let validator = jsonschema::validator_for(&schema).unwrap();
-    let all = dashboards();
-    let mut uids = BTreeSet::new();
-    for (name, d) in &all {
-        let problems: Vec<String> = validator
-            .iter_errors(d)
-            .map(|e| format!("{}: {e}", e.instance_path))
-            .collect();
-        assert!(problems.is_empty(), "{name}: {problems:#?}");
-        assert!(uids.insert(d["uid"].as_str().unwrap()), "{name}: uid twice");
-
-        let vars: Vec<&str> = d["templating"]["list"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v["name"].as_str().unwrap())
-            .collect();
-        for v in ["job", "instance"] {
-            assert!(vars.contains(&v), "{name}: no ${v} variable");
-        }
-        for v in d["templating"]["list"].as_array().unwrap() {
-            assert_eq!(v["datasource"]["uid"], DATASOURCE_UID, "{name}: {v}");
-        }
-        let mut titles = BTreeSet::new();
-        let mut used = BTreeSet::new();
-        for p in panels(d) {
-            let title = p["title"].as_str().unwrap();
-            assert!(titles.insert(title), "{name}: two panels titled {title}");
-            assert!(
-                ["timeseries", "stat"].contains(&p["type"].as_str().unwrap()),
-                "{name} / {title}: a panel type the schema has no options for"
-            );
-            assert_eq!(p["datasource"]["uid"], DATASOURCE_UID, "{name} / {title}");
-            let targets = p["targets"].as_array().unwrap();
-            assert!(!targets.is_empty(), "{name} / {title}: no query");
-            for t in targets {
-                assert_eq!(t["datasource"]["uid"], DATASOURCE_UID, "{name} / {title}");
-                let expr = t["expr"].as_str().unwrap();
-                for v in ["$job", "$instance"] {
-                    assert!(expr.contains(v), "{name} / {title}: no {v} in {expr}");
-                }
-                // Raw rates follow the dashboard's resolution; recording rules have theirs.
-                let windows = expr.matches('[').count();
-                let rate_windows = expr.matches("[$__rate_interval]").count();
-                assert_eq!(
-                    windows, rate_windows,
-                    "{name} / {title}: a fixed window in {expr}"
-                );
-                for v in &vars {
-                    if expr.contains(&format!("${v}")) {
-                        used.insert(*v);
-                    }
-                }
-            }
-        }
-        for v in &vars {
-            assert!(used.contains(v), "{name}: variable ${v} filters no panel");
-        }
-    }
-
-    // The schema is strict: a query field Grafana does not know, a time series option of
-    // another panel type, and a missing required field are each rejected.
-    let mut d = all["overview.json"].clone();
-    let first_ts = d["panels"]
-        .as_array_mut()
-        .unwrap()
-        .iter_mut()
-        .find(|p| p["type"] == "timeseries")
-        .unwrap();
-    first_ts["targets"][0]["exprr"] = Value::from("up");
-    assert!(!validator.is_valid(&d), "an unknown query field passed");
-    let mut d = all["overview.json"].clone();
-    let first_ts = d["panels"]
-        .as_array_mut()
-        .unwrap()
-        .iter_mut()
-        .find(|p| p["type"] == "timeseries")
-        .unwrap();
-    first_ts["options"]["graphMode"] = Value::from("area");
-    assert!(
-        !validator.is_valid(&d),
-        "a stat option on a time series passed"
-    );
-    let mut d = all["overview.json"].clone();
-    d.as_object_mut().unwrap().remove("schemaVersion");
-    assert!(
-        !validator.is_valid(&d),
-        "a dashboard without schemaVersion passed"
-    );
-
-    // The JSON is what the generator writes.
-    let python = system::need_tool("python3", "python3");
-    let (ok, said) = run(
-        &python,
-        &["grafana/make-dashboards", "--check"],
-        &testkit::workspace_root(),
-    );
-    assert!(ok, "{said}");
-
-    // Provisioning: one Prometheus datasource with the dashboards' uid, and a file
-    // provider for the dashboards.
-    let ds = read(&grafana_dir().join("provisioning/datasources/rpcmesh.yml"));
-    assert!(ds.contains(&format!("uid: {DATASOURCE_UID}")), "{ds}");
-    assert!(ds.contains("type: prometheus"), "{ds}");
-    let providers = read(&grafana_dir().join("provisioning/dashboards/rpcmesh.yml"));
-    assert!(providers.contains("type: file"), "{providers}");
-}
-
-/// The names that lines `key: NAME` give, in order.
-fn names_after(text: &str, key: &str) -> Vec<String> {
-    text.lines()
-        .filter_map(|l| {
-            l.trim()
-                .strip_prefix("- ")
-                .unwrap_or(l.trim())
-                .strip_prefix(key)
-        })
-        .map(|n| n.trim().to_string())
-        .collect()
-}
-
-#[test]
-fn promtool_passes_the_config_the_rules_and_their_unit_tests() {
-    let promtool = system::need_tool("promtool", "prometheus");
-    let prom_dir = grafana_dir().join("prometheus");
-    for args in [
-        &["check", "config", "prometheus.yml"][..],
-        &["check", "rules", "rules/recording.yml", "rules/alerts.yml"][..],
-        &[
-            "test",
-            "rules",
-            "tests/recording_test.yml",
-            "tests/alerts_test.yml",
-        ][..],
-    ] {
-        let (ok, said) = run(&promtool, args, &prom_dir);
-        assert!(ok, "promtool {args:?}:\n{said}");
-        assert!(
-            !said.contains("WARNING"),
-            "promtool {args:?} warns:\n{said}"
-        );
-    }
-    // The unit tests name every rule: each recording rule is an expression tested, each
-    // alert an alertname tested.
-    let records = names_after(&read(&prom_dir.join("rules/recording.yml")), "record:");
-    let alerts = names_after(&read(&prom_dir.join("rules/alerts.yml")), "alert:");
-    assert_eq!(records.len(), RECORDING_RULES, "{records:?}");
-    assert_eq!(alerts.len(), 7, "{alerts:?}");
-    let tested: BTreeSet<String> =
-        names_after(&read(&prom_dir.join("tests/recording_test.yml")), "expr:")
-            .into_iter()
-            .map(|e| e.split('{').next().unwrap().to_string())
-            .collect();
-    for r in &records {
-        assert!(tested.contains(r), "no unit test of the recording rule {r}");
-    }
-    let alert_tests = names_after(&read(&prom_dir.join("tests/alerts_test.yml")), "alertname:");
-    for a in &alerts {
-        assert!(alert_tests.contains(a), "no unit test of the alert {a}");
-    }
-}
 
 /// A Prometheus API call's `data` (`query`'s pairs percent-encoded into the URL); fails
 /// the test on an error answer.
