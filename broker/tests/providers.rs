@@ -13,8 +13,11 @@ use rpcmesh_common::metrics::recorder::sample;
 use rpcmesh_provider::ProviderConfig;
 use rpcmesh_testkit::{self as testkit, wait_until};
 use rpcmesh_wire::Status;
+use rpcmesh_wire::envelope::CallCodec;
 use rpcmesh_wire::proto::rpc::EchoResponse;
 use support::*;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
 
 #[tokio::test]
 async fn two_providers_share_the_calls_and_one_stopping_sends_all_to_the_other() {
@@ -178,6 +181,10 @@ async fn a_draining_broker_answers_late_requests_unavailable() {
 /// instead of being answered "unavailable" at once: the broker accepts calls only once
 /// its pools have settled. The provider here answers nothing, heartbeats included, until
 /// the test sends it a request of its own, so the broker's pool cannot be ready before.
+/// The call is in the broker's listen backlog before the broker runs, and the broker's
+/// pool has connected and asked for a heartbeat before the test lets the provider answer:
+/// a broker that took calls before its pool was ready had the call all that time, and
+/// answered it "unavailable".
 #[tokio::test]
 async fn a_call_made_as_the_broker_starts_waits_for_the_providers_first_connections() {
     let server = V1Server::start(true).await;
@@ -185,26 +192,37 @@ async fn a_call_made_as_the_broker_starts_waits_for_the_providers_first_connecti
     let mut cfg = broker_config(&[server.addr]);
     // The broker waits at most one connect and one heartbeat timeout for its pools.
     cfg.health_timeout = Duration::from_secs(30);
-    let b = broker(cfg).await;
-    let c = client(b.addr).await;
-    let first = {
-        let c = c.clone();
-        tokio::spawn(async move { c.call("EchoService", "Echo", &echo("first")).await })
-    };
-    // Whatever the broker would answer before the provider's heartbeats, it has had the
-    // time to: a broker that accepted calls before its pool was ready answered
-    // "unavailable" here.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut caller = TcpStream::connect(listener.local_addr().unwrap())
+        .await
+        .unwrap();
+    caller
+        .write_all(&testkit::echo_request(1, "first"))
+        .await
+        .unwrap();
+    let b = broker_on(listener, cfg);
+    wait_until(
+        "the broker's pool to ask the provider for a heartbeat",
+        || server.heartbeats() >= 1,
+    )
+    .await;
+    let mut unread = [0; 1];
+    let answered = caller.try_read(&mut unread);
     assert!(
-        !first.is_finished(),
-        "answered before the provider's first connection was ready: {:?}",
-        first.await
+        matches!(&answered, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "answered before the provider's first connection was ready: {answered:?}"
     );
     // The test's own request lets the server answer everything it holds.
     server.release().await;
-    let r = first.await.unwrap().unwrap();
-    assert_eq!(r.status, Status::Success);
-    assert_eq!(r.decode::<EchoResponse>().unwrap().message, "first");
+    let mut buf = bytes::BytesMut::new();
+    let f = testkit::read_frames(&mut caller, &mut buf, 1)
+        .await
+        .unwrap()
+        .remove(0);
+    let r = CallCodec::new(None, 1 << 20).decode_response(&f).unwrap();
+    assert_eq!(r.status, Status::Success, "{}", r.rpc.error_msg);
+    let echoed = <EchoResponse as prost::Message>::decode(r.rpc.payload).unwrap();
+    assert_eq!(echoed.message, "first");
     b.stop().await;
     server.stop();
 }

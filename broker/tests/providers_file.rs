@@ -216,9 +216,13 @@ async fn a_provider_that_joins_is_offered_calls_once_its_connections_are_ready()
     let text = format!("EchoService={}\nOtherService={}\n", pa.addr, newcomer.addr);
     replace_file(&file, &text);
     b.child.signal(testkit::Signal::HUP);
-    // The read has begun (a SIGHUP is served at once) and found the newcomer; a broker
-    // that published it before its connections were ready answers "unavailable" now.
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    // The read has found the newcomer once the newcomer's pool has connected and asked
+    // for a heartbeat (which the newcomer holds); a broker that published it before its
+    // connections were ready answers "unavailable" now.
+    wait_until("the newcomer's pool to ask for a heartbeat", || {
+        newcomer.heartbeats() >= 1
+    })
+    .await;
     let r = other().await;
     assert_ne!(r.status, Status::Unavailable, "{}", r.error_msg);
     assert_eq!(r.error_msg, "service not found: OtherService");

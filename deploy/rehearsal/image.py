@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -41,6 +42,8 @@ IMAGE_LOCK = LAB_DIR / "image.lock"
 IMAGE_LOCK_WAIT_S = DEBOOTSTRAP_TIMEOUT + 60.0
 #: How often it tries again.
 IMAGE_LOCK_POLL_S = 0.5
+#: What a waiter says on stderr, once, when it finds the lock held (a test waits for it).
+IMAGE_LOCK_WAITING = "waiting for the image lock, held by another image build"
 
 
 def key() -> str:
@@ -84,11 +87,15 @@ def ensure(log: Path) -> tuple[Path, bool]:
     LAB_DIR.mkdir(parents=True, exist_ok=True)
     with open(IMAGE_LOCK, "a+") as lock:
         deadline = time.monotonic() + IMAGE_LOCK_WAIT_S
+        said = False
         while True:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                if not said:
+                    print(f"rehearse: {IMAGE_LOCK_WAITING} ({IMAGE_LOCK})", file=sys.stderr, flush=True)
+                    said = True
                 if time.monotonic() > deadline:
                     raise proc.RehearsalError(
                         f"{IMAGE_LOCK} still held after {IMAGE_LOCK_WAIT_S:.0f} s by another image build"

@@ -124,6 +124,9 @@ fn rehearsal_deploys_joins_a_provider_and_restarts_the_fleet_with_zero_failed_ca
 
 /// The lock of the rehearsal's base image (deploy/rehearsal/image.py's `IMAGE_LOCK`).
 const IMAGE_LOCK: &str = "/var/lib/rpcmesh-lab/image.lock";
+/// What `deploy/rehearse --image` says when it finds the lock held (image.py's
+/// `IMAGE_LOCK_WAITING`).
+const IMAGE_LOCK_WAITING: &str = "waiting for the image lock, held by another image build";
 
 /// `deploy/rehearse --image` (which scripts/test starts beside the compile) waits while
 /// another holds the image lock, here a `flock` of util-linux, and ends, having found or
@@ -154,24 +157,39 @@ fn image_preparation_waits_for_whoever_holds_the_image_lock() {
     testkit::wait_until_blocking("the holder to take the lock", held);
 
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("rehearse-image");
-    let mut waiter = testkit::ChildGuard(Some(
-        Command::new(testkit::workspace_root().join("deploy/rehearse"))
-            .args([OsStr::new("--image"), OsStr::new("--out"), out.as_os_str()])
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    ));
-    let pid = waiter.0.as_ref().unwrap().id();
-    // It has opened the lock file: it is trying to take the lock, or waiting for it.
-    testkit::wait_until_blocking("rehearse --image to open the lock", || {
-        std::fs::read_dir(format!("/proc/{pid}/fd"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|t| t == lock))
+    let mut child = Command::new(testkit::workspace_root().join("deploy/rehearse"))
+        .args([OsStr::new("--image"), OsStr::new("--out"), out.as_os_str()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Its stderr, line by line, read by a thread (nothing blocks on a full pipe).
+    let (said_tx, said_rx) = std::sync::mpsc::channel();
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = said_tx.send(line);
+        }
     });
-    // With the base cached it would end within milliseconds if it did not wait.
-    std::thread::sleep(Duration::from_secs(1));
+    let mut waiter = testkit::ChildGuard(Some(child));
+    // It has found the lock held and waits: it says so once (deploy/rehearsal/image.py's
+    // IMAGE_LOCK_WAITING), before its first pause.
+    let mut stderr_lines = Vec::new();
+    let waiting = loop {
+        match said_rx.recv_timeout(testkit::WAIT_TIMEOUT) {
+            Ok(line) if line.contains(IMAGE_LOCK_WAITING) => break true,
+            Ok(line) => stderr_lines.push(line),
+            Err(_) => break false,
+        }
+    };
+    assert!(
+        waiting,
+        "rehearse --image did not say it waits for the lock: {stderr_lines:?}"
+    );
     assert!(
         waiter.0.as_mut().unwrap().try_wait().unwrap().is_none(),
         "rehearse --image ended while another held the image lock"

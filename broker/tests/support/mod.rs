@@ -67,6 +67,14 @@ pub async fn broker(config: BrokerConfig) -> Running {
     .await
 }
 
+/// A broker on a listener the test bound itself (what waits in its backlog was there
+/// before the broker ran).
+pub fn broker_on(listener: TcpListener, config: BrokerConfig) -> Running {
+    InProcess::start_on(listener, |listener, telemetry, stop| {
+        rpcmesh_broker::run_with(config, telemetry, listener, stop)
+    })
+}
+
 /// A provider, a broker in front of it with test settings changed by `tune`, and a client
 /// of the broker that has made a successful call.
 pub struct Mesh {
@@ -186,7 +194,8 @@ pub fn held_call(c: &Client, message: &str) -> JoinHandle<Result<Reply, ClientEr
 /// A plain RPCF v1 echo server, written here from the protocol alone (not rpcmesh's
 /// provider). It counts the requests of each accepted connection and every frame with an
 /// extension bit, and can hold its replies until enough requests have come in
-/// ([`V1Server::hold_replies_until`]). Strict, it ignores flagged frames as a v1 peer
+/// ([`V1Server::hold_replies_until`]); it counts the heartbeats it receives, so that a
+/// test sees a broker's pool connect and wait for it ([`V1Server::heartbeats`]). Strict, it ignores flagged frames as a v1 peer
 /// does; lenient, it answers them plainly (as an rpcmesh provider may: a plain reply is a
 /// valid answer to an extended request).
 pub struct V1Server {
@@ -205,6 +214,8 @@ struct V1State {
     flagged: Arc<AtomicUsize>,
     /// Requests received so far, on every connection.
     received: watch::Sender<usize>,
+    /// Heartbeats received so far, on every connection (answered or held).
+    heartbeats: AtomicUsize,
     /// Replies wait until `received` reaches this.
     hold_until: AtomicUsize,
     /// One write per reply, each this long after the one before (`None`: the replies
@@ -245,6 +256,7 @@ impl V1Server {
             per_conn: Mutex::new(Vec::new()),
             flagged: flagged.clone(),
             received: watch::Sender::new(0),
+            heartbeats: AtomicUsize::new(0),
             hold_until: AtomicUsize::new(0),
             one_by_one,
             report,
@@ -266,6 +278,12 @@ impl V1Server {
             state,
             task,
         }
+    }
+
+    /// Heartbeats received so far, on every connection: a broker's pool that has
+    /// connected and asked is waiting for this server.
+    pub fn heartbeats(&self) -> usize {
+        self.state.heartbeats.load(Ordering::SeqCst)
     }
 
     /// Requests answered so far, per connection.
@@ -355,6 +373,7 @@ async fn v1_echo(s: TcpStream, n: usize, state: Arc<V1State>) {
             }
             match f.header.msg_type {
                 MsgType::Heartbeat => {
+                    state.heartbeats.fetch_add(1, Ordering::SeqCst);
                     let asked = Heartbeat::parse(&f.body)
                         .is_ok_and(|hb| hb.extra_value(pace::HEARTBEAT_KEY).is_some());
                     let extra = match state.report.filter(|_| asked) {
