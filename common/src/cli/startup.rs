@@ -207,21 +207,60 @@ mod tests {
         assert_eq!(parse_listening_line("something else"), None);
     }
 
-    /// The backlog the kernel holds for a listening socket, as `ss` reports it (Send-Q of
-    /// a socket in LISTEN).
+    /// The backlog the kernel holds for the socket listening on `addr` (an IPv4 one): the
+    /// longest accept queue it allows, which the kernel's socket table (sock_diag, what
+    /// `ss` reads) reports as the send queue of a socket in LISTEN.
     fn listen_backlog(addr: SocketAddr) -> u32 {
-        let out = std::process::Command::new("ss")
-            .args(["-ltnH", "src", &addr.to_string()])
-            .output()
-            .expect("ss (iproute2, installed by scripts/deps) runs");
-        let text = String::from_utf8_lossy(&out.stdout);
-        let line = text
-            .lines()
-            .next()
-            .unwrap_or_else(|| panic!("{addr} listed: {text:?}"));
-        // State Recv-Q Send-Q Local Peer
-        let send_q = line.split_whitespace().nth(2).expect("a Send-Q column");
-        send_q.parse().expect("Send-Q is a number")
+        use netlink_packet_core::{
+            NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
+        };
+        use netlink_packet_sock_diag::SockDiagMessage;
+        use netlink_packet_sock_diag::constants::{AF_INET, IPPROTO_TCP};
+        use netlink_packet_sock_diag::inet::{ExtensionFlags, InetRequest, SocketId, StateFlags};
+        use netlink_sys::protocols::NETLINK_SOCK_DIAG;
+
+        let mut socket = netlink_sys::Socket::new(NETLINK_SOCK_DIAG).expect("a sock_diag socket");
+        socket.bind_auto().expect("bind the netlink socket");
+        socket
+            .connect(&netlink_sys::SocketAddr::new(0, 0))
+            .expect("connect to the kernel");
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST | NLM_F_DUMP;
+        let request = SockDiagMessage::InetRequest(InetRequest {
+            family: AF_INET,
+            protocol: IPPROTO_TCP,
+            extensions: ExtensionFlags::empty(),
+            states: StateFlags::LISTEN,
+            socket_id: SocketId::new_v4(),
+        });
+        let mut packet = NetlinkMessage::new(header, request.into());
+        packet.finalize();
+        let mut out = vec![0; packet.buffer_len()];
+        packet.serialize(&mut out);
+        socket.send(&out, 0).expect("send the dump request");
+        let mut answer = vec![0; 1 << 16];
+        loop {
+            let n = socket.recv(&mut &mut answer[..], 0).expect("read the dump");
+            let mut at = 0;
+            while at < n {
+                let message = NetlinkMessage::<SockDiagMessage>::deserialize(&answer[at..n])
+                    .expect("a sock_diag message");
+                match message.payload {
+                    NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(r))
+                        if r.header.socket_id.source_port == addr.port()
+                            && r.header.socket_id.source_address == addr.ip() =>
+                    {
+                        return r.header.send_queue;
+                    }
+                    NetlinkPayload::Done(_) => panic!("{addr} is not in the kernel's table"),
+                    NetlinkPayload::Error(e) => panic!("sock_diag: {e:?}"),
+                    _ => {}
+                }
+                let length = message.header.length as usize;
+                assert!(length > 0, "an empty netlink message");
+                at += length;
+            }
+        }
     }
 
     #[test]
