@@ -1,7 +1,8 @@
 //! The metrics of the three programs as Prometheus sees them: a real provider, broker and
 //! driver (processes on 127.0.0.1, stopped by PID) under a fan-out run, `promtool check
-//! metrics` on each `/metrics`, and a real Prometheus server (its own config and data
-//! folder, stopped by PID) scraping them all, queried through its HTTP API.
+//! metrics` on each `/metrics` (and on one collection of the host and process figures),
+//! and a real Prometheus server (its own config and data folder, stopped by PID) scraping
+//! them all, queried through its HTTP API.
 //!
 //! Needs `promtool` and `prometheus` (Debian package `prometheus`; `scripts/deps` installs
 //! it).
@@ -14,8 +15,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use rpcmesh_common::metrics::Role;
 use rpcmesh_common::metrics::catalogue::{self, CATALOGUE, Kind};
+use rpcmesh_common::metrics::system::SystemMetrics;
+use rpcmesh_common::metrics::{Role, Telemetry};
 use rpcmesh_system_tests as system;
 use rpcmesh_testkit::{self as testkit, ChildGuard};
 
@@ -106,6 +108,19 @@ fn promtool_check(promtool: &Path, name: &str, text: &str) {
         out.status.success() && said.trim().is_empty(),
         "promtool on {name}'s /metrics:\n{said}"
     );
+}
+
+/// The host and process figures of one collection (softirqs, CPU modes, the process's
+/// CPU, memory, descriptors and threads) are what promtool accepts: counters end in
+/// `_total`, the CPU histogram's `_sum` is no gauge.
+#[test]
+fn promtool_finds_no_problem_in_the_system_metrics() {
+    let promtool = system::need_tool("promtool", "prometheus");
+    let t = Telemetry::new();
+    SystemMetrics::new(&t, Role::Provider).collect();
+    let text = t.render();
+    assert!(text.contains("rpcmesh_softirqs_total{"), "{text}");
+    promtool_check(&promtool, "the system metrics", &text);
 }
 
 #[test]
