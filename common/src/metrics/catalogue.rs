@@ -12,7 +12,7 @@
 //! `metrics.rs` for its own, [`crate::metrics::system`] for `/proc`). That every family a
 //! program exports is catalogued, and that every family catalogued for a program is
 //! exported by it, is checked against the running programs ([`mismatches`], called by
-//! `driver/tests/prometheus.rs`).
+//! `system-tests/tests/prometheus.rs`).
 
 use crate::metrics::Telemetry;
 
