@@ -1,12 +1,8 @@
 //! The broker's limits, timeouts and defaults that the docs quote are the code's: each quote
 //! (a row of the limits table in docs/architecture.md, or a value followed by
-//! "(`broker::NAME`" in any doc; the rules are in common/tests/quoted/mod.rs) is held to the
+//! "(`broker::NAME`" in any doc; the rules are in testkit/src/quoted.rs) is held to the
 //! constant it names, and the test fails naming the row or line that differs.
 
-#[path = "../../common/tests/quoted/mod.rs"]
-mod quoted;
-
-use quoted::{Value, bytes, count, time};
 use rpcmesh_broker::config::{
     DEFAULT_BUSY_POLL, DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_GRACE,
     DEFAULT_HEALTH_INTERVAL, DEFAULT_HEALTH_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
@@ -16,6 +12,7 @@ use rpcmesh_broker::config::{
 use rpcmesh_broker::metrics::MAX_CALL_LABELS;
 use rpcmesh_broker::providers_file::{MAX_FILE_BYTES, MAX_PROVIDERS};
 use rpcmesh_broker::{FILE_POLL, MAX_RETRIES, REQUEST_RETAIN};
+use rpcmesh_testkit::quoted::{self, Value, bytes, count, time};
 
 /// The broker's constants the docs quote, by the name they quote them under.
 fn broker() -> Vec<(&'static str, Value)> {

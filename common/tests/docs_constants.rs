@@ -1,12 +1,9 @@
 //! The limits, timeouts and defaults of `rpcmesh-wire` and `rpcmesh-common` that the docs
 //! quote are the code's: each quote (a row of the limits table in docs/architecture.md,
-//! or a value followed by "(`CRATE::NAME`" in any doc; the rules are in `quoted/mod.rs`)
+//! or a value followed by "(`CRATE::NAME`" in any doc; the rules are in `testkit/src/quoted.rs`)
 //! is held to the constant it names, and a test fails naming the row or line that
 //! differs.
 
-mod quoted;
-
-use quoted::{Value, bytes, count, time};
 use rpcmesh_common::cli::startup::LISTEN_BACKLOG;
 use rpcmesh_common::metrics::endpoint::{
     ACCEPT_ERROR_PAUSE, CONNECTION_LIFETIME, HEADER_READ_TIMEOUT, MAX_CONNECTIONS,
@@ -24,6 +21,7 @@ use rpcmesh_common::net::session::{
     DEFAULT_FRAME_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_IN_FLIGHT_PER_LINK,
     DEFAULT_WRITE_TIMEOUT, DRAIN_LINGER, WRITE_BACKLOG_LIMIT,
 };
+use rpcmesh_testkit::quoted::{self, Value, bytes, count, time};
 use rpcmesh_wire::codec::RESYNC_SCAN_LIMIT;
 use rpcmesh_wire::compress::{
     DEFAULT_COMPRESS_LEVEL, DEFAULT_COMPRESS_THRESHOLD, DEFAULT_MAX_INFLATED_LEN,

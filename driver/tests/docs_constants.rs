@@ -1,19 +1,16 @@
 //! The driver's limits, timeouts and defaults that the docs quote are the code's: each
 //! quote (a row of the limits table in docs/architecture.md, or a value followed by
-//! "(`driver::NAME`" in any doc; the rules are in common/tests/quoted/mod.rs) is held to
+//! "(`driver::NAME`" in any doc; the rules are in testkit/src/quoted.rs) is held to
 //! the constant it names, and the test fails naming the row or line that differs.
-
-#[path = "../../common/tests/quoted/mod.rs"]
-mod quoted;
 
 use std::time::Duration;
 
-use quoted::{Value, count, time};
 use rpcmesh_driver::config::{DEFAULT_BACKLOG, DEFAULT_CALL_TIMEOUT};
 use rpcmesh_driver::connection::HOME_RETRY;
 use rpcmesh_driver::pacer::EXACT_SPIN;
 use rpcmesh_driver::stats::MAX_LATENCY_US;
 use rpcmesh_driver::{MAX_DRAINING, MAX_REROUTES};
+use rpcmesh_testkit::quoted::{self, Value, count, time};
 
 /// The driver's constants the docs quote, by the name they quote them under.
 fn driver() -> Vec<(&'static str, Value)> {

@@ -1,15 +1,12 @@
 //! The provider's limits and timeouts that the docs quote are the code's: each quote (a row
 //! of the limits table in docs/architecture.md, or a value followed by "(`provider::NAME`"
-//! in any doc; the rules are in common/tests/quoted/mod.rs) is held to the constant it
+//! in any doc; the rules are in testkit/src/quoted.rs) is held to the constant it
 //! names, and the test fails naming the row or line that differs.
 
-#[path = "../../common/tests/quoted/mod.rs"]
-mod quoted;
-
-use quoted::{Value, count, time};
 use rpcmesh_provider::config::{
     DEFAULT_GRACE, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_IN_FLIGHT_PER_CONN,
 };
+use rpcmesh_testkit::quoted::{self, Value, count, time};
 
 /// The provider's constants the docs quote, by the name they quote them under.
 fn provider() -> Vec<(&'static str, Value)> {

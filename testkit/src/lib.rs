@@ -12,6 +12,7 @@
 //!   bad_input   the bad inputs every server must survive, and the probe that sends one
 //!   golden      the reference implementation's golden frames
 //!   http        a GET on 127.0.0.1 that checks the status
+//!   quoted      the constants the docs quote, held to the code by each crate's test
 //! ```
 //!
 //! The tests prove order and causality, never how long something took: a test waits for
@@ -30,6 +31,7 @@ pub mod golden;
 pub mod http;
 pub mod in_process;
 pub mod paths;
+pub mod quoted;
 pub mod spawned;
 pub mod wait;
 

@@ -1,6 +1,5 @@
 //! The constants the docs quote, read from the docs so that each crate's `docs_constants`
-//! test can hold them to the code. Shared by those tests (each includes this file with
-//! `#[path]`), so that the rules of what counts as a quote live in one place.
+//! test can hold them to the code: the rules of what counts as a quote live here, once.
 //!
 //! A constant is quoted checkably in one of two ways:
 //!
@@ -91,7 +90,7 @@ pub struct Quote {
 /// and the shape of the limits table; panics with every problem found.
 pub fn check(krate: &str, known: &[(&str, Value)]) {
     assert!(CRATES.contains(&krate), "{krate} is not one of {CRATES:?}");
-    let (quotes, mut problems) = read_quotes(&workspace_root());
+    let (quotes, mut problems) = read_quotes(&crate::paths::workspace_root());
     for q in quotes.iter().filter(|q| crate_of(&q.name) == krate) {
         match known.iter().find(|(name, _)| *name == q.name) {
             None => problems.push(format!(
@@ -119,15 +118,6 @@ pub fn check(krate: &str, known: &[(&str, Value)]) {
         "the docs and the code disagree:\n  {}",
         problems.join("\n  ")
     );
-}
-
-/// The workspace's root: every crate of it is one or two levels below.
-fn workspace_root() -> PathBuf {
-    let mut dir = Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf();
-    while !dir.join("docs/architecture.md").exists() {
-        assert!(dir.pop(), "no docs/architecture.md above the crate");
-    }
-    dir
 }
 
 /// The crate a name belongs to (the prefix of its first part).
