@@ -17,6 +17,7 @@ use rpcmesh_wire::PeerKind;
 use rpcmesh_wire::compress::CompressionConfig;
 use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
 
+use crate::connection::HOME_RETRY;
 use crate::pacer::{Arrival, Pacing, RateArg, Schedule};
 
 /// Users (closed-loop callers) unless told otherwise: the 200 of the reference report.
@@ -373,6 +374,10 @@ pub struct DriverConfig {
     pub progress: ProgressMode,
     /// Stages are timed on one call in this many; 0 = not at all.
     pub stage_sample: u32,
+    /// How often a worker away from its own target tries to go back to it
+    /// ([`HOME_RETRY`]; no flag). A test that must show a worker stays away sets it
+    /// beyond the run.
+    pub home_retry: Duration,
 }
 
 impl Default for DriverConfig {
@@ -399,6 +404,7 @@ impl Default for DriverConfig {
             hdr_log: None,
             progress: DEFAULT_PROGRESS,
             stage_sample: DEFAULT_STAGE_SAMPLE,
+            home_retry: HOME_RETRY,
         }
     }
 }
@@ -564,6 +570,7 @@ impl LoadArgs {
             hdr_log: None,
             progress: DEFAULT_PROGRESS,
             stage_sample: self.stages.every(self.metrics_listen),
+            home_retry: HOME_RETRY,
         }
     }
 }

@@ -134,6 +134,8 @@ pub struct Connector {
     /// While the worker is away from its own target: since when, or since its last try to
     /// go back.
     away_since: Option<Instant>,
+    /// How long away before trying to go back ([`HOME_RETRY`] unless told).
+    home_retry: Duration,
     /// Times the worker went back to its own target.
     returns: u64,
     /// The worker's number, for logs.
@@ -161,6 +163,7 @@ impl Connector {
             next: first % n,
             home: first % n,
             away_since: None,
+            home_retry: HOME_RETRY,
             returns: 0,
             worker,
             failures: 0,
@@ -178,13 +181,20 @@ impl Connector {
         self.returns
     }
 
+    /// Tries to go back to the worker's own target every `every` while away, instead of
+    /// every [`HOME_RETRY`].
+    pub fn home_retry(mut self, every: Duration) -> Self {
+        self.home_retry = every;
+        self
+    }
+
     /// The worker's number (for logs).
     pub fn worker(&self) -> usize {
         self.worker
     }
 
     /// With the current connection on `current`: the attempt to go back to the worker's
-    /// own target, when it is away from it, has been for [`HOME_RETRY`] since it left or
+    /// own target, when it is away from it, has been for the home retry since it left or
     /// last tried, and its own target is not pausing after a failed attempt.
     pub fn return_home(&mut self, current: usize, now: Instant) -> Option<Attempt> {
         if current == self.home {
@@ -197,7 +207,7 @@ impl Connector {
             .get(self.home)
             .and_then(|t| t.not_before)
             .is_some_and(|t| t > now);
-        if pausing || now.duration_since(since) < HOME_RETRY {
+        if pausing || now.duration_since(since) < self.home_retry {
             return None;
         }
         self.away_since = Some(now);

@@ -135,7 +135,7 @@ pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> WorkerFigures {
         users,
         intake,
         links: Links::new(
-            Connector::new(plan.targets, plan.first, plan.index),
+            Connector::new(plan.targets, plan.first, plan.index).home_retry(c.home_retry),
             patience,
             now,
         ),
