@@ -41,7 +41,6 @@ use rpcmesh_common::net::backoff::Backoff;
 use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::shutdown::CancellationToken;
 use rpcmesh_common::net::thinned::Thinned;
-use rpcmesh_wire::PeerKind;
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
@@ -325,8 +324,6 @@ impl ProviderPool {
         let settings = ConnSettings {
             label: Arc::from(spec.label()),
             kind: spec.kind,
-            // A plain v1 server may leave Nagle's algorithm on (connection/task.rs, module doc).
-            quick_ack: spec.kind == PeerKind::V1,
             max_body_len: config.max_body_len,
             max_in_flight: config.max_in_flight_per_upstream_conn,
             call_timeout: config.call_timeout,

@@ -67,11 +67,9 @@ pub(crate) enum Refused {
 #[derive(Debug, Clone)]
 pub(crate) struct ConnSettings {
     pub label: Arc<str>,
-    /// What the provider may be sent.
+    /// What the provider may be sent (and, for a plain v1 server, whose replies Nagle's
+    /// algorithm may hold, that its reads are ACKed at once: `task`'s module doc).
     pub kind: PeerKind,
-    /// ACK each read at once while calls are in flight (plain v1 servers: see the module
-    /// doc).
-    pub quick_ack: bool,
     pub max_body_len: u32,
     pub max_in_flight: usize,
     pub call_timeout: Duration,
@@ -223,7 +221,6 @@ mod fixtures {
         let settings = ConnSettings {
             label: Arc::from("test"),
             kind,
-            quick_ack: kind == PeerKind::V1,
             max_body_len: 1 << 20,
             max_in_flight: 4,
             call_timeout: Duration::from_secs(5),

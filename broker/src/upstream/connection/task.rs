@@ -116,7 +116,8 @@ impl ConnTask {
             state,
             heartbeats: Vec::new(),
             next_heartbeat_id: 1,
-            quick_ack: settings.quick_ack,
+            // A plain v1 server may leave Nagle's algorithm on (see the module doc).
+            quick_ack: settings.kind == PeerKind::V1,
             round: Vec::new(),
             bad_input: BadInputLog::new(metrics.errors.clone(), Side::Provider),
             settings,
