@@ -3,12 +3,9 @@
 //! its reports; the test checks that the found rate lies between a passing and a failing
 //! step, that every step has its figures, and that the JSON parses and meets the documented
 //! schema. That the HTML report's charts are all drawn in headless Chromium is checked by
-//! the system tier (`system-tests/tests/capacity_browser.rs`).
-//!
-//! The capacity is made small and independent of the machine's speed: the provider sleeps
-//! 2 ms per call, a request is 5 calls in a row, and at most 4 requests are in flight, so
-//! the path holds about 4 / 10 ms = 400 requests/s whatever the CPU; offered more, the
-//! backlog grows and p99 (from the intended start) passes the SLO's 100 ms.
+//! the system tier (`system-tests/tests/capacity_browser.rs`). The experiment is the test
+//! kit's short one (`rpcmesh_testkit::capacity`, which says why its capacity is small and
+//! independent of the machine's speed).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -20,44 +17,10 @@ fn a_short_search_brackets_the_capacity_and_reports_it_every_way() {
     let dir = std::env::temp_dir().join(format!("rpcmesh-capacity-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (json, md, html) = (dir.join("c.json"), dir.join("c.md"), dir.join("c.html"));
-    let driver = env!("CARGO_BIN_EXE_driver");
-    let out = std::process::Command::new(driver)
-        .args([
-            "capacity",
-            "--service-time",
-            "2ms",
-            "--concurrency",
-            "4",
-            "--connections",
-            "2",
-            "--slo",
-            "p99<=100ms,errors<=1%",
-            "--start-rate",
-            "100",
-            "--growth",
-            "4",
-            "--precision",
-            "0.3",
-            "--step-duration",
-            "1.5s",
-            "--warmup",
-            "0.5s",
-            "--compare-compression",
-            "--sweep",
-            "1,2,4",
-            "--time-limit",
-            "3m",
-            "--metrics-listen",
-            "off",
-        ])
-        .arg("--json")
-        .arg(&json)
-        .arg("--markdown")
-        .arg(&md)
-        .arg("--html")
-        .arg(&html)
-        .output()
-        .unwrap();
+    let out = testkit::short_capacity_search(
+        std::path::Path::new(env!("CARGO_BIN_EXE_driver")),
+        &[("--json", &json), ("--markdown", &md), ("--html", &html)],
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     let text = String::from_utf8_lossy(&out.stdout);

@@ -1,8 +1,7 @@
-//! `driver capacity`'s HTML report in a real browser: the same short search (compression
-//! off and on) and sweep as the driver's own capacity test, whose report must draw all
-//! four of its charts once headless Chromium has run the page's script. The figures
-//! themselves (search, JSON, schema) are checked by the fast tier
-//! (`driver/tests/capacity.rs`).
+//! `driver capacity`'s HTML report in a real browser: the test kit's short experiment (a
+//! search with compression off and on, and a sweep), whose report must draw all four of
+//! its charts once headless Chromium has run the page's script. The figures themselves
+//! (search, JSON, schema) are checked by the fast tier (`driver/tests/capacity.rs`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -14,39 +13,7 @@ fn a_short_search_draws_every_chart_of_its_html_report_in_a_browser() {
     let dir = std::env::temp_dir().join(format!("rpcmesh-capacity-html-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let html = dir.join("c.html");
-    let out = std::process::Command::new(testkit::bin_path("driver"))
-        .args([
-            "capacity",
-            "--service-time",
-            "2ms",
-            "--concurrency",
-            "4",
-            "--connections",
-            "2",
-            "--slo",
-            "p99<=100ms,errors<=1%",
-            "--start-rate",
-            "100",
-            "--growth",
-            "4",
-            "--precision",
-            "0.3",
-            "--step-duration",
-            "1.5s",
-            "--warmup",
-            "0.5s",
-            "--compare-compression",
-            "--sweep",
-            "1,2,4",
-            "--time-limit",
-            "3m",
-            "--metrics-listen",
-            "off",
-        ])
-        .arg("--html")
-        .arg(&html)
-        .output()
-        .unwrap();
+    let out = testkit::short_capacity_search(&testkit::bin_path("driver"), &[("--html", &html)]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
 

@@ -13,6 +13,7 @@
 //!   golden      the reference implementation's golden frames
 //!   http        a GET on 127.0.0.1 that checks the status
 //!   quoted      the constants the docs quote, held to the code by each crate's test
+//!   capacity    the short `driver capacity` experiment both tiers run
 //! ```
 //!
 //! The tests prove order and causality, never how long something took: a test waits for
@@ -24,6 +25,7 @@
 //! Every item is also at the crate's root, so that a test names `testkit::wait_until`.
 
 pub mod bad_input;
+pub mod capacity;
 pub mod child;
 pub mod frames;
 pub mod gate;
@@ -36,6 +38,7 @@ pub mod spawned;
 pub mod wait;
 
 pub use bad_input::{BadInput, Observed, PROBE_TIMEOUT, bad_inputs, garbage, probe};
+pub use capacity::short_capacity_search;
 pub use child::{ChildGuard, Signal};
 pub use frames::{compressed_request, echo_request, metadata_bomb, read_frames};
 pub use gate::Gate;
