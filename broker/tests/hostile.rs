@@ -13,7 +13,7 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use rpcmesh_common::net::client::{Client, ClientConfig};
-use rpcmesh_testkit::{self as testkit, Launch, Spawned};
+use rpcmesh_testkit::{self as testkit, Spawned};
 use rpcmesh_wire::Status;
 
 /// Hostile sockets of each kind (idle, partial frame); together they fill the cap.
@@ -34,26 +34,6 @@ const CAP_FLAGS: [&str; 6] = [
 
 fn inbound(reason: &str) -> [(&'static str, &str); 2] {
     [("side", "inbound"), ("reason", reason)]
-}
-
-/// One echo call on a fresh connection; true when it succeeded.
-async fn call_succeeds(to: std::net::SocketAddr) -> bool {
-    let Ok(c) = Client::connect(to, ClientConfig::default()).await else {
-        return false;
-    };
-    matches!(
-        testkit::echo_call(&c, "let me in").await,
-        Ok(Ok(r)) if r.status == Status::Success
-    )
-}
-
-/// Waits until a call through `server` succeeds (a broker's pool is made in the
-/// background).
-async fn serves(server: &Spawned) {
-    testkit::wait_for("a call succeeds", || async {
-        call_succeeds(server.rpc).await.then_some(())
-    })
-    .await;
 }
 
 /// Fills the cap of `server` with idle sockets and sockets that sent half a header, and
@@ -84,7 +64,7 @@ async fn the_cap_is_not_held_by_idle_or_partial_sockets(server: &Spawned) {
     );
     // Once the timeouts pass, it gets in.
     testkit::wait_for("a newcomer's call succeeds", || async {
-        call_succeeds(server.rpc).await.then_some(())
+        server.call_succeeds().await.then_some(())
     })
     .await;
     for mut s in idle.into_iter().chain(partial) {
@@ -219,8 +199,8 @@ async fn a_broker_answers_its_calls_in_flight_when_the_grace_period_ends() {
     .await;
 }
 
-/// The memory budget of the servers in the memory tests.
-const BUDGET_MIB: usize = 64;
+/// The memory budget of the broker in the memory tests ([`testkit::budgeted_broker`]'s).
+const BUDGET_MIB: usize = testkit::BROKER_BUDGET_MIB;
 /// Connections that each send one header claiming the largest body.
 const BIG_HEADERS: usize = 1000;
 
@@ -238,38 +218,9 @@ fn big_header(id: u64) -> Vec<u8> {
     b.to_vec()
 }
 
-/// A provider, and a broker in front of it with a budget of [`BUDGET_MIB`], serving.
-async fn budgeted_broker() -> (Spawned, Spawned) {
-    let provider = Spawned::start("provider", &["--threads", "1"]);
-    let upstream = provider.rpc.to_string();
-    let budget = format!("{BUDGET_MIB}MiB");
-    // One malloc arena: glibc reserves 64 MiB of address space for each thread's own
-    // arena, the first time a thread allocates. The broker's blocking threads (metrics,
-    // system readings) are made when first needed, so that reservation could fall on
-    // either side of the measurement (seen: +64 MiB of address space, +0 of RSS). The
-    // tests are about what the broker reserves for what it is sent.
-    let broker = Spawned::start_with(
-        "broker",
-        &[
-            "--threads",
-            "1",
-            "--memory-budget",
-            &budget,
-            "--upstream",
-            &upstream,
-        ],
-        Launch {
-            env: &[("MALLOC_ARENA_MAX", "1")],
-            ..Launch::default()
-        },
-    );
-    serves(&broker).await;
-    (provider, broker)
-}
-
 #[tokio::test]
 async fn a_thousand_big_body_headers_cost_less_than_the_budget() {
-    let (_provider, broker) = budgeted_broker().await;
+    let (_provider, broker) = testkit::budgeted_broker().await;
     let (rss, vsz) = (broker.status_kib("VmRSS"), broker.status_kib("VmSize"));
     let held: Vec<TcpStream> = (0..BIG_HEADERS)
         .map(|i| {
@@ -283,7 +234,7 @@ async fn a_thousand_big_body_headers_cost_less_than_the_budget() {
     })
     .await;
     // A call on a newer connection is answered once the older ones were served a read.
-    assert!(call_succeeds(broker.rpc).await);
+    assert!(broker.call_succeeds().await);
     let (rss_after, vsz_after) = (broker.status_kib("VmRSS"), broker.status_kib("VmSize"));
     let budget_kib = (BUDGET_MIB << 10) as u64;
     eprintln!(

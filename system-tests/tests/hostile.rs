@@ -17,26 +17,6 @@ use rpcmesh_common::net::client::{Client, ClientConfig};
 use rpcmesh_testkit::{self as testkit, Launch, Spawned};
 use rpcmesh_wire::Status;
 
-/// One echo call on a fresh connection; true when it succeeded.
-async fn call_succeeds(to: std::net::SocketAddr) -> bool {
-    let Ok(c) = Client::connect(to, ClientConfig::default()).await else {
-        return false;
-    };
-    matches!(
-        testkit::echo_call(&c, "let me in").await,
-        Ok(Ok(r)) if r.status == Status::Success
-    )
-}
-
-/// Waits until a call through `server` succeeds (a broker's pool is made in the
-/// background).
-async fn serves(server: &Spawned) {
-    testkit::wait_for("a call succeeds", || async {
-        call_succeeds(server.rpc).await.then_some(())
-    })
-    .await;
-}
-
 /// How long the reconnect rate is watched.
 const RECONNECT_WATCH: Duration = Duration::from_secs(3);
 /// Connects per second per pooled connection the broker may make to a provider that
@@ -88,7 +68,7 @@ async fn a_provider_that_accepts_and_closes_sees_a_bounded_reconnect_rate() {
     );
     assert!(cpu <= MAX_IDLE_CPU, "the broker used {cpu:.2} of a core");
     assert!(
-        call_succeeds(broker.rpc).await,
+        broker.call_succeeds().await,
         "the healthy provider still serves"
     );
 }
@@ -170,38 +150,8 @@ async fn a_stalled_provider_is_out_of_service_within_a_health_interval_and_timeo
     );
 }
 
-/// The memory budget of the broker in the flood test (as in the broker's own hostile
-/// tests).
-const BUDGET_MIB: usize = 64;
-/// A provider, and a broker in front of it with a budget of [`BUDGET_MIB`], serving.
-async fn budgeted_broker() -> (Spawned, Spawned) {
-    let provider = Spawned::start("provider", &["--threads", "1"]);
-    let upstream = provider.rpc.to_string();
-    let budget = format!("{BUDGET_MIB}MiB");
-    // One malloc arena: glibc reserves 64 MiB of address space for each thread's own
-    // arena, the first time a thread allocates. The broker's blocking threads (metrics,
-    // system readings) are made when first needed, so that reservation could fall on
-    // either side of the measurement (seen: +64 MiB of address space, +0 of RSS). The
-    // tests are about what the broker reserves for what it is sent.
-    let broker = Spawned::start_with(
-        "broker",
-        &[
-            "--threads",
-            "1",
-            "--memory-budget",
-            &budget,
-            "--upstream",
-            &upstream,
-        ],
-        Launch {
-            env: &[("MALLOC_ARENA_MAX", "1")],
-            ..Launch::default()
-        },
-    );
-    serves(&broker).await;
-    (provider, broker)
-}
-
+/// The memory budget of the broker in the flood test ([`testkit::budgeted_broker`]'s).
+const BUDGET_MIB: usize = testkit::BROKER_BUDGET_MIB;
 /// Frames of the flooders in the budget test.
 const FLOOD_FRAME: usize = 1 << 20;
 /// Frames each flooder sends at most (its writes also stop once the broker stops reading).
@@ -219,7 +169,7 @@ const AFTER_FLOOD_MIB: u64 = BUDGET_MIB as u64;
 
 #[tokio::test]
 async fn large_frame_flooders_stay_under_the_budget_while_small_calls_are_served() {
-    let (_provider, broker) = budgeted_broker().await;
+    let (_provider, broker) = testkit::budgeted_broker().await;
     let base = broker.status_kib("VmRSS");
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     // Two callers pipelining 1 MiB echo requests and never reading a reply.

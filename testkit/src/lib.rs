@@ -3,7 +3,8 @@
 //!
 //! ```text
 //!   in_process  a server's `run_with` in the test process on port 0, echo calls to it
-//!   spawned     a program run as a real process, its addresses, metrics and /proc figures
+//!   spawned     a program run as a real process, its addresses, metrics and /proc figures;
+//!               the broker with a memory budget that the hostile tests flood
 //!   child       a child process killed and reaped when dropped, signals by PID
 //!   paths       the workspace's root, the programs' binaries, free ports
 //!   wait        waiting on a condition instead of sleeping (async and blocking)
@@ -46,7 +47,7 @@ pub use golden::{golden, golden_exchange};
 pub use http::{get, get_query};
 pub use in_process::{InProcess, echo_call, echo_calls};
 pub use paths::{bin_path, free_port, workspace_root};
-pub use spawned::{Launch, Spawned};
+pub use spawned::{BROKER_BUDGET_MIB, Launch, Spawned, budgeted_broker};
 pub use wait::{
     WAIT_POLL, WAIT_TIMEOUT, eventually, wait_for, wait_listening, wait_refused, wait_until,
     wait_until_blocking,

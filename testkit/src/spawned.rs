@@ -1,6 +1,8 @@
 //! [`Spawned`]: a provider or broker run as a real process on 127.0.0.1 port 0, its RPC
 //! and metrics addresses read from the listening line it prints, its metrics scraped over
-//! HTTP and its CPU time and memory read from `/proc/PID`.
+//! HTTP and its CPU time and memory read from `/proc/PID`, and whether an echo call through
+//! it succeeds; and [`budgeted_broker`], the broker with a memory budget that the hostile
+//! tests of both tiers flood.
 
 use std::io::BufRead;
 use std::net::SocketAddr;
@@ -8,13 +10,21 @@ use std::path::Path;
 
 use rpcmesh_common::cli::startup::parse_listening_line;
 use rpcmesh_common::metrics::recorder::sample;
+use rpcmesh_common::net::client::{Client, ClientConfig};
+use rpcmesh_wire::Status;
 
 use crate::child::ChildGuard;
+use crate::in_process::echo_call;
 use crate::paths::bin_path;
+use crate::wait::wait_for;
 
 /// The kernel's `USER_HZ`, the unit of `/proc/PID/stat`'s CPU times (100 on every Linux
 /// build this runs on).
 const CLOCK_TICKS_PER_SECOND: f64 = 100.0;
+
+/// The memory budget of [`budgeted_broker`]'s broker, MiB: far below what the hostile tests
+/// send it, far above what it needs for their small calls.
+pub const BROKER_BUDGET_MIB: usize = 64;
 
 /// How a [`Spawned`] program is started beyond its flags.
 #[derive(Debug, Default, Clone, Copy)]
@@ -129,4 +139,52 @@ impl Spawned {
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("{field} in /proc/PID/status"))
     }
+
+    /// True when one echo call on a fresh connection to it succeeds.
+    pub async fn call_succeeds(&self) -> bool {
+        let Ok(c) = Client::connect(self.rpc, ClientConfig::default()).await else {
+            return false;
+        };
+        matches!(
+            echo_call(&c, "let me in").await,
+            Ok(Ok(r)) if r.status == Status::Success
+        )
+    }
+
+    /// Waits until a call through it succeeds (a broker's pool is made in the background).
+    pub async fn wait_serving(&self) {
+        wait_for("a call succeeds", || async {
+            self.call_succeeds().await.then_some(())
+        })
+        .await;
+    }
+}
+
+/// A provider, and a broker in front of it with a budget of [`BROKER_BUDGET_MIB`], serving.
+pub async fn budgeted_broker() -> (Spawned, Spawned) {
+    let provider = Spawned::start("provider", &["--threads", "1"]);
+    let upstream = provider.rpc.to_string();
+    let budget = format!("{BROKER_BUDGET_MIB}MiB");
+    // One malloc arena: glibc reserves 64 MiB of address space for each thread's own
+    // arena, the first time a thread allocates. The broker's blocking threads (metrics,
+    // system readings) are made when first needed, so that reservation could fall on
+    // either side of the measurement (seen: +64 MiB of address space, +0 of RSS). The
+    // tests are about what the broker reserves for what it is sent.
+    let broker = Spawned::start_with(
+        "broker",
+        &[
+            "--threads",
+            "1",
+            "--memory-budget",
+            &budget,
+            "--upstream",
+            &upstream,
+        ],
+        Launch {
+            env: &[("MALLOC_ARENA_MAX", "1")],
+            ..Launch::default()
+        },
+    );
+    broker.wait_serving().await;
+    (provider, broker)
 }
