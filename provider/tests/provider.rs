@@ -443,33 +443,9 @@ async fn a_metadata_bomb_is_refused_and_the_connection_goes_on() {
     let p = start(ProviderConfig::default()).await;
     let mut s = TcpStream::connect(p.addr).await.unwrap();
     let bomb = testkit::metadata_bomb(100_000);
-    let mut codec = rpcmesh_wire::envelope::CallCodec::new(None, 1 << 20);
     let mut b = BytesMut::new();
-    let msg = EchoRequest {
-        message: "boom".into(),
-    };
-    codec
-        .put_request(
-            &mut b,
-            1,
-            Flags::EXT_STATUS,
-            b"EchoService",
-            b"Echo",
-            &msg,
-            &bomb,
-        )
-        .unwrap();
-    codec
-        .put_request(
-            &mut b,
-            2,
-            Flags::EXT_STATUS,
-            b"EchoService",
-            b"Echo",
-            &msg,
-            &Default::default(),
-        )
-        .unwrap();
+    testkit::put_echo_with_metadata(&mut b, 1, &bomb);
+    testkit::put_echo_with_metadata(&mut b, 2, &Default::default());
     s.write_all(&b).await.unwrap();
     let replies = replies_by_id(&mut s, 2).await;
     assert_eq!(replies[0].1.status, Status::BadRequest);

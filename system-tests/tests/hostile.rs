@@ -340,27 +340,12 @@ const MAX_BOMBS_CPU_SECONDS: f64 = 0.5;
 
 #[tokio::test]
 async fn metadata_bombs_are_refused_for_a_scan_of_their_bytes_while_small_calls_go_on() {
-    use rpcmesh_wire::frame::Flags;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let provider = Spawned::start("provider", &["--threads", "1"]);
     let bomb = testkit::metadata_bomb(BOMB_ENTRIES);
-    let mut codec = rpcmesh_wire::envelope::CallCodec::new(None, 1 << 20);
     let mut bombs = bytes::BytesMut::new();
-    let msg = rpcmesh_wire::proto::rpc::EchoRequest {
-        message: "boom".into(),
-    };
     for id in 0..BOMBS as u64 {
-        codec
-            .put_request(
-                &mut bombs,
-                id,
-                Flags::EXT_STATUS,
-                b"EchoService",
-                b"Echo",
-                &msg,
-                &bomb,
-            )
-            .unwrap();
+        testkit::put_echo_with_metadata(&mut bombs, id, &bomb);
     }
     let client = Client::connect(provider.rpc, ClientConfig::default())
         .await

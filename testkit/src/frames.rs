@@ -1,6 +1,6 @@
 //! Frames made by hand for tests that speak the wire protocol without a client (a plain
-//! echo request, a compressed one, a metadata bomb), and reading whole frames off a
-//! socket with a bound on each read.
+//! echo request, a compressed one, one carrying metadata such as a bomb), and reading
+//! whole frames off a socket with a bound on each read.
 
 use bytes::{Bytes, BytesMut};
 use tokio::io::AsyncReadExt;
@@ -70,6 +70,29 @@ pub fn metadata_bomb(entries: usize) -> std::collections::HashMap<String, String
     (0..entries)
         .map(|i| (format!("k{i}"), String::new()))
         .collect()
+}
+
+/// Appends to `b` an echo request (`"boom"`, flagged [`Flags::EXT_STATUS`]) carrying
+/// `metadata`, as a client that sends a [`metadata_bomb`] writes it.
+pub fn put_echo_with_metadata(
+    b: &mut BytesMut,
+    req_id: u64,
+    metadata: &std::collections::HashMap<String, String>,
+) {
+    let msg = EchoRequest {
+        message: "boom".into(),
+    };
+    rpcmesh_wire::envelope::CallCodec::new(None, rpcmesh_wire::compress::DEFAULT_MAX_INFLATED_LEN)
+        .put_request(
+            b,
+            req_id,
+            Flags::EXT_STATUS,
+            b"EchoService",
+            b"Echo",
+            &msg,
+            metadata,
+        )
+        .expect("an echo request with its metadata encodes");
 }
 
 /// Reads frames from `s` into `buf` until `n` whole ones have arrived (each read waits at

@@ -41,7 +41,9 @@ pub mod wait;
 pub use bad_input::{BadInput, Observed, PROBE_TIMEOUT, bad_inputs, garbage, probe};
 pub use capacity::short_capacity_search;
 pub use child::{ChildGuard, Signal};
-pub use frames::{compressed_request, echo_request, metadata_bomb, read_frames};
+pub use frames::{
+    compressed_request, echo_request, metadata_bomb, put_echo_with_metadata, read_frames,
+};
 pub use gate::Gate;
 pub use golden::{golden, golden_exchange};
 pub use http::{get, get_query};
