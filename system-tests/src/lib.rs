@@ -11,14 +11,16 @@
 //! This library holds what only these tests use, a module per job:
 //!
 //! ```text
-//!   browser   headless Chromium: a page's DOM after its scripts ran
-//!   tools     an outside tool or the package to install; systemd-analyze verify
-//!   scripts   the measurement scripts' smoke runs and the rehearsal, from the root
+//!   browser     headless Chromium: a page's DOM after its scripts ran
+//!   tools       an outside tool or the package to install; systemd-analyze verify
+//!   scripts     the measurement scripts' smoke runs and the rehearsal, from the root
+//!   prometheus  a test's Prometheus server asked through its HTTP API
 //! ```
 //!
 //! What both tiers use (servers in process, spawned programs, waits) is `rpcmesh-testkit`.
 
 pub mod browser;
+pub mod prometheus;
 pub mod scripts;
 pub mod tools;
 

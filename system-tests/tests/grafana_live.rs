@@ -30,6 +30,7 @@ use grafana::{
 };
 use rpcmesh_common::cli::startup::parse_listening_line;
 use rpcmesh_system_tests as system;
+use rpcmesh_system_tests::prometheus::{api, query};
 use rpcmesh_testkit::{self as testkit, ChildGuard};
 use serde_json::Value;
 
@@ -73,34 +74,6 @@ const FAULT_ALERTS: [&str; 6] = [
 /// The alert no fault here can cause, and its threshold as written in the rules.
 const SOFTIRQ_ALERT: &str = "RpcmeshSoftirqHigh";
 const SOFTIRQ_THRESHOLD: &str = "> 0.3";
-
-/// A Prometheus API call's `data` (`query`'s pairs percent-encoded into the URL); fails
-/// the test on an error answer.
-fn api(prom: SocketAddr, path: &str, query: &[(&str, &str)]) -> Value {
-    let body = testkit::get_query(prom, path, query).unwrap_or_else(|e| panic!("{path}: {e}"));
-    let v: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path}: {e}: {body}"));
-    assert_eq!(v["status"], "success", "{path}: {body}");
-    v["data"].clone()
-}
-
-/// An instant query: the result vector as (labels, value) pairs.
-fn query(prom: SocketAddr, q: &str) -> Vec<(Value, f64)> {
-    let data = api(prom, "/api/v1/query", &[("query", q)]);
-    data["result"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default()
-        .into_iter()
-        .map(|r| {
-            let val = r["value"][1]
-                .as_str()
-                .unwrap_or("NaN")
-                .parse::<f64>()
-                .unwrap_or(f64::NAN);
-            (r["metric"].clone(), val)
-        })
-        .collect()
-}
 
 /// Data, as a panel needs it: at least one series with a number (not NaN).
 fn has_data(prom: SocketAddr, q: &str) -> bool {

@@ -19,33 +19,11 @@ use rpcmesh_common::metrics::catalogue::{self, CATALOGUE, Kind};
 use rpcmesh_common::metrics::system::SystemMetrics;
 use rpcmesh_common::metrics::{Role, Telemetry};
 use rpcmesh_system_tests as system;
+use rpcmesh_system_tests::prometheus::query;
 use rpcmesh_testkit::{self as testkit, ChildGuard};
 
 fn addr(port: u16) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], port))
-}
-
-/// An instant query; the result vector as (labels, value) pairs.
-fn query(prom: SocketAddr, q: &str) -> Vec<(serde_json::Value, f64)> {
-    let body = testkit::get_query(prom, "/api/v1/query", &[("query", q)])
-        .unwrap_or_else(|e| panic!("{q}: {e}"));
-    let v: serde_json::Value =
-        serde_json::from_str(&body).unwrap_or_else(|e| panic!("{q}: {e}: {body}"));
-    assert_eq!(v["status"], "success", "{q}: {body}");
-    v["data"]["result"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default()
-        .into_iter()
-        .map(|r| {
-            let val = r["value"][1]
-                .as_str()
-                .unwrap_or("NaN")
-                .parse::<f64>()
-                .unwrap_or(f64::NAN);
-            (r["metric"].clone(), val)
-        })
-        .collect()
 }
 
 fn scalar(prom: SocketAddr, q: &str) -> f64 {
