@@ -19,19 +19,16 @@
 
 mod grafana;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use grafana::{
     PanelQuery, RECORDING_RULES, dashboards, grafana_dir, panel_queries, read, substitute,
 };
-use rpcmesh_common::cli::startup::parse_listening_line;
 use rpcmesh_system_tests as system;
 use rpcmesh_system_tests::prometheus::{api, query};
-use rpcmesh_testkit::{self as testkit, ChildGuard};
+use rpcmesh_testkit::{self as testkit, ChildGuard, Spawned};
 use serde_json::Value;
 
 /// The scrape and evaluation interval of the live test (the deployment's is 15s).
@@ -89,36 +86,6 @@ fn wait_until(what: &str, timeout: Duration, f: impl FnMut() -> bool) {
     assert!(eventually(timeout, f), "timed out waiting for {what}");
 }
 
-/// Starts a provider or broker with `--listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0`
-/// and `args`; returns it with the addresses of its listening line. Its stdout is drained
-/// by a thread until it exits, so it never blocks on a full pipe.
-fn spawn_server(name: &str, args: &[&str]) -> (ChildGuard, SocketAddr, SocketAddr) {
-    let mut child = Command::new(testkit::bin_path(name))
-        .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let guard = ChildGuard(Some(child));
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut tx = Some(tx);
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(addrs) = parse_listening_line(&line) {
-                if let Some(tx) = tx.take() {
-                    let _ = tx.send(addrs);
-                }
-            }
-        }
-    });
-    let (rpc, metrics) = rx
-        .recv_timeout(testkit::WAIT_TIMEOUT)
-        .unwrap_or_else(|_| panic!("{name} printed no listening line"));
-    (guard, rpc, metrics.expect("a metrics address"))
-}
-
 /// Copies `from` to `to`, rewriting each line `KEY: VALUE` (after indentation) whose key
 /// is in `set` to the given value; returns how many lines it rewrote.
 fn copy_rewriting(from: &Path, to: &Path, set: &[(&str, &str)]) -> usize {
@@ -170,8 +137,10 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
     // times calls out after 1s (so a hung provider's calls end, slow, within the test) and
     // checks its pool twice a second; the driver's own timeout is longer than the
     // broker's, so the broker's answer is what it sees.
-    let (provider, p_rpc, p_metrics) = spawn_server("provider", &["--threads", "1"]);
-    let (_broker, b_rpc, b_metrics) = spawn_server(
+    let provider = Spawned::start("provider", &["--threads", "1"]);
+    let p_rpc = provider.rpc;
+    let p_metrics = provider.metrics.expect("the provider's metrics address");
+    let broker = Spawned::start(
         "broker",
         &[
             "--upstream",
@@ -188,6 +157,8 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
             "1s",
         ],
     );
+    let b_rpc = broker.rpc;
+    let b_metrics = broker.metrics.expect("the broker's metrics address");
     let d_metrics = SocketAddr::from(([127, 0, 0, 1], testkit::free_port()));
     let _driver = ChildGuard::spawn(
         &testkit::bin_path("driver"),
@@ -382,7 +353,7 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
     println!("healthy for {:.1?}: no alert", healthy_from.elapsed());
 
     // The fault: the provider hangs. Every alert it causes fires, on the right series.
-    provider.signal(testkit::Signal::STOP);
+    provider.child.signal(testkit::Signal::STOP);
     let stopped = Instant::now();
     let mut firing = Vec::new();
     let all_fired = eventually(WAIT, || {
@@ -448,7 +419,7 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
 
     // Everything stops (SIGKILL, by PID) before its folder goes; a stopped process takes
     // SIGKILL too, SIGCONT first only lets it see it at once.
-    provider.signal(testkit::Signal::CONT);
+    provider.child.signal(testkit::Signal::CONT);
     drop(prom_server);
     drop(provider);
     println!("live test: {:.1?}", started.elapsed());
