@@ -84,23 +84,21 @@ fn every_dashboard_meets_grafanas_schema_and_the_house_rules() {
 
     // The schema is strict: a query field Grafana does not know, a time series option of
     // another panel type, and a missing required field are each rejected.
-    let mut d = all["overview.json"].clone();
-    let first_ts = d["panels"]
-        .as_array_mut()
-        .unwrap()
-        .iter_mut()
-        .find(|p| p["type"] == "timeseries")
-        .unwrap();
-    first_ts["targets"][0]["exprr"] = Value::from("up");
+    // The overview with its first time series panel changed by `change`.
+    let with_first_ts = |change: fn(&mut Value)| {
+        let mut d = all["overview.json"].clone();
+        let first_ts = d["panels"]
+            .as_array_mut()
+            .unwrap()
+            .iter_mut()
+            .find(|p| p["type"] == "timeseries")
+            .unwrap();
+        change(first_ts);
+        d
+    };
+    let d = with_first_ts(|ts| ts["targets"][0]["exprr"] = Value::from("up"));
     assert!(!validator.is_valid(&d), "an unknown query field passed");
-    let mut d = all["overview.json"].clone();
-    let first_ts = d["panels"]
-        .as_array_mut()
-        .unwrap()
-        .iter_mut()
-        .find(|p| p["type"] == "timeseries")
-        .unwrap();
-    first_ts["options"]["graphMode"] = Value::from("area");
+    let d = with_first_ts(|ts| ts["options"]["graphMode"] = Value::from("area"));
     assert!(
         !validator.is_valid(&d),
         "a stat option on a time series passed"
