@@ -9,6 +9,7 @@
 //! with no point left is not drawn at all (the page then has no figure for it).
 
 use plotters::coord::Shift;
+use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
 use plotters::prelude::*;
 use rpcmesh_common::format::{fixed, ms, rate, tick};
 
@@ -79,6 +80,9 @@ pub(super) type ChartError = Box<dyn std::error::Error>;
 /// A drawing area of the SVG backend.
 pub(super) type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
 
+/// A chart drawn on the SVG backend, over the coordinates `X` and `Y`.
+pub(super) type SvgChart<'a, X, Y> = ChartContext<'a, SVGBackend<'a>, Cartesian2d<X, Y>>;
+
 /// A chart ready for the page.
 #[derive(Debug)]
 pub(super) struct Chart {
@@ -131,20 +135,13 @@ pub(super) fn throughput_chart(r: &CapacityReport) -> Option<Chart> {
     let x_max = axis_max(series.iter().flat_map(|s| s.points.iter().map(|p| p.0)));
     let y_max = axis_max(series.iter().flat_map(|s| s.points.iter().map(|p| p.1))).max(x_max);
     let svg = draw_svg(CHART_SIZE, |root| {
-        let mut chart = ChartBuilder::on(root)
-            .caption("Achieved against offered rate", TITLE_FONT)
-            .margin(12)
-            .x_label_area_size(44)
-            .y_label_area_size(70)
-            .build_cartesian_2d(0.0..x_max, 0.0..y_max)?;
-        chart
-            .configure_mesh()
-            .x_desc("offered, requests/s")
-            .y_desc("achieved, requests/s")
-            .x_label_formatter(&|v| tick(*v))
-            .y_label_formatter(&|v| tick(*v))
-            .label_style(LABEL_FONT)
-            .draw()?;
+        let mut chart = line_axes(
+            root,
+            "Achieved against offered rate",
+            ("offered, requests/s", "achieved, requests/s"),
+            0.0..x_max,
+            0.0..y_max,
+        )?;
         chart
             .draw_series(DashedLineSeries::new(
                 [(0.0, 0.0), (x_max, x_max)],
@@ -221,20 +218,13 @@ pub(super) fn latency_chart(r: &CapacityReport) -> Option<Chart> {
         x_max + (x_max - x_min).max(x_max * 0.1) * 0.05,
     );
     let svg = draw_svg(CHART_SIZE, |root| {
-        let mut chart = ChartBuilder::on(root)
-            .caption("Request latency against offered rate", TITLE_FONT)
-            .margin(12)
-            .x_label_area_size(44)
-            .y_label_area_size(70)
-            .build_cartesian_2d(x_lo..x_hi, (y_lo..y_hi).log_scale())?;
-        chart
-            .configure_mesh()
-            .x_desc("offered, requests/s")
-            .y_desc("latency, ms (log)")
-            .x_label_formatter(&|v| tick(*v))
-            .y_label_formatter(&|v| tick(*v))
-            .label_style(LABEL_FONT)
-            .draw()?;
+        let mut chart = line_axes(
+            root,
+            "Request latency against offered rate",
+            ("offered, requests/s", "latency, ms (log)"),
+            x_lo..x_hi,
+            (y_lo..y_hi).log_scale(),
+        )?;
         for (label, bound) in &bounds {
             chart
                 .draw_series(DashedLineSeries::new(
@@ -295,20 +285,13 @@ pub(super) fn usl_chart(s: &Sweep) -> Option<Chart> {
             .map(|p| p.1),
     );
     let svg = draw_svg(CHART_SIZE, |root| {
-        let mut chart = ChartBuilder::on(root)
-            .caption("Throughput against concurrency", TITLE_FONT)
-            .margin(12)
-            .x_label_area_size(44)
-            .y_label_area_size(70)
-            .build_cartesian_2d(0.0..x_max, 0.0..y_max)?;
-        chart
-            .configure_mesh()
-            .x_desc("users (closed loop)")
-            .y_desc("requests/s")
-            .x_label_formatter(&|v| tick(*v))
-            .y_label_formatter(&|v| tick(*v))
-            .label_style(LABEL_FONT)
-            .draw()?;
+        let mut chart = line_axes(
+            root,
+            "Throughput against concurrency",
+            ("users (closed loop)", "requests/s"),
+            0.0..x_max,
+            0.0..y_max,
+        )?;
         if curve.len() > 1 {
             chart
                 .draw_series(LineSeries::new(
@@ -381,13 +364,42 @@ fn peak(f: &UslFit, max_users: f64) -> Option<(f64, f64)> {
     (x.is_finite() && x >= 0.0).then_some((u, x))
 }
 
+/// A line chart's frame on `root`: titled `title`, its axes over `x` and `y` (ranges of
+/// `f64`, linear or logarithmic) described by `desc` (x, y), and their ticks labelled by
+/// [`tick`].
+fn line_axes<'a, X, Y>(
+    root: &Area<'a>,
+    title: &str,
+    (x_desc, y_desc): (&str, &str),
+    x: X,
+    y: Y,
+) -> Result<SvgChart<'a, X::CoordDescType, Y::CoordDescType>, ChartError>
+where
+    X: AsRangedCoord<Value = f64>,
+    Y: AsRangedCoord<Value = f64>,
+    X::CoordDescType: ValueFormatter<f64>,
+    Y::CoordDescType: ValueFormatter<f64>,
+{
+    let mut chart = ChartBuilder::on(root)
+        .caption(title, TITLE_FONT)
+        .margin(12)
+        .x_label_area_size(44)
+        .y_label_area_size(70)
+        .build_cartesian_2d(x, y)?;
+    chart
+        .configure_mesh()
+        .x_desc(x_desc)
+        .y_desc(y_desc)
+        .x_label_formatter(&|v| tick(*v))
+        .y_label_formatter(&|v| tick(*v))
+        .label_style(LABEL_FONT)
+        .draw()?;
+    Ok(chart)
+}
+
 /// Draws `s` as a line through its points, with the points marked.
 pub(super) fn line_with_points<'a, Y>(
-    chart: &mut ChartContext<
-        'a,
-        SVGBackend<'a>,
-        Cartesian2d<plotters::coord::types::RangedCoordf64, Y>,
-    >,
+    chart: &mut SvgChart<'a, plotters::coord::types::RangedCoordf64, Y>,
     s: &Series,
 ) -> Result<(), ChartError>
 where
@@ -404,7 +416,7 @@ where
 
 /// Draws the legend of `chart` at `pos`.
 pub(super) fn legend<'a, X, Y>(
-    chart: &mut ChartContext<'a, SVGBackend<'a>, Cartesian2d<X, Y>>,
+    chart: &mut SvgChart<'a, X, Y>,
     pos: SeriesLabelPosition,
 ) -> Result<(), ChartError>
 where
