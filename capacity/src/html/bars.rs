@@ -3,6 +3,8 @@
 //! when there is one, else from each search's last common-rate step or, failing that, its
 //! last passing step.
 
+use std::collections::BTreeMap;
+
 use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint};
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -73,18 +75,7 @@ pub(super) fn compression_chart(r: &CapacityReport) -> Option<Chart> {
 /// The bar groups of a comparison: CPU by role, bytes both ways; and where they were
 /// measured.
 fn comparison_bars(c: &Comparison) -> (Vec<BarGroup>, Vec<BarGroup>, String) {
-    let cpu = roles(
-        c.cpu_us_per_call_off
-            .keys()
-            .chain(c.cpu_us_per_call_on.keys()),
-    )
-    .into_iter()
-    .map(|role| BarGroup {
-        off: finite(c.cpu_us_per_call_off.get(&role).copied()),
-        on: finite(c.cpu_us_per_call_on.get(&role).copied()),
-        label: role,
-    })
-    .collect();
+    let cpu = cpu_groups(&c.cpu_us_per_call_off, &c.cpu_us_per_call_on);
     let bytes = vec![BarGroup {
         label: "both ways".to_string(),
         off: finite(c.bytes_per_call_off),
@@ -109,14 +100,7 @@ fn step_bars(r: &CapacityReport) -> Option<(Vec<BarGroup>, Vec<BarGroup>, String
             .or_else(|| s.steps.iter().rev().find(|st| st.pass))
     };
     let (off, on) = (pick(false)?, pick(true)?);
-    let cpu = roles(off.cpu_us_per_call.keys().chain(on.cpu_us_per_call.keys()))
-        .into_iter()
-        .map(|role| BarGroup {
-            off: finite(off.cpu_us_per_call.get(&role).copied()),
-            on: finite(on.cpu_us_per_call.get(&role).copied()),
-            label: role,
-        })
-        .collect();
+    let cpu = cpu_groups(&off.cpu_us_per_call, &on.cpu_us_per_call);
     let bytes = vec![
         BarGroup {
             label: "out".to_string(),
@@ -135,6 +119,18 @@ fn step_bars(r: &CapacityReport) -> Option<(Vec<BarGroup>, Vec<BarGroup>, String
         rate(on.offered)
     );
     Some((cpu, bytes, at))
+}
+
+/// A bar group per role of either map, in path order: its CPU µs per call off and on.
+fn cpu_groups(off: &BTreeMap<String, f64>, on: &BTreeMap<String, f64>) -> Vec<BarGroup> {
+    roles(off.keys().chain(on.keys()))
+        .into_iter()
+        .map(|role| BarGroup {
+            off: finite(off.get(&role).copied()),
+            on: finite(on.get(&role).copied()),
+            label: role,
+        })
+        .collect()
 }
 
 /// One panel of grouped bars (off, on) titled `title`.
