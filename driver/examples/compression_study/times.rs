@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::hint::black_box;
 
 use bytes::BytesMut;
-use flate2::{Compress, Compression, Decompress, FlushCompress, FlushDecompress, Status};
+use flate2::{Compress, Compression, Decompress, FlushDecompress, Status};
 use rpcmesh_driver::WorkloadKind;
 use rpcmesh_driver::workload::Workload;
 use rpcmesh_wire::compress::{CompressionConfig, DEFAULT_COMPRESS_LEVEL, DEFAULT_MAX_INFLATED_LEN};
@@ -14,7 +14,7 @@ use rpcmesh_wire::envelope::CallCodec;
 use rpcmesh_wire::frame::Frame;
 
 use crate::payloads::call_flags;
-use crate::timing::{Spread, median_ns, time_wire, zlib};
+use crate::timing::{Spread, deflate, inflate, median_ns, time_wire, zlib};
 use crate::{LEVELS, Study, per_level};
 
 /// Level 6's (compress, inflate) ns per message, by payload name.
@@ -113,19 +113,13 @@ pub(crate) fn reset_against_new(study: &Study, sp: &mut Spread) {
     ));
     let t = median_ns(study.plan, study.plan.ops, sp, || {
         c1.reset();
-        let st = c1
-            .compress(black_box(env), &mut out, FlushCompress::Finish)
-            .expect("deflates");
-        black_box(st);
+        deflate(&mut c1, env, &mut out);
     });
     rows.push(("reset() + compress (platform request, L1)".into(), t));
     let mut c = Compress::new(Compression::new(6), true);
     let t_rc = median_ns(study.plan, study.plan.ops, sp, || {
         c.reset();
-        let st = c
-            .compress(black_box(env), &mut out, FlushCompress::Finish)
-            .expect("deflates");
-        black_box(st);
+        deflate(&mut c, env, &mut out);
     });
     rows.push(("reset() + compress (platform request, L6)".into(), t_rc));
     let t_new = median_ns(study.plan, fresh_ops, sp, || {
@@ -134,10 +128,7 @@ pub(crate) fn reset_against_new(study: &Study, sp: &mut Spread) {
     rows.push(("`Compress::new` + drop, no data".into(), t_new));
     let t_fresh = median_ns(study.plan, fresh_ops, sp, || {
         let mut c = Compress::new(Compression::new(6), true);
-        let st = c
-            .compress(black_box(env), &mut out, FlushCompress::Finish)
-            .expect("deflates");
-        black_box(st);
+        deflate(&mut c, env, &mut out);
     });
     rows.push((
         "fresh `Compress::new` + compress + drop (platform request, L6)".into(),
@@ -152,18 +143,12 @@ pub(crate) fn reset_against_new(study: &Study, sp: &mut Spread) {
     rows.push(("`Decompress::reset(true)` alone".into(), t_dr));
     let t_drd = median_ns(study.plan, study.plan.ops, sp, || {
         d.reset(true);
-        let st = d
-            .decompress(black_box(&z), &mut dout, FlushDecompress::Finish)
-            .expect("inflates");
-        black_box(st);
+        inflate(&mut d, &z, &mut dout);
     });
     rows.push(("reset(true) + inflate (platform request)".into(), t_drd));
     let t_dfresh = median_ns(study.plan, fresh_ops, sp, || {
         let mut d = Decompress::new(true);
-        let st = d
-            .decompress(black_box(&z), &mut dout, FlushDecompress::Finish)
-            .expect("inflates");
-        black_box(st);
+        inflate(&mut d, &z, &mut dout);
     });
     rows.push((
         "fresh `Decompress::new` + inflate + drop (platform request)".into(),
@@ -179,10 +164,7 @@ pub(crate) fn reset_against_new(study: &Study, sp: &mut Spread) {
             let c = &mut cs[k % n];
             k += 1;
             c.reset();
-            let st = c
-                .compress(black_box(env), &mut out, FlushCompress::Finish)
-                .expect("deflates");
-            black_box(st);
+            deflate(c, env, &mut out);
         });
         rows.push((
             format!(
@@ -236,10 +218,7 @@ pub(crate) fn window_bits(study: &Study, sp: &mut Spread) {
             let mut out = vec![0u8; env.len() + 64];
             let t = median_ns(study.plan, study.plan.ops, sp, || {
                 c.reset();
-                let st = c
-                    .compress(black_box(env), &mut out, FlushCompress::Finish)
-                    .expect("deflates");
-                black_box(st);
+                deflate(&mut c, env, &mut out);
             });
             if std::ptr::eq(p, &study.prep) {
                 reply_z = z.clone();
@@ -250,10 +229,7 @@ pub(crate) fn window_bits(study: &Study, sp: &mut Spread) {
         let mut o = vec![0u8; study.prep.envelope.len() + 16];
         let ti = median_ns(study.plan, study.plan.ops, sp, || {
             d.reset(true);
-            let st = d
-                .decompress(black_box(&reply_z), &mut o, FlushDecompress::Finish)
-                .expect("inflates");
-            black_box(st);
+            inflate(&mut d, &reply_z, &mut o);
         });
         println!(
             "| {wb} | 0x{cmf:02x} | {} | {} | {ti:.0} |",
@@ -281,68 +257,28 @@ pub(crate) fn per_call(
     let workload = Workload::new(WorkloadKind::Platform, 0);
     let mut totals = (0.0, 0.0);
     let mut steps: Vec<(&str, f64, f64)> = Vec::new();
-    {
-        let mut t = [0.0f64; 2];
-        let mut fr = [BytesMut::new(), BytesMut::new()];
-        for (k, cfg) in [None, Some(CompressionConfig::default())]
-            .into_iter()
-            .enumerate()
-        {
-            let mut codec = CallCodec::new(cfg, DEFAULT_MAX_INFLATED_LEN);
-            let mut b = BytesMut::with_capacity(4096);
-            t[k] = median_ns(study.plan, study.plan.ops, sp, || {
-                b.clear();
-                black_box(
-                    workload
-                        .encode(&mut codec, &mut b, 7, call_flags())
-                        .expect("encodes"),
-                );
-            });
-            fr[k] = b.clone();
-        }
-        steps.push(("driver: encode request", t[0], t[1]));
-        let frames: Vec<Frame> = fr
-            .iter()
-            .map(|b| Frame::from_bytes(b.clone().freeze()).expect("parses"))
-            .collect();
-        for (k, f) in frames.iter().enumerate() {
-            let mut codec = CallCodec::new(None, DEFAULT_MAX_INFLATED_LEN);
-            t[k] = median_ns(study.plan, study.plan.ops, sp, || {
-                black_box(codec.decode_request(black_box(f)).expect("decodes"));
-            });
-        }
-        steps.push(("provider: decode request", t[0], t[1]));
-        let answer = &study.prep.app;
-        for (k, cfg) in [None, Some(CompressionConfig::default())]
-            .into_iter()
-            .enumerate()
-        {
-            let mut codec = CallCodec::new(cfg, DEFAULT_MAX_INFLATED_LEN);
-            let mut b = BytesMut::with_capacity(4096);
-            t[k] = median_ns(study.plan, study.plan.ops, sp, || {
-                b.clear();
-                black_box(
-                    codec
-                        .put_ok_response(&mut b, 7, call_flags(), black_box(answer))
-                        .expect("encodes"),
-                );
-            });
-            fr[k] = b.clone();
-        }
-        steps.push(("provider: encode reply", t[0], t[1]));
-        let frames: Vec<Frame> = fr
-            .iter()
-            .map(|b| Frame::from_bytes(b.clone().freeze()).expect("parses"))
-            .collect();
-        for (k, f) in frames.iter().enumerate() {
-            let mut codec = CallCodec::new(None, DEFAULT_MAX_INFLATED_LEN);
-            t[k] = median_ns(study.plan, study.plan.ops, sp, || {
-                let v = codec.view_response(black_box(f)).expect("reads");
-                black_box(v.payload.len());
-            });
-        }
-        steps.push(("driver: read reply", t[0], t[1]));
-    }
+    let (t, requests) = time_encode(study, sp, |codec, b| {
+        black_box(workload.encode(codec, b, 7, call_flags()).expect("encodes"));
+    });
+    steps.push(("driver: encode request", t[0], t[1]));
+    let t = time_decode(study, sp, &requests, |codec, f| {
+        black_box(codec.decode_request(black_box(f)).expect("decodes"));
+    });
+    steps.push(("provider: decode request", t[0], t[1]));
+    let answer = &study.prep.app;
+    let (t, replies) = time_encode(study, sp, |codec, b| {
+        black_box(
+            codec
+                .put_ok_response(b, 7, call_flags(), black_box(answer))
+                .expect("encodes"),
+        );
+    });
+    steps.push(("provider: encode reply", t[0], t[1]));
+    let t = time_decode(study, sp, &replies, |codec, f| {
+        let v = codec.view_response(black_box(f)).expect("reads");
+        black_box(v.payload.len());
+    });
+    steps.push(("driver: read reply", t[0], t[1]));
     for (what, p, c) in &steps {
         totals.0 += p;
         totals.1 += c;
@@ -368,6 +304,47 @@ pub(crate) fn per_call(
             rq.0 + rq.1 + rp.0 + rp.1
         );
     }
+}
+
+/// Median ns of `encode` writing one frame into a cleared buffer, with a codec plain and
+/// one with default compression (in that order), and the frame each wrote.
+fn time_encode(
+    study: &Study,
+    sp: &mut Spread,
+    mut encode: impl FnMut(&mut CallCodec, &mut BytesMut),
+) -> ([f64; 2], [Frame; 2]) {
+    let mut t = [0.0f64; 2];
+    let mut written = [BytesMut::new(), BytesMut::new()];
+    for (k, cfg) in [None, Some(CompressionConfig::default())]
+        .into_iter()
+        .enumerate()
+    {
+        let mut codec = CallCodec::new(cfg, DEFAULT_MAX_INFLATED_LEN);
+        let mut b = BytesMut::with_capacity(4096);
+        t[k] = median_ns(study.plan, study.plan.ops, sp, || {
+            b.clear();
+            encode(&mut codec, &mut b);
+        });
+        written[k] = b;
+    }
+    let frames = written.map(|b| Frame::from_bytes(b.freeze()).expect("parses"));
+    (t, frames)
+}
+
+/// Median ns of `read` reading each of `frames` (plain, then compressed) with a plain
+/// codec, as the receiving side's is.
+fn time_decode(
+    study: &Study,
+    sp: &mut Spread,
+    frames: &[Frame; 2],
+    mut read: impl FnMut(&mut CallCodec, &Frame),
+) -> [f64; 2] {
+    let mut t = [0.0f64; 2];
+    for (k, f) in frames.iter().enumerate() {
+        let mut codec = CallCodec::new(None, DEFAULT_MAX_INFLATED_LEN);
+        t[k] = median_ns(study.plan, study.plan.ops, sp, || read(&mut codec, f));
+    }
+    t
 }
 
 /// Approximate zlib-rs deflate state for a window (see `DeflateAllocOffsets` in zlib-rs:

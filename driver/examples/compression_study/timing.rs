@@ -7,7 +7,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use bytes::BytesMut;
-use flate2::{Compress, Compression, FlushCompress, Status};
+use flate2::{Compress, Compression, Decompress, FlushCompress, FlushDecompress, Status};
 use rpcmesh_wire::compress::{CompressionConfig, Compressor, DEFAULT_MAX_INFLATED_LEN, Inflater};
 
 #[derive(Clone, Copy)]
@@ -66,6 +66,24 @@ pub(crate) fn zlib(input: &[u8], level: u32, window_bits: u8) -> Vec<u8> {
     assert_eq!(st, Status::StreamEnd);
     out.truncate(c.total_out() as usize);
     out
+}
+
+/// Compresses all of `input` into `out` with `c` (reset it first to use it again), the
+/// result kept from the optimiser: the deflate the study times.
+pub(crate) fn deflate(c: &mut Compress, input: &[u8], out: &mut [u8]) {
+    let st = c
+        .compress(black_box(input), out, FlushCompress::Finish)
+        .expect("deflates");
+    black_box(st);
+}
+
+/// Inflates all of the zlib stream `z` into `out` with `d` (reset it first to use it
+/// again), the result kept from the optimiser: the inflate the study times.
+pub(crate) fn inflate(d: &mut Decompress, z: &[u8], out: &mut [u8]) {
+    let st = d
+        .decompress(black_box(z), out, FlushDecompress::Finish)
+        .expect("inflates");
+    black_box(st);
 }
 
 /// ns per `compress_into` (reset + deflate + buffer handling), and per `inflate_into`.
