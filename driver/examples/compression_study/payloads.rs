@@ -32,6 +32,34 @@ pub(crate) struct Payload {
     pub(crate) parts: FrameParts,
 }
 
+impl Payload {
+    /// `name`'s message `app` in `envelope`, as the frames `plain` and `default` (written
+    /// with the default compression config) carry it; `prefix` bytes (names, or the status)
+    /// come before the payload's length field.
+    fn new(
+        name: &'static str,
+        app: Bytes,
+        envelope: Bytes,
+        (plain, default): (&Frame, &Frame),
+        prefix: usize,
+    ) -> Payload {
+        Payload {
+            name,
+            app,
+            envelope,
+            frame_plain: HEADER_LEN + plain.body.len() + TRAILER_LEN,
+            frame_default: HEADER_LEN + default.body.len() + TRAILER_LEN,
+            compressed_by_default: default.header.flags.contains(Flags::COMPRESSED),
+            parts: FrameParts {
+                header: HEADER_LEN,
+                prefix,
+                len_field: 4,
+                crc: TRAILER_LEN,
+            },
+        }
+    }
+}
+
 #[derive(Clone, Copy)]
 pub(crate) struct FrameParts {
     pub(crate) header: usize,
@@ -71,20 +99,15 @@ pub(crate) fn call_payloads(
     let req_default = Frame::from_bytes(b.split().freeze()).expect("request frame parses");
     let req = Request::parse(&req_frame.body).expect("request body parses");
     let rpc = RpcRequest::decode(req.payload.clone()).expect("envelope decodes");
-    let request = Payload {
-        name: req_name,
-        app: rpc.payload.clone(),
-        envelope: req.payload.clone(),
-        frame_plain: HEADER_LEN + req_frame.body.len() + TRAILER_LEN,
-        frame_default: HEADER_LEN + req_default.body.len() + TRAILER_LEN,
-        compressed_by_default: req_default.header.flags.contains(Flags::COMPRESSED),
-        parts: FrameParts {
-            header: HEADER_LEN,
-            prefix: 2 + service.len() + 2 + method.len(),
-            len_field: 4,
-            crc: TRAILER_LEN,
-        },
-    };
+    // Each name goes with its 2-byte length.
+    let names = 2 + service.len() + 2 + method.len();
+    let request = Payload::new(
+        req_name,
+        rpc.payload.clone(),
+        req.payload.clone(),
+        (&req_frame, &req_default),
+        names,
+    );
 
     // Reply: the provider's own handler, then the session's response encoder.
     let registry = Registry::builtin();
@@ -117,20 +140,9 @@ pub(crate) fn reply_payload(name: &'static str, answer: Bytes) -> Payload {
         .expect("reply encodes");
     let resp_default = Frame::from_bytes(b.split().freeze()).expect("reply frame parses");
     let resp = Response::parse(&resp_frame.body).expect("reply body parses");
-    Payload {
-        name,
-        app: answer,
-        envelope: resp.payload.clone(),
-        frame_plain: HEADER_LEN + resp_frame.body.len() + TRAILER_LEN,
-        frame_default: HEADER_LEN + resp_default.body.len() + TRAILER_LEN,
-        compressed_by_default: resp_default.header.flags.contains(Flags::COMPRESSED),
-        parts: FrameParts {
-            header: HEADER_LEN,
-            prefix: 1,
-            len_field: 4,
-            crc: TRAILER_LEN,
-        },
-    }
+    // Before the payload: the status byte.
+    let (envelope, frames) = (resp.payload.clone(), (&resp_frame, &resp_default));
+    Payload::new(name, answer, envelope, frames, 1)
 }
 
 /// Not a workload of the driver: a platform answer of 30 distinct entries (ids, names,
