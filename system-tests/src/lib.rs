@@ -14,7 +14,7 @@
 //!   browser     headless Chromium: a page's DOM after its scripts ran
 //!   tools       an outside tool or the package to install; systemd-analyze verify
 //!   scripts     the measurement scripts' smoke runs and the rehearsal, from the root
-//!   prometheus  a test's Prometheus server asked through its HTTP API
+//!   prometheus  a test's Prometheus server, started and asked through its HTTP API
 //! ```
 //!
 //! What both tiers use (servers in process, spawned programs, waits) is `rpcmesh-testkit`.

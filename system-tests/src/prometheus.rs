@@ -1,10 +1,37 @@
-//! Asking a Prometheus server of a test (its HTTP API on 127.0.0.1): an API call's `data`,
-//! and an instant query's result vector. A test fails at once on an error answer, naming
-//! what it asked.
+//! A Prometheus server of a test: started on a folder of the test's, its API on 127.0.0.1,
+//! and asked through that API (an API call's `data`, an instant query's result vector,
+//! whether it scrapes every target). A test fails at once on an error answer, naming what
+//! it asked.
 
 use std::net::SocketAddr;
+use std::path::Path;
 
+use rpcmesh_testkit::ChildGuard;
 use serde_json::Value;
+
+/// Starts the `prometheus` binary on `dir/prometheus.yml`, its data in `dir/data`, its API
+/// on `listen`; killed when the guard is dropped.
+pub fn start(prometheus: &Path, dir: &Path, listen: SocketAddr) -> ChildGuard {
+    ChildGuard::spawn(
+        prometheus,
+        &[
+            &format!("--config.file={}", dir.join("prometheus.yml").display()),
+            &format!("--storage.tsdb.path={}", dir.join("data").display()),
+            &format!("--web.listen-address={listen}"),
+            "--log.level=warn",
+        ],
+    )
+    .unwrap_or_else(|e| panic!("start {}: {e}", prometheus.display()))
+}
+
+/// Whether the server is ready and has scraped `targets` targets, every one up. (Ready
+/// means 200: a starting Prometheus answers 503 "Service Unavailable".)
+pub fn scrapes_all(prom: SocketAddr, targets: usize) -> bool {
+    rpcmesh_testkit::get(prom, "/-/ready").is_ok() && {
+        let up = query(prom, "up");
+        up.len() == targets && up.iter().all(|(_, v)| *v == 1.0)
+    }
+}
 
 /// A Prometheus API call's `data` (`query`'s pairs percent-encoded into the URL); fails
 /// the test on an error answer.

@@ -231,21 +231,9 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
         .unwrap();
     }
     let prom = SocketAddr::from(([127, 0, 0, 1], testkit::free_port()));
-    let prom_server = ChildGuard::spawn(
-        &prometheus,
-        &[
-            &format!("--config.file={}", dir.join("prometheus.yml").display()),
-            &format!("--storage.tsdb.path={}", dir.join("data").display()),
-            &format!("--web.listen-address={prom}"),
-            "--log.level=warn",
-        ],
-    )
-    .unwrap();
+    let prom_server = system::prometheus::start(&prometheus, &dir, prom);
     wait_until("Prometheus to scrape all three programs", WAIT, || {
-        testkit::get(prom, "/-/ready").is_ok() && {
-            let up = query(prom, "up");
-            up.len() == 3 && up.iter().all(|(_, v)| *v == 1.0)
-        }
+        system::prometheus::scrapes_all(prom, 3)
     });
     let first_scrape = Instant::now();
 

@@ -154,16 +154,7 @@ fn prometheus_scrapes_all_three_programs_and_promtool_finds_no_problem() {
         addr(dm)
     );
     std::fs::write(dir.join("prometheus.yml"), config).unwrap();
-    let _prom = ChildGuard::spawn(
-        &prometheus,
-        &[
-            &format!("--config.file={}", dir.join("prometheus.yml").display()),
-            &format!("--storage.tsdb.path={}", dir.join("data").display()),
-            &format!("--web.listen-address={}", addr(pw)),
-            "--log.level=warn",
-        ],
-    )
-    .unwrap();
+    let _prom = system::prometheus::start(&prometheus, &dir, addr(pw));
 
     let report = dir.join("report.json");
     let mut driver = ChildGuard::spawn(
@@ -202,11 +193,7 @@ fn prometheus_scrapes_all_three_programs_and_promtool_finds_no_problem() {
     // Prometheus is up and has scraped all three.
     let prom = addr(pw);
     wait_until("Prometheus to scrape all three programs", WAIT, || {
-        // Ready means 200: a starting Prometheus answers 503 "Service Unavailable".
-        testkit::get(prom, "/-/ready").is_ok() && {
-            let up = query(prom, "up");
-            up.len() == 3 && up.iter().all(|(_, v)| *v == 1.0)
-        }
+        system::prometheus::scrapes_all(prom, 3)
     });
 
     // Under load: promtool finds no problem in any program's /metrics. Every family it
