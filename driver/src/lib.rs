@@ -12,8 +12,16 @@
 //! - `worker`: a share of the users, their connection and those it is draining: the
 //!   engine (re-sending what a draining target refused unstarted), running
 //!   - [`users`]: the users' request state machine,
+//!   - `intake`: where requests come from (the users, or the pacer's schedule and a
+//!     backlog),
+//!   - `calls`: the calls issued and not yet ended, written or parked,
+//!   - `links`: the connections' lifecycle (dialing, up, ending, given up; those
+//!     draining),
 //!   - [`connection`]: which target to dial next (fail-over in turn, a back-off per
-//!     target) and the dialling.
+//!     target) and the dialling;
+//!
+//!   and `shared`: what the run's workers share (the measured window, the figures they
+//!   hand over, the finish line).
 //! - [`outcome`]: how a call ended (typed: a reply's status, or the driver's own finding).
 //! - [`stats`]: histograms and counts, apart from I/O.
 //! - [`metrics`]: the driver's Prometheus handles, fed from the workers' figures.
