@@ -288,9 +288,9 @@ async fn a_plain_v1_server_is_packed_only_as_deep_as_its_pace_allows() {
 /// a round all in flight together, one that reports 30 µs per call gets four on each of
 /// two connections in every round (100 µs ÷ 30 µs = 3 calls ahead, plus the call), one
 /// that reports 2 ms none packed: spread over the pool by the less loaded of two. Both
-/// from the first round: the pool's first heartbeats come before it is published. The
-/// broker before this packed both onto one connection, as it still packs a provider that
-/// reports nothing (`calls_are_packed_onto_one_connection_until_it_is_busy`).
+/// from the first round: the pool's first heartbeats come before it is published. A
+/// provider that reports nothing is packed onto one connection
+/// (`calls_are_packed_onto_one_connection_until_it_is_busy`).
 #[tokio::test]
 async fn an_rpcmesh_provider_is_packed_only_as_deep_as_its_reported_time_allows() {
     use rpcmesh_broker::config::DEFAULT_PACK_WAIT;
