@@ -79,6 +79,9 @@ pub const DEFAULT_PACING: Pacing = Pacing::Exact;
 pub const DEFAULT_SEED: u64 = 1;
 /// Most users one connection may carry (bounds its in-flight table).
 pub const MAX_USERS_PER_CONNECTION: usize = 65_536;
+/// What separates several targets in one `--target` or `RPCMESH_TARGETS`: a comma, as in
+/// every list of the driver's (`--steps`); no target contains one.
+pub const TARGET_SEPARATOR: char = ',';
 
 /// Which calls the users make.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -174,10 +177,11 @@ pub struct Args {
 /// and how.
 #[derive(Debug, Clone, clap::Args)]
 pub struct LoadArgs {
-    /// Broker or provider to call (HOST:PORT). Repeatable; connections are spread over
-    /// them, and move to the next when theirs refuses, fails or drains. None = start a
-    /// local provider and broker and call those.
-    #[arg(long = "target", env = "RPCMESH_TARGETS", value_delimiter = ' ')]
+    /// Broker or provider to call (HOST:PORT). Repeatable, or several separated by commas
+    /// (as RPCMESH_TARGETS=A:7700,B:7700 takes them); connections are spread over them, and
+    /// move to the next when theirs refuses, fails or drains. None = start a local provider
+    /// and broker and call those.
+    #[arg(long = "target", env = "RPCMESH_TARGETS", value_delimiter = TARGET_SEPARATOR)]
     pub targets: Vec<String>,
     /// The calls to make.
     #[arg(long, env = "RPCMESH_WORKLOAD", value_enum, default_value_t = DEFAULT_WORKLOAD)]
@@ -489,6 +493,29 @@ impl Args {
     }
 }
 
+/// Whether `t` is one HOST:PORT: a host name or IPv4 address (letters, digits, `-`, `.`,
+/// `_`), or an IPv6 address in brackets, then a port. What is refused is what a name
+/// lookup would only refuse later, or take for something else: two targets run together
+/// (`a:1 b:2`), a missing port, an IPv6 address without brackets.
+pub fn is_host_port(t: &str) -> bool {
+    let Some((host, port)) = t.rsplit_once(':') else {
+        return false;
+    };
+    let port_ok = !port.is_empty()
+        && port.bytes().all(|b| b.is_ascii_digit())
+        && port.parse::<u16>().is_ok_and(|p| p > 0);
+    let host_ok = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
+        None => {
+            !host.is_empty()
+                && host
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'))
+        }
+    };
+    port_ok && host_ok
+}
+
 /// The run's one pacer starts a request every `1 / rate`: keeps that between 1 µs and an
 /// hour.
 pub fn check_rate(rate: f64, p: &mut ConfigProblems) {
@@ -512,10 +539,13 @@ impl LoadArgs {
             .cloned()
             .collect();
         for t in &targets {
-            let ok = t
-                .rsplit_once(':')
-                .is_some_and(|(h, port)| !h.is_empty() && port.parse::<u16>().is_ok());
-            p.check(!ok, || format!("--target {t:?}: expected HOST:PORT"));
+            p.check(!is_host_port(t), || {
+                format!(
+                    "--target {t:?}: expected HOST:PORT (e.g. 10.0.0.2:7700 or [::1]:7700); \
+                     give several as --target A --target B, or separated by commas \
+                     (RPCMESH_TARGETS=A,B)"
+                )
+            });
         }
         p.check(self.fanout == 0 || self.fanout > 255, || {
             format!("--fanout {} must be 1-255", self.fanout)
@@ -624,7 +654,7 @@ mod tests {
             "--concurrency",
             "64",
             "--duration",
-            "30",
+            "30s",
             "--compress",
             "on",
             "--json",
@@ -736,6 +766,39 @@ mod tests {
             assert_eq!(s.flags, ["--threads", "1"]);
         }
         assert!(Args::try_parse_from(["driver", "serve", "gateway"]).is_err());
+    }
+
+    #[test]
+    fn targets_are_host_and_port_and_several_are_separated_by_commas() {
+        for good in [
+            "10.0.0.2:7700",
+            "broker-1.lan:7700",
+            "[::1]:7700",
+            "localhost:1",
+        ] {
+            assert!(is_host_port(good), "{good}");
+        }
+        for bad in [
+            "a:1 b:2",
+            "10.0.0.2",
+            "10.0.0.2:",
+            ":7700",
+            "::1:7700",
+            "h:70000",
+            "h:0",
+            "h:+80",
+            "a:1;b:2",
+        ] {
+            assert!(!is_host_port(bad), "{bad}");
+        }
+        let c = Args::parse_from(["driver", "--target", "a:1,b:2", "--target", "c:3"])
+            .config()
+            .unwrap();
+        assert_eq!(c.targets, ["a:1", "b:2", "c:3"]);
+        let e = Args::parse_from(["driver", "--target", "a:1 b:2"])
+            .config()
+            .unwrap_err();
+        assert!(e.to_string().contains("separated by commas"), "{e}");
     }
 
     #[test]
