@@ -14,7 +14,9 @@ use rpcmesh_common::cli::values::parse_duration;
 use rpcmesh_common::cli::{ConfigProblems, DurationArg, MetricsListen, OnOff};
 use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
 use rpcmesh_wire::PeerKind;
-use rpcmesh_wire::compress::CompressionConfig;
+use rpcmesh_wire::compress::{
+    CompressionConfig, DEFAULT_COMPRESS_LEVEL, DEFAULT_COMPRESS_THRESHOLD,
+};
 use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
 
 use crate::connection::HOME_RETRY;
@@ -419,7 +421,9 @@ impl Args {
         let positive = |r: f64| r.is_finite() && r > 0.0;
         match (self.rate, self.steps.as_slice()) {
             (Some(RateArg { from, to: None }), _) => {
-                p.check(self.ramp.is_some(), || "--ramp needs --rate FROM:TO".into());
+                p.check(self.ramp.is_some(), || {
+                    format!("--ramp is how long a rate ramp takes: give --rate FROM:TO (e.g. --rate {from}:{} --ramp 60s), or drop --ramp", from * 2.0)
+                });
                 p.check(!positive(from), || {
                     format!("--rate {from} must be above zero")
                 });
@@ -439,8 +443,19 @@ impl Args {
                     over: over.unwrap_or(Duration::from_secs(1)),
                 })
             }
-            (None, []) => None,
+            (None, []) => {
+                p.check(self.ramp.is_some(), || {
+                    "--ramp is how long a rate ramp takes: give --rate FROM:TO with it (e.g. --rate 1000:20000 --ramp 60s), or drop --ramp".into()
+                });
+                p.check(self.step_duration.0 != DEFAULT_STEP_DURATION, || {
+                    "--step-duration is how long each of --steps lasts: give --steps with it (e.g. --steps 1000,2000,5000), or drop --step-duration".into()
+                });
+                None
+            }
             (None, rates) => {
+                p.check(self.ramp.is_some(), || {
+                    "--ramp takes a rate ramp (--rate FROM:TO), not --steps: drop --ramp, or give --rate FROM:TO instead of --steps".into()
+                });
                 p.check(rates.iter().any(|r| !positive(*r)), || {
                     "--steps: every rate must be above zero".into()
                 });
@@ -460,10 +475,19 @@ impl Args {
         let mut p = ConfigProblems::default();
         let mut c = self.load.config(DEFAULT_PACING, &mut p);
         let schedule = self.schedule(&mut p);
-        if let Some(s) = &schedule {
-            check_rate(s.lowest(), &mut p);
-            check_rate(s.peak(), &mut p);
+        match &schedule {
+            Some(s) => {
+                check_rate(s.lowest(), &mut p);
+                check_rate(s.peak(), &mut p);
+            }
+            None => self.load.check_closed_loop(&mut p),
         }
+        self.load
+            .check_compression_tuning(self.load.compress.0, "--compress on", &mut p);
+        p.check(
+            !self.linger.0.is_zero() && self.load.metrics_listen.is_off(),
+            || "--linger keeps /metrics served after the report, and --metrics-listen off serves none: drop one of them".into(),
+        );
         p.check(self.duration.is_some_and(|d| d.is_zero()), || {
             "--duration must be above zero".into()
         });
@@ -528,6 +552,45 @@ pub fn check_rate(rate: f64, p: &mut ConfigProblems) {
 }
 
 impl LoadArgs {
+    /// A closed loop has no schedule: the flags that shape one are refused when given
+    /// (`--pacer`) or set to anything but their default. A default is let through: it
+    /// changes nothing, and an environment file (the deployment's `driver.env`) writes
+    /// every setting, for runs of every kind.
+    pub fn check_closed_loop(&self, p: &mut ConfigProblems) {
+        let open_only = [
+            ("--pacer", self.pacer.is_some()),
+            ("--arrival", self.arrival != DEFAULT_ARRIVAL),
+            ("--backlog", self.backlog != DEFAULT_BACKLOG),
+        ];
+        for (flag, given) in open_only {
+            p.check(given, || {
+                format!("{flag} applies to the open loop only: add --rate RATE or --steps RATES, or drop {flag}")
+            });
+        }
+    }
+
+    /// `--compress-threshold` and `--compress-level` shape compressed requests: set to
+    /// anything but their defaults while nothing is compressed (`on` false), they are
+    /// refused, naming `needs` (what would compress).
+    pub fn check_compression_tuning(&self, on: bool, needs: &str, p: &mut ConfigProblems) {
+        let c = &self.compression;
+        let tuned = [
+            (
+                "--compress-threshold",
+                c.compress_threshold != DEFAULT_COMPRESS_THRESHOLD,
+            ),
+            (
+                "--compress-level",
+                c.compress_level != DEFAULT_COMPRESS_LEVEL,
+            ),
+        ];
+        for (flag, given) in tuned {
+            p.check(given && !on, || {
+                format!("{flag} shapes compressed requests, and none is compressed: add {needs}, or drop {flag}")
+            });
+        }
+    }
+
     /// The settings of the load these flags describe, checked (problems go to `p`); a
     /// closed loop of [`DEFAULT_DURATION`] until the caller says otherwise. `pacing` is
     /// the pacer unless `--pacer` says.
@@ -568,6 +631,19 @@ impl LoadArgs {
         p.check(self.compress.0 && self.v1, || {
             "--compress on needs the extension flags: drop --v1".into()
         });
+        p.check(
+            self.payload_size != DEFAULT_ECHO_SIZE && self.workload != WorkloadKind::Echo,
+            || "--payload-size is the echo message's size, and the platform workload sends its reference request: add --workload echo, or drop --payload-size".into(),
+        );
+        p.check(
+            self.seed != DEFAULT_SEED && self.arrival != Arrival::Poisson,
+            || "--seed draws the random gaps of --arrival poisson, and uniform gaps are not random: add --arrival poisson, or drop --seed".into(),
+        );
+        p.check(
+            self.stages.stage_sample != DEFAULT_STAGE_SAMPLE
+                && (!self.stages.stage_metrics.0 || self.metrics_listen.is_off()),
+            || "--stage-sample says how many calls the stage histograms sample, and with --stage-metrics off or --metrics-listen off there are none: drop --stage-sample".into(),
+        );
         p.check(self.payload_size > MAX_PAYLOAD_SIZE, || {
             format!(
                 "--payload-size {} is above the {MAX_PAYLOAD_SIZE} bytes a frame (10 MiB body) can carry with its envelope",
@@ -621,9 +697,15 @@ mod tests {
     #[test]
     fn a_payload_that_fits_a_frame_is_taken_and_one_that_does_not_is_refused() {
         let size = |n: usize| {
-            Args::parse_from(["driver", "--payload-size", &n.to_string()])
-                .config()
-                .map(|c| c.payload_size)
+            Args::parse_from([
+                "driver",
+                "--workload",
+                "echo",
+                "--payload-size",
+                &n.to_string(),
+            ])
+            .config()
+            .map(|c| c.payload_size)
         };
         assert_eq!(size(MAX_PAYLOAD_SIZE), Ok(MAX_PAYLOAD_SIZE));
         assert!(size(MAX_PAYLOAD_SIZE + 1).is_err());
@@ -799,6 +881,85 @@ mod tests {
             .config()
             .unwrap_err();
         assert!(e.to_string().contains("separated by commas"), "{e}");
+    }
+
+    /// The problems of a run with `flags`, or none.
+    fn problems(flags: &[&str]) -> Vec<String> {
+        let argv = std::iter::once("driver").chain(flags.iter().copied());
+        match Args::try_parse_from(argv).map(|a| a.config()) {
+            Ok(Ok(_)) => Vec::new(),
+            Ok(Err(e)) => e.0,
+            Err(e) => vec![e.to_string()],
+        }
+    }
+
+    #[test]
+    fn flags_a_run_would_ignore_are_refused_saying_what_to_do() {
+        for (flags, says) in [
+            (&["--ramp", "10s"][..], "give --rate FROM:TO"),
+            (&["--rate", "1000", "--ramp", "10s"], "give --rate FROM:TO"),
+            (&["--steps", "1000,2000", "--ramp", "10s"], "drop --ramp"),
+            (&["--step-duration", "5s"], "give --steps"),
+            (&["--pacer", "lean"], "add --rate RATE or --steps RATES"),
+            (
+                &["--arrival", "poisson"],
+                "add --rate RATE or --steps RATES",
+            ),
+            (&["--backlog", "10"], "add --rate RATE or --steps RATES"),
+            (&["--seed", "7"], "add --arrival poisson"),
+            (&["--rate", "1000", "--seed", "7"], "add --arrival poisson"),
+            (&["--payload-size", "1024"], "add --workload echo"),
+            (&["--compress-level", "1"], "add --compress on"),
+            (&["--compress-threshold", "1"], "add --compress on"),
+            (
+                &["--linger", "15s", "--metrics-listen", "off"],
+                "drop one of them",
+            ),
+            (
+                &["--stage-sample", "1", "--stage-metrics", "off"],
+                "drop --stage-sample",
+            ),
+        ] {
+            let p = problems(flags);
+            assert!(
+                p.len() == 1 && p[0].contains(says),
+                "{flags:?}: {p:?} should say {says:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn flags_that_go_together_are_taken_together_and_defaults_anywhere() {
+        for flags in [
+            &["--rate", "1000:2000", "--ramp", "10s"][..],
+            &["--steps", "1000,2000", "--step-duration", "5s"],
+            &["--rate", "1000", "--pacer", "lean", "--backlog", "10"],
+            &["--rate", "1000", "--arrival", "poisson", "--seed", "7"],
+            &["--workload", "echo", "--payload-size", "1024"],
+            &["--compress", "on", "--compress-level", "1"],
+            &["--linger", "15s"],
+            // What an environment file writing every default would give a closed loop.
+            &[
+                "--arrival",
+                "uniform",
+                "--seed",
+                "1",
+                "--backlog",
+                "100000",
+                "--step-duration",
+                "10s",
+                "--payload-size",
+                "32",
+                "--compress-level",
+                "6",
+                "--compress-threshold",
+                "64",
+                "--stage-sample",
+                "8",
+            ],
+        ] {
+            assert_eq!(problems(flags), Vec::<String>::new(), "{flags:?}");
+        }
     }
 
     #[test]

@@ -13,6 +13,7 @@ use rpcmesh_wire::compress::CompressionConfig;
 
 use crate::config::{CapacityArgs, DriverConfig, check_rate};
 use crate::pacer::Pacing;
+use rpcmesh_provider::service::ServiceTime;
 
 /// The pacer of a capacity step unless told otherwise: lean. The exact pacer spins up to
 /// a core, which on a machine shared with the system under test is taken from it; a lean
@@ -61,6 +62,17 @@ impl CapacityConfig {
         p.check(
             !local && (args.service_time.is_some() || args.service_work),
             || "--service-time and --service-work shape the local mesh's provider: drop --target, or set them on your provider".into(),
+        );
+        if let Some(Err(e)) = args.service_time.as_deref().map(str::parse::<ServiceTime>) {
+            p.check(true, || format!("--service-time {e}"));
+        }
+        p.check(args.service_work && args.service_time.is_none(), || {
+            "--service-work burns the provider's service time on the CPU, and there is none: add --service-time (e.g. 20us), or drop --service-work".into()
+        });
+        args.load.check_compression_tuning(
+            load.compression.is_some() || args.plan.compare_compression,
+            "--compress on or --compare-compression",
+            &mut p,
         );
         let mut provider_flags = Vec::new();
         if let Some(t) = &args.service_time {
@@ -124,12 +136,30 @@ mod tests {
             "1",
             "--target",
             "127.0.0.1:7700",
-            "--service-work",
+            "--service-time",
+            "1ms",
         ])
         .unwrap_err();
         // The comparison without extension flags, a growth of 1, a rate no pacer keeps, a
         // local provider's flag with a target.
         assert_eq!(e.0.len(), 4, "{e}");
+    }
+
+    #[test]
+    fn a_local_providers_service_time_is_checked_before_the_mesh_starts() {
+        assert!(config(&["--service-time", "exp:5ms", "--service-work"]).is_ok());
+        let e = config(&["--service-time", "soon"]).unwrap_err();
+        assert!(e.to_string().contains("--service-time soon"), "{e}");
+        let e = config(&["--service-work"]).unwrap_err();
+        assert!(e.to_string().contains("add --service-time"), "{e}");
+    }
+
+    #[test]
+    fn compression_tuning_needs_something_compressed() {
+        assert!(config(&["--compare-compression", "--compress-level", "1"]).is_ok());
+        assert!(config(&["--compress", "on", "--compress-level", "1"]).is_ok());
+        let e = config(&["--compress-level", "1"]).unwrap_err();
+        assert!(e.to_string().contains("--compare-compression"), "{e}");
     }
 
     #[test]
