@@ -1,6 +1,9 @@
 //! The planner's flags (the SLO, the search's bounds, step lengths, the time budget, the
 //! comparison, the sweep, and where the report goes), their defaults and why, and
-//! validation into a [`Plan`]. The load each step offers (targets, workload, connections,
+//! validation into a [`Plan`]. Each has an environment fallback named
+//! `RPCMESH_CAPACITY_<FLAG>`: the prefix keeps them apart from a run's flags of the same
+//! name (`--json`, `--warmup`, `--step-duration` mean other things there), since one
+//! environment serves every command. The load each step offers (targets, workload, connections,
 //! the pacer) is the command's own: it flattens these beside its load's flags, and checks
 //! what only it knows (which rates its pacer can keep).
 
@@ -49,37 +52,37 @@ pub struct PlanArgs {
     /// What a step must meet: latency percentiles of requests (from their intended start)
     /// and errors (failed or unsent requests, a share of those due), e.g.
     /// 'p99<=20ms,p99.9<=50ms,errors<=0.1%'.
-    #[arg(long, default_value = DEFAULT_SLO)]
+    #[arg(long, env = "RPCMESH_CAPACITY_SLO", default_value = DEFAULT_SLO)]
     pub slo: Slo,
     /// Measured length of each step.
-    #[arg(long, default_value_t = DurationArg(DEFAULT_STEP))]
+    #[arg(long, env = "RPCMESH_CAPACITY_STEP_DURATION", default_value_t = DurationArg(DEFAULT_STEP))]
     pub step_duration: DurationArg,
     /// Unmeasured lead-in of each step.
-    #[arg(long, default_value_t = DurationArg(DEFAULT_STEP_WARMUP))]
+    #[arg(long, env = "RPCMESH_CAPACITY_WARMUP", default_value_t = DurationArg(DEFAULT_STEP_WARMUP))]
     pub warmup: DurationArg,
     /// First rate offered, requests per second.
-    #[arg(long, default_value_t = DEFAULT_START_RATE)]
+    #[arg(long, env = "RPCMESH_CAPACITY_START_RATE", default_value_t = DEFAULT_START_RATE)]
     pub start_rate: f64,
     /// Lowest rate tried when the start rate fails.
-    #[arg(long, default_value_t = DEFAULT_MIN_RATE)]
+    #[arg(long, env = "RPCMESH_CAPACITY_MIN_RATE", default_value_t = DEFAULT_MIN_RATE)]
     pub min_rate: f64,
     /// Highest rate offered.
-    #[arg(long, default_value_t = DEFAULT_MAX_RATE)]
+    #[arg(long, env = "RPCMESH_CAPACITY_MAX_RATE", default_value_t = DEFAULT_MAX_RATE)]
     pub max_rate: f64,
     /// Factor between growing steps.
-    #[arg(long, default_value_t = DEFAULT_GROWTH)]
+    #[arg(long, env = "RPCMESH_CAPACITY_GROWTH", default_value_t = DEFAULT_GROWTH)]
     pub growth: f64,
     /// Stop bisecting when the failing rate is within this fraction of the passing one.
-    #[arg(long, default_value_t = DEFAULT_PRECISION)]
+    #[arg(long, env = "RPCMESH_CAPACITY_PRECISION", default_value_t = DEFAULT_PRECISION)]
     pub precision: f64,
     /// Time budget of the whole experiment; no step starts that would end after it.
-    #[arg(long, default_value_t = DurationArg(DEFAULT_TIME_LIMIT))]
+    #[arg(long, env = "RPCMESH_CAPACITY_TIME_LIMIT", default_value_t = DurationArg(DEFAULT_TIME_LIMIT))]
     pub time_limit: DurationArg,
     /// Search with compression off and on, interleaving their steps, and compare.
-    #[arg(long)]
+    #[arg(long, env = "RPCMESH_CAPACITY_COMPARE_COMPRESSION")]
     pub compare_compression: bool,
     /// Closed-loop users of the scalability sweep (fitted with the USL), or `off`.
-    #[arg(long, default_value = DEFAULT_SWEEP)]
+    #[arg(long, env = "RPCMESH_CAPACITY_SWEEP", default_value = DEFAULT_SWEEP)]
     pub sweep: SweepArg,
 }
 
@@ -87,13 +90,13 @@ pub struct PlanArgs {
 #[derive(Debug, Clone, clap::Args)]
 pub struct OutputArgs {
     /// Write the report as JSON (schema: docs/capacity.schema.json).
-    #[arg(long)]
+    #[arg(long, env = "RPCMESH_CAPACITY_JSON")]
     pub json: Option<PathBuf>,
     /// Write the report as Markdown.
-    #[arg(long)]
+    #[arg(long, env = "RPCMESH_CAPACITY_MARKDOWN")]
     pub markdown: Option<PathBuf>,
     /// Write the report as HTML, with charts.
-    #[arg(long)]
+    #[arg(long, env = "RPCMESH_CAPACITY_HTML")]
     pub html: Option<PathBuf>,
 }
 

@@ -261,7 +261,8 @@ pub enum Command {
 }
 
 /// `driver capacity`'s arguments: the load of every step (as for a run), the planner's
-/// own flags, and where the programs on the path are read.
+/// own flags, and where the programs on the path are read. Its own flags fall back on
+/// `RPCMESH_CAPACITY_<FLAG>`, as the planner's do (see `rpcmesh_capacity`'s args).
 #[derive(Debug, Clone, clap::Args)]
 pub struct CapacityArgs {
     /// What is called, and how (as for a run).
@@ -272,16 +273,24 @@ pub struct CapacityArgs {
     pub plan: PlanArgs,
     /// `/metrics` of a broker on the path (HOST:PORT), for its CPU. Repeatable. Found
     /// by itself for the local mesh.
-    #[arg(long = "broker-metrics")]
+    #[arg(
+        long = "broker-metrics",
+        env = "RPCMESH_CAPACITY_BROKER_METRICS",
+        value_delimiter = ','
+    )]
     pub broker_metrics: Vec<SocketAddr>,
     /// `/metrics` of a provider on the path (HOST:PORT). Repeatable.
-    #[arg(long = "provider-metrics")]
+    #[arg(
+        long = "provider-metrics",
+        env = "RPCMESH_CAPACITY_PROVIDER_METRICS",
+        value_delimiter = ','
+    )]
     pub provider_metrics: Vec<SocketAddr>,
     /// Local mesh: the provider's service time (as the provider's --service-time).
-    #[arg(long)]
+    #[arg(long, env = "RPCMESH_CAPACITY_SERVICE_TIME")]
     pub service_time: Option<String>,
     /// Local mesh: the provider burns its service time on the CPU instead of sleeping.
-    #[arg(long)]
+    #[arg(long, env = "RPCMESH_CAPACITY_SERVICE_WORK")]
     pub service_work: bool,
     /// Where the report is written.
     #[command(flatten)]
@@ -324,14 +333,15 @@ pub struct ServeArgs {
     pub flags: Vec<String>,
 }
 
-/// `driver merge`'s arguments.
+/// `driver merge`'s arguments; its flags fall back on `RPCMESH_MERGE_<FLAG>` (a run's
+/// `RPCMESH_JSON` is the run's report).
 #[derive(Debug, Clone, clap::Args)]
 pub struct MergeArgs {
     /// The interval logs, one per driver.
     #[arg(required = true)]
     pub files: Vec<PathBuf>,
     /// Write the merged report as JSON to this file.
-    #[arg(long)]
+    #[arg(long, env = "RPCMESH_MERGE_JSON")]
     pub json: Option<PathBuf>,
 }
 
