@@ -23,6 +23,7 @@
 //!   and `shared`: what the run's workers share (the measured window, the figures they
 //!   hand over, the finish line).
 //! - [`outcome`]: how a call ended (typed: a reply's status, or the driver's own finding).
+//! - [`failures`]: failed calls by outcome and by what their replies said, bounded.
 //! - [`stats`]: histograms and counts, apart from I/O.
 //! - [`metrics`]: the driver's Prometheus handles, fed from the workers' figures.
 //! - `progress`: the per-second line, and a line per step of a schedule.
@@ -38,6 +39,7 @@ pub mod config;
 pub mod connection;
 mod dispatch;
 pub mod embedded;
+pub mod failures;
 pub mod hdr_log;
 mod intake;
 mod links;

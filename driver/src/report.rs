@@ -11,6 +11,7 @@ use rpcmesh_common::format::bytes;
 // report's (`hdr_log`'s merged report).
 pub(crate) use rpcmesh_common::format::{ms, thousands};
 
+use crate::failures::{self, FailureGroup};
 use crate::pacer::{Arrival, Pacing, Schedule};
 use crate::stats::{Latency, LatencySummary, Tally};
 
@@ -150,6 +151,13 @@ pub struct CallFigures {
     /// lost with the connection after it was written, so it may have run; `no_connection`:
     /// no target took it within the timeout, never written; `bad_reply`, `encode`).
     pub errors: BTreeMap<String, u64>,
+    /// The failed calls by outcome and by what the reply said (its status text, such as
+    /// `service not found: EchoServic`), largest first: every failed call in one group.
+    /// Bounded: texts cut at 120 bytes, at most 32 texts (the failures with texts beyond
+    /// them in a group of their outcome with `other_texts`), failures without a text (the
+    /// driver's own findings) in a group of their outcome with no `text`.
+    #[serde(default)]
+    pub failures: Vec<FailureGroup>,
     /// Times a call was sent again, on another connection (to another target when there
     /// is one), because a draining broker or provider refused it unstarted (a reply
     /// flagged `NOT_RUN`). Not an outcome: the call's outcome is that of its last try, and
@@ -223,6 +231,7 @@ impl CallFigures {
             sent: t.sent,
             ok: t.ok(),
             errors: t.errors().map(|(k, v)| (k.to_string(), v)).collect(),
+            failures: failures::groups(&t.outcomes, &t.texts),
             rerouted: t.rerouted,
             per_second: t.sent as f64 / secs,
             ok_per_second: t.ok() as f64 / secs,
@@ -360,20 +369,13 @@ impl Report {
             } else {
                 0.0
             },
-            if self.calls.errors.is_empty() {
-                String::new()
+            if failed > 0 {
+                ", by outcome and what the replies said:"
             } else {
-                format!(
-                    ": {}",
-                    self.calls
-                        .errors
-                        .iter()
-                        .map(|(k, v)| format!("{k} {v}"))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )
+                ""
             }
         );
+        o.push_str(&failures::render(&self.calls.failures, "    "));
         if self.calls.rerouted > 0 {
             let _ = writeln!(
                 o,

@@ -10,6 +10,7 @@ use hdrhistogram::errors::AdditionError;
 use rpcmesh_wire::envelope::PayloadSize;
 use serde::Serialize;
 
+use crate::failures::FailureTexts;
 use crate::outcome::CallOutcome;
 
 /// Largest latency a histogram holds exactly: 60 s, above any sane call timeout
@@ -215,6 +216,8 @@ pub struct Tally {
     pub payload_in_plain: u64,
     /// Reply payload bytes as received.
     pub payload_in_wire: u64,
+    /// What the failed calls' replies said (measured steps only: the report's breakdown).
+    pub texts: FailureTexts,
 }
 
 impl Tally {
@@ -287,10 +290,12 @@ impl Tally {
             payload_out_wire,
             payload_in_plain,
             payload_in_wire,
+            texts,
         } = self;
         for h in [calls, requests, calls_uncorrected, requests_uncorrected] {
             h.reset();
         }
+        texts.clear();
         *outcomes = [0; CallOutcome::COUNT];
         for n in [
             sent,
@@ -383,6 +388,9 @@ impl Tally {
         self.payload_out_wire += o.payload_out_wire;
         self.payload_in_plain += o.payload_in_plain;
         self.payload_in_wire += o.payload_in_wire;
+        if !o.texts.is_empty() {
+            self.texts.add(&o.texts);
+        }
     }
 }
 
@@ -491,6 +499,14 @@ impl Books {
     pub fn call(&mut self, step: Option<usize>, outcome: CallOutcome, latency: Took) {
         self.saw(latency);
         self.both(step, |t| t.call(outcome, latency));
+    }
+
+    /// A failed call of measured step `step` (with `outcome`) said `text` in its reply: kept
+    /// for the report's breakdown only (the progress line and the metrics count outcomes).
+    pub fn failure_text(&mut self, step: Option<usize>, outcome: CallOutcome, text: &[u8]) {
+        if let Some(t) = self.step(step) {
+            t.texts.record(outcome, text);
+        }
     }
 
     /// A request ended, having taken `latency`.

@@ -46,6 +46,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::calls::{Calls, Place, Slot};
 use crate::connection::{Connector, Reach};
+use crate::failures::MAX_TEXT_BYTES;
 use crate::intake::Intake;
 use crate::links::{Aside, Link, LinkEvent, Links, Move, Patience};
 use crate::metrics::{CALL, CONNECTION_WAIT, DECODE, ENCODE, REQUEST, ROUND_TRIP};
@@ -147,6 +148,7 @@ pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> WorkerFigures {
         in_flight_share: InFlightShare::new(shared.metrics.in_flight.clone()),
         last_read: now,
         inbox: Vec::new(),
+        reply_text: Vec::new(),
         ended: Vec::new(),
         books: if c.hdr_log.is_some() {
             Books::default().logging()
@@ -184,6 +186,9 @@ struct Worker {
     last_read: Instant,
     /// The frames of one read, handled after it (kept for its memory).
     inbox: Vec<Frame>,
+    /// The status text of the error reply being handled (its first bytes, enough for
+    /// [`MAX_TEXT_BYTES`] once cleaned; kept for its memory).
+    reply_text: Vec<u8>,
     /// Calls past their deadline or lost with a connection, taken out at once and then
     /// given their outcomes (kept for its memory).
     ended: Vec<(u64, Slot)>,
@@ -492,6 +497,7 @@ impl Worker {
         };
         self.links.settle(serial);
         let decoding = slot.written.map(|_| Instant::now());
+        self.reply_text.clear();
         let outcome = match self.codec.view_response(&frame) {
             Ok(r) => {
                 self.books.payload_in(slot.step, r.size);
@@ -500,7 +506,11 @@ impl Worker {
                         let content_ok = self.shared.workload.check(r.payload).is_ok();
                         CallOutcome::of_reply(Status::Success, content_ok)
                     }
-                    s => CallOutcome::of_reply(s, false),
+                    s => {
+                        let bound = r.error_msg.len().min(MAX_TEXT_BYTES * 4);
+                        self.reply_text.extend_from_slice(&r.error_msg[..bound]);
+                        CallOutcome::of_reply(s, false)
+                    }
                 }
             }
             Err(_) => CallOutcome::BadReply,
@@ -522,6 +532,10 @@ impl Worker {
             if let Some(e) = slot.encoding {
                 st.record_span(CALL, e, decoded);
             }
+        }
+        if !self.reply_text.is_empty() {
+            self.books
+                .failure_text(slot.step, outcome, &self.reply_text);
         }
         self.call_done(slot, outcome, now);
     }

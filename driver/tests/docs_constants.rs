@@ -7,10 +7,11 @@ use std::time::Duration;
 
 use rpcmesh_driver::config::{DEFAULT_BACKLOG, DEFAULT_CALL_TIMEOUT};
 use rpcmesh_driver::connection::HOME_RETRY;
+use rpcmesh_driver::failures::{MAX_TEXT_BYTES, MAX_TEXTS};
 use rpcmesh_driver::pacer::EXACT_SPIN;
 use rpcmesh_driver::stats::MAX_LATENCY_US;
 use rpcmesh_driver::{MAX_DRAINING, MAX_REROUTES};
-use rpcmesh_testkit::quoted::{self, Value, count, time};
+use rpcmesh_testkit::quoted::{self, Value, bytes, count, time};
 
 /// The driver's constants the docs quote, by the name they quote them under.
 fn driver() -> Vec<(&'static str, Value)> {
@@ -20,6 +21,8 @@ fn driver() -> Vec<(&'static str, Value)> {
         ("driver::DEFAULT_CALL_TIMEOUT", time(DEFAULT_CALL_TIMEOUT)),
         ("driver::DEFAULT_BACKLOG", count(DEFAULT_BACKLOG)),
         ("driver::HOME_RETRY", time(HOME_RETRY)),
+        ("driver::MAX_TEXT_BYTES", bytes(MAX_TEXT_BYTES)),
+        ("driver::MAX_TEXTS", count(MAX_TEXTS)),
         ("driver::EXACT_SPIN", time(EXACT_SPIN)),
         (
             "driver::MAX_LATENCY_US",

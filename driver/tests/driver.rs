@@ -266,6 +266,34 @@ async fn a_provider_going_away_mid_run_is_counted_and_the_run_ends() {
     assert!(r.requests.failed > 0);
 }
 
+/// Every call fails, and the report says why: by outcome and by the status text the
+/// provider answered, in the JSON and in the text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_are_reported_by_outcome_and_by_what_the_replies_said() {
+    // A provider that hosts no service: every call is answered "service not found".
+    let p = provider_with(ProviderConfig::default(), Registry::new()).await;
+    let r = rpcmesh_driver::run(quick(vec![p.addr.to_string()]), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(r.calls.ok, 0, "{r:#?}");
+    assert_counts_add_up(&r);
+    let f = &r.calls.failures;
+    assert_eq!(f.len(), 1, "{f:#?}");
+    assert_eq!(f[0].outcome, "failed");
+    assert_eq!(
+        f[0].text.as_deref(),
+        Some("service not found: PlatformService")
+    );
+    assert_eq!(f[0].count, r.calls.sent);
+    let text = r.render_text();
+    let line = format!(
+        "failed {0}: service not found: PlatformService ×{0}",
+        rpcmesh_common::format::thousands(r.calls.sent as f64)
+    );
+    assert!(text.contains(&line), "{line:?} not in\n{text}");
+    p.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cli_runs_against_a_target_and_writes_json() {
     let p = provider(ProviderConfig::default()).await;
@@ -285,7 +313,7 @@ async fn the_cli_runs_against_a_target_and_writes_json() {
             "--requests",
             "100",
             "--warmup",
-            "0",
+            "0s",
             "--compress",
             "on",
             "--metrics-listen",

@@ -156,6 +156,9 @@ pub struct ReplyView<'a> {
     pub success: bool,
     /// `RpcResponse.payload`: the application message.
     pub payload: &'a [u8],
+    /// `RpcResponse.error_msg` as sent (UTF-8 by the protocol, unchecked here): what a
+    /// failure says, empty for a success.
+    pub error_msg: &'a [u8],
     /// Payload sizes.
     pub size: PayloadSize,
 }
@@ -371,11 +374,12 @@ impl CallCodec {
         } else {
             payload
         };
-        let (success, payload) = read_response_envelope(envelope)?;
+        let (success, payload, error_msg) = read_response_envelope(envelope)?;
         Ok(ReplyView {
             status,
             success,
             payload,
+            error_msg,
             size: PayloadSize {
                 plain: envelope.len(),
                 wire,
@@ -408,31 +412,35 @@ impl CallCodec {
     }
 }
 
-/// `RpcResponse { success, payload }` read from its bytes without building it (the other
-/// fields are skipped).
-fn read_response_envelope(mut buf: &[u8]) -> Result<(bool, &[u8]), CallError> {
+/// `RpcResponse { success, payload, error_msg }` read from its bytes without building it
+/// (the other fields are skipped).
+fn read_response_envelope(mut buf: &[u8]) -> Result<(bool, &[u8], &[u8]), CallError> {
     use prost::encoding::{DecodeContext, decode_key, decode_varint, skip_field};
-    let (mut success, mut payload): (bool, &[u8]) = (false, &[]);
+    let (mut success, mut payload, mut error_msg): (bool, &[u8], &[u8]) = (false, &[], &[]);
     while !buf.is_empty() {
         let (tag, wire_type) = decode_key(&mut buf)?;
         match (tag, wire_type) {
             (1, WireType::Varint) => success = decode_varint(&mut buf)? != 0,
-            (2, WireType::LengthDelimited) => {
+            (2 | 3, WireType::LengthDelimited) => {
                 let n = decode_varint(&mut buf)? as usize;
                 if n > buf.len() {
                     return Err(CallError::Frame(FrameError::BadBody {
                         what: "response envelope",
-                        reason: "payload overruns the envelope",
+                        reason: "a field overruns the envelope",
                     }));
                 }
-                let (p, rest) = buf.split_at(n);
-                payload = p;
+                let (field, rest) = buf.split_at(n);
+                if tag == 2 {
+                    payload = field;
+                } else {
+                    error_msg = field;
+                }
                 buf = rest;
             }
             _ => skip_field(wire_type, tag, &mut buf, DecodeContext::default())?,
         }
     }
-    Ok((success, payload))
+    Ok((success, payload, error_msg))
 }
 
 fn expect_type(frame: &Frame, expected: MsgType) -> Result<(), CallError> {
@@ -717,6 +725,7 @@ mod tests {
             assert_eq!(view.status, decoded.status);
             assert_eq!(view.success, decoded.rpc.success);
             assert_eq!(view.payload, &decoded.rpc.payload[..]);
+            assert_eq!(view.error_msg, decoded.rpc.error_msg.as_bytes());
             assert_eq!(view.size, decoded.size);
         }
         let mut b = BytesMut::new();
@@ -726,6 +735,7 @@ mod tests {
         assert_eq!(view.status, Status::Overloaded);
         assert!(!view.success);
         assert!(view.payload.is_empty());
+        assert_eq!(view.error_msg, b"overloaded: busy", "what the failure says");
     }
 
     #[test]
