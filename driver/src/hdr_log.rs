@@ -2,8 +2,8 @@
 //!
 //! `driver --hdr-log FILE` writes the standard interval log (format V2, compressed, as
 //! HdrHistogram's own `HistogramLogWriter` does; the `hdrhistogram` crate writes and reads
-//! it): one interval a second, four histograms each, tagged `requests`, `calls` (latency from
-//! the intended start) and `requests_uncorrected`, `calls_uncorrected` (from the actual
+//! it): one interval a second, four histograms each, tagged `requests`, `calls` (latency of
+//! the successful ones from the intended start) and `requests_uncorrected`, `calls_uncorrected` (from the actual
 //! start; open loop only). Values are microseconds (HdrHistogram's `HistogramLogProcessor`
 //! prints milliseconds with `-outputValueUnitRatio 1000`). Each interval holds exactly the
 //! measured samples that completed in it, so the intervals of a log add up to the run's
@@ -134,7 +134,7 @@ fn write_log(
     let mut serializer = V2DeflateSerializer::new();
     let mut log = IntervalLogWriterBuilder::new()
         .add_comment(&format!(
-            "rpcmesh driver {}: latency in microseconds; requests and calls from the intended start, *_uncorrected from the actual one",
+            "rpcmesh driver {}: latency in microseconds of successful requests and calls; from the intended start, *_uncorrected from the actual one",
             env!("CARGO_PKG_VERSION")
         ))
         .with_base_time(measured_from)
@@ -227,7 +227,7 @@ pub struct MergedReport {
 /// The figures of one tag across the fleet.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct MergedFigures {
-    /// Samples (completed requests, or successful calls).
+    /// Samples (successful requests, or successful calls).
     pub count: u64,
     /// Per second: the sum of each driver's rate (its samples over its measured window),
     /// which is the fleet's rate when the drivers ran together.

@@ -115,8 +115,14 @@ pub struct RequestFigures {
     pub ok: u64,
     /// Of which at least one call failed.
     pub failed: u64,
-    /// Completed requests per second.
+    /// Completed requests per second, successful or not.
     pub per_second: f64,
+    /// Successful requests per second: the headline's rate.
+    #[serde(default)]
+    pub ok_per_second: f64,
+    /// Requests with a failed call per second.
+    #[serde(default)]
+    pub failed_per_second: f64,
     /// Open loop: requests due while every slot (`concurrency`) was busy and the backlog
     /// was full: never sent. Requests due = completed + not sent.
     #[serde(default)]
@@ -129,13 +135,17 @@ pub struct RequestFigures {
     /// intended time, ms: the pacer's precision.
     #[serde(default)]
     pub start_lag: Option<LatencySummary>,
-    /// Request latency (all calls), ms, from the intended start in the open loop (from the
-    /// start in the closed loop, where there is no schedule).
+    /// Latency of the successful requests (all calls), ms, from the intended start in the
+    /// open loop (from the start in the closed loop, where there is no schedule).
     pub latency: LatencySummary,
-    /// Open loop: request latency from the actual start, ms (what a tool that ignores the
-    /// schedule would report; it hides the wait for a free slot).
+    /// Open loop: latency of the successful requests from the actual start, ms (what a
+    /// tool that ignores the schedule would report; it hides the wait for a free slot).
     #[serde(default)]
     pub latency_uncorrected: Option<LatencySummary>,
+    /// Latency of the requests with a failed call, ms, from the intended start: apart, so
+    /// that fast failures do not flatter the successful requests' figures.
+    #[serde(default)]
+    pub failed_latency: LatencySummary,
 }
 
 /// Figures of calls.
@@ -215,11 +225,14 @@ impl RequestFigures {
             ok: t.requests_ok,
             failed: t.requests_failed,
             per_second: completed as f64 / secs,
+            ok_per_second: t.requests_ok as f64 / secs,
+            failed_per_second: t.requests_failed as f64 / secs,
             not_sent: t.requests_not_sent,
             backlogged: t.requests_backlogged,
             start_lag: lag.filter(|_| open_loop).map(Latency::summary),
             latency: t.requests.summary(),
             latency_uncorrected: open_loop.then(|| t.requests_uncorrected.summary()),
+            failed_latency: t.requests_failed_latency.summary(),
         }
     }
 }
@@ -262,6 +275,11 @@ impl ByteFigures {
             },
         }
     }
+}
+
+/// A count as the text report prints it: with thousands separators.
+fn count(n: u64) -> String {
+    thousands(n as f64)
 }
 
 impl Report {
@@ -341,7 +359,7 @@ impl Report {
         row(
             &mut o,
             "requests",
-            self.requests.per_second,
+            self.requests.ok_per_second,
             &self.requests.latency,
         );
         row(
@@ -350,20 +368,37 @@ impl Report {
             self.calls.ok_per_second,
             &self.calls.latency,
         );
+        let failed_row = self.requests.failed > 0;
+        if failed_row {
+            row(
+                &mut o,
+                "failed",
+                self.requests.failed_per_second,
+                &self.requests.failed_latency,
+            );
+        }
         if let Some((requests, calls)) = uncorrected {
             let _ = writeln!(o, "  from the actual send (uncorrected: hides the waits)");
-            row(&mut o, "requests", self.requests.per_second, requests);
+            row(&mut o, "requests", self.requests.ok_per_second, requests);
             row(&mut o, "calls", self.calls.ok_per_second, calls);
         }
-        let _ = writeln!(o, "  (latency in ms; calls: successful ones)");
+        let _ = writeln!(
+            o,
+            "  (latency in ms; requests and calls: the successful ones{})",
+            if failed_row {
+                "; failed: the requests with a failed call"
+            } else {
+                ""
+            }
+        );
         let _ = writeln!(o);
         let failed: u64 = self.calls.errors.values().sum();
         let _ = writeln!(
             o,
             "  calls: {} sent, {} ok, {} failed ({:.3} %){}",
-            self.calls.sent,
-            self.calls.ok,
-            failed,
+            count(self.calls.sent),
+            count(self.calls.ok),
+            count(failed),
             if self.calls.sent > 0 {
                 failed as f64 * 100.0 / self.calls.sent as f64
             } else {
@@ -386,18 +421,28 @@ impl Report {
         let _ = writeln!(
             o,
             "  requests: {} completed, {} ok, {} with a failed call",
-            self.requests.completed, self.requests.ok, self.requests.failed
+            count(self.requests.completed),
+            count(self.requests.ok),
+            count(self.requests.failed)
         );
         if self.steps.len() > 1 {
             let _ = writeln!(o);
             let _ = writeln!(
                 o,
-                "  steps (each request counted in the step it was meant to start in; latency from the intended start, ms)"
+                "  steps (each request counted in the step it was meant to start in; achieved and latency: the successful ones, from the intended start, ms)"
             );
             let _ = writeln!(
                 o,
-                "  {:>8} {:>8} {:>12} {:>12} {:>9} {:>9} {:>9} {:>9}",
-                "from s", "for s", "offered/s", "achieved/s", "p50", "p99", "p99.9", "not sent"
+                "  {:>8} {:>8} {:>12} {:>12} {:>9} {:>9} {:>9} {:>9} {:>9}",
+                "from s",
+                "for s",
+                "offered/s",
+                "achieved/s",
+                "p50",
+                "p99",
+                "p99.9",
+                "failed",
+                "not sent"
             );
             for st in &self.steps {
                 let l = &st.requests.latency;
@@ -408,15 +453,16 @@ impl Report {
                 };
                 let _ = writeln!(
                     o,
-                    "  {:>8.1} {:>8.1} {:>12} {:>12} {:>9} {:>9} {:>9} {:>9}",
+                    "  {:>8.1} {:>8.1} {:>12} {:>12} {:>9} {:>9} {:>9} {:>9} {:>9}",
                     st.start_seconds,
                     st.seconds,
                     offered,
-                    thousands(st.requests.per_second),
+                    thousands(st.requests.ok_per_second),
                     ms(l.p50_ms),
                     ms(l.p99_ms),
                     ms(l.p999_ms),
-                    st.requests.not_sent
+                    count(st.requests.failed),
+                    count(st.requests.not_sent)
                 );
             }
         }

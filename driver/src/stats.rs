@@ -179,12 +179,16 @@ pub struct LatencySummary {
 pub struct Tally {
     /// Latency of successful calls, from their intended start.
     pub calls: Latency,
-    /// Latency of requests (all K calls), successful or not, from their intended start.
+    /// Latency of successful requests (all K calls), from their intended start.
     pub requests: Latency,
     /// Open loop: latency of successful calls from their actual start.
     pub calls_uncorrected: Latency,
-    /// Open loop: latency of requests from their actual start.
+    /// Open loop: latency of successful requests from their actual start.
     pub requests_uncorrected: Latency,
+    /// Latency of requests with a failed call, from their intended start: apart from the
+    /// successful ones, whose figures a fast failure would otherwise flatter. Not one of
+    /// [`Tally::LATENCIES`] (the interval log's and the metrics' histograms).
+    pub requests_failed_latency: Latency,
     /// Calls issued. Each has exactly one outcome: `sent = ok + failed`.
     pub sent: u64,
     /// Calls by outcome, indexed by [`CallOutcome::index`] (`ok` first).
@@ -246,6 +250,8 @@ impl Tally {
         for h in t.latencies_mut() {
             *h = make();
         }
+        // The failed requests' histogram is not made ahead: it stays at its smallest unless
+        // requests fail, and a run without failures pays nothing for it.
         t
     }
 
@@ -276,6 +282,7 @@ impl Tally {
             requests,
             calls_uncorrected,
             requests_uncorrected,
+            requests_failed_latency,
             sent,
             outcomes,
             rerouted,
@@ -292,7 +299,13 @@ impl Tally {
             payload_in_wire,
             texts,
         } = self;
-        for h in [calls, requests, calls_uncorrected, requests_uncorrected] {
+        for h in [
+            calls,
+            requests,
+            calls_uncorrected,
+            requests_uncorrected,
+            requests_failed_latency,
+        ] {
             h.reset();
         }
         texts.clear();
@@ -327,16 +340,18 @@ impl Tally {
         }
     }
 
-    /// Counts a finished request.
+    /// Counts a finished request, with its latency among the successful ones' or the
+    /// failed ones'.
     pub fn request(&mut self, failed: bool, latency: Took) {
+        if failed {
+            self.requests_failed += 1;
+            self.requests_failed_latency.record_us(latency.us);
+            return;
+        }
+        self.requests_ok += 1;
         self.requests.record_us(latency.us);
         if let Some(us) = latency.uncorrected_us {
             self.requests_uncorrected.record_us(us);
-        }
-        if failed {
-            self.requests_failed += 1;
-        } else {
-            self.requests_ok += 1;
         }
     }
 
@@ -372,6 +387,7 @@ impl Tally {
         for (a, b) in self.latencies_mut().into_iter().zip(o.latencies()) {
             a.add(b);
         }
+        self.requests_failed_latency.add(&o.requests_failed_latency);
         self.sent += o.sent;
         for (a, b) in self.outcomes.iter_mut().zip(o.outcomes) {
             *a += b;
@@ -775,6 +791,28 @@ mod tests {
             1,
             "the closed loop has no second figure"
         );
+    }
+
+    #[test]
+    fn failed_requests_are_timed_apart_from_the_successful_ones() {
+        let mut t = Tally::default();
+        let open = |ms: u64| Took {
+            us: ms * 1000,
+            uncorrected_us: Some(ms * 500),
+        };
+        t.request(false, open(10));
+        t.request(true, open(1));
+        t.request(true, open(2));
+        assert_eq!((t.requests_ok, t.requests_failed), (1, 2));
+        assert_eq!(t.requests.count(), 1, "successful requests only");
+        assert_eq!(t.requests.quantile_us(0.5) / 1000, 10);
+        assert_eq!(t.requests_uncorrected.count(), 1);
+        assert_eq!(t.requests_failed_latency.count(), 2);
+        let mut sum = Tally::default();
+        sum.add(&t);
+        assert_eq!(sum.requests_failed_latency.count(), 2);
+        sum.clear();
+        assert_eq!(sum.requests_failed_latency.count(), 0);
     }
 
     #[test]

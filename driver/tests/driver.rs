@@ -291,6 +291,24 @@ async fn failures_are_reported_by_outcome_and_by_what_the_replies_said() {
         rpcmesh_common::format::thousands(r.calls.sent as f64)
     );
     assert!(text.contains(&line), "{line:?} not in\n{text}");
+    // The headline counts successful requests: none; the failed ones have a row apart.
+    let q = &r.requests;
+    assert_eq!((q.ok_per_second, q.latency.count), (0.0, 0), "{q:#?}");
+    assert_eq!(q.failed_latency.count, q.failed);
+    assert!(q.failed_per_second > 0.0);
+    let headline = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("requests "))
+        .unwrap();
+    assert_eq!(
+        headline.split_whitespace().nth(1),
+        Some("0"),
+        "no request succeeded: {headline}"
+    );
+    assert!(
+        text.lines().any(|l| l.trim_start().starts_with("failed ")),
+        "{text}"
+    );
     p.stop().await;
 }
 

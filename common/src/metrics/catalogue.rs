@@ -415,7 +415,7 @@ pub const DRIVER_LATENCY_SECONDS: Family = Family {
     kind: Histogram,
     labels: &["role", "of", "from"],
     roles: DRIVER,
-    help: "Latency of what the driver finished, every one of them: of=call (successful calls) or request; from=intended (from the start the schedule meant: corrected for coordinated omission, the figure to read) or sent (from the actual start; open loop only, for comparison).",
+    help: "Latency of what the driver finished successfully: of=call (successful calls) or request (successful requests); from=intended (from the start the schedule meant: corrected for coordinated omission, the figure to read) or sent (from the actual start; open loop only, for comparison).",
 };
 /// `rpcmesh_driver_rerouted_total{role}`.
 pub const DRIVER_REROUTED_TOTAL: Family = Family {
