@@ -122,6 +122,7 @@ pub enum Stop {
     name = "driver",
     version,
     args_conflicts_with_subcommands = true,
+    after_help = crate::verdict::EXIT_STATUSES,
     about = "rpcmesh driver: fan-out load against brokers or providers (closed or open loop), with HDR percentiles",
     long_about = "rpcmesh driver: fan-out load against brokers or providers (closed or open loop), with HDR percentiles.\n\n\
                   With no --target it starts a provider and a broker on 127.0.0.1 itself and runs the \
@@ -173,6 +174,10 @@ pub struct Args {
     /// final figures (e.g. 15s).
     #[arg(long, env = "RPCMESH_LINGER", default_value_t = DurationArg(DEFAULT_LINGER))]
     pub linger: DurationArg,
+    /// Open loop: exit 0 although requests due were not sent (every slot busy and the
+    /// backlog full), instead of 3: for a run that looks for where that begins.
+    #[arg(long, env = "RPCMESH_ALLOW_UNSENT")]
+    pub allow_unsent: bool,
 }
 
 /// The flags of a load, shared by a run and `driver capacity`: what is called, over what,
@@ -490,7 +495,12 @@ impl Args {
                 check_rate(s.lowest(), &mut p);
                 check_rate(s.peak(), &mut p);
             }
-            None => self.load.check_closed_loop(&mut p),
+            None => {
+                self.load.check_closed_loop(&mut p);
+                p.check(self.allow_unsent, || {
+                    "--allow-unsent applies to the open loop only (a closed loop sends every request): add --rate RATE or --steps RATES, or drop --allow-unsent".into()
+                });
+            }
         }
         self.load
             .check_compression_tuning(self.load.compress.0, "--compress on", &mut p);
@@ -916,6 +926,7 @@ mod tests {
                 "add --rate RATE or --steps RATES",
             ),
             (&["--backlog", "10"], "add --rate RATE or --steps RATES"),
+            (&["--allow-unsent"], "add --rate RATE or --steps RATES"),
             (&["--seed", "7"], "add --arrival poisson"),
             (&["--rate", "1000", "--seed", "7"], "add --arrival poisson"),
             (&["--payload-size", "1024"], "add --workload echo"),

@@ -28,6 +28,7 @@
 //! - [`metrics`]: the driver's Prometheus handles, fed from the workers' figures.
 //! - `progress`: the per-second line, and a line per step of a schedule.
 //! - [`report`]: the figures, as text and JSON.
+//! - [`verdict`]: how the run ended for the shell: its exit status.
 //! - [`hdr_log`]: the interval log, and `driver merge` of a fleet's logs.
 //! - [`embedded`]: the local provider + broker of the default run.
 //! - [`capacity`]: `driver capacity`, the capacity planner ([`rpcmesh_capacity`]) run on
@@ -51,6 +52,7 @@ pub mod report;
 mod shared;
 pub mod stats;
 pub mod users;
+pub mod verdict;
 mod worker;
 pub mod workload;
 
@@ -63,7 +65,8 @@ use rpcmesh_common::metrics::system::Housekeeping;
 use rpcmesh_common::net::shutdown::CancellationToken;
 
 pub use config::{Args, DriverConfig, Stop, WorkloadKind};
-pub use report::Report;
+pub use report::{Ending, Report};
+pub use verdict::Verdict;
 // Fixed limits that are not flags, public so that the docs quoting them are held to the
 // code (`tests/docs_constants.rs`).
 pub use links::MAX_DRAINING;
@@ -157,6 +160,14 @@ async fn drive(
             .collect(),
         config,
     });
+    // When SIGINT or SIGTERM stopped the run, if it did: before its end, it is interrupted.
+    let stopped_at = {
+        let stop = shared.stop.clone();
+        tokio::spawn(async move {
+            stop.cancelled().await;
+            Instant::now()
+        })
+    };
     let progress_done = CancellationToken::new();
     let progress = tokio::spawn(progress::show(
         shared.clone(),
@@ -199,8 +210,20 @@ async fn drive(
     let ended = Instant::now();
     progress_done.cancel();
     let _ = progress.await;
+    let stopped_at = if shared.stop.is_cancelled() {
+        stopped_at.await.ok()
+    } else {
+        stopped_at.abort();
+        None
+    };
+    // Stopped before its end: before its duration's, or with measured requests left.
+    let interrupted = stopped_at.is_some_and(|at| match (shared.until, &shared.budget) {
+        (Some(u), _) => at < u,
+        (None, Some(b)) => b.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        (None, None) => true,
+    });
     let window_end = match shared.until {
-        Some(u) if !shared.stop.is_cancelled() => u,
+        Some(u) if !interrupted => u,
         _ => total.last_done.unwrap_or(ended),
     };
     let secs = window_end
@@ -218,13 +241,11 @@ async fn drive(
             .map_err(|_| anyhow::anyhow!("the interval log's writer panicked"))??;
     }
 
-    Ok(build_report(
-        &shared.config,
-        embedded,
-        started_unix,
-        secs,
-        &total,
-    ))
+    let mut report = build_report(&shared.config, embedded, started_unix, secs, &total);
+    if interrupted {
+        report.ended = report::Ending::Interrupted;
+    }
+    Ok(report)
 }
 
 fn build_report(
@@ -286,6 +307,7 @@ fn build_report(
             pacing: c.schedule.as_ref().map(|_| c.pacing),
         },
         measured_seconds: secs,
+        ended: Ending::Completed,
         requests: RequestFigures::of(&t, secs, open_loop, Some(&end.lag)),
         calls: CallFigures {
             returned_home: end.returned_home,

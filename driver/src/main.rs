@@ -1,25 +1,43 @@
 //! `driver`: validates the command line, runs the load (with an embedded provider and
 //! broker when no target is given), prints the report and writes it as JSON when asked.
-//! Ctrl-C ends the run early and still reports. Exits 1 when no call succeeded.
-//! `driver merge` combines interval logs; `driver capacity` runs a capacity experiment.
+//! Ctrl-C ends the run early and still reports. The exit status says how the run ended
+//! (`rpcmesh_driver::verdict`, listed in `--help`). `driver merge` combines interval logs;
+//! `driver capacity` runs a capacity experiment.
+
+use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
-use rpcmesh_common::cli::startup;
+use rpcmesh_common::cli::{ConfigProblems, startup};
 use rpcmesh_common::metrics::{Telemetry, recorder};
 use rpcmesh_common::net::shutdown::{self, CancellationToken};
-use rpcmesh_driver::Args;
 use rpcmesh_driver::capacity::config::CapacityConfig;
 use rpcmesh_driver::config::{CapacityArgs, Command, MergeArgs};
+use rpcmesh_driver::verdict::{FAILED, REFUSED};
+use rpcmesh_driver::{Args, Verdict};
 
-fn main() -> anyhow::Result<()> {
+fn main() -> ExitCode {
     let args = Args::parse();
-    match &args.command {
-        Some(Command::Merge(m)) => return merge(m),
-        Some(Command::Capacity(c)) => return capacity(c),
-        Some(Command::Serve(s)) => return rpcmesh_driver::capacity::mesh::serve(s.role, &s.flags),
-        None => {}
+    let done = match &args.command {
+        Some(Command::Merge(m)) => merge(m),
+        Some(Command::Capacity(c)) => capacity(c),
+        Some(Command::Serve(s)) => {
+            rpcmesh_driver::capacity::mesh::serve(s.role, &s.flags).map(|()| 0)
+        }
+        None => run(&args),
+    };
+    match done {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            let refused = e.downcast_ref::<ConfigProblems>().is_some();
+            eprintln!("driver: {e:#}");
+            ExitCode::from(if refused { REFUSED } else { FAILED })
+        }
     }
+}
+
+/// A run: the report, and the exit status its verdict gives.
+fn run(args: &Args) -> anyhow::Result<u8> {
     let config = args.config()?;
     let json = config.json.clone();
     let rt = startup::start("driver", "warn", args.load.runtime.threads)?;
@@ -52,30 +70,26 @@ fn main() -> anyhow::Result<()> {
             }
         });
     }
-    if report.calls.ok == 0 {
-        // A run that measured nothing is a failure, for scripts as for people.
-        anyhow::bail!(
-            "no call succeeded ({} sent, {} failed connection attempts)",
-            report.calls.sent,
-            report.calls.connect_failures
-        );
+    let verdict = Verdict::of(&report, args.allow_unsent);
+    if let Some(m) = verdict.message(&report) {
+        eprintln!("driver: {m}");
     }
-    Ok(())
+    Ok(verdict.exit_code())
 }
 
 /// `driver merge`: the combined report of a fleet's interval logs.
-fn merge(m: &MergeArgs) -> anyhow::Result<()> {
+fn merge(m: &MergeArgs) -> anyhow::Result<u8> {
     let report = rpcmesh_driver::hdr_log::merge(&m.files)?;
     print!("{}", report.render_text());
     if let Some(path) = &m.json {
         let text = serde_json::to_string_pretty(&report)?;
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
     }
-    Ok(())
+    Ok(0)
 }
 
 /// `driver capacity`: the experiment, its report on stdout and in the files asked for.
-fn capacity(args: &CapacityArgs) -> anyhow::Result<()> {
+fn capacity(args: &CapacityArgs) -> anyhow::Result<u8> {
     let config = CapacityConfig::new(args)?;
     let exe = std::env::current_exe().context("finding the driver binary")?;
     let rt = startup::start("driver", "warn", args.load.runtime.threads)?;
@@ -95,7 +109,7 @@ fn capacity(args: &CapacityArgs) -> anyhow::Result<()> {
     if let Some(p) = &outputs.html {
         write(p, rpcmesh_capacity::html::render(&report))?;
     }
-    Ok(())
+    Ok(0)
 }
 
 /// A token cancelled by SIGTERM or SIGINT (Ctrl-C): the run ends early and still reports.

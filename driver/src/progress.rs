@@ -1,4 +1,5 @@
-//! The once-a-second progress line: requests/s, calls/s, that second's call p99 and errors.
+//! The once-a-second progress line: requests/s, calls/s, that second's call p99, errors
+//! and, in the open loop, the requests not sent.
 //! A live line rewritten in place on a terminal, one plain line per second otherwise. It
 //! goes to stderr, so that stdout carries only the report. Every line the driver prints
 //! there (this one, `driver capacity`'s through [`say!`]) leaves in a single `write`.
@@ -86,6 +87,10 @@ pub(crate) async fn show(shared: Arc<RunShared>, started: Instant, done: Cancell
             second.calls.quantile_us(0.99) as f64 / 1000.0,
             second.failed()
         );
+        if shared.config.schedule.is_some() {
+            // Open loop: requests due that found every slot busy and the backlog full.
+            let _ = write!(line, "   not sent {}", second.requests_not_sent);
+        }
         if second.rerouted > 0 {
             // A target is draining: its refusals went elsewhere.
             let _ = write!(line, "   re-routed {}", second.rerouted);

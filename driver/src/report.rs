@@ -33,6 +33,10 @@ pub struct Report {
     pub setup: Setup,
     /// Measured time, seconds (excludes the warm-up).
     pub measured_seconds: f64,
+    /// How the run ended: `completed` (its duration or its requests) or `interrupted`
+    /// (SIGINT or SIGTERM before then: the figures are of the part measured).
+    #[serde(default)]
+    pub ended: Ending,
     /// User requests (fan-out of `fanout` calls).
     pub requests: RequestFigures,
     /// Single calls.
@@ -43,6 +47,17 @@ pub struct Report {
     /// second along a ramp), by the step each request was meant to start in.
     #[serde(default)]
     pub steps: Vec<StepFigures>,
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Ending {
+    /// It ran its duration, or its requests.
+    #[default]
+    Completed,
+    /// SIGINT or SIGTERM stopped it before: what was measured until then is reported.
+    Interrupted,
 }
 
 /// The figures of one step of an open-loop schedule.
@@ -312,9 +327,19 @@ impl Report {
             ),
             None => format!("{} users", s.concurrency),
         };
+        let measured = match self.ended {
+            Ending::Completed => format!(
+                "{:.1} s measured after {:.1} s warm-up",
+                self.measured_seconds, s.warmup_seconds
+            ),
+            Ending::Interrupted => format!(
+                "interrupted after {:.1} s measured ({:.1} s warm-up): a partial report",
+                self.measured_seconds, s.warmup_seconds
+            ),
+        };
         let _ = writeln!(
             o,
-            "  {} on {} connections, {} call{} per request ({}), compression {}{}, {:.1} s measured after {:.1} s warm-up",
+            "  {} on {} connections, {} call{} per request ({}), compression {}{}, {measured}",
             load,
             s.connections,
             s.fanout,
@@ -322,9 +347,18 @@ impl Report {
             if s.parallel { "at once" } else { "in a row" },
             if s.compression { "on" } else { "off" },
             if s.plain_v1 { ", plain v1 frames" } else { "" },
-            self.measured_seconds,
-            s.warmup_seconds
         );
+        let q = &self.requests;
+        if q.not_sent > 0 {
+            let _ = writeln!(
+                o,
+                "  NOT SENT: {} of the {} requests due ({:.1} %) found all {} slots busy and the backlog full: raise --concurrency (or --backlog), or lower the rate",
+                count(q.not_sent),
+                count(q.due),
+                q.not_sent as f64 * 100.0 / q.due.max(1) as f64,
+                s.concurrency
+            );
+        }
         let _ = writeln!(o);
         let _ = writeln!(
             o,
@@ -470,9 +504,9 @@ impl Report {
             let _ = writeln!(
                 o,
                 "  open loop: {} waited in the backlog (all {} slots busy, or no connection), {} not sent (backlog full); start lag p50 {} ms, p99 {} ms, max {} ms",
-                self.requests.backlogged,
+                count(self.requests.backlogged),
                 s.concurrency,
-                self.requests.not_sent,
+                count(self.requests.not_sent),
                 ms(lag.p50_ms),
                 ms(lag.p99_ms),
                 ms(lag.max_ms)
