@@ -34,7 +34,18 @@ pub(crate) async fn show(shared: Arc<RunShared>, started: Instant, done: Cancell
         .schedule
         .as_ref()
         .filter(|s| s.length().is_some());
-    let mut step: Option<(usize, Tally, Instant)> = None;
+    let mut steps = StepLines::default();
+    let print = |live: bool, done: Option<StepDone>| {
+        if let (Some(sched), Some(d)) = (schedule, done) {
+            if mode != ProgressMode::Off {
+                say!(
+                    "{}{}",
+                    if live { CLEAR_LINE } else { "" },
+                    step_text(sched, &d)
+                );
+            }
+        }
+    };
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -51,22 +62,14 @@ pub(crate) async fn show(shared: Arc<RunShared>, started: Instant, done: Cancell
         // The middle of the second just past: which step and phase it was in.
         let mid = now.checked_sub(Duration::from_millis(500)).unwrap_or(now);
         if let Some(sched) = schedule {
-            if let Some(since) = mid.checked_duration_since(shared.measure_from) {
-                let i = sched.step_of(since);
-                match &mut step {
-                    Some((j, t, _)) if *j == i => t.add(&second),
-                    _ => {
-                        if let Some((j, t, from)) = step.take() {
-                            if mode != ProgressMode::Off {
-                                step_line(live, j, sched, &t, now.duration_since(from));
-                            }
-                        }
-                        let mut t = Tally::interval();
-                        t.add(&second);
-                        step = Some((i, t, now));
-                    }
-                }
-            }
+            // The step of the second's middle: none in the warm-up, nor once the run's
+            // requests stop (what comes then is the last replies, not a step's).
+            let running = shared.until.is_none_or(|u| mid < u);
+            let step = mid
+                .checked_duration_since(shared.measure_from)
+                .filter(|_| running)
+                .map(|since| sched.step_of(since));
+            print(live, steps.second(step, &second, secs));
         }
         if mode == ProgressMode::Off {
             continue;
@@ -102,36 +105,82 @@ pub(crate) async fn show(shared: Arc<RunShared>, started: Instant, done: Cancell
         }
         printed = true;
     }
-    if let (Some(sched), Some((j, t, from))) = (schedule, step) {
-        if mode != ProgressMode::Off {
-            step_line(live, j, sched, &t, Instant::now().duration_since(from));
-        }
-    }
+    print(live, steps.finish());
     if live && printed {
         write_whole("\n");
     }
 }
 
-/// The line of a step of the schedule that has ended (figures by completion, as the
-/// per-second line's; the report gives them by intended start).
-fn step_line(live: bool, i: usize, sched: &Schedule, t: &Tally, took: Duration) {
-    let secs = took.as_secs_f64().max(1e-3);
-    let line = format!(
+/// A step of the schedule whose seconds are over: its figures and how long they took.
+#[derive(Debug)]
+struct StepDone {
+    /// Its index in the schedule.
+    index: usize,
+    /// The figures of its seconds.
+    tally: Tally,
+    /// The seconds they cover.
+    secs: f64,
+}
+
+/// The steps' figures as the seconds come: each second goes to the step its middle falls
+/// in, with its own length, so that a step's rate is its requests over its own seconds
+/// (by completion, as the per-second line's; the report gives them by intended start).
+#[derive(Debug, Default)]
+struct StepLines {
+    current: Option<StepDone>,
+}
+
+impl StepLines {
+    /// A second of `secs` with figures `t`, in step `step` (`None`: no step, the warm-up
+    /// or the last replies after the schedule); returns the step that it ended, if any.
+    fn second(&mut self, step: Option<usize>, t: &Tally, secs: f64) -> Option<StepDone> {
+        if let Some(c) = &mut self.current {
+            if Some(c.index) == step {
+                c.tally.add(t);
+                c.secs += secs;
+                return None;
+            }
+        }
+        let done = self.current.take();
+        self.current = step.map(|index| {
+            let mut tally = Tally::interval();
+            tally.add(t);
+            StepDone { index, tally, secs }
+        });
+        done
+    }
+
+    /// The run is over: the step under way, if any.
+    fn finish(&mut self) -> Option<StepDone> {
+        self.current.take()
+    }
+}
+
+/// The line of a step that has ended: the rate offered (a ramp's mean over the step) and
+/// the step's own figures.
+fn step_text(sched: &Schedule, d: &StepDone) -> String {
+    let t = &d.tally;
+    let secs = d.secs.max(1e-3);
+    format!(
         "step {} ({:.0} requests/s offered): {:.0} requests/s done, p99 {:.3} ms from the intended start, {} not sent, {} calls failed",
-        i + 1,
-        step_rate(sched, i),
+        d.index + 1,
+        step_rate(sched, d.index),
         (t.requests_ok + t.requests_failed) as f64 / secs,
         t.requests.quantile_us(0.99) as f64 / 1000.0,
         t.requests_not_sent,
         t.failed()
-    );
-    say!("{}{line}", if live { CLEAR_LINE } else { "" });
+    )
 }
 
-/// The offered rate at the start of step `i`.
+/// The rate offered over step `i`: its mean (the rates at its start and end: along a ramp
+/// the rate is linear within a step).
 fn step_rate(sched: &Schedule, i: usize) -> f64 {
     let each = sched.step_length().unwrap_or_default();
-    sched.rate_at(each * i as u32)
+    let start = each * i as u32;
+    match sched {
+        Schedule::Steps { .. } => sched.rate_at(start),
+        _ => (sched.rate_at(start) + sched.rate_at(start + each)) / 2.0,
+    }
 }
 
 /// Back to the start of the terminal's line, and clear it (the live line is redrawn there).
@@ -156,4 +205,78 @@ pub(crate) fn write_line(line: std::fmt::Arguments<'_>) {
 /// of their log lines; a pipe keeps a single write of up to 4 KiB whole.
 fn write_whole(text: &str) {
     let _ = std::io::stderr().lock().write_all(text.as_bytes());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn second(requests: u64) -> Tally {
+        Tally {
+            requests_ok: requests,
+            ..Tally::interval()
+        }
+    }
+
+    fn rate(line: &str) -> f64 {
+        let done = line.split("offered): ").nth(1).unwrap();
+        done.split(' ').next().unwrap().parse().unwrap()
+    }
+
+    #[test]
+    fn a_steps_line_gives_its_own_rate_over_its_own_seconds() {
+        let sched = Schedule::Steps {
+            rates: vec![1000.0, 2000.0, 5000.0],
+            each: Duration::from_secs(2),
+        };
+        let mut lines = StepLines::default();
+        let mut done = Vec::new();
+        // The warm-up, two seconds a step, the last replies after the schedule.
+        for (step, n, secs) in [
+            (None, 500, 1.0),
+            (Some(0), 1000, 1.0),
+            (Some(0), 1000, 1.0),
+            (Some(1), 2000, 1.0),
+            (Some(1), 2000, 1.0),
+            (Some(2), 5000, 1.0),
+            (Some(2), 4000, 0.8),
+            (None, 3000, 1.0),
+        ] {
+            done.extend(lines.second(step, &second(n), secs));
+        }
+        done.extend(lines.finish());
+        let text: Vec<String> = done.iter().map(|d| step_text(&sched, d)).collect();
+        let rates: Vec<f64> = text.iter().map(|l| rate(l)).collect();
+        assert_eq!(rates, [1000.0, 2000.0, 5000.0], "{text:#?}");
+        assert!(
+            text[2].starts_with("step 3 (5000 requests/s offered)"),
+            "{}",
+            text[2]
+        );
+
+        // A run that ends within a step: its line at the end, over the seconds it had.
+        let mut lines = StepLines::default();
+        assert!(lines.second(Some(0), &second(300), 0.3).is_none());
+        let last = lines.finish().unwrap();
+        assert_eq!(rate(&step_text(&sched, &last)), 1000.0);
+    }
+
+    #[test]
+    fn a_ramps_step_offers_its_mean_rate() {
+        let sched = Schedule::Ramp {
+            from: 1000.0,
+            to: 20_000.0,
+            over: Duration::from_secs(60),
+        };
+        let d = StepDone {
+            index: 59,
+            tally: second(19_800),
+            secs: 1.0,
+        };
+        let line = step_text(&sched, &d);
+        assert!(
+            line.starts_with("step 60 (19842 requests/s offered): 19800 requests/s done"),
+            "{line}"
+        );
+    }
 }
