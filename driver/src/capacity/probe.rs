@@ -1,8 +1,8 @@
 //! Reading the CPU figures of the programs on the path: a broker's or provider's from its
 //! `/metrics` (process CPU time and the host's CPU time by mode, both exact fractional
 //! counters read afresh at each scrape; and a broker's idle busy polling), the driver's
-//! own from `/proc`. Two readings bound a step: their difference over the time between
-//! them is the CPU used.
+//! own from its process CPU clock and `/proc/stat`. Two readings bound a step: their
+//! difference over the time between them is the CPU used.
 //!
 //! A scrape is one HTTP/1.1 GET over a connection of its own (hyper's client, without a
 //! pool: two scrapes a step need none), bounded in time ([`SCRAPE_TIMEOUT`]) and size
@@ -187,9 +187,7 @@ async fn get(addr: SocketAddr) -> Result<String, ProbeError> {
 /// The driver's own reading: its process and its host, from `/proc`.
 pub fn own() -> Reading {
     let at = Instant::now();
-    let process_cpu = metrics_process::collector::collect()
-        .cpu_seconds_total
-        .unwrap_or(0.0);
+    let process_cpu = rpcmesh_common::metrics::system::process_cpu_seconds();
     let (host_softirq, host_total) = match rpcmesh_common::metrics::system::host_cpu_seconds() {
         Some((soft, all)) => (Some(soft), Some(all)),
         None => (None, None),

@@ -99,6 +99,16 @@ fn growth(last: u64, now: u64) -> u64 {
     }
 }
 
+/// The CPU time this process has used, user and system, all its threads (those ended
+/// too), in seconds to the nanosecond: the kernel's `CLOCK_PROCESS_CPUTIME_ID`, which sums
+/// the scheduler's run time. `/proc/self/stat` (what `metrics-process` reads) gives the
+/// same time in clock ticks, 10 ms each at `USER_HZ` 100: the CPU of a call at a low rate
+/// would come in round steps of it.
+pub fn process_cpu_seconds() -> f64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    t.tv_sec as f64 + t.tv_nsec as f64 / 1e9
+}
+
 /// The host's CPU time now, seconds summed over its CPUs: `(softirq, every mode)`, with
 /// the modes counted as the `mode` label counts them (guest time inside user and nice).
 /// `None` when `/proc/stat` cannot be read. For a program that wants the figure without a
@@ -204,7 +214,8 @@ impl SystemMetrics {
         if process.cpu_seconds_total.is_none() {
             warn_once(&mut self.warned.process, self.role, &SysError::Process);
         }
-        self.record_process(&process);
+        // The process clock, not `process`'s ticks (see [`process_cpu_seconds`]).
+        self.record_process(&process, process_cpu_seconds());
     }
 
     fn record_softirqs(&mut self, s: &Softirqs) {
@@ -309,25 +320,24 @@ impl SystemMetrics {
         }
     }
 
-    fn record_process(&mut self, m: &metrics_process::collector::Metrics) {
+    /// Records the process's figures `m` and its CPU time, `seconds`.
+    fn record_process(&mut self, m: &metrics_process::collector::Metrics, seconds: f64) {
         let (telemetry, role) = (&self.telemetry, self.role);
-        if let Some(seconds) = m.cpu_seconds_total {
-            self.process_cpu
-                .get_or_insert_with(|| {
-                    telemetry.counter(&PROCESS_CPU_SECONDS_TOTAL, &[("role", role.label())])
-                })
-                // Rounds down; NaN or a negative value (never seen) becomes 0.
-                .absolute(seconds as u64);
-            let (hist, last) = self.process_cpu_exact.get_or_insert_with(|| {
-                (
-                    telemetry.histogram(&PROCESS_CPU_SECONDS, &[("role", role.label())]),
-                    0.0,
-                )
-            });
-            if seconds.is_finite() && seconds > *last {
-                hist.record(seconds - *last);
-                *last = seconds;
-            }
+        self.process_cpu
+            .get_or_insert_with(|| {
+                telemetry.counter(&PROCESS_CPU_SECONDS_TOTAL, &[("role", role.label())])
+            })
+            // Rounds down; NaN or a negative value (never seen) becomes 0.
+            .absolute(seconds as u64);
+        let (hist, last) = self.process_cpu_exact.get_or_insert_with(|| {
+            (
+                telemetry.histogram(&PROCESS_CPU_SECONDS, &[("role", role.label())]),
+                0.0,
+            )
+        });
+        if seconds.is_finite() && seconds > *last {
+            hist.record(seconds - *last);
+            *last = seconds;
         }
         for ((family, value), handle) in process_gauges(m)
             .into_iter()
@@ -562,6 +572,48 @@ mod tests {
         );
         let rss = sample(&text, "rpcmesh_process_resident_memory_bytes", &[]);
         assert!(rss.is_some_and(|b| b > 0.0), "{text}");
+    }
+
+    /// Burns CPU on this thread until the process clock has moved `by` seconds past
+    /// `from`; the reading then.
+    fn burn_past(from: f64, by: f64) -> f64 {
+        let mut x = 0u64;
+        loop {
+            for i in 0..1000u64 {
+                x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(i));
+            }
+            let now = process_cpu_seconds();
+            if now - from >= by {
+                return now;
+            }
+        }
+    }
+
+    #[test]
+    fn the_process_cpu_clock_is_finer_than_a_clock_tick() {
+        let tick = 1.0 / procfs::ticks_per_second().max(1) as f64;
+        let few_ms = tick / 10.0;
+        // Readings a few ms of CPU apart: clock ticks would make them 0 or a whole tick.
+        let first = process_cpu_seconds();
+        let second = burn_past(first, few_ms);
+        let d = second - first;
+        assert!(d >= few_ms && d < tick, "{d} s apart (a tick is {tick} s)");
+
+        // The exported time is that clock's: its sum moves as finely.
+        let t = Telemetry::new();
+        let mut m = SystemMetrics::new(&t, Role::Provider);
+        let sum = |t: &Telemetry| {
+            sample(&t.render(), "rpcmesh_process_cpu_seconds_sum", &[]).unwrap_or(0.0)
+        };
+        m.collect();
+        let a = sum(&t);
+        burn_past(process_cpu_seconds(), few_ms);
+        m.collect();
+        let d = sum(&t) - a;
+        assert!(
+            d >= few_ms && d < tick,
+            "exported: {d} s apart (a tick is {tick} s)"
+        );
     }
 
     #[tokio::test]

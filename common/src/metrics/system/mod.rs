@@ -76,7 +76,10 @@
 //! # Fractional process CPU time
 //!
 //! For CPU per call the whole seconds of the process counter are too coarse, so the same
-//! time is also exported exactly as the histogram `rpcmesh_process_cpu_seconds`: each
+//! time is also exported exactly as the histogram `rpcmesh_process_cpu_seconds`. Both are
+//! read from the process's own CPU clock (`CLOCK_PROCESS_CPUTIME_ID`, to the nanosecond),
+//! not from `/proc/self/stat`, whose clock ticks (10 ms) would make a call's CPU at a low
+//! rate come in round steps: each
 //! collection observes the CPU time used since the previous one (the first, the time used
 //! since the process started). Its `_sum` is therefore the process's CPU time in
 //! fractional seconds, a float that only grows: `rate(rpcmesh_process_cpu_seconds_sum[1m])`
@@ -113,7 +116,7 @@ mod parse;
 
 pub use collector::{
     DEFAULT_INTERVAL, Housekeeping, MAX_VECTORS, MIN_INTERVAL, SystemMetrics, host_cpu_seconds,
-    spawn,
+    process_cpu_seconds, spawn,
 };
 pub use parse::{SoftirqRow, Softirqs, parse_softirqs, parse_stat};
 
