@@ -281,14 +281,16 @@ pub struct CapacityArgs {
     #[arg(
         long = "broker-metrics",
         env = "RPCMESH_CAPACITY_BROKER_METRICS",
-        value_delimiter = ','
+        value_delimiter = ',',
+        value_parser = parse_metrics_endpoint
     )]
     pub broker_metrics: Vec<SocketAddr>,
     /// `/metrics` of a provider on the path (HOST:PORT). Repeatable.
     #[arg(
         long = "provider-metrics",
         env = "RPCMESH_CAPACITY_PROVIDER_METRICS",
-        value_delimiter = ','
+        value_delimiter = ',',
+        value_parser = parse_metrics_endpoint
     )]
     pub provider_metrics: Vec<SocketAddr>,
     /// Local mesh: the provider's service time (as the provider's --service-time).
@@ -300,6 +302,22 @@ pub struct CapacityArgs {
     /// Where the report is written.
     #[command(flatten)]
     pub outputs: OutputArgs,
+}
+
+/// A `/metrics` endpoint to probe: `HOST:PORT`, a host name resolved once, here (the
+/// probes then scrape that address).
+pub fn parse_metrics_endpoint(s: &str) -> Result<SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    let expected = "expected the HOST:PORT of a /metrics endpoint, e.g. 10.0.0.2:9770";
+    if !is_host_port(s) {
+        return Err(format!("{s}: {expected}"));
+    }
+    match s.to_socket_addrs() {
+        Ok(mut addrs) => addrs
+            .next()
+            .ok_or_else(|| format!("{s}: the name has no address ({expected})")),
+        Err(e) => Err(format!("{s}: {e} ({expected})")),
+    }
 }
 
 /// Which program `driver serve` runs.
@@ -655,6 +673,9 @@ impl LoadArgs {
             self.payload_size != DEFAULT_ECHO_SIZE && self.workload != WorkloadKind::Echo,
             || "--payload-size is the echo message's size, and the platform workload sends its reference request: add --workload echo, or drop --payload-size".into(),
         );
+        p.check(self.parallel && self.fanout == 1, || {
+            "--parallel makes a request's calls at once, and with --fanout 1 a request has one: raise --fanout, or drop --parallel".into()
+        });
         p.check(
             self.seed != DEFAULT_SEED && self.arrival != Arrival::Poisson,
             || "--seed draws the random gaps of --arrival poisson, and uniform gaps are not random: add --arrival poisson, or drop --seed".into(),
@@ -940,6 +961,7 @@ mod tests {
                 &["--stage-sample", "1", "--stage-metrics", "off"],
                 "drop --stage-sample",
             ),
+            (&["--parallel", "--fanout", "1"], "raise --fanout"),
         ] {
             let p = problems(flags);
             assert!(
@@ -980,6 +1002,19 @@ mod tests {
             ],
         ] {
             assert_eq!(problems(flags), Vec::<String>::new(), "{flags:?}");
+        }
+    }
+
+    #[test]
+    fn metrics_endpoints_take_a_host_and_a_port_and_say_so_otherwise() {
+        assert_eq!(
+            parse_metrics_endpoint("127.0.0.1:9770"),
+            Ok("127.0.0.1:9770".parse().unwrap())
+        );
+        assert!(parse_metrics_endpoint("localhost:9770").is_ok());
+        for bad in ["9770", ":9770", "10.0.0.2"] {
+            let e = parse_metrics_endpoint(bad).unwrap_err();
+            assert!(e.contains("e.g. 10.0.0.2:9770"), "{e}");
         }
     }
 
