@@ -180,7 +180,7 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
             "--duration",
             DRIVER_DURATION,
             "--warmup",
-            "0",
+            "0s",
             "--timeout",
             "2s",
             "--compress",

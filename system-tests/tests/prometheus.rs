@@ -173,7 +173,7 @@ fn prometheus_scrapes_all_three_programs_and_promtool_finds_no_problem() {
             "--duration",
             "6s",
             "--warmup",
-            "0",
+            "0s",
             "--compress",
             "on",
             "--progress",
