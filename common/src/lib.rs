@@ -4,6 +4,8 @@
 //! ```text
 //!   cli       flags and values every program takes, config problems, start-up
 //!   format    figures as people read them (ms, thousands, bytes): pure, for every report
+//!   log_sink  where log lines go: a bounded queue and a thread writing it to stderr
+//!             (never blocks or fails the process; a leaf, used by cli, read by metrics)
 //!   metrics   the catalogue of metrics, the recorder, handle groups, errors, /proc
 //!   net       framed connections, accept loop, server-session skeleton, slot table,
 //!             busy polling, a small client, shutdown
@@ -19,6 +21,7 @@
 
 pub mod cli;
 pub mod format;
+pub mod log_sink;
 pub mod metrics;
 pub mod net;
 

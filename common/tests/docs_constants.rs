@@ -5,6 +5,7 @@
 //! differs.
 
 use rpcmesh_common::cli::startup::LISTEN_BACKLOG;
+use rpcmesh_common::log_sink::{LOG_FLUSH_WAIT, LOG_QUEUE_LINES};
 use rpcmesh_common::metrics::endpoint::{
     ACCEPT_ERROR_PAUSE, CONNECTION_LIFETIME, HEADER_READ_TIMEOUT, MAX_CONNECTIONS,
 };
@@ -87,6 +88,8 @@ fn common() -> Vec<(&'static str, Value)> {
         ("common::DEFAULT_STAGE_SAMPLE", count(DEFAULT_STAGE_SAMPLE)),
         ("common::DEFAULT_INTERVAL", time(DEFAULT_INTERVAL)),
         ("common::LISTEN_BACKLOG", count(LISTEN_BACKLOG)),
+        ("common::LOG_QUEUE_LINES", count(LOG_QUEUE_LINES)),
+        ("common::LOG_FLUSH_WAIT", time(LOG_FLUSH_WAIT)),
     ]
 }
 

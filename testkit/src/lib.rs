@@ -6,6 +6,7 @@
 //!   spawned     a program run as a real process, its addresses, metrics and /proc figures;
 //!               the broker with a memory budget that the hostile tests flood
 //!   child       a child process killed and reaped when dropped, signals by PID
+//!   stderr      stderr sinks that take nothing: a pipe whose reader has gone, a full one
 //!   paths       the workspace's root, the programs' binaries, free ports
 //!   wait        waiting on a condition instead of sleeping (async and blocking)
 //!   gate        holding calls in a handler until the test lets them through
@@ -36,6 +37,7 @@ pub mod in_process;
 pub mod paths;
 pub mod quoted;
 pub mod spawned;
+pub mod stderr;
 pub mod wait;
 
 pub use bad_input::{BadInput, Observed, PROBE_TIMEOUT, bad_inputs, garbage, probe};
@@ -50,6 +52,7 @@ pub use http::{get, get_query};
 pub use in_process::{InProcess, echo_call, echo_calls};
 pub use paths::{bin_path, free_port, workspace_root};
 pub use spawned::{BROKER_BUDGET_MIB, Launch, Spawned, budgeted_broker};
+pub use stderr::{closed_pipe, full_pipe};
 pub use wait::{
     WAIT_POLL, WAIT_TIMEOUT, eventually, wait_for, wait_listening, wait_refused, wait_until,
     wait_until_blocking,

@@ -6,6 +6,7 @@
 
 use std::io::BufRead;
 use std::net::SocketAddr;
+use std::os::fd::BorrowedFd;
 use std::path::Path;
 
 use rpcmesh_common::cli::startup::parse_listening_line;
@@ -16,7 +17,7 @@ use rpcmesh_wire::Status;
 use crate::child::ChildGuard;
 use crate::in_process::echo_call;
 use crate::paths::bin_path;
-use crate::wait::wait_for;
+use crate::wait::{WAIT_TIMEOUT, wait_for};
 
 /// The kernel's `USER_HZ`, the unit of `/proc/PID/stat`'s CPU times (100 on every Linux
 /// build this runs on).
@@ -33,6 +34,9 @@ pub struct Launch<'a> {
     pub env: &'a [(&'a str, &'a str)],
     /// Where its stderr goes (`None`: discarded).
     pub stderr: Option<&'a Path>,
+    /// A descriptor of the test's its stderr is instead (the child gets a copy), such as
+    /// the write end of a pipe from [`crate::stderr`]; before [`Launch::stderr`].
+    pub stderr_fd: Option<BorrowedFd<'a>>,
 }
 
 /// A provider or broker run as a real process, killed by PID when dropped.
@@ -67,11 +71,15 @@ impl Spawned {
     }
 
     fn spawn(name: &str, listen: &str, args: &[&str], launch: Launch<'_>) -> Spawned {
-        let err = match launch.stderr {
-            Some(path) => std::fs::File::create(path)
+        let err = match (launch.stderr_fd, launch.stderr) {
+            (Some(fd), _) => fd
+                .try_clone_to_owned()
+                .map(std::process::Stdio::from)
+                .expect("copy the stderr descriptor"),
+            (None, Some(path)) => std::fs::File::create(path)
                 .map(std::process::Stdio::from)
                 .expect("create the stderr file"),
-            None => std::process::Stdio::null(),
+            (None, None) => std::process::Stdio::null(),
         };
         let mut child = std::process::Command::new(bin_path(name))
             .envs(launch.env.iter().copied())
@@ -83,13 +91,23 @@ impl Spawned {
             .unwrap_or_else(|e| panic!("start {name}: {e}"));
         let stdout = child.stdout.take().expect("piped stdout");
         let child = ChildGuard(Some(child));
-        let mut lines = std::io::BufReader::new(stdout).lines();
-        let (rpc, metrics) = lines
-            .by_ref()
-            .map_while(Result::ok)
-            .find_map(|l| parse_listening_line(&l))
-            .unwrap_or_else(|| panic!("{name} printed no listening line"));
-        std::thread::spawn(move || lines.for_each(drop));
+        // Read on a thread of its own, so that a program that hangs before it listens fails
+        // the test (after the hang detector's wait) instead of stalling it.
+        let (found, listening) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = std::io::BufReader::new(stdout).lines();
+            let addrs = lines
+                .by_ref()
+                .map_while(Result::ok)
+                .find_map(|l| parse_listening_line(&l));
+            let _ = found.send(addrs);
+            lines.for_each(drop);
+        });
+        let (rpc, metrics) = match listening.recv_timeout(WAIT_TIMEOUT) {
+            Ok(Some(addrs)) => addrs,
+            Ok(None) => panic!("{name} printed no listening line"),
+            Err(_) => panic!("{name} printed no listening line within {WAIT_TIMEOUT:?}"),
+        };
         Spawned {
             child,
             rpc,

@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use tokio::net::{TcpListener, TcpSocket};
 
 use crate::cli::values::MetricsListen;
+use crate::log_sink;
 use crate::metrics::Telemetry;
 use crate::net::shutdown::{self, ShutdownSignal};
 
@@ -61,18 +62,49 @@ pub enum StartupError {
     },
 }
 
-/// Starts logging to stderr. The filter comes from `RUST_LOG` when set, else `default`
-/// (e.g. `"info"`). Log lines are plain (no colours) when stderr is not a terminal.
+/// Starts logging to stderr, through the process's [`log_sink`]: a line is queued and
+/// written by a thread of its own, so that logging never blocks or fails the process (a
+/// stderr that is closed or takes nothing drops lines, and counts them). The filter comes
+/// from `RUST_LOG` when set, else `default` (e.g. `"info"`). Log lines are plain (no
+/// colours) when stderr is not a terminal.
 pub fn init_logging(default: &str) {
     use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    log_sink::install();
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(|| log_sink::LineWriter)
         .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
         .try_init();
+}
+
+/// A program's Tokio runtime (it derefs to it). Dropped, it shuts the runtime down and
+/// then writes out the log lines still queued, for at most [`log_sink::LOG_FLUSH_WAIT`],
+/// so that a program's last lines (`broker stopped`, an error) are not lost at exit.
+#[derive(Debug)]
+pub struct ProgramRuntime {
+    // Fields drop in order: the runtime (whose tasks may log as they end), then the flush.
+    rt: tokio::runtime::Runtime,
+    _flush: FlushLogs,
+}
+
+impl std::ops::Deref for ProgramRuntime {
+    type Target = tokio::runtime::Runtime;
+    fn deref(&self) -> &tokio::runtime::Runtime {
+        &self.rt
+    }
+}
+
+/// Writes out the queued log lines when dropped (see [`ProgramRuntime`]).
+#[derive(Debug)]
+struct FlushLogs;
+
+impl Drop for FlushLogs {
+    fn drop(&mut self) {
+        log_sink::flush(log_sink::LOG_FLUSH_WAIT);
+    }
 }
 
 /// Worker threads to use when the operator says 0: one per CPU the process may run on.
@@ -117,9 +149,13 @@ pub fn start(
     program: &str,
     default_log: &str,
     threads: usize,
-) -> Result<tokio::runtime::Runtime, StartupError> {
+) -> Result<ProgramRuntime, StartupError> {
     init_logging(default_log);
-    build(program, threads).map_err(StartupError::Runtime)
+    let rt = build(program, threads).map_err(StartupError::Runtime)?;
+    Ok(ProgramRuntime {
+        rt,
+        _flush: FlushLogs,
+    })
 }
 
 /// The whole life of a server program after its flags are validated: logging at `info`,

@@ -556,6 +556,14 @@ pub const PROCESS_START_TIME_SECONDS: Family = Family {
     roles: ALL,
     help: "Start time of this process, seconds since the Unix epoch.",
 };
+/// `rpcmesh_log_lines_dropped_total{role}`.
+pub const LOG_LINES_DROPPED_TOTAL: Family = Family {
+    name: "rpcmesh_log_lines_dropped_total",
+    kind: Counter,
+    labels: ROLE,
+    roles: ALL,
+    help: "Log lines this process dropped instead of waiting on stderr: its queue was full (stderr took nothing) or the write failed (stderr closed). The process serves on either way.",
+};
 
 /// Every family, grouped as `docs/metrics.md` groups them.
 pub const CATALOGUE: &[&Family] = &[
@@ -610,6 +618,7 @@ pub const CATALOGUE: &[&Family] = &[
     &PROCESS_MAX_FDS,
     &PROCESS_THREADS,
     &PROCESS_START_TIME_SECONDS,
+    &LOG_LINES_DROPPED_TOTAL,
 ];
 
 /// Puts the help text of every catalogued family on `telemetry`'s recorder (every recorder

@@ -19,10 +19,11 @@ use super::SysError;
 use super::parse::{CpuMode, Softirqs, parse_context_switches, parse_softirqs, parse_stat};
 use crate::metrics::Telemetry;
 use crate::metrics::catalogue::{
-    CPU_SECONDS_TOTAL, Family, HOST_CPU_SECONDS, PROCESS_CONTEXT_SWITCHES_TOTAL,
-    PROCESS_CPU_SECONDS, PROCESS_CPU_SECONDS_TOTAL, PROCESS_MAX_FDS, PROCESS_OPEN_FDS,
-    PROCESS_RESIDENT_MEMORY_BYTES, PROCESS_START_TIME_SECONDS, PROCESS_THREADS,
-    PROCESS_VIRTUAL_MEMORY_BYTES, PROCESS_VIRTUAL_MEMORY_MAX_BYTES, Role, SOFTIRQS_TOTAL,
+    CPU_SECONDS_TOTAL, Family, HOST_CPU_SECONDS, LOG_LINES_DROPPED_TOTAL,
+    PROCESS_CONTEXT_SWITCHES_TOTAL, PROCESS_CPU_SECONDS, PROCESS_CPU_SECONDS_TOTAL,
+    PROCESS_MAX_FDS, PROCESS_OPEN_FDS, PROCESS_RESIDENT_MEMORY_BYTES, PROCESS_START_TIME_SECONDS,
+    PROCESS_THREADS, PROCESS_VIRTUAL_MEMORY_BYTES, PROCESS_VIRTUAL_MEMORY_MAX_BYTES, Role,
+    SOFTIRQS_TOTAL,
 };
 use crate::net::shutdown::CancellationToken;
 
@@ -173,6 +174,8 @@ pub struct SystemMetrics {
     process_gauges: [Option<Gauge>; PROCESS_GAUGES],
     /// Voluntary and involuntary context switches: the counter and its highest total.
     context_switches: [Option<(Counter, u64)>; 2],
+    /// Log lines the process dropped (`crate::log_sink`).
+    log_lines_dropped: Counter,
     warned: Warned,
 }
 
@@ -193,6 +196,8 @@ impl SystemMetrics {
             process_cpu_exact: None,
             process_gauges: Default::default(),
             context_switches: Default::default(),
+            log_lines_dropped: telemetry
+                .counter(&LOG_LINES_DROPPED_TOTAL, &[("role", role.label())]),
             warned: Warned::default(),
         }
     }
@@ -216,6 +221,8 @@ impl SystemMetrics {
         }
         // The process clock, not `process`'s ticks (see [`process_cpu_seconds`]).
         self.record_process(&process, process_cpu_seconds());
+        self.log_lines_dropped
+            .absolute(crate::log_sink::dropped_lines());
     }
 
     fn record_softirqs(&mut self, s: &Softirqs) {

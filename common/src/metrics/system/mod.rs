@@ -1,6 +1,7 @@
 //! System metrics of one program instance, read from `/proc`: per CPU, the count of every
-//! softirq vector (`/proc/softirqs`) and the time spent in each mode (`/proc/stat`); and
-//! the process's own CPU time, memory, file descriptors and threads (`/proc/self`).
+//! softirq vector (`/proc/softirqs`) and the time spent in each mode (`/proc/stat`); the
+//! process's own CPU time, memory, file descriptors and threads (`/proc/self`); and the log
+//! lines it dropped (`crate::log_sink`).
 //!
 //! Two parts, kept apart so that the parsing is tested on made-up text and the collecting
 //! on made-up readings:
@@ -31,6 +32,7 @@
 //! | `rpcmesh_process_cpu_seconds` | histogram | `role` |
 //! | `rpcmesh_process_resident_memory_bytes`, `rpcmesh_process_virtual_memory_bytes`, `rpcmesh_process_virtual_memory_max_bytes` | gauge | `role` |
 //! | `rpcmesh_process_open_fds`, `rpcmesh_process_max_fds`, `rpcmesh_process_threads`, `rpcmesh_process_start_time_seconds` | gauge | `role` |
+//! | `rpcmesh_log_lines_dropped_total` (the process's count in [`crate::log_sink`]) | counter | `role` |
 //!
 //! `cpu` is the kernel's CPU number (`"0"`, `"1"`, …, the same in both files, so the two
 //! can be joined); `vector` is the row name of `/proc/softirqs` lower-cased (`net_rx`,
