@@ -11,6 +11,7 @@
 //!   wait        waiting on a condition instead of sleeping (async and blocking)
 //!   gate        holding calls in a handler until the test lets them through
 //!   frames      request frames made by hand, reading frames off a socket
+//!   flags       walking a program's flags: every duration flag refuses a bare number
 //!   bad_input   the bad inputs every server must survive, and the probe that sends one
 //!   golden      the reference implementation's golden frames
 //!   http        a GET on 127.0.0.1 that checks the status
@@ -29,6 +30,7 @@
 pub mod bad_input;
 pub mod capacity;
 pub mod child;
+pub mod flags;
 pub mod frames;
 pub mod gate;
 pub mod golden;

@@ -1,5 +1,5 @@
-//! Values on the command line: durations (`250ms`, `2s`, `1m30s`, a bare number of
-//! seconds), byte sizes (`512MiB`, `64KiB`, `1GiB`, a bare number of bytes), `on`/`off`,
+//! Values on the command line: durations (`250ms`, `2s`, `1m30s`: always with a unit, but
+//! `0`), byte sizes (`512MiB`, `64KiB`, `1GiB`, a bare number of bytes), `on`/`off`,
 //! and the metrics endpoint address (`HOST:PORT` or `off`). Each is a
 //! type with `FromStr` and `Display`, so that a flag's default is given as the named
 //! constant itself (`default_value_t = DurationArg(DEFAULT_GRACE)`) and `--help` prints it
@@ -10,15 +10,30 @@ use std::net::SocketAddr;
 use std::str::FromStr;
 use std::time::Duration;
 
-/// Parses a duration: `250ms`, `2s`, `1m30s`, or a bare number of seconds.
+/// The units a duration is written in, as the errors list them (humantime's; it also
+/// takes their long forms: `msec`, `seconds`, `min`, `hours`…).
+pub const DURATION_UNITS: &str = "ns, us, ms, s, m (minutes), h, d";
+
+/// Parses a duration: a number with a unit (`250ms`, `2s`, `1.5s`, `1m30s`), or `0`. A
+/// number without a unit is refused, the units listed: `--busy-poll 50` could mean 50 µs
+/// or 50 s, and reading it as seconds made a 50 µs window a 50 s one. `0` is the same in
+/// every unit.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    if let Ok(secs) = s.parse::<f64>() {
-        if secs.is_finite() && secs >= 0.0 {
-            return Ok(Duration::from_secs_f64(secs));
-        }
-        return Err(format!("{s}: not a duration"));
+    let t = s.trim();
+    if t == "0" {
+        return Ok(Duration::ZERO);
     }
-    humantime::parse_duration(s).map_err(|e| format!("{s}: {e}"))
+    humantime::parse_duration(t).map_err(|e| match e {
+        humantime::DurationError::UnknownUnit { unit, .. } if unit.is_empty() => {
+            format!("{s:?} has no unit: write a duration with one of {DURATION_UNITS} (e.g. {t}ms or {t}s)")
+        }
+        humantime::DurationError::UnknownUnit { unit, .. } => {
+            format!("{s:?}: unknown unit {unit:?}; a duration takes {DURATION_UNITS} (e.g. 250ms, 2s, 1m30s)")
+        }
+        e => format!(
+            "{s:?} is not a duration ({e}): write a number with one of {DURATION_UNITS} (e.g. 250ms, 2s, 1m30s)"
+        ),
+    })
 }
 
 /// Parses a duration as [`parse_duration`] does, or `off` (`None`).
@@ -150,13 +165,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn durations_parse_with_units_or_as_seconds() {
+    fn durations_take_a_unit() {
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
-        assert_eq!(parse_duration("2"), Ok(Duration::from_secs(2)));
-        assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("50us"), Ok(Duration::from_micros(50)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
         assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
-        assert!(parse_duration("-1").is_err());
-        assert!(parse_duration("soon").is_err());
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_duration("0s"), Ok(Duration::ZERO));
+        for bare in ["50", "5", "100", "1.5", " 2 "] {
+            let e = parse_duration(bare).unwrap_err();
+            assert!(e.contains("has no unit"), "{bare}: {e}");
+            assert!(e.contains(DURATION_UNITS), "{bare}: {e}");
+        }
+        assert_eq!(
+            parse_duration("50").unwrap_err(),
+            "\"50\" has no unit: write a duration with one of ns, us, ms, s, m (minutes), h, d (e.g. 50ms or 50s)"
+        );
+        for bad in ["-1", "soon", "5 parsecs", ""] {
+            let e = parse_duration(bad).unwrap_err();
+            assert!(e.contains(DURATION_UNITS), "{bad}: {e}");
+        }
     }
 
     #[test]
