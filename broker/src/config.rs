@@ -153,8 +153,9 @@ pub struct Args {
     /// Address of the Prometheus `/metrics` endpoint, or `off`.
     #[arg(long, env = "RPCMESH_METRICS_LISTEN", default_value_t = DEFAULT_METRICS_LISTEN)]
     pub metrics_listen: MetricsListen,
-    /// An rpcmesh provider: HOST:PORT (any service) or SERVICE[,SERVICE]=HOST:PORT.
-    /// Repeatable.
+    /// An rpcmesh provider: HOST:PORT (any service) or SERVICE[,SERVICE]=HOST:PORT, the
+    /// services named as their protobuf definitions name them (EchoService,
+    /// platform.PlatformService) with no blank after the commas. Repeatable.
     #[arg(long = "upstream", env = "RPCMESH_UPSTREAMS", value_delimiter = ' ')]
     pub upstreams: Vec<String>,
     /// A plain RPCF v1 server, same syntax: it is sent only plain v1 frames. Repeatable.
@@ -331,14 +332,14 @@ impl Args {
         let memory_budget = self.limits.memory_budget(&mut p);
         let mut upstreams = Vec::new();
         let lists = [
-            (&self.upstreams, PeerKind::Rpcmesh),
-            (&self.upstreams_v1, PeerKind::V1),
+            ("--upstream", &self.upstreams, PeerKind::Rpcmesh),
+            ("--upstream-v1", &self.upstreams_v1, PeerKind::V1),
         ];
-        for (list, kind) in lists {
+        for (flag, list, kind) in lists {
             for s in list.iter().filter(|s| !s.trim().is_empty()) {
                 match UpstreamSpec::parse(s, kind) {
                     Ok(u) => upstreams.push(u),
-                    Err(e) => p.0.push(e),
+                    Err(e) => p.0.push(format!("{flag} {e}")),
                 }
             }
         }
@@ -349,10 +350,15 @@ impl Args {
                 p.0.push(e.to_string());
             }
         }
-        p.check(
-            upstreams.is_empty() && self.providers_file.is_none(),
-            || "no provider: give at least one --upstream HOST:PORT or a --providers-file".into(),
-        );
+        // Only when none is given: a bad one is named above.
+        let none_given = self
+            .upstreams
+            .iter()
+            .chain(&self.upstreams_v1)
+            .all(|s| s.trim().is_empty());
+        p.check(none_given && self.providers_file.is_none(), || {
+            "no provider: give at least one --upstream HOST:PORT or a --providers-file".into()
+        });
         p.check(self.pool_size == 0, || {
             "--pool-size must be at least 1".into()
         });
@@ -501,8 +507,45 @@ bad
     }
 
     #[test]
+    fn an_upstream_that_cannot_be_meant_is_refused_saying_what_is_wrong() {
+        let e = Args::parse_from([
+            "broker",
+            "--upstream",
+            "EchoService;PlatformService=p1:7800",
+            "--upstream-v1",
+            "p2",
+        ])
+        .config()
+        .unwrap_err();
+        assert_eq!(
+            e.0,
+            [
+                "--upstream \"EchoService;PlatformService=p1:7800\": service name \"EchoService;PlatformService\" has ';', which a service name cannot have: separate services with \",\"; the form is HOST:PORT (any service) or SERVICE[,SERVICE]=HOST:PORT",
+                "--upstream-v1 \"p2\": \"p2\" has no port: write HOST:PORT; the form is HOST:PORT (any service) or SERVICE[,SERVICE]=HOST:PORT",
+            ]
+        );
+        // A blank after a comma splits the value in two (blanks separate providers).
+        let e = Args::parse_from([
+            "broker",
+            "--upstream",
+            "EchoService, PlatformService=p1:7800",
+        ])
+        .config()
+        .unwrap_err();
+        assert!(e.0[0].contains("ends with \",\""), "{e}");
+    }
+
+    #[test]
     fn every_problem_is_listed_at_once() {
-        let a = Args::parse_from(["broker", "--pool-size", "0", "--upstream", "bad"]);
+        let a = Args::parse_from([
+            "broker",
+            "--pool-size",
+            "0",
+            "--upstream",
+            "bad",
+            "--call-timeout",
+            "0s",
+        ]);
         let e = a.config().unwrap_err();
         assert_eq!(e.0.len(), 3, "{e}");
     }

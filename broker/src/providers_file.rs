@@ -25,7 +25,7 @@ use std::time::SystemTime;
 
 use rpcmesh_wire::PeerKind;
 
-use crate::upstream_spec::UpstreamSpec;
+use crate::upstream_spec::{FORM, SpecProblem, UpstreamSpec};
 
 /// Largest providers file read: a file lists tens or hundreds of providers (a few KiB);
 /// 1 MiB is far beyond that and bounds what a wrong path (a log file) costs.
@@ -152,23 +152,19 @@ pub fn parse(text: &str, flags: &[UpstreamSpec]) -> Result<Vec<UpstreamSpec>, Ve
     }
 }
 
-/// One provider: the `--upstream` syntax, with no blank inside the address.
+/// One provider, in the `--upstream` syntax; the problem is named, with the line's forms.
 fn parse_spec(s: &str, kind: PeerKind) -> Result<UpstreamSpec, String> {
-    let expected = || {
+    UpstreamSpec::parse(s, kind).map_err(|e| {
+        let problem = match &e.problem {
+            SpecProblem::BadHost(h) if h.contains(char::is_whitespace) => {
+                format!("{h:?} has a blank: only {V1_MARK:?} may come before a provider")
+            }
+            p => p.to_string(),
+        };
         format!(
-            "{s:?}: expected HOST:PORT or SERVICE[,SERVICE]=HOST:PORT, with {V1_MARK:?} before it for a plain v1 server"
+            "{s:?}: {problem}; the form is {FORM}, with {V1_MARK:?} before it for a plain v1 server"
         )
-    };
-    let spec = UpstreamSpec::parse(s, kind).map_err(|_| expected())?;
-    if spec.addr.contains(char::is_whitespace)
-        || spec
-            .services
-            .iter()
-            .any(|x| x.contains(char::is_whitespace))
-    {
-        return Err(expected());
-    }
-    Ok(spec)
+    })
 }
 
 /// Reads the file at `path` (at most [`MAX_FILE_BYTES`]).
@@ -291,14 +287,27 @@ mod tests {
     #[test]
     fn every_bad_line_is_named_with_its_number() {
         let flags = [UpstreamSpec::parse("a:1", Rpcmesh).unwrap()];
-        let text = "ok:1\nnohost\nv2 x:1\n\nok:1\na:1\nh:notaport\nhost with space:1\n";
+        let text = "ok:1\nnohost\nv2 x:1\n\nok:1\na:1\nh:notaport\nhost with space:1\nEchoService;PlatformService=p:1\n";
         let problems = parse(text, &flags).unwrap_err();
         let lines: Vec<usize> = problems.iter().map(|p| p.line).collect();
-        assert_eq!(lines, [2, 3, 5, 6, 7, 8], "{problems:?}");
+        assert_eq!(lines, [2, 3, 5, 6, 7, 8, 9], "{problems:?}");
         assert!(
-            problems[0]
-                .problem
-                .contains("\"nohost\": expected HOST:PORT")
+            problems[6].problem.starts_with(
+                "\"EchoService;PlatformService=p:1\": service name \"EchoService;PlatformService\" has ';', which a service name cannot have: separate services with \",\"; the form is"
+            ),
+            "{}",
+            problems[6].problem
+        );
+        assert_eq!(
+            problems[0].problem,
+            "\"nohost\": \"nohost\" has no port: write HOST:PORT; the form is HOST:PORT (any service) or SERVICE[,SERVICE]=HOST:PORT, with \"v1\" before it for a plain v1 server"
+        );
+        assert!(
+            problems[1].problem.starts_with(
+                "\"v2 x:1\": \"v2 x\" has a blank: only \"v1\" may come before a provider;"
+            ),
+            "{}",
+            problems[1].problem
         );
         assert_eq!(
             problems[2].problem,
@@ -314,7 +323,9 @@ mod tests {
         };
         let msg = e.to_string();
         assert!(
-            msg.starts_with("providers file /etc/rpcmesh/providers: line 2: \"nohost\": expected"),
+            msg.starts_with(
+                "providers file /etc/rpcmesh/providers: line 2: \"nohost\": \"nohost\" has no port"
+            ),
             "{msg}"
         );
     }
@@ -337,7 +348,7 @@ mod tests {
             path: "p".into(),
             problems: parse(&text, &[]).unwrap_err(),
         };
-        assert!(e.to_string().ends_with("line 10: \"x\": expected HOST:PORT or SERVICE[,SERVICE]=HOST:PORT, with \"v1\" before it for a plain v1 server; and 15 more"), "{e}");
+        assert!(e.to_string().ends_with("line 10: \"x\": \"x\" has no port: write HOST:PORT; the form is HOST:PORT (any service) or SERVICE[,SERVICE]=HOST:PORT, with \"v1\" before it for a plain v1 server; and 15 more"), "{e}");
     }
 
     #[test]

@@ -423,14 +423,22 @@ async fn a_bad_providers_file_is_kept_out_with_its_line_logged_and_the_providers
     })
     .await;
     let expected = format!(
-        "providers file {}: line 2: \"not an address\": expected HOST:PORT",
+        "providers file {}: line 2: \"not an address\": \"not an address\" has no port: write HOST:PORT; the form is",
         file.display()
     );
-    let logged = std::fs::read_to_string(&log).unwrap();
-    let line = logged
-        .lines()
-        .find(|l| l.contains(&expected))
-        .unwrap_or_else(|| panic!("no log line with {expected:?} in:\n{logged}"));
+    // Logs are written by a thread of their own: the line follows the count.
+    let logged_line = || {
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .find(|l| l.contains(&expected))
+            .map(str::to_string)
+    };
+    wait_until("the log line naming the bad line", || {
+        logged_line().is_some()
+    })
+    .await;
+    let line = logged_line().unwrap();
     assert!(
         line.contains("ERROR") && line.contains("kept out"),
         "{line}"
