@@ -9,7 +9,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use rpcmesh_common::cli::flags::{LimitArgs, RuntimeArgs, StageArgs};
-use rpcmesh_common::cli::values::parse_duration_or_off;
+use rpcmesh_common::cli::values::{parse_duration_or_off, parse_listen_addr};
 use rpcmesh_common::cli::{ConfigProblems, DurationArg, MetricsListen};
 use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
 use rpcmesh_common::net::budget::DEFAULT_MEMORY_BUDGET;
@@ -147,10 +147,11 @@ pub enum Balance {
     about = "rpcmesh broker: a stateless RPCF v1 proxy that pools and balances calls to providers"
 )]
 pub struct Args {
-    /// Address to listen on for client connections.
-    #[arg(long, env = "RPCMESH_BROKER_LISTEN", default_value_t = DEFAULT_LISTEN)]
+    /// Address to listen on for client connections: IP:PORT, or :PORT for every interface.
+    #[arg(long, env = "RPCMESH_BROKER_LISTEN", default_value_t = DEFAULT_LISTEN, value_parser = parse_listen_addr)]
     pub listen: SocketAddr,
-    /// Address of the Prometheus `/metrics` endpoint, or `off`.
+    /// Address of the Prometheus `/metrics` endpoint (IP:PORT, or :PORT for every
+    /// interface), or `off`.
     #[arg(long, env = "RPCMESH_METRICS_LISTEN", default_value_t = DEFAULT_METRICS_LISTEN)]
     pub metrics_listen: MetricsListen,
     /// An rpcmesh provider: HOST:PORT (any service) or SERVICE[,SERVICE]=HOST:PORT, the

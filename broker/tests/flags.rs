@@ -28,3 +28,24 @@ fn every_duration_flag_refuses_a_number_without_a_unit() {
     }
     assert_eq!(bare_durations_accepted(&cmd, &flags), Vec::<String>::new());
 }
+
+#[test]
+fn an_address_to_listen_on_may_be_a_port_alone() {
+    use clap::Parser;
+    let a = Args::try_parse_from([
+        "broker",
+        "--listen",
+        ":7701",
+        "--metrics-listen",
+        ":9781",
+        "--upstream",
+        "p:7800",
+    ])
+    .unwrap();
+    assert_eq!(a.listen, "0.0.0.0:7701".parse().unwrap());
+    assert_eq!(a.metrics_listen.0, Some("0.0.0.0:9781".parse().unwrap()));
+    let e = Args::try_parse_from(["broker", "--listen", "7701"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("or :PORT for every interface"), "{e}");
+}

@@ -5,6 +5,7 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::Duration;
 
 use rpcmesh_common::cli::flags::{CompressionArgs, LimitArgs, RuntimeArgs, StageArgs};
+use rpcmesh_common::cli::values::parse_listen_addr;
 use rpcmesh_common::cli::{ConfigProblems, DurationArg, MetricsListen, OnOff};
 use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
 use rpcmesh_common::net::budget::DEFAULT_MEMORY_BUDGET;
@@ -50,10 +51,11 @@ pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
     about = "rpcmesh provider: hosts services and answers RPCF v1 calls"
 )]
 pub struct Args {
-    /// Address to listen on for calls.
-    #[arg(long, env = "RPCMESH_PROVIDER_LISTEN", default_value_t = DEFAULT_LISTEN)]
+    /// Address to listen on for calls: IP:PORT, or :PORT for every interface.
+    #[arg(long, env = "RPCMESH_PROVIDER_LISTEN", default_value_t = DEFAULT_LISTEN, value_parser = parse_listen_addr)]
     pub listen: SocketAddr,
-    /// Address of the Prometheus `/metrics` endpoint, or `off`.
+    /// Address of the Prometheus `/metrics` endpoint (IP:PORT, or :PORT for every
+    /// interface), or `off`.
     #[arg(long, env = "RPCMESH_METRICS_LISTEN", default_value_t = DEFAULT_METRICS_LISTEN)]
     pub metrics_listen: MetricsListen,
     /// Name of this node, sent in heartbeats (default: the host name).

@@ -53,3 +53,11 @@ fn every_duration_of_a_service_time_distribution_takes_a_unit() {
         );
     }
 }
+
+#[test]
+fn an_address_to_listen_on_may_be_a_port_alone() {
+    let a = Args::try_parse_from(["provider", "--listen", ":7801", "--metrics-listen", ":9781"])
+        .unwrap();
+    assert_eq!(a.listen, "0.0.0.0:7801".parse().unwrap());
+    assert_eq!(a.metrics_listen.0, Some("0.0.0.0:9781".parse().unwrap()));
+}

@@ -1,6 +1,7 @@
 //! Values on the command line: durations (`250ms`, `2s`, `1m30s`: always with a unit, but
 //! `0`), byte sizes (`512MiB`, `64KiB`, `1GiB`, a bare number of bytes), `on`/`off`,
-//! and the metrics endpoint address (`HOST:PORT` or `off`). Each is a
+//! and the addresses to listen on (`IP:PORT` or `:PORT`; the metrics endpoint's may be
+//! `off`). Each is a
 //! type with `FromStr` and `Display`, so that a flag's default is given as the named
 //! constant itself (`default_value_t = DurationArg(DEFAULT_GRACE)`) and `--help` prints it
 //! in the form the flag takes.
@@ -128,7 +129,27 @@ impl fmt::Display for OnOff {
     }
 }
 
-/// A `--metrics-listen` value: `HOST:PORT`, or `off` (no endpoint: nothing is recorded).
+/// Parses an address to listen on: `IP:PORT` (`0.0.0.0:7700`, `[::]:7700`), or `:PORT`
+/// for every IPv4 interface (`:9781` is `0.0.0.0:9781`, as the docs write ports).
+pub fn parse_listen_addr(s: &str) -> Result<SocketAddr, String> {
+    let t = s.trim();
+    let full;
+    let addr = match t.strip_prefix(':') {
+        Some(port) => {
+            full = format!("0.0.0.0:{port}");
+            full.as_str()
+        }
+        None => t,
+    };
+    addr.parse().map_err(|_| {
+        format!(
+            "{s:?} is not an address to listen on: write IP:PORT (0.0.0.0:7700, [::]:7700 for IPv6) or :PORT for every interface"
+        )
+    })
+}
+
+/// A `--metrics-listen` value: an address as [`parse_listen_addr`] takes it, or `off` (no
+/// endpoint: nothing is recorded).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MetricsListen(pub Option<SocketAddr>);
 
@@ -145,9 +166,9 @@ impl FromStr for MetricsListen {
         if s.eq_ignore_ascii_case("off") || s.eq_ignore_ascii_case("none") {
             return Ok(MetricsListen(None));
         }
-        s.parse()
+        parse_listen_addr(s)
             .map(|a| MetricsListen(Some(a)))
-            .map_err(|e| format!("{s}: {e} (expected HOST:PORT or off)"))
+            .map_err(|e| format!("{e}, or off"))
     }
 }
 
@@ -205,5 +226,29 @@ mod tests {
             assert_eq!(v.to_string().parse::<MetricsListen>(), Ok(v));
         }
         assert!("nowhere".parse::<MetricsListen>().is_err());
+    }
+
+    #[test]
+    fn a_port_alone_listens_on_every_interface() {
+        let any = |port| SocketAddr::from(([0, 0, 0, 0], port));
+        assert_eq!(parse_listen_addr(":9781"), Ok(any(9781)));
+        assert_eq!(
+            parse_listen_addr("127.0.0.1:7700"),
+            Ok("127.0.0.1:7700".parse().unwrap())
+        );
+        assert_eq!(
+            parse_listen_addr("[::]:7700"),
+            Ok("[::]:7700".parse().unwrap())
+        );
+        assert_eq!(
+            ":9781".parse::<MetricsListen>(),
+            Ok(MetricsListen(Some(any(9781))))
+        );
+        for bad in [":", ":x", "9781", "host:1", ":70000"] {
+            let e = parse_listen_addr(bad).unwrap_err();
+            assert!(e.contains("or :PORT for every interface"), "{bad}: {e}");
+        }
+        let e = "nowhere".parse::<MetricsListen>().unwrap_err();
+        assert!(e.ends_with(", or off"), "{e}");
     }
 }
