@@ -139,6 +139,17 @@ pub enum Balance {
     RoundRobin,
 }
 
+/// As the flag writes it: `p2c`, `round-robin`.
+impl fmt::Display for Balance {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use clap::ValueEnum;
+        match self.to_possible_value() {
+            Some(v) => f.write_str(v.get_name()),
+            None => write!(f, "{self:?}"),
+        }
+    }
+}
+
 /// The broker's command line.
 #[derive(Debug, Clone, clap::Parser)]
 #[command(

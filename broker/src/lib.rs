@@ -43,6 +43,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 
+use rpcmesh_common::cli::DurationArg;
 use rpcmesh_common::metrics::Telemetry;
 use rpcmesh_common::metrics::families::publish_budget;
 use rpcmesh_common::metrics::system::Housekeeping;
@@ -160,13 +161,15 @@ pub async fn run_with_reload(
     // Stopped before it served: the accept loop below returns at once, and callers that
     // waited in the backlog are reset when the listener closes.
     if !stopped {
+        let upstreams: Vec<String> = providers.iter().map(ToString::to_string).collect();
         tracing::info!(
-            addr = ?listener.local_addr().ok(),
-            upstreams = ?providers.iter().map(|u| u.addr.as_str()).collect::<Vec<_>>(),
-            providers_file = ?config.providers_file,
+            addr = listener.local_addr().ok().map(tracing::field::display),
+            // One field: quoted, as the specs are written on the command line.
+            upstreams = ?upstreams.join(" "),
+            providers_file = config.providers_file.as_deref().map(|p| tracing::field::display(p.display())),
             pool_size = config.pool_size,
-            balance = ?config.balance,
-            ?busy_poll,
+            balance = %config.balance,
+            busy_poll = %busy_poll.map_or_else(|| "off".to_string(), |w| DurationArg(w).to_string()),
             workers,
             "broker listening"
         );
@@ -214,6 +217,12 @@ pub async fn run_with_reload(
     if let Ok(members) = watcher.await {
         members.stop().await;
     }
-    tracing::info!(?summary, "broker stopped");
+    tracing::info!(
+        accepted = summary.accepted,
+        refused = summary.refused,
+        cut = summary.cut,
+        aborted = summary.aborted,
+        "broker stopped"
+    );
     summary
 }

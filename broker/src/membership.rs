@@ -154,22 +154,21 @@ impl Membership {
     /// Waits until every provider served now has settled (its first connections answered
     /// their heartbeats, or a connect failed; `upstream`'s module doc), at most one pool
     /// connection timeout (`--connect-timeout` + `--health-timeout`), by which a pool's
-    /// first round has normally ended; logs those still connecting then. Providers that
-    /// settled before cost nothing.
+    /// first round has normally ended; logs those still connecting then: not settled, or
+    /// settled with connections made that did not answer (the round timed out, as the wait
+    /// did). Providers that settled before cost nothing.
     pub async fn settled(&self) {
         let bound = self.maker.config.checkout_timeout();
         let waits = self.members.iter().map(|m| m.pool.settled());
-        if tokio::time::timeout(bound, futures_util::future::join_all(waits))
-            .await
-            .is_err()
-        {
-            let late: Vec<&str> = self
-                .members
-                .iter()
-                .filter(|m| !m.pool.is_settled())
-                .map(|m| m.spec.addr.as_str())
-                .collect();
-            tracing::warn!(providers = ?late, "providers still connecting: calls to them are answered \"unavailable\" until they answer");
+        let _ = tokio::time::timeout(bound, futures_util::future::join_all(waits)).await;
+        let late: Vec<&str> = self
+            .members
+            .iter()
+            .filter(|m| m.pool.is_connecting())
+            .map(|m| m.spec.addr.as_str())
+            .collect();
+        if !late.is_empty() {
+            tracing::warn!(providers = %late.join(","), "providers still connecting: calls to them are answered \"unavailable\" until they answer");
         }
     }
 
@@ -197,14 +196,14 @@ impl Membership {
                 Some(i) => {
                     let mut m = old.swap_remove(i);
                     if m.spec.services != spec.services {
-                        tracing::info!(provider = %spec.addr, services = ?spec.services, "provider's services changed");
+                        tracing::info!(provider = %spec.addr, services = %spec.services_text(), "provider's services changed");
                         m.spec = spec.clone();
                     }
                     change.kept += 1;
                     m
                 }
                 None => {
-                    tracing::info!(provider = %spec.addr, services = ?spec.services, v1 = spec.kind == PeerKind::V1, "provider joined");
+                    tracing::info!(provider = %spec.addr, services = %spec.services_text(), v1 = spec.kind == PeerKind::V1, "provider joined");
                     change.joined += 1;
                     self.join(spec)
                 }

@@ -116,6 +116,30 @@ impl UpstreamSpec {
     pub fn label(&self) -> &str {
         &self.addr
     }
+
+    /// Its services as a log line gives them: `any service`, or the names as a spec
+    /// lists them (`EchoService,PlatformService`).
+    pub fn services_text(&self) -> String {
+        if self.services.is_empty() {
+            "any service".to_string()
+        } else {
+            self.services.join(",")
+        }
+    }
+}
+
+/// The spec as it is written: `v1 ` first for a plain v1 server (as in the providers
+/// file), then `SERVICE[,SERVICE]=` if it serves only those, then `HOST:PORT`.
+impl fmt::Display for UpstreamSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.kind == PeerKind::V1 {
+            write!(f, "{} ", crate::providers_file::V1_MARK)?;
+        }
+        if !self.services.is_empty() {
+            write!(f, "{}=", self.services.join(","))?;
+        }
+        f.write_str(&self.addr)
+    }
 }
 
 /// The services of `SERVICE[,SERVICE]`, each checked.
@@ -269,6 +293,19 @@ mod tests {
         assert_eq!(problem("[zz]:1"), SpecProblem::BadHost("[zz]".into()));
         assert_eq!(problem("Echo="), SpecProblem::NoAddress);
         assert_eq!(problem(""), SpecProblem::NoAddress);
+    }
+
+    #[test]
+    fn a_spec_reads_back_as_written_and_its_services_as_a_log_gives_them() {
+        for s in ["a:1", "EchoService,PlatformService=a:1"] {
+            let u = UpstreamSpec::parse(s, PeerKind::Rpcmesh).unwrap();
+            assert_eq!(u.to_string(), s);
+        }
+        let v1 = UpstreamSpec::parse("Legacy=a:1", PeerKind::V1).unwrap();
+        assert_eq!(v1.to_string(), "v1 Legacy=a:1");
+        assert_eq!(v1.services_text(), "Legacy");
+        let any = UpstreamSpec::parse("a:1", PeerKind::V1).unwrap();
+        assert_eq!(any.services_text(), "any service");
     }
 
     #[test]

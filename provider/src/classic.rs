@@ -93,13 +93,19 @@ pub async fn run_with(
     // No stage is timed: the classic server stands for a program without rpcmesh's stages.
     let metrics = ProviderMetrics::new(telemetry, &registry, 0);
     tracing::info!(
-        addr = ?listener.local_addr().ok(),
-        services = ?registry.services(),
+        addr = listener.local_addr().ok().map(tracing::field::display),
+        services = %registry.services().join(","),
         "classic plain RPCF v1 server listening (Nagle on, one call at a time per connection)"
     );
     let summary =
         crate::serve_connections(config, registry, metrics, listener, shutdown, serve).await;
-    tracing::info!(?summary, "classic server stopped");
+    tracing::info!(
+        accepted = summary.accepted,
+        refused = summary.refused,
+        cut = summary.cut,
+        aborted = summary.aborted,
+        "classic server stopped"
+    );
     summary
 }
 

@@ -131,11 +131,11 @@ pub async fn run_with(
     let registry = registry.with_service_time(config.service_time, config.service_mode);
     let metrics = ProviderMetrics::new(telemetry, &registry, config.stage_sample);
     tracing::info!(
-        addr = ?listener.local_addr().ok(),
-        services = ?registry.services(),
+        addr = listener.local_addr().ok().map(tracing::field::display),
+        services = %registry.services().join(","),
         compression = config.compression.is_some(),
         service_time = %config.service_time,
-        service_mode = ?config.service_mode,
+        service_mode = %config.service_mode,
         "provider listening"
     );
     let summary = serve_connections(
@@ -147,6 +147,12 @@ pub async fn run_with(
         session::serve,
     )
     .await;
-    tracing::info!(?summary, "provider stopped");
+    tracing::info!(
+        accepted = summary.accepted,
+        refused = summary.refused,
+        cut = summary.cut,
+        aborted = summary.aborted,
+        "provider stopped"
+    );
     summary
 }

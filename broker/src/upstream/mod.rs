@@ -37,6 +37,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use rpcmesh_common::cli::DurationArg;
 use rpcmesh_common::net::backoff::Backoff;
 use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::shutdown::CancellationToken;
@@ -59,10 +60,10 @@ pub enum UpstreamError {
     #[error("connect failed: {0}")]
     Connect(std::io::Error),
     /// TCP connect took too long.
-    #[error("connect timed out after {0:?}")]
+    #[error("connect timed out after {}", DurationArg(*.0))]
     ConnectTimeout(Duration),
     /// The health-check heartbeat was not answered in time.
-    #[error("heartbeat not answered within {0:?}")]
+    #[error("heartbeat not answered within {}", DurationArg(*.0))]
     HeartbeatTimeout(Duration),
     /// The connection is closed.
     #[error("connection closed")]
@@ -86,6 +87,9 @@ pub(crate) struct PoolLink {
     task_done: Notify,
     /// True once the pool has settled (see the module's doc); never unset.
     settled: watch::Sender<bool>,
+    /// Why the last attempt to make or check a connection failed, for the log line that
+    /// says a provider has no healthy connection (bb8 reports only that it timed out).
+    last_failure: std::sync::Mutex<Option<Failure>>,
     /// The provider's time per call on one connection, measured by the connections (a
     /// plain v1 server) or reported in heartbeat answers (an rpcmesh provider), and read by
     /// the router to decide how deep it packs them ([`pace`]).
@@ -103,8 +107,25 @@ impl PoolLink {
             tasks: AtomicUsize::new(0),
             task_done: Notify::new(),
             settled: watch::Sender::new(false),
+            last_failure: std::sync::Mutex::new(None),
             pace: pace::Pace::new(pack_wait, source),
         }
+    }
+
+    /// Records why an attempt failed.
+    fn failed(&self, failure: Failure) {
+        *self
+            .last_failure
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(failure);
+    }
+
+    /// Why the last attempt failed, if one did.
+    fn last_failure(&self) -> Option<Failure> {
+        self.last_failure
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     /// Asks the keeper to check the connections now.
@@ -179,6 +200,32 @@ impl PoolLink {
     }
 }
 
+/// How the last attempt to make or check one of a provider's connections failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Failure {
+    /// The connect failed (refused, unreachable, timed out): nothing takes connections
+    /// there. The text is the error's.
+    Connect(String),
+    /// A connection was made, but it closed or its heartbeat was not answered: the
+    /// provider takes connections and does not answer on them.
+    Silent(String),
+}
+
+impl Failure {
+    /// True when the provider took the connection (it is there, and does not answer).
+    pub fn is_silent(&self) -> bool {
+        matches!(self, Failure::Silent(_))
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Connect(e) | Failure::Silent(e) => f.write_str(e),
+        }
+    }
+}
+
 /// bb8's view of a provider: how to make, check and judge its connections.
 struct Manager {
     spec: UpstreamSpec,
@@ -249,6 +296,7 @@ impl bb8::ManageConnection for Manager {
             Err(e) => {
                 self.metrics.connect_failures.increment(1);
                 self.failed();
+                self.link.failed(Failure::Connect(e.to_string()));
                 // Nothing answers there (yet): waiting for the round would not help.
                 self.link.settle();
                 match CONNECT_FAILED_LINES.admit() {
@@ -272,14 +320,17 @@ impl bb8::ManageConnection for Manager {
         }
         if conn.is_closed() {
             self.failed();
+            self.link
+                .failed(Failure::Silent(UpstreamError::Closed.to_string()));
             return Err(UpstreamError::Closed);
         }
         let r = conn.heartbeat(self.health_timeout).await;
-        match r {
+        match &r {
             Ok(()) => self.succeeded(),
-            Err(_) => {
+            Err(e) => {
                 conn.retire();
                 self.failed();
+                self.link.failed(Failure::Silent(e.to_string()));
             }
         }
         r
@@ -383,6 +434,16 @@ impl ProviderPool {
         self.link.is_settled()
     }
 
+    /// True when the provider is still being connected to: the pool has not settled, or it
+    /// has no healthy connection and the last attempt made one that did not answer (a
+    /// provider that accepts and does not answer, or not yet), rather than a connect that
+    /// failed.
+    pub fn is_connecting(&self) -> bool {
+        !self.is_settled()
+            || (self.ready.load().is_empty()
+                && self.link.last_failure().is_none_or(|f| f.is_silent()))
+    }
+
     /// True while the provider drains (see [`PoolLink`]): the router passes it over.
     pub fn is_draining(&self) -> bool {
         self.link.is_draining()
@@ -466,14 +527,22 @@ impl ProviderPool {
             self.metrics
                 .publish_pool(&self.pool.state(), healthy, &mut waited_before);
             if healthy != healthy_before {
-                match (healthy, &last_error) {
-                    (0, Some(e)) => {
-                        tracing::warn!(provider = %self.spec.addr, error = ?e, "provider unreachable")
+                // bb8 says only that the checkouts timed out; the pool knows why.
+                let failure = self.link.last_failure();
+                match (healthy, &last_error, failure) {
+                    (0, _, Some(f @ Failure::Silent(_))) => {
+                        tracing::warn!(provider = %self.spec.addr, error = %f, "provider not answering: it takes connections and does not answer their heartbeats")
                     }
-                    (0, None) => {
+                    (0, _, Some(f @ Failure::Connect(_))) => {
+                        tracing::warn!(provider = %self.spec.addr, error = %f, "provider unreachable")
+                    }
+                    (0, Some(e), None) => {
+                        tracing::warn!(provider = %self.spec.addr, error = %e, "provider has no healthy connection")
+                    }
+                    (0, None, None) => {
                         tracing::warn!(provider = %self.spec.addr, "provider has no healthy connection")
                     }
-                    (n, _) => {
+                    (n, _, _) => {
                         tracing::info!(provider = %self.spec.addr, connections = n, "provider connections ready")
                     }
                 }

@@ -148,7 +148,12 @@ where
         }
     }
     drop(listener);
-    tracing::info!(addr = ?local, sessions = tasks.len(), grace_ms = config.grace.as_millis() as u64, "listener closed; draining");
+    tracing::info!(
+        addr = local.map(tracing::field::display),
+        sessions = tasks.len(),
+        grace_ms = config.grace.as_millis() as u64,
+        "listener closed; draining"
+    );
     let drained = tokio::time::timeout(config.grace, async {
         while tasks.join_next().await.is_some() {}
     })

@@ -161,6 +161,15 @@ pub enum ServiceMode {
     Work,
 }
 
+impl fmt::Display for ServiceMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ServiceMode::Sleep => "sleep",
+            ServiceMode::Work => "work",
+        })
+    }
+}
+
 thread_local! {
     /// Each thread draws from its own generator: no lock on the call path.
     static RNG: std::cell::RefCell<fastrand::Rng> = std::cell::RefCell::new(fastrand::Rng::new());
