@@ -1,7 +1,13 @@
 //! Routing and balancing: which provider, and which of its connections, takes a call.
 //!
-//! A service's providers are those configured for it by name, else those configured for
-//! any service. Among them the broker picks by least outstanding calls of two chosen at
+//! A service's providers are those configured for it by name, then, as a fallback, those
+//! configured for any service: a call goes to a provider of any service only when no
+//! provider named for its service takes it (they drain, have no healthy connection, are
+//! full, or cannot take a compressed call), and a service no one names goes to those of any
+//! service alone. A provider given for any service says it serves every service, so it is
+//! a provider of the named ones too; the names say which to prefer (a deployment that
+//! must keep a service off the others names services on every provider). Among the
+//! providers of one rank the broker picks by least outstanding calls of two chosen at
 //! random (the default) or in turn. Within a provider, calls are packed: the oldest
 //! connection with fewer than its packing depth in flight takes the call, and only when
 //! all are that busy does the less loaded of two (see [`Router`]). A provider works
@@ -11,7 +17,8 @@
 //! measured gets the less loaded of two, an rpcmesh provider not yet reported the whole
 //! 64 (`crate::upstream::pace`). A provider with no open connection is passed over; a
 //! full one too, and one that is draining (it refused a call with `NOT_RUN`), and the
-//! call goes to the next. Only when no provider takes it is the caller answered.
+//! call goes to the next (the fallbacks after the named). Only when no provider takes it
+//! is the caller answered.
 //!
 //! A [`Router`] is immutable: the providers file's reloads (`membership`) build a new one
 //! and publish it in an `ArcSwap`, which each call reads without a lock.
@@ -130,28 +137,35 @@ impl Router {
         }
     }
 
-    fn candidates(&self, service: &[u8]) -> &[usize] {
-        self.by_service
-            .get(service)
-            .map_or(&self.any, Vec::as_slice)
+    /// The providers of `service`, in the order they are offered its calls: those named
+    /// for it, then those of any service (the fallback); a service no one names goes to
+    /// those of any service alone.
+    fn candidates(&self, service: &[u8]) -> (&[usize], &[usize]) {
+        match self.by_service.get(service) {
+            Some(named) => (named, &self.any),
+            None => (&self.any, &[]),
+        }
     }
 
     /// Hands `fwd` to a connection of a provider of its service, or gives it back with
-    /// the reason none took it.
+    /// the reason none took it. The providers named for the service are offered it first;
+    /// when none of them takes it (drained, no healthy connection, full, or unable to take
+    /// a compressed call), those of any service are, as a fallback.
     // A refused call is handed back by value (no allocation on the per-call path).
     #[allow(clippy::result_large_err)]
     pub fn forward(&self, mut fwd: Forward, picker: &mut Picker) -> Result<(), (Forward, NoRoute)> {
-        let cands = self.candidates(request_service(&fwd.frame.body));
-        if cands.is_empty() {
+        let (first, fallback) = self.candidates(request_service(&fwd.frame.body));
+        if first.is_empty() {
             return Err((fwd, NoRoute::UnknownService));
         }
         let flags = fwd.frame.header.flags;
         let mut why = NoRoute::NoHealthy;
         // The rest of a batch goes straight to the connection that took its first call
         // (without looking up the pool's connections); when that one cannot take it, the
-        // call is balanced like any other.
+        // call is balanced like any other. Only a batch on a first-choice provider: one on
+        // a fallback goes through the first choices again, which may be back.
         if let Some((pool_idx, conn)) = &picker.batch {
-            if cands.contains(pool_idx) && self.refusal(*pool_idx, flags).is_none() {
+            if first.contains(pool_idx) && self.refusal(*pool_idx, flags).is_none() {
                 fwd = match conn.try_forward(fwd) {
                     Ok(()) => return Ok(()),
                     Err((f, refused)) => {
@@ -163,9 +177,31 @@ impl Router {
                 };
             }
         }
+        for cands in [first, fallback] {
+            fwd = match self.offer_among(cands, fwd, picker, flags, &mut why) {
+                Ok(()) => return Ok(()),
+                Err(f) => f,
+            };
+        }
+        Err((fwd, why))
+    }
+
+    /// Offers `fwd` to the providers `cands`: the better of two random ones (or the next
+    /// in turn) first, then all the others in order.
+    // A refused call is handed back by value (no allocation on the per-call path).
+    #[allow(clippy::result_large_err)]
+    fn offer_among(
+        &self,
+        cands: &[usize],
+        mut fwd: Forward,
+        picker: &mut Picker,
+        flags: Flags,
+        why: &mut NoRoute,
+    ) -> Result<(), Forward> {
         let n = cands.len();
-        // Order of providers to try: the better of two random ones (or the next in turn)
-        // first, then all the others in order.
+        if n == 0 {
+            return Err(fwd);
+        }
         let first = match self.balance {
             Balance::P2c if n > 1 => {
                 let a = picker.rng.usize(..n);
@@ -184,12 +220,12 @@ impl Router {
         };
         for k in 0..n {
             let pool_idx = cands[(first + k) % n];
-            fwd = match self.offer(pool_idx, fwd, picker, flags, &mut why) {
+            fwd = match self.offer(pool_idx, fwd, picker, flags, why) {
                 Ok(()) => return Ok(()),
                 Err(f) => f,
             };
         }
-        Err((fwd, why))
+        Err(fwd)
     }
 
     /// Why provider `pool_idx` takes no call with these `flags` now, if it does not: it

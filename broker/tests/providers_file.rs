@@ -605,6 +605,57 @@ async fn a_provider_drained_by_sigterm_under_load_costs_the_callers_nothing_and_
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// docs/broker.md's own example: a provider named for the services beside one for any
+/// service. The named one takes every call while it is healthy; drained by SIGTERM under
+/// load, the calls it refuses and all after go to the one of any service, its fallback,
+/// and none fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_provider_drained_under_load_falls_back_to_the_any_service_one() {
+    let dir = test_dir("fallback");
+    let named_addr = SocketAddr::from(([127, 0, 0, 1], testkit::free_port()));
+    let mut named = spawn_provider(named_addr);
+    testkit::wait_listening(named_addr).await;
+    let any = provider(ProviderConfig::default()).await;
+    let file = dir.join("providers");
+    std::fs::write(
+        &file,
+        format!("EchoService,PlatformService={named_addr}\n{}\n", any.addr),
+    )
+    .unwrap();
+    let b = broker_process(&file, &dir.join("broker.log"));
+    let c = client(b.rpc).await;
+    until_ready(&c).await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let running = load(&c, &stop);
+    wait_until("the named provider to serve calls under the load", || {
+        upstream_ok(&b, named_addr) >= 200.0
+    })
+    .await;
+    assert_eq!(
+        any.calls("ok"),
+        0.0,
+        "the named provider is healthy: the fallback takes nothing"
+    );
+    named.signal(testkit::Signal::TERM);
+    let exit = tokio::task::block_in_place(|| named.wait_timeout(testkit::WAIT_TIMEOUT));
+    assert!(exit.is_some_and(|s| s.success()), "drained: {exit:?}");
+    wait_until("the fallback to serve the load", || {
+        any.calls("ok") >= 500.0
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    let (made, bad) = running.await.unwrap();
+    assert_all_ok(made, &bad);
+    println!(
+        "fallback under a drain: {made} calls, all ok, {} by the fallback",
+        any.calls("ok")
+    );
+    drop(b);
+    any.stop().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Fails the test if any of the `made` calls failed, showing the first few failures.
 fn assert_all_ok<T: std::fmt::Debug>(made: usize, bad: &[T]) {
     assert!(
