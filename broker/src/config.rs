@@ -9,8 +9,8 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use rpcmesh_common::cli::flags::{LimitArgs, RuntimeArgs, StageArgs};
-use rpcmesh_common::cli::values::{parse_duration_or_off, parse_listen_addr};
-use rpcmesh_common::cli::{ConfigProblems, DurationArg, MetricsListen};
+use rpcmesh_common::cli::values::{parse_bytes_u32, parse_duration_or_off, parse_listen_addr};
+use rpcmesh_common::cli::{ConfigProblems, ConfigWarnings, DurationArg, MetricsListen};
 use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
 use rpcmesh_common::net::budget::DEFAULT_MEMORY_BUDGET;
 use rpcmesh_common::net::session::{DEFAULT_MAX_IN_FLIGHT_PER_LINK, Timeouts};
@@ -215,8 +215,8 @@ pub struct Args {
     /// Calls in flight per upstream connection.
     #[arg(long, env = "RPCMESH_MAX_IN_FLIGHT_PER_UPSTREAM_CONN", default_value_t = DEFAULT_MAX_IN_FLIGHT_PER_UPSTREAM_CONN)]
     pub max_in_flight_per_upstream_conn: usize,
-    /// Largest frame body accepted, in bytes.
-    #[arg(long, env = "RPCMESH_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_LEN)]
+    /// Largest frame body accepted, in bytes (a number, or with KiB or MiB).
+    #[arg(long, env = "RPCMESH_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_LEN, value_parser = parse_bytes_u32)]
     pub max_body_bytes: u32,
     /// Grace period for calls in flight on SIGTERM/SIGINT.
     #[arg(long, env = "RPCMESH_GRACE", default_value_t = DurationArg(DEFAULT_GRACE))]
@@ -292,6 +292,8 @@ pub struct BrokerConfig {
     pub pack_wait: Duration,
     /// Stages are timed on one call in this many; 0 = not at all.
     pub stage_sample: u32,
+    /// Settings that do nothing as given, logged when the broker starts.
+    pub warnings: ConfigWarnings,
 }
 
 impl BrokerConfig {
@@ -332,6 +334,7 @@ impl BrokerConfig {
             pack_in_flight: DEFAULT_PACK_IN_FLIGHT,
             pack_wait: DEFAULT_PACK_WAIT,
             stage_sample: DEFAULT_STAGE_SAMPLE,
+            warnings: ConfigWarnings::default(),
         }
     }
 }
@@ -350,6 +353,12 @@ impl Args {
         for (flag, list, kind) in lists {
             for s in list.iter().filter(|s| !s.trim().is_empty()) {
                 match UpstreamSpec::parse(s, kind) {
+                    Ok(u) if upstreams.iter().any(|o: &UpstreamSpec| o.addr == u.addr) => {
+                        p.0.push(format!(
+                            "{flag} {s:?}: provider {} is given twice; an address names one provider (its pool and its metrics): list its services once, SERVICE,SERVICE=HOST:PORT",
+                            u.addr
+                        ));
+                    }
                     Ok(u) => upstreams.push(u),
                     Err(e) => p.0.push(format!("{flag} {e}")),
                 }
@@ -400,10 +409,36 @@ impl Args {
         });
         p.check(self.max_body_bytes < 64, || {
             format!(
-                "--max-body-bytes {} is too small for any call",
+                "--max-body-bytes {} is too small for any call (at least 64)",
                 self.max_body_bytes
             )
         });
+        let mut w = ConfigWarnings::default();
+        w.check(self.grace.0 < self.call_timeout.0, || {
+            format!(
+                "--grace {} is below --call-timeout {}: at SIGTERM, calls still in flight after {} are answered \"unavailable\" rather than waited for",
+                self.grace, self.call_timeout, self.grace
+            )
+        });
+        w.check(
+            self.pack_wait.0.is_zero() && self.pack_in_flight != DEFAULT_PACK_IN_FLIGHT,
+            || {
+                format!(
+                    "--pack-in-flight {} does nothing with --pack-wait 0 (connections are never packed)",
+                    self.pack_in_flight
+                )
+            },
+        );
+        w.check(
+            self.pack_in_flight == 0 && self.pack_wait.0 != DEFAULT_PACK_WAIT,
+            || {
+                format!(
+                    "--pack-wait {} does nothing with --pack-in-flight 0 (connections are never packed)",
+                    self.pack_wait
+                )
+            },
+        );
+        self.stages.warnings(self.metrics_listen, &mut w);
         p.into_result(BrokerConfig {
             upstreams,
             providers_file: self.providers_file.clone(),
@@ -425,6 +460,7 @@ impl Args {
             pack_in_flight: self.pack_in_flight,
             pack_wait: self.pack_wait.0,
             stage_sample: self.stages.every(self.metrics_listen),
+            warnings: w,
         })
     }
 }
@@ -545,6 +581,65 @@ bad
         .config()
         .unwrap_err();
         assert!(e.0[0].contains("ends with \",\""), "{e}");
+    }
+
+    #[test]
+    fn a_provider_given_twice_is_refused() {
+        let e = Args::parse_from([
+            "broker",
+            "--upstream",
+            "EchoService=p:1",
+            "--upstream",
+            "PlatformService=p:1",
+            "--upstream-v1",
+            "p:1",
+        ])
+        .config()
+        .unwrap_err();
+        assert_eq!(e.0.len(), 2, "{e}");
+        assert!(
+            e.0[0].starts_with("--upstream \"PlatformService=p:1\": provider p:1 is given twice"),
+            "{e}"
+        );
+        assert!(e.0[1].starts_with("--upstream-v1 \"p:1\""), "{e}");
+    }
+
+    #[test]
+    fn flags_that_do_nothing_as_given_are_warned_of() {
+        let warnings = |extra: &[&str]| {
+            let mut argv = vec!["broker", "--upstream", "p:1"];
+            argv.extend_from_slice(extra);
+            Args::parse_from(argv).config().unwrap().warnings.0
+        };
+        assert!(warnings(&[]).is_empty());
+        let w = warnings(&["--grace", "2s"]);
+        assert!(
+            w[0].starts_with("--grace 2s is below --call-timeout 5s"),
+            "{w:?}"
+        );
+        let w = warnings(&["--pack-wait", "0", "--pack-in-flight", "8"]);
+        assert!(w[0].starts_with("--pack-in-flight 8 does nothing"), "{w:?}");
+        let w = warnings(&["--pack-in-flight", "0", "--pack-wait", "1ms"]);
+        assert!(w[0].starts_with("--pack-wait 1ms does nothing"), "{w:?}");
+        let w = warnings(&["--metrics-listen", "off", "--stage-sample", "2"]);
+        assert!(w[0].starts_with("--stage-sample 2 does nothing"), "{w:?}");
+        assert!(Args::try_parse_from(["broker", "--stage-sample", "0"]).is_err());
+    }
+
+    #[test]
+    fn a_body_limit_takes_a_unit_or_a_count_of_bytes() {
+        let limit = |v: &str| {
+            Args::parse_from(["broker", "--upstream", "p:1", "--max-body-bytes", v])
+                .config()
+                .unwrap()
+                .max_body_len
+        };
+        assert_eq!(limit("1MiB"), 1 << 20);
+        assert_eq!(limit("4096"), 4096);
+        let e = Args::try_parse_from(["broker", "--max-body-bytes", "10MB"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("B, KiB, MiB or GiB"), "{e}");
     }
 
     #[test]

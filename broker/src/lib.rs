@@ -130,6 +130,7 @@ pub async fn run_with_reload(
     shutdown: impl Future<Output = ()> + Send + 'static,
     reload: Reload,
 ) -> ServeSummary {
+    config.warnings.log();
     let metrics = BrokerMetrics::new(telemetry, config.stage_sample);
     let workers = tokio::runtime::Handle::current().metrics().num_workers();
     let busy_poll = config.busy_poll.window(workers);

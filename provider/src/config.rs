@@ -5,8 +5,8 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::Duration;
 
 use rpcmesh_common::cli::flags::{CompressionArgs, LimitArgs, RuntimeArgs, StageArgs};
-use rpcmesh_common::cli::values::parse_listen_addr;
-use rpcmesh_common::cli::{ConfigProblems, DurationArg, MetricsListen, OnOff};
+use rpcmesh_common::cli::values::{parse_bytes, parse_bytes_u32, parse_listen_addr};
+use rpcmesh_common::cli::{ConfigProblems, ConfigWarnings, DurationArg, MetricsListen, OnOff};
 use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
 use rpcmesh_common::net::budget::DEFAULT_MEMORY_BUDGET;
 use rpcmesh_common::net::session::{DEFAULT_MAX_IN_FLIGHT_PER_LINK, Timeouts};
@@ -42,6 +42,10 @@ pub const DEFAULT_MAX_IN_FLIGHT_PER_CONN: usize = DEFAULT_MAX_IN_FLIGHT_PER_LINK
 /// How long SIGTERM waits for calls in flight: longer than any sane handler, shorter than
 /// the 30 s after which process supervisors usually send SIGKILL.
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
+/// The longest `--node-id`, in bytes: a host name (the default) is at most 253; a longer
+/// id is a mistake (a file's content, say), and one past 65,535 bytes could not be sent in
+/// a heartbeat at all, which would make every broker take the provider for dead.
+pub const MAX_NODE_ID_BYTES: usize = 255;
 
 /// The provider's command line.
 #[derive(Debug, Clone, clap::Parser)]
@@ -83,14 +87,16 @@ pub struct Args {
     /// Calls in flight per connection; more are answered "overloaded".
     #[arg(long, env = "RPCMESH_MAX_IN_FLIGHT_PER_CONN", default_value_t = DEFAULT_MAX_IN_FLIGHT_PER_CONN)]
     pub max_in_flight_per_conn: usize,
-    /// Largest frame body accepted, in bytes.
-    #[arg(long, env = "RPCMESH_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_LEN)]
+    /// Largest frame body accepted, in bytes (a number, or with KiB or MiB).
+    #[arg(long, env = "RPCMESH_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_LEN, value_parser = parse_bytes_u32)]
     pub max_body_bytes: u32,
-    /// Largest payload a compressed request may inflate to, in bytes.
-    #[arg(long, env = "RPCMESH_MAX_INFLATED_BYTES", default_value_t = DEFAULT_MAX_INFLATED_LEN)]
+    /// Largest payload a compressed request may inflate to, in bytes (a number, or with
+    /// KiB or MiB).
+    #[arg(long, env = "RPCMESH_MAX_INFLATED_BYTES", default_value_t = DEFAULT_MAX_INFLATED_LEN, value_parser = parse_bytes)]
     pub max_inflated_bytes: usize,
-    /// Most bytes of metadata a request may carry (as encoded); more is "bad request".
-    #[arg(long, env = "RPCMESH_MAX_METADATA_BYTES", default_value_t = DEFAULT_MAX_METADATA_BYTES)]
+    /// Most bytes of metadata a request may carry (as encoded); more is "bad request" (a
+    /// number, or with KiB).
+    #[arg(long, env = "RPCMESH_MAX_METADATA_BYTES", default_value_t = DEFAULT_MAX_METADATA_BYTES, value_parser = parse_bytes)]
     pub max_metadata_bytes: usize,
     /// Grace period for calls in flight on SIGTERM/SIGINT.
     #[arg(long, env = "RPCMESH_GRACE", default_value_t = DurationArg(DEFAULT_GRACE))]
@@ -140,6 +146,8 @@ pub struct ProviderConfig {
     pub stage_sample: u32,
     /// Serve as the classic plain v1 server (`crate::classic`) instead of the provider.
     pub classic: bool,
+    /// Settings that do nothing as given, logged when the provider starts.
+    pub warnings: ConfigWarnings,
 }
 
 impl ProviderConfig {
@@ -170,6 +178,7 @@ impl Default for ProviderConfig {
             memory_budget: DEFAULT_MEMORY_BUDGET,
             stage_sample: DEFAULT_STAGE_SAMPLE,
             classic: false,
+            warnings: ConfigWarnings::default(),
         }
     }
 }
@@ -189,13 +198,66 @@ impl Args {
         });
         p.check(self.max_body_bytes < 64, || {
             format!(
-                "--max-body-bytes {} is too small for any call",
+                "--max-body-bytes {} is too small for any call (at least 64)",
                 self.max_body_bytes
             )
         });
         p.check(self.max_inflated_bytes == 0, || {
             "--max-inflated-bytes must be at least 1".into()
         });
+        p.check(self.service_work && self.service_time.is_zero(), || {
+            "--service-work burns the CPU for the --service-time, which is 0: give one (e.g. --service-time 20us)".into()
+        });
+        if let Some(id) = &self.node_id {
+            p.check(id.trim().is_empty(), || {
+                "--node-id is empty: give a name, or leave it out for the host name".into()
+            });
+            p.check(id.len() > MAX_NODE_ID_BYTES, || {
+                format!(
+                    "--node-id is {} bytes, more than the {MAX_NODE_ID_BYTES} a node id may have",
+                    id.len()
+                )
+            });
+        }
+        let mut w = ConfigWarnings::default();
+        if self.classic {
+            let tuned: Vec<&str> = [
+                (
+                    "--compress-threshold",
+                    self.compression.compress_threshold
+                        != rpcmesh_wire::compress::DEFAULT_COMPRESS_THRESHOLD,
+                ),
+                (
+                    "--compress-level",
+                    self.compression.compress_level
+                        != rpcmesh_wire::compress::DEFAULT_COMPRESS_LEVEL,
+                ),
+                (
+                    "--max-in-flight-per-conn",
+                    self.max_in_flight_per_conn != DEFAULT_MAX_IN_FLIGHT_PER_CONN,
+                ),
+                (
+                    "--max-inflated-bytes",
+                    self.max_inflated_bytes != DEFAULT_MAX_INFLATED_LEN,
+                ),
+                (
+                    "--stage-sample",
+                    self.stages.stage_sample != DEFAULT_STAGE_SAMPLE,
+                ),
+            ]
+            .into_iter()
+            .filter_map(|(flag, set)| set.then_some(flag))
+            .collect();
+            w.check(!tuned.is_empty(), || {
+                format!(
+                    "{} do nothing with --classic (a plain v1 server: no compression, no stages, one call at a time per connection)",
+                    tuned.join(", ")
+                )
+            });
+        } else {
+            self.compression.warnings(self.compress.0, &mut w);
+            self.stages.warnings(self.metrics_listen, &mut w);
+        }
         p.into_result(ProviderConfig {
             node_id: self.node_id.clone().unwrap_or_else(default_node_id),
             compression,
@@ -213,8 +275,13 @@ impl Args {
             grace: self.grace.0,
             timeouts,
             memory_budget,
-            stage_sample: self.stages.every(self.metrics_listen),
+            stage_sample: if self.classic {
+                0
+            } else {
+                self.stages.every(self.metrics_listen)
+            },
             classic: self.classic,
+            warnings: w,
         })
     }
 }
@@ -263,6 +330,57 @@ mod tests {
         let e = Args::try_parse_from(["provider", "--classic", "--service-time", "1ms"])
             .expect_err("a classic server has no simulated service time");
         assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{e}");
+    }
+
+    #[test]
+    fn flags_that_only_matter_with_another_are_refused_or_warned_of() {
+        let e = Args::parse_from(["provider", "--service-work"])
+            .config()
+            .unwrap_err();
+        assert!(e.0[0].starts_with("--service-work burns the CPU"), "{e}");
+        let warnings = |argv: &[&str]| Args::parse_from(argv).config().unwrap().warnings.0;
+        assert!(warnings(&["provider"]).is_empty());
+        let w = warnings(&["provider", "--compress", "off", "--compress-level", "9"]);
+        assert!(w[0].ends_with("do nothing with --compress off"), "{w:?}");
+        let w = warnings(&["provider", "--classic", "--compress-level", "9"]);
+        assert!(
+            w[0].starts_with("--compress-level do nothing with --classic"),
+            "{w:?}"
+        );
+        let w = warnings(&["provider", "--metrics-listen", "off", "--stage-sample", "2"]);
+        assert!(w[0].starts_with("--stage-sample 2 does nothing"), "{w:?}");
+    }
+
+    #[test]
+    fn a_node_id_is_a_name() {
+        let e = Args::parse_from(["provider", "--node-id", " "])
+            .config()
+            .unwrap_err();
+        assert!(e.0[0].starts_with("--node-id is empty"), "{e}");
+        let long = "n".repeat(MAX_NODE_ID_BYTES + 1);
+        let e = Args::parse_from(["provider", "--node-id", &long])
+            .config()
+            .unwrap_err();
+        assert!(e.0[0].contains("more than the 255"), "{e}");
+    }
+
+    #[test]
+    fn sizes_take_a_unit_or_a_count_of_bytes() {
+        let c = Args::parse_from([
+            "provider",
+            "--max-body-bytes",
+            "1MiB",
+            "--max-inflated-bytes",
+            "2MiB",
+            "--max-metadata-bytes",
+            "4096",
+        ])
+        .config()
+        .unwrap();
+        assert_eq!(
+            (c.max_body_len, c.max_inflated, c.max_metadata),
+            (1 << 20, 2 << 20, 4096)
+        );
     }
 
     #[test]

@@ -49,6 +49,7 @@ pub fn main_with(args: &Args) -> anyhow::Result<()> {
         args.metrics_listen,
         args.runtime.threads,
         |telemetry, listener, shutdown| async move {
+            config.warnings.log();
             if config.classic {
                 classic::run(config, telemetry, listener, shutdown).await
             } else {

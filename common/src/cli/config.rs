@@ -1,5 +1,7 @@
 //! Configuration validation: every problem found in a program's settings, reported together
-//! so that an operator fixes them in one go ([`ConfigProblems`]).
+//! so that an operator fixes them in one go ([`ConfigProblems`]), and the settings that are
+//! valid but do nothing as given (a flag that matters only with another), logged at the
+//! start ([`ConfigWarnings`]).
 //!
 //! Owns only the collecting; what is a problem is each program's `config.rs`.
 
@@ -22,6 +24,27 @@ impl ConfigProblems {
             Ok(value)
         } else {
             Err(self)
+        }
+    }
+}
+
+/// Settings that are valid but do nothing as given, or less than they seem (a flag that
+/// matters only with another one): the program starts, and logs each at warn.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ConfigWarnings(pub Vec<String>);
+
+impl ConfigWarnings {
+    /// Records a warning when `odd` holds.
+    pub fn check(&mut self, odd: bool, warning: impl FnOnce() -> String) {
+        if odd {
+            self.0.push(warning());
+        }
+    }
+
+    /// Logs every warning (once logging is up: at the start of the program's `run`).
+    pub fn log(&self) {
+        for w in &self.0 {
+            tracing::warn!("{w}");
         }
     }
 }

@@ -8,8 +8,8 @@ use rpcmesh_wire::compress::{
     CompressionConfig, DEFAULT_COMPRESS_LEVEL, DEFAULT_COMPRESS_THRESHOLD,
 };
 
-use crate::cli::config::ConfigProblems;
-use crate::cli::values::{DurationArg, MetricsListen, OnOff, SizeArg};
+use crate::cli::config::{ConfigProblems, ConfigWarnings};
+use crate::cli::values::{DurationArg, MetricsListen, OnOff, SizeArg, parse_bytes};
 use crate::metrics::families::DEFAULT_STAGE_SAMPLE;
 use crate::net::budget::DEFAULT_MEMORY_BUDGET;
 use crate::net::session::{
@@ -36,8 +36,9 @@ pub struct StageArgs {
     /// Record per-stage latency histograms: on|off (off: the hot path takes no timestamps).
     #[arg(long, env = "RPCMESH_STAGE_METRICS", default_value_t = OnOff(DEFAULT_STAGE_METRICS))]
     pub stage_metrics: OnOff,
-    /// Time the stages of one call in this many (1 = every call).
-    #[arg(long, env = "RPCMESH_STAGE_SAMPLE", default_value_t = DEFAULT_STAGE_SAMPLE)]
+    /// Time the stages of one call in this many (1 = every call; `--stage-metrics off`
+    /// times none).
+    #[arg(long, env = "RPCMESH_STAGE_SAMPLE", default_value_t = DEFAULT_STAGE_SAMPLE, value_parser = clap::value_parser!(u32).range(1..))]
     pub stage_sample: u32,
 }
 
@@ -51,14 +52,28 @@ impl StageArgs {
             0
         }
     }
+
+    /// Warns of a `--stage-sample` that does nothing: stages off, or no metrics endpoint.
+    pub fn warnings(&self, metrics: MetricsListen, warnings: &mut ConfigWarnings) {
+        warnings.check(
+            self.stage_sample != DEFAULT_STAGE_SAMPLE && self.every(metrics) == 0,
+            || {
+                format!(
+                    "--stage-sample {} does nothing: no stage is timed (--stage-metrics off, or --metrics-listen off)",
+                    self.stage_sample
+                )
+            },
+        );
+    }
 }
 
 /// How payloads are compressed, for the programs that compress (whether they do is each
 /// program's own `--compress`, whose default differs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::Args)]
 pub struct CompressionArgs {
-    /// Payloads shorter than this many bytes are sent plain.
-    #[arg(long, env = "RPCMESH_COMPRESS_THRESHOLD", default_value_t = DEFAULT_COMPRESS_THRESHOLD)]
+    /// Payloads shorter than this many bytes are sent plain (a number of bytes, or with
+    /// KiB).
+    #[arg(long, env = "RPCMESH_COMPRESS_THRESHOLD", default_value_t = DEFAULT_COMPRESS_THRESHOLD, value_parser = parse_bytes)]
     pub compress_threshold: usize,
     /// zlib level, 0-9.
     #[arg(long, env = "RPCMESH_COMPRESS_LEVEL", default_value_t = DEFAULT_COMPRESS_LEVEL)]
@@ -66,6 +81,16 @@ pub struct CompressionArgs {
 }
 
 impl CompressionArgs {
+    /// Warns of compression settings given with compression off (`on` false): they do
+    /// nothing.
+    pub fn warnings(&self, on: bool, warnings: &mut ConfigWarnings) {
+        let tuned = self.compress_threshold != DEFAULT_COMPRESS_THRESHOLD
+            || self.compress_level != DEFAULT_COMPRESS_LEVEL;
+        warnings.check(!on && tuned, || {
+            "--compress-threshold and --compress-level do nothing with --compress off".into()
+        });
+    }
+
     /// The compression settings when `on`, else `None`; a level zlib does not have is
     /// recorded in `problems`.
     pub fn config(&self, on: bool, problems: &mut ConfigProblems) -> Option<CompressionConfig> {
@@ -127,7 +152,10 @@ impl LimitArgs {
     pub fn memory_budget(&self, problems: &mut ConfigProblems) -> usize {
         let b = self.memory_budget.0;
         problems.check(b < crate::net::budget::MIN_MEMORY_BUDGET, || {
-            format!("--memory-budget {} is below 16MiB", self.memory_budget)
+            format!(
+                "--memory-budget {} is below 16MiB (a number without a unit is bytes: write 512MiB, 1GiB)",
+                self.memory_budget
+            )
         });
         b
     }

@@ -11,5 +11,5 @@ pub mod flags;
 pub mod startup;
 pub mod values;
 
-pub use config::ConfigProblems;
+pub use config::{ConfigProblems, ConfigWarnings};
 pub use values::{DurationArg, MetricsListen, OnOff, SizeArg};

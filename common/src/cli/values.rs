@@ -1,5 +1,5 @@
 //! Values on the command line: durations (`250ms`, `2s`, `1m30s`: always with a unit, but
-//! `0`), byte sizes (`512MiB`, `64KiB`, `1GiB`, a bare number of bytes), `on`/`off`,
+//! `0`), byte sizes (`512MiB`, `64KiB`, `1GiB`, or a number of bytes), `on`/`off`,
 //! and the addresses to listen on (`IP:PORT` or `:PORT`; the metrics endpoint's may be
 //! `off`). Each is a
 //! type with `FromStr` and `Display`, so that a flag's default is given as the named
@@ -81,22 +81,43 @@ impl fmt::Display for DurationArg {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SizeArg(pub usize);
 
-const SIZE_UNITS: [(&str, usize); 3] = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
+const SIZE_UNITS: [(&str, usize); 4] = [
+    ("GiB", 1 << 30),
+    ("MiB", 1 << 20),
+    ("KiB", 1 << 10),
+    ("B", 1),
+];
+
+/// Parses a number of bytes: bare (`1048576`: the flags that take one say bytes in their
+/// name or help, so a bare count is not ambiguous) or with `B`, `KiB`, `MiB` or `GiB`
+/// (`1MiB`).
+pub fn parse_bytes(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let (num, unit) = SIZE_UNITS
+        .iter()
+        .find_map(|(u, n)| t.strip_suffix(u).map(|rest| (rest, *n)))
+        .unwrap_or((t, 1));
+    num.trim()
+        .parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(unit))
+        .ok_or_else(|| {
+            format!(
+                "{s:?} is not a size: write a number of bytes (1048576) or one with B, KiB, MiB or GiB (1MiB, 512KiB)"
+            )
+        })
+}
+
+/// As [`parse_bytes`], for a limit that is a 32-bit count on the wire (a frame's body).
+pub fn parse_bytes_u32(s: &str) -> Result<u32, String> {
+    let n = parse_bytes(s)?;
+    u32::try_from(n).map_err(|_| format!("{s:?} is more than a frame can hold (4GiB - 1)"))
+}
 
 impl FromStr for SizeArg {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let t = s.trim();
-        let (num, unit) = SIZE_UNITS
-            .iter()
-            .find_map(|(u, n)| t.strip_suffix(u).map(|rest| (rest, *n)))
-            .unwrap_or((t, 1));
-        num.trim()
-            .parse::<usize>()
-            .ok()
-            .and_then(|n| n.checked_mul(unit))
-            .map(SizeArg)
-            .ok_or_else(|| format!("{s}: expected a size such as 512MiB, 64KiB or 1048576"))
+        parse_bytes(s).map(SizeArg)
     }
 }
 
@@ -104,6 +125,7 @@ impl fmt::Display for SizeArg {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match SIZE_UNITS
             .iter()
+            .filter(|(_, n)| *n > 1)
             .find(|(_, n)| self.0 >= *n && self.0 % n == 0)
         {
             Some((u, n)) => write!(f, "{}{u}", self.0 / n),
@@ -226,6 +248,26 @@ mod tests {
             assert_eq!(v.to_string().parse::<MetricsListen>(), Ok(v));
         }
         assert!("nowhere".parse::<MetricsListen>().is_err());
+    }
+
+    #[test]
+    fn sizes_take_a_count_of_bytes_or_a_unit() {
+        assert_eq!(parse_bytes("1048576"), Ok(1 << 20));
+        assert_eq!(parse_bytes("1MiB"), Ok(1 << 20));
+        assert_eq!(parse_bytes("512 KiB"), Ok(512 << 10));
+        assert_eq!(parse_bytes("64B"), Ok(64));
+        assert_eq!(parse_bytes_u32("10MiB"), Ok(10 << 20));
+        assert!(
+            parse_bytes_u32("4GiB")
+                .unwrap_err()
+                .contains("more than a frame")
+        );
+        for bad in ["10MB", "lots", "-1", "1.5MiB"] {
+            let e = parse_bytes(bad).unwrap_err();
+            assert!(e.contains("B, KiB, MiB or GiB"), "{bad}: {e}");
+        }
+        assert_eq!(SizeArg(64).to_string(), "64");
+        assert_eq!(SizeArg(512 << 20).to_string(), "512MiB");
     }
 
     #[test]
