@@ -169,7 +169,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn lines_are_written_in_order_and_a_flush_waits_for_them() {
+    fn a_flush_waits_for_the_lines_queued_before_it() {
         assert!(install());
         assert!(install(), "installing again keeps the one sink");
         for i in 0..100 {
