@@ -64,6 +64,11 @@ pub fn dropped_lines() -> u64 {
     DROPPED.load(Ordering::Relaxed)
 }
 
+/// Whether the writer thread runs: [`submit`] then queues lines rather than dropping them.
+pub fn is_installed() -> bool {
+    SINK.get().is_some()
+}
+
 /// Starts the writer thread, once per process; true when the sink
 /// runs (after this call or an earlier one). False when stderr cannot be duplicated or the
 /// thread cannot be started: [`submit`] then counts every line as dropped.

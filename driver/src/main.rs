@@ -49,7 +49,7 @@ fn run(args: &Args) -> anyhow::Result<u8> {
         });
         rpcmesh_driver::run_with(config, telemetry, stop).await
     })?;
-    print!("{}", report.render_text());
+    print_report(&report.render_text());
     if let Some(path) = json {
         let text = serde_json::to_string_pretty(&report)?;
         std::fs::write(&path, text + "\n")
@@ -80,7 +80,7 @@ fn run(args: &Args) -> anyhow::Result<u8> {
 /// `driver merge`: the combined report of a fleet's interval logs.
 fn merge(m: &MergeArgs) -> anyhow::Result<u8> {
     let report = rpcmesh_driver::hdr_log::merge(&m.files)?;
-    print!("{}", report.render_text());
+    print_report(&report.render_text());
     if let Some(path) = &m.json {
         let text = serde_json::to_string_pretty(&report)?;
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
@@ -96,7 +96,7 @@ fn capacity(args: &CapacityArgs) -> anyhow::Result<u8> {
     let outputs = config.outputs.clone();
     let stop = rt.block_on(async { stop_on_signal() });
     let report = rpcmesh_driver::capacity::run(config, &exe, &rt, stop)?;
-    print!("{}", report.render_text());
+    print_report(&report.render_text());
     let write = |path: &std::path::Path, text: String| {
         std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
     };
@@ -121,4 +121,15 @@ fn stop_on_signal() -> CancellationToken {
         s.cancel();
     });
     stop
+}
+
+/// Writes a report's text to stdout. A stdout that is gone (`driver … | head` once `head`
+/// has exited) loses the text, not the run: the JSON file, the exit status and the metrics
+/// still tell what happened, where `print!` would panic.
+fn print_report(text: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        tracing::warn!(error = %e, "the report could not be written to stdout");
+    }
 }

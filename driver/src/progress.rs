@@ -9,6 +9,7 @@ use std::io::{IsTerminal, Write};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rpcmesh_common::log_sink;
 use rpcmesh_common::net::shutdown::CancellationToken;
 
 use crate::config::ProgressMode;
@@ -203,8 +204,17 @@ pub(crate) fn write_line(line: std::fmt::Arguments<'_>) {
 /// mesh share the driver's stderr, and text written piece by piece (as `eprintln!` writes
 /// to the unbuffered stderr: one `write` per piece of the format) can be cut in two by one
 /// of their log lines; a pipe keeps a single write of up to 4 KiB whole.
+///
+/// Once the program's log sink runs (`startup::start` installs it), the text goes through
+/// it, in order with the log lines: a progress line never waits on a stderr that takes
+/// nothing, and one that cannot be written is dropped and counted with them. Before (a
+/// library caller that has no sink), it is written directly.
 fn write_whole(text: &str) {
-    let _ = std::io::stderr().lock().write_all(text.as_bytes());
+    if log_sink::is_installed() {
+        log_sink::submit(text.as_bytes());
+    } else {
+        let _ = std::io::stderr().lock().write_all(text.as_bytes());
+    }
 }
 
 #[cfg(test)]
