@@ -154,7 +154,7 @@ impl fmt::Display for Balance {
 #[derive(Debug, Clone, clap::Parser)]
 #[command(
     name = "broker",
-    version,
+    version = rpcmesh_common::build::VERSION_LINE,
     about = "rpcmesh broker: a stateless RPCF v1 proxy that pools and balances calls to providers"
 )]
 pub struct Args {

@@ -67,11 +67,14 @@ pub use upstream::connection::REQUEST_RETAIN;
 /// and `driver serve broker`).
 pub fn main_with(args: &Args) -> anyhow::Result<()> {
     let config = args.config()?;
-    rpcmesh_common::cli::startup::serve(
+    // Ready for systemd once the pools have settled (run_with_reload says so), not when
+    // the port is bound: "active" then means calls are routed.
+    rpcmesh_common::cli::startup::serve_with(
         "broker",
         args.listen,
         args.metrics_listen,
         args.runtime.threads,
+        rpcmesh_common::cli::systemd::Readiness::Announced,
         |telemetry, listener, shutdown| {
             // Installed before the first call is served: from then on SIGHUP reloads
             // instead of ending the process.
@@ -174,6 +177,11 @@ pub async fn run_with_reload(
             workers,
             "broker listening"
         );
+        // A no-op unless systemd runs this broker (Type=notify).
+        rpcmesh_common::cli::systemd::notify_ready(&format!(
+            "routing to {} providers",
+            providers.len()
+        ));
     }
     let accept = AcceptConfig {
         max_connections: config.max_connections,

@@ -2,10 +2,11 @@
 //! below it (the wire layer is the crate `rpcmesh-wire`, in `common/wire/`):
 //!
 //! ```text
-//!   cli       flags and values every program takes, config problems, start-up
+//!   cli       flags and values every program takes, config problems, start-up, systemd
 //!   format    figures as people read them (ms, thousands, bytes): pure, for every report
 //!   log_sink  where log lines go: a bounded queue and a thread writing it to stderr
 //!             (never blocks or fails the process; a leaf, used by cli, read by metrics)
+//!   build     this build's version, git commit and profile (from build.rs): pure
 //!   metrics   the catalogue of metrics, the recorder, handle groups, errors, /proc
 //!   net       framed connections, accept loop, server-session skeleton, slot table,
 //!             busy polling, a small client, shutdown
@@ -19,6 +20,7 @@
 //! it for the wire layer. What the programs' black-box tests share is the crate
 //! `rpcmesh-testkit` (`testkit/`), never compiled into this one.
 
+pub mod build;
 pub mod cli;
 pub mod format;
 pub mod log_sink;

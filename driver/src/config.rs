@@ -120,7 +120,7 @@ pub enum Stop {
 #[derive(Debug, Clone, clap::Parser)]
 #[command(
     name = "driver",
-    version,
+    version = rpcmesh_common::build::VERSION_LINE,
     args_conflicts_with_subcommands = true,
     after_help = crate::verdict::EXIT_STATUSES,
     about = "rpcmesh driver: fan-out load against brokers or providers (closed or open loop), with HDR percentiles",

@@ -51,7 +51,7 @@ pub const MAX_NODE_ID_BYTES: usize = 255;
 #[derive(Debug, Clone, clap::Parser)]
 #[command(
     name = "provider",
-    version,
+    version = rpcmesh_common::build::VERSION_LINE,
     about = "rpcmesh provider: hosts services and answers RPCF v1 calls"
 )]
 pub struct Args {

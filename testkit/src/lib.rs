@@ -7,6 +7,7 @@
 //!               the broker with a memory budget that the hostile tests flood
 //!   child       a child process killed and reaped when dropped, signals by PID
 //!   stderr      stderr sinks that take nothing: a pipe whose reader has gone, a full one
+//!   notify      systemd's side of sd_notify: what a program says (READY=1, WATCHDOG=1)
 //!   paths       the workspace's root, the programs' binaries, free ports
 //!   wait        waiting on a condition instead of sleeping (async and blocking)
 //!   gate        holding calls in a handler until the test lets them through
@@ -36,6 +37,7 @@ pub mod gate;
 pub mod golden;
 pub mod http;
 pub mod in_process;
+pub mod notify;
 pub mod paths;
 pub mod quoted;
 pub mod spawned;
@@ -52,6 +54,7 @@ pub use gate::Gate;
 pub use golden::{golden, golden_exchange};
 pub use http::{get, get_query};
 pub use in_process::{InProcess, echo_call, echo_calls};
+pub use notify::NotifySocket;
 pub use paths::{bin_path, free_port, workspace_root};
 pub use spawned::{BROKER_BUDGET_MIB, Launch, Spawned, budgeted_broker};
 pub use stderr::{closed_pipe, full_pipe};

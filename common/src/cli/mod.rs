@@ -1,7 +1,8 @@
 //! The command-line layer every program shares: values and their parsers ([`values`]),
 //! flag groups ([`flags`]), the collecting of configuration problems ([`config`]), and the
 //! start-up every `main` goes through ([`startup`]: logging, the runtime, binding, the
-//! metrics endpoint, the shutdown signal).
+//! metrics endpoint, the shutdown signal), and what a server tells systemd ([`systemd`]:
+//! ready, stopping, watchdog pings).
 //!
 //! The top layer of `rpcmesh-common`: it uses the others, and none of them uses it. Each
 //! program's own flags, defaults and validation are its `config.rs`.
@@ -9,6 +10,7 @@
 pub mod config;
 pub mod flags;
 pub mod startup;
+pub mod systemd;
 pub mod values;
 
 pub use config::{ConfigProblems, ConfigWarnings};

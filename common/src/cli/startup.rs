@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 
 use tokio::net::{TcpListener, TcpSocket};
 
+use crate::cli::systemd::{self, Readiness};
 use crate::cli::values::MetricsListen;
 use crate::log_sink;
 use crate::metrics::Telemetry;
@@ -162,11 +163,37 @@ pub fn start(
 /// the runtime, the listener on `listen`, the metrics endpoint on `metrics` (or none), one
 /// line on stdout saying where both are (see [`listening_line`]), then
 /// `run(telemetry, listener, shutdown)` until it returns (it drains on SIGTERM/SIGINT).
+/// Under systemd it is ready once it listens ([`serve_with`] for another moment).
 pub fn serve<F, Fut>(
     program: &str,
     listen: SocketAddr,
     metrics: MetricsListen,
     threads: usize,
+    run: F,
+) -> Result<(), StartupError>
+where
+    F: FnOnce(Telemetry, TcpListener, ShutdownSignal) -> Fut,
+    Fut: Future,
+{
+    serve_with(
+        program,
+        listen,
+        metrics,
+        threads,
+        Readiness::WhenListening,
+        run,
+    )
+}
+
+/// As [`serve`], telling systemd (when it runs the program: [`systemd`]) `READY=1` at the
+/// moment `readiness` says, `STOPPING=1` when the shutdown signal comes, and pinging its
+/// watchdog from the runtime when the unit has one.
+pub fn serve_with<F, Fut>(
+    program: &str,
+    listen: SocketAddr,
+    metrics: MetricsListen,
+    threads: usize,
+    readiness: Readiness,
     run: F,
 ) -> Result<(), StartupError>
 where
@@ -185,17 +212,25 @@ where
                 source,
             })?;
         let rpc = listener.local_addr().unwrap_or(listen);
+        let line = listening_line(program, rpc, telemetry.served_at());
         {
             use std::io::Write;
             let mut out = std::io::stdout().lock();
-            let _ = writeln!(
-                out,
-                "{}",
-                listening_line(program, rpc, telemetry.served_at())
-            );
+            let _ = writeln!(out, "{line}");
             let _ = out.flush();
         }
-        run(telemetry, listener, Box::pin(shutdown::signal())).await;
+        let watchdog = systemd::spawn_watchdog();
+        if readiness == Readiness::WhenListening {
+            systemd::notify_ready(&line);
+        }
+        let shutdown = async {
+            shutdown::signal().await;
+            systemd::notify_stopping();
+        };
+        run(telemetry, listener, Box::pin(shutdown)).await;
+        if let Some(w) = watchdog {
+            w.abort();
+        }
         Ok(())
     })
 }

@@ -564,6 +564,14 @@ pub const LOG_LINES_DROPPED_TOTAL: Family = Family {
     roles: ALL,
     help: "Log lines this process dropped instead of waiting on stderr: its queue was full (stderr took nothing) or the write failed (stderr closed). The process serves on either way.",
 };
+/// `rpcmesh_build_info{role, version, commit}`.
+pub const BUILD_INFO: Family = Family {
+    name: "rpcmesh_build_info",
+    kind: Gauge,
+    labels: &["role", "version", "commit"],
+    roles: ALL,
+    help: "Always 1: the build this process runs, by its version and git commit (what --version prints; unknown for a build without git history).",
+};
 
 /// Every family, grouped as `docs/metrics.md` groups them.
 pub const CATALOGUE: &[&Family] = &[
@@ -619,6 +627,7 @@ pub const CATALOGUE: &[&Family] = &[
     &PROCESS_THREADS,
     &PROCESS_START_TIME_SECONDS,
     &LOG_LINES_DROPPED_TOTAL,
+    &BUILD_INFO,
 ];
 
 /// Puts the help text of every catalogued family on `telemetry`'s recorder (every recorder

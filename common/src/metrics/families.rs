@@ -2,8 +2,8 @@
 //! ([`Stages`], sampled by [`Sampler`]), connections ([`ConnCounters`]), bytes and syscalls
 //! on the wire ([`WireCounters`]), payload bytes before and after compression
 //! ([`PayloadCounters`]), calls by outcome ([`CallCounters`]), the time compression
-//! takes ([`CompressionTimers`]) and a connection's share of the calls in flight
-//! ([`InFlightShare`]). Each is registered once, from the catalogue's families,
+//! takes ([`CompressionTimers`]), a connection's share of the calls in flight
+//! ([`InFlightShare`]), and the build the process runs ([`publish_build_info`]). Each is registered once, from the catalogue's families,
 //! and then only incremented.
 //!
 //! Owns how these groups are registered and fed. Names and meanings are the catalogue's;
@@ -16,9 +16,10 @@ use rpcmesh_wire::envelope::{CompressionObserver, PayloadSize};
 
 use crate::metrics::Telemetry;
 use crate::metrics::catalogue::{
-    BUFFERED_BYTES, CALL_SECONDS, CALLS_TOTAL, COMPRESSION_SECONDS, CONNECTIONS_CLOSED_TOTAL,
-    CONNECTIONS_OPEN, CONNECTIONS_OPENED_TOTAL, CONNECTIONS_REFUSED_TOTAL, MEMORY_BUDGET_BYTES,
-    PAYLOAD_BYTES_TOTAL, Role, SHED_TOTAL, STAGE_SECONDS, WIRE_BYTES_TOTAL, WIRE_SYSCALLS_TOTAL,
+    BUFFERED_BYTES, BUILD_INFO, CALL_SECONDS, CALLS_TOTAL, COMPRESSION_SECONDS,
+    CONNECTIONS_CLOSED_TOTAL, CONNECTIONS_OPEN, CONNECTIONS_OPENED_TOTAL,
+    CONNECTIONS_REFUSED_TOTAL, MEMORY_BUDGET_BYTES, PAYLOAD_BYTES_TOTAL, Role, SHED_TOTAL,
+    STAGE_SECONDS, WIRE_BYTES_TOTAL, WIRE_SYSCALLS_TOTAL,
 };
 use crate::net::connection::{CloseReason, IoCounts};
 use crate::net::listener::AcceptObserver;
@@ -400,6 +401,21 @@ pub fn publish_budget(
     t.gauge(&MEMORY_BUDGET_BYTES, &l).set(budget.limit() as f64);
     let b = budget.clone();
     t.on_scrape(std::sync::Arc::new(move || used.set(b.used() as f64)));
+}
+
+/// `rpcmesh_build_info` at 1 with this build's version and commit ([`crate::build`]), so
+/// that a scrape says which build the process runs (a deployment compares it with the
+/// build it installed).
+pub fn publish_build_info(t: &Telemetry, role: Role) {
+    t.gauge(
+        &BUILD_INFO,
+        &[
+            ("role", role.label()),
+            ("version", crate::build::VERSION),
+            ("commit", crate::build::COMMIT),
+        ],
+    )
+    .set(1.0);
 }
 
 /// Which limit a call shed at once met: the `cap` label of `rpcmesh_shed_total`.

@@ -422,8 +422,10 @@ pub struct Housekeeping {
 }
 
 impl Housekeeping {
-    /// Starts both for a program of `role` (inside a Tokio runtime).
+    /// Starts both for a program of `role` (inside a Tokio runtime), and publishes the
+    /// build it runs (`rpcmesh_build_info`), which every program exports with these.
     pub fn start(telemetry: &Telemetry, role: Role) -> Self {
+        crate::metrics::families::publish_build_info(telemetry, role);
         let stop = CancellationToken::new();
         let tasks = vec![
             telemetry.spawn_upkeep(stop.clone()),
