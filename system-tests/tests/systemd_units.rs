@@ -1,8 +1,9 @@
 //! The systemd units of `deploy/systemd/` (issue 12): `systemd-analyze verify` finds no
 //! problem in any of them (run on copies whose `ExecStart` points at the built binary and
 //! whose `EnvironmentFile` is the example beside them), each stop timeout leaves room for
-//! the whole drain, and every setting of the example environment files is one the program
-//! reads.
+//! the whole drain, every setting of the example environment files is one the program
+//! reads, and `systemd-analyze security --offline=yes` scores the programs' units 2.0 or
+//! below and the RPS unit 3.0 or below (0 = locked down, 10 = exposed).
 //!
 //! Needs `systemd-analyze` (Debian package `systemd`; `scripts/deps` installs it).
 
@@ -74,6 +75,68 @@ fn systemd_analyze_verify_finds_nothing_in_the_units() {
         system::systemd_analyze_verify(&path);
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Most exposure `systemd-analyze security` may give a program's unit: the three run as
+/// an unprivileged user with no capability and no writable file system (1.3 as written).
+const MAX_PROGRAM_EXPOSURE: f64 = 2.0;
+/// Most exposure of rpcmesh-rps.service: it runs as root with CAP_NET_ADMIN and a
+/// writable /sys, which it exists to write (1.5 as written).
+const MAX_RPS_EXPOSURE: f64 = 3.0;
+
+/// The overall exposure `systemd-analyze security --offline=yes` gives a unit file.
+fn exposure(unit: &Path) -> f64 {
+    let out = Command::new("systemd-analyze")
+        .args(["security", "--offline=yes", "--no-pager"])
+        .arg(unit)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| l.split_once("Overall exposure level for "))
+        .and_then(|(_, rest)| rest.split_once(": "))
+        .and_then(|(_, score)| score.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no overall exposure for {}: {text}", unit.display()))
+}
+
+#[test]
+fn the_units_are_locked_down() {
+    need_systemd_analyze();
+    let rps =
+        testkit::workspace_root().join("deploy/ansible/roles/tuning/files/rpcmesh-rps.service");
+    let mut scores = Vec::new();
+    for name in PROGRAMS {
+        let unit = deploy_dir().join(format!("rpcmesh-{name}.service"));
+        scores.push((unit, MAX_PROGRAM_EXPOSURE));
+    }
+    scores.push((rps, MAX_RPS_EXPOSURE));
+    for (unit, most) in scores {
+        let got = exposure(&unit);
+        assert!(
+            got <= most,
+            "{}: exposure {got} is above {most}",
+            unit.display()
+        );
+    }
+}
+
+/// The servers' units are of `Type=notify` (READY=1 once they serve) with a watchdog the
+/// programs ping; the driver, a load run, is `Type=exec`.
+#[test]
+fn the_servers_tell_systemd_they_are_ready_and_alive() {
+    for name in ["provider", "broker"] {
+        let unit =
+            std::fs::read_to_string(deploy_dir().join(format!("rpcmesh-{name}.service"))).unwrap();
+        assert_eq!(unit_value(&unit, "Type"), "notify", "{name}");
+        let watchdog =
+            rpcmesh_common::cli::values::parse_duration(&unit_value(&unit, "WatchdogSec")).unwrap();
+        assert!(watchdog > Duration::ZERO, "{name}");
+        assert!(
+            unit_value(&unit, "RestrictAddressFamilies").contains("AF_UNIX"),
+            "{name}: the notifications go over a Unix socket"
+        );
+    }
 }
 
 #[test]
