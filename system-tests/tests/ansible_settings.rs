@@ -220,6 +220,7 @@ fn every_variable_the_playbooks_use_is_defined_and_documented_in_group_vars() {
     let mut files = vec![
         ansible_dir().join("site.yml"),
         ansible_dir().join("rolling-restart.yml"),
+        ansible_dir().join("rollback.yml"),
     ];
     files_under(&ansible_dir().join("roles"), &mut files);
     for path in files {
