@@ -9,8 +9,13 @@ One module per concern, each used only by the ones after it:
 - `image`: the Debian base the machines boot from, built once and cached;
 - `machines`: booting and halting the systemd-nspawn machines;
 - `remote`: SSH, HTTP and Ansible from the controller namespace;
-- `checks`: units, Prometheus targets, metrics scraped from the programs;
+- `checks`: units, Prometheus targets, metrics scraped from the programs, the build a
+  host runs, whether one machine reaches another's port;
+- `builds`: the builds rolled out (the one under test, a second one, a broken one), each
+  with its manifest;
 - `load`: driver runs on the driver machines, their HDR logs and reports, the merge;
+- `scenarios`: the firewall's check, a lost restart, the rollback of a broken build,
+  check mode;
 - `report`: the steps' outcomes and the figures, printed and as JSON.
 
 `deploy/rehearse` is the command: it runs the steps in order and removes everything it

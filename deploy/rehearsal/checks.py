@@ -62,7 +62,33 @@ def metric_sum(samples, name: str, **want: str) -> float | None:
 
 
 def scrape(ctl: Controller, host: Host, port: int):
-    return parse_metrics(ctl.http_get(f"http://{host.ip}:{port}/metrics").decode(errors="replace"))
+    """A program's /metrics, read on its own host (over SSH, with curl): the firewall
+    opens the metrics ports to the monitoring host only."""
+    text = ctl.ssh_text(host, f"curl -sf --max-time 10 http://127.0.0.1:{port}/metrics")
+    return parse_metrics(text)
+
+
+def running_build(ctl: Controller, host: Host, program: str) -> dict[str, str]:
+    """What a program's host says of it: the binary its service's main process runs
+    (`exe`), what /usr/local/bin/PROGRAM links to (`linked`), and the commit its
+    rpcmesh_build_info names (`commit`)."""
+    unit = f"rpcmesh-{program}.service"
+    command = ('pid=$(systemctl show --property MainPID --value UNIT); '
+               'echo "exe=$([ "${pid:-0}" -gt 0 ] && readlink /proc/$pid/exe)"; '
+               'echo "linked=$(readlink /usr/local/bin/PROGRAM)"')
+    text = ctl.ssh_text(host, command.replace("UNIT", unit).replace("PROGRAM", program))
+    got = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+    port = {"provider": PROVIDER_METRICS_PORT, "broker": BROKER_METRICS_PORT}[program]
+    info = [labels for name, labels, _ in scrape(ctl, host, port) if name == "rpcmesh_build_info"]
+    got["commit"] = info[0].get("commit", "") if info else ""
+    return got
+
+
+def reaches(ctl: Controller, src: Host, dst: Host, port: int) -> bool:
+    """Whether a TCP connect from `src` to `dst`:`port` succeeds within 3 s (a port the
+    firewall drops times out; nothing sent but the SYN)."""
+    r = ctl.ssh(src, f"timeout 3 bash -c '</dev/tcp/{dst.ip}/{port}'", check=False)
+    return r.returncode == 0
 
 
 def system_state(ctl: Controller, m: Host) -> str:

@@ -133,6 +133,9 @@ def boot(host: Host, image: Path, run_dir: Path, out_dir: Path) -> Machine:
         f"--directory={image}", f"--machine={host.name}", "--volatile=overlay",
         f"--network-namespace-path=/run/netns/{host.name}",
         "--console=read-only",
+        # Its firewall (the role firewall's nftables rules) is loaded as on a real host:
+        # the capability reaches only the machine's own network namespace.
+        "--capability=CAP_NET_ADMIN",
         f"--bind-ro={run_dir / 'ssh'}:/root/.ssh",
         f"--bind-ro={etc / ('hostname.' + host.name)}:/etc/hostname",
         f"--bind-ro={etc / 'hosts'}:/etc/hosts",

@@ -163,9 +163,9 @@ def write_inventory(path: Path, controller: Controller, bin_dir: Path, *, joined
 
 
 def playbook(controller: Controller, playbook: Path, inventory: Path, log: Path,
-             *, timeout: float, extra: list[str] | None = None) -> None:
-    """Runs `ansible-playbook` from the controller namespace (RehearsalError on failure,
-    with the end of its output)."""
+             *, timeout: float, extra: list[str] | None = None, check: bool = True):
+    """Runs `ansible-playbook` from the controller namespace; with `check`, a failure is
+    a RehearsalError with the end of its output. Returns the CompletedProcess."""
     env = dict(
         os.environ,
         ANSIBLE_HOME=str(controller.run_dir / "ansible"),
@@ -180,22 +180,23 @@ def playbook(controller: Controller, playbook: Path, inventory: Path, log: Path,
     cfg = playbook.parent / "ansible.cfg"
     if cfg.exists():
         env["ANSIBLE_CONFIG"] = str(cfg)
-    proc.run(
+    return proc.run(
         in_controller([str(ansible_bin("ansible-playbook")), "-i", str(inventory),
                        "-e", f"@{vars_path(inventory)}", *(extra or []), str(playbook)]),
-        timeout=timeout, log=log, env=env, cwd=playbook.parent,
+        timeout=timeout, log=log, env=env, cwd=playbook.parent, check=check,
     )
 
 
-def recap(log: Path) -> dict[str, int]:
-    """Changed tasks per host, from the last PLAY RECAP of an Ansible log."""
+def recap(log: Path, field: str = "changed") -> dict[str, int]:
+    """Changed (or `field`: failed, rescued...) tasks per host, from the last PLAY RECAP
+    of an Ansible log."""
     part = log.read_text(errors="replace").rsplit("PLAY RECAP", 1)[-1]
-    changed = {}
+    counts = {}
     for line in part.splitlines():
-        if " : ok=" in line and "changed=" in line:
+        if " : ok=" in line and f"{field}=" in line:
             host = line.split(":", 1)[0].strip()
-            changed[host] = int(line.split("changed=", 1)[1].split()[0])
-    return changed
+            counts[host] = int(line.split(f"{field}=", 1)[1].split()[0])
+    return counts
 
 
 def prometheus_config(source: Path, run_dir: Path, interval: str) -> Path:

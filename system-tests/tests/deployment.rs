@@ -1,9 +1,12 @@
 //! The deployment test: `deploy/rehearse`, the whole rehearsal of deploy/REHEARSAL.md,
 //! end to end. Eight Debian machines booted with systemd-nspawn in network namespaces,
 //! the Ansible playbooks run over SSH from a controller namespace, the units and the
-//! Prometheus targets checked, both drivers against both brokers with their HDR logs
-//! merged, a third provider joined through the providers file, the rolling restart under
-//! load; then everything removed.
+//! Prometheus targets checked, the firewall keeping a driver away from a provider, both
+//! drivers against both brokers with their HDR logs merged, a third provider joined
+//! through the providers file, the rolling restart under load, a rollout that fails after
+//! its copy and the run after it, a lost restart caught, a broken build rolled back
+//! automatically, all with zero failed calls, and `--check --diff` clean on every host;
+//! then everything removed.
 //!
 //! It needs root, systemd-nspawn, debootstrap and ansible-core in the rehearsal's venv
 //! (`scripts/deps` installs them: `deploy/rehearse --install`); it fails, saying so, when
@@ -19,9 +22,10 @@ use std::time::Duration;
 use rpcmesh_system_tests as system;
 use rpcmesh_testkit as testkit;
 
-/// The rehearsal takes about five minutes (seven with the base image to build); this only
-/// catches a hang (every wait of the rehearsal is bounded on its own).
-const REHEARSAL_TIMEOUT: Duration = Duration::from_secs(20 * 60);
+/// The rehearsal takes about eleven minutes with the tests' debug build (thirteen with the
+/// base image to build); this only catches a hang (every wait of the rehearsal is bounded
+/// on its own).
+const REHEARSAL_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
 /// Requests/s each driver offers in the fleet run, and during the join and the restart: a
 /// quarter of the rehearsal's defaults (1,000 and 250), because the test deploys its own
@@ -33,7 +37,7 @@ const FLEET_RATE: &str = "250";
 const CHANGE_RATE: &str = "60";
 
 /// The steps the report must have, each ok, in this order.
-const STEPS: [&str; 11] = [
+const STEPS: [&str; 16] = [
     "build",
     "lint",
     "image",
@@ -41,14 +45,19 @@ const STEPS: [&str; 11] = [
     "boot",
     "deploy",
     "units active",
+    "firewall",
     "fleet run",
     "join a provider",
     "rolling restart",
+    "lost restart",
+    "rollback",
+    "changes under load",
+    "check mode",
     "teardown",
 ];
 
 #[test]
-fn rehearsal_deploys_joins_a_provider_and_restarts_the_fleet_with_zero_failed_calls() {
+fn rehearsal_deploys_changes_and_rolls_back_the_fleet_with_zero_failed_calls() {
     let bins = system::program_dir();
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("rehearsal");
     let run = system::run_repo_command(
@@ -101,10 +110,22 @@ fn rehearsal_deploys_joins_a_provider_and_restarts_the_fleet_with_zero_failed_ca
         f["joined_provider"]["calls_answered"].as_u64().unwrap() >= 100,
         "{f:#}"
     );
-    // The join and the rolling restart under load: not one call failed.
-    let during = &f["during_join_and_restart"];
+    // The firewall: a driver reaches the brokers, never a provider.
+    let firewall = &f["firewall"];
+    assert_eq!(firewall["rpcm-drv1->rpcm-prv1:7800"], "dropped", "{f:#}");
+    assert_eq!(firewall["rpcm-drv1->rpcm-brk1:7700"], "open", "{f:#}");
+    // The broken build was put back on the first provider, the others never touched.
+    assert_eq!(f["rollback"]["host"], "rpcm-prv1", "{f:#}");
+    assert_eq!(f["rollback"]["others_untouched"], 2, "{f:#}");
+    // The join, the rolling restart, the lost restart and the rollback under load: not
+    // one call failed.
+    let during = &f["during_changes"];
     assert!(during["calls"].as_u64().unwrap() > 0, "{f:#}");
     assert_eq!(during["failed_calls"], 0, "{f:#}");
+    // Check mode on the converged fleet: nothing would change anywhere.
+    let check = f["check_mode_changed"].as_object().expect("hosts");
+    assert_eq!(check.len(), 8, "{f:#}");
+    assert!(check.values().all(|n| n == 0), "{f:#}");
 
     // Nothing is left behind: no namespace of the rehearsal, no machine state.
     let left = std::process::Command::new("ip")
