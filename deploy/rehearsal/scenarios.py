@@ -14,10 +14,14 @@ mode's): what docs/deployment.md promises when a rollout goes wrong.
   stops with a clear message, and the other providers are never touched.
 - `check_mode`: `site.yml --check --diff` on every host of the converged fleet: no
   failure and nothing it would change.
+- `watchdog`: a provider whose process is frozen (SIGSTOP: no task of its runtime runs,
+  so no watchdog ping) is killed by systemd's watchdog and started again (no load runs
+  then: its calls in flight would wait for it).
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from . import checks, proc, remote
@@ -147,3 +151,34 @@ def check_mode(r) -> str:
     if would:
         raise proc.RehearsalError(f"--check --diff would change {would} on the converged fleet")
     return f"site.yml --check --diff on {len(changed)} hosts: clean, nothing to change"
+
+
+#: How long systemd may take to notice a frozen provider and start it again: its
+#: WatchdogSec (10 s), the kill, RestartSec (1 s) and the start, with room; a hang
+#: detector.
+WATCHDOG_TIMEOUT = 60.0
+
+
+def watchdog(r) -> str:
+    """A frozen provider is restarted by systemd's watchdog."""
+    ctl, prv = r.ctl, group("providers")[1]
+    unit = "rpcmesh-provider.service"
+
+    def show() -> dict[str, str]:
+        text = ctl.ssh_text(prv, f"systemctl show -p MainPID,NRestarts,ActiveState {unit}")
+        return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+    before = show()
+    frozen = time.monotonic()
+    ctl.ssh(prv, f"kill -STOP {before['MainPID']}")
+    proc.wait_until(
+        f"{prv.name}'s frozen provider restarted by the watchdog",
+        lambda: (lambda s: s.get("ActiveState") == "active" and s.get("MainPID") not in ("0", before["MainPID"])
+                 and int(s.get("NRestarts", "0")) > int(before.get("NRestarts", "0")))(show()),
+        timeout=WATCHDOG_TIMEOUT, poll=1.0)
+    seconds = round(time.monotonic() - frozen, 1)
+    said = ctl.ssh_text(prv, f"journalctl -u {unit} --no-pager -o cat | grep -c 'Watchdog timeout' || true")
+    if int(said.strip() or 0) < 1:
+        raise proc.RehearsalError(f"{prv.name}: restarted, but the journal names no watchdog timeout")
+    r.report.figures["watchdog"] = {"host": prv.name, "restarted_after_s": seconds}
+    return f"{prv.name}'s provider frozen (SIGSTOP): the watchdog restarted it after {seconds} s"

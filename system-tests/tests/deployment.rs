@@ -5,8 +5,8 @@
 //! drivers against both brokers with their HDR logs merged, a third provider joined
 //! through the providers file, the rolling restart under load, a rollout that fails after
 //! its copy and the run after it, a lost restart caught, a broken build rolled back
-//! automatically, all with zero failed calls, and `--check --diff` clean on every host;
-//! then everything removed.
+//! automatically, all with zero failed calls, `--check --diff` clean on every host, and a
+//! frozen provider restarted by systemd's watchdog; then everything removed.
 //!
 //! It needs root, systemd-nspawn, debootstrap and ansible-core in the rehearsal's venv
 //! (`scripts/deps` installs them: `deploy/rehearse --install`); it fails, saying so, when
@@ -37,7 +37,7 @@ const FLEET_RATE: &str = "250";
 const CHANGE_RATE: &str = "60";
 
 /// The steps the report must have, each ok, in this order.
-const STEPS: [&str; 16] = [
+const STEPS: [&str; 17] = [
     "build",
     "lint",
     "image",
@@ -53,6 +53,7 @@ const STEPS: [&str; 16] = [
     "rollback",
     "changes under load",
     "check mode",
+    "watchdog",
     "teardown",
 ];
 
