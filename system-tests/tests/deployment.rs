@@ -22,7 +22,7 @@ use std::time::Duration;
 use rpcmesh_system_tests as system;
 use rpcmesh_testkit as testkit;
 
-/// The rehearsal takes about eleven minutes with the tests' debug build (thirteen with the
+/// The rehearsal takes 10 to 15 minutes with the tests' debug build (two more with the
 /// base image to build); this only catches a hang (every wait of the rehearsal is bounded
 /// on its own).
 const REHEARSAL_TIMEOUT: Duration = Duration::from_secs(30 * 60);
