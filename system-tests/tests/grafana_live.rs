@@ -306,7 +306,7 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
         .collect();
     assert_eq!(
         rules.len(),
-        RECORDING_RULES + FAULT_ALERTS.len() + 1,
+        RECORDING_RULES + FAULT_ALERTS.len() + QUIET_ALERTS.len() + 1,
         "{groups}"
     );
     for r in &rules {
