@@ -46,7 +46,7 @@ fn the_broker_is_ready_only_once_its_pools_have_settled() {
         ],
         Launch {
             env: &[("NOTIFY_SOCKET", notify.path())],
-            stderr: None,
+            ..Launch::default()
         },
     );
     accepted.recv().unwrap();

@@ -23,7 +23,7 @@ fn the_provider_tells_systemd_it_is_ready_alive_and_stopping() {
                 ("NOTIFY_SOCKET", notify.path()),
                 ("WATCHDOG_USEC", WATCHDOG_USEC),
             ],
-            stderr: None,
+            ..Launch::default()
         },
     );
     let (ready, _) = notify.wait_for_line("READY=1");
