@@ -18,6 +18,7 @@
 //!   http        a GET on 127.0.0.1 that checks the status
 //!   quoted      the constants the docs quote, held to the code by each crate's test
 //!   capacity    the short `driver capacity` experiment both tiers run
+//!   certs       a test CA and the certificates it issues, as PEM files
 //! ```
 //!
 //! The tests prove order and causality, never how long something took: a test waits for
@@ -30,6 +31,7 @@
 
 pub mod bad_input;
 pub mod capacity;
+pub mod certs;
 pub mod child;
 pub mod flags;
 pub mod frames;
@@ -46,6 +48,7 @@ pub mod wait;
 
 pub use bad_input::{BadInput, Observed, PROBE_TIMEOUT, bad_inputs, garbage, probe};
 pub use capacity::short_capacity_search;
+pub use certs::{CertFiles, Leaf, Pki, spiffe};
 pub use child::{ChildGuard, Signal};
 pub use frames::{
     compressed_request, echo_request, metadata_bomb, put_echo_with_metadata, read_frames,

@@ -1,8 +1,9 @@
 //! A framed TCP connection: one socket, one read buffer split into frames, one write
 //! buffer that collects every frame produced in a round and leaves in as few `write`
-//! calls as the socket allows.
+//! calls as the socket allows. The socket is plain or carries TLS ([`Stream`]); the
+//! buffers, the frames and everything above see no difference.
 //!
-//! Owns the syscalls and the buffers; what the frames mean, and who waits for them, is the
+//! Owns the buffers and when the socket is read and written; what the frames mean, and who waits for them, is the
 //! session's ([`crate::net::session`] for servers, and each program's protocol over it). One
 //! task owns a connection's reads, writes and in-flight table without locks or a second
 //! task: it waits in [`FramedIo::wait_io`] (beside its other event sources), takes the
@@ -12,7 +13,6 @@ use std::io;
 use std::sync::Arc;
 
 use bytes::{Buf, BytesMut};
-use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use tokio::net::TcpStream;
@@ -23,6 +23,7 @@ use rpcmesh_wire::frame::{Frame, FrameError, Header};
 
 use crate::net::budget::{Held, MemoryBudget};
 use crate::net::busy_poll::Activity;
+use crate::net::stream::Stream;
 
 /// Bytes a read may fill at once: 64 KiB holds about a thousand small frames, so a busy
 /// connection reads a whole batch per `read` call.
@@ -128,7 +129,7 @@ pub struct IoCounts {
 /// A TCP connection with a frame decoder and a batching write buffer.
 #[derive(Debug)]
 pub struct FramedIo {
-    stream: TcpStream,
+    stream: Stream,
     codec: FrameCodec,
     rbuf: BytesMut,
     wbuf: BytesMut,
@@ -150,10 +151,15 @@ impl FramedIo {
     /// Nagle would only add delay) and TCP keepalive (so that a peer that vanished without
     /// closing, a crashed host or a dropped NAT entry, is found and its connection freed).
     pub fn new(stream: TcpStream, codec: FrameCodec) -> Self {
-        if let Err(e) = stream.set_nodelay(true) {
+        FramedIo::over(Stream::Plain(stream), codec)
+    }
+
+    /// As [`FramedIo::new`], over a stream that may carry TLS (its handshake done).
+    pub fn over(stream: Stream, codec: FrameCodec) -> Self {
+        if let Err(e) = stream.tcp().set_nodelay(true) {
             tracing::warn!(error = %e, "could not set TCP_NODELAY");
         }
-        FramedIo::keeping_nagle(stream, codec)
+        FramedIo::wrap(stream, codec)
     }
 
     /// As [`FramedIo::new`], but leaves Nagle's algorithm on (`TCP_NODELAY` unset, the
@@ -161,11 +167,15 @@ impl FramedIo {
     /// the plain RPCF v1 servers that never set it, so that the broker is measured and
     /// tested against them as they are.
     pub fn keeping_nagle(stream: TcpStream, codec: FrameCodec) -> Self {
+        FramedIo::wrap(Stream::Plain(stream), codec)
+    }
+
+    fn wrap(stream: Stream, codec: FrameCodec) -> Self {
         let keepalive = socket2::TcpKeepalive::new()
             .with_time(KEEPALIVE_IDLE)
             .with_interval(KEEPALIVE_INTERVAL)
             .with_retries(KEEPALIVE_PROBES);
-        if let Err(e) = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive) {
+        if let Err(e) = socket2::SockRef::from(stream.tcp()).set_tcp_keepalive(&keepalive) {
             tracing::warn!(error = %e, "could not set TCP keepalive");
         }
         FramedIo {
@@ -229,14 +239,20 @@ impl FramedIo {
             .then(|| h.budget().clone())
     }
 
+    /// The socket under the frames: plain, or TLS with its peer's certificates.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
     /// The write buffer: append whole frames to it, then call [`FramedIo::try_flush`].
     pub fn wbuf(&mut self) -> &mut BytesMut {
         &mut self.wbuf
     }
 
-    /// Bytes waiting to be written.
+    /// Bytes waiting to be written (for TLS, records made and not taken by the socket
+    /// count as one byte more: rustls holds at most its buffer limit of them).
     pub fn pending_write(&self) -> usize {
-        self.wbuf.len()
+        self.wbuf.len() + usize::from(self.stream.holds_output())
     }
 
     /// True while part of a frame has been read and the rest has not (or a refused frame is
@@ -274,8 +290,8 @@ impl FramedIo {
     /// [`FramedIo::wait_io`] as a poll, for a caller that waits on several connections at
     /// once (the driver's worker, on the connections it is draining).
     pub fn poll_io(&mut self, cx: &mut Context<'_>, read: bool) -> Poll<io::Result<IoEvent>> {
-        if !self.wbuf.is_empty() {
-            if let Poll::Ready(r) = self.stream.poll_write_ready(cx) {
+        if self.pending_write() > 0 {
+            if let Poll::Ready(r) = self.stream.tcp().poll_write_ready(cx) {
                 r?;
                 self.try_flush()?;
                 return Poll::Ready(Ok(IoEvent::Wrote));
@@ -283,16 +299,15 @@ impl FramedIo {
         }
         if read && !self.eof {
             self.make_read_room();
-            match tokio_util::io::poll_read_buf(Pin::new(&mut self.stream), cx, &mut self.rbuf) {
-                Poll::Ready(Ok(0)) => {
-                    self.eof = true;
-                    return Poll::Ready(Ok(IoEvent::Read));
-                }
-                Poll::Ready(Ok(n)) => {
-                    self.counts.bytes_read += n as u64;
-                    self.counts.reads += 1;
-                    if let Some(a) = &self.activity {
-                        a.note_read();
+            match self.stream.poll_read(cx, &mut self.rbuf) {
+                Poll::Ready(Ok(done)) => {
+                    self.eof = done.eof;
+                    if done.reads > 0 {
+                        self.counts.bytes_read += done.wire as u64;
+                        self.counts.reads += done.reads;
+                        if let Some(a) = &self.activity {
+                            a.note_read();
+                        }
                     }
                     return Poll::Ready(Ok(IoEvent::Read));
                 }
@@ -383,7 +398,7 @@ impl FramedIo {
     pub fn quick_ack(&self) -> io::Result<()> {
         #[cfg(any(target_os = "linux", target_os = "android"))]
         {
-            socket2::SockRef::from(&self.stream).set_tcp_quickack(true)
+            socket2::SockRef::from(self.stream.tcp()).set_tcp_quickack(true)
         }
         #[cfg(not(any(target_os = "linux", target_os = "android")))]
         {
@@ -393,33 +408,27 @@ impl FramedIo {
 
     /// Writes as much of the write buffer as the socket takes now.
     pub fn try_flush(&mut self) -> io::Result<()> {
-        let mut progress = false;
-        while !self.wbuf.is_empty() {
-            match self.stream.try_write(&self.wbuf) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => {
-                    progress = true;
-                    self.counts.bytes_written += n as u64;
-                    self.counts.writes += 1;
-                    self.wbuf.advance(n);
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    if progress || self.write_stalled.is_none() {
-                        self.write_stalled = Some(Instant::now());
-                    }
-                    return Ok(());
-                }
-                Err(e) => return Err(e),
-            }
+        if self.pending_write() == 0 {
+            self.write_stalled = None;
+            return Ok(());
         }
-        self.write_stalled = None;
+        let done = self.stream.try_write(&mut self.wbuf)?;
+        self.counts.bytes_written += done.wire as u64;
+        self.counts.writes += done.writes;
+        if done.blocked {
+            if done.writes > 0 || self.write_stalled.is_none() {
+                self.write_stalled = Some(Instant::now());
+            }
+        } else {
+            self.write_stalled = None;
+        }
         Ok(())
     }
 
     /// Writes the whole write buffer, waiting for the socket as needed.
     pub async fn flush(&mut self) -> io::Result<()> {
-        while !self.wbuf.is_empty() {
-            self.stream.writable().await?;
+        while self.pending_write() > 0 {
+            self.stream.tcp().writable().await?;
             self.try_flush()?;
         }
         Ok(())
@@ -427,7 +436,6 @@ impl FramedIo {
 
     /// Closes the write side after flushing (the peer then sees end of stream).
     pub async fn shutdown(&mut self) -> io::Result<()> {
-        use tokio::io::AsyncWriteExt;
         self.flush().await?;
         self.stream.shutdown().await
     }

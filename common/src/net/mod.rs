@@ -3,6 +3,10 @@
 //!
 //! - [`connection`]: one socket, its read buffer split into frames, its batching write
 //!   buffer ([`connection::FramedIo`]).
+//! - [`stream`]: the socket under a connection, plain or carrying TLS.
+//! - [`tls`]: TLS: certificates and keys from files (read again when they change), the
+//!   handshakes (timeout, cap, counted refusals), peers' identities.
+//! - [`watch`]: files read again on SIGHUP and when they change.
 //! - [`listener`]: the accept loop: connection cap, back-off when out of descriptors, one
 //!   task per connection, drain on shutdown.
 //! - [`session`]: the server-session skeleton the provider and broker share: the loop,
@@ -34,5 +38,8 @@ pub mod pace;
 pub mod session;
 pub mod shutdown;
 pub mod slots;
+pub mod stream;
 pub mod thinned;
 pub mod timer;
+pub mod tls;
+pub mod watch;

@@ -1,0 +1,445 @@
+//! The TLS handshakes: a server's ([`ServerTls::accept`]) and a client's
+//! ([`ClientTls::connect`]), each with its configuration read from files and replaced
+//! whole when they change ([`ServerTls::reload`]: the next handshake uses the new files,
+//! connections already open go on with theirs).
+//!
+//! A server's handshake runs in the connection's own task, never in the accept loop, so a
+//! slow or silent client holds only itself. Each is bounded: in time (the handshake
+//! timeout, 10 s by default) and in number (handshakes in progress at once; over the cap
+//! a connection is closed at once). Every refusal has a reason ([`Refusal`]), is told to
+//! the observer (the metrics layer counts it) and is logged through a thinned log line: a
+//! peer can cause them at will.
+
+use std::io;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use rustls::pki_types::ServerName;
+use rustls::{ClientConfig, ServerConfig};
+use tokio::net::TcpStream;
+use tokio::sync::Semaphore;
+
+use crate::net::stream::{Stream, TlsStream};
+use crate::net::thinned::Thinned;
+use crate::net::tls::config::{ClientTlsSettings, Material, ServerTlsSettings, TlsError};
+use crate::net::tls::identity::{Identity, NoIdentity};
+
+/// The process's budget of refused-handshake log lines.
+static REFUSED_LINES: Thinned = Thinned::new();
+
+/// Why a handshake did not make a connection, as
+/// `rpcmesh_tls_handshake_failures_total{reason}` counts it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Refusal {
+    /// It did not finish within the handshake timeout (a client that stopped half-way,
+    /// or never spoke).
+    Timeout,
+    /// Too many handshakes were in progress: closed at once.
+    Busy,
+    /// The bytes were not TLS (plaintext RPCF, HTTP...).
+    NotTls,
+    /// A client certificate is required and none was given.
+    NoCertificate,
+    /// The peer's certificate does not chain to the CA.
+    UnknownCa,
+    /// The peer's certificate has expired (or is not valid yet).
+    Expired,
+    /// The peer's certificate verified but names no identity.
+    NoIdentity,
+    /// The peer's certificate is unusable otherwise (wrong name, wrong key usage, bad
+    /// encoding, revoked).
+    BadCertificate,
+    /// The peer refused us with an alert (it does not trust our certificate...).
+    PeerAlert,
+    /// The peer offers nothing we take (an older TLS version, no common cipher suite).
+    Incompatible,
+    /// The peer closed the connection before the handshake was done.
+    Eof,
+    /// Anything else (a socket error...).
+    Other,
+}
+
+impl Refusal {
+    /// Every reason, in the order of [`Refusal::index`].
+    pub const ALL: [Refusal; 12] = [
+        Refusal::Timeout,
+        Refusal::Busy,
+        Refusal::NotTls,
+        Refusal::NoCertificate,
+        Refusal::UnknownCa,
+        Refusal::Expired,
+        Refusal::NoIdentity,
+        Refusal::BadCertificate,
+        Refusal::PeerAlert,
+        Refusal::Incompatible,
+        Refusal::Eof,
+        Refusal::Other,
+    ];
+
+    /// The `reason` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Refusal::Timeout => "timeout",
+            Refusal::Busy => "busy",
+            Refusal::NotTls => "not_tls",
+            Refusal::NoCertificate => "no_certificate",
+            Refusal::UnknownCa => "unknown_ca",
+            Refusal::Expired => "expired",
+            Refusal::NoIdentity => "no_identity",
+            Refusal::BadCertificate => "bad_certificate",
+            Refusal::PeerAlert => "peer_alert",
+            Refusal::Incompatible => "incompatible",
+            Refusal::Eof => "eof",
+            Refusal::Other => "other",
+        }
+    }
+
+    /// Position in [`Refusal::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The reason of a failed handshake's error (tokio-rustls wraps rustls's own errors in
+    /// `io::ErrorKind::InvalidData`).
+    pub fn of(e: &io::Error) -> Refusal {
+        use rustls::{CertificateError as C, Error as E, InvalidMessage as M};
+        let Some(tls) = e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()) else {
+            return match e.kind() {
+                io::ErrorKind::UnexpectedEof
+                | io::ErrorKind::ConnectionReset
+                | io::ErrorKind::ConnectionAborted
+                | io::ErrorKind::BrokenPipe => Refusal::Eof,
+                io::ErrorKind::TimedOut => Refusal::Timeout,
+                _ => Refusal::Other,
+            };
+        };
+        match tls {
+            E::InvalidMessage(M::InvalidContentType | M::UnknownProtocolVersion)
+            | E::InvalidMessage(M::MessageTooLarge) => Refusal::NotTls,
+            E::InvalidMessage(_) | E::InappropriateMessage { .. } => Refusal::NotTls,
+            E::NoCertificatesPresented => Refusal::NoCertificate,
+            E::InvalidCertificate(c) => match c {
+                C::UnknownIssuer | C::BadSignature => Refusal::UnknownCa,
+                C::Expired
+                | C::ExpiredContext { .. }
+                | C::NotValidYet
+                | C::NotValidYetContext { .. } => Refusal::Expired,
+                C::Other(o) if o.0.downcast_ref::<NoIdentity>().is_some() => Refusal::NoIdentity,
+                _ => Refusal::BadCertificate,
+            },
+            E::AlertReceived(_) => Refusal::PeerAlert,
+            E::PeerIncompatible(_) | E::NoApplicationProtocol => Refusal::Incompatible,
+            E::PeerMisbehaved(_) => Refusal::NotTls,
+            _ => Refusal::Other,
+        }
+    }
+}
+
+/// Which certificate an expiry is of (`rpcmesh_tls_cert_expiry_timestamp_seconds{cert}`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CertKind {
+    /// The program's own certificate.
+    Own,
+    /// The earliest-expiring certificate of its CA file.
+    Ca,
+}
+
+impl CertKind {
+    /// The `cert` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            CertKind::Own => "own",
+            CertKind::Ca => "ca",
+        }
+    }
+}
+
+/// Hooks the handshakes call, for metrics.
+pub trait TlsObserver: Send + Sync + 'static {
+    /// A handshake made a connection.
+    fn handshake_done(&self) {}
+    /// A handshake was refused, for `reason`.
+    fn handshake_failed(&self, _reason: Refusal) {}
+    /// The files were read: `kind`'s certificate expires at `unix_seconds`.
+    fn expires(&self, _kind: CertKind, _unix_seconds: i64) {}
+}
+
+/// An observer that does nothing.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoTlsObserver;
+impl TlsObserver for NoTlsObserver {}
+
+/// A connection past its handshake: the stream, and whom the peer's certificate names
+/// (`None`: it presented none, which client auth `optional` allows).
+#[derive(Debug)]
+pub struct Secured {
+    /// The socket with its TLS.
+    pub stream: Stream,
+    /// The peer's identity.
+    pub identity: Option<Identity>,
+}
+
+fn peer_identity(conn: &rustls::Connection) -> Option<Identity> {
+    conn.peer_certificates()
+        .and_then(|c| c.first())
+        .and_then(|c| Identity::of_certificate(c))
+}
+
+fn tell_expiry(observer: &dyn TlsObserver, m: &Material) {
+    if let Some(t) = m.cert_expiry {
+        observer.expires(CertKind::Own, t);
+    }
+    if let Some(t) = m.ca_expiry {
+        observer.expires(CertKind::Ca, t);
+    }
+}
+
+/// A server's TLS: its configuration (replaced on reload), the cap on handshakes in
+/// progress, and the observer.
+pub struct ServerTls {
+    settings: ServerTlsSettings,
+    config: ArcSwap<ServerConfig>,
+    slots: Semaphore,
+    observer: Arc<dyn TlsObserver>,
+}
+
+impl std::fmt::Debug for ServerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerTls")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ServerTls {
+    /// Reads the files and builds the first configuration.
+    pub fn new(
+        settings: ServerTlsSettings,
+        observer: Arc<dyn TlsObserver>,
+    ) -> Result<Arc<ServerTls>, TlsError> {
+        let material = Material::load(&settings.files)?;
+        let config = material.server_config(settings.client_auth)?;
+        tell_expiry(&*observer, &material);
+        if let Some(id) = &material.identity {
+            tracing::info!(identity = %id, client_auth = %settings.client_auth, "tls: serving as");
+        }
+        Ok(Arc::new(ServerTls {
+            slots: Semaphore::new(settings.max_handshakes),
+            settings,
+            config: ArcSwap::new(config),
+            observer,
+        }))
+    }
+
+    /// The files, to watch.
+    pub fn paths(&self) -> Vec<PathBuf> {
+        self.settings.files.paths()
+    }
+
+    /// Reads the files again: on success the next handshakes use them; on error the
+    /// configuration stays as it was.
+    pub fn reload(&self) -> Result<(), TlsError> {
+        let material = Material::load(&self.settings.files)?;
+        let config = material.server_config(self.settings.client_auth)?;
+        self.config.store(config);
+        tell_expiry(&*self.observer, &material);
+        Ok(())
+    }
+
+    /// The handshake of an accepted connection from `peer`, within the timeout and the
+    /// cap; the refusal is counted and logged (thinned).
+    pub async fn accept(&self, tcp: TcpStream, peer: SocketAddr) -> Result<Secured, Refusal> {
+        let r = self.handshake(tcp).await;
+        match &r {
+            Ok(s) => {
+                self.observer.handshake_done();
+                let identity = s.identity.as_ref().map_or("anonymous", |i| i.as_str());
+                tracing::info!(%peer, identity, "tls connection opened");
+            }
+            Err((reason, error)) => {
+                self.observer.handshake_failed(*reason);
+                match REFUSED_LINES.admit() {
+                    Some(a) => {
+                        tracing::warn!(%peer, reason = reason.label(), %error, refused = a.seen, left_out = a.left_out, "tls handshake refused")
+                    }
+                    None => {
+                        tracing::debug!(%peer, reason = reason.label(), %error, "tls handshake refused")
+                    }
+                }
+            }
+        }
+        r.map_err(|(reason, _)| reason)
+    }
+
+    async fn handshake(&self, tcp: TcpStream) -> Result<Secured, (Refusal, io::Error)> {
+        let Ok(_slot) = self.slots.try_acquire() else {
+            let e = io::Error::other(format!(
+                "{} handshakes in progress already",
+                self.settings.max_handshakes
+            ));
+            return Err((Refusal::Busy, e));
+        };
+        let acceptor = tokio_rustls::TlsAcceptor::from(self.config.load_full());
+        let done =
+            tokio::time::timeout(self.settings.handshake_timeout, acceptor.accept(tcp)).await;
+        let tls = match done {
+            Err(_) => {
+                let e = io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("not done within {:?}", self.settings.handshake_timeout),
+                );
+                return Err((Refusal::Timeout, e));
+            }
+            Ok(Err(e)) => return Err((Refusal::of(&e), e)),
+            Ok(Ok(tls)) => tls,
+        };
+        let (tcp, conn) = tls.into_inner();
+        let conn = rustls::Connection::Server(conn);
+        let identity = peer_identity(&conn);
+        Ok(Secured {
+            stream: Stream::Tls(Box::new(TlsStream::new(tcp, conn))),
+            identity,
+        })
+    }
+}
+
+/// Why a client's handshake made no connection.
+#[derive(Debug, thiserror::Error)]
+#[error("tls handshake with {server} refused ({}): {error}", .reason.label())]
+pub struct ConnectError {
+    /// The name the server was to prove.
+    pub server: String,
+    /// Why, as counted.
+    pub reason: Refusal,
+    /// What rustls or the socket said.
+    pub error: io::Error,
+}
+
+/// A client's TLS: its configuration (replaced on reload) and the observer.
+pub struct ClientTls {
+    settings: ClientTlsSettings,
+    config: ArcSwap<ClientConfig>,
+    observer: Arc<dyn TlsObserver>,
+}
+
+impl std::fmt::Debug for ClientTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientTls")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ClientTls {
+    /// Reads the files and builds the first configuration.
+    pub fn new(
+        settings: ClientTlsSettings,
+        observer: Arc<dyn TlsObserver>,
+    ) -> Result<Arc<ClientTls>, TlsError> {
+        let material = Material::load(&settings.files)?;
+        let config = material.client_config()?;
+        tell_expiry(&*observer, &material);
+        Ok(Arc::new(ClientTls {
+            settings,
+            config: ArcSwap::new(config),
+            observer,
+        }))
+    }
+
+    /// The files, to watch.
+    pub fn paths(&self) -> Vec<PathBuf> {
+        self.settings.files.paths()
+    }
+
+    /// Reads the files again (see [`ServerTls::reload`]).
+    pub fn reload(&self) -> Result<(), TlsError> {
+        let material = Material::load(&self.settings.files)?;
+        self.config.store(material.client_config()?);
+        tell_expiry(&*self.observer, &material);
+        Ok(())
+    }
+
+    /// The handshake over a connected socket to `addr` (`HOST:PORT`): the server must
+    /// prove the host's name (or the configured server name). Counted; logging is the
+    /// caller's, which knows how often it reconnects.
+    pub async fn connect(&self, tcp: TcpStream, addr: &str) -> Result<Secured, ConnectError> {
+        let name = self
+            .settings
+            .server_name
+            .clone()
+            .unwrap_or_else(|| host_of(addr).to_string());
+        let r = self.handshake(tcp, &name).await;
+        match &r {
+            Ok(_) => self.observer.handshake_done(),
+            Err(e) => self.observer.handshake_failed(e.reason),
+        }
+        r
+    }
+
+    async fn handshake(&self, tcp: TcpStream, name: &str) -> Result<Secured, ConnectError> {
+        let fail = |reason, error| ConnectError {
+            server: name.to_string(),
+            reason,
+            error,
+        };
+        let server = ServerName::try_from(name.to_string()).map_err(|e| {
+            fail(
+                Refusal::BadCertificate,
+                io::Error::new(io::ErrorKind::InvalidInput, e),
+            )
+        })?;
+        let connector = tokio_rustls::TlsConnector::from(self.config.load_full());
+        let timeout = self.settings.handshake_timeout;
+        let tls = match tokio::time::timeout(timeout, connector.connect(server, tcp)).await {
+            Err(_) => {
+                let e = io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("not done within {timeout:?}"),
+                );
+                return Err(fail(Refusal::Timeout, e));
+            }
+            Ok(Err(e)) => return Err(fail(Refusal::of(&e), e)),
+            Ok(Ok(tls)) => tls,
+        };
+        let (tcp, conn) = tls.into_inner();
+        let conn = rustls::Connection::Client(conn);
+        let identity = peer_identity(&conn);
+        Ok(Secured {
+            stream: Stream::Tls(Box::new(TlsStream::new(tcp, conn))),
+            identity,
+        })
+    }
+}
+
+/// The host of `HOST:PORT` (`[v6]:PORT` too); the whole text when it has no port.
+pub fn host_of(addr: &str) -> &str {
+    let host = match addr.rsplit_once(':') {
+        Some((h, p)) if p.parse::<u16>().is_ok() => h,
+        _ => addr,
+    };
+    host.trim_start_matches('[').trim_end_matches(']')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_host_of_an_address_is_its_name_or_ip() {
+        assert_eq!(host_of("127.0.0.1:7700"), "127.0.0.1");
+        assert_eq!(host_of("broker.example:7700"), "broker.example");
+        assert_eq!(host_of("[::1]:7700"), "::1");
+        assert_eq!(host_of("broker.example"), "broker.example");
+    }
+
+    #[test]
+    fn every_refusal_has_its_own_label() {
+        let labels: std::collections::HashSet<_> = Refusal::ALL.iter().map(|r| r.label()).collect();
+        assert_eq!(labels.len(), Refusal::ALL.len());
+        for (i, r) in Refusal::ALL.iter().enumerate() {
+            assert_eq!(r.index(), i);
+        }
+    }
+}
