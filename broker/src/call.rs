@@ -37,6 +37,9 @@ pub(crate) type ReplyTx = Arc<Inbox>;
 #[derive(Debug, Default)]
 pub(crate) struct Inbox {
     state: Mutex<InboxState>,
+    /// The extension block naming the session's caller (`rpcmesh_wire::ext`), put before
+    /// each of its calls to providers that take it; empty: an anonymous caller.
+    caller: bytes::Bytes,
 }
 
 #[derive(Debug, Default)]
@@ -73,8 +76,33 @@ pub(crate) struct Taken {
 }
 
 impl Inbox {
+    #[cfg(test)]
     pub fn new() -> Arc<Inbox> {
         Arc::new(Inbox::default())
+    }
+
+    /// The inbox of a session whose caller is `caller` (`None`: anonymous).
+    pub fn for_caller(caller: Option<&str>) -> Arc<Inbox> {
+        let mut block = BytesMut::new();
+        // An identity is at most rpcmesh_common's MAX_IDENTITY_LEN, within the field's.
+        if rpcmesh_wire::ext::put_caller_block(&mut block, caller).is_err() {
+            block.clear();
+        }
+        Arc::new(Inbox {
+            caller: block.freeze(),
+            ..Inbox::default()
+        })
+    }
+
+    /// The extension block naming the caller (the anonymous one when none was made).
+    pub fn caller_block(&self) -> &[u8] {
+        /// `u16` length 3, tag 1 (caller), length 0.
+        const ANONYMOUS: &[u8] = &[0, 3, rpcmesh_wire::ext::TAG_CALLER, 0, 0];
+        if self.caller.is_empty() {
+            ANONYMOUS
+        } else {
+            &self.caller
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, InboxState> {

@@ -8,12 +8,15 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
+use rpcmesh_common::cli::OnOff;
 use rpcmesh_common::cli::flags::{LimitArgs, RuntimeArgs, StageArgs};
+use rpcmesh_common::cli::security::{AuthzArgs, ServerTlsArgs};
 use rpcmesh_common::cli::values::{parse_bytes_u32, parse_duration_or_off, parse_listen_addr};
 use rpcmesh_common::cli::{ConfigProblems, ConfigWarnings, DurationArg, MetricsListen};
 use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
 use rpcmesh_common::net::budget::DEFAULT_MEMORY_BUDGET;
 use rpcmesh_common::net::session::{DEFAULT_MAX_IN_FLIGHT_PER_LINK, Timeouts};
+use rpcmesh_common::net::tls::{ClientTlsSettings, ServerTlsSettings};
 use rpcmesh_wire::PeerKind;
 use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
 
@@ -80,6 +83,10 @@ pub const DEFAULT_PACK_IN_FLIGHT: usize = 64;
 /// provider whose handlers burn 20 µs of CPU a call, the whole `--pack-in-flight` behind
 /// the echo provider (under 1 µs), and none behind one that takes 100 µs or more per call.
 pub const DEFAULT_PACK_WAIT: Duration = Duration::from_micros(100);
+
+/// The broker speaks plain RPCF v1 to its providers unless told otherwise
+/// (`--upstream-tls`): each hop's TLS is its own choice.
+pub const DEFAULT_UPSTREAM_TLS: bool = false;
 
 /// Whether the broker busy-polls after reads (`--busy-poll`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -245,6 +252,17 @@ pub struct Args {
     /// Per-stage latency timing.
     #[command(flatten)]
     pub stages: StageArgs,
+    /// TLS on the main address, and a plain one beside it.
+    #[command(flatten)]
+    pub tls: ServerTlsArgs,
+    /// Speak TLS to the providers (on|off), verifying them against --tls-ca and presenting
+    /// --tls-cert, which identifies the broker to them; calls then carry their callers'
+    /// identities to the providers that take them.
+    #[arg(long, env = "RPCMESH_UPSTREAM_TLS", default_value_t = OnOff(DEFAULT_UPSTREAM_TLS))]
+    pub upstream_tls: OnOff,
+    /// Who may call what.
+    #[command(flatten)]
+    pub authz: AuthzArgs,
 }
 
 /// Validated broker settings, as `run` takes them.
@@ -294,6 +312,12 @@ pub struct BrokerConfig {
     pub stage_sample: u32,
     /// Settings that do nothing as given, logged when the broker starts.
     pub warnings: ConfigWarnings,
+    /// TLS on the main address (`None`: plain).
+    pub tls: Option<ServerTlsSettings>,
+    /// TLS towards the providers (`None`: plain).
+    pub upstream_tls: Option<ClientTlsSettings>,
+    /// The authorization policy's file (`None`: every call is allowed).
+    pub authz_policy: Option<PathBuf>,
 }
 
 impl BrokerConfig {
@@ -335,6 +359,9 @@ impl BrokerConfig {
             pack_wait: DEFAULT_PACK_WAIT,
             stage_sample: DEFAULT_STAGE_SAMPLE,
             warnings: ConfigWarnings::default(),
+            tls: None,
+            upstream_tls: None,
+            authz_policy: None,
         }
     }
 }
@@ -439,6 +466,17 @@ impl Args {
             },
         );
         self.stages.warnings(self.metrics_listen, &mut w);
+        let tls = self.tls.server(&mut p);
+        let upstream_tls = if self.upstream_tls.0 {
+            self.tls.client(&mut p)
+        } else {
+            None
+        };
+        if let Some(path) = &self.authz.authz_policy {
+            if let Err(e) = rpcmesh_common::authz::Policy::read(path) {
+                p.0.push(e.to_string());
+            }
+        }
         p.into_result(BrokerConfig {
             upstreams,
             providers_file: self.providers_file.clone(),
@@ -461,6 +499,9 @@ impl Args {
             pack_wait: self.pack_wait.0,
             stage_sample: self.stages.every(self.metrics_listen),
             warnings: w,
+            tls,
+            upstream_tls,
+            authz_policy: self.authz.authz_policy.clone(),
         })
     }
 }

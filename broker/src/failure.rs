@@ -79,6 +79,8 @@ pub(crate) enum Failure {
     UnknownService(String),
     /// The payload is compressed and only plain v1 servers serve the service.
     NeedsExtension(String),
+    /// The authorization policy does not let the caller make the call (the answer).
+    Denied(String),
     /// The broker is shutting down and takes no new calls.
     Draining,
     /// The broker's grace period ended with the call still in flight (written to a
@@ -133,6 +135,7 @@ impl Failure {
             Failure::BadRequest(e) => (S::BadRequest, K::of_frame(e), Client, true),
             Failure::UnknownService(_) => (S::Failed, K::UnknownService, Client, true),
             Failure::NeedsExtension(_) => (S::BadRequest, K::BadBody, Client, true),
+            Failure::Denied(_) => (S::PermissionDenied, K::PermissionDenied, Client, true),
             Failure::Draining => (S::Unavailable, K::Unavailable, Broker, true),
             Failure::GraceOver => (S::Unavailable, K::Unavailable, Broker, false),
             Failure::Shed(_) | Failure::Full(_) => (S::Overloaded, K::Overloaded, Broker, true),
@@ -207,6 +210,8 @@ impl fmt::Display for Failure {
             Failure::NeedsExtension(s) => {
                 write!(f, "no provider of {s} accepts compressed payloads")
             }
+            // "permission denied: IDENTITY may not call Service.Method".
+            Failure::Denied(m) => f.write_str(m),
             Failure::Draining => f.write_str("broker shutting down"),
             Failure::GraceOver => {
                 f.write_str("broker shutting down: the grace period ended before the call did")

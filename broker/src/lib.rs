@@ -44,14 +44,14 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 
 use rpcmesh_common::cli::DurationArg;
+use rpcmesh_common::cli::security::{Security, SecuritySettings};
 use rpcmesh_common::metrics::Telemetry;
 use rpcmesh_common::metrics::families::publish_budget;
 use rpcmesh_common::metrics::system::Housekeeping;
 use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::busy_poll::{self, Activity};
-use rpcmesh_common::net::listener::{self, AcceptConfig, ServeSummary};
+use rpcmesh_common::net::listener::{self, AcceptConfig, Listeners, ServeSummary};
 use rpcmesh_common::net::shutdown::{self, CancellationToken};
-use tokio::net::TcpListener;
 
 pub use config::{Args, Balance, BrokerConfig, BusyPoll};
 pub use membership::{FILE_POLL, Reload};
@@ -67,6 +67,12 @@ pub use upstream::connection::REQUEST_RETAIN;
 /// and `driver serve broker`).
 pub fn main_with(args: &Args) -> anyhow::Result<()> {
     let config = args.config()?;
+    // Bound before the runtime, so that a plain address in use stops the start.
+    let plain = args
+        .tls
+        .listen_plain
+        .map(rpcmesh_common::cli::startup::bind_std)
+        .transpose()?;
     // Ready for systemd once the pools have settled (run_with_reload says so), not when
     // the port is bound: "active" then means calls are routed.
     rpcmesh_common::cli::startup::serve_with(
@@ -80,7 +86,21 @@ pub fn main_with(args: &Args) -> anyhow::Result<()> {
             // instead of ending the process.
             let reload = Reload::new();
             on_sighup(reload.clone());
-            run_with_reload(config, telemetry, listener, shutdown, reload)
+            let plain = plain.and_then(|l| {
+                tokio::net::TcpListener::from_std(l)
+                    .inspect_err(
+                        |e| tracing::error!(error = %e, "the plain address cannot be served"),
+                    )
+                    .ok()
+            });
+            if let Some(p) = &plain {
+                tracing::info!(addr = ?p.local_addr().ok(), "plain RPCF v1 beside TLS");
+            }
+            let listeners = Listeners {
+                main: listener,
+                plain,
+            };
+            run_with_reload(config, telemetry, listeners, shutdown, reload)
         },
     )?;
     Ok(())
@@ -108,7 +128,7 @@ fn on_sighup(reload: Reload) {
 /// flight finish within the grace period, and closes the provider pools.
 pub async fn run(
     config: BrokerConfig,
-    listener: TcpListener,
+    listener: impl Into<Listeners>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> ServeSummary {
     run_with(config, Telemetry::new(), listener, shutdown).await
@@ -118,7 +138,7 @@ pub async fn run(
 pub async fn run_with(
     config: BrokerConfig,
     telemetry: Telemetry,
-    listener: TcpListener,
+    listener: impl Into<Listeners>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> ServeSummary {
     run_with_reload(config, telemetry, listener, shutdown, Reload::new()).await
@@ -129,12 +149,31 @@ pub async fn run_with(
 pub async fn run_with_reload(
     config: BrokerConfig,
     telemetry: Telemetry,
-    listener: TcpListener,
+    listener: impl Into<Listeners>,
     shutdown: impl Future<Output = ()> + Send + 'static,
     reload: Reload,
 ) -> ServeSummary {
     config.warnings.log();
+    let listener = listener.into();
     let metrics = BrokerMetrics::new(telemetry, config.stage_sample);
+    let token = shutdown::token_from(shutdown);
+    let settings = SecuritySettings {
+        server: config.tls.clone(),
+        client: config.upstream_tls.clone(),
+        policy: config.authz_policy.clone(),
+    };
+    let security = match Security::start(
+        metrics::ROLE,
+        &metrics.telemetry,
+        settings,
+        token.child_token(),
+    ) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "broker not started");
+            return ServeSummary::default();
+        }
+    };
     let workers = tokio::runtime::Handle::current().metrics().num_workers();
     let busy_poll = config.busy_poll.window(workers);
     // Every socket of this broker, client and provider side, tells its spinner of reads.
@@ -152,10 +191,10 @@ pub async fn run_with_reload(
             activity: activity.clone(),
             grace_over: grace_over.clone(),
             budget: budget.clone(),
+            tls: security.upstream.clone(),
         },
         &providers,
     );
-    let token = shutdown::token_from(shutdown);
     // Calls are accepted once every provider has settled (bounded): a caller that connects
     // meanwhile waits in the listen backlog instead of being answered "unavailable".
     let stopped = tokio::select! {
@@ -167,7 +206,10 @@ pub async fn run_with_reload(
     if !stopped {
         let upstreams: Vec<String> = providers.iter().map(ToString::to_string).collect();
         tracing::info!(
-            addr = listener.local_addr().ok().map(tracing::field::display),
+            addr = listener.main.local_addr().ok().map(tracing::field::display),
+            tls = config.tls.is_some(),
+            upstream_tls = config.upstream_tls.is_some(),
+            authz_policy = config.authz_policy.as_deref().map(|p| tracing::field::display(p.display())),
             // One field: quoted, as the specs are written on the command line.
             upstreams = ?upstreams.join(" "),
             providers_file = config.providers_file.as_deref().map(|p| tracing::field::display(p.display())),
@@ -195,6 +237,7 @@ pub async fn run_with_reload(
         config,
         metrics,
         in_flight: AtomicUsize::new(0),
+        security,
     });
     let watcher = tokio::spawn(membership::watch(
         members,
@@ -215,7 +258,7 @@ pub async fn run_with_reload(
         token,
         grace_over,
         observer,
-        move |stream, peer, stop| session::serve(stream, peer, shared.clone(), stop),
+        move |stream, peer, via, stop| session::serve(stream, peer, via, shared.clone(), stop),
     )
     .await;
     drop(housekeeping);

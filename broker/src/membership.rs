@@ -76,6 +76,8 @@ pub(crate) struct PoolMaker {
     pub activity: Option<Arc<Activity>>,
     pub grace_over: CancellationToken,
     pub budget: Arc<MemoryBudget>,
+    /// TLS towards the providers, when on.
+    pub tls: Option<Arc<rpcmesh_common::net::tls::ClientTls>>,
 }
 
 impl PoolMaker {
@@ -87,6 +89,7 @@ impl PoolMaker {
             self.activity.clone(),
             self.grace_over.clone(),
             self.budget.clone(),
+            self.tls.clone(),
         )
     }
 }

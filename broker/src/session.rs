@@ -8,6 +8,12 @@
 //! task owns the socket, the write buffer and the session's count of calls in flight.
 //! Replies reach it through its [`Inbox`], where the upstream connections' tasks put them
 //! already under the callers' ids.
+//!
+//! With TLS, the session begins with the handshake and knows its caller by the identity
+//! its certificate names: the inbox carries it, so that upstream connections to providers
+//! that take it forward it with each call (`rpcmesh_wire::ext`). With a policy, each call's
+//! names are checked against it at admission, before any cap; a denied call is answered
+//! "permission denied: IDENTITY may not call Service.Method".
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -18,13 +24,19 @@ use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
+use rpcmesh_common::authz::denial;
+use rpcmesh_common::cli::security::Security;
 use rpcmesh_common::metrics::families::InFlightShare;
 use rpcmesh_common::metrics::families::{CallCounters, Sampler};
 use rpcmesh_common::metrics::{BadInputLog, Side};
 use rpcmesh_common::net::budget::{MemoryBudget, Reserved, SMALL_BODY};
 use rpcmesh_common::net::busy_poll::Activity;
 use rpcmesh_common::net::connection::{CloseReason, FramedIo};
+use rpcmesh_common::net::listener::Via;
 use rpcmesh_common::net::session::{self, Protocol, Stop};
+use rpcmesh_common::net::stream::Stream;
+use rpcmesh_common::net::thinned::Thinned;
+use rpcmesh_common::net::tls::Identity;
 use rpcmesh_wire::Status;
 use rpcmesh_wire::body::{Heartbeat, request_names, request_service};
 use rpcmesh_wire::codec::FrameCodec;
@@ -64,22 +76,35 @@ pub(crate) struct Shared {
     pub activity: Option<Arc<Activity>>,
     /// The process's budget of buffered bytes.
     pub budget: Arc<MemoryBudget>,
+    /// TLS and the policy.
+    pub security: Security,
 }
+
+/// The process's budget of denied-call log lines (a caller can cause them at will).
+static DENIED_LINES: Thinned = Thinned::new();
 
 /// Serves one client connection until the caller leaves, the input is beyond repair, a
 /// timeout passes, or shutdown drained it; returns why it closed.
 pub(crate) async fn serve(
     stream: TcpStream,
     peer: SocketAddr,
+    via: Via,
     shared: Arc<Shared>,
     stop: Stop,
 ) -> CloseReason {
-    let io = FramedIo::new(stream, FrameCodec::new(shared.config.max_body_len))
+    let (stream, identity) = match (&shared.security.tls, via) {
+        (Some(tls), Via::Main) => match tls.accept(stream, peer).await {
+            Ok(s) => (s.stream, s.identity),
+            Err(_) => return CloseReason::TlsHandshake,
+        },
+        _ => (Stream::Plain(stream), None),
+    };
+    let io = FramedIo::over(stream, FrameCodec::new(shared.config.max_body_len))
         .with_activity(shared.activity.clone())
         .with_budget(Some(shared.budget.clone()));
     let span = tracing::debug_span!("client", %peer);
     let timeouts = shared.config.timeouts;
-    session::serve(io, Session::new(shared), timeouts, stop)
+    session::serve(io, Session::new(shared, identity), timeouts, stop)
         .instrument(span)
         .await
 }
@@ -115,6 +140,8 @@ struct Session {
     written: Vec<(Instant, Option<Instant>, usize)>,
     /// Picks the calls whose stages are timed.
     sampler: Sampler,
+    /// Whom the connection's certificate names (`None`: no certificate).
+    identity: Option<Identity>,
 }
 
 impl Protocol for Session {
@@ -196,9 +223,10 @@ impl Protocol for Session {
 }
 
 impl Session {
-    fn new(shared: Arc<Shared>) -> Self {
+    fn new(shared: Arc<Shared>, identity: Option<Identity>) -> Self {
         Session {
-            inbox: Inbox::new(),
+            inbox: Inbox::for_caller(identity.as_ref().map(|i| i.as_str())),
+            identity,
             taken: Taken::default(),
             picker: Picker::new(),
             router: None,
@@ -257,6 +285,32 @@ impl Session {
         let tag = self.tag(&names, service.len());
         if draining {
             return self.refuse(io, id, flags, tag, Failure::Draining);
+        }
+        if let Some(authz) = &self.shared.security.authz {
+            let caller = self.identity.as_ref().map(|i| i.as_str());
+            let pair = (
+                std::str::from_utf8(&frame.body[service.clone()]),
+                std::str::from_utf8(&frame.body[method.clone()]),
+            );
+            let allowed = match pair {
+                (Ok(s), Ok(m)) => authz
+                    .policy()
+                    .allows(caller, s, m)
+                    .then_some(())
+                    .ok_or((s, m)),
+                // Names that are not UTF-8 name nothing a policy allows.
+                _ => Err(("?", "?")),
+            };
+            if let Err((s, m)) = allowed {
+                let message = denial(caller, s, m);
+                // Labelled only with a pair that has labels already (one that succeeded).
+                let known = self.shared.metrics.known_calls(&names).is_some();
+                self.shared.security.denied.deny(known.then_some((s, m)));
+                if let Some(a) = DENIED_LINES.admit() {
+                    tracing::warn!(denied = a.seen, left_out = a.left_out, "{message}");
+                }
+                return self.refuse(io, id, flags, tag, Failure::Denied(message));
+            }
         }
         let cfg = &self.shared.config;
         let len = frame.body.len();

@@ -7,6 +7,7 @@
 //!   log_sink  where log lines go: a bounded queue and a thread writing it to stderr
 //!             (never blocks or fails the process; a leaf, used by cli, read by metrics)
 //!   build     this build's version, git commit and profile (from build.rs): pure
+//!   authz     the authorization policy: who may call what, who may forward identities
 //!   metrics   the catalogue of metrics, the recorder, handle groups, errors, /proc
 //!   net       framed connections, accept loop, server-session skeleton, slot table,
 //!             busy polling, a small client, shutdown
@@ -21,6 +22,7 @@
 //! `rpcmesh-testkit` (`testkit/`), never compiled into this one.
 
 pub mod build;
+pub mod authz;
 pub mod cli;
 pub mod format;
 pub mod log_sink;
@@ -62,6 +64,11 @@ mod layering {
             ("net", &["crate::metrics", "crate::cli", "metrics::"]),
             ("metrics", &["crate::cli"]),
         ];
+        // authz is one file: it uses net (identities) only, neither metrics nor cli.
+        let authz = code(&std::fs::read_to_string(src.join("authz.rs")).expect("authz.rs"));
+        for b in ["crate::metrics", "crate::cli"] {
+            assert!(!authz.contains(b), "authz uses {b}");
+        }
         for (layer, banned) in rules {
             for (path, text) in sources(&src.join(layer)) {
                 let code = code(&text);

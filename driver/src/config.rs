@@ -246,6 +246,9 @@ pub struct LoadArgs {
     /// Per-stage latency timing.
     #[command(flatten)]
     pub stages: StageArgs,
+    /// TLS to the targets.
+    #[command(flatten)]
+    pub tls: rpcmesh_common::cli::security::ClientTlsArgs,
 }
 
 /// What the driver does instead of a run.
@@ -417,6 +420,8 @@ pub struct DriverConfig {
     /// ([`HOME_RETRY`]; no flag). A test that must show a worker stays away sets it
     /// beyond the run.
     pub home_retry: Duration,
+    /// TLS to the targets (`None`: plain).
+    pub tls: Option<rpcmesh_common::net::tls::ClientTlsSettings>,
 }
 
 impl Default for DriverConfig {
@@ -444,6 +449,7 @@ impl Default for DriverConfig {
             progress: DEFAULT_PROGRESS,
             stage_sample: DEFAULT_STAGE_SAMPLE,
             home_retry: HOME_RETRY,
+            tls: None,
         }
     }
 }
@@ -718,6 +724,7 @@ impl LoadArgs {
             progress: DEFAULT_PROGRESS,
             stage_sample: self.stages.every(self.metrics_listen),
             home_retry: HOME_RETRY,
+            tls: self.tls.client(p),
         }
     }
 }

@@ -28,7 +28,11 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use rpcmesh_common::metrics::{ErrorKind, Side};
+use std::sync::Arc;
+
 use rpcmesh_common::net::backoff::Backoff;
+use rpcmesh_common::net::stream::Stream;
+use rpcmesh_common::net::tls::{ClientTls, ConnectError};
 use tokio::net::TcpStream;
 
 use crate::metrics::DriverMetrics;
@@ -93,6 +97,9 @@ pub enum DialError {
     /// No answer within [`CONNECT_TIMEOUT`].
     #[error("timed out after {CONNECT_TIMEOUT:?}")]
     TimedOut,
+    /// The TLS handshake was refused (counted in `rpcmesh_tls_handshake_failures_total`).
+    #[error("{0}")]
+    Tls(#[from] ConnectError),
 }
 
 /// A connection attempt under way: a future that owns what it needs, so that the worker
@@ -100,7 +107,7 @@ pub enum DialError {
 pub struct Dialing {
     /// The target being dialled.
     pub target: usize,
-    attempt: Pin<Box<dyn Future<Output = Result<TcpStream, DialError>> + Send>>,
+    attempt: Pin<Box<dyn Future<Output = Result<Stream, DialError>> + Send>>,
 }
 
 impl std::fmt::Debug for Dialing {
@@ -113,12 +120,12 @@ impl std::fmt::Debug for Dialing {
 
 impl Dialing {
     /// Waits for the attempt: the connected socket, or why there is none.
-    pub async fn finish(&mut self) -> Result<TcpStream, DialError> {
+    pub async fn finish(&mut self) -> Result<Stream, DialError> {
         (&mut self.attempt).await
     }
 
     /// [`Dialing::finish`] as a poll, for a caller that waits on its connections too.
-    pub fn poll_finish(&mut self, cx: &mut Context<'_>) -> Poll<Result<TcpStream, DialError>> {
+    pub fn poll_finish(&mut self, cx: &mut Context<'_>) -> Poll<Result<Stream, DialError>> {
         self.attempt.as_mut().poll(cx)
     }
 }
@@ -144,6 +151,8 @@ pub struct Connector {
     failures: u64,
     /// Connections lost so far (for thinning the log).
     lost: u64,
+    /// TLS to the targets, when on.
+    tls: Option<Arc<ClientTls>>,
 }
 
 impl Connector {
@@ -168,7 +177,14 @@ impl Connector {
             worker,
             failures: 0,
             lost: 0,
+            tls: None,
         }
+    }
+
+    /// Speaks TLS to the targets with `tls`, when given.
+    pub fn with_tls(mut self, tls: Option<Arc<ClientTls>>) -> Self {
+        self.tls = tls;
+        self
     }
 
     /// Failed connection attempts so far (the report's `connect_failures`).
@@ -255,17 +271,24 @@ impl Connector {
         soonest
     }
 
-    /// Starts `attempt`: waits until its time, then connects within [`CONNECT_TIMEOUT`].
+    /// Starts `attempt`: waits until its time, then connects within [`CONNECT_TIMEOUT`]
+    /// (and, with TLS, makes the handshake).
     pub fn dial(&self, attempt: Attempt) -> Dialing {
         let addr = self.addr(attempt.target).to_string();
         let at = attempt.at;
+        let tls = self.tls.clone();
         Dialing {
             target: attempt.target,
             attempt: Box::pin(async move {
                 tokio::time::sleep_until(at.into()).await;
-                match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&addr)).await {
-                    Ok(r) => Ok(r?),
-                    Err(_) => Err(DialError::TimedOut),
+                let tcp =
+                    match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&addr)).await {
+                        Ok(r) => r?,
+                        Err(_) => return Err(DialError::TimedOut),
+                    };
+                match tls {
+                    Some(t) => Ok(t.connect(tcp, &addr).await?.stream),
+                    None => Ok(Stream::Plain(tcp)),
                 }
             }),
         }

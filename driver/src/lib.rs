@@ -145,7 +145,20 @@ async fn drive(
     let (service, method) = workload.target();
     let metrics = metrics::DriverMetrics::new(telemetry, service, method, config.stage_sample);
     metrics.users.set(config.concurrency as f64);
+    let tls_counters = rpcmesh_common::metrics::security::TlsCounters::new(
+        &metrics.telemetry,
+        rpcmesh_common::metrics::Role::Driver,
+        "outbound",
+    );
+    let tls = match &config.tls {
+        Some(t) => Some(rpcmesh_common::net::tls::ClientTls::new(
+            t.clone(),
+            tls_counters,
+        )?),
+        None => None,
+    };
     let shared = Arc::new(RunShared {
+        tls,
         workload,
         metrics,
         finish: worker::FinishLine::new(n),

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use rpcmesh_common::net::connection::{FramedIo, IoEvent};
 use rpcmesh_common::net::shutdown::CancellationToken;
-use tokio::net::TcpStream;
+use rpcmesh_common::net::stream::Stream;
 
 use crate::connection::{Connector, DialError, Dialing, Heard, Reach};
 use crate::metrics::DriverMetrics;
@@ -147,7 +147,7 @@ pub(crate) enum LinkEvent {
     Io(u32, io::Result<IoEvent>),
     /// The attempt to this target ended: the worker hands what it made to
     /// [`Links::connected`] or [`Links::dial_failed`], which put the finished attempt away.
-    Dialed(usize, Result<TcpStream, DialError>),
+    Dialed(usize, Result<Stream, DialError>),
 }
 
 /// One worker's connections: the state, the connections draining, and the connector that

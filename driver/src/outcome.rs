@@ -42,7 +42,7 @@ pub enum CallOutcome {
 
 impl CallOutcome {
     /// How many outcomes there are: the size of a table indexed by [`CallOutcome::index`].
-    pub const COUNT: usize = 11;
+    pub const COUNT: usize = 12;
 
     /// Every outcome, in index order.
     pub const ALL: [CallOutcome; Self::COUNT] = [
@@ -57,6 +57,7 @@ impl CallOutcome {
         CallOutcome::NoConnection,
         CallOutcome::BadReply,
         CallOutcome::Encode,
+        CallOutcome::Replied(Status::PermissionDenied),
     ];
 
     /// The outcome of a reply with `status` whose content, when it is a success, checked
@@ -89,11 +90,12 @@ impl CallOutcome {
             CallOutcome::NoConnection => 8,
             CallOutcome::BadReply => 9,
             CallOutcome::Encode => 10,
+            CallOutcome::Replied(Status::PermissionDenied) => 11,
         }
     }
 
     /// The label: `ok`, the status of the reply (`failed`, `timeout`, `unavailable`,
-    /// `overloaded`, `bad_request`), or the driver's own finding (`no_reply`, `connection`,
+    /// `overloaded`, `bad_request`, `permission_denied`), or the driver's own finding (`no_reply`, `connection`,
     /// `no_connection`, `bad_reply`, `encode`).
     pub fn label(self) -> &'static str {
         match self {
@@ -119,6 +121,7 @@ impl CallOutcome {
             CallOutcome::Replied(Status::Unavailable) => ErrorKind::Unavailable,
             CallOutcome::Replied(Status::Overloaded) => ErrorKind::Overloaded,
             CallOutcome::Replied(Status::BadRequest) => ErrorKind::BadRequest,
+            CallOutcome::Replied(Status::PermissionDenied) => ErrorKind::PermissionDenied,
             CallOutcome::Connection => ErrorKind::Io,
             CallOutcome::NoConnection => ErrorKind::Unavailable,
             CallOutcome::BadReply => ErrorKind::Decode,

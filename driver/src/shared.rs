@@ -41,6 +41,8 @@ pub(crate) struct RunShared {
     pub metrics: DriverMetrics,
     /// Where workers wait for each other before closing their connections.
     pub finish: FinishLine,
+    /// TLS to the targets, when on (one configuration for every worker).
+    pub tls: Option<std::sync::Arc<rpcmesh_common::net::tls::ClientTls>>,
 }
 
 /// Workers close their connections only once every worker is done, so that no call still

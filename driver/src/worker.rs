@@ -36,12 +36,12 @@ use rpcmesh_common::metrics::families::{InFlightShare, Sampler};
 use rpcmesh_common::metrics::{ErrorKind, Side};
 use rpcmesh_common::net::connection::{CloseReason, FramedIo, IoEvent};
 use rpcmesh_common::net::listener::AcceptObserver;
+use rpcmesh_common::net::stream::Stream;
 use rpcmesh_wire::codec::FrameCodec;
 use rpcmesh_wire::compress::DEFAULT_MAX_INFLATED_LEN;
 use rpcmesh_wire::envelope::CallCodec;
 use rpcmesh_wire::frame::{DEFAULT_MAX_BODY_LEN, Flags, Frame, MsgType};
 use rpcmesh_wire::{PeerKind, Status};
-use tokio::net::TcpStream;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::calls::{Calls, Place, Slot};
@@ -136,7 +136,9 @@ pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> WorkerFigures {
         users,
         intake,
         links: Links::new(
-            Connector::new(plan.targets, plan.first, plan.index).home_retry(c.home_retry),
+            Connector::new(plan.targets, plan.first, plan.index)
+                .home_retry(c.home_retry)
+                .with_tls(shared.tls.clone()),
             patience,
             now,
         ),
@@ -358,9 +360,9 @@ impl Worker {
     /// A connection to `target` is up: it becomes the current one (a current one to
     /// another target, when this was the way back to the worker's own, is set aside until
     /// its calls are answered), the parked calls are written on it, and the users go on.
-    fn connected(&mut self, target: usize, stream: TcpStream) {
+    fn connected(&mut self, target: usize, stream: Stream) {
         self.shared.metrics.conns.opened();
-        let io = FramedIo::new(stream, FrameCodec::new(DEFAULT_MAX_BODY_LEN));
+        let io = FramedIo::over(stream, FrameCodec::new(DEFAULT_MAX_BODY_LEN));
         let aside = self.links.connected(target, io);
         self.set_aside(aside);
         let now = Instant::now();

@@ -114,6 +114,7 @@ pub async fn run_with(
 async fn serve(
     stream: TcpStream,
     peer: SocketAddr,
+    _via: rpcmesh_common::net::listener::Via,
     shared: Arc<Shared>,
     stop: Stop,
 ) -> CloseReason {
@@ -244,7 +245,10 @@ impl Conn {
                 }
             }
             MsgType::Response => self.bad_input.unexpected(),
-            MsgType::Request if !frame.header.flags.is_empty() => {
+            MsgType::Request | MsgType::ExtRequest
+                if !frame.header.flags.is_empty()
+                    || frame.header.msg_type == MsgType::ExtRequest =>
+            {
                 // A v1 server knows no flag bits: to it this is a frame of unknown type.
                 let e = FrameError::UnknownType {
                     req_id: id,
@@ -257,7 +261,7 @@ impl Conn {
                 );
                 self.reply_error(id, None, Status::BadRequest, &msg);
             }
-            MsgType::Request => self.call(frame).await,
+            MsgType::Request | MsgType::ExtRequest => self.call(frame).await,
         }
     }
 

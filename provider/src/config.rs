@@ -5,14 +5,17 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::Duration;
 
 use rpcmesh_common::cli::flags::{CompressionArgs, LimitArgs, RuntimeArgs, StageArgs};
+use rpcmesh_common::cli::security::{AuthzArgs, ServerTlsArgs};
 use rpcmesh_common::cli::values::{parse_bytes, parse_bytes_u32, parse_listen_addr};
 use rpcmesh_common::cli::{ConfigProblems, ConfigWarnings, DurationArg, MetricsListen, OnOff};
 use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
 use rpcmesh_common::net::budget::DEFAULT_MEMORY_BUDGET;
 use rpcmesh_common::net::session::{DEFAULT_MAX_IN_FLIGHT_PER_LINK, Timeouts};
+use rpcmesh_common::net::tls::ServerTlsSettings;
 use rpcmesh_wire::compress::{CompressionConfig, DEFAULT_MAX_INFLATED_LEN};
 use rpcmesh_wire::envelope::{CallCodec, DEFAULT_MAX_METADATA_BYTES};
 use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
+use std::path::PathBuf;
 
 use crate::service::{ServiceMode, ServiceTime};
 
@@ -107,6 +110,12 @@ pub struct Args {
     /// Per-stage latency timing.
     #[command(flatten)]
     pub stages: StageArgs,
+    /// TLS on the main address, and a plain one beside it.
+    #[command(flatten)]
+    pub tls: ServerTlsArgs,
+    /// Who may call what.
+    #[command(flatten)]
+    pub authz: AuthzArgs,
     /// Serve as a classic plain RPCF v1 server instead, the way the original framework's
     /// server does: TCP_NODELAY never set, one call at a time per connection in order, one
     /// write per reply, EchoService.Echo only (for testing and benchmarking the broker
@@ -148,6 +157,10 @@ pub struct ProviderConfig {
     pub classic: bool,
     /// Settings that do nothing as given, logged when the provider starts.
     pub warnings: ConfigWarnings,
+    /// TLS on the main address (`None`: plain).
+    pub tls: Option<ServerTlsSettings>,
+    /// The authorization policy's file (`None`: every call is allowed).
+    pub authz_policy: Option<PathBuf>,
 }
 
 impl ProviderConfig {
@@ -179,6 +192,8 @@ impl Default for ProviderConfig {
             stage_sample: DEFAULT_STAGE_SAMPLE,
             classic: false,
             warnings: ConfigWarnings::default(),
+            tls: None,
+            authz_policy: None,
         }
     }
 }
@@ -258,6 +273,15 @@ impl Args {
             self.compression.warnings(self.compress.0, &mut w);
             self.stages.warnings(self.metrics_listen, &mut w);
         }
+        let tls = self.tls.server(&mut p);
+        p.check(self.classic && tls.is_some(), || {
+            "--classic serves plain RPCF v1 only: no --tls-cert".into()
+        });
+        if let Some(path) = &self.authz.authz_policy {
+            if let Err(e) = rpcmesh_common::authz::Policy::read(path) {
+                p.0.push(e.to_string());
+            }
+        }
         p.into_result(ProviderConfig {
             node_id: self.node_id.clone().unwrap_or_else(default_node_id),
             compression,
@@ -282,6 +306,8 @@ impl Args {
             },
             classic: self.classic,
             warnings: w,
+            tls,
+            authz_policy: self.authz.authz_policy.clone(),
         })
     }
 }

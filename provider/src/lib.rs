@@ -24,16 +24,17 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use rpcmesh_common::cli::security::{Security, SecuritySettings};
 use rpcmesh_common::metrics::Telemetry;
 use rpcmesh_common::metrics::families::publish_budget;
 use rpcmesh_common::metrics::system::Housekeeping;
 use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::connection::CloseReason;
-use rpcmesh_common::net::listener::{self, AcceptConfig, ServeSummary};
+use rpcmesh_common::net::listener::{self, AcceptConfig, Listeners, ServeSummary, Via};
 use rpcmesh_common::net::pace::PerCall;
 use rpcmesh_common::net::session::Stop;
 use rpcmesh_common::net::shutdown::{self, CancellationToken};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 
 pub use config::{Args, ProviderConfig};
 pub use metrics::ProviderMetrics;
@@ -43,6 +44,12 @@ pub use service::Registry;
 /// SIGTERM/SIGINT (what `provider`'s `main` is, and `driver serve provider`).
 pub fn main_with(args: &Args) -> anyhow::Result<()> {
     let config = args.config()?;
+    // Bound before the runtime, so that a plain address in use stops the start.
+    let plain = args
+        .tls
+        .listen_plain
+        .map(rpcmesh_common::cli::startup::bind_std)
+        .transpose()?;
     rpcmesh_common::cli::startup::serve(
         "provider",
         args.listen,
@@ -50,10 +57,24 @@ pub fn main_with(args: &Args) -> anyhow::Result<()> {
         args.runtime.threads,
         |telemetry, listener, shutdown| async move {
             config.warnings.log();
+            let plain = plain.and_then(|l| {
+                tokio::net::TcpListener::from_std(l)
+                    .inspect_err(
+                        |e| tracing::error!(error = %e, "the plain address cannot be served"),
+                    )
+                    .ok()
+            });
+            if let Some(p) = &plain {
+                tracing::info!(addr = ?p.local_addr().ok(), "plain RPCF v1 beside TLS");
+            }
+            let listeners = Listeners {
+                main: listener,
+                plain,
+            };
             if config.classic {
-                classic::run(config, telemetry, listener, shutdown).await
+                classic::run(config, telemetry, listeners.main, shutdown).await
             } else {
-                run_with(config, Registry::builtin(), telemetry, listener, shutdown).await
+                run_with(config, Registry::builtin(), telemetry, listeners, shutdown).await
             }
         },
     )?;
@@ -64,7 +85,7 @@ pub fn main_with(args: &Args) -> anyhow::Result<()> {
 /// accepting and lets calls in flight finish within the grace period.
 pub async fn run(
     config: ProviderConfig,
-    listener: TcpListener,
+    listener: impl Into<Listeners>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> ServeSummary {
     run_with(
@@ -84,12 +105,12 @@ pub(crate) async fn serve_connections<F, Fut>(
     config: ProviderConfig,
     registry: Registry,
     metrics: ProviderMetrics,
-    listener: TcpListener,
+    listener: impl Into<Listeners>,
     shutdown: impl Future<Output = ()> + Send + 'static,
     session: F,
 ) -> ServeSummary
 where
-    F: Fn(TcpStream, SocketAddr, Arc<session::Shared>, Stop) -> Fut,
+    F: Fn(TcpStream, SocketAddr, Via, Arc<session::Shared>, Stop) -> Fut,
     Fut: Future<Output = CloseReason> + Send + 'static,
 {
     let accept = AcceptConfig {
@@ -99,14 +120,32 @@ where
     let observer = metrics.conns.clone();
     let budget = MemoryBudget::new(config.memory_budget);
     publish_budget(&metrics.telemetry, metrics::ROLE, &budget);
+    let token = shutdown::token_from(shutdown);
+    let settings = SecuritySettings {
+        server: config.tls.clone(),
+        client: None,
+        policy: config.authz_policy.clone(),
+    };
+    let security = match Security::start(
+        metrics::ROLE,
+        &metrics.telemetry,
+        settings,
+        token.child_token(),
+    ) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "provider not started");
+            return ServeSummary::default();
+        }
+    };
     let shared = Arc::new(session::Shared {
         budget,
         config,
         registry,
         metrics,
         pace: PerCall::new(),
+        security,
     });
-    let token = shutdown::token_from(shutdown);
     let housekeeping = Housekeeping::start(&shared.metrics.telemetry, metrics::ROLE);
     let summary = listener::serve(
         listener,
@@ -114,7 +153,7 @@ where
         token,
         CancellationToken::new(),
         observer,
-        move |stream, peer, stop| session(stream, peer, shared.clone(), stop),
+        move |stream, peer, via, stop| session(stream, peer, via, shared.clone(), stop),
     )
     .await;
     drop(housekeeping);
@@ -126,13 +165,16 @@ pub async fn run_with(
     config: ProviderConfig,
     registry: Registry,
     telemetry: Telemetry,
-    listener: TcpListener,
+    listener: impl Into<Listeners>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> ServeSummary {
     let registry = registry.with_service_time(config.service_time, config.service_mode);
     let metrics = ProviderMetrics::new(telemetry, &registry, config.stage_sample);
+    let listener = listener.into();
     tracing::info!(
-        addr = listener.local_addr().ok().map(tracing::field::display),
+        addr = listener.main.local_addr().ok().map(tracing::field::display),
+        tls = config.tls.is_some(),
+        authz_policy = config.authz_policy.as_deref().map(|p| tracing::field::display(p.display())),
         services = %registry.services().join(","),
         compression = config.compression.is_some(),
         service_time = %config.service_time,

@@ -4,6 +4,13 @@
 //! the provider's time per call when a broker asks), sheds over the in-flight cap, and
 //! turns bad input into error replies, counts and log lines.
 //!
+//! With TLS, the session begins with the handshake, and knows its caller by the identity
+//! its certificate names. With a policy, every call is checked before it is decoded: the
+//! connection's caller, or, on a call a broker forwarded with its caller's identity (an
+//! extension request, `rpcmesh_wire::ext`), that caller, which is believed only when the
+//! connection's own identity is a forwarder the policy names. A denied call is answered
+//! "permission denied: IDENTITY may not call Service.Method".
+//!
 //! The provider's [`Protocol`] over the shared server-session skeleton
 //! (`rpcmesh_common::net::session`: the loop, backlog limit, drain and final flush). One
 //! task owns the socket, the calls waiting on handlers and the write buffer; nothing here
@@ -20,20 +27,28 @@ use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 use futures_util::stream::{FuturesUnordered, StreamExt};
+use rpcmesh_common::authz::denial;
+use rpcmesh_common::cli::security::Security;
 use rpcmesh_common::metrics::families::InFlightShare;
 use rpcmesh_common::metrics::families::ShedCap;
 use rpcmesh_common::metrics::families::{Sampler, Stages};
 use rpcmesh_common::metrics::{BadInputLog, ErrorKind, Side};
 use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::connection::{CloseReason, FramedIo};
+use rpcmesh_common::net::listener::Via;
 use rpcmesh_common::net::pace::{self, PerCall};
 use rpcmesh_common::net::session::{self, Protocol, Stop};
+use rpcmesh_common::net::stream::Stream;
+use rpcmesh_common::net::thinned::Thinned;
 use rpcmesh_common::net::timer::{Aim, PreciseTimer};
+use rpcmesh_common::net::tls::Identity;
 use rpcmesh_wire::Status;
-use rpcmesh_wire::body::Heartbeat;
+use rpcmesh_wire::body::{Heartbeat, request_names};
 use rpcmesh_wire::codec::FrameCodec;
 use rpcmesh_wire::envelope::{CallCodec, put_error_response, put_not_run_response};
+use rpcmesh_wire::ext;
 use rpcmesh_wire::frame::{Flags, Frame, FrameError};
+use rpcmesh_wire::frame::{Header, MsgType};
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
@@ -53,21 +68,34 @@ pub(crate) struct Shared {
     /// session's reads feed it, and heartbeats that ask for it are answered with it, so
     /// that a broker packs this provider's connections only as deep as that allows.
     pub pace: PerCall,
+    /// TLS and the policy.
+    pub security: Security,
 }
+
+/// The process's budget of denied-call log lines (a caller can cause them at will).
+static DENIED_LINES: Thinned = Thinned::new();
 
 /// Serves one connection until the caller leaves, the input is beyond repair, a timeout
 /// passes, or shutdown drained it; returns why it closed.
 pub(crate) async fn serve(
     stream: TcpStream,
     peer: SocketAddr,
+    via: Via,
     shared: Arc<Shared>,
     stop: Stop,
 ) -> CloseReason {
-    let io = FramedIo::new(stream, FrameCodec::new(shared.config.max_body_len))
+    let (stream, identity) = match (&shared.security.tls, via) {
+        (Some(tls), Via::Main) => match tls.accept(stream, peer).await {
+            Ok(s) => (s.stream, s.identity),
+            Err(_) => return CloseReason::TlsHandshake,
+        },
+        _ => (Stream::Plain(stream), None),
+    };
+    let io = FramedIo::over(stream, FrameCodec::new(shared.config.max_body_len))
         .with_budget(Some(shared.budget.clone()));
     let span = tracing::debug_span!("conn", %peer);
     let timeouts = shared.config.timeouts;
-    session::serve(io, Session::new(shared), timeouts, stop)
+    session::serve(io, Session::new(shared, identity), timeouts, stop)
         .instrument(span)
         .await
 }
@@ -107,6 +135,8 @@ struct Session {
     sampler: Sampler,
     /// The registry index of the last call's method.
     last_method: Option<MethodId>,
+    /// Whom the connection's certificate names (`None`: no certificate).
+    identity: Option<Identity>,
 }
 
 impl Protocol for Session {
@@ -152,34 +182,56 @@ impl Protocol for Session {
     }
 
     fn on_request(&mut self, frame: Frame, io: &mut FramedIo, draining: bool) {
-        // Only a sample of the calls is timed.
-        let timed = self.shared.metrics.stages.on() && self.sampler.pick();
-        let read_at = timed.then_some(self.read_began);
-        if let Served::Now(method) = self.serve_call(frame, read_at, io, draining) {
-            self.answered.extend(read_at.map(|t| (t, method)));
+        if !draining && self.shared.security.authz.is_some() {
+            let caller = self.identity.clone();
+            if !self.authorized(&frame, caller.as_ref().map(|i| i.as_str()), io) {
+                return;
+            }
         }
+        self.serve_request(frame, io, draining);
+    }
+
+    /// A call a broker forwarded with its caller's identity: the caller is believed only
+    /// when the policy names this connection's peer as a forwarder; the call is then
+    /// authorized as the caller's, and served as the plain call inside.
+    fn on_ext_request(&mut self, frame: Frame, io: &mut FramedIo, draining: bool) {
+        let (id, flags) = (frame.header.req_id, frame.header.flags);
+        let (caller, inner) = match ext::split(&frame.body) {
+            Ok((fields, inner)) => (fields.caller.map(str::to_string), inner),
+            Err(e) => return self.on_bad_frame(&e, io),
+        };
+        let inner = Frame {
+            header: Header {
+                msg_type: MsgType::Request,
+                flags,
+                body_len: inner.len() as u32,
+                req_id: id,
+            },
+            body: inner,
+        };
+        if !draining && let Some(authz) = &self.shared.security.authz {
+            let peer = self.identity.as_ref().map(|i| i.as_str());
+            if !authz.policy().may_forward(peer) {
+                let who = peer.unwrap_or(rpcmesh_common::authz::ANONYMOUS);
+                let msg = format!("permission denied: {who} may not forward callers' identities");
+                return self.deny(io, &inner, &msg);
+            }
+            // An empty caller is an anonymous one; none at all, the forwarder's own call.
+            let caller = match caller.as_deref() {
+                Some("") => None,
+                Some(c) => Some(c),
+                None => peer,
+            };
+            let caller = caller.map(str::to_string);
+            if !self.authorized(&inner, caller.as_deref(), io) {
+                return;
+            }
+        }
+        self.serve_request(inner, io, draining);
     }
 
     fn on_heartbeat(&mut self, frame: Frame, io: &mut FramedIo) {
-        // A broker asks for the time per call (rpcmesh_common::net::pace); anyone else gets
-        // the plain answer.
-        let asked = match Heartbeat::parse(&frame.body) {
-            Ok(hb) => hb.extra_value(pace::HEARTBEAT_KEY).is_some(),
-            Err(e) => {
-                self.on_bad_frame(&e, io);
-                false
-            }
-        };
-        let node_id = &self.shared.config.node_id;
-        let value = asked.then(|| self.shared.pace.to_heartbeat_value());
-        let extra: &[(&str, &str)] = match &value {
-            Some(v) => &[(pace::HEARTBEAT_KEY, v.as_str())],
-            None => &[],
-        };
-        let id = frame.header.req_id;
-        if let Err(e) = Heartbeat::put_now_with(io.wbuf(), id, "provider", node_id, extra) {
-            tracing::warn!(error = %e, "heartbeat reply not encodable (node id too long?)");
-        }
+        self.answer_heartbeat(frame, io);
     }
 
     fn on_unexpected(&mut self) {
@@ -226,7 +278,7 @@ impl Protocol for Session {
 }
 
 impl Session {
-    fn new(shared: Arc<Shared>) -> Self {
+    fn new(shared: Arc<Shared>, identity: Option<Identity>) -> Self {
         let c = &shared.config;
         Session {
             calls: c
@@ -243,8 +295,97 @@ impl Session {
             answered: Vec::new(),
             sampler: shared.metrics.stages.sampler(),
             last_method: None,
+            identity,
             shared,
         }
+    }
+
+    /// Serves a request the policy (if any) let through: timed on a sample, answered now
+    /// or when its handler is done.
+    fn serve_request(&mut self, frame: Frame, io: &mut FramedIo, draining: bool) {
+        // Only a sample of the calls is timed.
+        let timed = self.shared.metrics.stages.on() && self.sampler.pick();
+        let read_at = timed.then_some(self.read_began);
+        if let Served::Now(method) = self.serve_call(frame, read_at, io, draining) {
+            self.answered.extend(read_at.map(|t| (t, method)));
+        }
+    }
+
+    /// Answers a heartbeat: with the time per call and the call extension's fields when
+    /// a broker asks (`rpcmesh_common::net::pace`, `rpcmesh_wire::ext`); anyone else gets
+    /// the plain answer.
+    fn answer_heartbeat(&mut self, frame: Frame, io: &mut FramedIo) {
+        let (asked, ext_asked) = match Heartbeat::parse(&frame.body) {
+            Ok(hb) => (
+                hb.extra_value(pace::HEARTBEAT_KEY).is_some(),
+                hb.extra_value(ext::HEARTBEAT_KEY).is_some(),
+            ),
+            Err(e) => {
+                self.on_bad_frame(&e, io);
+                (false, false)
+            }
+        };
+        let node_id = &self.shared.config.node_id;
+        let value = asked.then(|| self.shared.pace.to_heartbeat_value());
+        let mut pairs: Vec<(&str, &str)> = Vec::with_capacity(2);
+        if let Some(v) = &value {
+            pairs.push((pace::HEARTBEAT_KEY, v.as_str()));
+        }
+        if ext_asked {
+            pairs.push((ext::HEARTBEAT_KEY, ext::CALLER_FIELD));
+        }
+        let extra = &pairs[..];
+        let id = frame.header.req_id;
+        if let Err(e) = Heartbeat::put_now_with(io.wbuf(), id, "provider", node_id, extra) {
+            tracing::warn!(error = %e, "heartbeat reply not encodable (node id too long?)");
+        }
+    }
+
+    /// Whether the policy lets `caller` (`None`: anonymous) make the call in `frame`;
+    /// when not, the call is answered "permission denied" and counted. A request whose
+    /// names cannot be read is let through, to be answered "bad request" as always.
+    fn authorized(&mut self, frame: &Frame, caller: Option<&str>, io: &mut FramedIo) -> bool {
+        let Some(authz) = &self.shared.security.authz else {
+            return true;
+        };
+        let Ok((s, m, _)) = request_names(&frame.body) else {
+            return true;
+        };
+        let (Ok(service), Ok(method)) = (
+            std::str::from_utf8(&frame.body[s]),
+            std::str::from_utf8(&frame.body[m]),
+        ) else {
+            return true;
+        };
+        if authz.policy().allows(caller, service, method) {
+            return true;
+        }
+        let msg = denial(caller, service, method);
+        self.deny(io, frame, &msg);
+        false
+    }
+
+    /// Answers a call "permission denied" with `msg`, counts it (by its method when the
+    /// registry has it) and logs it, thinned.
+    fn deny(&mut self, io: &mut FramedIo, frame: &Frame, msg: &str) {
+        let (id, flags) = (frame.header.req_id, frame.header.flags);
+        let names = request_names(&frame.body).ok();
+        let method = names.as_ref().and_then(|(s, m, _)| {
+            match self
+                .shared
+                .registry
+                .lookup(&frame.body[s.clone()], &frame.body[m.clone()])
+            {
+                Lookup::Found(_, id) => Some(id),
+                _ => None,
+            }
+        });
+        let known = method.and_then(|id| self.shared.registry.names_of(id));
+        self.shared.security.denied.deny(known);
+        if let Some(a) = DENIED_LINES.admit() {
+            tracing::warn!(denied = a.seen, left_out = a.left_out, "{msg}");
+        }
+        self.reply_error(io, id, flags, method, Status::PermissionDenied, msg);
     }
 
     /// Serves one request: answered now (with the method, when one was found), or later (a

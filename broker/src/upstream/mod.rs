@@ -68,6 +68,9 @@ pub enum UpstreamError {
     /// The connection is closed.
     #[error("connection closed")]
     Closed,
+    /// The TLS handshake was refused.
+    #[error("{0}")]
+    Tls(#[from] rpcmesh_common::net::tls::ConnectError),
 }
 
 /// What a pool shares with the tasks of its connections.
@@ -369,6 +372,7 @@ impl ProviderPool {
         activity: Option<Arc<Activity>>,
         grace_over: CancellationToken,
         budget: Arc<MemoryBudget>,
+        tls: Option<Arc<rpcmesh_common::net::tls::ClientTls>>,
     ) -> Arc<ProviderPool> {
         let source = pace::Source::of(spec.kind);
         let link = Arc::new(PoolLink::new(config.pack_wait, source));
@@ -381,6 +385,8 @@ impl ProviderPool {
             activity,
             grace_over,
             budget,
+            // Only rpcmesh providers: a plain v1 server speaks no TLS.
+            tls: tls.filter(|_| spec.kind == rpcmesh_wire::PeerKind::Rpcmesh),
         };
         let manager = Manager {
             spec: spec.clone(),

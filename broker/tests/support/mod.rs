@@ -397,7 +397,7 @@ async fn v1_echo(s: TcpStream, n: usize, state: Arc<V1State>) {
                         .unwrap();
                     requests += 1;
                 }
-                MsgType::Response => {}
+                MsgType::Response | MsgType::ExtRequest => {}
             }
             if state.one_by_one.is_some()
                 && !out.is_empty()

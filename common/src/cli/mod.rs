@@ -1,5 +1,5 @@
 //! The command-line layer every program shares: values and their parsers ([`values`]),
-//! flag groups ([`flags`]), the collecting of configuration problems ([`config`]), and the
+//! flag groups ([`flags`]; TLS and authorization's in [`security`]), the collecting of configuration problems ([`config`]), and the
 //! start-up every `main` goes through ([`startup`]: logging, the runtime, binding, the
 //! metrics endpoint, the shutdown signal), and what a server tells systemd ([`systemd`]:
 //! ready, stopping, watchdog pings).
@@ -9,6 +9,7 @@
 
 pub mod config;
 pub mod flags;
+pub mod security;
 pub mod startup;
 pub mod systemd;
 pub mod values;

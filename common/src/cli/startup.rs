@@ -37,6 +37,18 @@ pub fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     socket.listen(LISTEN_BACKLOG)
 }
 
+/// As [`bind`], before the runtime exists (a second address a `main` binds itself, such
+/// as `--listen-plain`): a non-blocking std listener for `TcpListener::from_std`.
+pub fn bind_std(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(LISTEN_BACKLOG as i32)?;
+    socket.set_nonblocking(true)?;
+    Ok(socket.into())
+}
+
 /// Why a program could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartupError {

@@ -190,7 +190,7 @@ pub const ERRORS_TOTAL: Family = Family {
     kind: Counter,
     labels: &["role", "kind", "side"],
     roles: ALL,
-    help: "Errors by kind (bad_magic, bad_version, too_large, crc, unknown_type, truncated, bad_body, inflate, decode, unknown_service, unknown_method, timeout, late_reply, unavailable, overloaded, failed, bad_request, unexpected, io) and by the side it came from: client (the caller's bytes or request), broker (a broker limit or decision), provider (the provider or the path to it), server (for the driver: the broker or provider it called).",
+    help: "Errors by kind (bad_magic, bad_version, too_large, crc, unknown_type, truncated, bad_body, inflate, decode, unknown_service, unknown_method, timeout, late_reply, unavailable, overloaded, failed, bad_request, permission_denied, unexpected, io) and by the side it came from: client (the caller's bytes or request), broker (a broker limit or decision), provider (the provider or the path to it), server (for the driver: the broker or provider it called).",
 };
 /// `rpcmesh_stage_seconds{role, stage}`.
 pub const STAGE_SECONDS: Family = Family {
@@ -233,7 +233,7 @@ pub const CONNECTIONS_CLOSED_TOTAL: Family = Family {
     kind: Counter,
     labels: &["role", "side", "reason"],
     roles: ALL,
-    help: "Connections closed, by reason: peer (it closed), idle_timeout, frame_timeout, write_timeout, bad_input, error (socket failed), shutdown (drained), local (closed by this side).",
+    help: "Connections closed, by reason: peer (it closed), idle_timeout, frame_timeout, write_timeout, bad_input, error (socket failed), shutdown (drained), local (closed by this side), tls_handshake (its TLS handshake was refused).",
 };
 /// `rpcmesh_connections_refused_total{role, side}`.
 pub const CONNECTIONS_REFUSED_TOTAL: Family = Family {
@@ -390,6 +390,52 @@ pub const CONFIG_RELOADS_TOTAL: Family = Family {
     roles: BROKER,
     help: "Reads of the providers file after the start (on SIGHUP, or when the file changed): result=ok (the providers now served are the file's), error (the file could not be read or did not parse; the previous providers are kept).",
 };
+
+// ---- TLS and authorization
+
+/// `rpcmesh_tls_handshakes_total{role, side}`.
+pub const TLS_HANDSHAKES_TOTAL: Family = Family {
+    name: "rpcmesh_tls_handshakes_total",
+    kind: Counter,
+    labels: ROLE_SIDE,
+    roles: ALL,
+    help: "TLS handshakes that made a connection: side=inbound (callers to this server), upstream (the broker's to providers), outbound (the driver's).",
+};
+/// `rpcmesh_tls_handshake_failures_total{role, side, reason}`.
+pub const TLS_HANDSHAKE_FAILURES_TOTAL: Family = Family {
+    name: "rpcmesh_tls_handshake_failures_total",
+    kind: Counter,
+    labels: &["role", "side", "reason"],
+    roles: ALL,
+    help: "TLS handshakes refused, by reason: timeout, busy (too many in progress), not_tls (plaintext to a TLS port), no_certificate, unknown_ca, expired, no_identity, bad_certificate, peer_alert (the peer refused us), incompatible, eof (the peer left mid-handshake), other.",
+};
+/// `rpcmesh_tls_cert_expiry_timestamp_seconds{role, cert}`.
+pub const TLS_CERT_EXPIRY_TIMESTAMP_SECONDS: Family = Family {
+    name: "rpcmesh_tls_cert_expiry_timestamp_seconds",
+    kind: Gauge,
+    labels: &["role", "cert"],
+    roles: ALL,
+    help: "When the TLS certificates in use expire, seconds since the Unix epoch: cert=own (the program's certificate), ca (the earliest of its CA file's). Exported only by a program with TLS; updated when the files are read again.",
+};
+/// `rpcmesh_authz_denied_total{role, service, method}`.
+pub const AUTHZ_DENIED_TOTAL: Family = Family {
+    name: "rpcmesh_authz_denied_total",
+    kind: Counter,
+    labels: &["role", "service", "method"],
+    roles: PROVIDER_BROKER,
+    help: "Calls the authorization policy denied (answered \"permission denied\"), by the call's service and method when they are known (a provider's registered methods; the pairs the broker has labels for), else _other.",
+};
+/// `rpcmesh_file_reloads_total{role, file, result}`.
+pub const FILE_RELOADS_TOTAL: Family = Family {
+    name: "rpcmesh_file_reloads_total",
+    kind: Counter,
+    labels: &["role", "file", "result"],
+    roles: PROVIDER_BROKER,
+    help: "Reads of the TLS files (file=tls) and of the authorization policy (file=policy) after the start, on SIGHUP or when they changed: result=ok (in force now), error (kept out; what was in force stays).",
+};
+
+/// Families a program exports only when it is configured to use what they count (TLS).
+pub const CONDITIONAL: &[&Family] = &[&TLS_CERT_EXPIRY_TIMESTAMP_SECONDS];
 
 // ---- driver
 
@@ -606,6 +652,11 @@ pub const CATALOGUE: &[&Family] = &[
     &POOL_CONNECTIONS_CLOSED_TOTAL,
     &CALLS_REROUTED_TOTAL,
     &CONFIG_RELOADS_TOTAL,
+    &TLS_HANDSHAKES_TOTAL,
+    &TLS_HANDSHAKE_FAILURES_TOTAL,
+    &TLS_CERT_EXPIRY_TIMESTAMP_SECONDS,
+    &AUTHZ_DENIED_TOTAL,
+    &FILE_RELOADS_TOTAL,
     &DRIVER_OFFERED_CALLS_PER_SECOND,
     &DRIVER_ACHIEVED_CALLS_PER_SECOND,
     &DRIVER_LATENCY_SECONDS,
@@ -656,7 +707,8 @@ pub fn exported_families(exposition: &str) -> Vec<(String, String)> {
 
 /// What differs between the families `role` exports (an exposition of it) and the
 /// catalogue: families exported but not catalogued for `role` (or of another type), and
-/// families catalogued for `role` but not exported. Empty when they agree.
+/// families catalogued for `role` but not exported (but for the [`CONDITIONAL`] ones).
+/// Empty when they agree.
 pub fn mismatches(role: Role, exposition: &str) -> Vec<String> {
     let exported = exported_families(exposition);
     let mut problems = Vec::new();
@@ -679,7 +731,11 @@ pub fn mismatches(role: Role, exposition: &str) -> Vec<String> {
             Some(_) => {}
         }
     }
-    for f in CATALOGUE.iter().filter(|f| f.exported_by(role)) {
+    let conditional = |f: &Family| CONDITIONAL.iter().any(|c| c.name == f.name);
+    for f in CATALOGUE
+        .iter()
+        .filter(|f| f.exported_by(role) && !conditional(f))
+    {
         if !exported.iter().any(|(n, _)| n == f.name) {
             problems.push(format!(
                 "{} is catalogued for {} but {} does not export it",

@@ -53,6 +53,8 @@ pub enum ErrorKind {
     /// A call answered "bad request", as the driver sees it (the server found the request
     /// malformed).
     BadRequest,
+    /// A call the authorization policy denied.
+    PermissionDenied,
     /// A frame of a type that makes no sense in that direction (dropped).
     Unexpected,
     /// A socket error.
@@ -61,7 +63,7 @@ pub enum ErrorKind {
 
 impl ErrorKind {
     /// Every kind, in label order.
-    pub const ALL: [ErrorKind; 19] = [
+    pub const ALL: [ErrorKind; 20] = [
         ErrorKind::BadMagic,
         ErrorKind::BadVersion,
         ErrorKind::TooLarge,
@@ -79,6 +81,7 @@ impl ErrorKind {
         ErrorKind::Overloaded,
         ErrorKind::Failed,
         ErrorKind::BadRequest,
+        ErrorKind::PermissionDenied,
         ErrorKind::Unexpected,
         ErrorKind::Io,
     ];
@@ -103,6 +106,7 @@ impl ErrorKind {
             ErrorKind::Overloaded => "overloaded",
             ErrorKind::Failed => "failed",
             ErrorKind::BadRequest => "bad_request",
+            ErrorKind::PermissionDenied => "permission_denied",
             ErrorKind::Unexpected => "unexpected",
             ErrorKind::Io => "io",
         }

@@ -9,6 +9,8 @@
 //!   each scrape.
 //! - [`families`]: the handle groups every program registers alike (stages, connections,
 //!   wire bytes, payload bytes, calls, compression time).
+//! - [`security`]: TLS handshakes and certificates' expiry, calls the policy denied,
+//!   files read again.
 //! - [`errors`]: the error taxonomy (kind and side) and where bad input is counted.
 //! - [`system`]: softirqs, CPU time and the process's own figures, read from `/proc`.
 //!
@@ -22,6 +24,7 @@ pub mod errors;
 pub mod exposition;
 pub mod families;
 pub mod recorder;
+pub mod security;
 pub mod system;
 
 pub use catalogue::{Family, Role};

@@ -68,11 +68,14 @@ pub enum CloseReason {
     Shutdown,
     /// This side closed it for a reason of its own (a pool dropped it, a run ended).
     Local,
+    /// Its TLS handshake was refused (the reason is counted apart, in
+    /// `rpcmesh_tls_handshake_failures_total`).
+    TlsHandshake,
 }
 
 impl CloseReason {
     /// Every reason, in the order of [`CloseReason::index`].
-    pub const ALL: [CloseReason; 8] = [
+    pub const ALL: [CloseReason; 9] = [
         CloseReason::Peer,
         CloseReason::IdleTimeout,
         CloseReason::FrameTimeout,
@@ -81,6 +84,7 @@ impl CloseReason {
         CloseReason::Error,
         CloseReason::Shutdown,
         CloseReason::Local,
+        CloseReason::TlsHandshake,
     ];
 
     /// The `reason` label.
@@ -94,6 +98,7 @@ impl CloseReason {
             CloseReason::Error => "error",
             CloseReason::Shutdown => "shutdown",
             CloseReason::Local => "local",
+            CloseReason::TlsHandshake => "tls_handshake",
         }
     }
 

@@ -3,7 +3,10 @@
 //! draining on shutdown. Its log lines (refusals, failed accepts) are thinned per process.
 //!
 //! Owns connection admission and the connection tasks' lifetimes; what a connection does
-//! is the session's, given as a closure (servers run [`crate::net::session::serve`]).
+//! is the session's, given as a closure (servers run [`crate::net::session::serve`]),
+//! which is told which of the server's [`Listeners`] it came through ([`Via`]): a server
+//! with TLS takes TLS on its main address and, beside it, plain RPCF v1 on a second one
+//! for the v1 peers that speak nothing else. Both share the cap and the drain.
 //!
 //! Shutdown: the listener is dropped at once (new connections are refused by the kernel),
 //! each connection's token is cancelled so its session stops taking new calls and finishes
@@ -64,6 +67,30 @@ pub struct ServeSummary {
     pub aborted: usize,
 }
 
+/// The sockets a server accepts on.
+#[derive(Debug)]
+pub struct Listeners {
+    /// The main address (`--listen`): TLS when the server has it, else plain.
+    pub main: TcpListener,
+    /// A plain address beside a TLS one (`--listen-plain`).
+    pub plain: Option<TcpListener>,
+}
+
+impl From<TcpListener> for Listeners {
+    fn from(main: TcpListener) -> Self {
+        Listeners { main, plain: None }
+    }
+}
+
+/// Which listener a connection came through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Via {
+    /// The main address.
+    Main,
+    /// The plain address beside a TLS one.
+    Plain,
+}
+
 /// Hooks the accept loop calls, for metrics and logs.
 pub trait AcceptObserver: Send + Sync + 'static {
     /// A connection was accepted (and will be served).
@@ -80,11 +107,11 @@ pub struct NoObserver;
 impl AcceptObserver for NoObserver {}
 
 /// Accepts connections until `shutdown` is cancelled, running `session(stream, peer,
-/// stop)` for each in its own task; the session says why it ended. Returns after the
+/// via, stop)` for each in its own task; the session says why it ended. Returns after the
 /// drain; `grace_over` is cancelled when the grace period ends (the caller may give it to
 /// other tasks that hold calls, as the broker does to its upstream connections).
 pub async fn serve<F, Fut>(
-    listener: TcpListener,
+    listeners: impl Into<Listeners>,
     config: AcceptConfig,
     shutdown: CancellationToken,
     grace_over: CancellationToken,
@@ -92,20 +119,30 @@ pub async fn serve<F, Fut>(
     mut session: F,
 ) -> ServeSummary
 where
-    F: FnMut(TcpStream, SocketAddr, Stop) -> Fut,
+    F: FnMut(TcpStream, SocketAddr, Via, Stop) -> Fut,
     Fut: Future<Output = CloseReason> + Send + 'static,
 {
     let mut summary = ServeSummary::default();
     let mut tasks = JoinSet::new();
     let open = Arc::new(AtomicUsize::new(0));
     let mut backoff = ACCEPT_BACKOFF_MIN;
-    let local = listener.local_addr().ok();
+    let Listeners { main, plain } = listeners.into();
+    let local = main.local_addr().ok();
+    let accept = |cx: &mut std::task::Context<'_>| {
+        if let std::task::Poll::Ready(r) = main.poll_accept(cx) {
+            return std::task::Poll::Ready((Via::Main, r));
+        }
+        match &plain {
+            Some(p) => p.poll_accept(cx).map(|r| (Via::Plain, r)),
+            None => std::task::Poll::Pending,
+        }
+    };
     loop {
         tokio::select! {
             biased;
             () = shutdown.cancelled() => break,
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
-            accepted = listener.accept() => match accepted {
+            (via, accepted) = std::future::poll_fn(accept) => match accepted {
                 Ok((stream, peer)) => {
                     backoff = ACCEPT_BACKOFF_MIN;
                     if open.load(Ordering::Relaxed) >= config.max_connections {
@@ -125,7 +162,7 @@ where
                         drain: shutdown.child_token(),
                         grace_over: grace_over.clone(),
                     };
-                    let fut = session(stream, peer, stop);
+                    let fut = session(stream, peer, via, stop);
                     let open = open.clone();
                     let observer = observer.clone();
                     tasks.spawn(async move {
@@ -147,7 +184,8 @@ where
             },
         }
     }
-    drop(listener);
+    drop(main);
+    drop(plain);
     tracing::info!(
         addr = local.map(tracing::field::display),
         sessions = tasks.len(),

@@ -139,6 +139,17 @@ pub trait Protocol: Send {
     /// Handles one request. `draining`: shutdown has begun, new calls are to be refused.
     fn on_request(&mut self, frame: Frame, io: &mut FramedIo, draining: bool);
 
+    /// Handles a request carrying a call extension (`rpcmesh_wire::ext`), which only a
+    /// server that says it takes it is sent; by default it is what a v1 peer makes of it,
+    /// a frame of unknown type.
+    fn on_ext_request(&mut self, frame: Frame, io: &mut FramedIo, _draining: bool) {
+        let e = FrameError::UnknownType {
+            req_id: frame.header.req_id,
+            raw_type: MsgType::ExtRequest as u8 | frame.header.flags.bits(),
+        };
+        self.on_bad_frame(&e, io);
+    }
+
     /// Answers a heartbeat (with one of the server's own, under the same request id).
     fn on_heartbeat(&mut self, frame: Frame, io: &mut FramedIo);
 
@@ -407,6 +418,7 @@ fn take_frames<P: Protocol>(
             Ok(Some(frame)) => match frame.header.msg_type {
                 MsgType::Request => p.on_request(frame, io, draining),
                 MsgType::Heartbeat => p.on_heartbeat(frame, io),
+                MsgType::ExtRequest => p.on_ext_request(frame, io, draining),
                 MsgType::Response => {
                     tracing::debug!(
                         req_id = frame.header.req_id,

@@ -138,7 +138,7 @@ impl FrameError {
     /// caller can then be sent an error reply instead of waiting for its timeout.
     pub fn request_id(&self) -> Option<u64> {
         self.frame_id()
-            .filter(|(_, t)| *t == Some(MsgType::Request))
+            .filter(|(_, t)| matches!(t, Some(MsgType::Request | MsgType::ExtRequest)))
             .map(|(id, _)| id)
     }
 
@@ -179,6 +179,9 @@ pub enum MsgType {
     Response = 1,
     /// Liveness probe; answered with a heartbeat carrying the same `req_id`.
     Heartbeat = 2,
+    /// A call with an extension block before its request body (`crate::ext`): sent only
+    /// to peers that said they take it.
+    ExtRequest = 3,
 }
 
 impl MsgType {
@@ -187,6 +190,7 @@ impl MsgType {
             0 => Some(MsgType::Request),
             1 => Some(MsgType::Response),
             2 => Some(MsgType::Heartbeat),
+            3 => Some(MsgType::ExtRequest),
             _ => None,
         }
     }
@@ -308,7 +312,7 @@ impl Prefix {
 /// CRC-32 of `bytes` (the trailer's). `crc32fast` picks its implementation (SIMD where
 /// the CPU has it) in `Hasher::new`, for every hasher; cloning one made once spares that
 /// check on each of the four CRCs of a forwarded call.
-fn crc32(bytes: &[u8]) -> u32 {
+pub(crate) fn crc32(bytes: &[u8]) -> u32 {
     static PROTOTYPE: LazyLock<crc32fast::Hasher> = LazyLock::new(crc32fast::Hasher::new);
     let mut h = PROTOTYPE.clone();
     h.update(bytes);

@@ -8,6 +8,8 @@
 //! - [`frame`]: bytes ↔ frame. The 18-byte header, the CRC32 trailer, the extension flags,
 //!   and [`frame::FrameWriter`], which writes a frame in place.
 //! - [`body`]: the request, response and heartbeat bodies inside a frame.
+//! - [`ext`]: the call extension a broker adds to calls it forwards (the caller's
+//!   identity, fields to come), in a frame type of its own.
 //! - [`codec`]: byte stream → frames, with the size limit and the bad-input rules.
 //! - [`compress`]: zlib of payloads, threshold, bounded inflation.
 //! - [`peer`]: the kind of peer (rpcmesh or plain v1), which decides what may be sent to it.
@@ -23,6 +25,7 @@ pub mod body;
 pub mod codec;
 pub mod compress;
 pub mod envelope;
+pub mod ext;
 pub mod frame;
 pub mod peer;
 pub mod proto;

@@ -2,7 +2,7 @@
 //! degrade for plain v1 callers.
 //!
 //! RPCF v1 defines 0 = success, 1 = failed, 2 = timeout. rpcmesh adds 3 = unavailable,
-//! 4 = overloaded, 5 = bad request, sent only to rpcmesh peers ([`PeerKind`]: a caller
+//! 4 = overloaded, 5 = bad request, 6 = permission denied, sent only to rpcmesh peers ([`PeerKind`]: a caller
 //! whose request carried [`Flags::EXT_STATUS`](crate::frame::Flags::EXT_STATUS)); everyone
 //! else gets status 1 with an `error_msg` that starts with the status name
 //! (`"overloaded: ..."`).
@@ -25,17 +25,20 @@ pub enum Status {
     Overloaded = 4,
     /// The request was malformed (bad body, CRC mismatch, payload that does not decode).
     BadRequest = 5,
+    /// The authorization policy does not let the caller call this method.
+    PermissionDenied = 6,
 }
 
 impl Status {
     /// Every status, in wire order.
-    pub const ALL: [Status; 6] = [
+    pub const ALL: [Status; 7] = [
         Status::Success,
         Status::Failed,
         Status::Timeout,
         Status::Unavailable,
         Status::Overloaded,
         Status::BadRequest,
+        Status::PermissionDenied,
     ];
 
     /// Reads a status byte; `None` for a value no version defines.
@@ -63,6 +66,7 @@ impl Status {
             Status::Unavailable => "unavailable",
             Status::Overloaded => "overloaded",
             Status::BadRequest => "bad_request",
+            Status::PermissionDenied => "permission_denied",
         }
     }
 
@@ -77,6 +81,7 @@ impl Status {
             Status::Unavailable => "unavailable",
             Status::Overloaded => "overloaded",
             Status::BadRequest => "bad request",
+            Status::PermissionDenied => "permission denied",
         }
     }
 }
@@ -99,6 +104,7 @@ mod tests {
         for s in Status::ALL {
             assert_eq!(Status::from_wire(s.to_wire(PeerKind::Rpcmesh)), Some(s));
         }
-        assert_eq!(Status::from_wire(6), None);
+        assert_eq!(Status::PermissionDenied.to_wire(PeerKind::V1), 1);
+        assert_eq!(Status::from_wire(7), None);
     }
 }

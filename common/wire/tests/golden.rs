@@ -71,6 +71,7 @@ fn reencode(f: &Frame) -> Bytes {
             .unwrap()
             .put(&mut out, f.header.req_id)
             .unwrap(),
+        MsgType::ExtRequest => panic!("the reference implementation has no extension requests"),
     }
     out.freeze()
 }

@@ -188,6 +188,11 @@ impl Registry {
         &self.handlers[id]
     }
 
+    /// The service and method names of method `id`.
+    pub fn names_of(&self, id: MethodId) -> Option<(&str, &str)> {
+        self.names.get(id).map(|(s, m)| (s.as_str(), m.as_str()))
+    }
+
     /// Whether method index `id` is `service.method`.
     pub fn is_method(&self, id: MethodId, service: &[u8], method: &[u8]) -> bool {
         self.names

@@ -26,6 +26,8 @@ use std::time::Duration;
 use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::busy_poll::Activity;
 use rpcmesh_common::net::shutdown::CancellationToken;
+use rpcmesh_common::net::stream::Stream;
+use rpcmesh_common::net::tls::ClientTls;
 use rpcmesh_wire::PeerKind;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
@@ -79,6 +81,9 @@ pub(crate) struct ConnSettings {
     pub grace_over: CancellationToken,
     /// The broker's budget of buffered bytes (this connection's buffers count in it).
     pub budget: Arc<MemoryBudget>,
+    /// TLS towards this provider, when on: the connection's calls then carry their
+    /// callers' identities once the provider says it takes them.
+    pub tls: Option<Arc<ClientTls>>,
 }
 
 /// The handle of one upstream connection. Dropping the last handle lets the task finish
@@ -107,10 +112,20 @@ impl UpstreamConn {
         link: Arc<PoolLink>,
         connect_timeout: Duration,
     ) -> Result<UpstreamConn, UpstreamError> {
-        let stream = tokio::time::timeout(connect_timeout, TcpStream::connect(addr))
+        let tcp = tokio::time::timeout(connect_timeout, TcpStream::connect(addr))
             .await
             .map_err(|_| UpstreamError::ConnectTimeout(connect_timeout))?
             .map_err(UpstreamError::Connect)?;
+        let stream = match &settings.tls {
+            Some(tls) => {
+                let secured = tls.connect(tcp, addr).await?;
+                if let Some(id) = &secured.identity {
+                    tracing::debug!(provider = %addr, identity = %id, "tls connection to provider");
+                }
+                secured.stream
+            }
+            None => Stream::Plain(tcp),
+        };
         let span = tracing::debug_span!("upstream", provider = %settings.label, conn = id);
         let sweep = (settings.call_timeout / 20).clamp(SWEEP_MIN, SWEEP_MAX);
         let (conn, task) = UpstreamConn::pair(stream, id, settings, metrics, link);
@@ -122,7 +137,7 @@ impl UpstreamConn {
 
     /// The handle and the task of a connected socket (the task not started yet).
     fn pair(
-        stream: TcpStream,
+        stream: Stream,
         id: u64,
         settings: ConnSettings,
         metrics: UpstreamMetrics,
@@ -227,9 +242,10 @@ mod fixtures {
             activity: None,
             grace_over: CancellationToken::new(),
             budget: MemoryBudget::new(1 << 30),
+            tls: None,
         };
         let metrics = crate::metrics::BrokerMetrics::new(Telemetry::new(), 8).upstream("test", 1);
-        let (conn, task) = UpstreamConn::pair(stream, 1, settings, metrics, link);
+        let (conn, task) = UpstreamConn::pair(Stream::Plain(stream), 1, settings, metrics, link);
         (conn, task, server)
     }
 

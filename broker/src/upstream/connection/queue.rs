@@ -19,6 +19,7 @@ use bytes::BytesMut;
 use rpcmesh_common::net::budget::Reserved;
 use rpcmesh_common::net::slots::SlotTable;
 use rpcmesh_wire::PeerKind;
+use rpcmesh_wire::ext::put_ext_request;
 use rpcmesh_wire::frame::{Flags, Frame, Header, MsgType, put_frame};
 
 use super::Refused;
@@ -36,6 +37,9 @@ pub(super) struct ConnState {
     /// Set once the connection failed, was retired, or its provider is going away: no
     /// new call is routed here.
     pub closed: AtomicBool,
+    /// The provider takes its callers' identities (it said so in a heartbeat answer over
+    /// TLS): calls are queued as extension requests carrying them (`rpcmesh_wire::ext`).
+    pub takes_caller: AtomicBool,
     /// The calls, under the lock.
     calls: Mutex<Calls>,
 }
@@ -119,7 +123,13 @@ impl ConnState {
             req_id: id,
         };
         if let Some(frame) = &slot.request {
-            put_frame(wbuf, &header, &frame.body);
+            if self.takes_caller.load(Ordering::Relaxed) {
+                // The caller's identity before the body the broker never opens.
+                let block = slot.reply_to.caller_block();
+                put_ext_request(wbuf, flags, id, block, &frame.body);
+            } else {
+                put_frame(wbuf, &header, &frame.body);
+            }
         }
         queued.push(id);
         let waker = waker.take();

@@ -86,6 +86,19 @@ impl ConnTask {
         }
     }
 
+    /// The call fields a heartbeat answer says the provider takes (`rpcmesh_wire::ext`):
+    /// from then on calls on this connection carry their callers' identities.
+    fn take_call_fields(&self, body: &[u8]) {
+        if let Ok(hb) = Heartbeat::parse(body) {
+            let takes = hb
+                .extra_value(rpcmesh_wire::ext::HEARTBEAT_KEY)
+                .is_some_and(|v| rpcmesh_wire::ext::takes(v, rpcmesh_wire::ext::CALLER_FIELD));
+            self.state
+                .takes_caller
+                .store(takes, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
     /// Passes a provider's small, ordinary reply to its caller straight from the read
     /// buffer (the common case: no frame of its own is made) and drops it; true when done.
     /// Anything else (a heartbeat, a late or malformed reply, "unavailable", a large reply
@@ -181,11 +194,14 @@ impl ConnTask {
                     if self.settings.kind == PeerKind::Rpcmesh {
                         self.take_reported_pace(&frame.body);
                     }
+                    if self.settings.tls.is_some() {
+                        self.take_call_fields(&frame.body);
+                    }
                     let (_, tx) = self.heartbeats.swap_remove(i);
                     let _ = tx.send(());
                 }
             }
-            MsgType::Request => {
+            MsgType::Request | MsgType::ExtRequest => {
                 self.metrics
                     .errors
                     .inc(ErrorKind::Unexpected, Side::Provider);

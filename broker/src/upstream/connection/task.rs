@@ -47,11 +47,12 @@ use rpcmesh_common::net::connection::{FramedIo, IoEvent};
 use rpcmesh_common::net::listener::AcceptObserver;
 use rpcmesh_common::net::pace::HEARTBEAT_KEY;
 use rpcmesh_common::net::shutdown::Cancelled;
+use rpcmesh_common::net::stream::Stream;
 use rpcmesh_common::net::thinned::Thinned;
 use rpcmesh_wire::PeerKind;
 use rpcmesh_wire::body::Heartbeat;
 use rpcmesh_wire::codec::FrameCodec;
-use tokio::net::TcpStream;
+use rpcmesh_wire::ext;
 use tokio::sync::mpsc;
 
 use super::queue::{ConnState, Slot};
@@ -101,7 +102,7 @@ impl ConnTask {
     /// The task of a connected socket, sharing `state` with the handle and taking health
     /// checks from `heartbeat_rx`.
     pub fn new(
-        stream: TcpStream,
+        stream: Stream,
         state: Arc<ConnState>,
         heartbeat_rx: mpsc::UnboundedReceiver<HeartbeatTx>,
         settings: ConnSettings,
@@ -109,7 +110,7 @@ impl ConnTask {
         link: Arc<PoolLink>,
     ) -> ConnTask {
         ConnTask {
-            io: FramedIo::new(stream, FrameCodec::new(settings.max_body_len))
+            io: FramedIo::over(stream, FrameCodec::new(settings.max_body_len))
                 .with_activity(settings.activity.clone())
                 .with_budget(Some(settings.budget.clone())),
             heartbeat_rx,
@@ -293,9 +294,12 @@ impl ConnTask {
         self.next_heartbeat_id += 1;
         // An rpcmesh provider is asked for its time per call (`crate::upstream::pace`); a
         // plain v1 server gets the plain heartbeat.
-        let extra: &[(&str, &str)] = match self.settings.kind {
-            PeerKind::Rpcmesh => &[(HEARTBEAT_KEY, "")],
-            PeerKind::V1 => &[],
+        // Over TLS it is asked too which call fields it takes (`rpcmesh_wire::ext`): only a
+        // provider that authenticated the broker can believe the callers it names.
+        let extra: &[(&str, &str)] = match (self.settings.kind, &self.settings.tls) {
+            (PeerKind::Rpcmesh, None) => &[(HEARTBEAT_KEY, "")],
+            (PeerKind::Rpcmesh, Some(_)) => &[(HEARTBEAT_KEY, ""), (ext::HEARTBEAT_KEY, "")],
+            (PeerKind::V1, _) => &[],
         };
         if Heartbeat::put_now_with(self.io.wbuf(), id, "broker", "rpcmesh-broker", extra).is_ok() {
             self.heartbeats.push((id, tx));
