@@ -22,6 +22,7 @@ use rpcmesh_common::net::session::{
     DEFAULT_FRAME_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_IN_FLIGHT_PER_LINK,
     DEFAULT_WRITE_TIMEOUT, DRAIN_LINGER, WRITE_BACKLOG_LIMIT,
 };
+use rpcmesh_common::net::tls::{DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_HANDSHAKES};
 use rpcmesh_testkit::quoted::{self, Value, bytes, count, time};
 use rpcmesh_wire::codec::RESYNC_SCAN_LIMIT;
 use rpcmesh_wire::compress::{
@@ -57,6 +58,14 @@ fn wire() -> Vec<(&'static str, Value)> {
 /// The net, metrics and cli layers' constants the docs quote.
 fn common() -> Vec<(&'static str, Value)> {
     vec![
+        (
+            "common::DEFAULT_HANDSHAKE_TIMEOUT",
+            time(DEFAULT_HANDSHAKE_TIMEOUT),
+        ),
+        (
+            "common::DEFAULT_MAX_HANDSHAKES",
+            count(DEFAULT_MAX_HANDSHAKES),
+        ),
         (
             "common::DEFAULT_MAX_IN_FLIGHT_PER_LINK",
             count(DEFAULT_MAX_IN_FLIGHT_PER_LINK),

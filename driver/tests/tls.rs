@@ -218,3 +218,99 @@ async fn no_certificate_another_cas_or_plaintext_gets_no_call_through_each_count
     assert_eq!(m.drive(Some(tls), 20).await.calls.ok, 20);
     let _ = std::fs::remove_dir_all(&m.dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_policy_is_read_again_when_it_changes_and_a_bad_file_is_kept_out() {
+    let m = mesh("reload").await;
+    let d2 = m.driver_tls(&m.pki, Some(&Leaf::spiffe("driver", "d2")));
+    let r = m.drive(Some(d2.clone()), 10).await;
+    assert_eq!(r.calls.errors.get("permission_denied"), Some(&10));
+    let reloads = |result: &str| {
+        m.provider.metric(
+            rpcmesh_common::metrics::catalogue::FILE_RELOADS_TOTAL.name,
+            &[("file", "policy"), ("result", result)],
+        )
+    };
+    // d2 is let in: the provider sees the file change and reads it.
+    write(
+        &m.dir,
+        "provider.toml",
+        &PROVIDER_POLICY.replace("driver/d1", "driver/d*"),
+    );
+    rpcmesh_testkit::wait_until("the new policy to be read", || reloads("ok") >= 1.0).await;
+    assert_eq!(m.drive(Some(d2.clone()), 10).await.calls.ok, 10);
+    // A file that does not parse is kept out: the policy before stays in force.
+    write(&m.dir, "provider.toml", "[[allow]]\ncallers = [\n");
+    rpcmesh_testkit::wait_until("the bad policy to be refused", || reloads("error") >= 1.0).await;
+    assert_eq!(m.drive(Some(d2), 10).await.calls.ok, 10);
+    let _ = std::fs::remove_dir_all(&m.dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_plain_address_beside_tls_serves_callers_without_tls_as_anonymous() {
+    let dir = std::env::temp_dir().join(format!("rpcmesh-e2e-tls-plain-{}", std::process::id()));
+    let pki = Pki::new(&dir, "mesh");
+    // The provider lets anonymous callers make echo calls only.
+    let policy = "[[allow]]\ncallers = [\"anonymous\"]\ncalls = [\"EchoService.Echo\"]\n";
+    let config = ProviderConfig {
+        tls: Some(server_tls(&pki, &Leaf::spiffe("provider", "p1"))),
+        authz_policy: Some(write(&dir, "policy.toml", policy)),
+        ..ProviderConfig::default()
+    };
+    let main = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let plain = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (tls_addr, plain_addr) = (main.local_addr().unwrap(), plain.local_addr().unwrap());
+    let telemetry = Telemetry::new();
+    let stop = CancellationToken::new();
+    let s = stop.clone();
+    let listeners = rpcmesh_common::net::listener::Listeners {
+        main,
+        plain: Some(plain),
+    };
+    let server = tokio::spawn(rpcmesh_provider::run_with(
+        config,
+        rpcmesh_provider::Registry::builtin(),
+        telemetry.clone(),
+        listeners,
+        async move { s.cancelled().await },
+    ));
+    let drive = |target: std::net::SocketAddr, workload| {
+        let config = DriverConfig {
+            targets: vec![target.to_string()],
+            workload,
+            stop: Stop::Requests(10),
+            warmup: Duration::ZERO,
+            progress: ProgressMode::Off,
+            fanout: 1,
+            concurrency: 1,
+            connections: 1,
+            call_timeout: Duration::from_secs(3),
+            ..DriverConfig::default()
+        };
+        rpcmesh_driver::run_with(config, Telemetry::new(), CancellationToken::new())
+    };
+    let r = drive(plain_addr, WorkloadKind::Echo).await.unwrap();
+    assert_eq!(
+        r.calls.ok, 10,
+        "plain v1 on the plain address: {:?}",
+        r.calls.errors
+    );
+    let r = drive(plain_addr, WorkloadKind::Platform).await.unwrap();
+    assert_eq!(
+        r.calls.errors.get("permission_denied"),
+        Some(&10),
+        "{:?}",
+        r.calls.errors
+    );
+    let r = drive(tls_addr, WorkloadKind::Echo).await.unwrap();
+    assert_eq!(r.calls.ok, 0, "plaintext to the TLS address");
+    let refused = rpcmesh_common::metrics::recorder::sample(
+        &telemetry.render(),
+        TLS_HANDSHAKE_FAILURES_TOTAL.name,
+        &[("reason", "not_tls")],
+    );
+    assert!(refused.unwrap_or(0.0) >= 1.0);
+    stop.cancel();
+    server.await.unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -74,6 +74,8 @@ const QUIET_ALERTS: [&str; 2] = ["RpcmeshBrokerDown", "RpcmeshRestarting"];
 /// The alert no fault here can cause, and its threshold as written in the rules.
 const SOFTIRQ_ALERT: &str = "RpcmeshSoftirqHigh";
 const SOFTIRQ_THRESHOLD: &str = "> 0.3";
+/// The alert of a mesh with TLS, which this one (plain) cannot fire.
+const CERT_ALERT: &str = "RpcmeshCertificateExpiresSoon";
 
 /// Data, as a panel needs it: at least one series with a number (not NaN).
 fn has_data(prom: SocketAddr, q: &str) -> bool {
@@ -139,8 +141,33 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
     // The mesh: a provider, a broker, an open-loop driver with compression on. The broker
     // times calls out after 1s (so a hung provider's calls end, slow, within the test) and
     // checks its pool twice a second; the driver's own timeout is longer than the
-    // broker's, so the broker's answer is what it sees.
-    let provider = Spawned::start("provider", &["--threads", "1"]);
+    // broker's, so the broker's answer is what it sees. The broker and the provider speak
+    // mutual TLS (the driver's hop stays plain), so that the security panels (certificates'
+    // expiry) have their data.
+    let pki = testkit::Pki::new(&dir.join("certs"), "live");
+    let p_cert = pki.issue(&testkit::Leaf::spiffe("provider", "p1"));
+    let b_cert = pki.issue(&testkit::Leaf::spiffe("broker", "b1"));
+    let path = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let (ca, p_crt, p_key, b_crt, b_key) = (
+        path(&pki.ca_file),
+        path(&p_cert.cert),
+        path(&p_cert.key),
+        path(&b_cert.cert),
+        path(&b_cert.key),
+    );
+    let provider = Spawned::start(
+        "provider",
+        &[
+            "--threads",
+            "1",
+            "--tls-cert",
+            &p_crt,
+            "--tls-key",
+            &p_key,
+            "--tls-ca",
+            &ca,
+        ],
+    );
     let p_rpc = provider.rpc;
     let p_metrics = provider.metrics.expect("the provider's metrics address");
     let broker = Spawned::start(
@@ -158,6 +185,16 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
             "500ms",
             "--health-timeout",
             "1s",
+            "--tls-cert",
+            &b_crt,
+            "--tls-key",
+            &b_key,
+            "--tls-ca",
+            &ca,
+            "--listen-tls",
+            "off",
+            "--upstream-tls",
+            "on",
         ],
     );
     let b_rpc = broker.rpc;
@@ -223,7 +260,7 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
     );
     assert_eq!(
         fors,
-        FAULT_ALERTS.len() + QUIET_ALERTS.len() + 1,
+        FAULT_ALERTS.len() + QUIET_ALERTS.len() + 2,
         "every alert has a `for`"
     );
     for (job, at) in [
@@ -306,7 +343,7 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
         .collect();
     assert_eq!(
         rules.len(),
-        RECORDING_RULES + FAULT_ALERTS.len() + QUIET_ALERTS.len() + 1,
+        RECORDING_RULES + FAULT_ALERTS.len() + QUIET_ALERTS.len() + 2,
         "{groups}"
     );
     for r in &rules {
@@ -408,7 +445,9 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
         "{firing:#?}"
     );
     assert!(
-        !firing.iter().any(|(n, _, _)| n == SOFTIRQ_ALERT),
+        !firing
+            .iter()
+            .any(|(n, _, _)| n == SOFTIRQ_ALERT || n == CERT_ALERT),
         "{firing:#?}"
     );
 

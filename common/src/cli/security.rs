@@ -18,7 +18,7 @@ use crate::net::tls::{ClientTls, ServerTls};
 use crate::net::watch::{Trigger, watch};
 
 use crate::cli::config::ConfigProblems;
-use crate::cli::values::DurationArg;
+use crate::cli::values::{DurationArg, OnOff};
 use crate::net::tls::config::Material;
 use crate::net::tls::{
     ClientAuth, ClientTlsSettings, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_HANDSHAKES,
@@ -28,6 +28,10 @@ use crate::net::tls::{
 /// Client certificates are required unless told otherwise: a server given a certificate is
 /// part of a mesh whose hops are mutual TLS, and anything weaker is a choice to write down.
 pub const DEFAULT_CLIENT_AUTH: ClientAuth = ClientAuth::Required;
+
+/// A server given a certificate speaks TLS on its main address unless told otherwise: the
+/// hops are each their own choice, and `--listen-tls off` leaves the callers' hop plain.
+pub const DEFAULT_LISTEN_TLS: bool = true;
 
 /// A server's TLS flags.
 #[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
@@ -53,6 +57,10 @@ pub struct ServerTlsArgs {
     /// A second address, plain RPCF v1 without TLS, beside the TLS one (for v1 peers).
     #[arg(long, env = "RPCMESH_LISTEN_PLAIN")]
     pub listen_plain: Option<SocketAddr>,
+    /// Speak TLS on the main address when a certificate is given: on|off (off: the
+    /// certificate only identifies a broker to its providers, --upstream-tls).
+    #[arg(long, env = "RPCMESH_LISTEN_TLS", default_value_t = OnOff(DEFAULT_LISTEN_TLS))]
+    pub listen_tls: OnOff,
 }
 
 impl ServerTlsArgs {
@@ -73,7 +81,7 @@ impl ServerTlsArgs {
         p.check(self.tls_handshake_timeout.0.is_zero(), || {
             "--tls-handshake-timeout must be above zero".into()
         });
-        if self.tls_cert.is_none() && self.tls_key.is_none() {
+        if (self.tls_cert.is_none() && self.tls_key.is_none()) || !self.listen_tls.0 {
             p.check(self.listen_plain.is_some(), || {
                 "--listen-plain needs TLS on the main address (--tls-cert, --tls-key)".into()
             });
