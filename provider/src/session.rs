@@ -198,7 +198,12 @@ impl Protocol for Session {
         let (id, flags) = (frame.header.req_id, frame.header.flags);
         let (caller, inner) = match ext::split(&frame.body) {
             Ok((fields, inner)) => (fields.caller.map(str::to_string), inner),
-            Err(e) => return self.on_bad_frame(&e, io),
+            Err(e) => {
+                // Counted as bad input; answered, since the request id is known.
+                self.bad_input.record(&e);
+                let msg = e.to_string();
+                return self.reply_error(io, id, flags, None, Status::BadRequest, &msg);
+            }
         };
         let inner = Frame {
             header: Header {
