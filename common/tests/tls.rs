@@ -379,3 +379,31 @@ fn client_hello(m: &Mesh) -> Vec<u8> {
     conn.write_tls(&mut out).unwrap();
     out
 }
+
+#[test]
+fn an_identity_is_the_first_uri_san_else_the_first_dns_san_else_none() {
+    use rpcmesh_common::net::tls::Identity;
+    use rustls::pki_types::pem::PemObject;
+    let dir = dir("identity");
+    let pki = Pki::new(&dir, "id");
+    let der = |leaf: &Leaf| {
+        let files = pki.issue(leaf);
+        rustls::pki_types::CertificateDer::from_pem_file(files.cert).unwrap()
+    };
+    let spiffe_and_dns = der(&Leaf::spiffe("driver", "d1"));
+    assert_eq!(
+        Identity::of_certificate(&spiffe_and_dns),
+        Some(Identity::Uri(spiffe("driver", "d1").into()))
+    );
+    let dns_only = Leaf {
+        uri: None,
+        ..Leaf::spiffe("host", "h1")
+    };
+    assert_eq!(
+        Identity::of_certificate(&der(&dns_only)),
+        Some(Identity::Dns("localhost".into()))
+    );
+    assert_eq!(Identity::of_certificate(&der(&Leaf::anonymous("x"))), None);
+    assert_eq!(Identity::of_certificate(b"not a certificate"), None);
+    let _ = std::fs::remove_dir_all(&dir);
+}
