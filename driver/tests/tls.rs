@@ -314,3 +314,48 @@ async fn the_plain_address_beside_tls_serves_callers_without_tls_as_anonymous() 
     server.await.unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_handshakes_beside_a_run_cost_it_no_call() {
+    use tokio::io::AsyncWriteExt;
+    let m = mesh("hostile").await;
+    // Ten clients that open a TLS handshake and fall silent, holding ten of the broker's
+    // 64 handshake slots, and fifty that send plaintext to its TLS port.
+    let mut silent = Vec::new();
+    for _ in 0..10 {
+        let mut s = tokio::net::TcpStream::connect(m.broker.addr).await.unwrap();
+        s.write_all(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")
+            .await
+            .unwrap();
+        silent.push(s);
+    }
+    let flood = {
+        let addr = m.broker.addr;
+        tokio::spawn(async move {
+            for i in 0..50u64 {
+                let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+                let _ = s.write_all(&rpcmesh_testkit::echo_request(i, "x")).await;
+                let _ = tokio::io::AsyncReadExt::read(&mut s, &mut [0; 64]).await;
+            }
+        })
+    };
+    let tls = m.driver_tls(&m.pki, Some(&Leaf::spiffe("driver", "d1")));
+    let r = m.drive(Some(tls), 300).await;
+    flood.await.unwrap();
+    assert_eq!(
+        (r.calls.sent, r.calls.ok),
+        (300, 300),
+        "{:?}",
+        r.calls.errors
+    );
+    rpcmesh_testkit::wait_until("the plaintext flood to be counted", || {
+        m.refused("not_tls") >= 50.0
+    })
+    .await;
+    drop(silent);
+    rpcmesh_testkit::wait_until("the silent clients' leaving to be counted", || {
+        m.refused("eof") >= 10.0
+    })
+    .await;
+    let _ = std::fs::remove_dir_all(&m.dir);
+}
