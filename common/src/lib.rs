@@ -21,8 +21,8 @@
 //! it for the wire layer. What the programs' black-box tests share is the crate
 //! `rpcmesh-testkit` (`testkit/`), never compiled into this one.
 
-pub mod build;
 pub mod authz;
+pub mod build;
 pub mod cli;
 pub mod format;
 pub mod log_sink;
