@@ -222,7 +222,8 @@ pub struct LoadArgs {
     /// it they are not sent, and counted.
     #[arg(long, env = "RPCMESH_BACKLOG", default_value_t = DEFAULT_BACKLOG)]
     pub backlog: usize,
-    /// TCP connections the users share.
+    /// TCP connections the users share; never more than the users (--concurrency), since
+    /// a connection with no user would carry nothing: the report says how many were used.
     #[arg(long, env = "RPCMESH_CONNECTIONS", default_value_t = DEFAULT_CONNECTIONS)]
     pub connections: usize,
     /// Compress request payloads and accept compressed replies: on|off.
