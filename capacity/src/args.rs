@@ -15,6 +15,7 @@ use rpcmesh_common::cli::{ConfigProblems, DurationArg};
 
 use crate::search::Bounds;
 use crate::slo::{DEFAULT_SLO, Slo};
+use crate::step::Compared;
 
 /// Measured length of each step unless told otherwise: 10 s, as a driver's `--steps` (a
 /// queue settles in a few seconds, and thousands of requests give a steady p99).
@@ -79,8 +80,16 @@ pub struct PlanArgs {
     #[arg(long, env = "RPCMESH_CAPACITY_TIME_LIMIT", default_value_t = DurationArg(DEFAULT_TIME_LIMIT))]
     pub time_limit: DurationArg,
     /// Search with compression off and on, interleaving their steps, and compare.
-    #[arg(long, env = "RPCMESH_CAPACITY_COMPARE_COMPRESSION")]
+    #[arg(
+        long,
+        env = "RPCMESH_CAPACITY_COMPARE_COMPRESSION",
+        conflicts_with = "compare_tls"
+    )]
     pub compare_compression: bool,
+    /// Search with TLS off and on, interleaving their steps, and compare (what the load
+    /// needs for each is the command's: see its TLS flags).
+    #[arg(long, env = "RPCMESH_CAPACITY_COMPARE_TLS")]
+    pub compare_tls: bool,
     /// Closed-loop users of the scalability sweep (fitted with the USL), or `off`.
     #[arg(long, env = "RPCMESH_CAPACITY_SWEEP", default_value = DEFAULT_SWEEP)]
     pub sweep: SweepArg,
@@ -133,8 +142,8 @@ pub struct Plan {
     pub warmup: Duration,
     /// Time budget.
     pub time_limit: Duration,
-    /// Search with compression off and on, and compare.
-    pub compare: bool,
+    /// What to search with off and on, and compare (none: one search).
+    pub compare: Option<Compared>,
     /// The sweep's users (empty: no sweep).
     pub sweep: Vec<usize>,
 }
@@ -185,7 +194,13 @@ impl PlanArgs {
             step: self.step_duration.0,
             warmup: self.warmup.0,
             time_limit: self.time_limit.0,
-            compare: self.compare_compression,
+            compare: if self.compare_tls {
+                Some(Compared::Tls)
+            } else if self.compare_compression {
+                Some(Compared::Compression)
+            } else {
+                None
+            },
             sweep: self.sweep.0.clone(),
         }
     }
@@ -218,7 +233,11 @@ mod tests {
         assert_eq!(p.time_limit, DEFAULT_TIME_LIMIT);
         assert_eq!(p.bounds.start, DEFAULT_START_RATE);
         assert_eq!(p.sweep, [1, 2, 4, 8, 16, 32, 64, 128, 256]);
-        assert!(!p.compare);
+        assert_eq!(p.compare, None);
+        assert_eq!(
+            plan(&["--compare-tls"]).unwrap().compare,
+            Some(Compared::Tls)
+        );
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The experiment in time order: the searches (one, or compression off and on taking turns
+//! The experiment in time order: the searches (one, or a setting off and on taking turns
 //! step by step, the order alternating each round, so that whatever drifts on a shared
 //! machine drifts for both), then both settings once more at a common rate (the lower
 //! capacity) for figures taken at one rate, then the closed-loop sweep and its USL fit.
@@ -19,7 +19,7 @@ use crate::report::{
     CapacityReport, CapacitySetup, Comparison, Phase, ProbeSetup, Search, Step, Sweep, SweepPoint,
 };
 use crate::search::{self, Ended};
-use crate::step::{Compression, Measured, StepRunner};
+use crate::step::{Compared, Measured, Setting, StepRunner};
 use crate::usl;
 
 /// The load every step offers, as the report describes it (the runner's own settings).
@@ -45,9 +45,9 @@ pub struct LoadSetup {
     pub service_work: Option<String>,
     /// The `/metrics` endpoints read for CPU.
     pub probes: Vec<ProbeSetup>,
-    /// The load's own compression: the one search's (without the comparison) and the
-    /// sweep's.
-    pub compression: Compression,
+    /// The load's own settings: the one search's (without a comparison), the sweep's,
+    /// and the comparison's for what it does not compare.
+    pub setting: Setting,
 }
 
 /// Why the experiment ended before it was complete.
@@ -128,7 +128,7 @@ impl From<&StopReason> for EndedBy {
 struct Running {
     report: Search,
     machine: search::Search,
-    compression: Compression,
+    setting: Setting,
     ended: Option<EndedBy>,
 }
 
@@ -146,9 +146,9 @@ pub fn run<R: StepRunner>(plan: &Plan, load: LoadSetup, runner: &mut R) -> Capac
         stopped_early: None,
         steps_run: 0,
     };
-    let mut searches = x.searches(load.compression);
-    let comparison = plan.compare.then(|| x.compare(&mut searches));
-    let sweep = (!plan.sweep.is_empty()).then(|| x.sweep(load.compression));
+    let mut searches = x.searches(load.setting);
+    let comparison = plan.compare.map(|what| x.compare(what, &mut searches));
+    let sweep = (!plan.sweep.is_empty()).then(|| x.sweep(load.setting));
     CapacityReport {
         version: env!("CARGO_PKG_VERSION").to_string(),
         started_unix,
@@ -211,17 +211,17 @@ impl<R: StepRunner> Experiment<'_, R> {
         true
     }
 
-    fn open_step(&mut self, phase: Phase, rate: f64, compression: Compression) -> Option<Step> {
+    fn open_step(&mut self, phase: Phase, rate: f64, setting: Setting) -> Option<Step> {
         self.steps_run += 1;
         self.runner.say(format_args!(
-            "capacity: step {} ({}, compression {}): offering {} requests/s for {:.0} s",
+            "capacity: step {} ({}, {}): offering {} requests/s for {:.0} s",
             self.steps_run,
             phase.name(),
-            compression.label(),
+            setting.label(self.plan.compare),
             thousands(rate),
             self.plan.step.as_secs_f64()
         ));
-        let m = self.runner.open(rate, compression);
+        let m = self.runner.open(rate, setting);
         let m = self.finished(m)?;
         let s = Step::of(phase, rate, &m, &self.plan.slo);
         self.runner.say(format_args!(
@@ -265,24 +265,24 @@ impl<R: StepRunner> Experiment<'_, R> {
     }
 
     /// The searches (one, or off and on taking turns), each with its machine's state.
-    fn searches(&mut self, own: Compression) -> Vec<Running> {
-        let settings = if self.plan.compare {
-            vec![Compression::Off, Compression::On]
-        } else {
-            vec![own]
+    fn searches(&mut self, own: Setting) -> Vec<Running> {
+        let settings = match self.plan.compare {
+            Some(what) => vec![own.with(what, false), own.with(what, true)],
+            None => vec![own],
         };
         let mut all: Vec<Running> = settings
             .into_iter()
-            .map(|compression| Running {
+            .map(|setting| Running {
                 report: Search {
-                    compression: compression.is_on(),
+                    compression: setting.compression,
+                    tls: setting.tls,
                     steps: Vec::new(),
                     capacity: None,
                     lowest_failing: None,
                     ended_by: String::new(),
                 },
                 machine: search::Search::new(self.plan.bounds),
-                compression,
+                setting,
                 ended: None,
             })
             .collect();
@@ -300,7 +300,7 @@ impl<R: StepRunner> Experiment<'_, R> {
                         if !self.may_start() {
                             break;
                         }
-                        let Some(step) = self.open_step(phase, rate, all[i].compression) else {
+                        let Some(step) = self.open_step(phase, rate, all[i].setting) else {
                             break;
                         };
                         let s = &mut all[i];
@@ -332,7 +332,7 @@ impl<R: StepRunner> Experiment<'_, R> {
 
     /// Both settings once more at the lower capacity, and the comparison; the common-rate
     /// steps join their searches' tables.
-    fn compare(&mut self, searches: &mut [Running]) -> Comparison {
+    fn compare(&mut self, what: Compared, searches: &mut [Running]) -> Comparison {
         let off = searches.first().and_then(|s| s.report.capacity);
         let on = searches.get(1).and_then(|s| s.report.capacity);
         let common = match (off, on) {
@@ -341,14 +341,18 @@ impl<R: StepRunner> Experiment<'_, R> {
         };
         let mut steps = (None, None);
         if let Some(rate) = common {
-            if self.may_start() {
-                steps.0 = self.open_step(Phase::Common, rate, Compression::Off);
-            }
-            if self.may_start() {
-                steps.1 = self.open_step(Phase::Common, rate, Compression::On);
+            let setting = |i: usize| searches.get(i).map(|s: &Running| s.setting);
+            if let (Some(off), Some(on)) = (setting(0), setting(1)) {
+                if self.may_start() {
+                    steps.0 = self.open_step(Phase::Common, rate, off);
+                }
+                if self.may_start() {
+                    steps.1 = self.open_step(Phase::Common, rate, on);
+                }
             }
         }
         let mut c = comparison(
+            what,
             off,
             on,
             common,
@@ -364,8 +368,9 @@ impl<R: StepRunner> Experiment<'_, R> {
             c.verdict = "the comparison is incomplete: a search was cut short before it found its capacity (see the searches' ended_by)".into();
         } else if searches.len() == 2 && !ended(Ended::Slo) && !ended(Ended::Nothing) {
             c.verdict = format!(
-                "both settings met the SLO up to --max-rate {}: raise it to find where compression matters",
-                thousands(self.plan.bounds.max)
+                "both settings met the SLO up to --max-rate {}: raise it to find where {} matters",
+                thousands(self.plan.bounds.max),
+                what.name()
             );
         }
         self.runner.say(format_args!("capacity: {}", c.verdict));
@@ -377,7 +382,7 @@ impl<R: StepRunner> Experiment<'_, R> {
         c
     }
 
-    fn sweep(&mut self, compression: Compression) -> Sweep {
+    fn sweep(&mut self, setting: Setting) -> Sweep {
         let mut points = Vec::new();
         for &users in &self.plan.sweep {
             if !self.may_start() {
@@ -385,12 +390,12 @@ impl<R: StepRunner> Experiment<'_, R> {
             }
             self.steps_run += 1;
             self.runner.say(format_args!(
-                "capacity: step {} (sweep, compression {}): {users} users, closed loop, for {:.0} s",
+                "capacity: step {} (sweep, {}): {users} users, closed loop, for {:.0} s",
                 self.steps_run,
-                compression.label(),
+                setting.label(self.plan.compare),
                 self.plan.step.as_secs_f64()
             ));
-            let m = self.runner.closed(users, compression);
+            let m = self.runner.closed(users, setting);
             let Some(m) = self.finished(m) else { break };
             let p = SweepPoint::of(users, &m);
             self.runner.say(format_args!(
@@ -419,7 +424,8 @@ impl<R: StepRunner> Experiment<'_, R> {
             Err(e) => (None, Some(e.to_string())),
         };
         Sweep {
-            compression: compression.is_on(),
+            compression: setting.compression,
+            tls: setting.tls,
             points,
             fit,
             fit_error,
@@ -439,6 +445,7 @@ fn cpu_text(m: &std::collections::BTreeMap<String, f64>) -> String {
 
 /// The comparison of the two searches and their common-rate steps.
 fn comparison(
+    what: Compared,
     off: Option<f64>,
     on: Option<f64>,
     common: Option<f64>,
@@ -452,20 +459,21 @@ fn comparison(
     };
     let bytes = |s: Option<&Step>| s.map(|s| s.bytes_out_per_call + s.bytes_in_per_call);
     let (bytes_off, bytes_on) = (bytes(off_step), bytes(on_step));
+    let name = what.name();
     let mut verdict = match (change, off, on) {
         (Some(c), _, _) if c.abs() <= precision * 100.0 => format!(
-            "on this path compression does not change capacity measurably ({c:+.1} %, within the search's ±{:.0} % precision)",
+            "on this path {name} does not change capacity measurably ({c:+.1} %, within the search's ±{:.0} % precision)",
             precision * 100.0
         ),
         (Some(c), _, _) if c > 0.0 => {
-            format!("on this path compression raises capacity by {c:.0} %")
+            format!("on this path {name} raises capacity by {c:.0} %")
         }
-        (Some(c), _, _) => format!("on this path compression lowers capacity by {:.0} %", -c),
+        (Some(c), _, _) => format!("on this path {name} lowers capacity by {:.0} %", -c),
         (None, Some(_), None) => {
-            "with compression nothing met the SLO; without it, something did".into()
+            format!("with {name} nothing met the SLO; without it, something did")
         }
         (None, None, Some(_)) => {
-            "without compression nothing met the SLO; with it, something did".into()
+            format!("without {name} nothing met the SLO; with it, something did")
         }
         _ => "neither setting met the SLO at any rate tried".into(),
     };
@@ -486,6 +494,7 @@ fn comparison(
         }
     }
     Comparison {
+        compared: what,
         capacity_off: off,
         capacity_on: on,
         capacity_change_percent: change,
@@ -519,7 +528,7 @@ mod tests {
     struct MadeUp {
         knee: f64,
         /// The steps asked for, in order.
-        asked: Vec<(f64, Compression)>,
+        asked: Vec<(f64, Setting)>,
         /// Stopped (as by Ctrl-C) during this step, from 1.
         stop_during: Option<usize>,
         /// This step (from 1) fails.
@@ -540,14 +549,14 @@ mod tests {
             }
         }
 
-        fn step(&mut self, rate: f64, p99: f64, c: Compression) -> Result<Measured, String> {
+        fn step(&mut self, rate: f64, p99: f64, c: Setting) -> Result<Measured, String> {
             self.asked.push((rate, c));
             if self.fail == Some(self.asked.len()) {
                 return Err("the target refused".into());
             }
             let seconds = 10.0;
             let ok = (rate * seconds) as u64;
-            let bytes = if c.is_on() { 100 } else { 120 };
+            let bytes = if c.compression { 100 } else { 120 };
             Ok(Measured {
                 seconds,
                 requests: Requests {
@@ -580,8 +589,8 @@ mod tests {
     impl StepRunner for MadeUp {
         type Error = String;
 
-        fn open(&mut self, rate: f64, c: Compression) -> Result<Measured, String> {
-            let knee = if c.is_on() {
+        fn open(&mut self, rate: f64, c: Setting) -> Result<Measured, String> {
+            let knee = if c.compression || c.tls {
                 self.knee * 0.8
             } else {
                 self.knee
@@ -589,7 +598,7 @@ mod tests {
             self.step(rate, if rate <= knee { 5.0 } else { 500.0 }, c)
         }
 
-        fn closed(&mut self, users: usize, c: Compression) -> Result<Measured, String> {
+        fn closed(&mut self, users: usize, c: Setting) -> Result<Measured, String> {
             let n = users as f64;
             let x = 1000.0 * n / (1.0 + 0.05 * (n - 1.0) + 0.001 * n * (n - 1.0));
             self.step(x, 5.0, c)
@@ -608,7 +617,7 @@ mod tests {
         }
     }
 
-    fn plan(compare: bool, sweep: &[usize]) -> Plan {
+    fn plan(compare: Option<Compared>, sweep: &[usize]) -> Plan {
         Plan {
             slo: "p99<=20ms,errors<=0.1%".parse().expect("an SLO"),
             bounds: Bounds {
@@ -638,14 +647,14 @@ mod tests {
             local_mesh: false,
             service_work: None,
             probes: Vec::new(),
-            compression: Compression::Off,
+            setting: Setting::default(),
         }
     }
 
     #[test]
     fn a_search_on_made_up_steps_brackets_the_knee_and_says_each_step() {
         let mut path = MadeUp::new(5_000.0);
-        let r = run(&plan(false, &[]), load(), &mut path);
+        let r = run(&plan(None, &[]), load(), &mut path);
         assert_eq!(r.stopped_early, None);
         assert_eq!(r.searches.len(), 1);
         let s = &r.searches[0];
@@ -669,11 +678,11 @@ mod tests {
     #[test]
     fn off_and_on_take_turns_then_meet_at_the_common_rate() {
         let mut path = MadeUp::new(5_000.0);
-        let r = run(&plan(true, &[]), load(), &mut path);
-        let settings: Vec<Compression> = path.asked.iter().map(|a| a.1).collect();
-        use Compression::{Off, On};
+        let r = run(&plan(Some(Compared::Compression), &[]), load(), &mut path);
+        let settings: Vec<bool> = path.asked.iter().map(|a| a.1.compression).collect();
+        let (off, on) = (false, true);
         // Round 0 off first, round 1 on first, ...
-        assert_eq!(settings[..6], [Off, On, On, Off, Off, On]);
+        assert_eq!(settings[..6], [off, on, on, off, off, on]);
         let c = r.comparison.expect("a comparison");
         let (off, on) = (c.capacity_off.unwrap(), c.capacity_on.unwrap());
         assert!(on < off, "{on} {off}");
@@ -696,9 +705,32 @@ mod tests {
     }
 
     #[test]
+    fn tls_off_and_on_are_compared_with_the_loads_own_compression() {
+        let mut path = MadeUp::new(5_000.0);
+        let r = run(&plan(Some(Compared::Tls), &[]), load(), &mut path);
+        let tls: Vec<bool> = path.asked.iter().map(|a| a.1.tls).collect();
+        assert_eq!(tls[..4], [false, true, true, false]);
+        assert!(path.asked.iter().all(|a| !a.1.compression));
+        assert!(
+            path.lines[0].starts_with("capacity: step 1 (grow, TLS off): offering"),
+            "{}",
+            path.lines[0]
+        );
+        let c = r.comparison.as_ref().expect("a comparison");
+        assert_eq!(c.compared, Compared::Tls);
+        assert!(
+            c.verdict.starts_with("on this path TLS lowers capacity by"),
+            "{}",
+            c.verdict
+        );
+        assert_eq!(r.search(true).map(|s| s.tls), Some(true));
+        assert_eq!(r.search(false).map(|s| s.tls), Some(false));
+    }
+
+    #[test]
     fn the_sweep_is_fitted_with_the_usl() {
         let mut path = MadeUp::new(5_000.0);
-        let r = run(&plan(false, &[1, 2, 4, 8, 16, 32, 64]), load(), &mut path);
+        let r = run(&plan(None, &[1, 2, 4, 8, 16, 32, 64]), load(), &mut path);
         let sweep = r.sweep.expect("a sweep");
         assert_eq!(sweep.points.len(), 7);
         let fit = sweep.fit.expect("a fit");
@@ -710,7 +742,11 @@ mod tests {
     fn ctrl_c_during_a_step_leaves_it_out_and_ends_every_search() {
         let mut path = MadeUp::new(5_000.0);
         path.stop_during = Some(3);
-        let r = run(&plan(true, &[1, 2, 4]), load(), &mut path);
+        let r = run(
+            &plan(Some(Compared::Compression), &[1, 2, 4]),
+            load(),
+            &mut path,
+        );
         assert_eq!(
             r.stopped_early.as_deref(),
             Some("stopped (Ctrl-C); the step it cut short is left out")
@@ -734,7 +770,7 @@ mod tests {
     fn a_step_that_would_end_after_the_time_limit_is_not_started() {
         let mut path = MadeUp::new(5_000.0);
         path.overrun = Duration::from_secs(3600);
-        let r = run(&plan(false, &[]), load(), &mut path);
+        let r = run(&plan(None, &[]), load(), &mut path);
         assert!(path.asked.is_empty());
         assert_eq!(
             r.stopped_early.as_deref(),
@@ -747,7 +783,7 @@ mod tests {
     fn a_failed_step_ends_the_experiment_and_says_why() {
         let mut path = MadeUp::new(5_000.0);
         path.fail = Some(2);
-        let r = run(&plan(false, &[]), load(), &mut path);
+        let r = run(&plan(None, &[]), load(), &mut path);
         assert_eq!(
             r.stopped_early.as_deref(),
             Some("step 2 failed: the target refused")

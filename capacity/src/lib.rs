@@ -1,5 +1,5 @@
 //! rpcmesh's capacity planner: how many requests per second a path holds under an SLO, what
-//! compression does to that, and how throughput scales with users.
+//! compression or TLS does to that, and how throughput scales with users.
 //!
 //! The planner is the experiment's logic and its outputs, and nothing that touches a
 //! socket: it decides which step runs next and judges what the step measured, while a
@@ -8,9 +8,9 @@
 //!
 //! In time order ([`experiment::run`]): the search ([`search`]) offers open-loop steps at
 //! growing, then bisected, rates, each judged by the SLO ([`slo`]), and confirms the
-//! highest passing one; with `--compare-compression` two searches (off and on) take turns
-//! step by step, so that drift on a shared machine hits both alike, and then run once more
-//! each at a common rate. Then a closed-loop sweep over users, fitted with the Universal
+//! highest passing one; with `--compare-compression` (or `--compare-tls`) two searches
+//! (off and on) take turns step by step, so that drift on a shared machine hits both
+//! alike, and then run once more each at a common rate. Then a closed-loop sweep over users, fitted with the Universal
 //! Scalability Law ([`usl`]). The results are data ([`report`], JSON with a schema),
 //! text and Markdown ([`text`]) and HTML with charts ([`html`]). The planner's own flags
 //! are [`args`]; the command that runs it flattens them beside its load's.
@@ -39,4 +39,4 @@ pub mod usl;
 pub use args::{OutputArgs, Plan, PlanArgs};
 pub use experiment::{LoadSetup, run};
 pub use report::CapacityReport;
-pub use step::{Compression, Measured, StepRunner};
+pub use step::{Compared, Measured, Setting, StepRunner};

@@ -8,6 +8,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::slo::Slo;
+use crate::step::{Compared, Setting};
 use crate::usl::UslFit;
 
 /// Everything `driver capacity` measured.
@@ -21,10 +22,10 @@ pub struct CapacityReport {
     pub setup: CapacitySetup,
     /// The service-level objective every step was judged by.
     pub slo: Slo,
-    /// One search for the highest rate under the SLO; two with `--compare-compression`
-    /// (compression off first, then on).
+    /// One search for the highest rate under the SLO; two with `--compare-compression` or
+    /// `--compare-tls` (the setting off first, then on).
     pub searches: Vec<Search>,
-    /// With `--compare-compression`: the two searches side by side.
+    /// With `--compare-compression` or `--compare-tls`: the two searches side by side.
     pub comparison: Option<Comparison>,
     /// The closed-loop concurrency sweep and its Universal Scalability Law fit (absent
     /// with `--sweep off`).
@@ -93,7 +94,7 @@ pub enum Phase {
     Bisect,
     /// A second run at the highest passing rate, which it must pass again.
     Confirm,
-    /// With `--compare-compression`: both settings at one common rate, for p99 at it.
+    /// With a comparison: both settings at one common rate, for p99 at it.
     Common,
 }
 
@@ -147,11 +148,14 @@ pub struct Step {
     pub broken: Vec<String>,
 }
 
-/// The search for the highest rate under the SLO with one compression setting.
+/// The search for the highest rate under the SLO with one setting.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, JsonSchema)]
 pub struct Search {
     /// Request compression on.
     pub compression: bool,
+    /// The load spoke TLS.
+    #[serde(default)]
+    pub tls: bool,
     /// Its steps in the order they ran (confirmation and common-rate steps included).
     pub steps: Vec<Step>,
     /// The highest rate that met the SLO and met it again when confirmed, requests per
@@ -166,12 +170,15 @@ pub struct Search {
     pub ended_by: String,
 }
 
-/// Compression off against on.
+/// A setting (compression or TLS) off against on.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, JsonSchema)]
 pub struct Comparison {
-    /// Capacity without compression, requests per second.
+    /// What was turned off and on.
+    #[serde(default)]
+    pub compared: Compared,
+    /// Capacity with the setting off, requests per second.
     pub capacity_off: Option<f64>,
-    /// Capacity with compression, requests per second.
+    /// Capacity with the setting on, requests per second.
     pub capacity_on: Option<f64>,
     /// (on − off) ÷ off, percent.
     pub capacity_change_percent: Option<f64>,
@@ -179,7 +186,7 @@ pub struct Comparison {
     pub common_rate: Option<f64>,
     /// Request p99 at the common rate, ms, off and on.
     pub p99_ms_off: Option<f64>,
-    /// As `p99_ms_off`, with compression.
+    /// As `p99_ms_off`, with the setting on.
     pub p99_ms_on: Option<f64>,
     /// Wire bytes per call at the common rate (both ways), off.
     pub bytes_per_call_off: Option<f64>,
@@ -189,7 +196,7 @@ pub struct Comparison {
     pub cpu_us_per_call_off: BTreeMap<String, f64>,
     /// CPU µs per call at the common rate, by role, on.
     pub cpu_us_per_call_on: BTreeMap<String, f64>,
-    /// One line: what compression does to capacity on this path.
+    /// One line: what the setting does to capacity on this path.
     pub verdict: String,
 }
 
@@ -198,6 +205,9 @@ pub struct Comparison {
 pub struct Sweep {
     /// Request compression on.
     pub compression: bool,
+    /// The load spoke TLS.
+    #[serde(default)]
+    pub tls: bool,
     /// One point per number of users, in the order run.
     pub points: Vec<SweepPoint>,
     /// The Universal Scalability Law fitted to the points' throughput.
@@ -244,6 +254,26 @@ pub struct LatencySummary {
     pub max_ms: f64,
 }
 
+impl Search {
+    /// Its settings.
+    pub fn setting(&self) -> Setting {
+        Setting {
+            compression: self.compression,
+            tls: self.tls,
+        }
+    }
+}
+
+impl Sweep {
+    /// Its settings.
+    pub fn setting(&self) -> Setting {
+        Setting {
+            compression: self.compression,
+            tls: self.tls,
+        }
+    }
+}
+
 impl Phase {
     /// Its name in tables.
     pub fn name(self) -> &'static str {
@@ -257,6 +287,19 @@ impl Phase {
 }
 
 impl CapacityReport {
+    /// What the comparison turned off and on (compression when there is none).
+    pub fn compared(&self) -> Compared {
+        self.comparison
+            .as_ref()
+            .map_or(Compared::default(), |c| c.compared)
+    }
+
+    /// The search with the compared setting `on` (or off), if the report has it.
+    pub fn search(&self, on: bool) -> Option<&Search> {
+        let what = self.compared();
+        self.searches.iter().find(|s| s.setting().is_on(what) == on)
+    }
+
     /// The JSON Schema of the report (written to docs/capacity.schema.json).
     pub fn schema() -> String {
         let schema = schemars::schema_for!(CapacityReport);

@@ -11,40 +11,71 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
 use crate::report::{LatencySummary, Phase, Step, SweepPoint};
 use crate::slo::{Breach, Slo};
 
-/// Request compression of a step: the one setting a search changes besides the rate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Compression {
-    /// Plain payloads.
-    Off,
-    /// Request payloads compressed (as the runner's load configures it), compressed
-    /// replies accepted.
-    On,
+/// What a comparison turns off and on: compression (`--compare-compression`) or TLS
+/// (`--compare-tls`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Compared {
+    /// Request compression (the runner's load says how).
+    #[default]
+    Compression,
+    /// TLS on every hop the runner controls.
+    Tls,
 }
 
-impl Compression {
-    /// `on` or `off`, as the progress lines say it.
-    pub fn label(self) -> &'static str {
+impl Compared {
+    /// Its name in text: `compression` or `TLS`.
+    pub fn name(self) -> &'static str {
         match self {
-            Compression::Off => "off",
-            Compression::On => "on",
+            Compared::Compression => "compression",
+            Compared::Tls => "TLS",
+        }
+    }
+}
+
+/// The settings of a step besides its rate: the two a comparison may turn off and on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Setting {
+    /// Request payloads compressed (as the runner's load configures it), compressed
+    /// replies accepted.
+    pub compression: bool,
+    /// The load speaks TLS (as the runner's load configures it).
+    pub tls: bool,
+}
+
+impl Setting {
+    /// Whether `what` is on.
+    pub fn is_on(self, what: Compared) -> bool {
+        match what {
+            Compared::Compression => self.compression,
+            Compared::Tls => self.tls,
         }
     }
 
-    /// True when on (the report's `compression` fields).
-    pub fn is_on(self) -> bool {
-        self == Compression::On
+    /// This setting with `what` turned on or off.
+    pub fn with(mut self, what: Compared, on: bool) -> Setting {
+        match what {
+            Compared::Compression => self.compression = on,
+            Compared::Tls => self.tls = on,
+        }
+        self
     }
-}
 
-impl From<bool> for Compression {
-    fn from(on: bool) -> Self {
-        if on {
-            Compression::On
-        } else {
-            Compression::Off
+    /// As the progress lines say it: `compression off`, or `compression off, TLS` when
+    /// the load speaks TLS without comparing it; `TLS on` or `TLS off` when TLS is
+    /// compared.
+    pub fn label(self, compared: Option<Compared>) -> String {
+        let onoff = |b: bool| if b { "on" } else { "off" };
+        match compared {
+            Some(Compared::Tls) => format!("TLS {}", onoff(self.tls)),
+            _ if self.tls => format!("compression {}, TLS", onoff(self.compression)),
+            _ => format!("compression {}", onoff(self.compression)),
         }
     }
 }
@@ -56,10 +87,10 @@ pub trait StepRunner {
     type Error: fmt::Display;
 
     /// Offers `rate` requests per second on the open-loop schedule for one step.
-    fn open(&mut self, rate: f64, compression: Compression) -> Result<Measured, Self::Error>;
+    fn open(&mut self, rate: f64, setting: Setting) -> Result<Measured, Self::Error>;
 
     /// Runs `users` closed-loop users for one step.
-    fn closed(&mut self, users: usize, compression: Compression) -> Result<Measured, Self::Error>;
+    fn closed(&mut self, users: usize, setting: Setting) -> Result<Measured, Self::Error>;
 
     /// True once the experiment must end (Ctrl-C): no step starts after it, and a step it
     /// cut short is left out.

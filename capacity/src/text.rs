@@ -5,6 +5,7 @@
 use rpcmesh_common::format::{ms, thousands};
 
 use crate::report::{CapacityReport, Comparison, Search, Sweep};
+use crate::step::Compared;
 
 /// A table, rendered aligned for a terminal or as Markdown.
 struct Table {
@@ -79,12 +80,17 @@ fn rate(v: f64) -> String {
     thousands(v)
 }
 
-fn setting(compression: bool) -> &'static str {
-    if compression {
-        "compression on"
-    } else {
-        "compression off"
-    }
+/// `s` with its first letter in capitals (`TLS` stays `TLS`).
+fn capitalized(s: &str) -> String {
+    let mut c = s.chars();
+    c.next()
+        .map(|f| f.to_uppercase().chain(c).collect())
+        .unwrap_or_default()
+}
+
+/// What the report compared, if anything: how its searches and sweep are named.
+fn compared(r: &CapacityReport) -> Option<Compared> {
+    r.comparison.as_ref().map(|c| c.compared)
 }
 
 impl Search {
@@ -144,7 +150,7 @@ impl Search {
     }
 
     /// One line: the capacity found and how the search ended.
-    pub fn summary(&self) -> String {
+    pub fn summary(&self, compared: Option<Compared>) -> String {
         let cap = match self.capacity {
             Some(c) => format!("{} requests/s", rate(c)),
             None => "none found".into(),
@@ -152,7 +158,7 @@ impl Search {
         let fail = opt(self.lowest_failing, |f| format!("{} requests/s", rate(f)));
         format!(
             "{}: capacity {cap} (lowest failing {fail}; ended by {})",
-            setting(self.compression),
+            self.setting().label(compared),
             self.ended_by
         )
     }
@@ -221,7 +227,9 @@ impl Sweep {
 
 impl Comparison {
     fn table(&self) -> Table {
-        let mut t = Table::new(&["", "compression off", "compression on"]);
+        let name = self.compared.name();
+        let (off, on) = (format!("{name} off"), format!("{name} on"));
+        let mut t = Table::new(&["", &off, &on]);
         t.row(vec![
             "capacity, requests/s".into(),
             opt(self.capacity_off, rate),
@@ -310,22 +318,23 @@ impl CapacityReport {
                 out.push_str(&format!(" {note}\n"));
             }
         };
+        let compared = compared(self);
         for s in &self.searches {
             section(
-                format!("Search, {}", setting(s.compression)),
+                format!("Search, {}", s.setting().label(compared)),
                 Some(s.table()),
-                &s.summary(),
+                &s.summary(compared),
             );
         }
         if let Some(c) = &self.comparison {
             section(
-                "Compression off against on".into(),
+                format!("{} off against on", capitalized(c.compared.name())),
                 Some(c.table()),
                 &c.verdict,
             );
         }
         if let Some(w) = &self.sweep {
-            let title = format!("Closed-loop sweep, {}", setting(w.compression));
+            let title = format!("Closed-loop sweep, {}", w.setting().label(compared));
             section(title, Some(w.table()), &w.fit_line());
         }
         if let Some(why) = &self.stopped_early {

@@ -297,6 +297,32 @@ pub struct CapacityArgs {
         value_parser = parse_metrics_endpoint
     )]
     pub provider_metrics: Vec<SocketAddr>,
+    /// With --compare-tls and --target: where the same path is called without TLS
+    /// (HOST:PORT, e.g. a broker's --listen-plain address). Repeatable.
+    #[arg(
+        long = "plain-target",
+        env = "RPCMESH_CAPACITY_PLAIN_TARGETS",
+        value_delimiter = ','
+    )]
+    pub plain_targets: Vec<String>,
+    /// With --compare-tls: `/metrics` of the broker the plain targets reach, when it is not
+    /// --broker-metrics' (a second broker for plaintext hops). Repeatable.
+    #[arg(
+        long = "plain-broker-metrics",
+        env = "RPCMESH_CAPACITY_PLAIN_BROKER_METRICS",
+        value_delimiter = ',',
+        value_parser = parse_metrics_endpoint
+    )]
+    pub plain_broker_metrics: Vec<SocketAddr>,
+    /// With --compare-tls: `/metrics` of the provider behind the plain targets, when it is
+    /// not --provider-metrics'. Repeatable.
+    #[arg(
+        long = "plain-provider-metrics",
+        env = "RPCMESH_CAPACITY_PLAIN_PROVIDER_METRICS",
+        value_delimiter = ',',
+        value_parser = parse_metrics_endpoint
+    )]
+    pub plain_provider_metrics: Vec<SocketAddr>,
     /// Local mesh: the provider's service time (as the provider's --service-time).
     #[arg(long, env = "RPCMESH_CAPACITY_SERVICE_TIME")]
     pub service_time: Option<String>,

@@ -163,3 +163,120 @@ fn ctrl_c_ends_the_experiment_with_a_report_and_no_server_left() {
     assert!(std::net::TcpStream::connect(broker).is_err());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--compare-tls` on the local mesh: a plaintext pair and a pair with mutual TLS on both
+/// hops (a throwaway CA of the driver's), both searched, step by step in turns. That the
+/// TLS search really spoke TLS is read from the TLS pair's own counters while the run goes
+/// on: its broker made inbound and upstream handshakes, its provider inbound ones, and
+/// the plaintext broker none, though it took calls too.
+#[test]
+fn a_tls_comparison_searches_a_plaintext_and_a_mutual_tls_mesh() {
+    use rpcmesh_common::metrics::exposition::sample;
+    use std::io::{BufRead, BufReader};
+    let dir = std::env::temp_dir().join(format!("rpcmesh-capacity-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("c.json");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_driver"))
+        .args(testkit::short_tls_comparison())
+        .arg("--json")
+        .arg(&json)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let text = std::thread::spawn(move || std::io::read_to_string(stdout).unwrap());
+    let mut lines = BufReader::new(child.stderr.take().unwrap())
+        .lines()
+        .map_while(Result::ok);
+    // The two meshes' metrics addresses, from their lines.
+    let metrics = |line: &str| -> Vec<std::net::SocketAddr> {
+        line.split("(metrics ")
+            .skip(1)
+            .map(|m| m.split(')').next().unwrap().parse().unwrap())
+            .collect()
+    };
+    let (mut tls, mut plain) = (Vec::new(), Vec::new());
+    let mut seen = Vec::new();
+    // Wait (by what it says, not by time) until a TLS step has run its course: step 2 is
+    // the first with TLS on, so step 3's start comes after it.
+    for line in lines.by_ref() {
+        if line.starts_with("capacity: local mesh with mutual TLS:") {
+            tls = metrics(&line);
+        } else if line.starts_with("capacity: local mesh, plaintext:") {
+            plain = metrics(&line);
+        }
+        let third = line.starts_with("capacity: step 3 ");
+        seen.push(line);
+        if third {
+            break;
+        }
+    }
+    assert_eq!((tls.len(), plain.len()), (2, 2), "{seen:#?}");
+    assert!(
+        seen.iter()
+            .any(|l| l.starts_with("capacity: step 2 (grow, TLS on)")),
+        "{seen:#?}"
+    );
+    let handshakes = |at: std::net::SocketAddr, side: &str| {
+        let page = testkit::http::get(at, "/metrics").unwrap();
+        sample(&page, "rpcmesh_tls_handshakes_total", &[("side", side)]).unwrap_or(0.0)
+    };
+    assert!(
+        handshakes(tls[0], "inbound") > 0.0,
+        "the TLS broker's callers"
+    );
+    assert!(
+        handshakes(tls[0], "upstream") > 0.0,
+        "the TLS broker's providers"
+    );
+    assert!(
+        handshakes(tls[1], "inbound") > 0.0,
+        "the TLS provider's callers"
+    );
+    assert_eq!(handshakes(plain[0], "inbound"), 0.0, "the plaintext broker");
+    // And step 1, TLS off, called the plaintext pair.
+    let calls = |at: std::net::SocketAddr| {
+        let page = testkit::http::get(at, "/metrics").unwrap();
+        sample(&page, "rpcmesh_calls_total", &[]).unwrap_or(0.0)
+    };
+    assert!(calls(plain[0]) > 0.0, "the plaintext broker took no call");
+    assert!(calls(tls[0]) > 0.0, "the TLS broker took no call");
+    let rest: Vec<String> = lines.collect();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status}: {seen:#?} {rest:#?}");
+    let text = text.join().unwrap();
+    assert!(text.contains("Search, TLS off"), "{text}");
+    assert!(text.contains("TLS off against on"), "{text}");
+
+    let report: CapacityReport =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert!(report.stopped_early.is_none(), "{:?}", report.stopped_early);
+    let tls_of: Vec<bool> = report.searches.iter().map(|s| s.tls).collect();
+    assert_eq!(tls_of, [false, true]);
+    for s in &report.searches {
+        assert!(s.capacity.is_some(), "{s:?}");
+        for t in &s.steps {
+            for role in ["driver", "broker", "provider"] {
+                assert!(t.cpu_us_per_call.contains_key(role), "{role}: {t:?}");
+            }
+        }
+    }
+    let c = report.comparison.as_ref().expect("a comparison");
+    assert_eq!(c.compared, rpcmesh_capacity::Compared::Tls);
+    assert!(c.verdict.starts_with("on this path TLS"), "{}", c.verdict);
+    assert_eq!(report.setup.targets.len(), 2);
+    assert_eq!(report.setup.probes.len(), 4);
+    // The throwaway CA is gone with the experiment.
+    let left: Vec<_> = std::fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with(&format!("rpcmesh-capacity-tls-{}-", child.id()))
+        })
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+use rpcmesh_capacity::Compared;
 use rpcmesh_capacity::html::render;
 use rpcmesh_capacity::report::{
     CapacityReport, CapacitySetup, Comparison, LatencySummary, Phase, ProbeSetup, Search, Step,
@@ -100,6 +101,7 @@ fn search(compression: bool, knee: f64) -> Search {
     .collect();
     Search {
         compression,
+        tls: false,
         steps,
         capacity: Some(5000.0),
         lowest_failing: Some(6000.0),
@@ -117,6 +119,7 @@ fn report(two_searches: bool, with_sweep: bool) -> CapacityReport {
         searches.push(search(true, 4600.0));
     }
     let comparison = two_searches.then(|| Comparison {
+        compared: Compared::Compression,
         capacity_off: Some(5000.0),
         capacity_on: Some(4500.0),
         capacity_change_percent: Some(-10.0),
@@ -132,6 +135,7 @@ fn report(two_searches: bool, with_sweep: bool) -> CapacityReport {
     let (x1, sigma, kappa) = (900.0, 0.05, 0.002);
     let sweep = with_sweep.then(|| Sweep {
         compression: false,
+        tls: false,
         points: [1usize, 2, 4, 8, 16, 32, 64]
             .into_iter()
             .map(|n| {

@@ -55,3 +55,21 @@ pub fn short_capacity_search(driver: &Path, reports: &[(&str, &Path)]) -> Output
     cmd.output()
         .unwrap_or_else(|e| panic!("run {}: {e}", driver.display()))
 }
+
+/// The short experiment's flags with TLS compared instead of compression, and no sweep:
+/// the local mesh then runs a plaintext and a mutual-TLS pair side by side.
+pub fn short_tls_comparison() -> Vec<&'static str> {
+    let mut argv = Vec::with_capacity(SHORT_CAPACITY_SEARCH.len());
+    let mut flags = SHORT_CAPACITY_SEARCH.iter().copied().peekable();
+    while let Some(f) = flags.next() {
+        match f {
+            "--compare-compression" => argv.push("--compare-tls"),
+            "--sweep" => {
+                flags.next();
+                argv.extend(["--sweep", "off"]);
+            }
+            _ => argv.push(f),
+        }
+    }
+    argv
+}

@@ -47,7 +47,7 @@ pub mod stderr;
 pub mod wait;
 
 pub use bad_input::{BadInput, Observed, PROBE_TIMEOUT, bad_inputs, garbage, probe};
-pub use capacity::short_capacity_search;
+pub use capacity::{short_capacity_search, short_tls_comparison};
 pub use certs::{CertFiles, Leaf, Pki, spiffe};
 pub use child::{ChildGuard, Signal};
 pub use frames::{

@@ -1,5 +1,5 @@
-//! The compression chart: two panels of grouped bars, CPU µs per call by role and wire
-//! bytes per call, compression off against on. From the comparison (at its common rate)
+//! The comparison chart: two panels of grouped bars, CPU µs per call by role and wire
+//! bytes per call, the compared setting (compression or TLS) off against on. From the comparison (at its common rate)
 //! when there is one, else from each search's last common-rate step or, failing that, its
 //! last passing step.
 
@@ -32,6 +32,7 @@ struct BarGroup {
 /// call; off against on. From the comparison (at the common rate) when there is one, else
 /// from each search's last common-rate step or, failing that, its last passing step.
 pub(super) fn compression_chart(r: &CapacityReport) -> Option<Chart> {
+    let name = r.compared().name();
     let (cpu, bytes, at) = match &r.comparison {
         Some(c) => comparison_bars(c),
         None => step_bars(r)?,
@@ -43,7 +44,8 @@ pub(super) fn compression_chart(r: &CapacityReport) -> Option<Chart> {
         return None;
     }
     let svg = draw_svg(COMPRESSION_CHART_SIZE, |root| {
-        let root = root.titled(&format!("Compression off against on{at}"), TITLE_FONT)?;
+        let title = format!("{} off against on{at}", super::capitalized(name));
+        let root = root.titled(&title, TITLE_FONT)?;
         let panels: Vec<(&str, &[BarGroup])> = [
             ("CPU µs per call", cpu.as_slice()),
             ("wire bytes per call", bytes.as_slice()),
@@ -59,7 +61,7 @@ pub(super) fn compression_chart(r: &CapacityReport) -> Option<Chart> {
             vec![root]
         };
         for (area, (title, groups)) in areas.iter().zip(&panels) {
-            bars(area, title, groups)?;
+            bars(area, title, name, groups)?;
         }
         Ok(())
     });
@@ -67,7 +69,7 @@ pub(super) fn compression_chart(r: &CapacityReport) -> Option<Chart> {
         svg,
         caption: format!(
             "CPU time per call of each process on the path, and bytes on the wire per call, \
-             without compression (blue) and with it (orange){at}."
+             without {name} (blue) and with it (orange){at}."
         ),
     })
 }
@@ -91,8 +93,8 @@ fn comparison_bars(c: &Comparison) -> (Vec<BarGroup>, Vec<BarGroup>, String) {
 /// The bar groups from the searches' steps, when there is no comparison but both settings
 /// were searched.
 fn step_bars(r: &CapacityReport) -> Option<(Vec<BarGroup>, Vec<BarGroup>, String)> {
-    let pick = |compression: bool| -> Option<&Step> {
-        let s = r.searches.iter().find(|s| s.compression == compression)?;
+    let pick = |on: bool| -> Option<&Step> {
+        let s = r.search(on)?;
         s.steps
             .iter()
             .rev()
@@ -134,7 +136,7 @@ fn cpu_groups(off: &BTreeMap<String, f64>, on: &BTreeMap<String, f64>) -> Vec<Ba
 }
 
 /// One panel of grouped bars (off, on) titled `title`.
-fn bars(area: &Area<'_>, title: &str, groups: &[BarGroup]) -> Result<(), ChartError> {
+fn bars(area: &Area<'_>, title: &str, name: &str, groups: &[BarGroup]) -> Result<(), ChartError> {
     let n = groups.len();
     let y_max = axis_max(groups.iter().flat_map(|g| [g.off, g.on]).flatten()) * 1.1;
     let mut chart = ChartBuilder::on(area)
@@ -161,8 +163,8 @@ fn bars(area: &Area<'_>, title: &str, groups: &[BarGroup]) -> Result<(), ChartEr
     let value_style =
         TextStyle::from(LABEL_FONT.into_font()).pos(Pos::new(HPos::Center, VPos::Bottom));
     for (is_on, color, label) in [
-        (false, OFF_COLOR, "compression off"),
-        (true, ON_COLOR, "compression on"),
+        (false, OFF_COLOR, format!("{name} off")),
+        (true, ON_COLOR, format!("{name} on")),
     ] {
         let (from, to) = if is_on { (0.5, 0.88) } else { (0.12, 0.5) };
         let bars: Vec<(f64, f64)> = groups

@@ -13,8 +13,8 @@ use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
 use plotters::prelude::*;
 use rpcmesh_common::format::{fixed, ms, rate, tick};
 
-use super::search_label;
-use crate::report::{CapacityReport, Search, Step, Sweep};
+use super::{search_label, search_on};
+use crate::report::{CapacityReport, Step, Sweep};
 use crate::usl::UslFit;
 
 /// Size of the line charts, pixels: wide enough for a legend of six series beside the
@@ -123,8 +123,8 @@ pub(super) fn throughput_chart(r: &CapacityReport) -> Option<Chart> {
         .searches
         .iter()
         .map(|s| Series {
-            label: search_label(s).to_string(),
-            color: search_color(s),
+            label: search_label(r, s),
+            color: search_color(search_on(r, s)),
             points: sorted_points(s.steps.iter().map(|st| (st.offered, st.achieved)), false),
         })
         .filter(|s| !s.points.is_empty())
@@ -175,7 +175,7 @@ pub(super) fn latency_chart(r: &CapacityReport) -> Option<Chart> {
     ];
     let mut series = Vec::new();
     for s in &r.searches {
-        let colors = if s.compression {
+        let colors = if search_on(r, s) {
             ON_PERCENTILE_COLORS
         } else {
             OFF_PERCENTILE_COLORS
@@ -184,7 +184,7 @@ pub(super) fn latency_chart(r: &CapacityReport) -> Option<Chart> {
             let points = sorted_points(s.steps.iter().map(|st| (st.offered, of(st))), true);
             if !points.is_empty() {
                 series.push(Series {
-                    label: format!("{name}, {}", search_label(s)),
+                    label: format!("{name}, {}", search_label(r, s)),
                     color,
                     points,
                 });
@@ -476,9 +476,9 @@ pub(super) fn finite(v: Option<f64>) -> Option<f64> {
     v.filter(|v| v.is_finite())
 }
 
-/// The colour of everything measured with the setting of `s`.
-fn search_color(s: &Search) -> RGBColor {
-    if s.compression { ON_COLOR } else { OFF_COLOR }
+/// The colour of everything measured with the compared setting on, or off.
+fn search_color(on: bool) -> RGBColor {
+    if on { ON_COLOR } else { OFF_COLOR }
 }
 
 #[cfg(test)]

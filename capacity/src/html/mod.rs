@@ -65,7 +65,7 @@ pub fn render(report: &CapacityReport) -> String {
                 (slo(r))
                 h2 { "Searches" }
                 @for s in &r.searches {
-                    (search(s))
+                    (search(r, s))
                 }
                 @if r.searches.is_empty() {
                     p { "No search was run." }
@@ -77,7 +77,7 @@ pub fn render(report: &CapacityReport) -> String {
                 }
                 (figure("compression", bars::compression_chart(r)))
                 @if let Some(s) = &r.sweep {
-                    (sweep(s))
+                    (sweep(r, s))
                     (figure("usl", charts::usl_chart(s)))
                 }
                 script { (PreEscaped(drawn_check_script())) }
@@ -131,7 +131,7 @@ fn summary(r: &CapacityReport) -> Markup {
     html! {
         p class="summary" {
             @for s in &r.searches {
-                "Capacity with " (search_label(s)) ": " strong { (maybe(s.capacity, rate)) } ". "
+                "Capacity with " (search_label(r, s)) ": " strong { (maybe(s.capacity, rate)) } ". "
             }
             "rpcmesh " (r.version) ", started " (utc(r.started_unix)) ", took "
             (fixed(r.elapsed_seconds, 1)) " s."
@@ -237,11 +237,11 @@ fn slo(r: &CapacityReport) -> Markup {
     }
 }
 
-fn search(s: &Search) -> Markup {
+fn search(r: &CapacityReport, s: &Search) -> Markup {
     let cpu_roles = roles(s.steps.iter().flat_map(|st| st.cpu_us_per_call.keys()));
     let softirq_roles = roles(s.steps.iter().flat_map(|st| st.softirq_share.keys()));
     html! {
-        h3 { "Compression " (if s.compression { "on" } else { "off" }) }
+        h3 { (capitalized(&search_label(r, s))) }
         p {
             "Capacity " strong { (maybe(s.capacity, rate)) } " requests/s; lowest failing rate "
             (maybe(s.lowest_failing, rate)) "; ended by " code { (s.ended_by) } "."
@@ -327,7 +327,7 @@ fn comparison(c: &Comparison) -> Markup {
         }
     };
     html! {
-        h2 { "Compression off against on" }
+        h2 { (capitalized(c.compared.name())) " off against on" }
         p class="verdict" { (c.verdict) }
         table class="comparison" {
             thead { tr { th class="text" {} th { "off" } th { "on" } th { "change" } } }
@@ -364,11 +364,11 @@ fn comparison(c: &Comparison) -> Markup {
     }
 }
 
-fn sweep(s: &Sweep) -> Markup {
+fn sweep(r: &CapacityReport, s: &Sweep) -> Markup {
     let cpu_roles = roles(s.points.iter().flat_map(|p| p.cpu_cores.keys()));
     html! {
         h2 { "Concurrency sweep" }
-        p { "Closed loop, compression " (if s.compression { "on" } else { "off" }) "." }
+        p { "Closed loop, " (s.setting().label(r.comparison.as_ref().map(|c| c.compared))) "." }
         @if s.points.is_empty() {
             p { "No points." }
         } @else {
@@ -449,12 +449,22 @@ fn roles<'a>(keys: impl Iterator<Item = &'a String>) -> Vec<String> {
     v
 }
 
-fn search_label(s: &Search) -> &'static str {
-    if s.compression {
-        "compression on"
-    } else {
-        "compression off"
-    }
+/// How a search is named: `compression off`, `TLS on`, ... (see [`crate::step::Setting::label`]).
+fn search_label(r: &CapacityReport, s: &Search) -> String {
+    s.setting().label(r.comparison.as_ref().map(|c| c.compared))
+}
+
+/// Whether a search has the compared setting on: it is drawn in the "on" colour.
+fn search_on(r: &CapacityReport, s: &Search) -> bool {
+    s.setting().is_on(r.compared())
+}
+
+/// `s` with its first letter in capitals.
+fn capitalized(s: &str) -> String {
+    let mut c = s.chars();
+    c.next()
+        .map(|f| f.to_uppercase().chain(c).collect())
+        .unwrap_or_default()
 }
 
 /// Unix time `secs` as a UTC date and time (`2026-12-01 13:09:17 UTC`): RFC 3339 as

@@ -21,6 +21,16 @@ use rpcmesh_provider::service::ServiceTime;
 /// and is reported per step as the start lag.
 pub const DEFAULT_CAPACITY_PACING: Pacing = Pacing::Lean;
 
+/// The plaintext way through the path, when `--compare-tls` compares it with the load's
+/// own (TLS) one: whom it calls and which programs it reads.
+#[derive(Debug, Clone, Default)]
+pub struct PlainPath {
+    /// Targets without TLS (`--plain-target`, or the local plaintext mesh's broker).
+    pub targets: Vec<String>,
+    /// `/metrics` endpoints on it, by role.
+    pub probes: Vec<(String, SocketAddr)>,
+}
+
 /// Validated capacity settings.
 #[derive(Debug, Clone)]
 pub struct CapacityConfig {
@@ -32,6 +42,9 @@ pub struct CapacityConfig {
     pub plan: Plan,
     /// `/metrics` endpoints on the path, by role.
     pub probes: Vec<(String, SocketAddr)>,
+    /// With `--compare-tls`: the plaintext path (the load's own, above, is the TLS one).
+    /// For the local mesh it is filled in once the meshes run.
+    pub plain: Option<PlainPath>,
     /// Flags of the local mesh's provider.
     pub provider_flags: Vec<String>,
     /// Where the report goes.
@@ -81,25 +94,90 @@ impl CapacityConfig {
         if args.service_work {
             provider_flags.push("--service-work".into());
         }
-        let probes = args
-            .broker_metrics
-            .iter()
-            .map(|a| ("broker".to_string(), *a))
-            .chain(
-                args.provider_metrics
-                    .iter()
-                    .map(|a| ("provider".to_string(), *a)),
-            )
-            .collect();
+        let probes = by_role(&args.broker_metrics, &args.provider_metrics);
+        let plain = plain_path(args, &load, &probes, &mut p);
         p.into_result(CapacityConfig {
             load,
             compression_on,
             plan,
             probes,
+            plain,
             provider_flags,
             outputs: args.outputs.clone(),
         })
     }
+}
+
+/// `/metrics` endpoints filed by role: the brokers', then the providers'.
+fn by_role(brokers: &[SocketAddr], providers: &[SocketAddr]) -> Vec<(String, SocketAddr)> {
+    let of = |role: &'static str, addrs: &[SocketAddr]| {
+        addrs
+            .iter()
+            .map(|a| (role.to_string(), *a))
+            .collect::<Vec<_>>()
+    };
+    let mut all = of("broker", brokers);
+    all.extend(of("provider", providers));
+    all
+}
+
+/// The plaintext path of `--compare-tls`: against targets, `--plain-target` (read through
+/// the `--plain-*-metrics` endpoints, else the same ones as the TLS path); for the local
+/// mesh, one the mesh fills in. The flags of one setting are refused with the other.
+fn plain_path(
+    args: &CapacityArgs,
+    load: &DriverConfig,
+    probes: &[(String, SocketAddr)],
+    p: &mut ConfigProblems,
+) -> Option<PlainPath> {
+    let local = load.targets.is_empty();
+    let plain_flags = !args.plain_targets.is_empty()
+        || !args.plain_broker_metrics.is_empty()
+        || !args.plain_provider_metrics.is_empty();
+    if !args.plan.compare_tls {
+        p.check(plain_flags, || {
+            "--plain-target and --plain-*-metrics are the plaintext path of --compare-tls: add --compare-tls, or drop them".into()
+        });
+        p.check(local && load.tls.is_some(), || {
+            "the local mesh speaks plaintext (with --compare-tls it makes its own CA for the TLS path): drop --tls-ca, or add --target".into()
+        });
+        return None;
+    }
+    if local {
+        p.check(load.tls.is_some() || plain_flags, || {
+            "with --compare-tls the local mesh makes its own CA and both paths: drop --tls-* and --plain-*, or add --target".into()
+        });
+        return Some(PlainPath::default());
+    }
+    p.check(load.tls.is_none(), || {
+        "--compare-tls against --target needs --tls-ca (and --tls-cert and --tls-key for mutual TLS): the targets are the TLS path".into()
+    });
+    p.check(args.plain_targets.is_empty(), || {
+        "--compare-tls against --target needs --plain-target: where the same path is called without TLS (a --listen-plain address)".into()
+    });
+    for t in &args.plain_targets {
+        p.check(!crate::config::is_host_port(t), || {
+            format!("--plain-target {t:?}: expected HOST:PORT")
+        });
+    }
+    let pick = |plain: &[SocketAddr], role: &str| -> Vec<SocketAddr> {
+        if plain.is_empty() {
+            probes
+                .iter()
+                .filter(|(r, _)| r == role)
+                .map(|(_, a)| *a)
+                .collect()
+        } else {
+            plain.to_vec()
+        }
+    };
+    Some(PlainPath {
+        targets: args.plain_targets.clone(),
+        probes: by_role(
+            &pick(&args.plain_broker_metrics, "broker"),
+            &pick(&args.plain_provider_metrics, "provider"),
+        ),
+    })
 }
 
 #[cfg(test)]
@@ -160,6 +238,57 @@ mod tests {
         assert!(config(&["--compress", "on", "--compress-level", "1"]).is_ok());
         let e = config(&["--compress-level", "1"]).unwrap_err();
         assert!(e.to_string().contains("--compare-compression"), "{e}");
+    }
+
+    #[test]
+    fn compare_tls_takes_both_paths_against_targets_and_none_locally() {
+        let pki = super::super::pki::LocalPki::new().unwrap();
+        let ca = pki.ca.to_str().unwrap();
+        // Locally: the mesh makes both.
+        let c = config(&["--compare-tls"]).unwrap();
+        assert!(c.plain.is_some());
+        assert!(config(&["--compare-tls", "--tls-ca", ca]).is_err());
+        assert!(config(&["--compare-tls", "--plain-target", "127.0.0.1:1"]).is_err());
+        // Against targets: the TLS path is the targets', the plain one --plain-target.
+        let e = config(&["--compare-tls", "--target", "127.0.0.1:7700"]).unwrap_err();
+        assert!(e.to_string().contains("needs --tls-ca"), "{e}");
+        assert!(e.to_string().contains("needs --plain-target"), "{e}");
+        let e = config(&[
+            "--plain-target",
+            "127.0.0.1:7701",
+            "--target",
+            "127.0.0.1:7700",
+        ])
+        .unwrap_err();
+        assert!(e.to_string().contains("add --compare-tls"), "{e}");
+        let e = config(&["--tls-ca", ca]).unwrap_err();
+        assert!(
+            e.to_string().contains("the local mesh speaks plaintext"),
+            "{e}"
+        );
+        // Both paths given: the plain one is read through the same probes unless told.
+        let c = config(&[
+            "--compare-tls",
+            "--tls-ca",
+            ca,
+            "--target",
+            "127.0.0.1:7700",
+            "--plain-target",
+            "127.0.0.1:7701",
+            "--broker-metrics",
+            "127.0.0.1:9770",
+            "--plain-provider-metrics",
+            "127.0.0.1:9781",
+        ])
+        .unwrap();
+        let plain = c.plain.unwrap();
+        assert_eq!(plain.targets, ["127.0.0.1:7701"]);
+        let probes: Vec<String> = plain
+            .probes
+            .iter()
+            .map(|(r, a)| format!("{r} {a}"))
+            .collect();
+        assert_eq!(probes, ["broker 127.0.0.1:9770", "provider 127.0.0.1:9781"]);
     }
 
     #[test]

@@ -1,6 +1,7 @@
-//! The local mesh of a capacity run: a provider and a broker, each its own process (the
-//! driver binary re-run as `driver serve provider|broker ...`, which is the provider's or
-//! broker's own `main`), so that each one's CPU is its own and is read from its own
+//! The local mesh of a capacity run: a provider and a broker (two pairs with
+//! `--compare-tls`: one plaintext, one with mutual TLS on both hops), each its own process
+//! (the driver binary re-run as `driver serve provider|broker ...`, which is the provider's
+//! or broker's own `main`), so that each one's CPU is its own and is read from its own
 //! `/metrics`, as on separate hosts. Both bind port 0 and say where on stdout; both are
 //! stopped (SIGTERM, then SIGKILL) when the mesh is dropped, and die with the driver: each
 //! holds a pipe from it on stdin, and drains and exits when that pipe closes (as it does
@@ -16,6 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use rpcmesh_common::cli::startup::parse_listening_line;
 
+use super::pki::{CertFiles, LocalPki};
 use crate::config::ServeRole;
 
 /// Worker threads of each local server: one, as in the driver's embedded mesh, so that on
@@ -48,18 +50,43 @@ pub struct LocalMesh {
 
 impl LocalMesh {
     /// Starts a provider (with `provider_flags`, e.g. `--service-time 1ms --service-work`)
-    /// and a broker in front of it, from the driver binary `exe`.
-    pub fn start(exe: &Path, provider_flags: &[String]) -> anyhow::Result<LocalMesh> {
+    /// and a broker in front of it, from the driver binary `exe`; with `tls`, both speak
+    /// mutual TLS on both hops with its certificates (`--tls-client-auth required`,
+    /// `--upstream-tls on`).
+    pub fn start(
+        exe: &Path,
+        provider_flags: &[String],
+        tls: Option<&LocalPki>,
+    ) -> anyhow::Result<LocalMesh> {
         let threads = LOCAL_THREADS.to_string();
+        let tls_flags = |c: &CertFiles, ca: &Path| -> Vec<String> {
+            let path = |p: &Path| p.display().to_string();
+            vec![
+                "--tls-cert".into(),
+                path(&c.cert),
+                "--tls-key".into(),
+                path(&c.key),
+                "--tls-ca".into(),
+                path(ca),
+                "--tls-client-auth".into(),
+                "required".into(),
+            ]
+        };
         let mut flags: Vec<String> = ["--threads", &threads].map(String::from).to_vec();
         flags.extend(provider_flags.iter().cloned());
+        if let Some(pki) = tls {
+            flags.extend(tls_flags(&pki.provider, &pki.ca));
+        }
         let provider = LocalServer::start(exe, ServeRole::Provider, &flags)?;
         let upstream = provider.rpc.to_string();
-        let broker = LocalServer::start(
-            exe,
-            ServeRole::Broker,
-            &["--threads", &threads, "--upstream", &upstream].map(String::from),
-        )?;
+        let mut flags: Vec<String> = ["--threads", &threads, "--upstream", &upstream]
+            .map(String::from)
+            .to_vec();
+        if let Some(pki) = tls {
+            flags.extend(tls_flags(&pki.broker, &pki.ca));
+            flags.extend(["--upstream-tls".into(), "on".into()]);
+        }
+        let broker = LocalServer::start(exe, ServeRole::Broker, &flags)?;
         Ok(LocalMesh { broker, provider })
     }
 }

@@ -9,11 +9,12 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use rpcmesh_capacity::step::{Calls, CpuUse, Requests};
-use rpcmesh_capacity::{Compression, Measured, StepRunner};
+use rpcmesh_capacity::{Measured, Setting, StepRunner};
 use rpcmesh_common::metrics::Telemetry;
 use rpcmesh_common::net::shutdown::CancellationToken;
 use rpcmesh_wire::compress::CompressionConfig;
 
+use super::config::PlainPath;
 use super::probe::{self, Reading};
 use crate::config::{DriverConfig, ProgressMode, Stop};
 use crate::pacer::Schedule;
@@ -39,6 +40,9 @@ pub struct Runner<'a> {
     pub warmup: Duration,
     /// `/metrics` endpoints by role.
     pub probes: Vec<(String, SocketAddr)>,
+    /// With `--compare-tls`: the plaintext path, taken by steps with TLS off (the load's
+    /// own targets and probes are then the TLS path).
+    pub plain: Option<PlainPath>,
     /// Ctrl-C: ends the step under way, and the experiment.
     pub stop: CancellationToken,
 }
@@ -61,7 +65,11 @@ async fn read_all(probes: &[(String, SocketAddr)]) -> Vec<(String, Option<Readin
 
 impl Runner<'_> {
     /// Runs `config` (whose schedule or concurrency the caller set) for one step.
-    async fn run(&self, mut config: DriverConfig) -> anyhow::Result<Measured> {
+    async fn run(
+        &self,
+        mut config: DriverConfig,
+        probes: &[(String, SocketAddr)],
+    ) -> anyhow::Result<Measured> {
         config.stop = Stop::Duration(self.step);
         config.warmup = self.warmup;
         config.progress = ProgressMode::Off;
@@ -71,14 +79,14 @@ impl Runner<'_> {
         config.stage_sample = 0;
         // A reading when the measured window opens, taken while the run goes on; another
         // when the run has its last reply.
-        let probes = self.probes.clone();
+        let probes_now = probes.to_vec();
         let warmup = self.warmup;
         let first = tokio::spawn(async move {
             tokio::time::sleep(warmup).await;
-            read_all(&probes).await
+            read_all(&probes_now).await
         });
         let report = crate::run_with(config, Telemetry::discard(), self.stop.clone()).await?;
-        let last = read_all(&self.probes).await;
+        let last = read_all(probes).await;
         let first = first.await?;
         let mut cpu = CpuUse::default();
         for ((role, a), (_, b)) in first.iter().zip(&last) {
@@ -99,10 +107,18 @@ impl Runner<'_> {
         })
     }
 
-    fn compression(&self, c: Compression) -> Option<CompressionConfig> {
-        match c {
-            Compression::Off => None,
-            Compression::On => Some(self.compression_on),
+    /// The load of a step with `setting`, and the programs to read: compression on or
+    /// off, and with TLS off under `--compare-tls` the plaintext path.
+    fn load(&self, setting: Setting) -> (DriverConfig, &[(String, SocketAddr)]) {
+        let mut c = self.load.clone();
+        c.compression = setting.compression.then_some(self.compression_on);
+        match &self.plain {
+            Some(plain) if !setting.tls => {
+                c.targets = plain.targets.clone();
+                c.tls = None;
+                (c, &plain.probes)
+            }
+            _ => (c, &self.probes),
         }
     }
 }
@@ -110,20 +126,18 @@ impl Runner<'_> {
 impl StepRunner for Runner<'_> {
     type Error = anyhow::Error;
 
-    fn open(&mut self, rate: f64, compression: Compression) -> anyhow::Result<Measured> {
-        let mut c = self.load.clone();
+    fn open(&mut self, rate: f64, setting: Setting) -> anyhow::Result<Measured> {
+        let (mut c, probes) = self.load(setting);
         c.schedule = Some(Schedule::Constant(rate));
-        c.compression = self.compression(compression);
-        self.rt.block_on(self.run(c))
+        self.rt.block_on(self.run(c, probes))
     }
 
-    fn closed(&mut self, users: usize, compression: Compression) -> anyhow::Result<Measured> {
-        let mut c = self.load.clone();
+    fn closed(&mut self, users: usize, setting: Setting) -> anyhow::Result<Measured> {
+        let (mut c, probes) = self.load(setting);
         c.schedule = None;
         c.concurrency = users;
         c.connections = c.connections.min(users);
-        c.compression = self.compression(compression);
-        self.rt.block_on(self.run(c))
+        self.rt.block_on(self.run(c, probes))
     }
 
     fn stopped(&self) -> bool {
