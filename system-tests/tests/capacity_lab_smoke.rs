@@ -1,8 +1,10 @@
 //! The capacity lab, `scripts/capacity-lab`, in its smoke mode: the namespaces, the shaped
 //! links, the servers in their namespaces and `driver capacity` against them all run,
-//! briefly, so that the command cannot rot. The figures are not asserted (they need the
-//! full runs; see docs/capacity.md): only that it exits 0 and that its summary has both
-//! settings' capacity and CPU per call of every program, read across the namespaces.
+//! briefly, so that the command cannot rot: one experiment comparing compression, one
+//! comparing TLS (two brokers, a provider listening with TLS and plaintext, a throwaway
+//! CA). The figures are not asserted (they need the full runs; see docs/capacity.md): only
+//! that it exits 0 and that its summary has both settings' capacity and CPU per call of
+//! every program, read across the namespaces.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -25,20 +27,29 @@ fn capacity_lab_smoke_mode_runs_the_search_across_namespaces() {
     let rows: serde_json::Value =
         serde_json::from_str(&smoke.report("capacity-lab-", "json")).unwrap();
     let rows = rows.as_array().expect("a list of experiments");
-    assert_eq!(rows.len(), 1, "{output}");
-    let r = &rows[0];
-    for k in ["off", "on"] {
-        assert!(
-            r[format!("capacity_{k}")].as_f64().is_some(),
-            "{r}\n{output}"
-        );
-        for role in ["driver", "broker", "provider"] {
+    let compared: Vec<&str> = rows.iter().filter_map(|r| r["compared"].as_str()).collect();
+    assert_eq!(compared, ["compression", "tls"], "{output}");
+    for r in rows {
+        for k in ["off", "on"] {
             assert!(
-                r[format!("cpu_{k}")][role].as_f64().is_some(),
-                "{k} {role}: {r}\n{output}"
+                r[format!("capacity_{k}")].as_f64().is_some(),
+                "{r}\n{output}"
             );
+            for role in ["driver", "broker", "provider"] {
+                assert!(
+                    r[format!("cpu_{k}")][role].as_f64().is_some(),
+                    "{k} {role}: {r}\n{output}"
+                );
+            }
         }
     }
+    assert!(
+        rows[1]["verdict"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("on this path TLS"),
+        "{output}"
+    );
     assert!(smoke.run.stdout.contains("| experiment |"), "{output}");
     // Nothing is left behind: the lab's namespaces (`rpcm<pid>-<host>`) are gone. Only its
     // own are looked for: a deployment rehearsal's (`rpcm-<machine>`) may exist meanwhile.
