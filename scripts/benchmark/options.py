@@ -26,6 +26,7 @@ from .plan import (
     WORKLOAD_KIND,
     WORKLOADS,
 )
+from .handshakes import HANDSHAKE_S, HANDSHAKE_SMOKE_S
 
 
 def parse_level(s: str):
@@ -68,7 +69,18 @@ def parse_args(argv, description: str):
     p.add_argument("--baseline-broker", type=Path, metavar="PATH",
                    help="another broker binary (e.g. a release build of an older commit): adds the path 'before' "
                         "through it, started with the same broker flags, and the ratios broker / before")  # fmt: skip
+    p.add_argument("--tls", choices=("on", "off"), default="on",
+                   help="the TLS paths (direct-tls, broker-tls, haproxy-tls, nginx-tls; rpcmesh's provider only) and "
+                        "the handshake measurement (default on)")  # fmt: skip
+    p.add_argument("--handshake-seconds", type=float,
+                   help=f"seconds of each handshake measurement (default {HANDSHAKE_S}, smoke {HANDSHAKE_SMOKE_S}; "
+                        "0 leaves it out)")  # fmt: skip
     a = p.parse_args(argv)
+    a.tls = a.tls == "on"
+    if a.handshake_seconds is None:
+        a.handshake_seconds = HANDSHAKE_SMOKE_S if a.smoke else HANDSHAKE_S
+    if a.handshake_seconds < 0:
+        p.error("--handshake-seconds must be >= 0")
     if a.baseline_broker is not None:
         # Absolute now: the servers run from the workspace root, not from the caller's folder.
         a.baseline_broker = a.baseline_broker.resolve()

@@ -17,6 +17,19 @@ and a second frontend of the same HAProxy and nginx. With `--baseline-broker`, a
 runs right after the broker's:
 
     before   driver -> baseline broker -> upstream
+
+Against rpcmesh's provider only (the classic server speaks no TLS), four TLS paths follow
+the plain ones in every repeat (`--tls off` leaves them out), all with the certificates of
+one CA made for the bench (`certs`), TLS 1.3 and client certificates on every hop:
+
+    direct-tls   driver -> provider (TLS)
+    broker-tls   driver -> broker (mTLS) -> provider (mTLS, --upstream-tls on)
+    haproxy-tls  driver -> haproxy (ssl bind, verify required) -> provider (ssl server line)
+    nginx-tls    driver -> nginx (stream, listen ssl) -> provider (proxy_ssl on)
+
+The provider and the broker of the TLS paths are processes of their own (`provider-tls`,
+`broker-tls`), so that the plain paths run exactly as before; HAProxy and nginx serve them
+from the same process as their plain frontends.
 """
 
 from __future__ import annotations
@@ -26,6 +39,10 @@ PATHS = ("direct", "broker", "haproxy", "nginx")
 #: With --baseline-broker: a fifth, the same provider behind the baseline broker, run right
 #: after the current broker's path so that the two are next to each other in time.
 BASELINE_PATHS = ("direct", "broker", "before", "haproxy", "nginx")
+#: The TLS paths (rpcmesh's provider only), in the order they run, after the plain ones.
+TLS_PATHS = ("direct-tls", "broker-tls", "haproxy-tls", "nginx-tls")
+#: The TLS proxies the broker with TLS is held against.
+TLS_PROXY_PATHS = ("haproxy-tls", "nginx-tls")
 #: The roles whose CPU counts for each path (the driver always counts too). "before" is both
 #: a path and its role, the baseline broker. Which process plays a role depends on the
 #: upstream kind (KIND_PROCESSES); the reports name the role.
@@ -35,6 +52,10 @@ PATH_SERVERS = {
     "before": ("before", "provider"),
     "haproxy": ("haproxy", "provider"),
     "nginx": ("nginx", "provider"),
+    "direct-tls": ("provider",),
+    "broker-tls": ("broker", "provider"),
+    "haproxy-tls": ("haproxy", "provider"),
+    "nginx-tls": ("nginx", "provider"),
 }
 #: The kinds of upstream server, in the order they are started: rpcmesh's provider, and the
 #: classic server (`provider --classic`, see the module docstring).
@@ -47,6 +68,9 @@ KIND_PROCESSES = {
     "classic": {"provider": "classic", "broker": "broker-v1", "before": "before-v1", "haproxy": "haproxy",
                 "nginx": "nginx"},
 }  # fmt: skip
+#: On a TLS path the provider and the broker are the TLS processes of their own; HAProxy
+#: and nginx are the same processes (a TLS frontend each).
+TLS_PROCESSES = {"provider": "provider-tls", "broker": "broker-tls", "haproxy": "haproxy", "nginx": "nginx"}
 #: The upstream kind of each workload.
 WORKLOAD_KIND = {"echo": "rpcmesh", "platform": "rpcmesh", "classic": "classic"}
 #: What the driver is told for each workload: its --workload, and flags of its own. The
@@ -94,13 +118,30 @@ SMOKE_WARMUP_S = 0.1
 #: All processes share two cores: one runtime thread each is the fair and fastest setting
 #: (the way to win is fewer syscalls, not more threads).
 DEFAULT_THREADS = 1
-#: The bench part (not the build) is meant to stay under this.
-TIME_BUDGET_S = 300.0
+#: The bench part (not the build) is meant to stay under this: about 5 minutes for the
+#: plain paths, and as much again for the TLS paths (4 more paths for the 8 cells of
+#: rpcmesh's provider, 96 runs) and the handshake measurement (about a minute).
+TIME_BUDGET_S = 660.0
 
 
-def paths(baseline: bool) -> tuple[str, ...]:
-    """The paths of a run, in the order they run within a repeat."""
-    return BASELINE_PATHS if baseline else PATHS
+def paths(baseline: bool, tls: bool = False) -> tuple[str, ...]:
+    """The paths of a run, in the order they run within a repeat (the TLS ones only for
+    rpcmesh's provider: `kind_paths`)."""
+    return (BASELINE_PATHS if baseline else PATHS) + (TLS_PATHS if tls else ())
+
+
+def kind_paths(paths, kind: str) -> tuple[str, ...]:
+    """The paths of `paths` that an upstream kind has: the classic server has no TLS."""
+    return tuple(p for p in paths if kind == "rpcmesh" or p not in TLS_PATHS)
+
+
+def is_tls(path: str) -> bool:
+    return path in TLS_PATHS
+
+
+def process_of(kind: str, path: str, role: str) -> str:
+    """The server process that plays `role` on `path` for the upstream `kind`."""
+    return TLS_PROCESSES[role] if is_tls(path) else KIND_PROCESSES[kind][role]
 
 
 def kinds(workloads) -> list[str]:

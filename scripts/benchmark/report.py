@@ -18,7 +18,17 @@ from . import plan
 from .baseline import baseline_line
 from .stalls import stall_summary
 from .summary import cpu_columns
-from .tables import md_table, ratio_rows, split_rows, table_rows, target_rows, text_table
+from .tables import (
+    handshake_rows,
+    md_table,
+    ratio_rows,
+    split_rows,
+    suite_rows,
+    table_rows,
+    target_rows,
+    text_table,
+    tls_rows,
+)
 from .usage import CLK_TCK
 
 
@@ -55,7 +65,8 @@ def machine(haproxy: str, nginx: str) -> dict:
 
 
 def document(args, *, machine_info: dict, kinds, paths, bin_dir: Path, build_seconds, bench_seconds: float,
-             interference, stalls: dict, total_seconds: float, runs, cells, ratios, targets, baseline) -> dict:
+             interference, stalls: dict, total_seconds: float, runs, cells, ratios, targets, baseline,
+             tls: dict | None = None) -> dict:
     """The result document of one bench, as the JSON report holds it. `baseline` (the
     baseline's summary) is None without --baseline-broker, and the document then has no
     trace of it."""
@@ -104,6 +115,10 @@ def document(args, *, machine_info: dict, kinds, paths, bin_dir: Path, build_sec
     if baseline is not None:
         result["settings"]["paths"] = list(paths)
         result["baseline"] = baseline
+    if tls is not None:
+        # The TLS paths' setup, what each negotiates, and the handshake measurement.
+        result["settings"]["tls"] = True
+        result["tls"] = tls
     return result
 
 
@@ -113,7 +128,8 @@ def render(result, markdown: bool) -> str:
     m = result["machine"]
     # Only with --baseline-broker: without it the report has no trace of the baseline.
     b = result.get("baseline")
-    paths = plan.paths(bool(b))
+    tls = result.get("tls")
+    paths = plan.paths(bool(b), bool(tls))
     columns = cpu_columns(bool(b))
     o = []
     if markdown:
@@ -180,6 +196,8 @@ def render(result, markdown: bool) -> str:
     if b:
         o.append(baseline_line(b))
         o.append("")
+    if tls:
+        o.extend(render_tls(result, tls, tab))
     if result["targets"] is None:
         o.append("Smoke mode: targets not judged.")
     elif markdown:
@@ -197,6 +215,47 @@ def render(result, markdown: bool) -> str:
         for x in failed:
             o.append(f"- {x['workload']} {x['in_flight']}/{x['connections_asked']} {x['path']} repeat {x['repeat']}: {x['failure']}")
     return "\n".join(o) + "\n"
+
+
+def render_tls(result, tls: dict, tab) -> list[str]:
+    """The TLS section: the TLS paths against each other (S1 and S2 per cell), what each
+    negotiates, and the handshakes per core-second."""
+    o = [
+        "TLS (rpcmesh's provider only: the classic server speaks no TLS). Every TLS path has TLS 1.3 and client "
+        f"certificates on every hop, one CA and EC P-256 keys ({tls['certificates']}): direct-tls driver -> provider; "
+        "broker-tls driver -> broker -> provider (--upstream-tls on); haproxy-tls (ssl on bind and server lines, "
+        "verify required) and nginx-tls (stream, listen ssl, proxy_ssl on, proxy_ssl_verify on). Goal: broker-tls "
+        "/ the better TLS proxy >= 1.3 at 200 connections x 1 in flight, >= 1.0 elsewhere. broker-tls / broker = "
+        "what TLS costs the broker's calls/s. cpu us/call all = CPU of every process on the path per call.",
+        "",
+    ]
+    h, r = tls_rows(result["cells"], result["ratios"])
+    o.append(tab(h, r))
+    o.append("")
+    if tls.get("suites"):
+        o.append("Negotiated (openssl s_client offering the driver's suites and groups in rustls's order, once per path's "
+                 "first listener; the upstream hops are configured alike):")  # fmt: skip
+        o.append("")
+        h, r = suite_rows(tls["suites"])
+        o.append(tab(h, r, left=(0, 1, 2, 3, 4)))
+        o.append("")
+    hs = tls.get("handshakes")
+    if hs:
+        o.append(
+            f"Handshakes per second per core ({tls['handshake_seconds']:g} s each, one client connecting in turn with "
+            "the driver's certificate, waiting for the session tickets, then closing; per core-second = handshakes / "
+            "the listening process's CPU seconds; resumed = offering the last connection's ticket). haproxy and nginx: "
+            "a frontend with the TLS paths' settings and no upstream; '... path': the TLS path's frontend, where each "
+            "connection also costs the proxy a TLS connection to the provider."
+        )
+        o.append("")
+        h, r = handshake_rows(hs)
+        o.append(tab(h, r, left=(0, 1)))
+        o.append("")
+    elif tls.get("handshake_seconds") == 0:
+        o.append("Handshakes: not measured (--handshake-seconds 0).")
+        o.append("")
+    return o
 
 
 def publish(result: dict, out: Path, bench_seconds: float) -> None:

@@ -61,13 +61,19 @@ def measured_run(args) -> list[str]:
     ]  # fmt: skip
 
 
-def probe(driver: Path, name: str, target: str, args, workdir: Path, kind: str = "rpcmesh") -> None:
+def tls_flags(args, path: str) -> list[str]:
+    """The driver's TLS flags on a TLS path (the CA and its client certificate: `args.driver_tls`,
+    set once the bench's certificates are made), none on a plain one."""
+    return list(getattr(args, "driver_tls", [])) if plan.is_tls(path) else []
+
+
+def probe(driver: Path, name: str, target: str, args, workdir: Path, kind: str = "rpcmesh", path: str = "direct") -> None:
     """Calls through `target` until one echo succeeds (bounded), in plain v1 frames for the
-    classic server."""
+    classic server, over TLS on a TLS path."""
     json_path = workdir / "probe.json"
     argv = driver_argv(
         driver, target, "echo" if kind == "rpcmesh" else "classic", 1, 1, json_path,
-        ["--requests", "1", "--warmup", "0s", "--timeout", PROBE_CALL_TIMEOUT, "--threads", "1"],
+        ["--requests", "1", "--warmup", "0s", "--timeout", PROBE_CALL_TIMEOUT, "--threads", "1", *tls_flags(args, path)],
     )  # fmt: skip
     deadline = time.monotonic() + READY_TIMEOUT_S
     last = ""
@@ -100,7 +106,7 @@ def one_run(driver: Path, servers: Servers, target: str, path: str, workload: st
     json_path.unlink(missing_ok=True)
     kind = plan.WORKLOAD_KIND[workload]
     # Processes by role: the classic kind's roles are played by processes of its own.
-    names = {role: plan.KIND_PROCESSES[kind][role] for role in plan.PATH_SERVERS[path]}
+    names = {role: plan.process_of(kind, path, role) for role in plan.PATH_SERVERS[path]}
     servers.check_alive(names.values())
     run = {
         "workload": workload,
@@ -115,7 +121,7 @@ def one_run(driver: Path, servers: Servers, target: str, path: str, workload: st
     err = open(workdir / "driver.err", "wb")
     try:
         t0 = time.monotonic()
-        argv = driver_argv(driver, target, workload, in_flight, conns, json_path, measured_run(args))
+        argv = driver_argv(driver, target, workload, in_flight, conns, json_path, measured_run(args) + tls_flags(args, path))
         p = spawn(argv, subprocess.DEVNULL, err)
         try:
             # CPU is counted over the measured window only: sampled when the warm-up ends

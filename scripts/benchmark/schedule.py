@@ -16,8 +16,8 @@ from .servers import Servers
 
 
 def runs_total(args, paths) -> int:
-    """How many runs the bench makes."""
-    return sum(len(args.levels[w]) for w in args.workloads) * len(paths) * args.repeats
+    """How many runs the bench makes (the classic server has no TLS paths)."""
+    return sum(len(args.levels[w]) * len(plan.kind_paths(paths, plan.WORKLOAD_KIND[w])) for w in args.workloads) * args.repeats
 
 
 def run_all(driver: Path, servers: Servers, addresses: dict[str, dict[str, str]], paths, args, workdir: Path) -> list[dict]:
@@ -29,13 +29,13 @@ def run_all(driver: Path, servers: Servers, addresses: dict[str, dict[str, str]]
         kind = plan.WORKLOAD_KIND[w]
         for level in args.levels[w]:
             for rep in range(args.repeats):
-                for path in paths:
+                for path in plan.kind_paths(paths, kind):
                     i += 1
                     r = one_run(driver, servers, addresses[kind][path], path, w, level, args, workdir)
                     r["repeat"] = rep + 1
                     r["order"] = i
                     runs.append(r)
-                    log(f"[{i:>3}/{total}] {w:<8} {level[0]:>3}/{level[1]:<3} {path:<7} {progress(r)}")
+                    log(f"[{i:>3}/{total}] {w:<8} {level[0]:>3}/{level[1]:<3} {path:<11} {progress(r)}")
     return runs
 
 

@@ -1,7 +1,8 @@
 """The servers of the whole bench, one instance each, started once and stopped at the end:
 per upstream kind, the upstream (rpcmesh's provider or the classic server), its broker and,
 with --baseline-broker, its baseline broker; one HAProxy and one nginx with a frontend per
-kind. `procs` starts them (their own process group, tied to this script's life) and stops
+kind; with the TLS paths, a TLS provider (`provider-tls`) and a broker with TLS on both hops
+(`broker-tls`) of their own, and TLS frontends in the same HAProxy and nginx. `procs` starts them (their own process group, tied to this script's life) and stops
 them by PID, in the reverse of the start order; this module knows their command lines,
 their ports and which addresses each path's driver targets."""
 
@@ -18,9 +19,10 @@ from .usage import Usage, proc_usage
 
 # The baseline broker and the classic kind's brokers are stopped with the broker's patience,
 # the classic server with the provider's (procs keys it by name).
-for _name in ("before", "broker-v1", "before-v1"):
+for _name in ("before", "broker-v1", "before-v1", "broker-tls"):
     procs.STOP_TIMEOUT_S.setdefault(_name, procs.STOP_TIMEOUT_S["broker"])
-procs.STOP_TIMEOUT_S.setdefault("classic", procs.STOP_TIMEOUT_S["provider"])
+for _name in ("classic", "provider-tls"):
+    procs.STOP_TIMEOUT_S.setdefault(_name, procs.STOP_TIMEOUT_S["provider"])
 # nginx (one process, master_process off) stops at once on SIGTERM, like HAProxy.
 procs.STOP_TIMEOUT_S.setdefault("nginx", procs.STOP_TIMEOUT_S["haproxy"])
 
@@ -95,13 +97,28 @@ def broker_argv(binary: Path, port: int, upstream_port: int, args, kind: str = "
     ]  # fmt: skip
 
 
-def start_all(servers: Servers, bins: dict[str, Path], args, kinds, haproxy: str, nginx: str) -> dict[str, dict[str, str]]:
-    """Starts every server of `kinds` and waits for each to listen; returns the address each
-    kind's paths target (kind -> path -> host:port)."""
+#: The TLS paths' ports: the provider, the broker, HAProxy's and nginx's TLS frontends and
+#: their handshake-only ones.
+TLS_PORTS = 6
+
+
+def tls_server_flags(cert, certs) -> list[str]:
+    """A TLS server's own certificate, the CA, and client certificates required."""
+    return ["--tls-cert", str(cert.cert), "--tls-key", str(cert.key), "--tls-ca", str(certs.ca),
+            "--tls-client-auth", "required"]  # fmt: skip
+
+
+def start_all(servers: Servers, bins: dict[str, Path], args, kinds, haproxy: str, nginx: str,
+              certs=None) -> tuple[dict[str, dict[str, str]], list[dict]]:
+    """Starts every server of `kinds` (and, with `certs`, those of the TLS paths) and waits
+    for each to listen; returns the address each kind's paths target (kind -> path ->
+    host:port) and the TLS listeners whose handshakes are measured (empty without TLS)."""
     # Per kind: the upstream, the broker, HAProxy's and nginx's frontends, and the
     # baseline broker's port with --baseline-broker.
     per_kind = 5 if args.baseline_broker else 4
-    ports = free_ports(per_kind * len(kinds))
+    # All at once, so that none is handed out twice (the proxies bind theirs last).
+    ports = free_ports(per_kind * len(kinds) + (TLS_PORTS if certs is not None else 0))
+    tls_ports = ports[per_kind * len(kinds) :]
     addresses: dict[str, dict[str, str]] = {}
     frontends = []
     for k, kind in enumerate(kinds):
@@ -120,14 +137,39 @@ def start_all(servers: Servers, bins: dict[str, Path], args, kinds, haproxy: str
                                   f"flags) did not start: {e}") from None  # fmt: skip
             addresses[kind]["before"] = f"127.0.0.1:{oport}"
         frontends.append((kind, hport, nport, uport))
+    htls = ntls = None
+    listeners: list[dict] = []
+    if certs is not None:
+        # The TLS paths: a provider and a broker of their own, mTLS on both of the broker's
+        # hops; a TLS frontend and a handshake-only one in HAProxy and in nginx.
+        tport, btport, htport, ntport, hhport, nhport = tls_ports
+        servers.start("provider-tls", upstream_argv(bins["provider"], "rpcmesh", tport, args)
+                      + tls_server_flags(certs["provider"], certs), tport)  # fmt: skip
+        servers.start("broker-tls", broker_argv(bins["broker"], btport, tport, args)
+                      + tls_server_flags(certs["broker"], certs) + ["--upstream-tls", "on"], btport)  # fmt: skip
+        addresses["rpcmesh"].update({"direct-tls": f"127.0.0.1:{tport}", "broker-tls": f"127.0.0.1:{btport}",
+                                     "haproxy-tls": f"127.0.0.1:{htport}", "nginx-tls": f"127.0.0.1:{ntport}"})  # fmt: skip
+        htls = proxies.tls_settings(certs, htport, hhport, tport)
+        ntls = proxies.tls_settings(certs, ntport, nhport, tport)
+        pdns, bdns, xdns = certs["provider"].dns, certs["broker"].dns, certs["proxy"].dns
+        listeners = [
+            {"name": "provider", "process": "provider-tls", "port": tport, "server_name": pdns},
+            {"name": "broker", "process": "broker-tls", "port": btport, "server_name": bdns},
+            {"name": "haproxy", "process": "haproxy", "port": hhport, "server_name": xdns},
+            {"name": "nginx", "process": "nginx", "port": nhport, "server_name": xdns},
+            {"name": "haproxy path", "process": "haproxy", "port": htport, "server_name": xdns},
+            {"name": "nginx path", "process": "nginx", "port": ntport, "server_name": xdns},
+        ]
     cfg = servers.workdir / "haproxy.cfg"
-    cfg.write_text(proxies.haproxy_config([(k, h, u) for k, h, _, u in frontends]))
+    cfg.write_text(proxies.haproxy_config([(k, h, u) for k, h, _, u in frontends], htls))
     servers.start("haproxy", proxies.haproxy_argv(haproxy, cfg), frontends[0][1])
-    for _, h, _, _ in frontends[1:]:
-        servers.wait_listening("haproxy", h)
+    for port in [h for _, h, _, _ in frontends[1:]] + ([htls["path_port"], htls["handshake_port"]] if htls else []):
+        servers.wait_listening("haproxy", port)
     ncfg = servers.workdir / "nginx.conf"
-    ncfg.write_text(proxies.nginx_config([(k, n, u) for k, _, n, u in frontends], servers.workdir))
+    ncfg.write_text(proxies.nginx_config([(k, n, u) for k, _, n, u in frontends], servers.workdir, ntls))
     servers.start("nginx", proxies.nginx_argv(nginx, ncfg, servers.workdir), frontends[0][2])
-    for _, _, n, _ in frontends[1:]:
-        servers.wait_listening("nginx", n)
-    return addresses
+    for port in [n for _, _, n, _ in frontends[1:]] + ([ntls["path_port"], ntls["handshake_port"]] if ntls else []):
+        servers.wait_listening("nginx", port)
+    for li in listeners:
+        li["pid"] = servers.pid(li["process"])
+    return addresses, listeners

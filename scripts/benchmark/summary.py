@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 
-from .plan import PATHS, PROXY_PATHS, WORKLOAD_KIND, cell_key
+from .plan import PATHS, PROXY_PATHS, TLS_PATHS, TLS_PROXY_PATHS, WORKLOAD_KIND, cell_key, kind_paths
 
 #: The run figures each cell gives the median of.
 METRICS = ("calls_per_second", "p50_us", "p99_us", "p999_us", "max_us", "slow_calls", "cpu_us_per_call_all")
@@ -36,7 +36,7 @@ def summarize(runs: list[dict], workloads, levels: dict, paths=PATHS) -> tuple[l
     for w in workloads:
         for level in levels[w]:
             by_path = {}
-            for path in paths:
+            for path in kind_paths(paths, WORKLOAD_KIND[w]):
                 rs = [r for r in runs if (cell_key(r), r["path"]) == ((w, level), path)]
                 cell = summarize_cell(rs, w, level, path, cpu_columns(baseline))
                 cells.append(cell)
@@ -70,6 +70,54 @@ def summarize_cell(rs: list[dict], w: str, level, path: str, columns) -> dict:
         if split:
             cell["median_per_call"][n] = {k: statistics.median(x[k] for x in split) for k in PER_CALL}
     return cell
+
+
+#: The TLS goals of issue 32: broker-tls ÷ the better TLS proxy at least this at 200
+#: connections x 1 in flight (pooling's point, as T2), and at least TLS_GOAL elsewhere.
+TLS_GOAL_200 = 1.3
+TLS_GOAL = 1.0
+
+
+def tls_goal(level) -> float:
+    """The goal of broker-tls ÷ the better TLS proxy in a cell of this level."""
+    return TLS_GOAL_200 if tuple(level) == (200, 200) else TLS_GOAL
+
+
+def tls_ratios(by_path: dict[str, dict], by_repeat, level) -> dict:
+    """The TLS paths held against each other: broker-tls against the better TLS proxy of
+    the cell (and its goal and verdict), against direct-tls, and what TLS costs each path
+    (its calls/s ÷ the plain path's, its CPU of all processes per call minus the plain
+    path's)."""
+
+    def cps(p):
+        return by_path[p]["median"]["calls_per_second"] if p in by_path else None
+
+    def cpu_all(p):
+        return by_path[p]["median"]["cpu_us_per_call_all"] if p in by_path else None
+
+    proxies = {p: cps(p) for p in TLS_PROXY_PATHS if cps(p)}
+    best = max(proxies, key=proxies.get) if proxies else None
+    b = cps("broker-tls")
+    value = b / proxies[best] if best and b is not None else None
+    goal = tls_goal(level)
+    out = {
+        "best_tls_proxy": best,
+        "broker_tls_over_best_tls_proxy": value,
+        "broker_tls_over_best_tls_proxy_by_repeat": by_repeat("broker-tls", best) if best else [],
+        "tls_goal": goal,
+        "tls_verdict": "-" if value is None else ("PASS" if value >= goal else "MISS"),
+        "broker_tls_over_direct_tls": b / cps("direct-tls") if b is not None and cps("direct-tls") else None,
+        "broker_tls_over_haproxy_tls": b / cps("haproxy-tls") if b is not None and cps("haproxy-tls") else None,
+        "broker_tls_over_nginx_tls": b / cps("nginx-tls") if b is not None and cps("nginx-tls") else None,
+    }
+    for tls_path in TLS_PATHS:
+        plain = tls_path.removesuffix("-tls")
+        key = plain.replace("-", "_")
+        x, y = cps(tls_path), cps(plain)
+        out[f"{key}_tls_over_plain"] = x / y if x is not None and y else None
+        cx, cy = cpu_all(tls_path), cpu_all(plain)
+        out[f"{key}_tls_added_cpu_us_per_call"] = cx - cy if cx is not None and cy is not None else None
+    return out
 
 
 def ratio_row(by_path: dict[str, dict], runs: list[dict], w: str, level, baseline: bool) -> dict:
@@ -122,6 +170,8 @@ def ratio_row(by_path: dict[str, dict], runs: list[dict], w: str, level, baselin
         "broker_over_haproxy_by_repeat": by_repeat("broker", "haproxy"),
         "broker_over_nginx_by_repeat": by_repeat("broker", "nginx"),
     }
+    if "broker-tls" in by_path:
+        row.update(tls_ratios(by_path, by_repeat, level))
     if baseline:
         # The current broker against the baseline: calls/s, and the broker process's
         # own CPU per call (each on its own path).

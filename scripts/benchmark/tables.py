@@ -138,3 +138,65 @@ def md_table(head, rows, left=(0,)) -> str:
     align = ["---" if i in left else "---:" for i in range(len(head))]
     esc = lambda x: x.replace("|", "\\|")  # noqa: E731
     return "\n".join("| " + " | ".join(esc(x) for x in r) + " |" for r in [head, align, *rows])
+
+
+def tls_rows(cells, ratios) -> tuple[list[str], list[list[str]]]:
+    """The TLS table, one row per cell of rpcmesh's provider: each TLS path's calls/s,
+    broker-tls ÷ the better TLS proxy against its goal, what TLS costs the broker (its
+    calls/s ÷ the plain broker's) and the CPU of all processes per call of each TLS path."""
+    head = ["workload", "in flight", "conns", "direct-tls", "broker-tls", "haproxy-tls", "nginx-tls",
+            "broker-tls / best TLS proxy", "goal", "verdict", "broker-tls / broker",
+            "cpu us/call all: direct-tls", "broker-tls", "haproxy-tls", "nginx-tls"]  # fmt: skip
+    rows = []
+    for r in ratios:
+        if "broker_tls_over_best_tls_proxy" not in r:
+            continue
+
+        def cell(path, r=r):
+            return next((c for c in cells if c["path"] == path and c["workload"] == r["workload"]
+                         and (c["in_flight"], c["connections_asked"]) == (r["in_flight"], r["connections_asked"])), None)  # fmt: skip
+
+        def cps(path):
+            c = cell(path)
+            return fmt_num(c["median"]["calls_per_second"] if c else None, ",.0f")
+
+        def cpu(path):
+            c = cell(path)
+            return fmt_num(c["median"]["cpu_us_per_call_all"] if c else None, ".2f")
+
+        best = r.get("best_tls_proxy")
+        rows.append(
+            [workload_label(r["workload"]), str(r["in_flight"]), str(r["connections"]),
+             cps("direct-tls"), cps("broker-tls"), cps("haproxy-tls"), cps("nginx-tls"),
+             fmt_num(r["broker_tls_over_best_tls_proxy"], ".2f") + (f" ({best.removesuffix('-tls')})" if best else ""),
+             f">= {r['tls_goal']:g}", r["tls_verdict"], fmt_num(r.get("broker_tls_over_plain"), ".2f"),
+             cpu("direct-tls"), cpu("broker-tls"), cpu("haproxy-tls"), cpu("nginx-tls")]  # fmt: skip
+        )
+    return head, rows
+
+
+def handshake_rows(handshakes) -> tuple[list[str], list[list[str]]]:
+    """Handshakes per second per core of each TLS listener, new and resumed side by side."""
+    head = ["listener", "process", "new: per core-second", "server us each", "handshakes",
+            "resumed: per core-second", "server us each", "handshakes", "of them resumed"]  # fmt: skip
+    rows = []
+    for name in dict.fromkeys(h["listener"] for h in handshakes):
+        new = next((h for h in handshakes if h["listener"] == name and h["mode"] == "new"), None)
+        res = next((h for h in handshakes if h["listener"] == name and h["mode"] == "resumed"), None)
+        row = [name, (new or res)["process"]]
+        for h in (new, res):
+            row += ["-", "-", "-"] if h is None else [fmt_num(h["per_core_second"], ",.0f"),
+                                                       fmt_num(h["server_cpu_us_per_handshake"], ".0f"), str(h["handshakes"])]  # fmt: skip
+        row.append("-" if res is None else f"{res['resumed']}")
+        rows.append(row)
+    return head, rows
+
+
+def suite_rows(suites: dict) -> tuple[list[str], list[list[str]]]:
+    """What each TLS path's first listener negotiates with openssl s_client."""
+    head = ["path", "protocol", "cipher suite", "key exchange", "server certificate"]
+    rows = []
+    for path, s in suites.items():
+        rows.append([path, s.get("protocol_version", "-"), s.get("ciphersuite", s.get("error", "-")[:60]),
+                     s.get("server_temp_key", "-"), s.get("verification", "-")])  # fmt: skip
+    return head, rows

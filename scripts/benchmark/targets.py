@@ -1,4 +1,4 @@
-"""The targets T1-T5 and P1-P3 and their verdicts: each a ratio (or a difference) within
+"""The targets T1-T5, P1-P3, S1 and S2 (the broker with TLS against the TLS proxies) and their verdicts: each a ratio (or a difference) within
 one run of this bench on the 2-core reference machine, computed from the cells and ratio
 rows it names and reported as PASS, MISS or '-' (not measured: its cell was not run, e.g.
 with --levels). T1-T5 and P1 are judged on the rpcmesh provider's cells, P2 on all
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .plan import cell_key
 from .stalls import stall_summary
+from .summary import TLS_GOAL, TLS_GOAL_200
 from .tables import fmt_num
 
 #: Each target: its id, what it measures, the comparison and threshold its value must meet,
@@ -77,6 +78,22 @@ TARGETS = (
         "unit": "",
         # A second figure the same target must meet.
         "and": {"what": "p99.9", "op": "<=", "threshold": 1.5},
+    },
+    {
+        "id": "S1",
+        "what": "broker-tls ÷ the better of haproxy-tls and nginx-tls, calls/s, 200 connections x 1 in flight "
+        "(worst of echo and platform; mTLS on both hops of every path)",
+        "op": ">=",
+        "threshold": TLS_GOAL_200,
+        "unit": "",
+    },
+    {
+        "id": "S2",
+        "what": "broker-tls ÷ the better of haproxy-tls and nginx-tls, calls/s, every other cell of rpcmesh's provider "
+        "(the worst)",
+        "op": ">=",
+        "threshold": TLS_GOAL,
+        "unit": "",
     },
 )
 
@@ -192,6 +209,18 @@ def judge(cells, ratios, runs, stalls=None) -> list[dict]:
             + spread("P3", worst.get("broker_over_haproxy_by_repeat", [])),
             v2,
         )
+    # S1, S2: the broker with TLS against the better TLS proxy of each cell.
+    for tid, pick in (("S1", lambda r: (r["in_flight"], r["connections_asked"]) == (200, 200)),
+                      ("S2", lambda r: (r["in_flight"], r["connections_asked"]) != (200, 200))):  # fmt: skip
+        vals = [(r["broker_tls_over_best_tls_proxy"], r) for r in ratios
+                if r.get("broker_tls_over_best_tls_proxy") is not None and pick(r)]  # fmt: skip
+        if vals:
+            v, r = min(vals, key=lambda x: x[0])
+            found[tid] = (
+                v,
+                f"worst cell: {r['workload']} {r['in_flight']}/{r['connections_asked']}, best TLS proxy there "
+                f"{r['best_tls_proxy']}; {len(vals)} cell(s)" + spread(tid, r.get("broker_tls_over_best_tls_proxy_by_repeat", [])),
+            )
     return verdicts(found, spreads)
 
 

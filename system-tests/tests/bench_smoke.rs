@@ -9,6 +9,11 @@
 //! input), the p99.9 ratio (P3's), and that the machine's stall probe ran. A second smoke
 //! run gives `--baseline-broker` the same broker binary: the report must have the fifth
 //! path, `before`, for both kinds, and the broker ÷ before ratios (a few seconds more).
+//! The first run also has the four TLS paths of rpcmesh's provider (direct-tls, broker-tls,
+//! haproxy-tls, nginx-tls; none for the classic server, which has no TLS), with their
+//! ratio row (broker-tls ÷ the better TLS proxy, its goal and verdict), what each path's
+//! listener negotiates (TLS 1.3), and a short handshake measurement of every TLS listener
+//! with and without resumption; the baseline run says `--tls off` and must have none of it.
 //! A third test runs the script's `judge` on made-up ratios: P1's and P3's verdicts carry
 //! the deciding cell's range over the repeats, and say when it straddles the goal.
 
@@ -62,6 +67,18 @@ fn require_haproxy() {
 /// The smoke run's workloads: one per upstream kind.
 const KINDS: [&str; 2] = ["echo", "classic"];
 
+/// The TLS paths (rpcmesh's provider only).
+const TLS_PATHS: [&str; 4] = ["direct-tls", "broker-tls", "haproxy-tls", "nginx-tls"];
+/// The TLS listeners whose handshakes the bench measures.
+const TLS_LISTENERS: [&str; 6] = [
+    "provider",
+    "broker",
+    "haproxy",
+    "nginx",
+    "haproxy path",
+    "nginx path",
+];
+
 #[test]
 fn bench_smoke_mode_reports_calls_on_all_four_paths_of_both_upstream_kinds() {
     require_haproxy();
@@ -86,7 +103,8 @@ fn bench_smoke_mode_reports_calls_on_all_four_paths_of_both_upstream_kinds() {
     );
     let runs = report["runs"].as_array().expect("runs is a list");
     for workload in KINDS {
-        for path in ["direct", "broker", "haproxy", "nginx"] {
+        let tls: &[&str] = if workload == "echo" { &TLS_PATHS } else { &[] };
+        for path in ["direct", "broker", "haproxy", "nginx"].iter().chain(tls) {
             let ok: u64 = runs
                 .iter()
                 .filter(|r| r["path"] == path && r["workload"] == workload)
@@ -115,6 +133,12 @@ fn bench_smoke_mode_reports_calls_on_all_four_paths_of_both_upstream_kinds() {
             && classic["broker_over_haproxy_p999"].as_f64().is_some(),
         "the classic row lacks P3's ratios: {classic}\n{output}"
     );
+    assert!(
+        runs.iter().all(|r| r["workload"] != "classic"
+            || !TLS_PATHS.contains(&r["path"].as_str().unwrap_or(""))),
+        "a TLS path for the classic server, which has no TLS\n{output}"
+    );
+    check_tls(&report, &run.stdout, output);
     // Without --baseline-broker, no trace of it.
     assert!(
         report.get("baseline").is_none() && runs.iter().all(|r| r["path"] != "before"),
@@ -122,7 +146,7 @@ fn bench_smoke_mode_reports_calls_on_all_four_paths_of_both_upstream_kinds() {
     );
     // Where the CPU went: user and kernel µs and context switches per call, for the driver
     // and each server on the run's path.
-    let on_path = |path: &str| match path {
+    let on_path = |path: &str| match path.trim_end_matches("-tls") {
         "direct" => vec!["driver", "provider"],
         "broker" => vec!["driver", "broker", "provider"],
         "nginx" => vec!["driver", "nginx", "provider"],
@@ -174,6 +198,65 @@ fn bench_smoke_mode_reports_calls_on_all_four_paths_of_both_upstream_kinds() {
     }
 }
 
+/// The TLS part of a smoke report: the ratio row of the TLS paths, what each negotiated,
+/// the handshakes of every listener in both modes, and the text report's TLS tables.
+fn check_tls(report: &serde_json::Value, stdout: &str, output: &str) {
+    let row = report["ratios"]
+        .as_array()
+        .expect("ratios is a list")
+        .iter()
+        .find(|r| r["workload"] == "echo")
+        .unwrap_or_else(|| panic!("no echo ratio row\n{output}"));
+    assert!(
+        row["broker_tls_over_best_tls_proxy"]
+            .as_f64()
+            .is_some_and(|v| v > 0.0)
+            && row["best_tls_proxy"]
+                .as_str()
+                .is_some_and(|p| p == "haproxy-tls" || p == "nginx-tls")
+            && row["tls_goal"].as_f64() == Some(1.0)
+            && (row["tls_verdict"] == "PASS" || row["tls_verdict"] == "MISS")
+            && row["broker_tls_over_plain"].as_f64().is_some(),
+        "the echo row lacks the TLS ratios: {row}\n{output}"
+    );
+    let tls = &report["tls"];
+    for path in TLS_PATHS {
+        let suite = &tls["suites"][path];
+        assert!(
+            suite["protocol_version"] == "TLSv1.3" && suite["ciphersuite"].is_string(),
+            "{path} negotiated {suite}\n{output}"
+        );
+    }
+    let handshakes = tls["handshakes"].as_array().expect("handshakes is a list");
+    for listener in TLS_LISTENERS {
+        for mode in ["new", "resumed"] {
+            let h = handshakes
+                .iter()
+                .find(|h| h["listener"] == listener && h["mode"] == mode)
+                .unwrap_or_else(|| panic!("no {mode} handshakes of {listener}\n{output}"));
+            assert!(
+                h["handshakes"].as_u64().is_some_and(|n| n > 0)
+                    && h["failures"] == 0
+                    && h["server_cpu_seconds"].as_f64().is_some(),
+                "{listener} {mode}: {h}\n{output}"
+            );
+            if mode == "new" {
+                assert_eq!(h["resumed"], 0, "{listener}: a new handshake resumed: {h}");
+            }
+        }
+    }
+    for needle in [
+        "broker-tls / best TLS proxy",
+        "Handshakes per second per core",
+        "cipher suite",
+    ] {
+        assert!(
+            stdout.contains(needle),
+            "the text report lacks {needle:?}\n{output}"
+        );
+    }
+}
+
 #[test]
 fn bench_smoke_mode_with_a_baseline_broker_adds_the_before_path_and_its_ratios() {
     require_haproxy();
@@ -195,6 +278,9 @@ fn bench_smoke_mode_with_a_baseline_broker_adds_the_before_path_and_its_ratios()
             out.as_os_str(),
             "--baseline-broker".as_ref(),
             baseline.as_os_str(),
+            // The TLS paths are the first test's; this also checks that they can be left out.
+            "--tls".as_ref(),
+            "off".as_ref(),
         ],
         SMOKE_TIMEOUT,
     );
@@ -234,6 +320,13 @@ fn bench_smoke_mode_with_a_baseline_broker_adds_the_before_path_and_its_ratios()
             );
         }
     }
+    assert!(
+        report.get("tls").is_none()
+            && runs
+                .iter()
+                .all(|r| !TLS_PATHS.contains(&r["path"].as_str().unwrap_or(""))),
+        "TLS paths in a run with --tls off\n{output}"
+    );
     let ratio = &report["ratios"][0];
     assert!(
         ratio["broker_over_before"]
