@@ -43,6 +43,8 @@ from procs import ScriptError, log, spawn, stop
 HANDSHAKE_S = 3.0
 #: In smoke mode: does the measurement work, not its figures.
 HANDSHAKE_SMOKE_S = 0.3
+#: Measurements in a bench: six listeners (servers.start_all's), new and resumed.
+MEASUREMENTS = 6 * 2
 #: Client processes at once: two keep a server busy on two cores while each client waits
 #: for its tickets.
 HANDSHAKE_CLIENTS = 2

@@ -23,6 +23,7 @@ from .plan import (
     SMOKE_LEVELS,
     SMOKE_WARMUP_S,
     SMOKE_WORKLOADS,
+    TLS_WARMUP_S,
     WORKLOAD_KIND,
     WORKLOADS,
 )
@@ -72,6 +73,9 @@ def parse_args(argv, description: str):
     p.add_argument("--tls", choices=("on", "off"), default="on",
                    help="the TLS paths (direct-tls, broker-tls, haproxy-tls, nginx-tls; rpcmesh's provider only) and "
                         "the handshake measurement (default on)")  # fmt: skip
+    p.add_argument("--tls-warmup", type=float,
+                   help=f"warm-up seconds of a TLS path's run (default {TLS_WARMUP_S}, smoke the --warmup; never "
+                        "shorter than --warmup)")  # fmt: skip
     p.add_argument("--handshake-seconds", type=float,
                    help=f"seconds of each handshake measurement (default {HANDSHAKE_S}, smoke {HANDSHAKE_SMOKE_S}; "
                         "0 leaves it out)")  # fmt: skip
@@ -79,8 +83,10 @@ def parse_args(argv, description: str):
     a.tls = a.tls == "on"
     if a.handshake_seconds is None:
         a.handshake_seconds = HANDSHAKE_SMOKE_S if a.smoke else HANDSHAKE_S
-    if a.handshake_seconds < 0:
-        p.error("--handshake-seconds must be >= 0")
+    if a.tls_warmup is None:
+        a.tls_warmup = 0.0 if a.smoke else TLS_WARMUP_S
+    if a.handshake_seconds < 0 or a.tls_warmup < 0:
+        p.error("--handshake-seconds and --tls-warmup must be >= 0")
     if a.baseline_broker is not None:
         # Absolute now: the servers run from the workspace root, not from the caller's folder.
         a.baseline_broker = a.baseline_broker.resolve()

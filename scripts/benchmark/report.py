@@ -78,6 +78,7 @@ def document(args, *, machine_info: dict, kinds, paths, bin_dir: Path, build_sec
             "repeats": args.repeats,
             "duration_s": args.duration,
             "warmup_s": args.warmup,
+            "tls_warmup_s": max(args.warmup, args.tls_warmup) if args.tls else None,
             "workloads": list(args.workloads),
             # Every level run (a workload's own, e.g. the classic server's, by workload below).
             "levels": [{"in_flight": a, "connections": b}
@@ -154,7 +155,9 @@ def render(result, markdown: bool) -> str:
             "No max latency below the largest can be promised on this machine."
         )
     o.append(
-        f"Runs: {s['repeats']} repeat(s) of {s['duration_s']} s after {s['warmup_s']} s warm-up, paths interleaved "
+        f"Runs: {s['repeats']} repeat(s) of {s['duration_s']} s after {s['warmup_s']} s warm-up"
+        + (f" ({s['tls_warmup_s']} s on the TLS paths)" if s.get("tls_warmup_s") else "")
+        + ", paths interleaved "
         f"({', '.join(paths)}, ...); threads provider {s['provider_threads']}, broker {s['broker_threads']}, "
         f"driver {s['driver_threads']}, HAProxy 1, nginx 1 process"
         + "".join(f"; {w} args: {s[w + '_args']}" for w in ("provider", "broker", "driver") if s[w + "_args"])

@@ -53,10 +53,16 @@ def driver_argv(
     ]  # fmt: skip
 
 
-def measured_run(args) -> list[str]:
-    """The driver flags of a measured run."""
+def warmup(args, path: str) -> float:
+    """The warm-up of a run on `path`: a TLS path's is longer (`--tls-warmup`), so that its
+    connections' handshakes are over before the measured window opens."""
+    return max(args.warmup, args.tls_warmup) if plan.is_tls(path) else args.warmup
+
+
+def measured_run(args, path: str = "direct") -> list[str]:
+    """The driver flags of a measured run on `path`."""
     return [
-        "--duration", ms(args.duration), "--warmup", ms(args.warmup),
+        "--duration", ms(args.duration), "--warmup", ms(warmup(args, path)),
         "--threads", str(args.driver_threads), *args.driver_args,
     ]  # fmt: skip
 
@@ -121,20 +127,20 @@ def one_run(driver: Path, servers: Servers, target: str, path: str, workload: st
     err = open(workdir / "driver.err", "wb")
     try:
         t0 = time.monotonic()
-        argv = driver_argv(driver, target, workload, in_flight, conns, json_path, measured_run(args) + tls_flags(args, path))
+        argv = driver_argv(driver, target, workload, in_flight, conns, json_path, measured_run(args, path) + tls_flags(args, path))
         p = spawn(argv, subprocess.DEVNULL, err)
         try:
             # CPU is counted over the measured window only: sampled when the warm-up ends
             # (the driver's own clock starts a few ms after the spawn, so a few ms of
             # warm-up count too) and again when the driver has exited.
-            time.sleep(max(0.0, t0 + args.warmup - time.monotonic()))
+            time.sleep(max(0.0, t0 + warmup(args, path) - time.monotonic()))
             mark = servers.usage(names.values())
             try:
                 driver_at_mark = proc_usage(p.pid)
             except (OSError, ValueError):  # the driver already exited: a failed run
                 driver_at_mark = None
             try:
-                p.wait(timeout=args.warmup + args.duration + RUN_SLACK_S)
+                p.wait(timeout=warmup(args, path) + args.duration + RUN_SLACK_S)
             except subprocess.TimeoutExpired:
                 run["failure"] = "driver did not finish in time; killed"
         finally:

@@ -107,7 +107,7 @@ fn bench_smoke_mode_reports_calls_on_all_four_paths_of_both_upstream_kinds() {
         for path in ["direct", "broker", "haproxy", "nginx"].iter().chain(tls) {
             let ok: u64 = runs
                 .iter()
-                .filter(|r| r["path"] == path && r["workload"] == workload)
+                .filter(|r| r["path"] == *path && r["workload"] == workload)
                 .map(|r| r["calls_ok"].as_u64().unwrap_or(0))
                 .sum();
             assert!(
