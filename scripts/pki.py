@@ -1,7 +1,8 @@
-"""A throwaway CA for the scripts' TLS runs, made with openssl as docs/security.md shows:
-EC P-256 keys, one certificate per program with its SPIFFE ID (`spiffe://rpcmesh.lab/ROLE/NAME`)
-and the IP addresses clients dial, for both server and client use (a broker's certificate
-is both), keys mode 0600. The files go in a folder of the caller's."""
+"""A throwaway CA for the scripts' TLS runs (the capacity lab's, the bench's), made with
+openssl as docs/security.md shows: EC P-256 keys, one certificate per program with its
+SPIFFE ID (`spiffe://TRUST-DOMAIN/ROLE/NAME`) and the IP addresses and DNS names clients
+dial; servers' certificates for server and client use (a broker's is both), clients' for
+client use; keys mode 0600. The files go in a folder of the caller's."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-#: The trust domain of the scripts' SPIFFE IDs.
+#: The trust domain of the scripts' SPIFFE IDs unless a caller names its own.
 TRUST_DOMAIN = "rpcmesh.lab"
 #: Days the certificates are valid: a run lasts minutes; a day is room for clocks apart.
 DAYS = 1
@@ -37,31 +38,40 @@ def _openssl(*argv: str) -> None:
 class Pki:
     """A CA in `dir` (made if missing) and the certificates it issues."""
 
-    def __init__(self, dir: Path):
+    def __init__(self, dir: Path, name: str = "rpcmesh lab CA", trust_domain: str = TRUST_DOMAIN, days: int = DAYS):
         self.dir = dir
+        self.trust_domain = trust_domain
+        self.days = days
         dir.mkdir(parents=True, exist_ok=True)
         self.ca = dir / "ca.pem"
         self._ca_key = dir / "ca.key"
         _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
-                 "-keyout", str(self._ca_key), "-out", str(self.ca), "-days", str(DAYS),
-                 "-subj", "/CN=rpcmesh lab CA",
+                 "-keyout", str(self._ca_key), "-out", str(self.ca), "-days", str(days),
+                 "-subj", f"/CN={name}",
                  "-addext", "basicConstraints=critical,CA:TRUE",
                  "-addext", "keyUsage=critical,keyCertSign,cRLSign")  # fmt: skip
         os.chmod(self._ca_key, 0o600)
 
-    def issue(self, role: str, name: str, ips: tuple[str, ...] = ()) -> Cert:
-        """A certificate for `spiffe://rpcmesh.lab/ROLE/NAME`, valid for `ips` too."""
+    def spiffe(self, role: str, name: str) -> str:
+        """The SPIFFE ID `spiffe://TRUST-DOMAIN/ROLE/NAME`."""
+        return f"spiffe://{self.trust_domain}/{role}/{name}"
+
+    def issue(self, role: str, name: str, ips: tuple[str, ...] = (), dns: tuple[str, ...] = (),
+              server: bool = True) -> Cert:
+        """A certificate for `spiffe://TRUST-DOMAIN/ROLE/NAME`, valid for `ips` and `dns` too;
+        for server and client use, or client use only (`server=False`)."""
         stem = self.dir / f"{role}-{name}"
-        sans = [f"URI:spiffe://{TRUST_DOMAIN}/{role}/{name}", *(f"IP:{ip}" for ip in ips)]
+        sans = [f"URI:{self.spiffe(role, name)}", *(f"DNS:{d}" for d in dns), *(f"IP:{ip}" for ip in ips)]
+        usage = "serverAuth,clientAuth" if server else "clientAuth"
         ext = stem.with_suffix(".ext")
         ext.write_text(
             "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n"
-            f"extendedKeyUsage=serverAuth,clientAuth\nsubjectAltName={','.join(sans)}\n"
+            f"extendedKeyUsage={usage}\nsubjectAltName={','.join(sans)}\n"
         )
         cert, key, csr = stem.with_suffix(".pem"), stem.with_suffix(".key"), stem.with_suffix(".csr")
         _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
                  "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}")  # fmt: skip
         os.chmod(key, 0o600)
         _openssl("x509", "-req", "-in", str(csr), "-CA", str(self.ca), "-CAkey", str(self._ca_key),
-                 "-CAcreateserial", "-out", str(cert), "-days", str(DAYS), "-extfile", str(ext))  # fmt: skip
+                 "-CAcreateserial", "-out", str(cert), "-days", str(self.days), "-extfile", str(ext))  # fmt: skip
         return Cert(cert, key)

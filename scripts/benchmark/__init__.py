@@ -9,7 +9,7 @@ One module per concern, each used only by the ones after it:
 - `options`: the command line, validated into the settings of one run;
 - `usage`: CPU time and context switches of a process, the children, the machine;
 - `stalls`: the machine stall probe (every CPU kept busy by a clock-reading spinner);
-- `certs`: the TLS paths' CA and certificates, made with openssl for each bench;
+- `certs`: the TLS paths' CA and certificates, issued by scripts/pki.py for each bench;
 - `handshakes`: TLS handshakes per core-second of each TLS listener, and what each negotiates;
 - `proxies`: finding HAProxy and nginx, their generated configurations (TLS frontends too);
 - `servers`: the upstreams, brokers and proxies of the whole bench, started and stopped;

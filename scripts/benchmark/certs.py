@@ -9,10 +9,10 @@ IP addresses). HAProxy wants the certificate and its key in one PEM file: `combi
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import NamedTuple
 
+import pki
 from procs import ScriptError
 
 #: The trust domain of the bench's identities.
@@ -54,36 +54,19 @@ def dns_name(role: str) -> str:
     return f"{ROLES[role]['name']}.{role}.{TRUST_DOMAIN}"
 
 
-def openssl(*argv: str, cwd: Path) -> None:
-    r = subprocess.run(["openssl", *argv], cwd=cwd, capture_output=True, text=True, timeout=60)
-    if r.returncode != 0:
-        raise ScriptError(f"openssl {' '.join(argv[:2])} failed: {r.stderr.strip()[-500:]}")
-
-
 def make(folder: Path) -> Certs:
-    """The CA and every role's certificate in `folder` (keys 0600)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes")
-    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", str(VALID_DAYS),
-            "-subj", "/CN=rpcmesh bench CA", "-addext", "basicConstraints=critical,CA:TRUE",
-            "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=folder)  # fmt: skip
+    """The CA and every role's certificate in `folder` (keys 0600), issued by scripts/pki.py."""
+    ca = pki.Pki(folder, name="rpcmesh bench CA", trust_domain=TRUST_DOMAIN, days=VALID_DAYS)
     by_role = {}
     for role, spec in ROLES.items():
-        spiffe = f"spiffe://{TRUST_DOMAIN}/{role}/{spec['name']}"
         dns = dns_name(role) if spec["server"] else None
-        sans = f"URI:{spiffe}" + (f",DNS:{dns},IP:127.0.0.1" if dns else "")
-        usage = "serverAuth,clientAuth" if spec["server"] else "clientAuth"
-        (folder / f"{role}.ext").write_text(
-            "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n"
-            f"extendedKeyUsage={usage}\nsubjectAltName={sans}\n"
-        )
-        openssl("req", *ec, "-keyout", f"{role}.key", "-out", f"{role}.csr", "-subj", f"/CN={spec['name']}", cwd=folder)
-        openssl("x509", "-req", "-in", f"{role}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                "-out", f"{role}.pem", "-days", str(VALID_DAYS), "-extfile", f"{role}.ext", cwd=folder)  # fmt: skip
-        key = folder / f"{role}.key"
-        key.chmod(0o600)
+        try:
+            c = ca.issue(role, spec["name"], ips=("127.0.0.1",) if dns else (), dns=(dns,) if dns else (),
+                         server=bool(spec["server"]))  # fmt: skip
+        except RuntimeError as e:
+            raise ScriptError(str(e)) from None
         combined = folder / f"{role}.combined.pem"
-        combined.write_bytes((folder / f"{role}.pem").read_bytes() + key.read_bytes())
+        combined.write_bytes(c.cert.read_bytes() + c.key.read_bytes())
         combined.chmod(0o600)
-        by_role[role] = Cert(folder / f"{role}.pem", key, combined, dns, spiffe)
-    return Certs(folder / "ca.pem", by_role)
+        by_role[role] = Cert(c.cert, c.key, combined, dns, ca.spiffe(role, spec["name"]))
+    return Certs(ca.ca, by_role)
