@@ -26,6 +26,9 @@ LOAD_DIR = "/var/lib/rpcm-load"
 DRIVER = "/usr/local/bin/driver"
 #: How long a run may take past its own duration to write its report and exit.
 EXIT_MARGIN = 30.0
+#: The driver's exit status when SIGTERM stopped it (`driver --help`: "130 interrupted:
+#: the report is of the part measured"): how a run that `stop` ended exits.
+INTERRUPTED_STATUS = "130"
 
 
 @dataclass
@@ -37,6 +40,8 @@ class Run:
     args: list[str]
     started: float = 0.0
     results: dict[str, dict] = field(default_factory=dict)
+    #: Whether `stop` ended it (then its drivers exit INTERRUPTED_STATUS, not 0).
+    stopped: bool = False
 
     @property
     def unit(self) -> str:
@@ -87,6 +92,7 @@ def measuring_everywhere(ctl: Controller, run: Run) -> bool:
 
 def stop(ctl: Controller, run: Run) -> None:
     """Ends the run early: SIGTERM to each driver, which stops and writes its report."""
+    run.stopped = True
     for d in run.drivers:
         ctl.ssh(d, f"systemctl kill --signal=SIGTERM {run.unit}", check=False)
 
@@ -105,23 +111,34 @@ def wait(ctl: Controller, run: Run, timeout: float) -> dict[str, dict[str, str]]
     return states
 
 
+def exited_well(run: Run, s: dict[str, str]) -> bool:
+    """Whether a driver's unit (its `state`) ended as the run should: exit 0, or, for a
+    run `stop` ended, the driver's status for an interrupted run."""
+    if s.get("ExecMainStatus") == "0":
+        return s.get("Result") == "success"
+    return run.stopped and s.get("ExecMainStatus") == INTERRUPTED_STATUS
+
+
 def collect(ctl: Controller, run: Run, out_dir: Path) -> list[Path]:
-    """Fetches each driver's log, report and output; checks each exited 0. Returns the
-    HDR logs."""
+    """Fetches each driver's log, report and output; checks each exited as it should
+    (`exited_well`). Returns the HDR logs. Each unit is then stopped and its failed state,
+    if any (an interrupted driver's status is not 0), reset, so that the machine is
+    `running` again."""
     hlogs, problems = [], []
     for d in run.drivers:
         s = state(ctl, run, d)
         base = out_dir / f"{run.name}-{d.name}"
         journal = ctl.ssh(d, f"journalctl -u {run.unit} --no-pager -o cat", check=False)
         base.with_suffix(".log").write_bytes(journal.stdout)
-        if s.get("Result") != "success" or s.get("ExecMainStatus") != "0":
+        if not exited_well(run, s):
             problems.append(f"{d.name}: driver {s} (see {base}.log)")
             continue
         ctl.fetch(d, f"{LOAD_DIR}/{run.name}.hlog", base.with_suffix(".hlog"))
         ctl.fetch(d, f"{LOAD_DIR}/{run.name}.json", base.with_suffix(".json"))
         run.results[d.name] = json.loads(base.with_suffix(".json").read_text())
         hlogs.append(base.with_suffix(".hlog"))
-        ctl.ssh(d, f"systemctl stop {run.unit}", check=False)
+        ctl.ssh(d, f"systemctl stop {run.unit}; systemctl reset-failed {run.unit} 2>/dev/null",
+                check=False)
     if problems:
         raise proc.RehearsalError("; ".join(problems))
     return hlogs
