@@ -22,6 +22,7 @@ mode's): what docs/deployment.md promises when a rollout goes wrong.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import checks, proc, remote
@@ -33,9 +34,16 @@ from .topology import (
 )
 
 #: Health tries of the runs that are meant to fail (the broken build never gets
-#: healthy): enough for the previous build's restart (the brokers reconnect within their
-#: reconnect backoff), far fewer than the 60 of a real rollout.
-FAILING_HEALTH_RETRIES = 20
+#: healthy, and its port check waits all of them): enough for the previous build's
+#: restart, which is healthy again within a few seconds (the brokers reconnect within
+#: their reconnect backoff, at most 1 s, and a heartbeat, 1 s), far fewer than the 60 of
+#: a real rollout.
+FAILING_HEALTH_RETRIES = 10
+#: The rollouts of a provider build (the lost restart's and the rollback's runs) run only
+#: site.yml's providers play (and the builds kept), as an operator rolling out a provider
+#: build may: the plays that prepare the hosts have nothing to do on the converged fleet
+#: (the join and check mode run them whole), and each costs seconds of the 2 cores.
+PROVIDER_ROLLOUT = ["--tags", "providers"]
 #: What the roles say when they put a host back (roles/provider/tasks/main.yml).
 STOPPED = "The rollout stops here"
 
@@ -48,7 +56,10 @@ def firewall(r) -> str:
     want = [(drv, prv, PROVIDER_PORT, False), (drv, prv, PROVIDER_METRICS_PORT, False),
             (drv, brk, BROKER_PORT, True), (brk, prv, PROVIDER_PORT, True),
             (mon, prv, PROVIDER_METRICS_PORT, True)]
-    got = {f"{s.name}->{d.name}:{p}": checks.reaches(ctl, s, d, p) for s, d, p, _ in want}
+    # At once: a dropped connect waits its whole timeout.
+    with ThreadPoolExecutor(len(want)) as pool:
+        results = list(pool.map(lambda w: checks.reaches(ctl, w[0], w[1], w[2]), want))
+    got = {f"{s.name}->{d.name}:{p}": ok for (s, d, p, _), ok in zip(want, results)}
     wrong = {k: v for (_, _, _, w), (k, v) in zip(want, got.items()) if v != w}
     r.report.figures["firewall"] = {k: "open" if v else "dropped" for k, v in got.items()}
     if wrong:
@@ -59,13 +70,14 @@ def firewall(r) -> str:
 
 def _site(r, log: str, *, bin_dir: Path, limit: str, extra: list[str] | None = None,
           playbook: Path | None = None, expect_ok: bool = True):
-    """site.yml (or `playbook`) with the build of `bin_dir` on the hosts of `limit`; its
-    exit as `expect_ok` says, else a RehearsalError. Returns the log's path."""
+    """site.yml (or `playbook`) with the build of `bin_dir` on the hosts of `limit`, its
+    providers play (PROVIDER_ROLLOUT); its exit as `expect_ok` says, else a
+    RehearsalError. Returns the log's path."""
     path = r.out / log
     res = remote.playbook(r.ctl, playbook or r.site, r.inventory, path,
                           timeout=r.playbook_timeout,
                           extra=["-e", f"rpcmesh_bin_dir={bin_dir}", "--limit", limit,
-                                 *(extra or [])], check=False)
+                                 *PROVIDER_ROLLOUT, *(extra or [])], check=False)
     if (res.returncode == 0) != expect_ok:
         raise proc.RehearsalError(
             f"{path.name}: exit {res.returncode}, expected {'success' if expect_ok else 'a failure'}: "
@@ -141,10 +153,13 @@ def rollback(r) -> str:
 
 
 def check_mode(r) -> str:
-    """`site.yml --check --diff` on every host: succeeds, and would change nothing."""
+    """`site.yml --check --diff` on every host: succeeds, and would change nothing. All
+    the providers (then the brokers) in one batch (`rpcmesh_serial=100%`): a check
+    restarts nothing, so there is nothing to roll one host at a time, and each host is
+    checked (health checks included) as it would be alone."""
     log = r.out / "ansible-check.log"
     remote.playbook(r.ctl, r.site, r.inventory, log, timeout=r.playbook_timeout,
-                    extra=["--check", "--diff"])
+                    extra=["--check", "--diff", "-e", "rpcmesh_serial=100%"])
     changed = remote.recap(log)
     r.report.figures["check_mode_changed"] = changed
     would = {h: n for h, n in changed.items() if n}
