@@ -114,6 +114,22 @@ def remove_cgroups(names: list[str] | None = None) -> list[str]:
     return sorted(removed)
 
 
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds each machine has used so far (its cgroups' `cpu.stat`; the hierarchies
+    without one are skipped)."""
+    got: dict[str, float] = {}
+    for parent in cgroup_parents():
+        for cg in parent.glob("rpcm-*") if parent.is_dir() else []:
+            try:
+                text = (cg / "cpu.stat").read_text()
+            except OSError:
+                continue
+            for line in text.splitlines():
+                if line.startswith("usage_usec "):
+                    got[cg.name] = int(line.split()[1]) / 1e6
+    return got
+
+
 def prepare(run_dir: Path) -> None:
     """The files bound into the machines: /etc/hosts of the fleet, each one's host name."""
     etc = run_dir / "etc"

@@ -43,6 +43,14 @@ VENV = Path("/var/lib/rpcmesh-lab") / ("venv-" + "".join(
 SSH_TIMEOUT = 60.0
 #: Each HTTP GET (a /metrics page, a Prometheus query).
 HTTP_TIMEOUT = 10.0
+#: Opening or closing a machine's master SSH connection.
+MASTER_TIMEOUT = 30.0
+#: Ansible's SSH arguments in the rehearsal (its default is `-C -o ControlMaster=auto -o
+#: ControlPersist=60s`): no compression, since the links are a local bridge and zlib over
+#: the debug binaries and every module's payload only spends the 2 shared cores; and
+#: connections kept for the whole run, not 60 s, so that a playbook run after a pause
+#: does not open eight new ones. Closed by `Controller.close` at the teardown.
+ANSIBLE_SSH_ARGS = "-o ControlMaster=auto -o ControlPersist=30m"
 
 
 def in_controller(argv: list[str]) -> list[str]:
@@ -51,12 +59,22 @@ def in_controller(argv: list[str]) -> list[str]:
 
 
 class Controller:
-    """The controller: the run's SSH key and known hosts, and commands from its namespace."""
+    """The controller: the run's SSH key and known hosts, and commands from its namespace.
+
+    Once the machines are up, `open_masters` opens one master SSH connection to each
+    (`ssh -M`), which every later command to it shares (ControlPath): the rehearsal's
+    hundreds of checks then cost no key exchange each. A command to a machine without a
+    master connects as usual."""
 
     def __init__(self, run_dir: Path, out_dir: Path, host_keys: list[str]):
         self.run_dir, self.out_dir = run_dir, out_dir
         self.key = run_dir / "id_ed25519"
         self.known_hosts = run_dir / "known_hosts"
+        self.control_dir = run_dir / "cm"
+        self.control_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        #: Ansible's own master connections (ANSIBLE_SSH_ARGS), closed with ours.
+        self.ansible_control_dir = run_dir / "ansible/cp"
+        self.masters: list[Host] = []
         ssh_dir = run_dir / "ssh"  # bound into every machine as /root/.ssh
         ssh_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if not self.key.exists():
@@ -69,7 +87,8 @@ class Controller:
             "".join(f"{m.ip} {k}\n" for m in MACHINES for k in host_keys)
         )
 
-    def ssh_options(self) -> list[str]:
+    def base_options(self) -> list[str]:
+        """The options every SSH of the run has, Ansible's too."""
         return [
             "-F", "/dev/null", "-i", str(self.key), "-o", "IdentitiesOnly=yes",
             "-o", f"UserKnownHostsFile={self.known_hosts}", "-o", "StrictHostKeyChecking=yes",
@@ -77,6 +96,32 @@ class Controller:
             "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3",
             "-o", "LogLevel=ERROR",
         ]
+
+    def ssh_options(self) -> list[str]:
+        """The rehearsal's own: through the machine's master connection when it has one."""
+        return [*self.base_options(), "-o", f"ControlPath={self.control_dir}/%h",
+                "-o", "ControlMaster=no"]
+
+    def open_masters(self, hosts: list[Host]) -> None:
+        """Opens a master connection to each machine (in the background, `ssh -f`)."""
+        log = self.out_dir / "ssh-masters.log"
+        for h in hosts:
+            proc.run(in_controller(["ssh", *self.base_options(), "-o",
+                                    f"ControlPath={self.control_dir}/%h", "-M", "-N", "-f",
+                                    f"root@{h.ip}"]), timeout=MASTER_TIMEOUT, log=log)
+            self.masters.append(h)
+
+    def close(self) -> None:
+        """Closes the master connections: ours, then Ansible's (`ssh -O exit`)."""
+        log = self.out_dir / "ssh-masters.log"
+        paths = [(f"{self.control_dir}/%h", h.ip) for h in self.masters]
+        if self.ansible_control_dir.is_dir():
+            paths += [(str(p), "127.0.0.1") for p in sorted(self.ansible_control_dir.iterdir())]
+        for path, host in paths:
+            proc.run(in_controller(["ssh", "-F", "/dev/null", "-o", f"ControlPath={path}",
+                                    "-O", "exit", host]),
+                     timeout=MASTER_TIMEOUT, log=log, check=False)
+        self.masters.clear()
 
     def ssh(self, host: Host, command: str, *, timeout: float = SSH_TIMEOUT,
             check: bool = True, log: Path | None = None):
@@ -150,9 +195,11 @@ def write_inventory(path: Path, controller: Controller, bin_dir: Path, *, joined
                 "ansible_python_interpreter": "/usr/bin/python3",
                 "ansible_ssh_private_key_file": str(controller.key),
                 "ansible_ssh_common_args": " ".join(
-                    o for o in controller.ssh_options()
+                    o for o in controller.base_options()
                     if o not in ("-F", "/dev/null", "-i", str(controller.key))
                 ),
+                "ansible_ssh_args": ANSIBLE_SSH_ARGS,
+                "ansible_control_path_dir": str(controller.ansible_control_dir),
             },
             "children": children,
         }
