@@ -21,7 +21,27 @@ impl FrameWriter {
         service: &[u8],
         method: &[u8],
     ) -> Result<Self, FrameError> {
-        let mut w = FrameWriter::begin(dst, MsgType::Request, flags, req_id);
+        FrameWriter::begin_request_after(dst, flags, req_id, &[], service, method)
+    }
+
+    /// As [`FrameWriter::begin_request`], behind an extension block (`crate::ext`): a
+    /// non-empty `block` makes the frame an extension request carrying it before the
+    /// v1 request body; an empty one, a plain request.
+    pub fn begin_request_after(
+        dst: &mut BytesMut,
+        flags: Flags,
+        req_id: u64,
+        block: &[u8],
+        service: &[u8],
+        method: &[u8],
+    ) -> Result<Self, FrameError> {
+        let msg_type = if block.is_empty() {
+            MsgType::Request
+        } else {
+            MsgType::ExtRequest
+        };
+        let mut w = FrameWriter::begin(dst, msg_type, flags, req_id);
+        dst.extend_from_slice(block);
         put_short_str(dst, service)?;
         put_short_str(dst, method)?;
         w.payload_len_at = Some(dst.len());

@@ -230,7 +230,24 @@ impl CallCodec {
         inner: &M,
         metadata: &HashMap<String, String>,
     ) -> Result<PayloadSize, FrameError> {
-        self.put_request_with(dst, req_id, flags, service, method, |b| {
+        self.put_request_after(dst, req_id, flags, &[], service, method, inner, metadata)
+    }
+
+    /// As [`CallCodec::put_request`], behind the extension block `block` (`crate::ext`;
+    /// empty: a plain request).
+    #[allow(clippy::too_many_arguments)]
+    pub fn put_request_after<M: Message>(
+        &mut self,
+        dst: &mut BytesMut,
+        req_id: u64,
+        flags: Flags,
+        block: &[u8],
+        service: &[u8],
+        method: &[u8],
+        inner: &M,
+        metadata: &HashMap<String, String>,
+    ) -> Result<PayloadSize, FrameError> {
+        self.put_request_with(dst, req_id, flags, block, service, method, |b| {
             put_rpc_request(b, inner.encoded_len(), |b| inner.encode_raw(b), metadata)
         })
     }
@@ -247,22 +264,24 @@ impl CallCodec {
         inner: &[u8],
         metadata: &HashMap<String, String>,
     ) -> Result<PayloadSize, FrameError> {
-        self.put_request_with(dst, req_id, flags, service, method, |b| {
+        self.put_request_with(dst, req_id, flags, &[], service, method, |b| {
             put_rpc_request(b, inner.len(), |b| b.extend_from_slice(inner), metadata)
         })
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn put_request_with(
         &mut self,
         dst: &mut BytesMut,
         req_id: u64,
         flags: Flags,
+        block: &[u8],
         service: &[u8],
         method: &[u8],
         encode: impl FnOnce(&mut BytesMut),
     ) -> Result<PayloadSize, FrameError> {
         let flags = flags.without(Flags::COMPRESSED);
-        let w = FrameWriter::begin_request(dst, flags, req_id, service, method)?;
+        let w = FrameWriter::begin_request_after(dst, flags, req_id, block, service, method)?;
         let size = self.put_payload(dst, &w, true, encode);
         w.finish_within(dst, self.max_body)?;
         Ok(size)

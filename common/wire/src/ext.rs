@@ -18,13 +18,21 @@
 //! | tag | name     | value |
 //! |-----|----------|-------|
 //! | 1   | `caller` | the identity of the caller the broker serves this call for (UTF-8, at most 2,048 bytes); empty: a caller without one (anonymous) |
-//! | 2   | `deadline` | reserved for the call's deadline |
+//! | 2   | `deadline` | the call's remaining time budget: `u32` microseconds, big-endian, counted from when the receiver reads the frame; 0: already past |
+//!
+//! The deadline is relative, not a point in time, so that hosts need no common clock (as
+//! gRPC's `grpc-timeout`): the receiver's deadline is the instant it read the frame plus
+//! the budget, and the time the frame spent on the wire is not counted.
 //!
 //! A peer says which fields it takes in its heartbeat answer ([`HEARTBEAT_KEY`]), and only
-//! rpcmesh providers are asked, so a plain v1 server never sees this type; nor does any
-//! client, since replies are plain responses. The broker never decodes or inflates the
+//! rpcmesh peers are asked, so a plain v1 server never sees this type, nor a v1 client
+//! (replies are plain responses). A broker is asked by its clients too: it takes the
+//! deadline from them (never a caller field: its callers are whom their certificates
+//! name). The broker never decodes or inflates the
 //! payload it forwards: it writes the block before the request's body, whose bytes it
 //! copies as before, and the frame's CRC covers both.
+
+use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
@@ -40,8 +48,17 @@ fn bad(reason: &'static str) -> FrameError {
 
 /// Tag of the caller's identity.
 pub const TAG_CALLER: u8 = 1;
-/// Tag reserved for the call's deadline.
+/// Tag of the call's deadline (its remaining budget).
 pub const TAG_DEADLINE: u8 = 2;
+/// Length of the deadline field's value: a `u32` of microseconds.
+pub const DEADLINE_LEN: usize = 4;
+/// The longest budget carried: `u32::MAX` microseconds (about 71 minutes), far beyond any
+/// call timeout; a longer one is sent as this.
+pub const MAX_DEADLINE: Duration = Duration::from_micros(u32::MAX as u64);
+/// The name of the deadline field in [`HEARTBEAT_KEY`]'s value.
+pub const DEADLINE_FIELD: &str = "deadline";
+/// A block holding only a deadline: its length.
+pub const DEADLINE_BLOCK_LEN: usize = 2 + 3 + DEADLINE_LEN;
 /// The longest extension block taken: 4 KiB holds the caller (2 KiB at most) and the
 /// fields to come; a longer one is refused as malformed.
 pub const MAX_BLOCK_LEN: usize = 4096;
@@ -52,12 +69,33 @@ pub const MAX_CALLER_LEN: usize = 2048;
 pub const HEARTBEAT_KEY: &str = "rpcmesh-call-ext";
 /// The name of the caller field in [`HEARTBEAT_KEY`]'s value.
 pub const CALLER_FIELD: &str = "caller";
+/// What a provider answers [`HEARTBEAT_KEY`] with: it takes both fields (a broker sends
+/// the caller only over TLS).
+pub const PROVIDER_FIELDS: &str = "caller,deadline";
 
 /// The fields of an extension block, as far as this side knows them.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Fields<'a> {
     /// The forwarded caller: `Some("")` for an anonymous one; `None` when absent.
     pub caller: Option<&'a str>,
+    /// The call's remaining budget, from when the frame was read; `None` when absent.
+    pub deadline: Option<Duration>,
+}
+
+/// The `u32` of microseconds that carries `budget` ([`MAX_DEADLINE`] at most; rounded
+/// down, so that a receiver never gets more time than the sender had).
+pub fn deadline_micros(budget: Duration) -> u32 {
+    u32::try_from(budget.as_micros()).unwrap_or(u32::MAX)
+}
+
+/// The extension block of a call carrying only its deadline, `budget` (the driver's).
+pub fn deadline_block(budget: Duration) -> [u8; DEADLINE_BLOCK_LEN] {
+    let mut b = [0u8; DEADLINE_BLOCK_LEN];
+    b[..2].copy_from_slice(&((3 + DEADLINE_LEN) as u16).to_be_bytes());
+    b[2] = TAG_DEADLINE;
+    b[3..5].copy_from_slice(&(DEADLINE_LEN as u16).to_be_bytes());
+    b[5..].copy_from_slice(&deadline_micros(budget).to_be_bytes());
+    b
 }
 
 /// Appends the extension block of a call forwarded for `caller` (`None`: anonymous).
@@ -92,9 +130,46 @@ pub fn put_ext_request(dst: &mut BytesMut, flags: Flags, req_id: u64, block: &[u
     dst.put_u32(crc);
 }
 
+/// Appends an extension request frame whose block is `block` (a whole block, as
+/// [`put_caller_block`] makes it, or empty for none) with, when `deadline` is given, a
+/// deadline field added at its end; then `body`, the CRC over all of it. The broker's: the
+/// caller's block is made once per session, the deadline per call.
+pub fn put_ext_request_with_deadline(
+    dst: &mut BytesMut,
+    flags: Flags,
+    req_id: u64,
+    block: &[u8],
+    deadline: Option<Duration>,
+    body: &[u8],
+) {
+    let Some(budget) = deadline else {
+        return put_ext_request(dst, flags, req_id, block, body);
+    };
+    let fields = block.get(2..).unwrap_or_default();
+    let block_len = 2 + fields.len() + 3 + DEADLINE_LEN;
+    let start = dst.len();
+    dst.reserve(FRAME_OVERHEAD + block_len + body.len());
+    Header {
+        msg_type: MsgType::ExtRequest,
+        flags,
+        body_len: (block_len + body.len()) as u32,
+        req_id,
+    }
+    .put(dst);
+    dst.put_u16((block_len - 2) as u16);
+    dst.extend_from_slice(fields);
+    dst.put_u8(TAG_DEADLINE);
+    dst.put_u16(DEADLINE_LEN as u16);
+    dst.put_u32(deadline_micros(budget));
+    dst.extend_from_slice(body);
+    let crc = crc32(&dst[start..]);
+    dst.put_u32(crc);
+}
+
 /// Splits an extension request's body into its fields and the v1 request body (a slice of
 /// `body`, no copy). Malformed: a block longer than the body or than [`MAX_BLOCK_LEN`], a
-/// field running past the block, a caller that is not UTF-8 or is too long.
+/// field running past the block, a caller that is not UTF-8 or is too long, a deadline
+/// whose value is not [`DEADLINE_LEN`] bytes.
 pub fn split(body: &Bytes) -> Result<(Fields<'_>, Bytes), FrameError> {
     let mut b = &body[..];
     if b.len() < 2 {
@@ -121,6 +196,10 @@ pub fn split(body: &Bytes) -> Result<(Fields<'_>, Bytes), FrameError> {
                 return Err(bad("caller identity too long"));
             }
             fields.caller = Some(std::str::from_utf8(value).map_err(|_| bad("caller not UTF-8"))?);
+        } else if tag == TAG_DEADLINE {
+            let micros: [u8; DEADLINE_LEN] =
+                value.try_into().map_err(|_| bad("deadline not 4 bytes"))?;
+            fields.deadline = Some(Duration::from_micros(u64::from(u32::from_be_bytes(micros))));
         }
         block = rest;
     }
@@ -175,13 +254,61 @@ mod tests {
         assert_eq!(inner, body, "the v1 body is untouched");
     }
 
+    /// A deadline of 1.5 s, byte for byte: tag 2, length 4, 1,500,000 µs big-endian; read
+    /// back whole, alone or after the caller the broker puts first.
+    #[test]
+    fn a_deadline_is_four_bytes_of_microseconds_under_tag_2() {
+        let block = deadline_block(Duration::from_millis(1500));
+        assert_eq!(block, *b"\x00\x07\x02\x00\x04\x00\x16\xe3\x60");
+        let body = v1_body();
+        let mut b = BytesMut::from(&block[..]);
+        b.extend_from_slice(&body);
+        let b = b.freeze();
+        let (fields, inner) = split(&b).unwrap();
+        assert_eq!(fields.deadline, Some(Duration::from_micros(1_500_000)));
+        assert_eq!(
+            fields.caller, None,
+            "no caller field: the sender's own call"
+        );
+        assert_eq!(inner, body);
+
+        let mut caller = BytesMut::new();
+        put_caller_block(&mut caller, Some("spiffe://t/driver/d1")).unwrap();
+        let mut frame = BytesMut::new();
+        let budget = Some(Duration::from_micros(250));
+        put_ext_request_with_deadline(&mut frame, Flags::NONE, 4, &caller, budget, &body);
+        let f = FrameCodec::default()
+            .decode_frame(&mut frame)
+            .unwrap()
+            .unwrap();
+        let (fields, inner) = split(&f.body).unwrap();
+        assert_eq!(fields.caller, Some("spiffe://t/driver/d1"));
+        assert_eq!(fields.deadline, Some(Duration::from_micros(250)));
+        assert_eq!(inner, body);
+        // No caller block: the deadline alone.
+        let mut frame = BytesMut::new();
+        put_ext_request_with_deadline(&mut frame, Flags::NONE, 4, &[], budget, &body);
+        let f = FrameCodec::default()
+            .decode_frame(&mut frame)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            &f.body[..DEADLINE_BLOCK_LEN],
+            &deadline_block(Duration::from_micros(250))
+        );
+        // Past the u32's range: the longest budget; below a microsecond: none left.
+        assert_eq!(deadline_micros(Duration::from_secs(10_000)), u32::MAX);
+        assert_eq!(deadline_micros(Duration::from_nanos(999)), 0);
+        assert!(takes(PROVIDER_FIELDS, DEADLINE_FIELD) && takes(PROVIDER_FIELDS, CALLER_FIELD));
+    }
+
     #[test]
     fn unknown_fields_are_skipped_and_broken_blocks_refused() {
         let body = v1_body();
-        // A deadline field (tag 2, 8 bytes) before the caller: skipped by this side.
+        // A field of a tag this side does not know (9, 8 bytes) before the caller: skipped.
         let mut b = BytesMut::new();
         b.put_u16(3 + 8 + 3);
-        b.put_u8(TAG_DEADLINE);
+        b.put_u8(9);
         b.put_u16(8);
         b.put_u64(5);
         b.put_u8(TAG_CALLER);
@@ -190,12 +317,17 @@ mod tests {
         let b = b.freeze();
         let (fields, inner) = split(&b).unwrap();
         assert_eq!(fields.caller, Some(""), "an anonymous caller");
+        assert_eq!(fields.deadline, None);
         assert_eq!(inner, body);
         for bad in [
             &b"\x00"[..],
             b"\x00\x05\x01\x00",
             b"\x00\x04\x01\x00\x09x",
             b"\x00\x05\x01\x00\x02\xff\xfe",
+            // A deadline of 8 bytes, 2 and none: not the 4 a deadline is.
+            b"\x00\x0b\x02\x00\x08\x00\x00\x00\x00\x00\x00\x00\x05",
+            b"\x00\x05\x02\x00\x02\x00\x05",
+            b"\x00\x03\x02\x00\x00",
         ] {
             assert!(split(&Bytes::copy_from_slice(bad)).is_err(), "{bad:?}");
         }
