@@ -100,6 +100,9 @@ pub(crate) enum Failure {
     ProvidersDraining(String),
     /// The call's deadline passed before it could be written to a provider.
     TimedOutQueued,
+    /// The caller's own deadline (the extension's `deadline` field) had passed before the
+    /// broker forwarded the call: it was not sent to any provider.
+    DeadlineExceeded,
     /// No reply from the provider within the call timeout.
     Timeout {
         /// The provider, as configured.
@@ -143,6 +146,7 @@ impl Failure {
                 (S::Unavailable, K::Unavailable, Provider, true)
             }
             Failure::TimedOutQueued => (S::Timeout, K::Timeout, Provider, true),
+            Failure::DeadlineExceeded => (S::Timeout, K::DeadlineExceeded, Client, true),
             // Written to the provider: it may have run.
             Failure::Timeout { .. } => (S::Timeout, K::Timeout, Provider, false),
             Failure::ConnectionLost { .. } => (S::Unavailable, K::Unavailable, Provider, false),
@@ -239,6 +243,9 @@ impl fmt::Display for Failure {
             Failure::TimedOutQueued => {
                 f.write_str("call timed out waiting for a provider connection")
             }
+            Failure::DeadlineExceeded => {
+                f.write_str("deadline exceeded before the broker forwarded the call")
+            }
             Failure::Timeout { provider, after } => {
                 write!(f, "no reply from provider {provider} within {after:?}")
             }
@@ -278,6 +285,7 @@ mod tests {
             Failure::KeptClosing,
             Failure::ProvidersDraining("S".into()),
             Failure::TimedOutQueued,
+            Failure::DeadlineExceeded,
             Failure::Timeout {
                 provider: p.clone(),
                 after: Duration::from_secs(5),
@@ -372,6 +380,7 @@ mod tests {
                 (Provider, S::Unavailable, K::Unavailable),
                 (Provider, S::Unavailable, K::Unavailable),
                 (Provider, S::Timeout, K::Timeout),
+                (Client, S::Timeout, K::DeadlineExceeded),
                 (Provider, S::Timeout, K::Timeout),
                 (Provider, S::Unavailable, K::Unavailable),
                 (Provider, S::Failed, K::BadBody),
@@ -390,7 +399,11 @@ mod tests {
             m[9],
             "the providers of S are shutting down; the call was not run"
         );
-        assert_eq!(m[11], "no reply from provider 10.0.0.3:7800 within 5s");
-        assert!(m[12].starts_with("connection to provider 10.0.0.3:7800 lost"));
+        assert_eq!(
+            m[11],
+            "deadline exceeded before the broker forwarded the call"
+        );
+        assert_eq!(m[12], "no reply from provider 10.0.0.3:7800 within 5s");
+        assert!(m[13].starts_with("connection to provider 10.0.0.3:7800 lost"));
     }
 }

@@ -14,13 +14,19 @@
 //! that take it forward it with each call (`rpcmesh_wire::ext`). With a policy, each call's
 //! names are checked against it at admission, before any cap; a denied call is answered
 //! "permission denied: IDENTITY may not call Service.Method".
+//!
+//! A caller that asks in a heartbeat (`rpcmesh_wire::ext`) is told the broker takes call
+//! deadlines; its calls may then carry one. A call's deadline is the earlier of its
+//! caller's and the broker's own call timeout; a call already past it is answered
+//! "timeout: deadline exceeded" and counted `deadline_exceeded`, never forwarded. A caller
+//! field from a client is ignored: a broker's callers are whom their certificates name.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
@@ -41,7 +47,8 @@ use rpcmesh_wire::Status;
 use rpcmesh_wire::body::{Heartbeat, request_names, request_service};
 use rpcmesh_wire::codec::FrameCodec;
 use rpcmesh_wire::envelope::{put_error_response, put_not_run_response};
-use rpcmesh_wire::frame::{Flags, Frame, FrameError};
+use rpcmesh_wire::ext;
+use rpcmesh_wire::frame::{Flags, Frame, FrameError, Header, MsgType};
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
@@ -162,11 +169,41 @@ impl Protocol for Session {
     }
 
     fn on_request(&mut self, frame: Frame, io: &mut FramedIo, draining: bool) {
-        self.admit(frame, io, draining);
+        self.admit(frame, io, draining, None);
     }
 
+    /// A call carrying its caller's deadline: admitted as the plain call inside, within
+    /// the time its caller has left.
+    fn on_ext_request(&mut self, frame: Frame, io: &mut FramedIo, draining: bool) {
+        let (id, flags) = (frame.header.req_id, frame.header.flags);
+        let (budget, inner) = match ext::split(&frame.body) {
+            Ok((fields, inner)) => (fields.deadline, inner),
+            Err(e) => return self.refuse(io, id, flags, 0, Failure::BadRequest(e)),
+        };
+        let inner = Frame {
+            header: Header {
+                msg_type: MsgType::Request,
+                flags,
+                body_len: inner.len() as u32,
+                req_id: id,
+            },
+            body: inner,
+        };
+        self.admit(inner, io, draining, budget);
+    }
+
+    /// Answers a heartbeat; one that asks which call fields the broker takes is told
+    /// (the deadline).
     fn on_heartbeat(&mut self, frame: Frame, io: &mut FramedIo) {
-        let _ = Heartbeat::put_now(io.wbuf(), frame.header.req_id, "broker", "rpcmesh-broker");
+        let asked = Heartbeat::parse(&frame.body)
+            .is_ok_and(|hb| hb.extra_value(ext::HEARTBEAT_KEY).is_some());
+        let extra: &[(&str, &str)] = if asked {
+            &[(ext::HEARTBEAT_KEY, ext::DEADLINE_FIELD)]
+        } else {
+            &[]
+        };
+        let id = frame.header.req_id;
+        let _ = Heartbeat::put_now_with(io.wbuf(), id, "broker", "rpcmesh-broker", extra);
     }
 
     fn on_unexpected(&mut self) {
@@ -275,7 +312,8 @@ impl Session {
     }
 
     /// Reads a request's names, sheds it over the caps, or hands it to routing.
-    fn admit(&mut self, frame: Frame, io: &mut FramedIo, draining: bool) {
+    /// `budget`: the time its caller has left, when the call said.
+    fn admit(&mut self, frame: Frame, io: &mut FramedIo, draining: bool, budget: Option<Duration>) {
         let (id, flags) = (frame.header.req_id, frame.header.flags);
         let (service, method, _) = match request_names(&frame.body) {
             Ok(r) => r,
@@ -285,6 +323,9 @@ impl Session {
         let tag = self.tag(&names, service.len());
         if draining {
             return self.refuse(io, id, flags, tag, Failure::Draining);
+        }
+        if budget.is_some_and(|b| b.is_zero()) {
+            return self.refuse(io, id, flags, tag, Failure::DeadlineExceeded);
         }
         if let Some(authz) = &self.shared.security.authz {
             let caller = self.identity.as_ref().map(|i| i.as_str());
@@ -341,11 +382,17 @@ impl Session {
                 replied: None,
             },
             reply_to: self.inbox.clone(),
-            deadline: now + cfg.call_timeout,
+            deadline: now + budget.map_or(cfg.call_timeout, |b| b.min(cfg.call_timeout)),
             retries: 0,
             refused_by_drain: false,
             reserved: (len >= SMALL_BODY).then(|| Reserved::new(&self.shared.budget, len)),
         };
+        // A call its caller bounded may have run out of time while the read's earlier
+        // calls were handled: never forwarded then.
+        if budget.is_some() && Instant::now() >= fwd.deadline {
+            Failure::DeadlineExceeded.count(&self.shared.metrics.errors);
+            return self.finish(fwd.info, Err(Failure::DeadlineExceeded), io);
+        }
         self.route(fwd, io);
     }
 

@@ -29,6 +29,10 @@ pub const DEFAULT_FANOUT: u32 = 5;
 /// Connections per run: enough to spread over a broker's threads, few enough that each
 /// carries many calls per write (the batching that multiplexing is for).
 pub const DEFAULT_CONNECTIONS: usize = 8;
+/// Calls carry their deadline unless told not to: a broker or provider that takes it
+/// drops a call the driver has given up on instead of running it, and one that does not
+/// take it is sent plain calls anyway (`crate::connection`).
+pub const DEFAULT_DEADLINE: bool = true;
 /// Measured time of a run against given targets.
 pub const DEFAULT_DURATION: Duration = Duration::from_secs(10);
 /// Measured time of the embedded demo run (no target given): a few seconds, so that the
@@ -238,6 +242,10 @@ pub struct LoadArgs {
     /// Per-call timeout.
     #[arg(long, env = "RPCMESH_CALL_TIMEOUT", default_value_t = DurationArg(DEFAULT_CALL_TIMEOUT))]
     pub timeout: DurationArg,
+    /// Send each call's deadline (the time left of --timeout) to targets that take it:
+    /// on|off (ignored with --v1).
+    #[arg(long, env = "RPCMESH_DEADLINE", default_value_t = OnOff(DEFAULT_DEADLINE))]
+    pub deadline: OnOff,
     /// The driver's runtime.
     #[command(flatten)]
     pub runtime: RuntimeArgs,
@@ -435,6 +443,8 @@ pub struct DriverConfig {
     pub kind: PeerKind,
     /// Per-call timeout.
     pub call_timeout: Duration,
+    /// Send each call's deadline to targets that take it (rpcmesh targets only).
+    pub deadline: bool,
     /// Where to write the JSON report.
     pub json: Option<PathBuf>,
     /// Where to write the HdrHistogram interval log.
@@ -471,6 +481,7 @@ impl Default for DriverConfig {
             compression: DEFAULT_COMPRESS.then(CompressionConfig::default),
             kind: PeerKind::Rpcmesh,
             call_timeout: DEFAULT_CALL_TIMEOUT,
+            deadline: DEFAULT_DEADLINE,
             json: None,
             hdr_log: None,
             progress: DEFAULT_PROGRESS,
@@ -746,6 +757,7 @@ impl LoadArgs {
                 PeerKind::Rpcmesh
             },
             call_timeout: self.timeout.0,
+            deadline: self.deadline.0,
             json: None,
             hdr_log: None,
             progress: DEFAULT_PROGRESS,

@@ -18,6 +18,13 @@
 //! closes). Without that, every worker of a rolling restart would end on the broker that
 //! restarted first, and the run would go on measuring one broker instead of all of them.
 //!
+//! A connection made to an rpcmesh target (unless told not to, `--deadline off`) first
+//! asks, in a heartbeat, which call fields the target takes (`rpcmesh_wire::ext`); one
+//! that takes the deadline is sent every call with the time left to it, so that a broker
+//! or provider drops a call its caller has given up on instead of running it. A target
+//! that answers without the pair (a plain v1 server, an older rpcmesh one), or not within
+//! [`ASK_TIMEOUT`], gets plain calls.
+//!
 //! Owns the choice of target, the back-offs and the counts; the connections themselves,
 //! and what runs over them, are the worker's.
 
@@ -31,8 +38,13 @@ use rpcmesh_common::metrics::{ErrorKind, Side};
 use std::sync::Arc;
 
 use rpcmesh_common::net::backoff::Backoff;
+use rpcmesh_common::net::connection::{FramedIo, IoEvent};
 use rpcmesh_common::net::stream::Stream;
 use rpcmesh_common::net::tls::{ClientTls, ConnectError};
+use rpcmesh_wire::body::Heartbeat;
+use rpcmesh_wire::codec::FrameCodec;
+use rpcmesh_wire::ext;
+use rpcmesh_wire::frame::{DEFAULT_MAX_BODY_LEN, MsgType};
 use tokio::net::TcpStream;
 
 use crate::metrics::DriverMetrics;
@@ -45,9 +57,48 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// restarts is listening again within a second or two, and a target that stays down costs
 /// one connection attempt per interval per worker.
 pub const HOME_RETRY: Duration = Duration::from_secs(1);
+/// How long a new connection waits for the answer to its question about call fields
+/// before it carries plain calls: a target answers a heartbeat in well under a
+/// millisecond, a loaded one within a few; a second covers that many times, and a target
+/// that never answers heartbeats costs it once per connection.
+pub const ASK_TIMEOUT: Duration = Duration::from_secs(1);
+/// The request id of that question (the only frame on the connection before its calls,
+/// whose ids count up from 1).
+const ASK_ID: u64 = u64::MAX;
 /// Connections lost that are logged at warn per worker; the next ones at debug (the
 /// report counts them all): a rolling restart is a few, a flapping target is many.
 const LOST_WARNINGS: u64 = 3;
+
+/// Asks the target on `io` which call fields it takes: a heartbeat carrying the
+/// extension's pair with an empty value, whose answer lists them (`rpcmesh_wire::ext`).
+/// Nothing else is on the connection yet, so every frame read is that answer.
+async fn ask_fields(io: &mut FramedIo) -> io::Result<CallFields> {
+    let ask = [(ext::HEARTBEAT_KEY, "")];
+    Heartbeat::put_now_with(io.wbuf(), ASK_ID, "driver", "rpcmesh-driver", &ask)
+        .map_err(io::Error::other)?;
+    loop {
+        io.try_flush()?;
+        if let IoEvent::Read = io.wait_io(true).await? {
+            while let Some(frame) = io.next_frame().map_err(io::Error::other)? {
+                if frame.header.msg_type != MsgType::Heartbeat || frame.header.req_id != ASK_ID {
+                    continue;
+                }
+                let takes = Heartbeat::parse(&frame.body).is_ok_and(|hb| {
+                    hb.extra_value(ext::HEARTBEAT_KEY)
+                        .is_some_and(|v| ext::takes(v, ext::DEADLINE_FIELD))
+                });
+                return Ok(if takes {
+                    CallFields::Deadline
+                } else {
+                    CallFields::Plain
+                });
+            }
+            if io.is_eof() {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+        }
+    }
+}
 
 /// One target and its back-off.
 #[derive(Debug)]
@@ -100,6 +151,28 @@ pub enum DialError {
     /// The TLS handshake was refused (counted in `rpcmesh_tls_handshake_failures_total`).
     #[error("{0}")]
     Tls(#[from] ConnectError),
+    /// The target closed the connection, or sent bytes beyond repair, before answering
+    /// which call fields it takes.
+    #[error("closed before answering a heartbeat: {0}")]
+    Asking(io::Error),
+}
+
+/// What the calls on a connection carry besides the plain v1 request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallFields {
+    /// Nothing: plain v1 requests (a target that did not say it takes more).
+    Plain,
+    /// The caller's deadline: extension requests with the time left to each call.
+    Deadline,
+}
+
+/// A connection made: its I/O, and what its calls carry.
+#[derive(Debug)]
+pub struct Connected {
+    /// The connection, framed.
+    pub io: FramedIo,
+    /// What the target said it takes.
+    pub fields: CallFields,
 }
 
 /// A connection attempt under way: a future that owns what it needs, so that the worker
@@ -107,7 +180,7 @@ pub enum DialError {
 pub struct Dialing {
     /// The target being dialled.
     pub target: usize,
-    attempt: Pin<Box<dyn Future<Output = Result<Stream, DialError>> + Send>>,
+    attempt: Pin<Box<dyn Future<Output = Result<Connected, DialError>> + Send>>,
 }
 
 impl std::fmt::Debug for Dialing {
@@ -120,12 +193,12 @@ impl std::fmt::Debug for Dialing {
 
 impl Dialing {
     /// Waits for the attempt: the connected socket, or why there is none.
-    pub async fn finish(&mut self) -> Result<Stream, DialError> {
+    pub async fn finish(&mut self) -> Result<Connected, DialError> {
         (&mut self.attempt).await
     }
 
     /// [`Dialing::finish`] as a poll, for a caller that waits on its connections too.
-    pub fn poll_finish(&mut self, cx: &mut Context<'_>) -> Poll<Result<Stream, DialError>> {
+    pub fn poll_finish(&mut self, cx: &mut Context<'_>) -> Poll<Result<Connected, DialError>> {
         self.attempt.as_mut().poll(cx)
     }
 }
@@ -153,6 +226,8 @@ pub struct Connector {
     lost: u64,
     /// TLS to the targets, when on.
     tls: Option<Arc<ClientTls>>,
+    /// Ask each new connection which call fields its target takes.
+    ask: bool,
 }
 
 impl Connector {
@@ -178,7 +253,15 @@ impl Connector {
             failures: 0,
             lost: 0,
             tls: None,
+            ask: false,
         }
+    }
+
+    /// Asks each new connection, when `ask`, which call fields its target takes (see the
+    /// module's doc); else every connection carries plain calls.
+    pub fn asking(mut self, ask: bool) -> Self {
+        self.ask = ask;
+        self
     }
 
     /// Speaks TLS to the targets with `tls`, when given.
@@ -272,11 +355,13 @@ impl Connector {
     }
 
     /// Starts `attempt`: waits until its time, then connects within [`CONNECT_TIMEOUT`]
-    /// (and, with TLS, makes the handshake).
+    /// (and, with TLS, makes the handshake), then, when asking, asks which call fields the
+    /// target takes (within [`ASK_TIMEOUT`]).
     pub fn dial(&self, attempt: Attempt) -> Dialing {
         let addr = self.addr(attempt.target).to_string();
         let at = attempt.at;
         let tls = self.tls.clone();
+        let ask = self.ask;
         Dialing {
             target: attempt.target,
             attempt: Box::pin(async move {
@@ -286,10 +371,23 @@ impl Connector {
                         Ok(r) => r?,
                         Err(_) => return Err(DialError::TimedOut),
                     };
-                match tls {
-                    Some(t) => Ok(t.connect(tcp, &addr).await?.stream),
-                    None => Ok(Stream::Plain(tcp)),
-                }
+                let stream = match tls {
+                    Some(t) => t.connect(tcp, &addr).await?.stream,
+                    None => Stream::Plain(tcp),
+                };
+                let mut io = FramedIo::over(stream, FrameCodec::new(DEFAULT_MAX_BODY_LEN));
+                let fields = if ask {
+                    match tokio::time::timeout(ASK_TIMEOUT, ask_fields(&mut io)).await {
+                        Ok(r) => r.map_err(DialError::Asking)?,
+                        Err(_) => {
+                            tracing::debug!(target = %addr, "no answer to the call-fields question; plain calls");
+                            CallFields::Plain
+                        }
+                    }
+                } else {
+                    CallFields::Plain
+                };
+                Ok(Connected { io, fields })
             }),
         }
     }

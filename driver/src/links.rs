@@ -34,9 +34,8 @@ use std::time::{Duration, Instant};
 
 use rpcmesh_common::net::connection::{FramedIo, IoEvent};
 use rpcmesh_common::net::shutdown::CancellationToken;
-use rpcmesh_common::net::stream::Stream;
 
-use crate::connection::{Connector, DialError, Dialing, Heard, Reach};
+use crate::connection::{Connected, Connector, DialError, Dialing, Heard, Reach};
 use crate::metrics::DriverMetrics;
 use crate::outcome::Loss;
 
@@ -147,7 +146,7 @@ pub(crate) enum LinkEvent {
     Io(u32, io::Result<IoEvent>),
     /// The attempt to this target ended: the worker hands what it made to
     /// [`Links::connected`] or [`Links::dial_failed`], which put the finished attempt away.
-    Dialed(usize, Result<Stream, DialError>),
+    Dialed(usize, Result<Connected, DialError>),
 }
 
 /// One worker's connections: the state, the connections draining, and the connector that

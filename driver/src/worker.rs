@@ -22,6 +22,10 @@
 //! - A refused connect or a lost connection moves the worker to the next target at once
 //!   (each target keeps its own back-off). Calls lost with a connection after they were
 //!   written count as `connection` (they may have run).
+//! - On a connection whose target takes the deadline (`crate::connection`), each call is
+//!   written with the time left to it (from its issue, the call timeout, less any time
+//!   parked or re-sent): a broker or provider then drops it unstarted once its caller has
+//!   given up on it, instead of running it for nobody.
 //! - A call that finds no connection (between one and the next) is parked, unwritten, and
 //!   written as soon as a connection is up; one still parked after the call timeout counts
 //!   as `no_connection`. In the open loop, requests due meanwhile wait in the backlog (as
@@ -36,16 +40,15 @@ use rpcmesh_common::metrics::families::{InFlightShare, Sampler};
 use rpcmesh_common::metrics::{ErrorKind, Side};
 use rpcmesh_common::net::connection::{CloseReason, FramedIo, IoEvent};
 use rpcmesh_common::net::listener::AcceptObserver;
-use rpcmesh_common::net::stream::Stream;
-use rpcmesh_wire::codec::FrameCodec;
 use rpcmesh_wire::compress::DEFAULT_MAX_INFLATED_LEN;
 use rpcmesh_wire::envelope::CallCodec;
-use rpcmesh_wire::frame::{DEFAULT_MAX_BODY_LEN, Flags, Frame, MsgType};
+use rpcmesh_wire::ext;
+use rpcmesh_wire::frame::{Flags, Frame, MsgType};
 use rpcmesh_wire::{PeerKind, Status};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::calls::{Calls, Place, Slot};
-use crate::connection::{Connector, Reach};
+use crate::connection::{CallFields, Connected, Connector, Reach};
 use crate::failures::MAX_TEXT_BYTES;
 use crate::intake::Intake;
 use crate::links::{Aside, Link, LinkEvent, Links, Move, Patience};
@@ -132,13 +135,15 @@ pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> WorkerFigures {
         codec: CallCodec::new(c.compression, DEFAULT_MAX_INFLATED_LEN)
             .timed(shared.metrics.compression.clone()),
         flags,
+        fields: CallFields::Plain,
         calls: Calls::with_capacity(plan.users * c.fanout as usize),
         users,
         intake,
         links: Links::new(
             Connector::new(plan.targets, plan.first, plan.index)
                 .home_retry(c.home_retry)
-                .with_tls(shared.tls.clone()),
+                .with_tls(shared.tls.clone())
+                .asking(c.kind == PeerKind::Rpcmesh && c.deadline),
             patience,
             now,
         ),
@@ -176,6 +181,8 @@ struct Worker {
     codec: CallCodec,
     /// The flags of every request.
     flags: Flags,
+    /// What the calls on the current connection carry besides the request.
+    fields: CallFields,
     users: Users,
     calls: Calls,
     intake: Intake,
@@ -230,8 +237,8 @@ impl Worker {
                 Event::Link(LinkEvent::Io(serial, Ok(IoEvent::Read))) => self.on_read(serial),
                 Event::Link(LinkEvent::Io(_, Ok(IoEvent::Wrote))) => {}
                 Event::Link(LinkEvent::Io(serial, Err(e))) => self.lose(serial, Loss::Socket(e)),
-                Event::Link(LinkEvent::Dialed(target, Ok(stream))) => {
-                    self.connected(target, stream);
+                Event::Link(LinkEvent::Dialed(target, Ok(connected))) => {
+                    self.connected(target, connected);
                 }
                 Event::Link(LinkEvent::Dialed(target, Err(e))) => {
                     let now = Instant::now();
@@ -360,10 +367,10 @@ impl Worker {
     /// A connection to `target` is up: it becomes the current one (a current one to
     /// another target, when this was the way back to the worker's own, is set aside until
     /// its calls are answered), the parked calls are written on it, and the users go on.
-    fn connected(&mut self, target: usize, stream: Stream) {
+    fn connected(&mut self, target: usize, connected: Connected) {
         self.shared.metrics.conns.opened();
-        let io = FramedIo::over(stream, FrameCodec::new(DEFAULT_MAX_BODY_LEN));
-        let aside = self.links.connected(target, io);
+        self.fields = connected.fields;
+        let aside = self.links.connected(target, connected.io);
         self.set_aside(aside);
         let now = Instant::now();
         for _ in 0..self.calls.parked() {
@@ -647,10 +654,20 @@ impl Worker {
             return;
         };
         let encoding = self.timing.calls.stamp();
-        let encoded = self
-            .shared
-            .workload
-            .encode(&mut self.codec, link.io.wbuf(), id, self.flags);
+        let block = match self.fields {
+            CallFields::Plain => None,
+            CallFields::Deadline => {
+                let end = slot.sent + self.shared.config.call_timeout;
+                Some(ext::deadline_block(
+                    end.saturating_duration_since(Instant::now()),
+                ))
+            }
+        };
+        let block = block.as_ref().map_or(&[][..], |b| &b[..]);
+        let encoded =
+            self.shared
+                .workload
+                .encode(&mut self.codec, link.io.wbuf(), id, self.flags, block);
         match encoded {
             Ok(size) => {
                 link.carry();

@@ -67,29 +67,33 @@ impl Workload {
         }
     }
 
-    /// Appends one call's request frame.
+    /// Appends one call's request frame, behind the extension block `block` when it is
+    /// not empty (`rpcmesh_wire::ext`).
     pub fn encode(
         &self,
         codec: &mut CallCodec,
         dst: &mut BytesMut,
         req_id: u64,
         flags: Flags,
+        block: &[u8],
     ) -> Result<PayloadSize, FrameError> {
         let (s, m) = self.target();
         match self.kind {
-            WorkloadKind::Platform => codec.put_request(
+            WorkloadKind::Platform => codec.put_request_after(
                 dst,
                 req_id,
                 flags,
+                block,
                 s.as_bytes(),
                 m.as_bytes(),
                 &self.query,
                 &self.metadata,
             ),
-            WorkloadKind::Echo => codec.put_request(
+            WorkloadKind::Echo => codec.put_request_after(
                 dst,
                 req_id,
                 flags,
+                block,
                 s.as_bytes(),
                 m.as_bytes(),
                 &self.echo,
@@ -129,7 +133,7 @@ mod tests {
             let w = Workload::new(kind, 32);
             let mut codec = CallCodec::new(None, 1 << 20);
             let mut b = BytesMut::new();
-            w.encode(&mut codec, &mut b, 9, Flags::NONE).unwrap();
+            w.encode(&mut codec, &mut b, 9, Flags::NONE, &[]).unwrap();
             let f = Frame::from_bytes(b.freeze()).unwrap();
             let call = codec.decode_request(&f).unwrap();
             assert_eq!(call.request.service_name(), w.target().0);

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use rpcmesh_driver::config::{DEFAULT_BACKLOG, DEFAULT_CALL_TIMEOUT};
-use rpcmesh_driver::connection::HOME_RETRY;
+use rpcmesh_driver::connection::{ASK_TIMEOUT, HOME_RETRY};
 use rpcmesh_driver::failures::{MAX_TEXT_BYTES, MAX_TEXTS};
 use rpcmesh_driver::pacer::EXACT_SPIN;
 use rpcmesh_driver::stats::MAX_LATENCY_US;
@@ -21,6 +21,7 @@ fn driver() -> Vec<(&'static str, Value)> {
         ("driver::DEFAULT_CALL_TIMEOUT", time(DEFAULT_CALL_TIMEOUT)),
         ("driver::DEFAULT_BACKLOG", count(DEFAULT_BACKLOG)),
         ("driver::HOME_RETRY", time(HOME_RETRY)),
+        ("driver::ASK_TIMEOUT", time(ASK_TIMEOUT)),
         ("driver::MAX_TEXT_BYTES", bytes(MAX_TEXT_BYTES)),
         ("driver::MAX_TEXTS", count(MAX_TEXTS)),
         ("driver::EXACT_SPIN", time(EXACT_SPIN)),

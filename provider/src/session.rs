@@ -11,6 +11,12 @@
 //! connection's own identity is a forwarder the policy names. A denied call is answered
 //! "permission denied: IDENTITY may not call Service.Method".
 //!
+//! A call that carries its caller's deadline (the extension's `deadline` field: a budget
+//! counted from the read that brought it) is not started once that has passed: it is
+//! answered "timeout: deadline exceeded" and counted `deadline_exceeded`, so that work
+//! nobody waits for any more is never begun (a call queued behind slow handlers of the
+//! same read is the case).
+//!
 //! The provider's [`Protocol`] over the shared server-session skeleton
 //! (`rpcmesh_common::net::session`: the loop, backlog limit, drain and final flush). One
 //! task owns the socket, the calls waiting on handlers and the write buffer; nothing here
@@ -110,6 +116,9 @@ enum Served {
 
 /// The answer to calls still in flight when the grace period ends.
 const GRACE_OVER: &str = "provider shutting down: the grace period ended before the call did";
+/// The answer to a call whose caller's deadline passed before it started (after the
+/// status name, "timeout: ").
+const DEADLINE_PASSED: &str = "deadline exceeded before the provider started the call";
 
 struct Session {
     calls: CallCodec,
@@ -188,7 +197,7 @@ impl Protocol for Session {
                 return;
             }
         }
-        self.serve_request(frame, io, draining);
+        self.serve_request(frame, io, draining, None);
     }
 
     /// A call a broker forwarded with its caller's identity: the caller is believed only
@@ -196,8 +205,11 @@ impl Protocol for Session {
     /// authorized as the caller's, and served as the plain call inside.
     fn on_ext_request(&mut self, frame: Frame, io: &mut FramedIo, draining: bool) {
         let (id, flags) = (frame.header.req_id, frame.header.flags);
-        let (caller, inner) = match ext::split(&frame.body) {
-            Ok((fields, inner)) => (fields.caller.map(str::to_string), inner),
+        let (caller, deadline, inner) = match ext::split(&frame.body) {
+            Ok((fields, inner)) => {
+                let deadline = fields.deadline.map(|budget| self.read_began + budget);
+                (fields.caller.map(str::to_string), deadline, inner)
+            }
             Err(e) => {
                 // Counted as bad input; answered, since the request id is known.
                 self.bad_input.record(&e);
@@ -216,7 +228,9 @@ impl Protocol for Session {
         };
         if !draining && let Some(authz) = &self.shared.security.authz {
             let peer = self.identity.as_ref().map(|i| i.as_str());
-            if !authz.policy().may_forward(peer) {
+            // Without a caller field the call is the peer's own (a deadline alone names
+            // no one): authorized as a plain request is.
+            if caller.is_some() && !authz.policy().may_forward(peer) {
                 let who = peer.unwrap_or(rpcmesh_common::authz::ANONYMOUS);
                 let msg = format!("permission denied: {who} may not forward callers' identities");
                 return self.deny(io, &inner, &msg);
@@ -232,7 +246,7 @@ impl Protocol for Session {
                 return;
             }
         }
-        self.serve_request(inner, io, draining);
+        self.serve_request(inner, io, draining, deadline);
     }
 
     fn on_heartbeat(&mut self, frame: Frame, io: &mut FramedIo) {
@@ -306,12 +320,18 @@ impl Session {
     }
 
     /// Serves a request the policy (if any) let through: timed on a sample, answered now
-    /// or when its handler is done.
-    fn serve_request(&mut self, frame: Frame, io: &mut FramedIo, draining: bool) {
+    /// or when its handler is done. `deadline`: the caller's, when the call carried one.
+    fn serve_request(
+        &mut self,
+        frame: Frame,
+        io: &mut FramedIo,
+        draining: bool,
+        deadline: Option<Instant>,
+    ) {
         // Only a sample of the calls is timed.
         let timed = self.shared.metrics.stages.on() && self.sampler.pick();
         let read_at = timed.then_some(self.read_began);
-        if let Served::Now(method) = self.serve_call(frame, read_at, io, draining) {
+        if let Served::Now(method) = self.serve_call(frame, read_at, io, draining, deadline) {
             self.answered.extend(read_at.map(|t| (t, method)));
         }
     }
@@ -337,7 +357,7 @@ impl Session {
             pairs.push((pace::HEARTBEAT_KEY, v.as_str()));
         }
         if ext_asked {
-            pairs.push((ext::HEARTBEAT_KEY, ext::CALLER_FIELD));
+            pairs.push((ext::HEARTBEAT_KEY, ext::PROVIDER_FIELDS));
         }
         let extra = &pairs[..];
         let id = frame.header.req_id;
@@ -395,13 +415,15 @@ impl Session {
 
     /// Serves one request: answered now (with the method, when one was found), or later (a
     /// handler works on it).
-    /// `read_at` is set when this call's stages are timed.
+    /// `read_at` is set when this call's stages are timed; `deadline` when the caller sent
+    /// one.
     fn serve_call(
         &mut self,
         frame: Frame,
         read_at: Option<Instant>,
         io: &mut FramedIo,
         draining: bool,
+        deadline: Option<Instant>,
     ) -> Served {
         let stamp = || read_at.map(|_| Instant::now());
         let (id, flags) = (frame.header.req_id, frame.header.flags);
@@ -413,6 +435,15 @@ impl Session {
                 .inc(ErrorKind::Unavailable, Side::Provider);
             put_not_run_response(io.wbuf(), id, flags, "provider shutting down");
             self.shared.metrics.calls(None).inc(Status::Unavailable);
+            return Served::Now(None);
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            // Its caller has given up: the work is not begun.
+            self.shared
+                .metrics
+                .errors
+                .inc(ErrorKind::DeadlineExceeded, Side::Client);
+            self.reply_error(io, id, flags, None, Status::Timeout, DEADLINE_PASSED);
             return Served::Now(None);
         }
         if self.shared.budget.refuses(frame.body.len()) {

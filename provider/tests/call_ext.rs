@@ -1,7 +1,8 @@
 //! Calls a broker forwards with its caller's identity (frame type 3, `rpcmesh_wire::ext`),
 //! sent by hand over plain sockets: without a policy the call inside is served as it is;
 //! with one, a peer that is no forwarder (here an anonymous plaintext one) is never
-//! believed; a block that does not add up is answered "bad request", not left unanswered.
+//! believed (a call carrying only a deadline names no one, and is the peer's own); a block
+//! that does not add up is answered "bad request", not left unanswered.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -11,7 +12,7 @@ use rpcmesh_provider::ProviderConfig;
 use rpcmesh_testkit::{InProcess, echo_request, read_frames};
 use rpcmesh_wire::Status;
 use rpcmesh_wire::body::Response;
-use rpcmesh_wire::ext::{put_caller_block, put_ext_request};
+use rpcmesh_wire::ext::{deadline_block, put_caller_block, put_ext_request};
 use rpcmesh_wire::frame::{Flags, Frame};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -83,6 +84,19 @@ async fn with_a_policy_an_anonymous_peer_may_not_forward_whoever_it_names() {
     // Its own calls are anonymous ones, which this policy allows.
     let (status, _) = answer(&p, &echo_request(2, "hi")).await;
     assert_eq!(status, Status::Success);
+    // A call carrying only its deadline names no one: it is the peer's own call too.
+    let plain = Frame::from_bytes(echo_request(3, "hi").freeze()).unwrap();
+    let block = deadline_block(std::time::Duration::from_secs(10));
+    let mut only_deadline = BytesMut::new();
+    put_ext_request(
+        &mut only_deadline,
+        Flags::EXT_STATUS,
+        3,
+        &block,
+        &plain.body,
+    );
+    let (status, msg) = answer(&p, &only_deadline).await;
+    assert_eq!(status, Status::Success, "{msg}");
     p.stop().await;
     let _ = std::fs::remove_dir_all(&dir);
 }

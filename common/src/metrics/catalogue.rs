@@ -190,7 +190,7 @@ pub const ERRORS_TOTAL: Family = Family {
     kind: Counter,
     labels: &["role", "kind", "side"],
     roles: ALL,
-    help: "Errors by kind (bad_magic, bad_version, too_large, crc, unknown_type, truncated, bad_body, inflate, decode, unknown_service, unknown_method, timeout, late_reply, unavailable, overloaded, failed, bad_request, permission_denied, unexpected, io) and by the side it came from: client (the caller's bytes or request), broker (a broker limit or decision), provider (the provider or the path to it), server (for the driver: the broker or provider it called).",
+    help: "Errors by kind (bad_magic, bad_version, too_large, crc, unknown_type, truncated, bad_body, inflate, decode, unknown_service, unknown_method, timeout, deadline_exceeded (a call dropped unstarted, its caller's deadline past: counted where it was dropped), late_reply, unavailable, overloaded, failed, bad_request, permission_denied, unexpected, io) and by the side it came from: client (the caller's bytes or request), broker (a broker limit or decision), provider (the provider or the path to it), server (for the driver: the broker or provider it called).",
 };
 /// `rpcmesh_stage_seconds{role, stage}`.
 pub const STAGE_SECONDS: Family = Family {

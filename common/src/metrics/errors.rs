@@ -41,6 +41,10 @@ pub enum ErrorKind {
     UnknownMethod,
     /// No reply within the deadline.
     Timeout,
+    /// A call dropped unstarted because its caller's deadline had passed: not forwarded
+    /// (broker) or not run (provider); counted by the program that dropped it, from the
+    /// side `client` (the deadline is the caller's).
+    DeadlineExceeded,
     /// A reply that came after its call had timed out (dropped).
     LateReply,
     /// No healthy provider / connection lost with the call on it.
@@ -63,7 +67,7 @@ pub enum ErrorKind {
 
 impl ErrorKind {
     /// Every kind, in label order.
-    pub const ALL: [ErrorKind; 20] = [
+    pub const ALL: [ErrorKind; 21] = [
         ErrorKind::BadMagic,
         ErrorKind::BadVersion,
         ErrorKind::TooLarge,
@@ -76,6 +80,7 @@ impl ErrorKind {
         ErrorKind::UnknownService,
         ErrorKind::UnknownMethod,
         ErrorKind::Timeout,
+        ErrorKind::DeadlineExceeded,
         ErrorKind::LateReply,
         ErrorKind::Unavailable,
         ErrorKind::Overloaded,
@@ -101,6 +106,7 @@ impl ErrorKind {
             ErrorKind::UnknownService => "unknown_service",
             ErrorKind::UnknownMethod => "unknown_method",
             ErrorKind::Timeout => "timeout",
+            ErrorKind::DeadlineExceeded => "deadline_exceeded",
             ErrorKind::LateReply => "late_reply",
             ErrorKind::Unavailable => "unavailable",
             ErrorKind::Overloaded => "overloaded",

@@ -90,11 +90,11 @@ pub(crate) fn call_payloads(
     let mut zdef = CallCodec::new(Some(CompressionConfig::default()), DEFAULT_MAX_INFLATED_LEN);
     let mut b = BytesMut::new();
     workload
-        .encode(&mut plain, &mut b, 1, call_flags())
+        .encode(&mut plain, &mut b, 1, call_flags(), &[])
         .expect("request encodes");
     let req_frame = Frame::from_bytes(b.split().freeze()).expect("request frame parses");
     workload
-        .encode(&mut zdef, &mut b, 1, call_flags())
+        .encode(&mut zdef, &mut b, 1, call_flags(), &[])
         .expect("request encodes");
     let req_default = Frame::from_bytes(b.split().freeze()).expect("request frame parses");
     let req = Request::parse(&req_frame.body).expect("request body parses");

@@ -258,7 +258,11 @@ pub(crate) fn per_call(
     let mut totals = (0.0, 0.0);
     let mut steps: Vec<(&str, f64, f64)> = Vec::new();
     let (t, requests) = time_encode(study, sp, |codec, b| {
-        black_box(workload.encode(codec, b, 7, call_flags()).expect("encodes"));
+        black_box(
+            workload
+                .encode(codec, b, 7, call_flags(), &[])
+                .expect("encodes"),
+        );
     });
     steps.push(("driver: encode request", t[0], t[1]));
     let t = time_decode(study, sp, &requests, |codec, f| {

@@ -19,7 +19,7 @@ use bytes::BytesMut;
 use rpcmesh_common::net::budget::Reserved;
 use rpcmesh_common::net::slots::SlotTable;
 use rpcmesh_wire::PeerKind;
-use rpcmesh_wire::ext::put_ext_request;
+use rpcmesh_wire::ext::put_ext_request_with_deadline;
 use rpcmesh_wire::frame::{Flags, Frame, Header, MsgType, put_frame};
 
 use super::Refused;
@@ -40,6 +40,9 @@ pub(super) struct ConnState {
     /// The provider takes its callers' identities (it said so in a heartbeat answer over
     /// TLS): calls are queued as extension requests carrying them (`rpcmesh_wire::ext`).
     pub takes_caller: AtomicBool,
+    /// The provider takes the calls' deadlines (it said so in a heartbeat answer): calls
+    /// are queued as extension requests carrying the time left to them.
+    pub takes_deadline: AtomicBool,
     /// The calls, under the lock.
     calls: Mutex<Calls>,
 }
@@ -123,10 +126,21 @@ impl ConnState {
             req_id: id,
         };
         if let Some(frame) = &slot.request {
-            if self.takes_caller.load(Ordering::Relaxed) {
+            let caller = self.takes_caller.load(Ordering::Relaxed);
+            // The time left to the call (the broker's own time spent on it taken off): a
+            // provider does not start it once that has passed.
+            let left = self
+                .takes_deadline
+                .load(Ordering::Relaxed)
+                .then(|| slot.deadline.saturating_duration_since(Instant::now()));
+            if caller || left.is_some() {
                 // The caller's identity before the body the broker never opens.
-                let block = slot.reply_to.caller_block();
-                put_ext_request(wbuf, flags, id, block, &frame.body);
+                let block = if caller {
+                    slot.reply_to.caller_block()
+                } else {
+                    &[]
+                };
+                put_ext_request_with_deadline(wbuf, flags, id, block, left, &frame.body);
             } else {
                 put_frame(wbuf, &header, &frame.body);
             }

@@ -87,15 +87,20 @@ impl ConnTask {
     }
 
     /// The call fields a heartbeat answer says the provider takes (`rpcmesh_wire::ext`):
-    /// from then on calls on this connection carry their callers' identities.
+    /// from then on calls on this connection carry their callers' identities (over TLS
+    /// only: only a provider that authenticated the broker can believe them) and their
+    /// deadlines.
     fn take_call_fields(&self, body: &[u8]) {
+        use rpcmesh_wire::ext;
         if let Ok(hb) = Heartbeat::parse(body) {
-            let takes = hb
-                .extra_value(rpcmesh_wire::ext::HEARTBEAT_KEY)
-                .is_some_and(|v| rpcmesh_wire::ext::takes(v, rpcmesh_wire::ext::CALLER_FIELD));
+            let fields = hb.extra_value(ext::HEARTBEAT_KEY);
+            let takes = |field| fields.is_some_and(|v| ext::takes(v, field));
+            let caller = self.settings.tls.is_some() && takes(ext::CALLER_FIELD);
+            let relaxed = std::sync::atomic::Ordering::Relaxed;
+            self.state.takes_caller.store(caller, relaxed);
             self.state
-                .takes_caller
-                .store(takes, std::sync::atomic::Ordering::Relaxed);
+                .takes_deadline
+                .store(takes(ext::DEADLINE_FIELD), relaxed);
         }
     }
 
@@ -193,8 +198,6 @@ impl ConnTask {
                     // The report first: the check's waiter may publish the connection.
                     if self.settings.kind == PeerKind::Rpcmesh {
                         self.take_reported_pace(&frame.body);
-                    }
-                    if self.settings.tls.is_some() {
                         self.take_call_fields(&frame.body);
                     }
                     let (_, tx) = self.heartbeats.swap_remove(i);

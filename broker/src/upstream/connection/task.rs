@@ -242,7 +242,8 @@ impl ConnTask {
             } else {
                 Failure::Timeout {
                     provider: self.settings.label.clone(),
-                    after: self.settings.call_timeout,
+                    // The caller's deadline, when shorter than the call timeout.
+                    after: slot.deadline.duration_since(slot.info.admitted),
                 }
             };
             self.fail_slot(slot, failure);
@@ -294,12 +295,11 @@ impl ConnTask {
         self.next_heartbeat_id += 1;
         // An rpcmesh provider is asked for its time per call (`crate::upstream::pace`); a
         // plain v1 server gets the plain heartbeat.
-        // Over TLS it is asked too which call fields it takes (`rpcmesh_wire::ext`): only a
-        // provider that authenticated the broker can believe the callers it names.
-        let extra: &[(&str, &str)] = match (self.settings.kind, &self.settings.tls) {
-            (PeerKind::Rpcmesh, None) => &[(HEARTBEAT_KEY, "")],
-            (PeerKind::Rpcmesh, Some(_)) => &[(HEARTBEAT_KEY, ""), (ext::HEARTBEAT_KEY, "")],
-            (PeerKind::V1, _) => &[],
+        // It is asked too which call fields it takes (`rpcmesh_wire::ext`): the deadline
+        // on any connection, the caller over TLS only (`replies::take_call_fields`).
+        let extra: &[(&str, &str)] = match self.settings.kind {
+            PeerKind::Rpcmesh => &[(HEARTBEAT_KEY, ""), (ext::HEARTBEAT_KEY, "")],
+            PeerKind::V1 => &[],
         };
         if Heartbeat::put_now_with(self.io.wbuf(), id, "broker", "rpcmesh-broker", extra).is_ok() {
             self.heartbeats.push((id, tx));
