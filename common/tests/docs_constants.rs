@@ -20,7 +20,7 @@ use rpcmesh_common::net::connection::{
 use rpcmesh_common::net::listener::{ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN, LAST_ANSWERS_WAIT};
 use rpcmesh_common::net::session::{
     DEFAULT_FRAME_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_IN_FLIGHT_PER_LINK,
-    DEFAULT_WRITE_TIMEOUT, DRAIN_LINGER, WRITE_BACKLOG_LIMIT,
+    DEFAULT_WRITE_TIMEOUT, DRAIN_LINGER, PAUSED_PEER_CHECK, WRITE_BACKLOG_LIMIT,
 };
 use rpcmesh_common::net::tls::{DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_HANDSHAKES};
 use rpcmesh_testkit::quoted::{self, Value, bytes, count, time};
@@ -75,6 +75,7 @@ fn common() -> Vec<(&'static str, Value)> {
         ("common::DEFAULT_FRAME_TIMEOUT", time(DEFAULT_FRAME_TIMEOUT)),
         ("common::DEFAULT_WRITE_TIMEOUT", time(DEFAULT_WRITE_TIMEOUT)),
         ("common::DRAIN_LINGER", time(DRAIN_LINGER)),
+        ("common::PAUSED_PEER_CHECK", time(PAUSED_PEER_CHECK)),
         (
             "common::DEFAULT_MEMORY_BUDGET",
             bytes(DEFAULT_MEMORY_BUDGET),

@@ -233,7 +233,7 @@ pub const CONNECTIONS_CLOSED_TOTAL: Family = Family {
     kind: Counter,
     labels: &["role", "side", "reason"],
     roles: ALL,
-    help: "Connections closed, by reason: peer (it closed), idle_timeout, frame_timeout, write_timeout, bad_input, error (socket failed), shutdown (drained), local (closed by this side), tls_handshake (its TLS handshake was refused).",
+    help: "Connections closed, by reason: peer (it closed), idle_timeout, frame_timeout, write_timeout, bad_input, error (socket failed), shutdown (drained), local (closed by this side), tls_handshake (its TLS handshake was refused), memory_budget (paused for the memory budget, one of the connections holding it, its frame unfinished after the frame timeout).",
 };
 /// `rpcmesh_connections_refused_total{role, side}`.
 pub const CONNECTIONS_REFUSED_TOTAL: Family = Family {

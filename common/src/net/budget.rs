@@ -13,9 +13,21 @@
 //!
 //! Holders report in steps of [`GRANULE`]: a connection with small calls never touches the
 //! shared counter, and the budget is exact to a granule per holder.
+//!
+//! A paused connection is not excused for ever: the budget keeps what each paused holder
+//! holds, so that a paused connection can ask whether it is one of those *holding* the
+//! budget ([`MemoryBudget::is_holding`]): the paused holders are, when without what they
+//! hold the budget would be back under the pause mark. Such a connection's frame clock
+//! runs while it waits, and its frame timeout closes it (as Envoy's overload manager
+//! resets the streams that hold its buffers): a hundred callers that each send part of a
+//! large frame and stop cannot keep one another paused, and the budget spent, until the
+//! process restarts; they are closed within one frame timeout. A connection paused by
+//! what others hold (calls in flight, other callers' backlogs) is still not timed out for
+//! it.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::Notify;
 
@@ -55,6 +67,17 @@ pub struct MemoryBudget {
     pause: usize,
     used: AtomicUsize,
     relieved: Notify,
+    /// What each paused holder holds, by ticket (only connections that wait for the
+    /// budget are here, so it is empty but under pressure).
+    paused: Mutex<Paused>,
+    next_ticket: AtomicU64,
+}
+
+/// The paused holders and their sum.
+#[derive(Debug, Default)]
+struct Paused {
+    held: HashMap<u64, usize>,
+    sum: usize,
 }
 
 /// How close the process is to its budget.
@@ -78,7 +101,50 @@ impl MemoryBudget {
             pause: (limit as f64 * PAUSE_SHARE) as usize,
             used: AtomicUsize::new(0),
             relieved: Notify::new(),
+            paused: Mutex::default(),
+            next_ticket: AtomicU64::new(0),
         })
+    }
+
+    fn paused(&self) -> std::sync::MutexGuard<'_, Paused> {
+        // Every update under the lock is a few words, done whole.
+        self.paused.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Records that the holder of `ticket` waits for the budget, holding `n` bytes (again
+    /// each round while it waits: what it holds may shrink as its backlog is written).
+    fn set_paused(&self, ticket: u64, n: usize) {
+        let mut p = self.paused();
+        let before = p.held.insert(ticket, n).unwrap_or(0);
+        p.sum = p.sum + n - before;
+    }
+
+    /// The holder of `ticket` reads again (or is gone).
+    fn unset_paused(&self, ticket: u64) {
+        let mut p = self.paused();
+        if let Some(n) = p.held.remove(&ticket) {
+            p.sum -= n;
+        }
+    }
+
+    /// How many holders wait for the budget now.
+    pub fn paused_holders(&self) -> usize {
+        self.paused().held.len()
+    }
+
+    /// True when the paused holder of `ticket` is one of those holding the budget: the
+    /// budget is past its pause mark and what the paused holders hold together is why
+    /// (without it the budget would be under the mark). Then the time each of them waits
+    /// is its own: the callers that stopped mid-frame cannot keep one another paused.
+    /// When others hold the budget (calls in flight, backlogs being written), a paused
+    /// holder waits for them, excused.
+    pub fn is_holding(&self, ticket: u64) -> bool {
+        let used = self.used();
+        if used < self.pause {
+            return false;
+        }
+        let p = self.paused();
+        p.held.contains_key(&ticket) && used.saturating_sub(p.sum) < self.pause
     }
 
     /// The limit, in bytes.
@@ -169,12 +235,46 @@ impl Drop for Reserved {
 pub struct Held {
     budget: Arc<MemoryBudget>,
     told: usize,
+    /// Its ticket among the paused holders, while it waits for the budget.
+    paused: Option<u64>,
 }
 
 impl Held {
     /// A holder of nothing yet.
     pub fn new(budget: Arc<MemoryBudget>) -> Self {
-        Held { budget, told: 0 }
+        Held {
+            budget,
+            told: 0,
+            paused: None,
+        }
+    }
+
+    /// Says whether the holder waits for the budget now (it holds `now` bytes).
+    pub fn set_waiting(&mut self, waiting: bool, now: usize) {
+        match (waiting, self.paused) {
+            (true, ticket) => {
+                let t = ticket
+                    .unwrap_or_else(|| self.budget.next_ticket.fetch_add(1, Ordering::Relaxed));
+                self.paused = Some(t);
+                self.budget.set_paused(t, now);
+            }
+            (false, Some(t)) => {
+                self.paused = None;
+                self.budget.unset_paused(t);
+            }
+            (false, None) => {}
+        }
+    }
+
+    /// True while it waits for the budget and is one of those holding it
+    /// ([`MemoryBudget::is_holding`]).
+    pub fn is_holding(&self) -> bool {
+        self.paused.is_some_and(|t| self.budget.is_holding(t))
+    }
+
+    /// True while it waits for the budget.
+    pub fn is_waiting(&self) -> bool {
+        self.paused.is_some()
     }
 
     /// The budget this holder reports to.
@@ -199,6 +299,7 @@ impl Held {
 
 impl Drop for Held {
     fn drop(&mut self) {
+        self.set_waiting(false, 0);
         self.set(0);
     }
 }
@@ -244,6 +345,29 @@ mod tests {
         big.set(100 * 1024);
         assert_eq!(b.pressure(), Pressure::Normal);
         assert!(!b.refuses(1 << 20), "under the mark a large call passes");
+    }
+
+    #[test]
+    fn paused_holders_hold_the_budget_unless_others_do() {
+        let b = MemoryBudget::new(1 << 20);
+        let mut holders: Vec<Held> = (0..4).map(|_| Held::new(b.clone())).collect();
+        // 4 × 240 KiB = 960 KiB, past the 768 KiB mark, and all of it theirs.
+        for h in &mut holders {
+            h.set(240 * 1024);
+            h.set_waiting(true, 240 * 1024);
+        }
+        assert!(holders.iter().all(Held::is_holding));
+        holders[3].set_waiting(false, 240 * 1024);
+        assert!(!holders[3].is_holding(), "reading again: not paused");
+        // Others hold the budget past the mark: no paused holder is to blame.
+        let other = Reserved::new(&b, 800 * 1024);
+        assert!(holders.iter().all(|h| !h.is_holding()));
+        drop(other);
+        holders.truncate(1);
+        assert!(!holders[0].is_holding(), "under the mark");
+        drop(holders);
+        assert_eq!(b.used(), 0);
+        assert_eq!(b.paused_holders(), 0);
     }
 
     #[tokio::test]

@@ -19,7 +19,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use rpcmesh_wire::codec::{self, FrameCodec};
-use rpcmesh_wire::frame::{Frame, FrameError, Header};
+use rpcmesh_wire::frame::{FRAME_OVERHEAD, Frame, FrameError, HEADER_LEN, Header};
 
 use crate::net::budget::{Held, MemoryBudget};
 use crate::net::busy_poll::Activity;
@@ -71,11 +71,14 @@ pub enum CloseReason {
     /// Its TLS handshake was refused (the reason is counted apart, in
     /// `rpcmesh_tls_handshake_failures_total`).
     TlsHandshake,
+    /// Its reads were paused for the memory budget, it was one of the connections holding
+    /// the budget, and its frame was still not whole after the frame timeout.
+    MemoryBudget,
 }
 
 impl CloseReason {
     /// Every reason, in the order of [`CloseReason::index`].
-    pub const ALL: [CloseReason; 9] = [
+    pub const ALL: [CloseReason; 10] = [
         CloseReason::Peer,
         CloseReason::IdleTimeout,
         CloseReason::FrameTimeout,
@@ -85,6 +88,7 @@ impl CloseReason {
         CloseReason::Shutdown,
         CloseReason::Local,
         CloseReason::TlsHandshake,
+        CloseReason::MemoryBudget,
     ];
 
     /// The `reason` label.
@@ -99,6 +103,7 @@ impl CloseReason {
             CloseReason::Shutdown => "shutdown",
             CloseReason::Local => "local",
             CloseReason::TlsHandshake => "tls_handshake",
+            CloseReason::MemoryBudget => "memory_budget",
         }
     }
 
@@ -112,7 +117,7 @@ impl CloseReason {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IoEvent {
     /// A read happened: data was added to the read buffer, or the stream ended
-    /// ([`FramedIo::is_eof`]).
+    /// ([`FramedIo::is_eof`]; also when a paused connection's peer left mid-frame).
     Read,
     /// Pending bytes were written (some or all).
     Wrote,
@@ -236,12 +241,80 @@ impl FramedIo {
     }
 
     /// The budget, when the process is near it and this connection holds enough to wait
-    /// until it is relieved (see [`MemoryBudget::should_pause`]).
-    pub fn budget_pause(&self) -> Option<Arc<MemoryBudget>> {
-        let h = self.held.as_ref()?;
-        h.budget()
-            .should_pause(self.buffered())
-            .then(|| h.budget().clone())
+    /// until it is relieved (see [`MemoryBudget::should_pause`]); the budget is told
+    /// whether this connection waits, and how much it holds. Once per round.
+    pub fn budget_pause(&mut self) -> Option<Arc<MemoryBudget>> {
+        let n = self.buffered();
+        let h = self.held.as_mut()?;
+        let pause = h.budget().should_pause(n);
+        h.set_waiting(pause, n);
+        pause.then(|| h.budget().clone())
+    }
+
+    /// True while the budget pauses this connection's reads.
+    pub fn is_budget_paused(&self) -> bool {
+        self.held.as_ref().is_some_and(Held::is_waiting)
+    }
+
+    /// True while the budget pauses this connection and it is one of the connections
+    /// holding the budget ([`MemoryBudget::is_holding`]): the time it waits is its own.
+    pub fn holds_budget(&self) -> bool {
+        self.held.as_ref().is_some_and(Held::is_holding)
+    }
+
+    /// As [`FramedIo::peer_left_mid_frame`], and if so the stream is taken as ended (the
+    /// next frame asked for reports the frame cut off, as a read of the end would).
+    pub fn note_peer_left(&mut self) -> bool {
+        let left = !self.eof && self.peer_left_mid_frame();
+        self.eof |= left;
+        left
+    }
+
+    /// Bytes the frame being read still needs before it is whole (0 with no partial
+    /// frame; a header not yet whole counts only its own missing bytes).
+    fn missing(&self) -> usize {
+        if self.discard > 0 {
+            return self.discard.saturating_sub(self.rbuf.len());
+        }
+        let have = self.rbuf.len();
+        if have == 0 {
+            return 0;
+        }
+        if have < HEADER_LEN {
+            return HEADER_LEN - have;
+        }
+        let body_len = u32::from_be_bytes([self.rbuf[6], self.rbuf[7], self.rbuf[8], self.rbuf[9]]);
+        (FRAME_OVERHEAD + body_len as usize).saturating_sub(have)
+    }
+
+    /// True when the peer has closed its side (or reset the connection) and the frame
+    /// being read can never be finished: the bytes waiting unread in the kernel are fewer
+    /// than it still needs. A connection the budget pauses reads nothing, so it would not
+    /// see its caller leave; this looks without reading (`poll` for `POLLRDHUP`, and
+    /// `FIONREAD`). Two system calls: for paused connections only. The FIN comes only once
+    /// the caller's kernel has sent everything before it: a caller that had more unsent
+    /// than this side's receive buffer takes is seen to leave only by the frame clock.
+    pub fn peer_left_mid_frame(&self) -> bool {
+        use rustix::event::{PollFd, PollFlags, poll};
+        let missing = self.missing();
+        if missing == 0 {
+            return false;
+        }
+        let tcp = self.stream.tcp();
+        let mut fds = [PollFd::new(tcp, PollFlags::RDHUP)];
+        let zero = rustix::time::Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        if poll(&mut fds, Some(&zero)).is_err() {
+            return false;
+        }
+        let seen = fds[0].revents();
+        if !seen.intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR) {
+            return false;
+        }
+        let waiting = rustix::io::ioctl_fionread(tcp).unwrap_or(0);
+        (waiting as usize) < missing
     }
 
     /// The socket under the frames: plain, or TLS with its peer's certificates.
@@ -300,6 +373,19 @@ impl FramedIo {
                 r?;
                 self.try_flush()?;
                 return Poll::Ready(Ok(IoEvent::Wrote));
+            }
+        }
+        if !read && !self.eof && self.is_budget_paused() {
+            // Paused: nothing is read, but a caller that leaves is seen, as the end of
+            // the stream it is (the frame it cut off is then reported as a read would).
+            // With no bytes waiting in the kernel the task is woken by the FIN; with
+            // bytes waiting the socket stays readable, and the frame clock's checks look
+            // again (`FramedIo::peer_left_mid_frame`).
+            if let Poll::Ready(Ok(())) = self.stream.tcp().poll_read_ready(cx) {
+                if self.peer_left_mid_frame() {
+                    self.eof = true;
+                    return Poll::Ready(Ok(IoEvent::Read));
+                }
             }
         }
         if read && !self.eof {

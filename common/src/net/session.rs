@@ -53,12 +53,20 @@ pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a frame may take to arrive once its first byte has: 10 s, HAProxy's advice for
 /// `timeout http-request`. A frame of the default largest body (10 MiB) needs about
 /// 8.4 Mbit/s; a byte-a-second trickler is closed after 10 s instead of never. Time while
-/// the server itself is not reading (its write backlog is full) does not count.
+/// the server itself is not reading (its write backlog is full) does not count, nor time
+/// the memory budget pauses it for what others hold (`crate::net::budget`).
 pub const DEFAULT_FRAME_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long replies may wait for a peer that takes none of them: 30 s (HAProxy's common
 /// `timeout client`), beyond a long GC pause of a caller, short enough that a caller that
 /// stopped reading does not keep its backlog for ever.
 pub const DEFAULT_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How often a connection the memory budget pauses looks whether its caller left in the
+/// middle of a frame (`FramedIo::peer_left_mid_frame`): while bytes it has not read wait in
+/// the kernel the socket stays readable, so the caller's FIN wakes no one. A second: a
+/// hundred callers that sent part of a frame and left free the budget within about one,
+/// for two system calls a second per paused connection, and only while paused.
+pub const PAUSED_PEER_CHECK: Duration = Duration::from_secs(1);
 
 /// The time limits of one server connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -230,11 +238,14 @@ async fn run<P: Protocol>(
     loop {
         let paused = io.budget_pause();
         let reading = !io.is_eof() && io.pending_write() < WRITE_BACKLOG_LIMIT && paused.is_none();
-        if !reading {
-            // The frame clock runs only while this side reads: a frame the memory budget
-            // (or the caller's own unread backlog) keeps from finishing is not the caller's
-            // slowness. Stopped now, before the round waits, and not only at its end: the
-            // timer armed while reading would otherwise fire in the wait and close it.
+        if !reading && paused.is_none() {
+            // The frame clock stops while the caller's own unread backlog keeps this side
+            // from reading: that frame is not the caller's slowness. Stopped now, before
+            // the round waits, and not only at its end: the timer armed while reading
+            // would otherwise fire in the wait and close it. A connection the memory
+            // budget pauses keeps its clock: when it is due, the time counts if this
+            // connection is one of those holding the budget, and is excused if others
+            // hold it (`Clock::expired`).
             clock.stop_frame();
         }
         let mut frames = None;
@@ -270,6 +281,11 @@ async fn run<P: Protocol>(
                 }
             }
             () = relieved(paused.as_deref()), if paused.is_some() => {}
+            () = tokio::time::sleep(PAUSED_PEER_CHECK), if paused.is_some() => {
+                if io.note_peer_left() {
+                    take_frames(io, p, draining)?;
+                }
+            }
         }
         p.before_write(io).await;
         io.try_flush()?;
@@ -307,6 +323,8 @@ struct Clock {
     frame_since: Option<Instant>,
     timer: std::pin::Pin<Box<tokio::time::Sleep>>,
     armed: Option<Instant>,
+    /// The memory budget paused the connection at the last update.
+    was_paused: bool,
 }
 
 impl Clock {
@@ -316,6 +334,7 @@ impl Clock {
             limits,
             idle_since: Some(now),
             frame_since: None,
+            was_paused: false,
             timer: Box::pin(tokio::time::sleep_until(now + limits.idle)),
             armed: None,
         };
@@ -334,9 +353,14 @@ impl Clock {
     /// flight, nothing to write.
     fn update(&mut self, io: &FramedIo, frames: Option<usize>, reading: bool, idle: bool) {
         let partial = io.has_partial_frame();
-        if !reading || !partial {
+        let paused = io.is_budget_paused();
+        // Reads resumed after a pause: the frame is timed from now, as if it had begun
+        // (the time paused was either excused or, had this connection held the budget,
+        // would have closed it).
+        let resumed = std::mem::replace(&mut self.was_paused, paused) && !paused;
+        if !(reading || paused) || !partial {
             self.frame_since = None;
-        } else if frames.is_some_and(|n| n > 0) || self.frame_since.is_none() {
+        } else if frames.is_some_and(|n| n > 0) || self.frame_since.is_none() || resumed {
             self.frame_since = Some(Instant::now());
         }
         if !idle || partial {
@@ -395,7 +419,16 @@ impl Clock {
             .into_iter()
             .find(|(d, _)| d.is_some_and(|d| d <= now))
         {
-            return Some(reason);
+            if reason != CloseReason::FrameTimeout || !io.is_budget_paused() {
+                return Some(reason);
+            }
+            if io.holds_budget() {
+                return Some(CloseReason::MemoryBudget);
+            }
+            // Paused by what others hold: the time so far is excused, and the clock looks
+            // again one frame timeout on.
+            self.frame_since = Some(now);
+            return self.expired(io);
         }
         self.armed = None;
         if let Some(due) = self.next_due(io) {
@@ -801,6 +834,75 @@ mod tests {
         s.client.write_all(&request(2)[..10]).await.unwrap();
         s.closed().await;
         assert_eq!(s.session.await.unwrap(), CloseReason::FrameTimeout);
+    }
+
+    /// A request frame twice the pause floor, and how much of it the budget tests send.
+    fn big_request() -> (BytesMut, usize) {
+        use crate::net::budget::PAUSE_FLOOR;
+        let mut big = BytesMut::new();
+        Request {
+            service: bytes::Bytes::from_static(b"S"),
+            method: bytes::Bytes::from_static(b"M"),
+            payload: bytes::Bytes::from(vec![7; 2 * PAUSE_FLOOR]),
+        }
+        .put(&mut big, Flags::NONE, 1)
+        .expect("the frame encodes");
+        (big, PAUSE_FLOOR + 4096)
+    }
+
+    #[tokio::test]
+    async fn a_paused_frame_whose_connection_holds_the_budget_is_closed_after_the_frame_timeout() {
+        use crate::net::budget::{MemoryBudget, PAUSE_FLOOR, PAUSE_SHARE};
+        let budget = MemoryBudget::new(8 << 20);
+        let mut s = start_budgeted(timeouts(None, Some(150), None), 0, Some(budget.clone())).await;
+        let (big, cut) = big_request();
+        // The rest of the process holds a little less than the pause mark: this
+        // connection's partial frame is what takes the budget past it.
+        let others = (budget.limit() as f64 * PAUSE_SHARE) as usize - PAUSE_FLOOR / 2;
+        budget.add(others);
+        s.client.write_all(&big[..cut]).await.unwrap();
+        let reason = tokio::time::timeout(Duration::from_secs(10), &mut s.session)
+            .await
+            .expect("the session ends")
+            .unwrap();
+        assert_eq!(reason, CloseReason::MemoryBudget);
+        budget.release(others);
+        assert_eq!(budget.used(), 0, "what it held is released");
+    }
+
+    #[tokio::test]
+    async fn a_paused_connection_whose_caller_left_mid_frame_ends() {
+        use crate::net::budget::{MemoryBudget, PAUSE_FLOOR, PAUSE_SHARE};
+        let budget = MemoryBudget::new(8 << 20);
+        // The frame timeout is beyond the test: only the caller's leaving can end it.
+        let mut s = start_budgeted(Timeouts::default(), 0, Some(budget.clone())).await;
+        let (big, cut) = big_request();
+        // Read whole while the budget is low; then the rest of the process takes it past
+        // the pause mark, and one byte more wakes the session, which reads it and pauses
+        // with nothing left unread (the caller's FIN then comes at once).
+        s.client.write_all(&big[..cut]).await.unwrap();
+        wait_until_held(&budget, PAUSE_FLOOR).await;
+        let others = (budget.limit() as f64 * PAUSE_SHARE) as usize;
+        budget.add(others);
+        s.client.write_all(&big[cut..cut + 1]).await.unwrap();
+        let give_up = std::time::Instant::now() + Duration::from_secs(10);
+        while !paused(&budget) {
+            assert!(std::time::Instant::now() < give_up, "the session pauses");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(s.client);
+        let reason = tokio::time::timeout(Duration::from_secs(10), &mut s.session)
+            .await
+            .expect("the session ends")
+            .unwrap();
+        assert_eq!(reason, CloseReason::BadInput, "the frame it cut off");
+        budget.release(others);
+        assert_eq!(budget.used(), 0);
+    }
+
+    /// True once a connection waits for `budget`.
+    fn paused(budget: &crate::net::budget::MemoryBudget) -> bool {
+        budget.paused_holders() > 0
     }
 
     /// Waits until `budget` counts at least `n` bytes (the session has read that far).
