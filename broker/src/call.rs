@@ -40,6 +40,8 @@ pub(crate) struct Inbox {
     /// The extension block naming the session's caller (`rpcmesh_wire::ext`), put before
     /// each of its calls to providers that take it; empty: an anonymous caller.
     caller: bytes::Bytes,
+    /// Counts the outcomes dropped once the session is gone.
+    abandoned: Option<metrics::Counter>,
 }
 
 #[derive(Debug, Default)]
@@ -82,7 +84,7 @@ impl Inbox {
     }
 
     /// The inbox of a session whose caller is `caller` (`None`: anonymous).
-    pub fn for_caller(caller: Option<&str>) -> Arc<Inbox> {
+    pub fn for_caller(caller: Option<&str>, abandoned: metrics::Counter) -> Arc<Inbox> {
         let mut block = BytesMut::new();
         // An identity is at most rpcmesh_common's MAX_IDENTITY_LEN, within the field's.
         if rpcmesh_wire::ext::put_caller_block(&mut block, caller).is_err() {
@@ -90,6 +92,7 @@ impl Inbox {
         }
         Arc::new(Inbox {
             caller: block.freeze(),
+            abandoned: Some(abandoned),
             ..Inbox::default()
         })
     }
@@ -136,6 +139,7 @@ impl Inbox {
     pub fn answer_small(&self, flags: Flags, body: &[u8], info: CallInfo) -> Status {
         let mut st = self.lock();
         let status = if st.closed {
+            self.count_abandoned();
             status_of(body)
         } else {
             let status = write_reply_to(&mut st.replies, flags, body, info);
@@ -159,6 +163,8 @@ impl Inbox {
     pub fn send(&self, reply: Reply) {
         let mut st = self.lock();
         if st.closed {
+            drop(st);
+            self.count_abandoned();
             return;
         }
         st.other.push(reply);
@@ -166,6 +172,12 @@ impl Inbox {
         drop(st);
         if let Some(w) = waker {
             w.wake();
+        }
+    }
+
+    fn count_abandoned(&self) {
+        if let Some(c) = &self.abandoned {
+            c.increment(1);
         }
     }
 

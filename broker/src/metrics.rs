@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 
 use metrics::{Counter, Gauge, Histogram};
 use rpcmesh_common::metrics::catalogue::{
-    BUSY_POLL_IDLE_SECONDS, CALLS_IN_FLIGHT, CALLS_REROUTED_TOTAL, CONFIG_RELOADS_TOTAL,
-    POOL_CONNECTIONS, POOL_CONNECTIONS_CLOSED_TOTAL, POOL_GET_WAIT_SECONDS,
+    ABANDONED_REPLIES_TOTAL, BUSY_POLL_IDLE_SECONDS, CALLS_IN_FLIGHT, CALLS_REROUTED_TOTAL,
+    CONFIG_RELOADS_TOTAL, POOL_CONNECTIONS, POOL_CONNECTIONS_CLOSED_TOTAL, POOL_GET_WAIT_SECONDS,
     POOL_GETS_TIMED_OUT_TOTAL, POOL_GETS_WAITED_TOTAL, POOL_HEALTHY_CONNECTIONS,
     POOL_IDLE_CONNECTIONS, UPSTREAM_CALLS_IN_FLIGHT, UPSTREAM_CALLS_TOTAL,
     UPSTREAM_CONNECT_FAILURES_TOTAL, UPSTREAM_PACE_SECONDS, UPSTREAM_QUICK_ACKS_TOTAL,
@@ -66,6 +66,8 @@ pub struct BrokerMetrics {
     pub shed: ShedCounters,
     /// Calls handed back to be routed again, by [`Reroute`] (in its `ALL` order).
     pub(crate) rerouted: Arc<[Counter; Reroute::ALL.len()]>,
+    /// Outcomes dropped because their caller had left.
+    pub abandoned: Counter,
     /// Reads of the providers file after the start that were applied.
     pub reloads_ok: Counter,
     /// Reads of the providers file after the start that were kept out.
@@ -92,6 +94,7 @@ impl BrokerMetrics {
                     &[("role", ROLE.label()), ("reason", r.label())],
                 )
             })),
+            abandoned: t.counter(&ABANDONED_REPLIES_TOTAL, &role),
             reloads_ok: t.counter(
                 &CONFIG_RELOADS_TOTAL,
                 &[("role", ROLE.label()), ("result", "ok")],

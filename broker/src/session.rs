@@ -262,7 +262,10 @@ impl Protocol for Session {
 impl Session {
     fn new(shared: Arc<Shared>, identity: Option<Identity>) -> Self {
         Session {
-            inbox: Inbox::for_caller(identity.as_ref().map(|i| i.as_str())),
+            inbox: Inbox::for_caller(
+                identity.as_ref().map(|i| i.as_str()),
+                shared.metrics.abandoned.clone(),
+            ),
             identity,
             taken: Taken::default(),
             picker: Picker::new(),

@@ -159,3 +159,77 @@ async fn no_healthy_provider_is_answered_unavailable_at_once() {
     assert_eq!(b.metric("rpcmesh_pool_healthy_connections", &[]), 0.0);
     b.stop().await;
 }
+
+/// Callers in the churn test that each send one held call and close without reading.
+const CHURNERS: usize = 200;
+
+/// A request of [`HELD_SERVICE`], as raw bytes.
+fn held_request(id: u64) -> bytes::BytesMut {
+    let payload = prost::Message::encode_to_vec(&rpcmesh_wire::proto::rpc::RpcRequest {
+        payload: prost::Message::encode_to_vec(&echo("gone")).into(),
+        metadata: Default::default(),
+    });
+    let mut b = bytes::BytesMut::new();
+    rpcmesh_wire::body::Request {
+        service: bytes::Bytes::from_static(HELD_SERVICE.as_bytes()),
+        method: bytes::Bytes::from_static(rpcmesh_provider::service::echo::METHOD.as_bytes()),
+        payload: payload.into(),
+    }
+    .put(&mut b, rpcmesh_wire::frame::Flags::NONE, id)
+    .unwrap();
+    b
+}
+
+/// Callers that send a call and close without reading cost no session: the broker (a real
+/// process) ends each caller's session as soon as it closes, while its call is still held
+/// at the provider, so open sessions track the live callers; once the provider answers,
+/// every abandoned reply is dropped and counted. Without it, each session stayed until its
+/// reply came (up to the cap, 10,000, under churn).
+#[tokio::test]
+async fn callers_that_leave_end_their_sessions_and_their_replies_are_counted_dropped() {
+    use std::io::Write;
+    let gate = rpcmesh_testkit::Gate::new();
+    let p = held_provider(&gate).await;
+    let upstream = p.addr.to_string();
+    let broker = rpcmesh_testkit::Spawned::start(
+        "broker",
+        &[
+            "--threads",
+            "1",
+            "--call-timeout",
+            "60s",
+            "--upstream",
+            &upstream,
+        ],
+    );
+    broker.wait_serving().await;
+    let live = client(broker.rpc).await;
+    let held = held_call(&live, "live");
+    wait_until("the live caller's call is held", || gate.arrived() == 1).await;
+    for i in 0..CHURNERS {
+        let mut s = std::net::TcpStream::connect(broker.rpc).unwrap();
+        s.write_all(&held_request(i as u64)).unwrap();
+        drop(s);
+    }
+    wait_until("every churner's call is held", || {
+        gate.arrived() == CHURNERS + 1
+    })
+    .await;
+    let open = || broker.metric("rpcmesh_connections_open", &[("side", "inbound")]);
+    // Only the live caller is left (the gate is still shut: no reply has come).
+    wait_until("the churners' sessions end", || open() == 1.0).await;
+    assert_eq!(
+        gate.arrived(),
+        CHURNERS + 1,
+        "no call was answered meanwhile"
+    );
+    gate.open();
+    let r = held.await.unwrap().unwrap();
+    assert_eq!(r.status, Status::Success, "the live caller is answered");
+    wait_until("the abandoned replies are counted", || {
+        broker.metric("rpcmesh_abandoned_replies_total", &[]) == CHURNERS as f64
+    })
+    .await;
+    assert_eq!(open(), 1.0);
+    assert_eq!(broker.metric("rpcmesh_calls_in_flight", &[]), 0.0);
+}

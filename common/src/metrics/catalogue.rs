@@ -382,6 +382,14 @@ pub const CALLS_REROUTED_TOTAL: Family = Family {
     roles: BROKER,
     help: "Calls handed back to be routed to another provider, not having run: reason=not_run (a draining provider refused it), unsent (its connection closed before it was written). Each still ends once in rpcmesh_calls_total.",
 };
+/// `rpcmesh_abandoned_replies_total{role}`.
+pub const ABANDONED_REPLIES_TOTAL: Family = Family {
+    name: "rpcmesh_abandoned_replies_total",
+    kind: Counter,
+    labels: ROLE,
+    roles: BROKER,
+    help: "Outcomes of calls whose caller had left (its connection closed with the call in flight): dropped when they came, neither buffered nor routed again.",
+};
 /// `rpcmesh_config_reloads_total{role, result}`.
 pub const CONFIG_RELOADS_TOTAL: Family = Family {
     name: "rpcmesh_config_reloads_total",
@@ -651,6 +659,7 @@ pub const CATALOGUE: &[&Family] = &[
     &BUSY_POLL_IDLE_SECONDS,
     &POOL_CONNECTIONS_CLOSED_TOTAL,
     &CALLS_REROUTED_TOTAL,
+    &ABANDONED_REPLIES_TOTAL,
     &CONFIG_RELOADS_TOTAL,
     &TLS_HANDSHAKES_TOTAL,
     &TLS_HANDSHAKE_FAILURES_TOTAL,

@@ -292,7 +292,11 @@ async fn run<P: Protocol>(
         io.account();
         p.after_write(io);
         let idle = p.in_flight() == 0 && io.pending_write() == 0;
-        if idle && io.is_eof() {
+        if io.is_eof() && (idle || p.in_flight() > 0) {
+            // The caller left: its calls in flight are abandoned at once (as HAProxy's
+            // `abortonclose`), so a caller that sends and closes costs no session while
+            // its replies are on their way; they are dropped when they come. What is
+            // already answered still goes out in the final flush.
             return Ok(CloseReason::Peer);
         }
         if (cut && idle) || drain.should_close(draining, idle) {
