@@ -192,6 +192,12 @@ impl Protocol for Session {
         self.admit(inner, io, draining, budget);
     }
 
+    /// A caller that only sends heartbeats is idle: it cannot hold a connection slot for
+    /// a heartbeat per idle period.
+    fn heartbeats_are_activity(&self) -> bool {
+        false
+    }
+
     /// Answers a heartbeat; one that asks which call fields the broker takes is told
     /// (the deadline).
     fn on_heartbeat(&mut self, frame: Frame, io: &mut FramedIo) {

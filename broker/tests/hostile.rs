@@ -440,3 +440,55 @@ async fn partial_bodies_that_hold_the_budget_are_closed_and_large_calls_served_a
     assert_eq!(r.status, Status::Success, "{}", r.error_msg);
     drop(held);
 }
+
+/// Sockets in the heartbeat-only test.
+const HEARTBEATERS: usize = 50;
+/// Rounds of heartbeats sent at most (a hang detector: 100 ms apart, 40 idle timeouts).
+const HEARTBEAT_ROUNDS: usize = 400;
+
+/// Sockets that send nothing but a heartbeat, ten per idle period, are idle to the broker:
+/// its idle timeout closes them all. Without it, each heartbeat reset the idle clock and
+/// 9,998 such sockets held the connection cap for 3.7 KB/s.
+#[test]
+fn heartbeat_only_callers_are_closed_by_the_idle_timeout() {
+    let provider = Spawned::start("provider", &["--threads", "1"]);
+    let upstream = provider.rpc.to_string();
+    let broker = Spawned::start(
+        "broker",
+        &[
+            "--threads",
+            "1",
+            "--idle-timeout",
+            "1s",
+            "--upstream",
+            &upstream,
+        ],
+    );
+    let mut open: Vec<Option<TcpStream>> = (0..HEARTBEATERS)
+        .map(|_| Some(TcpStream::connect(broker.rpc).unwrap()))
+        .collect();
+    let mut beat = bytes::BytesMut::new();
+    rpcmesh_wire::body::Heartbeat::put_now(&mut beat, 1, "hostile", "0").unwrap();
+    let closed = || broker.metric("rpcmesh_connections_closed_total", &inbound("idle_timeout"));
+    let mut rounds = 0;
+    while closed() < HEARTBEATERS as f64 && rounds < HEARTBEAT_ROUNDS {
+        for slot in &mut open {
+            if let Some(s) = slot {
+                if s.write_all(&beat).is_err() {
+                    *slot = None;
+                }
+            }
+        }
+        rounds += 1;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!(
+        "{HEARTBEATERS} heartbeat-only sockets: {} closed idle after {rounds} rounds",
+        closed()
+    );
+    assert_eq!(
+        closed(),
+        HEARTBEATERS as f64,
+        "every heartbeat-only socket was closed idle"
+    );
+}

@@ -158,6 +158,15 @@ pub trait Protocol: Send {
         self.on_bad_frame(&e, io);
     }
 
+    /// Whether a read of heartbeats alone keeps the connection from being idle. True by
+    /// default: the broker's pooled connections to a provider carry only heartbeats while
+    /// no call comes, and must stay. A server whose callers have no reason to keep an
+    /// unused connection (the broker's client side) says false, so that sockets sending
+    /// one heartbeat per idle period cannot hold the connection cap.
+    fn heartbeats_are_activity(&self) -> bool {
+        true
+    }
+
     /// Answers a heartbeat (with one of the server's own, under the same request id).
     fn on_heartbeat(&mut self, frame: Frame, io: &mut FramedIo);
 
@@ -249,12 +258,16 @@ async fn run<P: Protocol>(
             clock.stop_frame();
         }
         let mut frames = None;
+        let mut quiet = false;
         tokio::select! {
             biased;
             event = p.next_event() => p.on_event(event, io),
             ev = io.wait_io(reading) => {
                 if let IoEvent::Read = ev? {
-                    let n = take_frames(io, p, draining)?;
+                    let (n, heartbeats) = take_frames(io, p, draining)?;
+                    // A read of heartbeats alone is no activity to a protocol that says
+                    // so: the idle clock runs on.
+                    quiet = n > 0 && n == heartbeats && !p.heartbeats_are_activity();
                     if draining && n > 0 {
                         // The caller is still sending (it has not heard of the drain
                         // yet, or was too busy to act on it): closing now would lose
@@ -302,7 +315,7 @@ async fn run<P: Protocol>(
         if (cut && idle) || drain.should_close(draining, idle) {
             return Ok(CloseReason::Shutdown);
         }
-        clock.update(io, frames, reading, idle);
+        clock.update(io, frames, reading, idle, quiet);
     }
 }
 
@@ -355,7 +368,14 @@ impl Clock {
     /// Takes the round's state: `frames` is how many whole frames a read brought (`None`:
     /// no read this round); `reading`: whether the session read at all; `idle`: nothing in
     /// flight, nothing to write.
-    fn update(&mut self, io: &FramedIo, frames: Option<usize>, reading: bool, idle: bool) {
+    fn update(
+        &mut self,
+        io: &FramedIo,
+        frames: Option<usize>,
+        reading: bool,
+        idle: bool,
+        quiet: bool,
+    ) {
         let partial = io.has_partial_frame();
         let paused = io.is_budget_paused();
         // Reads resumed after a pause: the frame is timed from now, as if it had begun
@@ -369,7 +389,7 @@ impl Clock {
         }
         if !idle || partial {
             self.idle_since = None;
-        } else if frames.is_some() || self.idle_since.is_none() {
+        } else if (frames.is_some() && !quiet) || self.idle_since.is_none() {
             self.idle_since = Some(Instant::now());
         }
         if let Some(due) = self.next_due(io) {
@@ -442,19 +462,24 @@ impl Clock {
     }
 }
 
-/// Hands every whole frame read so far to the protocol; returns how many there were.
+/// Hands every whole frame read so far to the protocol; returns how many there were, and
+/// how many of them were heartbeats.
 fn take_frames<P: Protocol>(
     io: &mut FramedIo,
     p: &mut P,
     draining: bool,
-) -> Result<usize, SessionError> {
+) -> Result<(usize, usize), SessionError> {
     p.on_read();
     let mut n = 0;
+    let mut heartbeats = 0;
     loop {
         match io.next_frame() {
             Ok(Some(frame)) => match frame.header.msg_type {
                 MsgType::Request => p.on_request(frame, io, draining),
-                MsgType::Heartbeat => p.on_heartbeat(frame, io),
+                MsgType::Heartbeat => {
+                    heartbeats += 1;
+                    p.on_heartbeat(frame, io);
+                }
                 MsgType::ExtRequest => p.on_ext_request(frame, io, draining),
                 MsgType::Response => {
                     tracing::debug!(
@@ -466,7 +491,7 @@ fn take_frames<P: Protocol>(
             },
             Ok(None) => {
                 p.after_frames();
-                return Ok(n);
+                return Ok((n, heartbeats));
             }
             Err(e) => {
                 p.on_bad_frame(&e, io);
