@@ -173,7 +173,7 @@ pub fn read_text(path: &Path) -> Result<String, ProvidersFileError> {
         path: path.to_path_buf(),
         source,
     };
-    let file = std::fs::File::open(path).map_err(read_err)?;
+    let file = rpcmesh_common::files::open_regular(path).map_err(read_err)?;
     let mut bytes = Vec::new();
     file.take(MAX_FILE_BYTES + 1)
         .read_to_end(&mut bytes)

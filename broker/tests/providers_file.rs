@@ -665,3 +665,44 @@ fn assert_all_ok<T: std::fmt::Debug>(made: usize, bad: &[T]) {
         &bad[..bad.len().min(5)]
     );
 }
+
+/// A providers file replaced by a named pipe is refused when read, without blocking: the
+/// broker logs why, counts the read kept out, goes on with the providers it had, and ends
+/// on SIGTERM. Without it, the watcher blocked in `open` until someone wrote to the pipe:
+/// reloads stopped silently and SIGTERM hung.
+#[tokio::test]
+async fn a_providers_file_replaced_by_a_named_pipe_is_refused_and_sigterm_still_ends_it() {
+    let dir = test_dir("fifo");
+    let pa = provider(ProviderConfig::default()).await;
+    let file = dir.join("providers");
+    let log = dir.join("broker.log");
+    std::fs::write(&file, format!("{}\n", pa.addr)).unwrap();
+    let mut b = broker_process(&file, &log);
+    let c = client(b.rpc).await;
+    until_ready(&c).await;
+    let pipe = dir.join("pipe");
+    rustix::fs::mkfifoat(
+        rustix::fs::CWD,
+        &pipe,
+        rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR,
+    )
+    .unwrap();
+    std::fs::rename(&pipe, &file).unwrap();
+    b.child.signal(testkit::Signal::HUP);
+    wait_until("the pipe to be kept out", || reloads(&b, "error") >= 1.0).await;
+    let logged = || {
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .contains("a named pipe")
+    };
+    wait_until("the log line naming the pipe", logged).await;
+    echo_ok(&c, "still served").await;
+    b.child.signal(testkit::Signal::TERM);
+    let status = b
+        .child
+        .wait_timeout(std::time::Duration::from_secs(20))
+        .expect("it ends on SIGTERM");
+    assert!(status.success(), "{status}");
+    pa.stop().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}

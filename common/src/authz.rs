@@ -182,7 +182,7 @@ impl Policy {
             line: None,
             message,
         };
-        let f = std::fs::File::open(path).map_err(|e| fail(e.to_string()))?;
+        let f = crate::files::open_regular(path).map_err(|e| fail(e.to_string()))?;
         let mut bytes = Vec::new();
         f.take(MAX_POLICY_BYTES + 1)
             .read_to_end(&mut bytes)

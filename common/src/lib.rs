@@ -24,6 +24,7 @@
 pub mod authz;
 pub mod build;
 pub mod cli;
+pub mod files;
 pub mod format;
 pub mod log_sink;
 pub mod metrics;

@@ -189,7 +189,7 @@ fn read_pem(path: &Path) -> Result<Vec<u8>, TlsError> {
         path: path.to_path_buf(),
         source,
     };
-    let f = std::fs::File::open(path).map_err(read)?;
+    let f = crate::files::open_regular(path).map_err(read)?;
     let mut bytes = Vec::new();
     f.take(MAX_PEM_BYTES + 1)
         .read_to_end(&mut bytes)
