@@ -146,7 +146,8 @@ pub(crate) enum LinkEvent {
     Io(u32, io::Result<IoEvent>),
     /// The attempt to this target ended: the worker hands what it made to
     /// [`Links::connected`] or [`Links::dial_failed`], which put the finished attempt away.
-    Dialed(usize, Result<Connected, DialError>),
+    /// (Boxed: a framed connection is far larger than the other events.)
+    Dialed(usize, Result<Box<Connected>, DialError>),
 }
 
 /// One worker's connections: the state, the connections draining, and the connector that
@@ -447,7 +448,7 @@ impl Links<FramedIo> {
         if let Some(d) = attempt
             && let Poll::Ready(r) = d.poll_finish(cx)
         {
-            return Poll::Ready(LinkEvent::Dialed(d.target, r));
+            return Poll::Ready(LinkEvent::Dialed(d.target, r.map(Box::new)));
         }
         Poll::Pending
     }

@@ -238,7 +238,7 @@ impl Worker {
                 Event::Link(LinkEvent::Io(_, Ok(IoEvent::Wrote))) => {}
                 Event::Link(LinkEvent::Io(serial, Err(e))) => self.lose(serial, Loss::Socket(e)),
                 Event::Link(LinkEvent::Dialed(target, Ok(connected))) => {
-                    self.connected(target, connected);
+                    self.connected(target, *connected);
                 }
                 Event::Link(LinkEvent::Dialed(target, Err(e))) => {
                     let now = Instant::now();
