@@ -122,6 +122,10 @@ pub struct Args {
     /// behind such servers).
     #[arg(long, env = "RPCMESH_CLASSIC", conflicts_with_all = ["service_time", "service_work"])]
     pub classic: bool,
+    /// Fail every call at once with status 1 while answering heartbeats (a black hole,
+    /// for fault experiments and the broker's outlier ejection; with --classic too).
+    #[arg(long, env = "RPCMESH_FAIL_CALLS")]
+    pub fail_calls: bool,
 }
 
 /// Validated provider settings, as `run` takes them.
@@ -155,6 +159,8 @@ pub struct ProviderConfig {
     pub stage_sample: u32,
     /// Serve as the classic plain v1 server (`crate::classic`) instead of the provider.
     pub classic: bool,
+    /// Fail every call (`--fail-calls`, `Registry::fail_every_call`).
+    pub fail_calls: bool,
     /// Settings that do nothing as given, logged when the provider starts.
     pub warnings: ConfigWarnings,
     /// TLS on the main address (`None`: plain).
@@ -191,6 +197,7 @@ impl Default for ProviderConfig {
             memory_budget: DEFAULT_MEMORY_BUDGET,
             stage_sample: DEFAULT_STAGE_SAMPLE,
             classic: false,
+            fail_calls: false,
             warnings: ConfigWarnings::default(),
             tls: None,
             authz_policy: None,
@@ -305,6 +312,7 @@ impl Args {
                 self.stages.every(self.metrics_listen)
             },
             classic: self.classic,
+            fail_calls: self.fail_calls,
             warnings: w,
             tls,
             authz_policy: self.authz.authz_policy.clone(),

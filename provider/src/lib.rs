@@ -71,10 +71,19 @@ pub fn main_with(args: &Args) -> anyhow::Result<()> {
                 main: listener,
                 plain,
             };
-            if config.classic {
-                classic::run(config, telemetry, listeners.main, shutdown).await
+            let mut registry = if config.classic {
+                classic::registry()
             } else {
-                run_with(config, Registry::builtin(), telemetry, listeners, shutdown).await
+                Registry::builtin()
+            };
+            if config.fail_calls {
+                registry.fail_every_call();
+                tracing::warn!("--fail-calls: every call is answered failed");
+            }
+            if config.classic {
+                classic::run_with(config, registry, telemetry, listeners.main, shutdown).await
+            } else {
+                run_with(config, registry, telemetry, listeners, shutdown).await
             }
         },
     )?;

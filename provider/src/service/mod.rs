@@ -92,6 +92,9 @@ impl ServiceError {
     }
 }
 
+/// The `error_msg` of every call a provider run with `--fail-calls` answers.
+pub const INJECTED_FAULT: &str = "injected fault: this provider fails every call (--fail-calls)";
+
 /// Index of a registered method, for per-method metrics without a lookup per call.
 pub type MethodId = usize;
 
@@ -153,6 +156,18 @@ impl Registry {
         r.register(echo::SERVICE, echo::METHOD, echo::echo);
         r.register(platform::SERVICE, platform::METHOD, platform::do_query);
         r
+    }
+
+    /// Makes every method fail at once with status 1 and [`INJECTED_FAULT`]
+    /// (`--fail-calls`): a provider that answers its heartbeats and fails every call, the
+    /// black hole outlier ejection is for (docs/resilience.md).
+    pub fn fail_every_call(&mut self) {
+        fn fail(_: RpcRequest, _: &mut BytesMut) -> Result<(), ServiceError> {
+            Err(ServiceError::Failed(INJECTED_FAULT.to_owned()))
+        }
+        for h in &mut self.handlers {
+            *h = Arc::new(fail);
+        }
     }
 
     /// Adds (or replaces) a method.
