@@ -305,6 +305,22 @@ pub(crate) struct Forward {
     /// A large request's bytes, counted against the memory budget until its reply is in
     /// the caller's write buffer or the call fails (about as many bytes come back).
     pub reserved: Option<Reserved>,
+    /// The provider a retry is to avoid (`PoolLink::id`; 0: none): the one that shed it
+    /// or refused it. One whose connection closed before the write may still take it
+    /// when no other does.
+    pub avoid: Avoid,
+}
+
+/// Which provider a call routed again keeps away from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum Avoid {
+    /// None: a first try.
+    #[default]
+    None,
+    /// Another provider first; this one (by `PoolLink::id`) if no other takes it.
+    Prefer(u64),
+    /// Never this one.
+    Never(u64),
 }
 
 /// A call's outcome, back at its session.
@@ -328,17 +344,20 @@ pub(crate) enum Reroute {
     Unsent,
     /// The provider is draining and refused it without running it (`NOT_RUN`).
     NotRun,
+    /// The provider answered "overloaded": it shed the call without running it.
+    Overloaded,
 }
 
 impl Reroute {
     /// Every reason, in the order of their metric handles.
-    pub const ALL: [Reroute; 2] = [Reroute::Unsent, Reroute::NotRun];
+    pub const ALL: [Reroute; 3] = [Reroute::Unsent, Reroute::NotRun, Reroute::Overloaded];
 
     /// The `reason` label of `rpcmesh_calls_rerouted_total`.
     pub fn label(self) -> &'static str {
         match self {
             Reroute::Unsent => "unsent",
             Reroute::NotRun => "not_run",
+            Reroute::Overloaded => "overloaded",
         }
     }
 }

@@ -188,6 +188,18 @@ impl Failure {
         errors.inc(self.kind(), self.side());
     }
 
+    /// True when it is the provider's fault (outlier ejection counts it): the connection
+    /// lost with the call on it, an unusable reply, no reply in time.
+    pub fn provider_fault(&self) -> bool {
+        matches!(
+            self,
+            Failure::Timeout { .. }
+                | Failure::ConnectionLost { .. }
+                | Failure::MalformedReply
+                | Failure::ReplyRefused { .. }
+        )
+    }
+
     /// True when the caller is told, with `NOT_RUN`, that the call was not run because
     /// this broker or the providers are draining (it may then go to another broker).
     pub fn not_run(&self) -> bool {

@@ -34,6 +34,7 @@ mod failure;
 mod membership;
 pub mod metrics;
 pub mod providers_file;
+pub mod resilience;
 mod route;
 mod session;
 pub mod upstream;
@@ -183,6 +184,7 @@ pub async fn run_with_reload(
     let grace_over = CancellationToken::new();
     let budget = MemoryBudget::new(config.memory_budget);
     publish_budget(&metrics.telemetry, metrics::ROLE, &budget);
+    let guards = resilience::Guards::new(config.resilience, &metrics);
     let (providers, text) = membership::initial(&config, &metrics);
     let members = membership::Membership::start(
         membership::PoolMaker {
@@ -192,6 +194,7 @@ pub async fn run_with_reload(
             grace_over: grace_over.clone(),
             budget: budget.clone(),
             tls: security.upstream.clone(),
+            guards: guards.clone(),
         },
         &providers,
     );
@@ -238,6 +241,7 @@ pub async fn run_with_reload(
         metrics,
         in_flight: AtomicUsize::new(0),
         security,
+        guards,
     });
     let watcher = tokio::spawn(membership::watch(
         members,

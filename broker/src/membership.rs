@@ -78,6 +78,8 @@ pub(crate) struct PoolMaker {
     pub budget: Arc<MemoryBudget>,
     /// TLS towards the providers, when on.
     pub tls: Option<Arc<rpcmesh_common::net::tls::ClientTls>>,
+    /// Ejections and the retry budget, shared by every provider.
+    pub guards: Arc<crate::resilience::Guards>,
 }
 
 impl PoolMaker {
@@ -88,7 +90,7 @@ impl PoolMaker {
             self.metrics.upstream(spec.label(), self.config.pool_size),
             self.activity.clone(),
             self.grace_over.clone(),
-            self.budget.clone(),
+            (self.budget.clone(), self.guards.clone()),
             self.tls.clone(),
         )
     }
@@ -177,6 +179,8 @@ impl Membership {
 
     /// The router over the providers served now.
     pub fn router(&self) -> Router {
+        // The cap on ejections is a share of the providers served now.
+        self.maker.guards.ejections.set_members(self.members.len());
         let members: Vec<_> = self
             .members
             .iter()

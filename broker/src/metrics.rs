@@ -11,8 +11,10 @@ use rpcmesh_common::metrics::catalogue::{
     ABANDONED_REPLIES_TOTAL, BUSY_POLL_IDLE_SECONDS, CALLS_IN_FLIGHT, CALLS_REROUTED_TOTAL,
     CONFIG_RELOADS_TOTAL, POOL_CONNECTIONS, POOL_CONNECTIONS_CLOSED_TOTAL, POOL_GET_WAIT_SECONDS,
     POOL_GETS_TIMED_OUT_TOTAL, POOL_GETS_WAITED_TOTAL, POOL_HEALTHY_CONNECTIONS,
-    POOL_IDLE_CONNECTIONS, UPSTREAM_CALLS_IN_FLIGHT, UPSTREAM_CALLS_TOTAL,
-    UPSTREAM_CONNECT_FAILURES_TOTAL, UPSTREAM_PACE_SECONDS, UPSTREAM_QUICK_ACKS_TOTAL,
+    POOL_IDLE_CONNECTIONS, RETRY_BUDGET_EXHAUSTED_TOTAL, UPSTREAM_CALLS_IN_FLIGHT,
+    UPSTREAM_CALLS_TOTAL, UPSTREAM_CONNECT_FAILURES_TOTAL, UPSTREAM_EJECTIONS_TOTAL,
+    UPSTREAM_LATENCY_ESTIMATE_SECONDS, UPSTREAM_PACE_SECONDS, UPSTREAM_QUICK_ACKS_TOTAL,
+    UPSTREAMS_EJECTED,
 };
 use rpcmesh_common::metrics::families::{
     CallCounters, ConnCounters, ShedCounters, Stages, WireCounters,
@@ -22,6 +24,7 @@ use rpcmesh_common::metrics::{ErrorCounters, Role, Telemetry};
 use rpcmesh_wire::Status;
 
 use crate::call::Reroute;
+use crate::resilience::outlier::EjectReason;
 
 /// The `role` of every broker metric.
 pub const ROLE: Role = Role::Broker;
@@ -68,6 +71,10 @@ pub struct BrokerMetrics {
     pub(crate) rerouted: Arc<[Counter; Reroute::ALL.len()]>,
     /// Outcomes dropped because their caller had left.
     pub abandoned: Counter,
+    /// Retries refused for want of budget, by [`Reroute`] (in its `ALL` order).
+    pub(crate) budget_exhausted: Arc<[Counter; Reroute::ALL.len()]>,
+    /// Providers ejected now.
+    pub ejected: Gauge,
     /// Reads of the providers file after the start that were applied.
     pub reloads_ok: Counter,
     /// Reads of the providers file after the start that were kept out.
@@ -95,6 +102,13 @@ impl BrokerMetrics {
                 )
             })),
             abandoned: t.counter(&ABANDONED_REPLIES_TOTAL, &role),
+            budget_exhausted: Arc::new(Reroute::ALL.map(|r| {
+                t.counter(
+                    &RETRY_BUDGET_EXHAUSTED_TOTAL,
+                    &[("role", ROLE.label()), ("reason", r.label())],
+                )
+            })),
+            ejected: t.gauge(&UPSTREAMS_EJECTED, &role),
             reloads_ok: t.counter(
                 &CONFIG_RELOADS_TOTAL,
                 &[("role", ROLE.label()), ("result", "ok")],
@@ -158,6 +172,14 @@ impl BrokerMetrics {
             connect_failures: t.counter(&UPSTREAM_CONNECT_FAILURES_TOTAL, &l),
             quick_acks: t.counter(&UPSTREAM_QUICK_ACKS_TOTAL, &l),
             pace: t.gauge(&UPSTREAM_PACE_SECONDS, &l),
+            latency_estimate: t.gauge(&UPSTREAM_LATENCY_ESTIMATE_SECONDS, &l),
+            budget_exhausted: self.budget_exhausted.clone(),
+            ejections: EjectReason::ALL.map(|r| {
+                t.counter(
+                    &UPSTREAM_EJECTIONS_TOTAL,
+                    &[l[0], l[1], ("reason", r.label())],
+                )
+            }),
             calls: Arc::new(
                 Status::ALL.map(|s| {
                     t.counter(&UPSTREAM_CALLS_TOTAL, &[l[0], l[1], ("status", s.label())])
@@ -240,6 +262,12 @@ pub struct UpstreamMetrics {
     pub quick_acks: Counter,
     /// The provider's time per call on one connection (`upstream::pace`).
     pace: Gauge,
+    /// The balancer's latency estimate (`resilience::ewma`).
+    latency_estimate: Gauge,
+    /// Retries refused for want of budget (the broker's counters).
+    pub(crate) budget_exhausted: Arc<[Counter; Reroute::ALL.len()]>,
+    /// Ejections, by [`EjectReason`] (in its `ALL` order).
+    pub(crate) ejections: [Counter; EjectReason::ALL.len()],
     /// Calls written to this provider, by outcome.
     calls: Arc<[Counter; Status::ALL.len()]>,
     pool_connections: Gauge,
@@ -276,6 +304,11 @@ impl UpstreamMetrics {
         self.pace.set(per_call.map_or(0.0, |d| d.as_secs_f64()));
     }
 
+    /// Sets the balancer's latency estimate of the provider.
+    pub(crate) fn publish_latency_estimate(&self, estimate: std::time::Duration) {
+        self.latency_estimate.set(estimate.as_secs_f64());
+    }
+
     /// The pool stopped (its provider left, or the broker is stopping): its gauges go to
     /// zero, so that a provider that left does not look as if it still had connections.
     pub(crate) fn publish_gone(&self) {
@@ -283,6 +316,7 @@ impl UpstreamMetrics {
             g.set(0.0);
         }
         self.pace.set(0.0);
+        self.latency_estimate.set(0.0);
         self.pool_connections.set(0.0);
         self.pool_idle.set(0.0);
         self.pool_healthy.set(0.0);

@@ -25,11 +25,12 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use rpcmesh_wire::body::request_service;
 use rpcmesh_wire::frame::Flags;
 
-use crate::call::Forward;
+use crate::call::{Avoid, Forward};
 use crate::config::Balance;
 use crate::upstream::{ProviderPool, Refused, UpstreamConn};
 use crate::upstream_spec::UpstreamSpec;
@@ -63,6 +64,9 @@ pub(crate) struct Picker {
     /// The provider (an index into the session's router, which stays the same for the
     /// round) and the connection that took the current batch's first call.
     batch: Option<(usize, Arc<UpstreamConn>)>,
+    /// When the session's current read returned: the instant latency estimates are
+    /// decayed to and ejections are timed by.
+    pub now: Instant,
 }
 
 impl Picker {
@@ -73,6 +77,7 @@ impl Picker {
             rng,
             turn,
             batch: None,
+            now: Instant::now(),
         }
     }
 
@@ -165,7 +170,11 @@ impl Router {
         // call is balanced like any other. Only a batch on a first-choice provider: one on
         // a fallback goes through the first choices again, which may be back.
         if let Some((pool_idx, conn)) = &picker.batch {
-            if first.contains(pool_idx) && self.refusal(*pool_idx, flags).is_none() {
+            if first.contains(pool_idx)
+                && self.refusal(*pool_idx, flags).is_none()
+                && self.pools[*pool_idx].admits(picker.now)
+                && !avoided(fwd.avoid, self.pools[*pool_idx].id(), Pass::Admitted)
+            {
                 fwd = match conn.try_forward(fwd) {
                     Ok(()) => return Ok(()),
                     Err((f, refused)) => {
@@ -178,7 +187,14 @@ impl Router {
             }
         }
         for cands in [first, fallback] {
-            fwd = match self.offer_among(cands, fwd, picker, flags, &mut why) {
+            fwd = match self.offer_among(cands, fwd, picker, flags, &mut why, Pass::Admitted) {
+                Ok(()) => return Ok(()),
+                Err(f) => f,
+            };
+        }
+        // No provider in service took it: an ejected one may, rather than none.
+        for cands in [first, fallback] {
+            fwd = match self.offer_among(cands, fwd, picker, flags, &mut why, Pass::LastResort) {
                 Ok(()) => return Ok(()),
                 Err(f) => f,
             };
@@ -197,12 +213,23 @@ impl Router {
         picker: &mut Picker,
         flags: Flags,
         why: &mut NoRoute,
+        pass: Pass,
     ) -> Result<(), Forward> {
         let n = cands.len();
         if n == 0 {
             return Err(fwd);
         }
         let first = match self.balance {
+            Balance::PeakEwma if n > 1 => {
+                let a = picker.rng.usize(..n);
+                let b = (a + 1 + picker.rng.usize(..n - 1)) % n;
+                let now = picker.now;
+                if self.pools[cands[b]].cost(now) < self.pools[cands[a]].cost(now) {
+                    b
+                } else {
+                    a
+                }
+            }
             Balance::P2c if n > 1 => {
                 let a = picker.rng.usize(..n);
                 let b = (a + 1 + picker.rng.usize(..n - 1)) % n;
@@ -212,7 +239,7 @@ impl Router {
                     a
                 }
             }
-            Balance::P2c => 0,
+            Balance::P2c | Balance::PeakEwma => 0,
             Balance::RoundRobin => {
                 picker.turn = picker.turn.wrapping_add(1);
                 picker.turn % n
@@ -220,6 +247,16 @@ impl Router {
         };
         for k in 0..n {
             let pool_idx = cands[(first + k) % n];
+            let pool = &self.pools[pool_idx];
+            let skip = match pass {
+                // Those out are skipped (a probing one takes its one probe call).
+                Pass::Admitted => !pool.admits(picker.now),
+                // Those out, and the one a retry would rather avoid.
+                Pass::LastResort => !pool.is_out() && fwd.avoid != Avoid::Prefer(pool.id()),
+            };
+            if skip || avoided(fwd.avoid, pool.id(), pass) {
+                continue;
+            }
             fwd = match self.offer(pool_idx, fwd, picker, flags, why) {
                 Ok(()) => return Ok(()),
                 Err(f) => f,
@@ -272,6 +309,25 @@ impl Router {
                 Err(fwd)
             }
         }
+    }
+}
+
+/// Which providers a round of offers goes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    /// Those in service (and a probing one's probe call): the first round.
+    Admitted,
+    /// Those ejected, and the one a retry prefers to avoid, when no other took the call.
+    LastResort,
+}
+
+/// True when a call that avoids `avoid` must not go to provider `id` in this `pass`: one
+/// it prefers to avoid may take it only as a last resort, one it must avoid never.
+fn avoided(avoid: Avoid, id: u64, pass: Pass) -> bool {
+    match avoid {
+        Avoid::None => false,
+        Avoid::Never(p) => p == id,
+        Avoid::Prefer(p) => p == id && pass == Pass::Admitted,
     }
 }
 

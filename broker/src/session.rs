@@ -53,7 +53,7 @@ use tokio::net::TcpStream;
 use tracing::Instrument;
 
 use crate::BrokerConfig;
-use crate::call::{CallInfo, Forward, Inbox, Reply, Taken, write_reply_to};
+use crate::call::{CallInfo, Forward, Inbox, Reply, Reroute, Taken, write_reply_to};
 use crate::failure::{Cap, Failure};
 use crate::metrics::{ADMIT, BrokerMetrics, TOTAL, WRITE_BACK};
 use crate::route::{NoRoute, Picker, Router};
@@ -85,6 +85,8 @@ pub(crate) struct Shared {
     pub budget: Arc<MemoryBudget>,
     /// TLS and the policy.
     pub security: Security,
+    /// Ejections and the retry budget (`crate::resilience`).
+    pub guards: Arc<crate::resilience::Guards>,
 }
 
 /// The process's budget of denied-call log lines (a caller can cause them at will).
@@ -149,6 +151,8 @@ struct Session {
     sampler: Sampler,
     /// Whom the connection's certificate names (`None`: no certificate).
     identity: Option<Identity>,
+    /// Calls admitted this round: deposited in the retry budget once, at its end.
+    admitted: usize,
 }
 
 impl Protocol for Session {
@@ -166,6 +170,7 @@ impl Protocol for Session {
 
     fn on_read(&mut self) {
         self.read_at = Instant::now();
+        self.picker.now = self.read_at;
     }
 
     fn on_request(&mut self, frame: Frame, io: &mut FramedIo, draining: bool) {
@@ -238,6 +243,13 @@ impl Protocol for Session {
         // The round's calls are routed: its router and its batch's connection are let go
         // (the next read's calls make a batch of their own).
         self.router = None;
+        if self.admitted > 0 {
+            self.shared
+                .guards
+                .budget
+                .deposit(self.admitted, self.read_at);
+            self.admitted = 0;
+        }
         self.picker.new_batch();
     }
 
@@ -287,6 +299,7 @@ impl Session {
             unlabelled: Vec::new(),
             last_tag: None,
             sampler: shared.metrics.stages.sampler(),
+            admitted: 0,
             shared,
         }
     }
@@ -378,6 +391,7 @@ impl Session {
             return self.refuse(io, id, flags, tag, Failure::Shed(cap));
         }
         self.in_flight += 1;
+        self.admitted += 1;
         let now = self.read_at;
         let fwd = Forward {
             frame,
@@ -394,6 +408,7 @@ impl Session {
             deadline: now + budget.map_or(cfg.call_timeout, |b| b.min(cfg.call_timeout)),
             retries: 0,
             refused_by_drain: false,
+            avoid: crate::call::Avoid::None,
             reserved: (len >= SMALL_BODY).then(|| Reserved::new(&self.shared.budget, len)),
         };
         // A call its caller bounded may have run out of time while the read's earlier
@@ -449,17 +464,29 @@ impl Session {
                 drop(reserved);
             }
             Reply::Retry(mut fwd, why) => {
-                self.shared.metrics.rerouted[why as usize].increment(1);
-                if fwd.retries >= MAX_RETRIES || Instant::now() >= fwd.deadline {
+                let now = Instant::now();
+                self.picker.now = now;
+                let live = fwd.retries < MAX_RETRIES && now < fwd.deadline;
+                // An overloaded call had its retry drawn by its connection already.
+                let granted =
+                    live && (why == Reroute::Overloaded || self.shared.guards.budget.withdraw(now));
+                if live && !granted {
+                    self.shared.metrics.budget_exhausted[why as usize].increment(1);
+                }
+                if !granted {
+                    let service =
+                        || String::from_utf8_lossy(request_service(&fwd.frame.body)).into_owned();
                     let failure = if fwd.refused_by_drain {
-                        let service = request_service(&fwd.frame.body);
-                        Failure::ProvidersDraining(String::from_utf8_lossy(service).into_owned())
+                        Failure::ProvidersDraining(service())
+                    } else if why == Reroute::Overloaded {
+                        Failure::Full(service())
                     } else {
                         Failure::KeptClosing
                     };
                     failure.count(&self.shared.metrics.errors);
                     return self.finish(fwd.info, Err(failure), io);
                 }
+                self.shared.metrics.rerouted[why as usize].increment(1);
                 fwd.retries += 1;
                 self.route(fwd, io);
             }

@@ -11,6 +11,12 @@ use rpcmesh_broker::config::{
 };
 use rpcmesh_broker::metrics::MAX_CALL_LABELS;
 use rpcmesh_broker::providers_file::{MAX_FILE_BYTES, MAX_PROVIDERS};
+use rpcmesh_broker::resilience::{
+    DEFAULT_EJECT_BASE_TIME, DEFAULT_EJECT_CONSECUTIVE, DEFAULT_EJECT_MAX_TIME,
+    DEFAULT_EJECT_MIN_CALLS, DEFAULT_EJECT_SUCCESS_RATE, DEFAULT_EJECT_WINDOW, DEFAULT_EWMA_DECAY,
+    DEFAULT_EWMA_DEFAULT_RTT, DEFAULT_MAX_EJECTION_PERCENT, DEFAULT_RETRY_MIN_PER_SECOND,
+    DEFAULT_RETRY_PERCENT, PROBE_SPACING, RETRY_BUDGET_TTL,
+};
 use rpcmesh_broker::{FILE_POLL, MAX_RETRIES, REQUEST_RETAIN};
 use rpcmesh_testkit::quoted::{self, Value, bytes, count, time};
 
@@ -57,6 +63,46 @@ fn broker() -> Vec<(&'static str, Value)> {
             count(DEFAULT_PACK_IN_FLIGHT),
         ),
         ("broker::DEFAULT_PACK_WAIT", time(DEFAULT_PACK_WAIT)),
+        (
+            "broker::DEFAULT_EJECT_CONSECUTIVE",
+            count(DEFAULT_EJECT_CONSECUTIVE),
+        ),
+        (
+            "broker::DEFAULT_EJECT_SUCCESS_RATE",
+            count(DEFAULT_EJECT_SUCCESS_RATE),
+        ),
+        ("broker::DEFAULT_EJECT_WINDOW", time(DEFAULT_EJECT_WINDOW)),
+        (
+            "broker::DEFAULT_EJECT_MIN_CALLS",
+            count(DEFAULT_EJECT_MIN_CALLS),
+        ),
+        (
+            "broker::DEFAULT_EJECT_BASE_TIME",
+            time(DEFAULT_EJECT_BASE_TIME),
+        ),
+        (
+            "broker::DEFAULT_EJECT_MAX_TIME",
+            time(DEFAULT_EJECT_MAX_TIME),
+        ),
+        ("broker::PROBE_SPACING", time(PROBE_SPACING)),
+        (
+            "broker::DEFAULT_MAX_EJECTION_PERCENT",
+            count(DEFAULT_MAX_EJECTION_PERCENT),
+        ),
+        (
+            "broker::DEFAULT_RETRY_PERCENT",
+            count(DEFAULT_RETRY_PERCENT),
+        ),
+        ("broker::RETRY_BUDGET_TTL", time(RETRY_BUDGET_TTL)),
+        (
+            "broker::DEFAULT_RETRY_MIN_PER_SECOND",
+            count(DEFAULT_RETRY_MIN_PER_SECOND),
+        ),
+        ("broker::DEFAULT_EWMA_DECAY", time(DEFAULT_EWMA_DECAY)),
+        (
+            "broker::DEFAULT_EWMA_DEFAULT_RTT",
+            time(DEFAULT_EWMA_DEFAULT_RTT),
+        ),
         ("broker::MAX_FILE_BYTES", bytes(MAX_FILE_BYTES)),
         ("broker::MAX_PROVIDERS", count(MAX_PROVIDERS)),
         ("broker::FILE_POLL", time(FILE_POLL)),

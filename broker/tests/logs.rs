@@ -115,7 +115,7 @@ async fn the_start_and_stop_lines_say_what_the_docs_say_in_the_form_people_read(
         "{listening}"
     );
     assert!(
-        listening.contains(" addr=127.0.0.1:") && listening.contains(" balance=p2c"),
+        listening.contains(" addr=127.0.0.1:") && listening.contains(" balance=peak-ewma"),
         "{listening}"
     );
     assert!(listening.contains(" busy_poll=50us"), "{listening}");

@@ -23,7 +23,11 @@ use tokio::net::TcpStream;
 async fn two_providers_share_the_calls_and_one_stopping_sends_all_to_the_other() {
     let p1 = provider(ProviderConfig::default()).await;
     let p2 = provider(ProviderConfig::default()).await;
-    let b = broker(broker_config(&[p1.addr, p2.addr])).await;
+    // The least loaded of two: PeakEWMA sends calls made one at a time to the provider
+    // that answered faster, until the other's estimate has decayed (docs/resilience.md).
+    let mut cfg = broker_config(&[p1.addr, p2.addr]);
+    cfg.balance = rpcmesh_broker::Balance::P2c;
+    let b = broker(cfg).await;
     let c = client(b.addr).await;
     until_ready(&c).await;
     let healthy = |p: &Running| {

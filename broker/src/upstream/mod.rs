@@ -50,6 +50,9 @@ use rpcmesh_common::net::listener::AcceptObserver;
 
 use crate::config::BrokerConfig;
 use crate::metrics::UpstreamMetrics;
+use crate::resilience::Guards;
+use crate::resilience::ewma::PeakEwma;
+use crate::resilience::outlier::{EjectReason, Outlier};
 use crate::upstream_spec::UpstreamSpec;
 pub(crate) use connection::{ConnSettings, Refused, UpstreamConn};
 
@@ -97,13 +100,35 @@ pub(crate) struct PoolLink {
     /// plain v1 server) or reported in heartbeat answers (an rpcmesh provider), and read by
     /// the router to decide how deep it packs them ([`pace`]).
     pub pace: pace::Pace,
+    /// The provider's number, unique in the process: what a retry avoids.
+    pub id: u64,
+    /// Its faults and ejections (`crate::resilience::outlier`).
+    pub outlier: Outlier,
+    /// Its latency as the balancer sees it (`crate::resilience::ewma`).
+    pub ewma: PeakEwma,
+    /// What every provider of the broker shares: the settings, the retry budget.
+    pub guards: Arc<Guards>,
 }
+
+/// The number the next provider's pool gets.
+static NEXT_PROVIDER: AtomicU64 = AtomicU64::new(1);
 
 impl PoolLink {
     /// `pack_wait`: how long packing may make a call wait behind others on one of the
     /// provider's connections (`--pack-wait`); `source`: where its time per call comes from.
-    fn new(pack_wait: Duration, source: pace::Source) -> Self {
+    fn new(
+        pack_wait: Duration,
+        source: pace::Source,
+        guards: Arc<Guards>,
+        label: Arc<str>,
+        ejections: [metrics::Counter; EjectReason::ALL.len()],
+    ) -> Self {
+        let r = guards.config;
         PoolLink {
+            id: NEXT_PROVIDER.fetch_add(1, Ordering::Relaxed),
+            outlier: Outlier::new(r, Arc::clone(&guards.ejections), label, ejections),
+            ewma: PeakEwma::new(r.ewma_default_rtt, r.ewma_decay),
+            guards,
             wake: Notify::new(),
             next_id: AtomicU64::new(1),
             draining_below: AtomicU64::new(0),
@@ -113,6 +138,15 @@ impl PoolLink {
             last_failure: std::sync::Mutex::new(None),
             pace: pace::Pace::new(pack_wait, source),
         }
+    }
+
+    /// A link with the default resilience settings, for the unit tests.
+    #[cfg(test)]
+    pub fn for_test(pack_wait: Duration, source: pace::Source) -> Self {
+        let m = crate::metrics::BrokerMetrics::new(rpcmesh_common::metrics::Telemetry::new(), 8);
+        let guards = Guards::new(crate::resilience::ResilienceConfig::default(), &m);
+        let counters = EjectReason::ALL.map(|_| metrics::Counter::noop());
+        PoolLink::new(pack_wait, source, guards, Arc::from("test"), counters)
     }
 
     /// Records why an attempt failed.
@@ -364,18 +398,25 @@ impl std::fmt::Debug for ProviderPool {
 }
 
 impl ProviderPool {
-    /// Builds the pool (connections are made in the background).
+    /// Builds the pool (connections are made in the background). The budgets: the
+    /// process's memory budget, and the resilience guards every provider shares.
     pub fn new(
         spec: UpstreamSpec,
         config: &BrokerConfig,
         metrics: UpstreamMetrics,
         activity: Option<Arc<Activity>>,
         grace_over: CancellationToken,
-        budget: Arc<MemoryBudget>,
+        (budget, guards): (Arc<MemoryBudget>, Arc<Guards>),
         tls: Option<Arc<rpcmesh_common::net::tls::ClientTls>>,
     ) -> Arc<ProviderPool> {
         let source = pace::Source::of(spec.kind);
-        let link = Arc::new(PoolLink::new(config.pack_wait, source));
+        let link = Arc::new(PoolLink::new(
+            config.pack_wait,
+            source,
+            guards,
+            Arc::from(spec.label()),
+            metrics.ejections.clone(),
+        ));
         let settings = ConnSettings {
             label: Arc::from(spec.label()),
             kind: spec.kind,
@@ -481,6 +522,31 @@ impl ProviderPool {
         if open { sum } else { usize::MAX }
     }
 
+    /// The PeakEWMA cost of one more call here (`crate::resilience::ewma`): the latency
+    /// estimate × (calls in flight + 1); infinite when it has no open connection or drains.
+    pub fn cost(&self, now: std::time::Instant) -> f64 {
+        match self.load() {
+            usize::MAX => f64::INFINITY,
+            pending => self.link.ewma.cost(now, pending),
+        }
+    }
+
+    /// Whether the router may offer this provider a call now (not ejected, or its probe;
+    /// `crate::resilience::outlier`).
+    pub fn admits(&self, now: std::time::Instant) -> bool {
+        self.link.outlier.admits(now)
+    }
+
+    /// True while it is ejected or probing.
+    pub fn is_out(&self) -> bool {
+        self.link.outlier.is_out()
+    }
+
+    /// The provider's number (what a retry avoids).
+    pub fn id(&self) -> u64 {
+        self.link.id
+    }
+
     /// Keeps the published set of healthy connections current until `stop`.
     pub async fn keep(self: Arc<Self>, stop: CancellationToken) {
         let mut healthy_before = usize::MAX;
@@ -514,6 +580,8 @@ impl ProviderPool {
             self.metrics
                 .publish_conn_loads(conns.iter().map(|c| c.load()));
             self.metrics.publish_pace(self.link.pace.per_call());
+            self.metrics
+                .publish_latency_estimate(self.link.ewma.estimate(std::time::Instant::now()));
             // A connection made after the provider said it was draining answered its
             // heartbeat: the provider is back.
             let mark = self.link.draining_below.load(Ordering::Relaxed);

@@ -380,7 +380,39 @@ pub const CALLS_REROUTED_TOTAL: Family = Family {
     kind: Counter,
     labels: &["role", "reason"],
     roles: BROKER,
-    help: "Calls handed back to be routed to another provider, not having run: reason=not_run (a draining provider refused it), unsent (its connection closed before it was written). Each still ends once in rpcmesh_calls_total.",
+    help: "Calls handed back to be routed to another provider, not having run: reason=not_run (a draining provider refused it), unsent (its connection closed before it was written), overloaded (the provider answered overloaded). Each retry is drawn from the retry budget (docs/resilience.md); each call still ends once in rpcmesh_calls_total.",
+};
+/// `rpcmesh_retry_budget_exhausted_total{role, reason}`.
+pub const RETRY_BUDGET_EXHAUSTED_TOTAL: Family = Family {
+    name: "rpcmesh_retry_budget_exhausted_total",
+    kind: Counter,
+    labels: &["role", "reason"],
+    roles: BROKER,
+    help: "Calls safe to retry that were not retried because the retry budget (--retry-budget-percent of the calls of the last 10 s, plus --retry-budget-min-per-second) was spent, by the reason they would have been retried for (not_run, unsent, overloaded): the caller got the answer as it came.",
+};
+/// `rpcmesh_upstream_ejections_total{role, upstream, reason}`.
+pub const UPSTREAM_EJECTIONS_TOTAL: Family = Family {
+    name: "rpcmesh_upstream_ejections_total",
+    kind: Counter,
+    labels: &["role", "upstream", "reason"],
+    roles: BROKER,
+    help: "Times a provider was ejected from the routing for failing its calls (outlier ejection, docs/resilience.md): reason=consecutive_failures (--eject-consecutive-failures of its own faults in a row), success_rate (under --eject-success-rate over --eject-window), probe_failed (its probe call after an ejection failed).",
+};
+/// `rpcmesh_upstreams_ejected{role}`.
+pub const UPSTREAMS_EJECTED: Family = Family {
+    name: "rpcmesh_upstreams_ejected",
+    kind: Gauge,
+    labels: ROLE,
+    roles: BROKER,
+    help: "Providers ejected now (or on probation, with one probe call at a time), at most --max-ejection-percent of them.",
+};
+/// `rpcmesh_upstream_latency_estimate_seconds{role, upstream}`.
+pub const UPSTREAM_LATENCY_ESTIMATE_SECONDS: Family = Family {
+    name: "rpcmesh_upstream_latency_estimate_seconds",
+    kind: Gauge,
+    labels: ROLE_UPSTREAM,
+    roles: BROKER,
+    help: "A provider's latency as the balancer sees it (PeakEWMA: a slower reply replaces it at once, faster ones bring it down over --ewma-decay, and it decays while the provider gets no call); --balance peak-ewma multiplies it by the calls in flight. Taken at each health check.",
 };
 /// `rpcmesh_abandoned_replies_total{role}`.
 pub const ABANDONED_REPLIES_TOTAL: Family = Family {
@@ -660,6 +692,10 @@ pub const CATALOGUE: &[&Family] = &[
     &POOL_CONNECTIONS_CLOSED_TOTAL,
     &CALLS_REROUTED_TOTAL,
     &ABANDONED_REPLIES_TOTAL,
+    &RETRY_BUDGET_EXHAUSTED_TOTAL,
+    &UPSTREAM_EJECTIONS_TOTAL,
+    &UPSTREAMS_EJECTED,
+    &UPSTREAM_LATENCY_ESTIMATE_SECONDS,
     &CONFIG_RELOADS_TOTAL,
     &TLS_HANDSHAKES_TOTAL,
     &TLS_HANDSHAKE_FAILURES_TOTAL,

@@ -219,7 +219,7 @@ mod fixtures {
     /// A connection to a listener of the test's (which accepts and reads nothing), with
     /// its task not started: the test drives the task's steps itself.
     pub async fn connection(kind: PeerKind) -> (UpstreamConn, ConnTask, TcpStream) {
-        let link = PoolLink::new(Duration::ZERO, pace::Source::of(kind));
+        let link = PoolLink::for_test(Duration::ZERO, pace::Source::of(kind));
         connection_with(kind, Arc::new(link)).await
     }
 
@@ -274,6 +274,7 @@ mod fixtures {
             deadline: now + Duration::from_secs(5),
             retries: 0,
             refused_by_drain: false,
+            avoid: crate::call::Avoid::None,
             reserved: None,
         }
     }

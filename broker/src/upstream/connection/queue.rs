@@ -23,7 +23,7 @@ use rpcmesh_wire::ext::put_ext_request_with_deadline;
 use rpcmesh_wire::frame::{Flags, Frame, Header, MsgType, put_frame};
 
 use super::Refused;
-use crate::call::{CallInfo, Forward, Reply, ReplyTx, Reroute};
+use crate::call::{Avoid, CallInfo, Forward, Reply, ReplyTx, Reroute};
 
 #[cfg(doc)]
 use super::REQUEST_RETAIN;
@@ -240,9 +240,11 @@ pub(super) struct Slot {
 }
 
 impl Slot {
-    /// Gives the call back to its session with its request frame, to be routed again.
-    /// Dropped when the session is gone (nobody is left to answer).
-    pub fn hand_back(self, request: Frame, why: Reroute) {
+    /// Gives the call back to its session with its request frame, to be routed again,
+    /// away from `provider` (its `PoolLink::id`): strictly when the provider refused or
+    /// shed it, by preference when only the connection failed. Dropped when the session is
+    /// gone (nobody is left to answer).
+    pub fn hand_back(self, request: Frame, why: Reroute, provider: u64) {
         let to = self.reply_to.clone();
         let fwd = Forward {
             frame: request,
@@ -255,6 +257,10 @@ impl Slot {
             retries: self.retries,
             reserved: self.reserved,
             refused_by_drain: self.refused_by_drain || why == Reroute::NotRun,
+            avoid: match why {
+                Reroute::Unsent => Avoid::Prefer(provider),
+                Reroute::NotRun | Reroute::Overloaded => Avoid::Never(provider),
+            },
         };
         to.send(Reply::Retry(fwd, why));
     }

@@ -17,7 +17,7 @@
 //! Queueing is `queue`'s; the loop, the sweep and the connection's end are `task`'s.
 
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rpcmesh_common::metrics::{ErrorKind, Side};
 use rpcmesh_common::net::budget::Reserved;
@@ -28,9 +28,10 @@ use rpcmesh_wire::{PeerKind, Status};
 
 use super::queue::{Calls, ConnState, Slot};
 use super::task::ConnTask;
-use crate::call::{CallInfo, Reply, ReplyTx, Reroute, copied_at_once};
+use crate::call::{CallInfo, Reply, ReplyTx, Reroute, copied_at_once, status_of};
 use crate::failure::{ConnEnd, Failure};
 use crate::metrics::{UPSTREAM, UpstreamMetrics};
+use crate::resilience::outlier::Verdict;
 
 #[cfg(doc)]
 use {super::REQUEST_RETAIN, crate::upstream::PoolLink};
@@ -42,7 +43,11 @@ const SKIP_FACTOR: u64 = 4;
 impl ConnTask {
     /// Handles every whole frame read so far.
     pub fn take_frames(&mut self, state: &ConnState) -> Result<(), ConnEnd> {
-        let read_at = self.metrics.stages.on().then(Instant::now);
+        // One clock read per read: the replies' latencies for the balancer, the instant
+        // their outcomes are judged at.
+        self.now = Instant::now();
+        self.peak = Duration::ZERO;
+        let read_at = self.metrics.stages.on().then_some(self.now);
         let mut calls = state.lock();
         let before = calls.table.len();
         loop {
@@ -66,10 +71,25 @@ impl ConnTask {
             self.backlog
                 .on_read(now, answered, waiting, &self.link.pace);
         }
+        drop(calls);
+        if !self.peak.is_zero() {
+            // The slowest reply of the read (see `crate::resilience::ewma`).
+            self.link.ewma.observe(self.peak, self.now);
+        }
         if self.io.is_eof() {
             return Err(ConnEnd::ClosedByProvider);
         }
         Ok(())
+    }
+
+    /// A reply to a call admitted at `admitted` was read: its latency joins the read's.
+    fn took(&mut self, admitted: Instant) {
+        self.peak = self.peak.max(self.now.saturating_duration_since(admitted));
+    }
+
+    /// Records what an outcome says of the provider (`crate::resilience::outlier`).
+    pub fn judge(&self, verdict: Verdict) {
+        self.link.outlier.record(verdict, self.now);
     }
 
     /// Takes an rpcmesh provider's time per call from its heartbeat answer, for the
@@ -118,7 +138,10 @@ impl ConnTask {
             return false;
         }
         let body = self.io.peeked_body(header);
-        if body.len() < 5 || body[0] == Status::Unavailable as u8 {
+        if body.len() < 5
+            || body[0] == Status::Unavailable as u8
+            || body[0] == Status::Overloaded as u8
+        {
             return false;
         }
         // Not a late reply, nor one the session must copy with its call's reservation.
@@ -128,9 +151,13 @@ impl ConnTask {
             return false;
         };
         self.reply_read(&mut slot, read_at);
+        let admitted = slot.info.admitted;
         let status = slot.reply_to.answer_small(header.flags, body, slot.info);
+        let verdict = verdict_of(status, header.flags, body);
         settled(&self.state, &self.metrics, status);
         self.io.skip_peeked(header);
+        self.took(admitted);
+        self.judge(verdict);
         true
     }
 
@@ -157,11 +184,33 @@ impl ConnTask {
                     return;
                 };
                 self.reply_read(&mut slot, read_at);
+                self.took(slot.info.admitted);
                 let outcome = if frame.body.len() < 5 {
                     let failure = Failure::MalformedReply;
                     failure.count(&self.metrics.errors);
+                    self.judge(Verdict::Fault);
                     Err(failure)
                 } else {
+                    self.judge(verdict_of(
+                        status_of(&frame.body),
+                        frame.header.flags,
+                        &frame.body,
+                    ));
+                    if frame.body[0] == Status::Overloaded as u8
+                        && self.settings.kind == PeerKind::Rpcmesh
+                        && slot.request.is_some()
+                    {
+                        // Shed by the provider without running it: safe to send to
+                        // another, if the budget allows.
+                        if self.link.guards.budget.withdraw(self.now) {
+                            if let Some(request) = slot.request.take() {
+                                return self.hand_back(slot, request, Reroute::Overloaded);
+                            }
+                        } else {
+                            self.metrics.budget_exhausted[Reroute::Overloaded as usize]
+                                .increment(1);
+                        }
+                    }
                     if frame.body[0] == Status::Unavailable as u8 {
                         // The provider is going away: send no more calls here.
                         self.mark_closed();
@@ -172,7 +221,7 @@ impl ConnTask {
                             // connections takes new calls, and the call goes elsewhere.
                             self.provider_draining();
                             if let Some(request) = slot.request.take() {
-                                return self.hand_back(slot, request);
+                                return self.hand_back(slot, request, Reroute::NotRun);
                             }
                         }
                     }
@@ -236,6 +285,7 @@ impl ConnTask {
                 provider: self.settings.label.clone(),
                 error: e,
             };
+            self.judge(Verdict::Fault);
             settle(
                 &self.state,
                 &self.metrics,
@@ -259,13 +309,34 @@ impl ConnTask {
     /// Hands a call the provider did not run back to its session with its request frame,
     /// to be routed again. The provider's refusal counts as its answer (`unavailable`) in
     /// this provider's outcomes; the call's own outcome is still to come.
-    fn hand_back(&mut self, slot: Slot, request: Frame) {
-        settled(&self.state, &self.metrics, Status::Unavailable);
-        slot.hand_back(request, Reroute::NotRun);
+    fn hand_back(&mut self, slot: Slot, request: Frame, why: Reroute) {
+        let status = match why {
+            Reroute::Overloaded => Status::Overloaded,
+            Reroute::NotRun | Reroute::Unsent => Status::Unavailable,
+        };
+        settled(&self.state, &self.metrics, status);
+        slot.hand_back(request, why, self.link.id);
     }
 
-    /// Answers a call taken off the table with a failure of the broker's own making.
+    /// Answers a call taken off the table with a failure of the broker's own making, and
+    /// judges the provider by it: a lost connection is its fault, and so is a timeout at
+    /// the broker's own call timeout (one at a deadline the caller set shorter is not);
+    /// a timed-out call's wait counts as a slow reply for the balancer.
     pub fn fail_slot(&self, slot: Slot, failure: Failure) {
+        let now = Instant::now();
+        let verdict = match &failure {
+            Failure::Timeout { after, .. } => {
+                self.link.ewma.observe(*after, now);
+                if slot.deadline < slot.info.admitted + *after {
+                    Verdict::Neutral
+                } else {
+                    Verdict::Fault
+                }
+            }
+            f if f.provider_fault() => Verdict::Fault,
+            _ => Verdict::Neutral,
+        };
+        self.link.outlier.record(verdict, now);
         fail(
             &self.state,
             &self.metrics,
@@ -274,6 +345,40 @@ impl ConnTask {
             failure,
         );
     }
+}
+
+/// What a provider's answer with `status` says of the provider: "failed" is its fault
+/// unless it says the service or method is unknown (the caller's call), "unavailable" is
+/// unless it did not run the call (`NOT_RUN`: it drains, and the pool is marked so); the
+/// other errors are about the call (bad request, permission denied, a deadline) or a
+/// refusal by design (overloaded).
+fn verdict_of(status: Status, flags: Flags, body: &[u8]) -> Verdict {
+    match status {
+        Status::Success => Verdict::Success,
+        Status::Failed if names_unknown(body) => Verdict::Neutral,
+        Status::Failed => Verdict::Fault,
+        Status::Unavailable if flags.contains(Flags::NOT_RUN) => Verdict::Neutral,
+        Status::Unavailable => Verdict::Fault,
+        Status::Timeout | Status::Overloaded | Status::BadRequest | Status::PermissionDenied => {
+            Verdict::Neutral
+        }
+    }
+}
+
+/// Longest error reply searched for the words of an unknown service or method (theirs
+/// are short; a longer reply is the handler's own).
+const NAMES_UNKNOWN_SEARCH: usize = 1024;
+
+/// True when a "failed" reply says the service or method is unknown, as providers and v1
+/// servers word it (`service not found: `, `method not found: `): the caller's mistake.
+/// The words are looked for in the body's bytes, which hold the message as it is (an
+/// error reply is too small to be compressed).
+fn names_unknown(body: &[u8]) -> bool {
+    if body.len() > NAMES_UNKNOWN_SEARCH {
+        return false;
+    }
+    let has = |needle: &[u8]| body.windows(needle.len()).any(|w| w == needle);
+    has(b"service not found: ") || has(b"method not found: ")
 }
 
 /// Gives a call taken off this connection its outcome: it is counted by status for this

@@ -96,6 +96,10 @@ pub(super) struct ConnTask {
     /// A plain v1 server's calls waiting at its last read, to time how fast it answers
     /// (`crate::upstream::pace`); unused towards rpcmesh providers.
     pub backlog: Backlog,
+    /// When the last read returned (the outcomes it brought are judged at that instant).
+    pub now: Instant,
+    /// The slowest reply of the current read, for the balancer's estimate.
+    pub peak: Duration,
 }
 
 impl ConnTask {
@@ -125,6 +129,8 @@ impl ConnTask {
             metrics,
             link,
             backlog: Backlog::default(),
+            now: Instant::now(),
+            peak: Duration::ZERO,
         }
     }
 
@@ -334,7 +340,7 @@ impl ConnTask {
                 Some(request) => {
                     self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
                     requeued += 1;
-                    slot.hand_back(request, Reroute::Unsent);
+                    slot.hand_back(request, Reroute::Unsent, self.link.id);
                 }
                 None => {
                     failed += 1;
@@ -374,7 +380,7 @@ mod tests {
     #[tokio::test]
     async fn a_plain_v1_server_that_falls_silent_stops_being_packed_at_the_sweep() {
         use rpcmesh_wire::envelope::CallCodec;
-        let link = Arc::new(PoolLink::new(
+        let link = Arc::new(PoolLink::for_test(
             Duration::from_millis(1),
             pace::Source::Measured,
         ));

@@ -1,0 +1,130 @@
+//! A provider's latency as a peak-sensitive moving average (PeakEWMA), as linkerd2-proxy
+//! (tower's `PeakEwma`), Finagle and brpc keep it, for the router's choice of the better
+//! of two providers: the one with the lower estimate × (calls in flight + 1).
+//!
+//! A reply slower than the estimate replaces it at once (the peak: a provider that slows
+//! down is avoided from its first slow reply); a faster one moves it by a weight that
+//! grows with the time since the last update (`1 - e^(-elapsed/decay)`). With no reply
+//! the estimate decays towards zero at the same rate, so a provider that was avoided
+//! gets a call again once the others' cost is higher, and is measured afresh. Before its
+//! first reply a provider is assumed to take the default round trip, and the first reply
+//! replaces that assumption whole. (tower averages the first reply into it by the time
+//! since the estimate was made: a broker that starts with its providers and takes calls
+//! at once would then balance by load alone for about one decay, 10 s, until the default
+//! has faded, and send a provider 20 ms slow about as many calls as a healthy one.)
+//!
+//! Lock-free: the estimate and the instant of its last update are two atomics, written
+//! by the connection tasks once per read (the slowest reply of the read, or a call timed
+//! out) and read by every routing decision; a race between two updates loses one of them,
+//! which an average of thousands shrugs off. tower's `PeakEwma` is not used: it is a
+//! `Service` wrapper whose estimate sits behind a mutex locked for every request and
+//! every look, and the broker's calls do not pass through `Service`s.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use super::nanos;
+
+/// One provider's latency estimate.
+#[derive(Debug)]
+pub(crate) struct PeakEwma {
+    /// The estimate in nanoseconds, as `f64` bits.
+    rtt: AtomicU64,
+    /// When it was last updated (`super::nanos`).
+    at: AtomicU64,
+    /// The decay, in nanoseconds.
+    decay: f64,
+    /// False until the first reply: the estimate is still the default.
+    measured: AtomicBool,
+}
+
+impl PeakEwma {
+    /// An estimate of `default_rtt` as of now, forgetting over `decay`.
+    pub fn new(default_rtt: Duration, decay: Duration) -> Self {
+        PeakEwma {
+            rtt: AtomicU64::new((default_rtt.as_nanos() as f64).to_bits()),
+            at: AtomicU64::new(nanos(Instant::now())),
+            decay: (decay.as_nanos() as f64).max(1.0),
+            measured: AtomicBool::new(false),
+        }
+    }
+
+    /// The estimate and the time since its update, as of `now` (nanoseconds).
+    fn load(&self, now: u64) -> (f64, f64) {
+        let rtt = f64::from_bits(self.rtt.load(Ordering::Relaxed));
+        let at = self.at.load(Ordering::Relaxed);
+        (rtt, now.saturating_sub(at) as f64)
+    }
+
+    /// A reply (or a timeout) took `rtt`, seen at `now`.
+    pub fn observe(&self, rtt: Duration, now: Instant) {
+        let now = nanos(now);
+        let rtt = rtt.as_nanos() as f64;
+        let (est, elapsed) = self.load(now);
+        let first =
+            !self.measured.load(Ordering::Relaxed) && !self.measured.swap(true, Ordering::Relaxed);
+        let next = if first || rtt > est {
+            rtt
+        } else {
+            let keep = (-elapsed / self.decay).exp();
+            est * keep + rtt * (1.0 - keep)
+        };
+        self.rtt.store(next.to_bits(), Ordering::Relaxed);
+        self.at.store(now, Ordering::Relaxed);
+    }
+
+    /// The estimate as of `now`, decayed since the last update.
+    pub fn estimate(&self, now: Instant) -> Duration {
+        Duration::from_nanos(self.estimate_ns(nanos(now)) as u64)
+    }
+
+    fn estimate_ns(&self, now: u64) -> f64 {
+        let (est, elapsed) = self.load(now);
+        est * (-elapsed / self.decay).exp()
+    }
+
+    /// The router's cost of sending one more call: the estimate × (`pending` + 1).
+    pub fn cost(&self, now: Instant, pending: usize) -> f64 {
+        self.estimate_ns(nanos(now)) * (pending as f64 + 1.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn a_slow_reply_is_the_estimate_at_once_and_fast_ones_bring_it_down_with_time() {
+        let e = PeakEwma::new(30 * MS, Duration::from_secs(10));
+        let t0 = Instant::now();
+        e.observe(MS / 5, t0);
+        assert_eq!(
+            e.estimate(t0),
+            MS / 5,
+            "the first reply replaces the default"
+        );
+        e.observe(MS, t0);
+        e.observe(MS / 10, t0);
+        // Elapsed ~0: a faster reply barely moves it.
+        assert_eq!(e.estimate(t0), MS);
+        e.observe(50 * MS, t0);
+        assert_eq!(e.estimate(t0), 50 * MS, "the peak replaces it");
+        // Ten seconds of fast replies later (one decay): about 1/e of the way left.
+        let t1 = t0 + Duration::from_secs(10);
+        e.observe(MS / 5, t1);
+        let est = e.estimate(t1);
+        assert!(est > 18 * MS && est < 19 * MS, "{est:?}");
+    }
+
+    #[test]
+    fn with_no_reply_the_estimate_decays_and_more_calls_in_flight_cost_more() {
+        let e = PeakEwma::new(20 * MS, Duration::from_secs(10));
+        let t0 = Instant::now();
+        e.observe(20 * MS, t0);
+        let later = e.estimate(t0 + Duration::from_secs(30));
+        assert!(later < 2 * MS, "{later:?}");
+        assert!(e.cost(t0, 3) > 3.9 * e.cost(t0, 0));
+    }
+}
