@@ -69,8 +69,13 @@ const FAULT_ALERTS: [&str; 6] = [
     "RpcmeshDriverBelowRate",
 ];
 /// The alerts a hung provider does not cause, and that must stay quiet here too: no
-/// broker goes down, nothing restarts.
-const QUIET_ALERTS: [&str; 2] = ["RpcmeshBrokerDown", "RpcmeshRestarting"];
+/// broker goes down, nothing restarts, and a lone provider is never ejected (at most half
+/// of the providers are, rounded down).
+const QUIET_ALERTS: [&str; 3] = [
+    "RpcmeshBrokerDown",
+    "RpcmeshRestarting",
+    "RpcmeshProviderEjected",
+];
 /// The alert no fault here can cause, and its threshold as written in the rules.
 const SOFTIRQ_ALERT: &str = "RpcmeshSoftirqHigh";
 const SOFTIRQ_THRESHOLD: &str = "> 0.3";
