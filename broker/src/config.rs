@@ -34,8 +34,9 @@ pub const DEFAULT_METRICS_LISTEN: MetricsListen = MetricsListen(Some(SocketAddr:
 /// latency estimate × (calls in flight + 1) is lower (PeakEWMA, as linkerd balances): it
 /// keeps load even without a shared view (each session picks on its own), as the least
 /// loaded of two does, and also sends almost nothing to a provider that slowed down.
-/// With a provider 20 ms slow beside a healthy one at 5,000 calls/s, the slow one got
-/// under 1 % of the calls, against about half by least loaded (docs/resilience.md).
+/// With a provider 20 ms slow beside a healthy one at 5,000 calls/s (open loop, release
+/// build), the slow one got 0.1 % of the calls and p99 was 1.2 ms, against 1.7 % and
+/// 20.3 ms by least loaded (docs/resilience.md, "Figures").
 pub const DEFAULT_BALANCE: Balance = Balance::PeakEwma;
 /// Client connections open at once. The reference workload runs 200 users per driver;
 /// 10,000 leaves room for fifty such drivers. Beyond it, connections are accepted and
