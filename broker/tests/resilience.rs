@@ -215,3 +215,58 @@ async fn retries_of_shed_calls_go_to_another_provider_within_the_budget() {
         "each call not retried is a failure its caller sees"
     );
 }
+
+/// Calls whose caller's deadline (the driver's `--timeout 100ms`) passes while two slow
+/// providers (300 ms) run them: the broker answers each "timeout" at the caller's deadline,
+/// and none of it counts against a provider, since the caller chose it: no ejection.
+/// (Judged by the deadline instead of the broker's own call timeout, five such timeouts in
+/// a row would eject one of the two.)
+#[test]
+fn timeouts_at_a_deadline_the_caller_set_shorter_eject_no_provider() {
+    let slow: Vec<Spawned> = (0..2)
+        .map(|_| Spawned::start("provider", &["--service-time", "300ms"]))
+        .collect();
+    let b = broker(
+        &[("--upstream", slow[0].rpc), ("--upstream", slow[1].rpc)],
+        &[],
+    );
+    let out = std::process::Command::new(rpcmesh_testkit::bin_path("driver"))
+        .args([
+            "--target",
+            &b.rpc.to_string(),
+            "--workload",
+            "echo",
+            "--fanout",
+            "1",
+        ])
+        .args([
+            "--concurrency",
+            "4",
+            "--connections",
+            "1",
+            "--requests",
+            "40",
+        ])
+        .args([
+            "--timeout",
+            "100ms",
+            "--progress",
+            "off",
+            "--metrics-listen",
+            "off",
+        ])
+        .output()
+        .unwrap();
+    let timeouts = b.metric("rpcmesh_calls_total", &[("status", "timeout")]);
+    let ejections = b.metric(UPSTREAM_EJECTIONS_TOTAL.name, &[]);
+    println!("caller's deadlines: {timeouts} calls timed out at the broker, {ejections} ejections");
+    assert!(
+        timeouts >= 5.0,
+        "the broker answered timeouts: {timeouts}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        ejections, 0.0,
+        "no provider is blamed for its caller's deadline"
+    );
+}

@@ -327,7 +327,10 @@ impl ConnTask {
         let verdict = match &failure {
             Failure::Timeout { after, .. } => {
                 self.link.ewma.observe(*after, now);
-                if slot.deadline < slot.info.admitted + *after {
+                // `after` is the deadline the call had: the broker's own call timeout, or
+                // a shorter one its caller set (the caller's choice, not the provider's
+                // fault).
+                if *after < self.settings.call_timeout {
                     Verdict::Neutral
                 } else {
                     Verdict::Fault
