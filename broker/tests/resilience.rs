@@ -11,8 +11,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use rpcmesh_common::metrics::catalogue::{
-    CALLS_REROUTED_TOTAL, RETRY_BUDGET_EXHAUSTED_TOTAL, UPSTREAM_CALLS_TOTAL,
-    UPSTREAM_EJECTIONS_TOTAL, UPSTREAMS_EJECTED,
+    CALLS_REROUTED_TOTAL, POOL_HEALTHY_CONNECTIONS, RETRY_BUDGET_EXHAUSTED_TOTAL,
+    UPSTREAM_CALLS_TOTAL, UPSTREAM_EJECTIONS_TOTAL, UPSTREAMS_EJECTED,
 };
 use rpcmesh_common::net::client::{Client, ClientConfig};
 use rpcmesh_testkit::Spawned;
@@ -94,9 +94,18 @@ async fn a_black_hole_beside_a_healthy_provider_is_ejected_and_under_one_percent
     let failed_before = failed_calls(before.rpc, CALLS, 4).await;
     drop(before);
 
-    let b = broker(&ups, &[]);
-    let failed = failed_calls(b.rpc, CALLS, 4).await;
+    // A provider that has not answered yet is scored at PeakEWMA's default latency, and
+    // beside a fast one gets no call until that estimate decays (tens of seconds): an
+    // assumed 1 µs sends the black hole calls from the start, as a fast failure would.
+    let b = broker(&ups, &["--ewma-default-rtt", "1us"]);
     let hole_label = hole.rpc.to_string();
+    for p in [healthy.rpc.to_string(), hole_label.clone()] {
+        rpcmesh_testkit::wait_until(&format!("{p} is healthy at the broker"), || {
+            b.metric(POOL_HEALTHY_CONNECTIONS.name, &[("upstream", &p)]) > 0.0
+        })
+        .await;
+    }
+    let failed = failed_calls(b.rpc, CALLS, 4).await;
     let ejections = b.metric(
         UPSTREAM_EJECTIONS_TOTAL.name,
         &[
