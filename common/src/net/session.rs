@@ -834,15 +834,7 @@ mod tests {
         .await;
         // A request twice the pause floor, sent up to a little past the floor: the
         // session holds that much of an unfinished frame.
-        let mut big = BytesMut::new();
-        Request {
-            service: bytes::Bytes::from_static(b"S"),
-            method: bytes::Bytes::from_static(b"M"),
-            payload: bytes::Bytes::from(vec![7; 2 * PAUSE_FLOOR]),
-        }
-        .put(&mut big, Flags::NONE, 1)
-        .expect("the frame encodes");
-        let cut = PAUSE_FLOOR + 4096;
+        let (big, cut) = big_request();
         // The rest of the process holds the budget past its pause mark: the session stops
         // reading once it holds the floor.
         let others = (budget.limit() as f64 * PAUSE_SHARE) as usize;
