@@ -87,20 +87,7 @@ pub fn main_with(args: &Args) -> anyhow::Result<()> {
             // instead of ending the process.
             let reload = Reload::new();
             on_sighup(reload.clone());
-            let plain = plain.and_then(|l| {
-                tokio::net::TcpListener::from_std(l)
-                    .inspect_err(
-                        |e| tracing::error!(error = %e, "the plain address cannot be served"),
-                    )
-                    .ok()
-            });
-            if let Some(p) = &plain {
-                tracing::info!(addr = ?p.local_addr().ok(), "plain RPCF v1 beside TLS");
-            }
-            let listeners = Listeners {
-                main: listener,
-                plain,
-            };
+            let listeners = Listeners::with_plain(listener, plain);
             run_with_reload(config, telemetry, listeners, shutdown, reload)
         },
     )?;

@@ -57,20 +57,7 @@ pub fn main_with(args: &Args) -> anyhow::Result<()> {
         args.runtime.threads,
         |telemetry, listener, shutdown| async move {
             config.warnings.log();
-            let plain = plain.and_then(|l| {
-                tokio::net::TcpListener::from_std(l)
-                    .inspect_err(
-                        |e| tracing::error!(error = %e, "the plain address cannot be served"),
-                    )
-                    .ok()
-            });
-            if let Some(p) = &plain {
-                tracing::info!(addr = ?p.local_addr().ok(), "plain RPCF v1 beside TLS");
-            }
-            let listeners = Listeners {
-                main: listener,
-                plain,
-            };
+            let listeners = Listeners::with_plain(listener, plain);
             let mut registry = if config.classic {
                 classic::registry()
             } else {

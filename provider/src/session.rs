@@ -44,10 +44,9 @@ use rpcmesh_common::net::connection::{CloseReason, FramedIo};
 use rpcmesh_common::net::listener::Via;
 use rpcmesh_common::net::pace::{self, PerCall};
 use rpcmesh_common::net::session::{self, Protocol, Stop};
-use rpcmesh_common::net::stream::Stream;
 use rpcmesh_common::net::thinned::Thinned;
 use rpcmesh_common::net::timer::{Aim, PreciseTimer};
-use rpcmesh_common::net::tls::Identity;
+use rpcmesh_common::net::tls::{Identity, Secured};
 use rpcmesh_wire::Status;
 use rpcmesh_wire::body::{Heartbeat, request_names};
 use rpcmesh_wire::codec::FrameCodec;
@@ -90,12 +89,8 @@ pub(crate) async fn serve(
     shared: Arc<Shared>,
     stop: Stop,
 ) -> CloseReason {
-    let (stream, identity) = match (&shared.security.tls, via) {
-        (Some(tls), Via::Main) => match tls.accept(stream, peer).await {
-            Ok(s) => (s.stream, s.identity),
-            Err(_) => return CloseReason::TlsHandshake,
-        },
-        _ => (Stream::Plain(stream), None),
+    let Ok(Secured { stream, identity }) = shared.security.accept(stream, peer, via).await else {
+        return CloseReason::TlsHandshake;
     };
     let io = FramedIo::over(stream, FrameCodec::new(shared.config.max_body_len))
         .with_budget(Some(shared.budget.clone()));

@@ -207,6 +207,24 @@ pub struct SecuritySettings {
 }
 
 impl Security {
+    /// A connection that came through `via` made ready for its session: the TLS handshake
+    /// on the main address when the server has TLS (`Err` when it was refused, counted by
+    /// [`ServerTls::accept`]), the socket as it is on a plain one; with the peer's identity.
+    pub async fn accept(
+        &self,
+        tcp: tokio::net::TcpStream,
+        peer: SocketAddr,
+        via: crate::net::listener::Via,
+    ) -> Result<crate::net::tls::Secured, crate::net::tls::Refusal> {
+        match (&self.tls, via) {
+            (Some(tls), crate::net::listener::Via::Main) => tls.accept(tcp, peer).await,
+            _ => Ok(crate::net::tls::Secured {
+                stream: crate::net::stream::Stream::Plain(tcp),
+                identity: None,
+            }),
+        }
+    }
+
     /// Loads what `settings` name and starts watching the files; the error says which file
     /// and what is wrong (validation read them already, so it means they changed since).
     pub fn start(

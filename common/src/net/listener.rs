@@ -76,6 +76,23 @@ pub struct Listeners {
     pub plain: Option<TcpListener>,
 }
 
+impl Listeners {
+    /// The main listener with the plain one bound at start-up (`--listen-plain`), taken
+    /// onto the runtime; a plain listener the runtime cannot take is logged and left out
+    /// (the main address still serves).
+    pub fn with_plain(main: TcpListener, plain: Option<std::net::TcpListener>) -> Listeners {
+        let plain = plain.and_then(|l| {
+            TcpListener::from_std(l)
+                .inspect_err(|e| tracing::error!(error = %e, "the plain address cannot be served"))
+                .ok()
+        });
+        if let Some(p) = &plain {
+            tracing::info!(addr = ?p.local_addr().ok(), "plain RPCF v1 beside TLS");
+        }
+        Listeners { main, plain }
+    }
+}
+
 impl From<TcpListener> for Listeners {
     fn from(main: TcpListener) -> Self {
         Listeners { main, plain: None }
