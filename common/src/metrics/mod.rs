@@ -3,7 +3,8 @@
 //! - [`catalogue`]: every metric family, written down once (name, type, labels, programs,
 //!   help). Handles are registered through it only.
 //! - [`recorder`]: the per-instance Prometheus recorder ([`Telemetry`]), its buckets and
-//!   rendering.
+//!   rendering; [`buckets`]: its histograms, fixed buckets of atomics (no allocation per
+//!   sample).
 //! - [`exposition`]: reading the text it renders: a series' value by exact name and labels.
 //! - [`endpoint`]: the bounded `/metrics` HTTP endpoint, refreshing `/proc` figures at
 //!   each scrape.
@@ -18,6 +19,7 @@
 //! connection's byte counts, `ConnCounters` observes the accept loop); below the command
 //! line. Nothing in `net` or in `rpcmesh-wire` uses it.
 
+pub mod buckets;
 pub mod catalogue;
 pub mod endpoint;
 pub mod errors;

@@ -8,6 +8,10 @@
 //! reading it back (a series' value, whether a line carries a label) is
 //! [`crate::metrics::exposition`]'s.
 //!
+//! Counters and gauges live in the exporter (`metrics-exporter-prometheus`); histograms
+//! in [`crate::metrics::buckets`], which records a sample without allocating, and are
+//! rendered after the exporter's text.
+//!
 //! Handles are registered on the instance's own recorder rather than through the global
 //! `metrics` macros, so that several providers and brokers in one test process keep
 //! separate counts.
@@ -23,6 +27,7 @@ use std::sync::{Arc, Mutex};
 use metrics::{Counter, Gauge, Histogram, Key, Label, Metadata, Recorder};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
 
+use crate::metrics::buckets::{self, Buckets, Series};
 use crate::metrics::catalogue::{self, Family, Kind};
 use crate::metrics::exposition::LabelPair;
 // The reader of what `Telemetry::render` writes, where the test kit, the tests and the
@@ -36,10 +41,6 @@ pub const LATENCY_BUCKETS: &[f64] = &[
     0.000_01, 0.000_02, 0.000_05, 0.000_1, 0.000_2, 0.000_5, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05,
     0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
 ];
-
-/// How often histogram samples are drained into buckets: often enough that at a million
-/// samples a second the pending ones stay at a few MB.
-pub const UPKEEP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 
 const METADATA: Metadata<'static> = Metadata::new("rpcmesh", metrics::Level::INFO, None);
 
@@ -75,6 +76,8 @@ impl Drop for Exposure {
 #[derive(Clone)]
 pub struct Telemetry {
     inner: Option<(Arc<PrometheusRecorder>, PrometheusHandle)>,
+    /// The histograms' series, in registration order.
+    histograms: Arc<Mutex<Vec<Series>>>,
     refresh: Arc<Mutex<Vec<Refresh>>>,
     exposures: Exposures,
     served_at: Option<std::net::SocketAddr>,
@@ -98,10 +101,7 @@ impl Telemetry {
     /// A fresh recorder with rpcmesh's histogram buckets, kept in memory (tests read it
     /// with [`Telemetry::render`]).
     pub fn new() -> Self {
-        let recorder = PrometheusBuilder::new()
-            .set_buckets(LATENCY_BUCKETS)
-            .expect("the bucket list is a non-empty constant")
-            .build_recorder();
+        let recorder = PrometheusBuilder::new().build_recorder();
         Telemetry::recording(recorder)
     }
 
@@ -110,6 +110,7 @@ impl Telemetry {
         let handle = recorder.handle();
         let t = Telemetry {
             inner: Some((Arc::new(recorder), handle)),
+            histograms: Arc::default(),
             refresh: Arc::default(),
             exposures: Arc::default(),
             served_at: None,
@@ -123,6 +124,7 @@ impl Telemetry {
     pub fn discard() -> Self {
         Telemetry {
             inner: None,
+            histograms: Arc::default(),
             refresh: Arc::default(),
             exposures: Arc::default(),
             served_at: None,
@@ -192,13 +194,31 @@ impl Telemetry {
         }
     }
 
-    /// Registers (or finds) a histogram of `family`.
+    /// Registers (or finds) a histogram of `family` ([`crate::metrics::buckets`]).
     pub fn histogram(&self, family: &'static Family, labels: &[(&'static str, &str)]) -> Histogram {
         family.check(Kind::Histogram, labels);
-        match &self.inner {
-            Some((r, _)) => r.register_histogram(&key(family.name, labels), &METADATA),
-            None => Histogram::noop(),
+        if self.inner.is_none() {
+            return Histogram::noop();
         }
+        let mut all = self.histograms.lock().unwrap_or_else(|e| e.into_inner());
+        let same = |s: &&Series| {
+            std::ptr::eq(s.family, family)
+                && s.labels.len() == labels.len()
+                && s.labels
+                    .iter()
+                    .zip(labels)
+                    .all(|(a, b)| a.0 == b.0 && a.1 == b.1)
+        };
+        if let Some(s) = all.iter().find(same) {
+            return Histogram::from_arc(s.buckets.clone());
+        }
+        let buckets = Arc::new(Buckets::default());
+        all.push(Series {
+            family,
+            labels: labels.iter().map(|(k, v)| (*k, v.to_string())).collect(),
+            buckets: buckets.clone(),
+        });
+        Histogram::from_arc(buckets)
     }
 
     /// Attaches `family`'s help text and unit to its name (the exporter keeps one
@@ -207,7 +227,8 @@ impl Telemetry {
         let Some((r, _)) = &self.inner else { return };
         let (name, unit, help) = (family.name.into(), family.unit(), family.help.into());
         match family.kind {
-            Kind::Histogram => r.describe_histogram(name, unit, help),
+            // Rendered with the catalogue's help by `buckets`.
+            Kind::Histogram => {}
             Kind::Counter => r.describe_counter(name, unit, help),
             Kind::Gauge => r.describe_gauge(name, unit, help),
         }
@@ -235,7 +256,11 @@ impl Telemetry {
         let Some((_, h)) = &self.inner else {
             return String::new();
         };
-        let text = h.render();
+        let mut text = h.render();
+        buckets::render(
+            &self.histograms.lock().unwrap_or_else(|e| e.into_inner()),
+            &mut text,
+        );
         let hidden: Vec<LabelPair> = self
             .exposures
             .lock()
@@ -254,33 +279,6 @@ impl Telemetry {
             }
         }
         kept
-    }
-
-    /// Drains histogram samples into their buckets; run it periodically so that samples
-    /// do not pile up between scrapes.
-    pub fn run_upkeep(&self) {
-        if let Some((_, h)) = &self.inner {
-            h.run_upkeep();
-        }
-    }
-
-    /// Runs [`Telemetry::run_upkeep`] every [`UPKEEP_INTERVAL`] until `stop`: without it,
-    /// histogram samples of a recorder nobody scrapes would pile up in memory.
-    pub fn spawn_upkeep(
-        &self,
-        stop: crate::net::shutdown::CancellationToken,
-    ) -> tokio::task::JoinHandle<()> {
-        let handle = self.inner.as_ref().map(|(_, h)| h.clone());
-        tokio::spawn(async move {
-            let Some(handle) = handle else { return };
-            let mut tick = tokio::time::interval(UPKEEP_INTERVAL);
-            loop {
-                tokio::select! {
-                    _ = tick.tick() => handle.run_upkeep(),
-                    () = stop.cancelled() => return,
-                }
-            }
-        })
     }
 }
 

@@ -412,8 +412,8 @@ pub fn spawn(
     })
 }
 
-/// The background work of a program's telemetry: draining histogram samples
-/// ([`Telemetry::spawn_upkeep`]) and collecting the system metrics ([`spawn`]). Stops when
+/// The background work of a program's telemetry: collecting the system metrics
+/// ([`spawn`]). Stops when
 /// dropped, or after a last collection with [`Housekeeping::finish`].
 #[derive(Debug)]
 pub struct Housekeeping {
@@ -422,15 +422,17 @@ pub struct Housekeeping {
 }
 
 impl Housekeeping {
-    /// Starts both for a program of `role` (inside a Tokio runtime), and publishes the
+    /// Starts it for a program of `role` (inside a Tokio runtime), and publishes the
     /// build it runs (`rpcmesh_build_info`), which every program exports with these.
     pub fn start(telemetry: &Telemetry, role: Role) -> Self {
         crate::metrics::families::publish_build_info(telemetry, role);
         let stop = CancellationToken::new();
-        let tasks = vec![
-            telemetry.spawn_upkeep(stop.clone()),
-            spawn(telemetry.clone(), role, DEFAULT_INTERVAL, stop.clone()),
-        ];
+        let tasks = vec![spawn(
+            telemetry.clone(),
+            role,
+            DEFAULT_INTERVAL,
+            stop.clone(),
+        )];
         Housekeeping { stop, tasks }
     }
 
