@@ -201,8 +201,8 @@ impl Protocol for Session {
     /// Answers a heartbeat; one that asks which call fields the broker takes is told
     /// (the deadline).
     fn on_heartbeat(&mut self, frame: Frame, io: &mut FramedIo) {
-        let asked = Heartbeat::parse(&frame.body)
-            .is_ok_and(|hb| hb.extra_value(ext::HEARTBEAT_KEY).is_some());
+        let asked =
+            Heartbeat::extra_value_in(&frame.body, ext::HEARTBEAT_KEY).is_ok_and(|v| v.is_some());
         let extra: &[(&str, &str)] = if asked {
             &[(ext::HEARTBEAT_KEY, ext::DEADLINE_FIELD)]
         } else {

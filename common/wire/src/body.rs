@@ -185,43 +185,31 @@ pub struct Heartbeat {
 impl Heartbeat {
     /// Parses a heartbeat body.
     pub fn parse(body: &[u8]) -> Result<Heartbeat, FrameError> {
-        let bad = |reason| FrameError::BadBody {
-            what: "heartbeat",
-            reason,
-        };
-        let mut at = 0;
-        let string = |at: &mut usize| -> Result<String, FrameError> {
-            let r = short_str_range(body, *at).ok_or_else(|| bad("string overruns the body"))?;
-            *at = r.end;
-            String::from_utf8(body[r].to_vec()).map_err(|_| bad("string is not UTF-8"))
-        };
-        let service_name = string(&mut at)?;
-        let node_id = string(&mut at)?;
-        let ts = body
-            .get(at..at + 8)
-            .ok_or_else(|| bad("timestamp overruns the body"))?;
-        let timestamp_ms = be_u64(ts);
-        at += 8;
-        let n = body
-            .get(at..at + 2)
-            .ok_or_else(|| bad("pair count overruns the body"))?;
-        let n = u16::from_be_bytes([n[0], n[1]]);
-        at += 2;
-        let mut extra = Vec::with_capacity(usize::from(n).min(64));
-        for _ in 0..n {
-            let k = string(&mut at)?;
-            let v = string(&mut at)?;
-            extra.push((k, v));
-        }
-        if at != body.len() {
-            return Err(bad("trailing bytes after the last pair"));
-        }
+        let mut extra = Vec::new();
+        let (service_name, node_id, timestamp_ms) = walk_heartbeat(body, |k, v| {
+            if extra.len() < usize::from(u16::MAX) {
+                extra.push((k.to_string(), v.to_string()));
+            }
+        })?;
         Ok(Heartbeat {
-            service_name,
-            node_id,
+            service_name: service_name.to_string(),
+            node_id: node_id.to_string(),
             timestamp_ms,
             extra,
         })
+    }
+
+    /// The value of the first extra pair named `key` in heartbeat body `body`, read in
+    /// place (nothing allocated: the broker reads its providers' answers every second on
+    /// every connection); `Ok(None)` when the pair is not there.
+    pub fn extra_value_in<'a>(body: &'a [u8], key: &str) -> Result<Option<&'a str>, FrameError> {
+        let mut found = None;
+        walk_heartbeat(body, |k, v| {
+            if found.is_none() && k == key {
+                found = Some(v);
+            }
+        })?;
+        Ok(found)
     }
 
     /// Appends this heartbeat as a whole frame.
@@ -266,6 +254,45 @@ impl Heartbeat {
             .find(|(k, _)| k == key)
             .map(|(_, v)| v.as_str())
     }
+}
+
+/// Checks heartbeat body `body` whole and hands each extra pair to `pair`, in order;
+/// returns the service name, the node id and the timestamp, all read in place.
+fn walk_heartbeat<'a>(
+    body: &'a [u8],
+    mut pair: impl FnMut(&'a str, &'a str),
+) -> Result<(&'a str, &'a str, u64), FrameError> {
+    let bad = |reason| FrameError::BadBody {
+        what: "heartbeat",
+        reason,
+    };
+    let mut at = 0;
+    let string = |at: &mut usize| -> Result<&'a str, FrameError> {
+        let r = short_str_range(body, *at).ok_or_else(|| bad("string overruns the body"))?;
+        *at = r.end;
+        std::str::from_utf8(&body[r]).map_err(|_| bad("string is not UTF-8"))
+    };
+    let service_name = string(&mut at)?;
+    let node_id = string(&mut at)?;
+    let ts = body
+        .get(at..at + 8)
+        .ok_or_else(|| bad("timestamp overruns the body"))?;
+    let timestamp_ms = be_u64(ts);
+    at += 8;
+    let n = body
+        .get(at..at + 2)
+        .ok_or_else(|| bad("pair count overruns the body"))?;
+    let n = u16::from_be_bytes([n[0], n[1]]);
+    at += 2;
+    for _ in 0..n {
+        let k = string(&mut at)?;
+        let v = string(&mut at)?;
+        pair(k, v);
+    }
+    if at != body.len() {
+        return Err(bad("trailing bytes after the last pair"));
+    }
+    Ok((service_name, node_id, timestamp_ms))
 }
 
 /// Milliseconds since the Unix epoch (0 if the clock is before it).

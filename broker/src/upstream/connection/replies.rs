@@ -97,12 +97,10 @@ impl ConnTask {
     /// what the pool knows; one that cannot be read is not this check's business (the
     /// round trip is what it checks).
     fn take_reported_pace(&self, body: &[u8]) {
-        if let Ok(hb) = Heartbeat::parse(body) {
-            if let Some(value) = hb.extra_value(HEARTBEAT_KEY) {
-                self.link
-                    .pace
-                    .reported(PerCall::parse_heartbeat_value(value));
-            }
+        if let Ok(Some(value)) = Heartbeat::extra_value_in(body, HEARTBEAT_KEY) {
+            self.link
+                .pace
+                .reported(PerCall::parse_heartbeat_value(value));
         }
     }
 
@@ -112,8 +110,7 @@ impl ConnTask {
     /// deadlines.
     fn take_call_fields(&self, body: &[u8]) {
         use rpcmesh_wire::ext;
-        if let Ok(hb) = Heartbeat::parse(body) {
-            let fields = hb.extra_value(ext::HEARTBEAT_KEY);
+        if let Ok(fields) = Heartbeat::extra_value_in(body, ext::HEARTBEAT_KEY) {
             let takes = |field| fields.is_some_and(|v| ext::takes(v, field));
             let caller = self.settings.tls.is_some() && takes(ext::CALLER_FIELD);
             let relaxed = std::sync::atomic::Ordering::Relaxed;
