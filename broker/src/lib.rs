@@ -61,7 +61,7 @@ pub use upstream_spec::UpstreamSpec;
 // Fixed limits that are not flags, public so that the docs quoting them are held to the
 // code (`tests/docs_constants.rs`).
 pub use session::MAX_RETRIES;
-pub use upstream::connection::REQUEST_RETAIN;
+pub use upstream::connection::{REQUEST_RETAIN, RING_MAX, RING_MIN};
 
 /// The whole program after its flags are parsed: validates them, then serves until
 /// SIGTERM/SIGINT, reading the providers file again on SIGHUP (what `broker`'s `main` is,

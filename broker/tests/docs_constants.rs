@@ -17,7 +17,7 @@ use rpcmesh_broker::resilience::{
     DEFAULT_EWMA_DEFAULT_RTT, DEFAULT_MAX_EJECTION_PERCENT, DEFAULT_RETRY_MIN_PER_SECOND,
     DEFAULT_RETRY_PERCENT, PROBE_SPACING, RETRY_BUDGET_TTL,
 };
-use rpcmesh_broker::{FILE_POLL, MAX_RETRIES, REQUEST_RETAIN};
+use rpcmesh_broker::{FILE_POLL, MAX_RETRIES, REQUEST_RETAIN, RING_MAX, RING_MIN};
 use rpcmesh_testkit::quoted::{self, Value, bytes, count, time};
 
 /// The broker's constants the docs quote, by the name they quote them under.
@@ -57,6 +57,8 @@ fn broker() -> Vec<(&'static str, Value)> {
             time(DEFAULT_CONNECT_TIMEOUT + DEFAULT_HEALTH_TIMEOUT),
         ),
         ("broker::DEFAULT_GRACE", time(DEFAULT_GRACE)),
+        ("broker::RING_MIN", bytes(RING_MIN)),
+        ("broker::RING_MAX", bytes(RING_MAX)),
         ("broker::DEFAULT_BUSY_POLL", time(DEFAULT_BUSY_POLL)),
         (
             "broker::DEFAULT_PACK_IN_FLIGHT",

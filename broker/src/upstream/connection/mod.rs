@@ -10,11 +10,16 @@
 //! - [`task`]: the task's loop: batched writes, the deadline sweep, health-check
 //!   heartbeats, the end of the grace period, quick ACKs towards plain v1 servers, and how
 //!   the connection ends (calls in flight answered, calls still queued routed again);
+//! - [`kept`]: where a call's request is kept while it may be handed back (the queue's
+//!   buffer, then a ring of the connection's recent requests), never as a slice of the
+//!   session's read buffer;
 //! - [`replies`]: what the task reads: each reply matched to its call and copied to the
 //!   caller's session, `NOT_RUN` refusals handed back to be routed elsewhere, the
 //!   provider's pace taken for the router, unusable frames, and how each call gets its
 //!   outcome.
 
+mod kept;
+pub use kept::{RING_MAX, RING_MIN};
 mod queue;
 mod replies;
 mod task;
@@ -46,12 +51,12 @@ type HeartbeatTx = oneshot::Sender<()>;
 /// timeout, within these bounds): timeouts fire at most this late.
 const SWEEP_MIN: Duration = Duration::from_millis(1);
 const SWEEP_MAX: Duration = Duration::from_millis(100);
-/// How long a call's request frame is kept in its slot after the call was admitted, so
-/// that a `NOT_RUN` refusal can be routed elsewhere. A draining provider refuses a call as
-/// soon as it reads it, so the refusal comes one round trip after the write unless the
+/// How long a call's request is kept after the call was admitted (`kept`), so that a
+/// `NOT_RUN` refusal can be routed elsewhere. A draining provider refuses a call as soon
+/// as it reads it, so the refusal comes one round trip after the write unless the
 /// provider had stopped reading; a second covers any pause of a live provider. Bounded
-/// because a small frame shares (and keeps alive) the 64 KiB read buffer it was read
-/// into: a call held by a slow provider must not pin it for the whole call timeout. A
+/// because a large request is kept as the frame the session read, which holds its read
+/// buffer: a call held by a slow provider must not pin it for the whole call timeout. A
 /// refusal that comes later is passed on to the caller (with `NOT_RUN` if it takes
 /// extended statuses, so a driver may send it to another broker).
 pub const REQUEST_RETAIN: Duration = Duration::from_secs(1);

@@ -9,6 +9,7 @@
 //! message per call). The task takes the queue once per round ([`Calls::take_queued`]).
 //! Matching replies to slots is `replies`'; the task's loop is `task`'s.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
@@ -16,13 +17,14 @@ use std::time::Instant;
 
 use bytes::BytesMut;
 
-use rpcmesh_common::net::budget::Reserved;
+use rpcmesh_common::net::budget::{MemoryBudget, Reserved};
 use rpcmesh_common::net::slots::SlotTable;
 use rpcmesh_wire::PeerKind;
 use rpcmesh_wire::ext::put_ext_request_with_deadline;
 use rpcmesh_wire::frame::{Flags, Frame, Header, MsgType, put_frame};
 
 use super::Refused;
+use super::kept::{self, Kept, Ring};
 use crate::call::{Avoid, CallInfo, Forward, Reply, ReplyTx, Reroute};
 
 #[cfg(doc)]
@@ -106,16 +108,15 @@ impl ConnState {
             waker,
             ..
         } = &mut *calls;
-        // The frame stays with the call until the task takes it (so that a call still
-        // queued when the connection fails can be routed again), and for an rpcmesh
-        // provider until the reply or REQUEST_RETAIN (see `Slot::request`).
+        let at = wbuf.len();
+        let large = fwd.reserved.is_some();
         let (id, slot) = table.insert_mut(Slot {
             info: fwd.info,
             reply_to: fwd.reply_to,
             deadline: fwd.deadline,
             sent: None,
             reserved: fwd.reserved,
-            request: Some(fwd.frame),
+            kept: Kept::Nowhere,
             retries: fwd.retries,
             refused_by_drain: fwd.refused_by_drain,
         });
@@ -125,26 +126,34 @@ impl ConnState {
             body_len,
             req_id: id,
         };
-        if let Some(frame) = &slot.request {
-            let caller = self.takes_caller.load(Ordering::Relaxed);
-            // The time left to the call (the broker's own time spent on it taken off): a
-            // provider does not start it once that has passed.
-            let left = self
-                .takes_deadline
-                .load(Ordering::Relaxed)
-                .then(|| slot.deadline.saturating_duration_since(Instant::now()));
-            if caller || left.is_some() {
-                // The caller's identity before the body the broker never opens.
-                let block = if caller {
-                    slot.reply_to.caller_block()
-                } else {
-                    &[]
-                };
-                put_ext_request_with_deadline(wbuf, flags, id, block, left, &frame.body);
+        let caller = self.takes_caller.load(Ordering::Relaxed);
+        // The time left to the call (the broker's own time spent on it taken off): a
+        // provider does not start it once that has passed.
+        let left = self
+            .takes_deadline
+            .load(Ordering::Relaxed)
+            .then(|| slot.deadline.saturating_duration_since(Instant::now()));
+        if caller || left.is_some() {
+            // The caller's identity before the body the broker never opens.
+            let block = if caller {
+                slot.reply_to.caller_block()
             } else {
-                put_frame(wbuf, &header, &frame.body);
-            }
+                &[]
+            };
+            put_ext_request_with_deadline(wbuf, flags, id, block, left, &fwd.frame.body);
+        } else {
+            put_frame(wbuf, &header, &fwd.frame.body);
         }
+        // Kept until the task takes it (a call still queued when the connection fails is
+        // routed again), and for an rpcmesh provider until the reply (`kept`).
+        slot.kept = if large {
+            Kept::Whole(fwd.frame)
+        } else {
+            Kept::Queued {
+                at,
+                len: wbuf.len() - at,
+            }
+        };
         queued.push(id);
         let waker = waker.take();
         drop(calls);
@@ -170,28 +179,55 @@ pub(super) struct Calls {
     /// The task has ended: nothing more is queued (set under the lock, so a call is
     /// either queued before, and answered by the task's close, or refused).
     pub ended: bool,
+    /// The requests written to an rpcmesh provider, kept for a hand-back (`kept`).
+    pub ring: Ring,
 }
 
 impl Calls {
     /// Moves the calls queued since the last look to the task's write buffer `out`;
-    /// returns how many. `keep_request`: the calls keep their request frames once written
-    /// (an rpcmesh provider's, which may refuse them `NOT_RUN`). The ids of the timed
-    /// calls (stages on) are added to `round`.
+    /// returns how many. `keep_request`: the calls' requests are kept once written (an
+    /// rpcmesh provider's, which may refuse them `NOT_RUN`), in the ring sized with
+    /// `budget`'s count. The ids of the timed calls (stages on) are added to `round`.
     pub fn take_queued(
         &mut self,
         out: &mut BytesMut,
         keep_request: bool,
+        budget: &Arc<MemoryBudget>,
         round: &mut Vec<u64>,
     ) -> usize {
         let Calls {
             wbuf,
             queued,
             table,
+            ring,
             ..
         } = self;
         let n = queued.len();
         if n == 0 {
             return 0;
+        }
+        if keep_request {
+            // Room for the requests of every call in flight here, at this batch's size.
+            ring.fit(wbuf.len() / n * table.len(), budget);
+        }
+        for id in queued.drain(..) {
+            if let Some(slot) = table.get_mut(id) {
+                if let Kept::Queued { at, len } = slot.kept {
+                    slot.kept = match wbuf.get(at..at + len).filter(|_| keep_request) {
+                        Some(bytes) => ring
+                            .push(bytes)
+                            .map_or(Kept::Nowhere, |pos| Kept::Ring { pos, len }),
+                        None => Kept::Nowhere,
+                    };
+                } else if !keep_request {
+                    // A plain v1 server's calls keep nothing once written (only an rpcmesh
+                    // provider refuses with NOT_RUN).
+                    slot.kept = Kept::Nowhere;
+                }
+                if slot.info.routed.is_some() {
+                    round.push(id);
+                }
+            }
         }
         if out.is_empty() {
             // The buffers trade places: no copy, and each keeps its room.
@@ -200,19 +236,14 @@ impl Calls {
             out.extend_from_slice(wbuf);
             wbuf.clear();
         }
-        for id in queued.drain(..) {
-            if let Some(slot) = table.get_mut(id) {
-                // A plain v1 server's calls keep nothing of the caller's read buffer once
-                // written (only an rpcmesh provider refuses with NOT_RUN).
-                if !keep_request {
-                    slot.request = None;
-                }
-                if slot.info.routed.is_some() {
-                    round.push(id);
-                }
-            }
-        }
         n
+    }
+
+    /// Takes the request kept for `slot`'s call, as its caller sent it, if it is kept
+    /// still (`kept`).
+    pub fn take_request(&mut self, slot: &mut Slot) -> Option<Frame> {
+        let kept = std::mem::take(&mut slot.kept);
+        kept::request(kept, &slot.info, &self.wbuf, &self.ring)
     }
 }
 
@@ -228,11 +259,11 @@ pub(super) struct Slot {
     /// A large call's bytes, counted against the memory budget until its reply is in the
     /// caller's write buffer (or it fails).
     pub reserved: Option<Reserved>,
-    /// The caller's request frame: while the call is queued, to route it elsewhere should
-    /// the connection fail first; then, for an rpcmesh provider, to route it elsewhere if
-    /// the provider refuses it `NOT_RUN` (dropped after [`REQUEST_RETAIN`]). A plain v1
-    /// server's calls let go of it once written.
-    pub request: Option<Frame>,
+    /// Where the caller's request is kept: while the call is queued, to route it elsewhere
+    /// should the connection fail first; then, for an rpcmesh provider, to route it
+    /// elsewhere if the provider refuses it `NOT_RUN` (let go after [`REQUEST_RETAIN`]). A
+    /// plain v1 server's calls let go of it once written.
+    pub kept: Kept,
     /// Times the call was handed back and routed again before.
     pub retries: u8,
     /// A draining provider refused it before (see [`Forward::refused_by_drain`]).

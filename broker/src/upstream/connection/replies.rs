@@ -195,12 +195,12 @@ impl ConnTask {
                     ));
                     if frame.body[0] == Status::Overloaded as u8
                         && self.settings.kind == PeerKind::Rpcmesh
-                        && slot.request.is_some()
+                        && slot.kept.is_some()
                     {
                         // Shed by the provider without running it: safe to send to
                         // another, if the budget allows.
                         if self.link.guards.budget.withdraw(self.now) {
-                            if let Some(request) = slot.request.take() {
+                            if let Some(request) = calls.take_request(&mut slot) {
                                 return self.hand_back(slot, request, Reroute::Overloaded);
                             }
                         } else {
@@ -217,7 +217,7 @@ impl ConnTask {
                             // It is draining and did not run the call: none of its
                             // connections takes new calls, and the call goes elsewhere.
                             self.provider_draining();
-                            if let Some(request) = slot.request.take() {
+                            if let Some(request) = calls.take_request(&mut slot) {
                                 return self.hand_back(slot, request, Reroute::NotRun);
                             }
                         }

@@ -55,6 +55,7 @@ use rpcmesh_wire::codec::FrameCodec;
 use rpcmesh_wire::ext;
 use tokio::sync::mpsc;
 
+use super::kept::{Kept, Ring};
 use super::queue::{ConnState, Slot};
 use super::{ConnSettings, HeartbeatTx, REQUEST_RETAIN};
 use crate::call::Reroute;
@@ -233,12 +234,13 @@ impl ConnTask {
         }
         let mut calls = self.state.lock();
         calls.table.take_where(|s| s.deadline <= now, expired);
-        // Requests admitted longer ago than REQUEST_RETAIN are let go. Calls still queued
-        // keep theirs until written: when some are, this waits for the next sweep.
-        if self.settings.kind == PeerKind::Rpcmesh && calls.queued.is_empty() {
+        // Requests admitted longer ago than REQUEST_RETAIN are let go (large ones hold
+        // their read buffers). Calls still queued keep theirs until written.
+        if self.settings.kind == PeerKind::Rpcmesh {
             for s in calls.table.values_mut() {
-                if s.request.is_some() && now.duration_since(s.info.admitted) > REQUEST_RETAIN {
-                    s.request = None;
+                let written = !matches!(s.kept, Kept::Nowhere | Kept::Queued { .. });
+                if written && now.duration_since(s.info.admitted) > REQUEST_RETAIN {
+                    s.kept = Kept::Nowhere;
                 }
             }
         }
@@ -289,9 +291,12 @@ impl ConnTask {
     /// Moves the calls queued since the last look to the write buffer; returns how many.
     pub fn take_queued(&mut self) -> usize {
         let keep_request = self.settings.kind == PeerKind::Rpcmesh;
-        self.state
-            .lock()
-            .take_queued(self.io.wbuf(), keep_request, &mut self.round)
+        self.state.lock().take_queued(
+            self.io.wbuf(),
+            keep_request,
+            &self.settings.budget,
+            &mut self.round,
+        )
     }
 
     /// Writes a health check's heartbeat; its answer is matched by id.
@@ -325,23 +330,21 @@ impl ConnTask {
         self.mark_closed();
         self.metrics.conns.closed(end.close_reason());
         self.heartbeat_rx.close();
-        let (slots, queued) = {
-            let mut calls = self.state.lock();
-            calls.ended = true;
-            calls.waker = None;
-            calls.wbuf = BytesMut::new();
-            let queued = std::mem::take(&mut calls.queued);
-            (calls.table.drain().collect::<Vec<_>>(), queued)
-        };
-        let queued: std::collections::HashSet<u64> = queued.into_iter().collect();
         let (mut failed, mut requeued) = (0, 0);
+        let mut calls = self.state.lock();
+        calls.ended = true;
+        calls.waker = None;
+        let queued: std::collections::HashSet<u64> = calls.queued.drain(..).collect();
+        let slots: Vec<(u64, Slot)> = calls.table.drain().collect();
+        let mut back = Vec::new();
         for (id, mut slot) in slots {
-            match slot.request.take().filter(|_| queued.contains(&id)) {
-                Some(request) => {
-                    self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
-                    requeued += 1;
-                    slot.hand_back(request, Reroute::Unsent, self.link.id);
-                }
+            // A call never written goes back to be routed again, with its request.
+            match queued
+                .contains(&id)
+                .then(|| calls.take_request(&mut slot))
+                .flatten()
+            {
+                Some(request) => back.push((slot, request)),
                 None => {
                     failed += 1;
                     let failure = Failure::ConnectionLost {
@@ -351,6 +354,14 @@ impl ConnTask {
                     self.fail_slot(slot, failure);
                 }
             }
+        }
+        calls.wbuf = BytesMut::new();
+        calls.ring = Ring::default();
+        drop(calls);
+        for (slot, request) in back {
+            self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+            requeued += 1;
+            slot.hand_back(request, Reroute::Unsent, self.link.id);
         }
         self.link.task_ended();
         match end {
