@@ -44,6 +44,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 
+use rpcmesh_common::alloc::Counted;
 use rpcmesh_common::cli::DurationArg;
 use rpcmesh_common::cli::security::{Security, SecuritySettings};
 use rpcmesh_common::metrics::Telemetry;
@@ -249,7 +250,13 @@ pub async fn run_with_reload(
         token,
         grace_over,
         observer,
-        move |stream, peer, via, stop| session::serve(stream, peer, via, shared.clone(), stop),
+        move |stream, peer, via, stop| {
+            let allocations = shared.metrics.allocations.clone();
+            Counted::new(
+                session::serve(stream, peer, via, shared.clone(), stop),
+                allocations,
+            )
+        },
     )
     .await;
     drop(housekeeping);

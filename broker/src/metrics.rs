@@ -9,12 +9,12 @@ use std::sync::{Arc, Mutex};
 use metrics::{Counter, Gauge, Histogram};
 use rpcmesh_common::metrics::catalogue::{
     ABANDONED_REPLIES_TOTAL, BUSY_POLL_IDLE_SECONDS, CALLS_IN_FLIGHT, CALLS_REROUTED_TOTAL,
-    CONFIG_RELOADS_TOTAL, POOL_CONNECTIONS, POOL_CONNECTIONS_CLOSED_TOTAL, POOL_GET_WAIT_SECONDS,
-    POOL_GETS_TIMED_OUT_TOTAL, POOL_GETS_WAITED_TOTAL, POOL_HEALTHY_CONNECTIONS,
-    POOL_IDLE_CONNECTIONS, RETRY_BUDGET_EXHAUSTED_TOTAL, UPSTREAM_CALLS_IN_FLIGHT,
-    UPSTREAM_CALLS_TOTAL, UPSTREAM_CONNECT_FAILURES_TOTAL, UPSTREAM_EJECTIONS_TOTAL,
-    UPSTREAM_LATENCY_ESTIMATE_SECONDS, UPSTREAM_PACE_SECONDS, UPSTREAM_QUICK_ACKS_TOTAL,
-    UPSTREAMS_EJECTED,
+    CONFIG_RELOADS_TOTAL, FORWARDING_ALLOCATIONS_TOTAL, POOL_CONNECTIONS,
+    POOL_CONNECTIONS_CLOSED_TOTAL, POOL_GET_WAIT_SECONDS, POOL_GETS_TIMED_OUT_TOTAL,
+    POOL_GETS_WAITED_TOTAL, POOL_HEALTHY_CONNECTIONS, POOL_IDLE_CONNECTIONS,
+    RETRY_BUDGET_EXHAUSTED_TOTAL, UPSTREAM_CALLS_IN_FLIGHT, UPSTREAM_CALLS_TOTAL,
+    UPSTREAM_CONNECT_FAILURES_TOTAL, UPSTREAM_EJECTIONS_TOTAL, UPSTREAM_LATENCY_ESTIMATE_SECONDS,
+    UPSTREAM_PACE_SECONDS, UPSTREAM_QUICK_ACKS_TOTAL, UPSTREAMS_EJECTED,
 };
 use rpcmesh_common::metrics::families::{
     CallCounters, ConnCounters, ShedCounters, Stages, WireCounters,
@@ -79,6 +79,9 @@ pub struct BrokerMetrics {
     pub reloads_ok: Counter,
     /// Reads of the providers file after the start that were kept out.
     pub reloads_error: Counter,
+    /// Heap allocations made by sessions and upstream connections, when the program
+    /// counts them (`rpcmesh_common::alloc`; else a no-op).
+    pub allocations: Counter,
     calls: Arc<CallLabels>,
 }
 
@@ -117,6 +120,11 @@ impl BrokerMetrics {
                 &CONFIG_RELOADS_TOTAL,
                 &[("role", ROLE.label()), ("result", "error")],
             ),
+            allocations: if rpcmesh_common::alloc::counting() {
+                t.counter(&FORWARDING_ALLOCATIONS_TOTAL, &role)
+            } else {
+                Counter::noop()
+            },
             calls: Arc::new(CallLabels {
                 seen: Mutex::new(HashMap::new()),
                 other: Arc::new(CallCounters::new(
@@ -165,6 +173,7 @@ impl BrokerMetrics {
         let t = &self.telemetry;
         let l = [("role", ROLE.label()), ("upstream", label)];
         UpstreamMetrics {
+            allocations: self.allocations.clone(),
             stages: self.stages.clone(),
             errors: self.errors.clone(),
             wire: WireCounters::new(t, ROLE, "upstream"),
@@ -248,6 +257,8 @@ impl CallLabels {
 /// Handles of one upstream (provider) and its pool.
 #[derive(Debug, Clone)]
 pub struct UpstreamMetrics {
+    /// Heap allocations of the connection tasks (the broker's counter).
+    pub allocations: Counter,
     /// Per-stage latency (the `queue` and `upstream` stages are recorded here).
     pub stages: Stages,
     /// Errors by kind and side.

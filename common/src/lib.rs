@@ -6,6 +6,8 @@
 //!   format    figures as people read them (ms, thousands, bytes): pure, for every report
 //!   log_sink  where log lines go: a bounded queue and a thread writing it to stderr
 //!             (never blocks or fails the process; a leaf, used by cli, read by metrics)
+//!   alloc     the counting allocator a program may install, and tasks whose allocations
+//!             are counted: a leaf
 //!   build     this build's version, git commit and profile (from build.rs): pure
 //!   authz     the authorization policy: who may call what, who may forward identities
 //!   metrics   the catalogue of metrics, the recorder, handle groups, errors, /proc
@@ -21,6 +23,7 @@
 //! it for the wire layer. What the programs' black-box tests share is the crate
 //! `rpcmesh-testkit` (`testkit/`), never compiled into this one.
 
+pub mod alloc;
 pub mod authz;
 pub mod build;
 pub mod cli;

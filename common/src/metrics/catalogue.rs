@@ -366,6 +366,14 @@ pub const BUSY_POLL_IDLE_SECONDS: Family = Family {
     roles: BROKER,
     help: "Time busy polling (--busy-poll) found nothing to read, recorded in chunks of about 10 ms; _sum is roughly the CPU time polling cost beyond the work (empty when the broker does not busy-poll).",
 };
+/// `rpcmesh_forwarding_allocations_total{role}`.
+pub const FORWARDING_ALLOCATIONS_TOTAL: Family = Family {
+    name: "rpcmesh_forwarding_allocations_total",
+    kind: Counter,
+    labels: ROLE,
+    roles: BROKER,
+    help: "Heap allocations and reallocations made while the broker's sessions and upstream connections ran (counted per thread by its allocator): a call forwarded in steady state makes none.",
+};
 /// `rpcmesh_pool_connections_closed_total{role, upstream, reason}`.
 pub const POOL_CONNECTIONS_CLOSED_TOTAL: Family = Family {
     name: "rpcmesh_pool_connections_closed_total",
@@ -689,6 +697,7 @@ pub const CATALOGUE: &[&Family] = &[
     &POOL_GETS_TIMED_OUT_TOTAL,
     &POOL_GET_WAIT_SECONDS,
     &BUSY_POLL_IDLE_SECONDS,
+    &FORWARDING_ALLOCATIONS_TOTAL,
     &POOL_CONNECTIONS_CLOSED_TOTAL,
     &CALLS_REROUTED_TOTAL,
     &ABANDONED_REPLIES_TOTAL,

@@ -28,6 +28,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use rpcmesh_common::alloc::Counted;
 use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::busy_poll::Activity;
 use rpcmesh_common::net::shutdown::CancellationToken;
@@ -136,7 +137,8 @@ impl UpstreamConn {
         let (conn, task) = UpstreamConn::pair(stream, id, settings, metrics, link);
         tracing::debug!(parent: &span, "connected");
         task.link.task_started();
-        tokio::spawn(task.run(sweep).instrument(span));
+        let allocations = task.metrics.allocations.clone();
+        tokio::spawn(Counted::new(task.run(sweep).instrument(span), allocations));
         Ok(conn)
     }
 
