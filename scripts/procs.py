@@ -149,7 +149,15 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def spawn(argv: list[str], out, err) -> subprocess.Popen:
+def spawn(argv: list[str], out, err, cpus: set[int] | None = None) -> subprocess.Popen:
+    """Starts `argv` in its own process group, tied to this script's life; on the CPUs
+    `cpus` only (every thread it makes inherits them), when given."""
+
+    def prepare() -> None:
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
     return subprocess.Popen(
         argv,
         stdin=subprocess.DEVNULL,
@@ -157,7 +165,7 @@ def spawn(argv: list[str], out, err) -> subprocess.Popen:
         stderr=err,
         cwd=ROOT,
         process_group=0,
-        preexec_fn=_die_with_parent,
+        preexec_fn=prepare,
     )
 
 

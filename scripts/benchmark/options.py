@@ -12,6 +12,8 @@ from pathlib import Path
 
 from procs import ROOT, add_binary_args
 
+from . import plan
+
 from .plan import (
     CLASSIC_LEVELS,
     DEFAULT_DURATION_S,
@@ -70,6 +72,10 @@ def parse_args(argv, description: str):
     p.add_argument("--baseline-broker", type=Path, metavar="PATH",
                    help="another broker binary (e.g. a release build of an older commit): adds the path 'before' "
                         "through it, started with the same broker flags, and the ratios broker / before")  # fmt: skip
+    p.add_argument("--pin", action="store_true",
+                   help="run the hop of every path (the broker, HAProxy, nginx) on a CPU of its own and the driver and "
+                        "upstream on the others (taskset), so that per-call costs compare without the scheduler's "
+                        "placement")  # fmt: skip
     p.add_argument("--tls", choices=("on", "off"), default="on",
                    help="the TLS paths (direct-tls, broker-tls, haproxy-tls, nginx-tls; rpcmesh's provider only) and "
                         "the handshake measurement (default on)")  # fmt: skip
@@ -81,6 +87,8 @@ def parse_args(argv, description: str):
                         "0 leaves it out)")  # fmt: skip
     a = p.parse_args(argv)
     a.tls = a.tls == "on"
+    # (hops' CPUs, the others'), or None: the scheduler places them.
+    a.cpus = plan.pin_cpus(os.sched_getaffinity(0)) if a.pin else None
     if a.handshake_seconds is None:
         a.handshake_seconds = HANDSHAKE_SMOKE_S if a.smoke else HANDSHAKE_S
     if a.tls_warmup is None:

@@ -57,6 +57,25 @@ PATH_SERVERS = {
     "haproxy-tls": ("haproxy", "provider"),
     "nginx-tls": ("nginx", "provider"),
 }
+#: The processes in the middle of a path, the hops whose own cost the bench compares. With
+#: --pin each runs on a CPU of its own (`pin_cpus`), every other process (the driver, the
+#: upstream) on the rest, so that their CPU per call is compared without the scheduler
+#: placing them differently from run to run.
+HOP_PROCESSES = ("broker", "before", "broker-v1", "before-v1", "broker-tls", "haproxy", "nginx")
+#: The brokers, whose forwarding allocations are counted (their metrics are on for it, with
+#: the stage timing off: `rpcmesh_forwarding_allocations_total`, read before and after each
+#: run).
+BROKER_PROCESSES = ("broker", "before", "broker-v1", "before-v1", "broker-tls")
+
+
+def pin_cpus(cpus: set[int]) -> tuple[set[int], set[int]]:
+    """With --pin: the hops' CPU (the last of `cpus`) and the others' (the rest; all of
+    them on a one-CPU machine)."""
+    hop = max(cpus)
+    rest = (cpus - {hop}) or {hop}
+    return {hop}, rest
+
+
 #: The kinds of upstream server, in the order they are started: rpcmesh's provider, and the
 #: classic server (`provider --classic`, see the module docstring).
 KINDS = ("rpcmesh", "classic")

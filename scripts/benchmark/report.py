@@ -97,6 +97,8 @@ def document(args, *, machine_info: dict, kinds, paths, bin_dir: Path, build_sec
             "broker_args": shlex.join(args.broker_args),
             "driver_args": shlex.join(args.driver_args),
             "clock_ticks_per_second": CLK_TCK,
+            # --pin: the hops' CPUs and the others' (None: the scheduler placed them).
+            "pinned": None if args.cpus is None else {"hops": sorted(args.cpus[0]), "others": sorted(args.cpus[1])},
             # Where provider, broker and driver came from: figures are a release build's.
             "bin_dir": str(bin_dir),
         },
@@ -162,6 +164,7 @@ def render(result, markdown: bool) -> str:
         f"driver {s['driver_threads']}, HAProxy 1, nginx 1 process"
         + "".join(f"; {w} args: {s[w + '_args']}" for w in ("provider", "broker", "driver") if s[w + "_args"])
         + (f"; binaries from {s['bin_dir']}" if "bin_dir" in s and Path(s["bin_dir"]) != procs.RELEASE_DIR.resolve() else "")
+        + (f"; pinned: the hops on CPU {s['pinned']['hops']}, the others on {s['pinned']['others']}" if s.get("pinned") else "")
         + f". Bench time {result['bench_seconds']:.0f} s ({result['bench_seconds'] / 60:.1f} min)"
         + (f", build {result['build_seconds']:.0f} s" if result["build_seconds"] is not None else "")
         + "."

@@ -128,13 +128,15 @@ def one_run(driver: Path, servers: Servers, target: str, path: str, workload: st
     try:
         t0 = time.monotonic()
         argv = driver_argv(driver, target, workload, in_flight, conns, json_path, measured_run(args, path) + tls_flags(args, path))
-        p = spawn(argv, subprocess.DEVNULL, err)
+        p = spawn(argv, subprocess.DEVNULL, err, servers.cpus_of("driver"))
         try:
             # CPU is counted over the measured window only: sampled when the warm-up ends
             # (the driver's own clock starts a few ms after the spawn, so a few ms of
-            # warm-up count too) and again when the driver has exited.
+            # warm-up count too) and again when the driver has exited. So are the
+            # brokers' allocations.
             time.sleep(max(0.0, t0 + warmup(args, path) - time.monotonic()))
             mark = servers.usage(names.values())
+            allocs_at_mark = servers.allocations(names.values())
             try:
                 driver_at_mark = proc_usage(p.pid)
             except (OSError, ValueError):  # the driver already exited: a failed run
@@ -147,6 +149,7 @@ def one_run(driver: Path, servers: Servers, target: str, path: str, workload: st
             stop("driver", p)
         wall = time.monotonic() - t0
         after = servers.usage(names.values())
+        allocs_after = servers.allocations(names.values())
         driver_total = children_usage() - children_before
     finally:
         err.close()
@@ -165,6 +168,11 @@ def one_run(driver: Path, servers: Servers, target: str, path: str, workload: st
     if driver_at_mark is not None:
         used["driver"] = driver_total - driver_at_mark
     record_report(run, report, used)
+    for role, n in names.items():
+        a, b = allocs_at_mark[n], allocs_after[n]
+        if a is not None and b is not None and run.get("calls_sent"):
+            # A broker's heap allocations per call of the window: 0 in steady state.
+            run.setdefault("allocations_per_call", {})[role] = round((b - a) / run["calls_sent"], 5)
     servers.check_alive(names.values())
     return run
 

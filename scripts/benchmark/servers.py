@@ -8,7 +8,10 @@ their ports and which addresses each path's driver targets."""
 
 from __future__ import annotations
 
+import re
 import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 import procs
@@ -28,19 +31,37 @@ procs.STOP_TIMEOUT_S.setdefault("nginx", procs.STOP_TIMEOUT_S["haproxy"])
 
 
 class Servers:
-    """The started servers by name, each with its log in the bench's temp folder."""
+    """The started servers by name, each with its log in the bench's temp folder; with
+    `cpus` (--pin: the hops' CPUs and the others'), each on its side's CPUs."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, cpus: tuple[set[int], set[int]] | None = None):
         self.workdir = workdir
+        self.cpus = cpus
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
+        #: Where each broker serves its metrics (from its listening line).
+        self.metrics: dict[str, str] = {}
+
+    def cpus_of(self, name: str) -> set[int] | None:
+        """The CPUs process `name` (or the driver) runs on with --pin; None without."""
+        if self.cpus is None:
+            return None
+        hops, others = self.cpus
+        return hops if name in plan.HOP_PROCESSES else others
 
     def start(self, name: str, argv: list[str], port: int) -> None:
         path = self.workdir / f"{name}.log"
         self.logs[name] = path
         with open(path, "wb") as f:
-            self.procs[name] = spawn(argv, f, f)
+            self.procs[name] = spawn(argv, f, f, self.cpus_of(name))
         wait_listening(name, self.procs[name], port, lambda: tail(path, name))
+        if name in plan.BROKER_PROCESSES:
+            self.metrics[name] = metrics_address(path)
+
+    def allocations(self, names) -> dict[str, float | None]:
+        """`rpcmesh_forwarding_allocations_total` so far of each named broker (None for a
+        process that is no broker, or a broker that does not count them: an older one)."""
+        return {n: scrape_allocations(self.metrics[n]) if n in self.metrics else None for n in names}
 
     def wait_listening(self, name: str, port: int) -> None:
         """A started server's further port (a second frontend) accepts connections."""
@@ -89,12 +110,45 @@ def upstream_argv(provider: Path, kind: str, port: int, args) -> list[str]:
 
 def broker_argv(binary: Path, port: int, upstream_port: int, args, kind: str = "rpcmesh") -> list[str]:
     """A broker in front of the upstream of `kind` (the classic server is a plain v1 server:
-    --upstream-v1): the current one, or the baseline with the same flags."""
+    --upstream-v1): the current one, or the baseline with the same flags. Its metrics are
+    served (on a port it picks) for its count of allocations, with no stage timed, so that
+    the hot path takes no timestamp for them."""
     upstream = "--upstream" if kind == "rpcmesh" else "--upstream-v1"
     return [
         str(binary), "--listen", f"127.0.0.1:{port}", upstream, f"127.0.0.1:{upstream_port}",
-        "--metrics-listen", "off", "--threads", str(args.broker_threads), *args.broker_args,
+        "--metrics-listen", "127.0.0.1:0", "--stage-metrics", "off",
+        "--threads", str(args.broker_threads), *args.broker_args,
     ]  # fmt: skip
+
+
+#: The broker's listening line (`rpcmesh_common::cli::startup::listening_line`).
+LISTENING = re.compile(r"^rpcmesh \S+ listening rpc=\S+ metrics=(\S+)", re.MULTILINE)
+#: The broker's count of forwarding allocations in its metrics.
+ALLOCATIONS = re.compile(r"^rpcmesh_forwarding_allocations_total\{[^}]*\} (\S+)$", re.MULTILINE)
+
+
+#: How long a broker that listens may take to print its listening line (it binds, then
+#: prints: a connection can come first).
+LISTENING_LINE_WAIT_S = 10.0
+
+
+def metrics_address(log_path: Path) -> str:
+    """Where a broker that is listening serves its metrics, from the line it prints."""
+    deadline = time.monotonic() + LISTENING_LINE_WAIT_S
+    while True:
+        m = LISTENING.search(log_path.read_text(errors="replace"))
+        if m is not None and m.group(1) != "off":
+            return m.group(1)
+        if time.monotonic() > deadline:
+            raise ScriptError(f"no metrics address in {log_path}")
+        time.sleep(0.01)
+
+
+def scrape_allocations(addr: str) -> float | None:
+    """A broker's `rpcmesh_forwarding_allocations_total` (None when it has none)."""
+    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=5) as r:
+        m = ALLOCATIONS.search(r.read().decode(errors="replace"))
+    return float(m.group(1)) if m else None
 
 
 #: The TLS paths' ports: the provider, the broker, HAProxy's and nginx's TLS frontends and

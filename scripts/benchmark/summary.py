@@ -69,6 +69,9 @@ def summarize_cell(rs: list[dict], w: str, level, path: str, columns) -> dict:
         split = [r["per_call"][n] for r in rs if n in r.get("per_call", {})]
         if split:
             cell["median_per_call"][n] = {k: statistics.median(x[k] for x in split) for k in PER_CALL}
+    allocs = [r["allocations_per_call"]["broker"] for r in rs if "broker" in r.get("allocations_per_call", {})]
+    # The broker's heap allocations per call (its forwarding path's count), on its paths.
+    cell["median_allocations_per_call"] = statistics.median(allocs) if allocs else None
     return cell
 
 

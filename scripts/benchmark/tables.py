@@ -60,6 +60,7 @@ def split_rows(cells, columns=CPU_COLUMNS) -> tuple[list[str], list[list[str]]]:
     head = ["workload", "in flight", "conns", "path"]
     for n in columns:
         head += [f"{n} user+sys us", f"{n} switches"]
+    head.append("broker allocs/call")
     rows = []
     for c in cells:
         row = [
@@ -74,6 +75,7 @@ def split_rows(cells, columns=CPU_COLUMNS) -> tuple[list[str], list[list[str]]]:
                 row += ["-", "-"]
             else:
                 row += [f"{m['user_us']:.2f}+{m['system_us']:.2f}", f"{m['switches']:.3f}"]
+        row.append(fmt_num(c.get("median_allocations_per_call"), ".4f"))
         rows.append(row)
     return head, rows
 

@@ -185,11 +185,26 @@ fn bench_smoke_mode_reports_calls_on_all_four_paths_of_both_upstream_kinds() {
         run.stdout.contains("Where the CPU goes"),
         "the text report lacks the CPU split table\n{output}"
     );
+    // The broker's allocations are counted on its own paths, and only there.
+    for run in runs {
+        let counted = run["allocations_per_call"]["broker"].as_f64();
+        match run["path"].as_str() {
+            Some("broker" | "broker-tls") => assert!(
+                counted.is_some_and(|v| v >= 0.0),
+                "a broker run without allocations_per_call.broker: {run}\n{output}"
+            ),
+            _ => assert!(
+                counted.is_none(),
+                "allocations off the broker's path: {run}"
+            ),
+        }
+    }
     for column in [
         "broker/nginx calls/s",
         "broker/haproxy p99.9",
         "added cpu us broker/haproxy",
         "calls >30ms",
+        "broker allocs/call",
     ] {
         assert!(
             run.stdout.contains(column),
@@ -281,6 +296,8 @@ fn bench_smoke_mode_with_a_baseline_broker_adds_the_before_path_and_its_ratios()
             // The TLS paths are the first test's; this also checks that they can be left out.
             "--tls".as_ref(),
             "off".as_ref(),
+            // And each hop on a CPU of its own.
+            "--pin".as_ref(),
         ],
         SMOKE_TIMEOUT,
     );
@@ -293,6 +310,13 @@ fn bench_smoke_mode_with_a_baseline_broker_adds_the_before_path_and_its_ratios()
     );
     let report: serde_json::Value = serde_json::from_str(&smoke.report("bench-", "json")).unwrap();
     let md = smoke.report("bench-", "md");
+    let pinned = &report["settings"]["pinned"];
+    let cpus = |side: &str| pinned[side].as_array().map_or(0, Vec::len);
+    assert!(
+        cpus("hops") == 1 && cpus("others") >= 1,
+        "--pin names the hops' CPU and the others': {pinned}\n{output}"
+    );
+    assert!(md.contains("pinned: the hops on CPU"), "{md}");
     let runs = report["runs"].as_array().expect("runs is a list");
     for workload in KINDS {
         let order: Vec<&str> = runs
