@@ -16,10 +16,11 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::Instant;
 
-use bytes::BytesMut;
+use bytes::BufMut;
+use bytes::{Bytes, BytesMut};
 use rpcmesh_common::net::budget::{Reserved, SMALL_BODY};
 use rpcmesh_common::net::connection::SHRINK_ABOVE;
-use rpcmesh_wire::frame::{Flags, Frame, put_forwarded_response};
+use rpcmesh_wire::frame::{FRAME_OVERHEAD, Flags, Frame, Header, MsgType, put_forwarded_response};
 use rpcmesh_wire::{PeerKind, Status};
 
 use crate::failure::Failure;
@@ -129,20 +130,26 @@ impl Inbox {
             });
             return status;
         }
-        self.answer_small(frame.header.flags, &frame.body, info)
+        self.answer_small(frame.header.flags, &frame.body, None, info)
     }
 
     /// Passes a provider's small reply (flags and body, wherever they lie: the provider
     /// connection reads them in place) to the caller, as its bytes under the caller's id.
     /// The caller of this has checked [`copied_at_once`]. Returns the status the provider
     /// answered.
-    pub fn answer_small(&self, flags: Flags, body: &[u8], info: CallInfo) -> Status {
+    pub fn answer_small(
+        &self,
+        flags: Flags,
+        body: &[u8],
+        trailer: Option<u32>,
+        info: CallInfo,
+    ) -> Status {
         let mut st = self.lock();
         let status = if st.closed {
             self.count_abandoned();
             status_of(body)
         } else {
-            let status = write_reply_to(&mut st.replies, flags, body, info);
+            let status = write_reply_to(&mut st.replies, flags, body, trailer, info);
             st.answered.push(Answered {
                 tag: info.tag,
                 status,
@@ -253,21 +260,52 @@ pub(crate) fn status_of(body: &[u8]) -> Status {
 /// caller without extended statuses gets no `NOT_RUN` either (a v1 peer would take the
 /// frame for an unknown type): it is only ever set with status 3, which such a caller gets
 /// as 1.
+///
+/// `trailer`: the reply's CRC trailer as the provider sent it, when known. The call's
+/// upstream id is neutral to the caller's (`rpcmesh_wire::neutral`), so a reply that goes
+/// back unchanged but for its id keeps that trailer and is copied without a CRC pass.
 pub(crate) fn write_reply_to(
     dst: &mut BytesMut,
     flags: Flags,
     body: &[u8],
+    trailer: Option<u32>,
     info: CallInfo,
 ) -> Status {
     let status = status_of(body);
     let caller = PeerKind::of_caller(info.client_flags);
     let wire = status.to_wire(caller);
-    let flags = match caller {
+    let out = match caller {
         PeerKind::Rpcmesh => flags,
         PeerKind::V1 => flags.without(Flags::NOT_RUN),
     };
-    put_forwarded_response(dst, info.client_id, flags, body, wire);
+    match trailer {
+        Some(t) if out == flags && wire == body[0] => {
+            put_forwarded_verbatim(dst, info.client_id, flags, body, t);
+        }
+        _ => put_forwarded_response(dst, info.client_id, out, body, wire),
+    }
     status
+}
+
+/// Appends a response frame under `req_id` with `flags` and `body` as received, and its
+/// trailer as received: right for an id neutral to the one it came with.
+fn put_forwarded_verbatim(
+    dst: &mut BytesMut,
+    req_id: u64,
+    flags: Flags,
+    body: &[u8],
+    trailer: u32,
+) {
+    dst.reserve(FRAME_OVERHEAD + body.len());
+    Header {
+        msg_type: MsgType::Response,
+        flags,
+        body_len: body.len() as u32,
+        req_id,
+    }
+    .put(dst);
+    dst.extend_from_slice(body);
+    dst.put_u32(trailer);
 }
 
 /// What the session needs back to answer the caller.
@@ -287,11 +325,33 @@ pub(crate) struct CallInfo {
     pub replied: Option<Instant>,
 }
 
+/// How a call's frame may go to a provider as its caller sent it: copied with only its id
+/// rewritten, to a neutral one (`rpcmesh_wire::neutral`), so its CRC trailer is kept and
+/// nothing of it is summed again. The upstream connection copies it when the frame it
+/// would write is that frame: the same type, flags and fields.
+#[derive(Debug, Clone, Default)]
+pub(crate) enum Verbatim {
+    /// Written afresh (a call routed again, or a frame whose fields the broker changes).
+    #[default]
+    No,
+    /// A plain request: [`Forward::frame`] itself, with this trailer.
+    Plain { trailer: u32 },
+    /// An extension request carrying only its deadline: its whole body (the block before
+    /// the v1 body), the deadline in it as sent, in microseconds, and its trailer.
+    Deadline {
+        body: Bytes,
+        budget_us: u32,
+        trailer: u32,
+    },
+}
+
 /// A call handed to an upstream connection.
 #[derive(Debug)]
 pub(crate) struct Forward {
-    /// The caller's request frame, as read.
+    /// The caller's request frame, as read (an extension request's v1 frame inside).
     pub frame: Frame,
+    /// Whether the frame as it came may be copied to the provider.
+    pub verbatim: Verbatim,
     pub info: CallInfo,
     pub reply_to: ReplyTx,
     /// When the caller gets a timeout instead.
@@ -387,12 +447,36 @@ mod tests {
     }
 
     #[test]
+    fn a_reply_that_goes_back_unchanged_keeps_the_trailer_it_came_with() {
+        let reply = not_run_reply();
+        let (flags, body) = (reply.header.flags, &reply.body[..]);
+        let mut out = BytesMut::new();
+        // To a caller that takes extended statuses: as it came (the trailer given is the
+        // one written), the caller's id in it.
+        write_reply_to(
+            &mut out,
+            flags,
+            body,
+            Some(0xdead_beef),
+            info(Flags::EXT_STATUS),
+        );
+        let n = out.len();
+        assert_eq!(out[n - 4..], 0xdead_beef_u32.to_be_bytes());
+        assert_eq!(out[10..18], 7u64.to_be_bytes());
+        // To a v1 caller the status and flags change: written afresh, its CRC right.
+        let mut out = BytesMut::new();
+        write_reply_to(&mut out, flags, body, Some(0xdead_beef), info(Flags::NONE));
+        let v1 = Frame::from_bytes(out.freeze()).unwrap();
+        assert_eq!(v1.body[0], Status::Failed as u8);
+    }
+
+    #[test]
     fn not_run_is_passed_on_only_to_callers_that_take_extended_statuses() {
         let reply = not_run_reply();
         assert!(reply.header.flags.contains(Flags::NOT_RUN));
         let mut out = BytesMut::new();
         let (flags, body) = (reply.header.flags, &reply.body[..]);
-        let status = write_reply_to(&mut out, flags, body, info(Flags::NONE));
+        let status = write_reply_to(&mut out, flags, body, None, info(Flags::NONE));
         assert_eq!(status, Status::Unavailable);
         let v1 = Frame::from_bytes(out.split().freeze()).unwrap();
         assert_eq!(v1.header.req_id, 7);
@@ -402,7 +486,7 @@ mod tests {
             "a v1 caller gets a plain frame"
         );
         assert_eq!(v1.body[0], Status::Failed as u8, "and status 1");
-        write_reply_to(&mut out, flags, body, info(Flags::EXT_STATUS));
+        write_reply_to(&mut out, flags, body, None, info(Flags::EXT_STATUS));
         let ext = Frame::from_bytes(out.split().freeze()).unwrap();
         assert_eq!(ext.header.flags, Flags::NOT_RUN);
         assert_eq!(ext.body[0], Status::Unavailable as u8);

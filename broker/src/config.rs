@@ -16,6 +16,7 @@ use rpcmesh_common::cli::{ConfigProblems, ConfigWarnings, DurationArg, MetricsLi
 use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
 use rpcmesh_common::net::budget::DEFAULT_MEMORY_BUDGET;
 use rpcmesh_common::net::session::{DEFAULT_MAX_IN_FLIGHT_PER_LINK, Timeouts};
+use rpcmesh_common::net::slots::KEYED_SLOTS;
 use rpcmesh_common::net::tls::{ClientTlsSettings, ServerTlsSettings};
 use rpcmesh_wire::PeerKind;
 use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
@@ -227,7 +228,7 @@ pub struct Args {
     /// Calls in flight in the whole broker; over it, calls are answered "overloaded".
     #[arg(long, env = "RPCMESH_MAX_IN_FLIGHT", default_value_t = DEFAULT_MAX_IN_FLIGHT)]
     pub max_in_flight: usize,
-    /// Calls in flight per upstream connection.
+    /// Calls in flight per upstream connection (at most 65,536).
     #[arg(long, env = "RPCMESH_MAX_IN_FLIGHT_PER_UPSTREAM_CONN", default_value_t = DEFAULT_MAX_IN_FLIGHT_PER_UPSTREAM_CONN)]
     pub max_in_flight_per_upstream_conn: usize,
     /// Largest frame body accepted, in bytes (a number, or with KiB or MiB).
@@ -447,6 +448,12 @@ impl Args {
         });
         p.check(self.max_in_flight_per_upstream_conn == 0, || {
             "--max-in-flight-per-upstream-conn must be at least 1".into()
+        });
+        p.check(self.max_in_flight_per_upstream_conn > KEYED_SLOTS, || {
+            format!(
+                "--max-in-flight-per-upstream-conn {} is over {KEYED_SLOTS}: a connection's calls are told apart by a 16-bit slot in their ids (their other bits keep each frame's CRC as it came)",
+                self.max_in_flight_per_upstream_conn
+            )
         });
         p.check(self.max_body_bytes < 64, || {
             format!(

@@ -175,7 +175,7 @@ impl Router {
                 && self.pools[*pool_idx].admits(picker.now)
                 && !avoided(fwd.avoid, self.pools[*pool_idx].id(), Pass::Admitted)
             {
-                fwd = match conn.try_forward(fwd) {
+                fwd = match conn.try_forward(fwd, picker.now) {
                     Ok(()) => return Ok(()),
                     Err((f, refused)) => {
                         if refused == Refused::Full {
@@ -371,7 +371,7 @@ fn try_pool(
         if c.is_closed() {
             continue;
         }
-        match c.try_forward(fwd) {
+        match c.try_forward(fwd, picker.now) {
             Ok(()) => return Ok(c.clone()),
             Err((f, r)) => {
                 fwd = f;

@@ -52,7 +52,7 @@ use tokio::net::TcpStream;
 use tracing::Instrument;
 
 use crate::BrokerConfig;
-use crate::call::{CallInfo, Forward, Inbox, Reply, Reroute, Taken, write_reply_to};
+use crate::call::{CallInfo, Forward, Inbox, Reply, Reroute, Taken, Verbatim, write_reply_to};
 use crate::failure::{Cap, Failure};
 use crate::metrics::{ADMIT, BrokerMetrics, TOTAL, WRITE_BACK};
 use crate::route::{NoRoute, Picker, Router};
@@ -60,6 +60,19 @@ use crate::route::{NoRoute, Picker, Router};
 /// Times the session lets the other ready tasks run before writing, while each turn
 /// brings more replies (replies from several upstream connections then share a write).
 const GATHER_YIELDS: usize = 1;
+/// A call whose caller left it less time than this is checked against a fresh reading of
+/// the clock before it is forwarded: handling a read's earlier calls takes microseconds,
+/// which only so short a budget can miss. Longer ones are judged at the read's instant.
+const FRESH_CLOCK_BELOW: Duration = Duration::from_millis(1);
+/// The start of an extension block that holds a deadline and nothing else: its length
+/// (one field), the field's tag and the value's length.
+const DEADLINE_ONLY: [u8; 5] = [
+    0,
+    (3 + ext::DEADLINE_LEN) as u8,
+    ext::TAG_DEADLINE,
+    0,
+    ext::DEADLINE_LEN as u8,
+];
 /// Tag bit of a call whose (service, method) has no labels yet.
 const PENDING: u32 = 1 << 31;
 /// How often a call handed back without having run (its connection closed before it was
@@ -148,6 +161,8 @@ struct Session {
     identity: Option<Identity>,
     /// Calls admitted this round: deposited in the retry budget once, at its end.
     admitted: usize,
+    /// The CRC trailer of the request being admitted, as received.
+    trailer: u32,
 }
 
 impl Protocol for Session {
@@ -168,8 +183,15 @@ impl Protocol for Session {
         self.picker.now = self.read_at;
     }
 
+    fn on_trailer(&mut self, trailer: u32) {
+        self.trailer = trailer;
+    }
+
     fn on_request(&mut self, frame: Frame, io: &mut FramedIo, draining: bool) {
-        self.admit(frame, io, draining, None);
+        let verbatim = Verbatim::Plain {
+            trailer: self.trailer,
+        };
+        self.admit(frame, io, draining, None, verbatim);
     }
 
     /// A call carrying its caller's deadline: admitted as the plain call inside, within
@@ -180,6 +202,16 @@ impl Protocol for Session {
             Ok((fields, inner)) => (fields.deadline, inner),
             Err(e) => return self.refuse(io, id, flags, 0, Failure::BadRequest(e)),
         };
+        // A block holding the deadline alone may go on as it came; a caller field from a
+        // client is never passed on (a broker's callers are whom their certificates name).
+        let verbatim = match frame.body.get(..ext::DEADLINE_BLOCK_LEN) {
+            Some(b) if b[..5] == DEADLINE_ONLY => Verbatim::Deadline {
+                budget_us: u32::from_be_bytes([b[5], b[6], b[7], b[8]]),
+                body: frame.body.clone(),
+                trailer: self.trailer,
+            },
+            _ => Verbatim::No,
+        };
         let inner = Frame {
             header: Header {
                 msg_type: MsgType::Request,
@@ -189,7 +221,7 @@ impl Protocol for Session {
             },
             body: inner,
         };
-        self.admit(inner, io, draining, budget);
+        self.admit(inner, io, draining, budget, verbatim);
     }
 
     /// A caller that only sends heartbeats is idle: it cannot hold a connection slot for
@@ -295,6 +327,7 @@ impl Session {
             last_tag: None,
             sampler: shared.metrics.stages.sampler(),
             admitted: 0,
+            trailer: 0,
             shared,
         }
     }
@@ -330,7 +363,14 @@ impl Session {
 
     /// Reads a request's names, sheds it over the caps, or hands it to routing.
     /// `budget`: the time its caller has left, when the call said.
-    fn admit(&mut self, frame: Frame, io: &mut FramedIo, draining: bool, budget: Option<Duration>) {
+    fn admit(
+        &mut self,
+        frame: Frame,
+        io: &mut FramedIo,
+        draining: bool,
+        budget: Option<Duration>,
+        verbatim: Verbatim,
+    ) {
         let (id, flags) = (frame.header.req_id, frame.header.flags);
         let (service, method, _) = match request_names(&frame.body) {
             Ok(r) => r,
@@ -390,6 +430,7 @@ impl Session {
         let now = self.read_at;
         let fwd = Forward {
             frame,
+            verbatim,
             info: CallInfo {
                 client_id: id,
                 client_flags: flags,
@@ -406,9 +447,10 @@ impl Session {
             avoid: crate::call::Avoid::None,
             reserved: (len >= SMALL_BODY).then(|| Reserved::new(&self.shared.budget, len)),
         };
-        // A call its caller bounded may have run out of time while the read's earlier
-        // calls were handled: never forwarded then.
-        if budget.is_some() && Instant::now() >= fwd.deadline {
+        // A call its caller bounded tightly may have run out of time while the read's
+        // earlier calls were handled: never forwarded then. (A longer budget cannot run
+        // out within a read: the clock is read once per round, not per call.)
+        if budget.is_some_and(|b| b < FRESH_CLOCK_BELOW) && Instant::now() >= fwd.deadline {
             Failure::DeadlineExceeded.count(&self.shared.metrics.errors);
             return self.finish(fwd.info, Err(Failure::DeadlineExceeded), io);
         }
@@ -494,7 +536,7 @@ impl Session {
         self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
         let counters = match outcome {
             Ok(frame) => {
-                let status = write_reply_to(io.wbuf(), frame.header.flags, &frame.body, info);
+                let status = write_reply_to(io.wbuf(), frame.header.flags, &frame.body, None, info);
                 self.counted(info.tag, status)
             }
             Err(failure) => self.answer(io, info.client_id, info.client_flags, info.tag, &failure),

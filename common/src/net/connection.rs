@@ -19,7 +19,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use rpcmesh_wire::codec::{self, FrameCodec};
-use rpcmesh_wire::frame::{FRAME_OVERHEAD, Frame, FrameError, HEADER_LEN, Header};
+use rpcmesh_wire::frame::{FRAME_OVERHEAD, Frame, FrameError, HEADER_LEN, Header, TRAILER_LEN};
 
 use crate::net::budget::{Held, MemoryBudget};
 use crate::net::busy_poll::Activity;
@@ -427,6 +427,13 @@ impl FramedIo {
             .map(|h| codec::split_frame(&mut self.rbuf, h)))
     }
 
+    /// As [`FramedIo::next_frame`], with the frame's CRC trailer as received.
+    pub fn next_frame_with_trailer(&mut self) -> Result<Option<(Frame, u32)>, FrameError> {
+        Ok(self
+            .peek_frame()?
+            .map(|h| codec::split_frame_with_trailer(&mut self.rbuf, h)))
+    }
+
     /// As [`FramedIo::next_frame`], but the frame is left in the read buffer and only its
     /// header returned: read its body with [`FramedIo::peeked_body`], then take it
     /// ([`FramedIo::take_peeked`]) or drop it ([`FramedIo::skip_peeked`]) before the next
@@ -453,6 +460,14 @@ impl FramedIo {
     /// The body of the frame [`FramedIo::peek_frame`] returned the header of.
     pub fn peeked_body(&self, header: &Header) -> &[u8] {
         codec::body_in_place(&self.rbuf, header)
+    }
+
+    /// The CRC trailer (already checked) of the frame [`FramedIo::peek_frame`] returned the
+    /// header of.
+    pub fn peeked_trailer(&self, header: &Header) -> u32 {
+        let at = HEADER_LEN + header.body_len as usize;
+        let t = &self.rbuf[at..at + TRAILER_LEN];
+        u32::from_be_bytes([t[0], t[1], t[2], t[3]])
     }
 
     /// Takes the frame [`FramedIo::peek_frame`] returned the header of.

@@ -147,6 +147,11 @@ pub trait Protocol: Send {
     /// Handles one request. `draining`: shutdown has begun, new calls are to be refused.
     fn on_request(&mut self, frame: Frame, io: &mut FramedIo, draining: bool);
 
+    /// Told the CRC trailer of the request frame handed over next (as received, already
+    /// checked), for a forwarder that rewrites only the frame's id and keeps its CRC
+    /// (`rpcmesh_wire::neutral`).
+    fn on_trailer(&mut self, _trailer: u32) {}
+
     /// Handles a request carrying a call extension (`rpcmesh_wire::ext`), which only a
     /// server that says it takes it is sent; by default it is what a v1 peer makes of it,
     /// a frame of unknown type.
@@ -473,14 +478,20 @@ fn take_frames<P: Protocol>(
     let mut n = 0;
     let mut heartbeats = 0;
     loop {
-        match io.next_frame() {
-            Ok(Some(frame)) => match frame.header.msg_type {
-                MsgType::Request => p.on_request(frame, io, draining),
+        match io.next_frame_with_trailer() {
+            Ok(Some((frame, trailer))) => match frame.header.msg_type {
+                MsgType::Request => {
+                    p.on_trailer(trailer);
+                    p.on_request(frame, io, draining);
+                }
                 MsgType::Heartbeat => {
                     heartbeats += 1;
                     p.on_heartbeat(frame, io);
                 }
-                MsgType::ExtRequest => p.on_ext_request(frame, io, draining),
+                MsgType::ExtRequest => {
+                    p.on_trailer(trailer);
+                    p.on_ext_request(frame, io, draining);
+                }
                 MsgType::Response => {
                     tracing::debug!(
                         req_id = frame.header.req_id,

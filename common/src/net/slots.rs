@@ -7,6 +7,14 @@
 //! freed and reused (a late reply to a call that timed out) miss instead of hitting a
 //! stranger. Slots are reused through a free list, so the table grows to the most calls
 //! ever in flight at once and allocates nothing after that.
+//!
+//! A keyed table ([`SlotTable::keyed`], the broker's upstream connections) leaves the id
+//! to its caller: it hands out a 32-bit key, `generation << 16 | slot index` (at most
+//! [`KEYED_SLOTS`] calls at once), which the caller puts in the id's low 32 bits, the rest
+//! its own (`rpcmesh_wire::neutral`); the table keeps the whole id and matches it whole.
+
+/// Most calls a keyed table holds at once: its key has 16 bits of slot index.
+pub const KEYED_SLOTS: usize = 1 << 16;
 
 /// Calls in flight, by request id; each entry holds what the caller keeps about its call.
 #[derive(Debug, Clone)]
@@ -15,6 +23,8 @@ pub struct SlotTable<T> {
     /// Empty slots, reused first.
     free: Vec<u32>,
     generation: u32,
+    /// The ids are the caller's, around a 32-bit key ([`SlotTable::keyed`]).
+    keyed: bool,
 }
 
 impl<T> Default for SlotTable<T> {
@@ -30,7 +40,41 @@ impl<T> SlotTable<T> {
             slots: Vec::with_capacity(n),
             free: Vec::with_capacity(n),
             generation: 0,
+            keyed: false,
         }
+    }
+
+    /// An empty keyed table: calls go in with [`SlotTable::insert_keyed`] only.
+    pub fn keyed() -> Self {
+        SlotTable {
+            keyed: true,
+            ..SlotTable::with_capacity(0)
+        }
+    }
+
+    /// Stores `value` under the id `id_of` makes of a fresh key (`generation << 16 | slot
+    /// index`, to go in the id's low 32 bits); returns the id and the value stored. `None`
+    /// when [`KEYED_SLOTS`] calls are in the table already.
+    pub fn insert_keyed(
+        &mut self,
+        value: T,
+        id_of: impl FnOnce(u32) -> u64,
+    ) -> Option<(u64, &mut T)> {
+        debug_assert!(self.keyed, "insert_keyed on a table of plain ids");
+        let idx = match self.free.pop() {
+            Some(i) => i,
+            None if self.slots.len() < KEYED_SLOTS => {
+                self.slots.push(None);
+                (self.slots.len() - 1) as u32
+            }
+            None => return None,
+        };
+        self.generation = self.generation.wrapping_add(1);
+        let key = ((self.generation & 0xffff) << 16) | idx;
+        let id = id_of(key);
+        debug_assert_eq!(id as u32, key, "the key goes in the id's low 32 bits");
+        let (_, stored) = self.slots[idx as usize].insert((id, value));
+        Some((id, stored))
     }
 
     /// Stores `value` under a fresh request id, and returns the id.
@@ -41,6 +85,7 @@ impl<T> SlotTable<T> {
     /// As [`SlotTable::insert`], and the value stored, for a caller that writes its call
     /// out under the new id from what it just stored.
     pub fn insert_mut(&mut self, value: T) -> (u64, &mut T) {
+        debug_assert!(!self.keyed, "insert on a keyed table");
         self.generation = self.generation.wrapping_add(1);
         let idx = match self.free.pop() {
             Some(i) => i,
@@ -63,7 +108,7 @@ impl<T> SlotTable<T> {
     /// Takes the call with request id `id` out of the table if `pred` holds for it; `None`
     /// (and the call stays) otherwise, or when there is no such call.
     pub fn take_if(&mut self, id: u64, pred: impl FnOnce(&T) -> bool) -> Option<T> {
-        let idx = slot_of(id);
+        let idx = self.slot_of(id);
         let entry = self.slots.get_mut(idx)?;
         if entry.as_ref().is_some_and(|(i, v)| *i == id && pred(v)) {
             self.free.push(idx as u32);
@@ -75,7 +120,8 @@ impl<T> SlotTable<T> {
 
     /// The call with request id `id`, if it is in the table.
     pub fn get_mut(&mut self, id: u64) -> Option<&mut T> {
-        match self.slots.get_mut(slot_of(id))? {
+        let idx = self.slot_of(id);
+        match self.slots.get_mut(idx)? {
             Some((i, v)) if *i == id => Some(v),
             _ => None,
         }
@@ -115,9 +161,15 @@ impl<T> SlotTable<T> {
     }
 }
 
-/// The slot index part of a request id.
-fn slot_of(id: u64) -> usize {
-    (id & 0xffff_ffff) as usize
+impl<T> SlotTable<T> {
+    /// The slot index part of a request id.
+    fn slot_of(&self, id: u64) -> usize {
+        if self.keyed {
+            (id & 0xffff) as usize
+        } else {
+            (id & 0xffff_ffff) as usize
+        }
+    }
 }
 
 #[cfg(test)]
@@ -184,6 +236,30 @@ mod tests {
         assert_eq!(t.take(u64::MAX), None);
         assert_eq!(t.take(12345), None);
         assert!(t.is_empty());
+    }
+
+    #[test]
+    fn a_keyed_table_keeps_the_callers_ids_and_matches_them_whole() {
+        let mut t = SlotTable::keyed();
+        let (a, _) = t.insert_keyed("a", |key| 7 << 32 | u64::from(key)).unwrap();
+        assert_eq!(a >> 32, 7);
+        assert_eq!(t.take(a ^ (1 << 40)), None, "same key, another id");
+        assert_eq!(t.take(a), Some("a"));
+        let (b, _) = t.insert_keyed("b", u64::from).unwrap();
+        assert_eq!(b & 0xffff, a & 0xffff, "the slot is reused");
+        assert_ne!(b & 0xffff_0000, a & 0xffff_0000, "under a new generation");
+        assert_eq!(t.take(a), None);
+        assert_eq!(t.take(b), Some("b"));
+    }
+
+    #[test]
+    fn a_keyed_table_holds_at_most_its_keys_slots() {
+        let mut t = SlotTable::keyed();
+        for i in 0..KEYED_SLOTS {
+            assert!(t.insert_keyed(i, u64::from).is_some());
+        }
+        assert!(t.insert_keyed(0, u64::from).is_none());
+        assert_eq!(t.len(), KEYED_SLOTS);
     }
 
     #[test]

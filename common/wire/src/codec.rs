@@ -160,13 +160,23 @@ pub fn skip_frame(src: &mut BytesMut, header: &Header) {
 /// cut out of the split part in place, so that the frame shares the read buffer through
 /// one reference, not two.
 pub fn split_frame(src: &mut BytesMut, header: Header) -> Frame {
-    let mut frame = src.split_to(FRAME_OVERHEAD + header.body_len as usize);
+    split_frame_with_trailer(src, header).0
+}
+
+/// As [`split_frame`], and the frame's CRC trailer as received (already checked), for a
+/// forwarder that gives the frame another id and keeps its CRC (`crate::neutral`).
+pub fn split_frame_with_trailer(src: &mut BytesMut, header: Header) -> (Frame, u32) {
+    let len = header.body_len as usize;
+    let mut frame = src.split_to(FRAME_OVERHEAD + len);
+    let t = &frame[HEADER_LEN + len..];
+    let trailer = u32::from_be_bytes([t[0], t[1], t[2], t[3]]);
     frame.advance(HEADER_LEN);
-    frame.truncate(header.body_len as usize);
-    Frame {
+    frame.truncate(len);
+    let frame = Frame {
         header,
         body: frame.freeze(),
-    }
+    };
+    (frame, trailer)
 }
 
 #[cfg(test)]

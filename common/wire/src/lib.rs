@@ -7,6 +7,8 @@
 //!
 //! - [`frame`]: bytes ↔ frame. The 18-byte header, the CRC32 trailer, the extension flags,
 //!   and [`frame::FrameWriter`], which writes a frame in place.
+//! - [`neutral`]: request ids a forwarder writes over a frame's id without recomputing
+//!   its CRC.
 //! - [`body`]: the request, response and heartbeat bodies inside a frame.
 //! - [`ext`]: the call extension a broker adds to calls it forwards (the caller's
 //!   identity, fields to come), in a frame type of its own.
@@ -27,6 +29,7 @@ pub mod compress;
 pub mod envelope;
 pub mod ext;
 pub mod frame;
+pub mod neutral;
 pub mod peer;
 pub mod proto;
 pub mod status;

@@ -26,7 +26,7 @@ mod task;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rpcmesh_common::alloc::Counted;
 use rpcmesh_common::net::budget::MemoryBudget;
@@ -165,12 +165,13 @@ impl UpstreamConn {
         (conn, task)
     }
 
-    /// Queues a call: its frame goes into the connection's queue under a fresh request id,
-    /// and the task is woken if it waits. On refusal the call is handed back untouched.
+    /// Queues a call at `now` (the session's clock, read once per round): its frame goes
+    /// into the connection's queue under a fresh request id, and the task is woken if it
+    /// waits. On refusal the call is handed back untouched.
     // A refused call is handed back by value (no allocation on the per-call path).
     #[allow(clippy::result_large_err)]
-    pub fn try_forward(&self, fwd: Forward) -> Result<(), (Forward, Refused)> {
-        self.state.try_queue(fwd, self.cap, self.kind)
+    pub fn try_forward(&self, fwd: Forward, now: Instant) -> Result<(), (Forward, Refused)> {
+        self.state.try_queue(fwd, now, self.cap, self.kind)
     }
 
     /// A heartbeat round trip, for the pool's health check.
@@ -269,6 +270,7 @@ mod fixtures {
         let now = Instant::now();
         Forward {
             frame: Frame::from_bytes(b.freeze()).unwrap(),
+            verbatim: crate::call::Verbatim::No,
             info: CallInfo {
                 client_id: id,
                 client_flags: Flags::EXT_STATUS,

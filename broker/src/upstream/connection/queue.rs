@@ -15,17 +15,18 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::Instant;
 
-use bytes::BytesMut;
+use bytes::{BufMut, BytesMut};
 
 use rpcmesh_common::net::budget::{MemoryBudget, Reserved};
-use rpcmesh_common::net::slots::SlotTable;
+use rpcmesh_common::net::slots::{KEYED_SLOTS, SlotTable};
 use rpcmesh_wire::PeerKind;
-use rpcmesh_wire::ext::put_ext_request_with_deadline;
-use rpcmesh_wire::frame::{Flags, Frame, Header, MsgType, put_frame};
+use rpcmesh_wire::ext::{deadline_micros, put_ext_request_with_deadline};
+use rpcmesh_wire::frame::{FRAME_OVERHEAD, Flags, Frame, Header, MsgType, put_frame};
+use rpcmesh_wire::neutral::neutral_id;
 
 use super::Refused;
 use super::kept::{self, Kept, Ring};
-use crate::call::{Avoid, CallInfo, Forward, Reply, ReplyTx, Reroute};
+use crate::call::{Avoid, CallInfo, Forward, Reply, ReplyTx, Reroute, Verbatim};
 
 #[cfg(doc)]
 use super::REQUEST_RETAIN;
@@ -70,14 +71,17 @@ impl ConnState {
     }
 
     /// Queues a call: its frame goes into the queue under a fresh request id, with the
-    /// flags a provider of kind `to` takes, and the task is woken if it waits. Refused
-    /// at the connection's cap (`cap` calls in flight) or once it is closed; the call is
-    /// then handed back untouched.
+    /// flags a provider of kind `to` takes, and the task is woken if it waits. `now` is
+    /// the session's clock (read once per round, not per call), from which the time left
+    /// to the call is told to a provider that takes it. Refused at the connection's cap
+    /// (`cap` calls in flight) or once it is closed; the call is then handed back
+    /// untouched.
     // A refused call is handed back by value (no allocation on the per-call path).
     #[allow(clippy::result_large_err)]
     pub fn try_queue(
         &self,
         fwd: Forward,
+        now: Instant,
         cap: usize,
         to: PeerKind,
     ) -> Result<(), (Forward, Refused)> {
@@ -100,7 +104,12 @@ impl ConnState {
             PeerKind::Rpcmesh => fwd.frame.header.flags | Flags::EXT_STATUS,
             PeerKind::V1 => Flags::NONE,
         };
-        let body_len = fwd.frame.header.body_len;
+        if calls.table.len() >= KEYED_SLOTS {
+            // As many calls as the table has keys (the cap is held below it: the flags).
+            drop(calls);
+            self.in_flight.fetch_sub(1, Ordering::Relaxed);
+            return Err((fwd, Refused::Full));
+        }
         let Calls {
             wbuf,
             queued,
@@ -110,39 +119,66 @@ impl ConnState {
         } = &mut *calls;
         let at = wbuf.len();
         let large = fwd.reserved.is_some();
-        let (id, slot) = table.insert_mut(Slot {
-            info: fwd.info,
-            reply_to: fwd.reply_to,
-            deadline: fwd.deadline,
-            sent: None,
-            reserved: fwd.reserved,
-            kept: Kept::Nowhere,
-            retries: fwd.retries,
-            refused_by_drain: fwd.refused_by_drain,
-        });
-        let header = Header {
-            msg_type: MsgType::Request,
-            flags,
-            body_len,
-            req_id: id,
-        };
+        let client_id = fwd.info.client_id;
+        // A neutral id (`rpcmesh_wire::neutral`): the request and its reply keep their CRCs
+        // across the rewrite, both ways.
+        let (id, slot) = table
+            .insert_keyed(
+                Slot {
+                    info: fwd.info,
+                    reply_to: fwd.reply_to,
+                    deadline: fwd.deadline,
+                    sent: None,
+                    reserved: fwd.reserved,
+                    kept: Kept::Nowhere,
+                    retries: fwd.retries,
+                    refused_by_drain: fwd.refused_by_drain,
+                },
+                |key| neutral_id(client_id, key),
+            )
+            .expect("a key is free: the table holds fewer calls than it has keys (checked)");
         let caller = self.takes_caller.load(Ordering::Relaxed);
         // The time left to the call (the broker's own time spent on it taken off): a
         // provider does not start it once that has passed.
         let left = self
             .takes_deadline
             .load(Ordering::Relaxed)
-            .then(|| slot.deadline.saturating_duration_since(Instant::now()));
-        if caller || left.is_some() {
-            // The caller's identity before the body the broker never opens.
-            let block = if caller {
-                slot.reply_to.caller_block()
-            } else {
-                &[]
-            };
-            put_ext_request_with_deadline(wbuf, flags, id, block, left, &fwd.frame.body);
-        } else {
-            put_frame(wbuf, &header, &fwd.frame.body);
+            .then(|| slot.deadline.saturating_duration_since(now));
+        let same_flags = flags == fwd.frame.header.flags;
+        match (&fwd.verbatim, caller, left) {
+            // The frame as it came is the frame to write: copied, id rewritten, CRC kept.
+            (Verbatim::Plain { trailer }, false, None) if same_flags => {
+                put_verbatim(wbuf, MsgType::Request, flags, id, &fwd.frame.body, *trailer);
+            }
+            (
+                Verbatim::Deadline {
+                    body,
+                    budget_us,
+                    trailer,
+                },
+                false,
+                Some(left),
+            ) if same_flags && deadline_micros(left) == *budget_us => {
+                put_verbatim(wbuf, MsgType::ExtRequest, flags, id, body, *trailer);
+            }
+            (_, true, _) | (_, _, Some(_)) => {
+                // The caller's identity before the body the broker never opens.
+                let block = if caller {
+                    slot.reply_to.caller_block()
+                } else {
+                    &[]
+                };
+                put_ext_request_with_deadline(wbuf, flags, id, block, left, &fwd.frame.body);
+            }
+            _ => {
+                let header = Header {
+                    msg_type: MsgType::Request,
+                    flags,
+                    body_len: fwd.frame.header.body_len,
+                    req_id: id,
+                };
+                put_frame(wbuf, &header, &fwd.frame.body);
+            }
         }
         // Kept until the task takes it (a call still queued when the connection fails is
         // routed again), and for an rpcmesh provider until the reply (`kept`).
@@ -164,8 +200,31 @@ impl ConnState {
     }
 }
 
+/// Appends a frame of `msg_type` with `flags` and `body` under `id`, with the CRC trailer
+/// `trailer` its caller sent it with: right, because `id` is neutral to the caller's
+/// (`rpcmesh_wire::neutral`) and nothing else differs.
+fn put_verbatim(
+    dst: &mut BytesMut,
+    msg_type: MsgType,
+    flags: Flags,
+    id: u64,
+    body: &[u8],
+    trailer: u32,
+) {
+    dst.reserve(FRAME_OVERHEAD + body.len());
+    Header {
+        msg_type,
+        flags,
+        body_len: body.len() as u32,
+        req_id: id,
+    }
+    .put(dst);
+    dst.extend_from_slice(body);
+    dst.put_u32(trailer);
+}
+
 /// A connection's calls: queued by sessions, written and matched to replies by its task.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct Calls {
     /// The frames of the calls queued since the task last took them, under this
     /// connection's request ids, ready to be written.
@@ -247,6 +306,20 @@ impl Calls {
     }
 }
 
+impl Default for Calls {
+    fn default() -> Self {
+        Calls {
+            wbuf: BytesMut::new(),
+            queued: Vec::new(),
+            // Keyed: the ids are neutral ones (`rpcmesh_wire::neutral`).
+            table: SlotTable::keyed(),
+            waker: None,
+            ended: false,
+            ring: Ring::default(),
+        }
+    }
+}
+
 /// A call queued or written upstream and waiting for its reply (its request id is its key
 /// in the connection's [`SlotTable`]).
 #[derive(Debug)]
@@ -279,6 +352,7 @@ impl Slot {
         let to = self.reply_to.clone();
         let fwd = Forward {
             frame: request,
+            verbatim: Verbatim::No,
             info: CallInfo {
                 replied: None,
                 ..self.info
@@ -304,15 +378,72 @@ mod tests {
     use crate::call::Inbox;
     use rpcmesh_wire::codec::FrameCodec;
 
+    /// The frame of `call(id)` as its caller sent it, and its trailer.
+    fn sent(id: u64) -> (Vec<u8>, u32) {
+        let inbox = Inbox::new();
+        let frame = call(id, &inbox).frame;
+        let mut b = BytesMut::new();
+        frame.put(&mut b);
+        let n = b.len();
+        let trailer = u32::from_be_bytes([b[n - 4], b[n - 3], b[n - 2], b[n - 1]]);
+        (b.to_vec(), trailer)
+    }
+
+    #[tokio::test]
+    async fn a_call_that_may_go_as_it_came_is_copied_its_id_alone_rewritten_and_its_crc_kept() {
+        let (conn, mut task, _server) = connection(PeerKind::Rpcmesh).await;
+        let inbox = Inbox::new();
+        let (original, trailer) = sent(41);
+        for given in [trailer, trailer ^ 1] {
+            let mut fwd = call(41, &inbox);
+            fwd.verbatim = Verbatim::Plain { trailer: given };
+            conn.try_forward(fwd, Instant::now()).unwrap();
+            assert_eq!(task.take_queued(), 1);
+            let written = task.io.wbuf().split();
+            assert_eq!(written.len(), original.len());
+            // Everything but the 8 id bytes is the caller's, the trailer the one given:
+            // nothing was summed again.
+            assert_eq!(written[..10], original[..10]);
+            assert_eq!(
+                written[18..written.len() - 4],
+                original[18..original.len() - 4]
+            );
+            assert_eq!(written[written.len() - 4..], given.to_be_bytes());
+            let id = u64::from_be_bytes(written[10..18].try_into().unwrap());
+            assert_ne!(id, 41);
+            if given == trailer {
+                // The id is neutral: the copied trailer is right.
+                let frame = Frame::from_bytes(written.freeze()).unwrap();
+                assert_eq!(frame.header.req_id, id);
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_call_with_fields_to_change_is_written_afresh_with_a_right_crc() {
+        // A plain v1 server takes no flags: the frame cannot go as it came.
+        let (conn, mut task, _server) = connection(PeerKind::V1).await;
+        let inbox = Inbox::new();
+        let (_, trailer) = sent(42);
+        let mut fwd = call(42, &inbox);
+        fwd.verbatim = Verbatim::Plain { trailer };
+        conn.try_forward(fwd, Instant::now()).unwrap();
+        assert_eq!(task.take_queued(), 1);
+        let frame = Frame::from_bytes(task.io.wbuf().split().freeze()).unwrap();
+        assert_eq!(frame.header.flags, Flags::NONE);
+    }
+
     #[tokio::test]
     async fn a_call_is_queued_under_a_fresh_id_and_the_cap_refuses_the_fifth() {
         let (conn, mut task, _server) = connection(PeerKind::Rpcmesh).await;
         let inbox = Inbox::new();
         for id in 1..=4 {
-            conn.try_forward(call(id, &inbox)).unwrap();
+            conn.try_forward(call(id, &inbox), Instant::now()).unwrap();
         }
         assert_eq!(conn.load(), 4);
-        let (back, why) = conn.try_forward(call(5, &inbox)).unwrap_err();
+        let (back, why) = conn
+            .try_forward(call(5, &inbox), Instant::now())
+            .unwrap_err();
         assert_eq!((back.info.client_id, why), (5, Refused::Full));
         assert_eq!(conn.load(), 4, "a refused call is not counted");
         assert_eq!(task.take_queued(), 4);

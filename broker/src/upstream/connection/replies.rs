@@ -149,7 +149,10 @@ impl ConnTask {
         };
         self.reply_read(&mut slot, read_at);
         let admitted = slot.info.admitted;
-        let status = slot.reply_to.answer_small(header.flags, body, slot.info);
+        let trailer = Some(self.io.peeked_trailer(header));
+        let status = slot
+            .reply_to
+            .answer_small(header.flags, body, trailer, slot.info);
         let verdict = verdict_of(status, header.flags, body);
         settled(&self.state, &self.metrics, status);
         self.io.skip_peeked(header);

@@ -397,8 +397,8 @@ mod tests {
         ));
         let (conn, mut task, mut server) = connection_with(PeerKind::V1, link.clone()).await;
         let inbox = Inbox::new();
-        conn.try_forward(call(1, &inbox)).unwrap();
-        conn.try_forward(call(2, &inbox)).unwrap();
+        conn.try_forward(call(1, &inbox), Instant::now()).unwrap();
+        conn.try_forward(call(2, &inbox), Instant::now()).unwrap();
         assert_eq!(task.take_queued(), 2);
         task.io.try_flush().unwrap();
         // The server reads both and answers the first.
@@ -436,17 +436,19 @@ mod tests {
      {
         let (conn, mut task, _server) = connection(PeerKind::V1).await;
         let inbox = Inbox::new();
-        conn.try_forward(call(1, &inbox)).unwrap();
+        conn.try_forward(call(1, &inbox), Instant::now()).unwrap();
         assert_eq!(
             task.take_queued(),
             1,
             "call 1 is in the task's write buffer"
         );
-        conn.try_forward(call(2, &inbox)).unwrap();
+        conn.try_forward(call(2, &inbox), Instant::now()).unwrap();
         task.close(ConnEnd::ClosedByProvider);
         assert!(conn.is_closed());
         assert_eq!(conn.load(), 0);
-        let (back, why) = conn.try_forward(call(3, &inbox)).unwrap_err();
+        let (back, why) = conn
+            .try_forward(call(3, &inbox), Instant::now())
+            .unwrap_err();
         assert_eq!((back.info.client_id, why), (3, Refused::Closed));
 
         let mut wbuf = BytesMut::new();
