@@ -361,6 +361,7 @@ impl Frame {
     /// Checks a whole frame in place (`22 + body_len` bytes, its header `p` already read
     /// and its magic and version checked): its CRC and its type. Returns its header. The
     /// codec checks frames where they lie in the read buffer, before splitting them off.
+    #[inline]
     pub(crate) fn check(frame: &[u8], p: &Prefix) -> Result<Header, FrameError> {
         let end = HEADER_LEN + p.body_len as usize;
         let expected = be_u32(&frame[end..]);

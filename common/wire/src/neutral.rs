@@ -53,48 +53,81 @@ const fn reverse(t: &[u32; 256]) -> [u8; 256] {
 }
 
 /// The register after `bytes`, from `reg` (raw: no inversion before or after).
-fn forward(mut reg: u32, bytes: &[u8]) -> u32 {
-    for &b in bytes {
-        reg = TABLE[((reg ^ u32::from(b)) & 0xff) as usize] ^ (reg >> 8);
+const fn forward(mut reg: u32, bytes: &[u8]) -> u32 {
+    let mut i = 0;
+    while i < bytes.len() {
+        reg = TABLE[((reg ^ bytes[i] as u32) & 0xff) as usize] ^ (reg >> 8);
+        i += 1;
     }
     reg
 }
 
 /// The register before `bytes` that leads to `reg` after them.
-fn backward(mut reg: u32, bytes: &[u8]) -> u32 {
-    for &b in bytes.iter().rev() {
+const fn backward(mut reg: u32, bytes: &[u8]) -> u32 {
+    let mut i = bytes.len();
+    while i > 0 {
+        i -= 1;
         let k = REVERSE[(reg >> 24) as usize];
-        reg = ((reg ^ TABLE[usize::from(k)]) << 8) | u32::from(k ^ b);
+        reg = ((reg ^ TABLE[k as usize]) << 8) | (k ^ bytes[i]) as u32;
     }
     reg
 }
 
 /// The four bytes that take the register from `from` to `to`.
-fn forge(from: u32, to: u32) -> [u8; 4] {
+const fn forge(from: u32, to: u32) -> [u8; 4] {
     let mut ks = [0u8; 4];
     let mut reg = to;
-    for k in ks.iter_mut().rev() {
-        *k = REVERSE[(reg >> 24) as usize];
-        reg = (reg ^ TABLE[usize::from(*k)]) << 8;
+    let mut i = 4;
+    while i > 0 {
+        i -= 1;
+        ks[i] = REVERSE[(reg >> 24) as usize];
+        reg = (reg ^ TABLE[ks[i] as usize]) << 8;
     }
     let mut out = [0u8; 4];
     let mut reg = from;
-    for (o, &k) in out.iter_mut().zip(&ks) {
-        *o = (reg as u8) ^ k;
-        reg = TABLE[usize::from(k)] ^ (reg >> 8);
+    let mut i = 0;
+    while i < 4 {
+        out[i] = (reg as u8) ^ ks[i];
+        reg = TABLE[ks[i] as usize] ^ (reg >> 8);
+        i += 1;
     }
     out
+}
+
+/// The high half of the neutral change whose low half is `lo`: the four bytes that, put
+/// before `lo`'s, make the eight bytes' raw CRC zero. Linear in `lo`.
+const fn high_of(lo: u32) -> u32 {
+    let mid = backward(0, &lo.to_be_bytes());
+    u32::from_be_bytes(forge(0, mid))
+}
+
+/// [`high_of`] for each byte of the low half in each position: a linear map is the XOR of
+/// what it makes of each byte, so four lookups give it.
+const HIGH_OF: [[u32; 256]; 4] = high_tables();
+
+const fn high_tables() -> [[u32; 256]; 4] {
+    let mut t = [[0u32; 256]; 4];
+    let mut pos = 0;
+    while pos < 4 {
+        let mut b = 0;
+        while b < 256 {
+            t[pos][b] = high_of((b as u32) << (8 * (3 - pos)));
+            b += 1;
+        }
+        pos += 1;
+    }
+    t
 }
 
 /// An id whose low 32 bits are `key` and which can be written over `original` (or
 /// `original` over it) in any frame without changing the frame's CRC.
 pub fn neutral_id(original: u64, key: u32) -> u64 {
-    let lo = (original as u32 ^ key).to_be_bytes();
-    // The register the high bytes' change must leave, so that the low bytes' change then
-    // brings it to zero.
-    let mid = backward(0, &lo);
-    let hi = u32::from_be_bytes(forge(0, mid)) ^ (original >> 32) as u32;
-    (u64::from(hi) << 32) | u64::from(key)
+    let [a, b, c, d] = (original as u32 ^ key).to_be_bytes();
+    let high = HIGH_OF[0][usize::from(a)]
+        ^ HIGH_OF[1][usize::from(b)]
+        ^ HIGH_OF[2][usize::from(c)]
+        ^ HIGH_OF[3][usize::from(d)];
+    ((u64::from(high ^ (original >> 32) as u32)) << 32) | u64::from(key)
 }
 
 /// The raw CRC of the change from id `a` to id `b`: zero when either may replace the other
@@ -116,6 +149,14 @@ mod tests {
         let ours = !forward(!0, data);
         assert_eq!(ours, crc32fast::hash(data));
         assert_eq!(ours, 0xCBF4_3926);
+    }
+
+    #[test]
+    fn the_tables_give_what_the_forger_gives() {
+        for lo in [0u32, 1, 0x8000_0000, 0xdead_beef, u32::MAX] {
+            let id = neutral_id(0, lo);
+            assert_eq!((id >> 32) as u32, high_of(lo));
+        }
     }
 
     #[test]

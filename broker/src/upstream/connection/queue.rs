@@ -265,19 +265,25 @@ impl Calls {
         if n == 0 {
             return 0;
         }
-        if keep_request {
+        // The requests go into the ring in one copy: each is at its place in the batch.
+        let base = if keep_request {
             // Room for the requests of every call in flight here, at this batch's size.
             ring.fit(wbuf.len() / n * table.len(), budget);
-        }
+            ring.push(wbuf)
+        } else {
+            None
+        };
         for id in queued.drain(..) {
             if let Some(slot) = table.get_mut(id) {
                 if let Kept::Queued { at, len } = slot.kept {
-                    slot.kept = match wbuf.get(at..at + len).filter(|_| keep_request) {
-                        Some(bytes) => ring
-                            .push(bytes)
-                            .map_or(Kept::Nowhere, |pos| Kept::Ring { pos, len }),
-                        None => Kept::Nowhere,
+                    // A batch too large for the ring (a large request in it) has its
+                    // small requests put in one by one.
+                    let pos = match base {
+                        Some(base) => Some(base + at as u64),
+                        None if keep_request => wbuf.get(at..at + len).and_then(|b| ring.push(b)),
+                        None => None,
                     };
+                    slot.kept = pos.map_or(Kept::Nowhere, |pos| Kept::Ring { pos, len });
                 } else if !keep_request {
                     // A plain v1 server's calls keep nothing once written (only an rpcmesh
                     // provider refuses with NOT_RUN).
