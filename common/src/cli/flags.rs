@@ -1,8 +1,9 @@
 //! Flag groups more than one program takes, flattened into each program's `Args`: the
 //! runtime's threads ([`RuntimeArgs`]), stage sampling ([`StageArgs`]), compression
-//! tuning ([`CompressionArgs`]) and the servers' connection timeouts and memory budget
-//! ([`LimitArgs`]). Each flag is written here once, with its environment
-//! fallback and its default as a named constant.
+//! tuning ([`CompressionArgs`]), the servers' connection timeouts and memory budget
+//! ([`LimitArgs`]) and the retry budget of the broker and the driver
+//! ([`RetryBudgetArgs`]). Each flag is written here once, with its environment fallback
+//! and its default as a named constant.
 
 use rpcmesh_wire::compress::{
     CompressionConfig, DEFAULT_COMPRESS_LEVEL, DEFAULT_COMPRESS_THRESHOLD,
@@ -15,6 +16,7 @@ use crate::net::budget::DEFAULT_MEMORY_BUDGET;
 use crate::net::session::{
     DEFAULT_FRAME_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_WRITE_TIMEOUT, Timeouts,
 };
+use crate::retry::{DEFAULT_RETRY_MIN_PER_SECOND, DEFAULT_RETRY_PERCENT, RetryBudget};
 
 /// Worker threads unless told otherwise: 0, one per CPU the process may run on.
 pub const DEFAULT_THREADS: usize = 0;
@@ -158,5 +160,34 @@ impl LimitArgs {
             )
         });
         b
+    }
+}
+
+/// The retry budget (`crate::retry`): the share of the calls, and the floor per second,
+/// that retries of calls safe to send again may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::Args)]
+pub struct RetryBudgetArgs {
+    /// Retries of calls safe to send again, as a percent of the calls of the last 10 s;
+    /// 0 with --retry-budget-min-per-second 0 = no retries.
+    #[arg(long, env = "RPCMESH_RETRY_BUDGET_PERCENT", default_value_t = DEFAULT_RETRY_PERCENT)]
+    pub retry_budget_percent: u32,
+    /// Retries allowed per second on top of the percent, whatever the traffic.
+    #[arg(long, env = "RPCMESH_RETRY_BUDGET_MIN_PER_SECOND", default_value_t = DEFAULT_RETRY_MIN_PER_SECOND)]
+    pub retry_budget_min_per_second: u32,
+}
+
+impl Default for RetryBudgetArgs {
+    fn default() -> Self {
+        RetryBudgetArgs {
+            retry_budget_percent: DEFAULT_RETRY_PERCENT,
+            retry_budget_min_per_second: DEFAULT_RETRY_MIN_PER_SECOND,
+        }
+    }
+}
+
+impl RetryBudgetArgs {
+    /// The budget the flags give.
+    pub fn budget(&self) -> RetryBudget {
+        RetryBudget::of(self.retry_budget_percent, self.retry_budget_min_per_second)
     }
 }
