@@ -15,11 +15,18 @@
 //! locks a mutex and reads the clock on every deposit, that is on every call, from every
 //! thread, and the programs' per-call paths take no shared lock.
 //!
-//! A leaf: pure (atomics and instants), used by the programs; which failures are safe to
+//! Which calls are idempotent ([`Idempotent`], `--idempotent`): those the configuration
+//! says may run twice without harm, so that a call lost in flight (its connection lost
+//! after it was written) may be sent again too. Written as the authorization policy's
+//! calls are (`Service.Method`, `Service.*`, `*`; [`crate::authz`]).
+//!
+//! Pure (atomics, instants and names), used by the programs; which failures are safe to
 //! retry is each program's own rule (docs/resilience.md).
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+use crate::authz::{Pattern, call_pattern_problem};
 
 /// Retries allowed per call, in percent (`--retry-budget-percent`): Finagle's
 /// `RetryBudget` and tower's `TpsBudget` both take 20 %, so that under overload retries
@@ -30,6 +37,45 @@ pub const DEFAULT_RETRY_PERCENT: u32 = 20;
 pub const DEFAULT_RETRY_MIN_PER_SECOND: u32 = 10;
 /// How long a call's deposit in the retry budget lasts: Finagle's and tower's 10 s.
 pub const RETRY_BUDGET_TTL: Duration = Duration::from_secs(10);
+
+/// Why a call was sent again (the `reason` of `rpcmesh_calls_rerouted_total` and
+/// `rpcmesh_retry_budget_exhausted_total`, the keys of the driver's report): each a
+/// failure after which the call is known not to have run, but [`RetryReason::Lost`],
+/// which only idempotent calls are retried for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RetryReason {
+    /// Its connection closed before it was written.
+    Unsent,
+    /// A draining server refused it without running it (`NOT_RUN`).
+    NotRun,
+    /// The server answered "overloaded": it shed the call without running it.
+    Overloaded,
+    /// Its connection was lost after it was written (it may have run): idempotent calls
+    /// only.
+    Lost,
+}
+
+impl RetryReason {
+    /// How many reasons there are: the size of a table indexed by `reason as usize`.
+    pub const COUNT: usize = 4;
+    /// Every reason, in the order of their indexes.
+    pub const ALL: [RetryReason; Self::COUNT] = [
+        RetryReason::Unsent,
+        RetryReason::NotRun,
+        RetryReason::Overloaded,
+        RetryReason::Lost,
+    ];
+
+    /// The `reason` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            RetryReason::Unsent => "unsent",
+            RetryReason::NotRun => "not_run",
+            RetryReason::Overloaded => "overloaded",
+            RetryReason::Lost => "lost",
+        }
+    }
+}
 
 /// Units of one retry: deposits are in thousandths of one, so that 20 % is 200.
 const UNIT: i64 = 1000;
@@ -117,9 +163,80 @@ impl RetryBudget {
     }
 }
 
+/// The calls marked idempotent: retried when lost in flight (see the module doc).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Idempotent(Vec<Pattern>);
+
+impl Idempotent {
+    /// The calls `patterns` name (`Service.Method`, `Service.*`, `*`); the first pattern
+    /// that is none of those is the error, with what is wrong with it.
+    pub fn parse<S: AsRef<str>>(patterns: &[S]) -> Result<Self, String> {
+        let mut out = Vec::with_capacity(patterns.len());
+        for p in patterns {
+            let p = p.as_ref().trim();
+            if let Some(problem) = call_pattern_problem(p) {
+                return Err(problem);
+            }
+            out.push(Pattern::new(p));
+        }
+        Ok(Idempotent(out))
+    }
+
+    /// True when no call is marked.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Whether calls of `service`'s `method` are marked idempotent.
+    pub fn covers(&self, service: &str, method: &str) -> bool {
+        self.0.iter().any(|p| p.matches_call(service, method))
+    }
+
+    /// [`Idempotent::covers`] of names as the wire carries them (bytes that are not UTF-8
+    /// name nothing marked).
+    pub fn covers_bytes(&self, service: &[u8], method: &[u8]) -> bool {
+        !self.is_empty()
+            && matches!(
+                (std::str::from_utf8(service), std::str::from_utf8(method)),
+                (Ok(s), Ok(m)) if self.covers(s, m)
+            )
+    }
+
+    /// The calls either marks.
+    pub fn and(&self, other: &Idempotent) -> Idempotent {
+        Idempotent(self.0.iter().chain(&other.0).cloned().collect())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reasons_are_in_their_index_order() {
+        for (i, r) in RetryReason::ALL.iter().enumerate() {
+            assert_eq!(*r as usize, i, "{}", r.label());
+        }
+    }
+
+    #[test]
+    fn idempotent_calls_are_named_as_the_policy_names_them() {
+        let i = Idempotent::parse(&["EchoService.*", "platform.PlatformService.doQuery"]).unwrap();
+        assert!(i.covers("EchoService", "Echo"));
+        assert!(i.covers("platform.PlatformService", "doQuery"));
+        assert!(!i.covers("platform.PlatformService", "doUpdate"));
+        assert!(!i.covers("EchoServiceX", "Echo"));
+        assert!(i.covers_bytes(b"EchoService", b"Echo"));
+        assert!(!i.covers_bytes(b"EchoService", b"\xff"));
+        assert!(!Idempotent::default().covers("EchoService", "Echo"));
+        assert!(Idempotent::parse(&["*"]).unwrap().covers("A", "b"));
+        let e = Idempotent::parse(&["EchoService"]).unwrap_err();
+        assert!(e.contains("not Service.Method"), "{e}");
+        let both = Idempotent::parse(&["A.x"])
+            .unwrap()
+            .and(&Idempotent::parse(&["B.*"]).unwrap());
+        assert!(both.covers("A", "x") && both.covers("B", "y") && !both.covers("A", "y"));
+    }
 
     #[test]
     fn retries_are_a_fifth_of_the_calls_plus_the_floor_and_deposits_expire() {

@@ -9,10 +9,13 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use rpcmesh_capacity::{OutputArgs, PlanArgs};
-use rpcmesh_common::cli::flags::{CompressionArgs, RuntimeArgs, StageArgs};
+use rpcmesh_common::cli::flags::{
+    CompressionArgs, IdempotentArgs, RetryBudgetArgs, RuntimeArgs, StageArgs,
+};
 use rpcmesh_common::cli::values::parse_duration;
 use rpcmesh_common::cli::{ConfigProblems, DurationArg, MetricsListen, OnOff};
 use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
+use rpcmesh_common::retry::Idempotent;
 use rpcmesh_wire::PeerKind;
 use rpcmesh_wire::compress::{
     CompressionConfig, DEFAULT_COMPRESS_LEVEL, DEFAULT_COMPRESS_THRESHOLD,
@@ -246,6 +249,12 @@ pub struct LoadArgs {
     /// on|off (ignored with --v1).
     #[arg(long, env = "RPCMESH_DEADLINE", default_value_t = OnOff(DEFAULT_DEADLINE))]
     pub deadline: OnOff,
+    /// The retry budget of calls that did not run (or, idempotent, were lost).
+    #[command(flatten)]
+    pub retry: RetryBudgetArgs,
+    /// The calls that may be retried when lost in flight.
+    #[command(flatten)]
+    pub idempotent: IdempotentArgs,
     /// The driver's runtime.
     #[command(flatten)]
     pub runtime: RuntimeArgs,
@@ -445,6 +454,10 @@ pub struct DriverConfig {
     pub call_timeout: Duration,
     /// Send each call's deadline to targets that take it (rpcmesh targets only).
     pub deadline: bool,
+    /// The retry budget's share of the calls and floor.
+    pub retry: RetryBudgetArgs,
+    /// The calls marked idempotent (retried when lost in flight).
+    pub idempotent: Idempotent,
     /// Where to write the JSON report.
     pub json: Option<PathBuf>,
     /// Where to write the HdrHistogram interval log.
@@ -482,6 +495,8 @@ impl Default for DriverConfig {
             kind: PeerKind::Rpcmesh,
             call_timeout: DEFAULT_CALL_TIMEOUT,
             deadline: DEFAULT_DEADLINE,
+            retry: RetryBudgetArgs::default(),
+            idempotent: Idempotent::default(),
             json: None,
             hdr_log: None,
             progress: DEFAULT_PROGRESS,
@@ -758,6 +773,8 @@ impl LoadArgs {
             },
             call_timeout: self.timeout.0,
             deadline: self.deadline.0,
+            retry: self.retry,
+            idempotent: self.idempotent.calls(p),
             json: None,
             hdr_log: None,
             progress: DEFAULT_PROGRESS,

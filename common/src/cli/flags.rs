@@ -1,8 +1,8 @@
 //! Flag groups more than one program takes, flattened into each program's `Args`: the
 //! runtime's threads ([`RuntimeArgs`]), stage sampling ([`StageArgs`]), compression
 //! tuning ([`CompressionArgs`]), the servers' connection timeouts and memory budget
-//! ([`LimitArgs`]) and the retry budget of the broker and the driver
-//! ([`RetryBudgetArgs`]). Each flag is written here once, with its environment fallback
+//! ([`LimitArgs`]), and the retry budget and idempotent calls of the broker and the
+//! driver ([`RetryBudgetArgs`], [`IdempotentArgs`]). Each flag is written here once, with its environment fallback
 //! and its default as a named constant.
 
 use rpcmesh_wire::compress::{
@@ -16,7 +16,7 @@ use crate::net::budget::DEFAULT_MEMORY_BUDGET;
 use crate::net::session::{
     DEFAULT_FRAME_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_WRITE_TIMEOUT, Timeouts,
 };
-use crate::retry::{DEFAULT_RETRY_MIN_PER_SECOND, DEFAULT_RETRY_PERCENT, RetryBudget};
+use crate::retry::{DEFAULT_RETRY_MIN_PER_SECOND, DEFAULT_RETRY_PERCENT, Idempotent, RetryBudget};
 
 /// Worker threads unless told otherwise: 0, one per CPU the process may run on.
 pub const DEFAULT_THREADS: usize = 0;
@@ -189,5 +189,37 @@ impl RetryBudgetArgs {
     /// The budget the flags give.
     pub fn budget(&self) -> RetryBudget {
         RetryBudget::of(self.retry_budget_percent, self.retry_budget_min_per_second)
+    }
+}
+
+/// The calls marked idempotent (`crate::retry::Idempotent`): those lost in flight may be
+/// retried too.
+#[derive(Debug, Clone, Default, PartialEq, Eq, clap::Args)]
+pub struct IdempotentArgs {
+    /// Calls that may run twice without harm (Service.Method, Service.* or *; repeatable,
+    /// or several separated by commas): one lost in flight (its connection lost after it
+    /// was written) may be retried, within the retry budget. None by default.
+    #[arg(
+        long = "idempotent",
+        env = "RPCMESH_IDEMPOTENT",
+        value_delimiter = ',',
+        value_name = "CALLS"
+    )]
+    pub idempotent: Vec<String>,
+}
+
+impl IdempotentArgs {
+    /// The calls marked; a bad pattern is recorded in `problems`.
+    pub fn calls(&self, problems: &mut ConfigProblems) -> Idempotent {
+        let given: Vec<&str> = self
+            .idempotent
+            .iter()
+            .map(|s| s.trim())
+            .filter(|s| !s.is_empty())
+            .collect();
+        Idempotent::parse(&given).unwrap_or_else(|e| {
+            problems.check(true, || format!("--idempotent {e}"));
+            Idempotent::default()
+        })
     }
 }
