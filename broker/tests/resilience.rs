@@ -279,3 +279,74 @@ fn timeouts_at_a_deadline_the_caller_set_shorter_eject_no_provider() {
         "no provider is blamed for its caller's deadline"
     );
 }
+
+/// Two providers that both shed (one call in flight per connection, each held 20 ms):
+/// the broker is overloaded, and nearly every call it forwards is answered "overloaded".
+/// Each such call could be sent on to the other provider and back, up to three times; the
+/// budget holds the retries to a fifth of the calls plus its floor (10 a second over 10 s),
+/// and counts the ones it refuses. (Without the budget the retries are several times the
+/// calls.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_overload_retries_never_exceed_the_budget() {
+    let shedding = || {
+        Spawned::start(
+            "provider",
+            &["--service-time", "20ms", "--max-in-flight-per-conn", "1"],
+        )
+    };
+    let (p, q) = (shedding(), shedding());
+    let b = broker(&[("--upstream", p.rpc), ("--upstream", q.rpc)], &[]);
+    const CALLS: usize = 4000;
+    let failed = failed_calls(b.rpc, CALLS, 32).await;
+    let calls = b.metric("rpcmesh_calls_total", &[]);
+    let retried = b.metric(CALLS_REROUTED_TOTAL.name, &[]);
+    let refused = b.metric(RETRY_BUDGET_EXHAUSTED_TOTAL.name, &[]);
+    println!(
+        "overload: {calls} calls, {failed} failed, {retried} retried, {refused} not for want of budget"
+    );
+    assert_eq!(calls, CALLS as f64);
+    assert!(refused > 0.0, "the budget was spent: {refused}");
+    assert!(
+        retried <= 0.2 * calls + 100.0,
+        "{retried} retries for {calls} calls: over 20 % plus the floor"
+    );
+}
+
+/// Two providers that hold each call 200 ms; one is killed (SIGKILL) while it holds calls:
+/// they are lost in flight. Returns how many of `CALLS` calls failed, and how many the
+/// broker sent again as lost.
+async fn kill_one_with_calls_in_flight(extra: &[&str]) -> (usize, f64) {
+    let slow = || Spawned::start("provider", &["--service-time", "200ms"]);
+    let (a, b) = (slow(), slow());
+    let bk = broker(&[("--upstream", a.rpc), ("--upstream", b.rpc)], extra);
+    for p in [a.rpc.to_string(), b.rpc.to_string()] {
+        rpcmesh_testkit::wait_until(&format!("{p} is healthy at the broker"), || {
+            bk.metric(POOL_HEALTHY_CONNECTIONS.name, &[("upstream", &p)]) > 0.0
+        })
+        .await;
+    }
+    const CALLS: usize = 64;
+    let addr = bk.rpc;
+    let calls = tokio::spawn(failed_calls(addr, CALLS, 16));
+    rpcmesh_testkit::wait_until("the first provider holds calls", || {
+        a.metric("rpcmesh_calls_in_flight", &[]) > 0.0
+    })
+    .await;
+    a.child.signal(rpcmesh_testkit::Signal::KILL);
+    let failed = calls.await.unwrap();
+    let lost = bk.metric(CALLS_REROUTED_TOTAL.name, &[("reason", "lost")]);
+    (failed, lost)
+}
+
+/// Calls lost in flight with a provider that was killed fail (they may have run), unless
+/// the broker marks them idempotent: then they go to the other provider, and none fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_lost_in_flight_go_to_another_provider_only_when_marked_idempotent() {
+    let (failed, lost) = kill_one_with_calls_in_flight(&[]).await;
+    println!("not idempotent: {failed} calls failed, {lost} sent again");
+    assert!(failed > 0 && lost == 0.0);
+    let (failed, lost) = kill_one_with_calls_in_flight(&["--idempotent", "EchoService.*"]).await;
+    println!("idempotent: {failed} calls failed, {lost} sent again");
+    assert!(lost > 0.0, "the calls lost in flight were sent again");
+    assert_eq!(failed, 0, "none failed");
+}

@@ -23,7 +23,7 @@ pub use outlier::PROBE_SPACING;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use rpcmesh_common::cli::flags::RetryBudgetArgs;
+use rpcmesh_common::cli::flags::{IdempotentArgs, RetryBudgetArgs};
 use rpcmesh_common::cli::{ConfigProblems, DurationArg};
 use rpcmesh_common::retry::RetryBudget;
 
@@ -91,6 +91,8 @@ pub struct ResilienceArgs {
     pub max_ejection_percent: u32,
     #[command(flatten)]
     pub retry: RetryBudgetArgs,
+    #[command(flatten)]
+    pub idempotent: IdempotentArgs,
     /// How fast a provider's latency estimate forgets (--balance peak-ewma).
     #[arg(long, env = "RPCMESH_EWMA_DECAY", default_value_t = DurationArg(DEFAULT_EWMA_DECAY))]
     pub ewma_decay: DurationArg,

@@ -118,6 +118,7 @@ impl ConnState {
             request: Some(fwd.frame),
             retries: fwd.retries,
             refused_by_drain: fwd.refused_by_drain,
+            idempotent: fwd.idempotent,
         });
         let header = Header {
             msg_type: MsgType::Request,
@@ -203,8 +204,9 @@ impl Calls {
         for id in queued.drain(..) {
             if let Some(slot) = table.get_mut(id) {
                 // A plain v1 server's calls keep nothing of the caller's read buffer once
-                // written (only an rpcmesh provider refuses with NOT_RUN).
-                if !keep_request {
+                // written (only an rpcmesh provider refuses with NOT_RUN), but idempotent
+                // ones, which go again if lost in flight.
+                if !keep_request && !slot.idempotent {
                     slot.request = None;
                 }
                 if slot.info.routed.is_some() {
@@ -237,12 +239,14 @@ pub(super) struct Slot {
     pub retries: u8,
     /// A draining provider refused it before (see [`Forward::refused_by_drain`]).
     pub refused_by_drain: bool,
+    /// Marked idempotent (see [`Forward::idempotent`]).
+    pub idempotent: bool,
 }
 
 impl Slot {
     /// Gives the call back to its session with its request frame, to be routed again,
-    /// away from `provider` (its `PoolLink::id`): strictly when the provider refused or
-    /// shed it, by preference when only the connection failed. Dropped when the session is
+    /// away from `provider` (its `PoolLink::id`): strictly when the provider refused,
+    /// shed or lost it, by preference when only the connection failed before the write. Dropped when the session is
     /// gone (nobody is left to answer).
     pub fn hand_back(self, request: Frame, why: Reroute, provider: u64) {
         let to = self.reply_to.clone();
@@ -259,8 +263,9 @@ impl Slot {
             refused_by_drain: self.refused_by_drain || why == Reroute::NotRun,
             avoid: match why {
                 Reroute::Unsent => Avoid::Prefer(provider),
-                Reroute::NotRun | Reroute::Overloaded => Avoid::Never(provider),
+                Reroute::NotRun | Reroute::Overloaded | Reroute::Lost => Avoid::Never(provider),
             },
+            idempotent: self.idempotent,
         };
         to.send(Reply::Retry(fwd, why));
     }

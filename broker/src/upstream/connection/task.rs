@@ -336,7 +336,10 @@ impl ConnTask {
         let queued: std::collections::HashSet<u64> = queued.into_iter().collect();
         let (mut failed, mut requeued) = (0, 0);
         for (id, mut slot) in slots {
-            match slot.request.take().filter(|_| queued.contains(&id)) {
+            // The request is taken only from a call still queued: one written keeps it,
+            // to go again if it is idempotent.
+            let unsent = queued.contains(&id).then(|| slot.request.take()).flatten();
+            match unsent {
                 Some(request) => {
                     self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
                     requeued += 1;
@@ -348,7 +351,7 @@ impl ConnTask {
                         provider: self.settings.label.clone(),
                         cause: end.clone(),
                     };
-                    self.fail_slot(slot, failure);
+                    self.lose_slot(slot, failure);
                 }
             }
         }
