@@ -280,6 +280,10 @@ pub enum Command {
     /// Scalability Law, and compression off against on. With no --target it starts a
     /// provider and a broker as child processes. See docs/capacity.md.
     Capacity(Box<CapacityArgs>),
+    /// The fault lab's report from its runs (scripts/faults writes them): each fault's
+    /// success rate and latency before, during and after, against a run with no fault,
+    /// and its time to detect and to recover. See docs/resilience.md.
+    FaultReport(FaultReportArgs),
     /// Run as the provider or the broker (`driver serve provider --listen ...`): how
     /// `driver capacity` starts its local mesh.
     #[command(hide = true)]
@@ -413,6 +417,23 @@ pub struct MergeArgs {
     /// Write the merged report as JSON to this file.
     #[arg(long, env = "RPCMESH_MERGE_JSON")]
     pub json: Option<PathBuf>,
+}
+
+/// `driver fault-report`'s arguments; its flags fall back on
+/// `RPCMESH_FAULT_REPORT_<FLAG>`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct FaultReportArgs {
+    /// The fault lab's account of its runs (`runs.json`, written by scripts/faults).
+    pub runs: PathBuf,
+    /// Write the report as JSON to this file.
+    #[arg(long, env = "RPCMESH_FAULT_REPORT_JSON")]
+    pub json: Option<PathBuf>,
+    /// Write the report as Markdown to this file.
+    #[arg(long, env = "RPCMESH_FAULT_REPORT_MARKDOWN")]
+    pub markdown: Option<PathBuf>,
+    /// Write the report as an HTML page with charts to this file.
+    #[arg(long, env = "RPCMESH_FAULT_REPORT_HTML")]
+    pub html: Option<PathBuf>,
 }
 
 /// Validated driver settings, as `run` takes them.

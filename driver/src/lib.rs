@@ -41,6 +41,7 @@ pub mod connection;
 mod dispatch;
 pub mod embedded;
 pub mod failures;
+pub mod fault_report;
 pub mod hdr_log;
 mod intake;
 mod links;

@@ -1,7 +1,7 @@
 //! Running the workspace's own commands from a test: the measurement scripts
-//! (`scripts/bench`, `scripts/accuracy`, `scripts/capacity-lab`) in their smoke mode and
-//! the deployment rehearsal (`deploy/rehearse`), from the workspace root, their output to
-//! files (nothing blocks on a full pipe), killed if they hang.
+//! (`scripts/bench`, `scripts/accuracy`, `scripts/capacity-lab`, `scripts/faults`) in their
+//! smoke mode and the deployment rehearsal (`deploy/rehearse`), from the workspace root,
+//! their output to files (nothing blocks on a full pipe), killed if they hang.
 
 use std::time::Duration;
 

@@ -12,6 +12,9 @@
 
 mod bars;
 mod charts;
+mod faults;
+
+pub use faults::render as render_faults;
 
 use std::collections::BTreeSet;
 use std::time::{Duration, UNIX_EPOCH};

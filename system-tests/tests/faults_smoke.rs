@@ -1,0 +1,80 @@
+//! The fault lab, `scripts/faults`, in its smoke mode: the namespaces on their bridge, the
+//! mesh in them, the driver's timeline, a control run and the black hole (provider 1
+//! restarted with `--fail-calls` under load, then healthy again), and `driver fault-report`,
+//! so that the command cannot rot. The figures are not asserted (they need the full runs;
+//! see docs/resilience.md): only the report's shape, and that the black hole was caught:
+//! the broker ejected it, and the callers saw a healthy mesh again before it was repaired.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::Path;
+use std::time::Duration;
+
+use rpcmesh_system_tests as system;
+
+/// The smoke run takes about 25 seconds; this only catches a hang.
+const SMOKE_TIMEOUT: Duration = Duration::from_secs(180);
+
+#[test]
+fn fault_lab_smoke_mode_catches_the_black_hole_and_writes_its_report() {
+    let smoke = system::smoke_script(
+        "faults",
+        Path::new(env!("CARGO_TARGET_TMPDIR")),
+        SMOKE_TIMEOUT,
+    );
+    let output = &smoke.run.output;
+    let report: serde_json::Value = serde_json::from_str(&smoke.report("faults-", "json")).unwrap();
+    let experiments = report["experiments"]
+        .as_array()
+        .expect("a list of experiments");
+    let names: Vec<&str> = experiments
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .collect();
+    assert_eq!(names, ["black-hole"], "{output}");
+    let e = &experiments[0];
+    for phases in ["phases", "control_phases"] {
+        for phase in ["before", "during", "after"] {
+            let p = &e[phases][phase];
+            assert!(
+                p["requests"].as_u64().unwrap_or(0) > 0,
+                "{phases}.{phase}: {e}"
+            );
+            for k in ["success_rate", "p50_ms", "p99_ms"] {
+                assert!(p[k].as_f64().is_some(), "{phases}.{phase}.{k}: {e}");
+            }
+        }
+    }
+    assert!(
+        e["timeline"].as_array().is_some_and(|t| !t.is_empty())
+            && e["control_timeline"]
+                .as_array()
+                .is_some_and(|t| !t.is_empty()),
+        "{e}"
+    );
+    // Caught: ejected, and routed around while it lasted.
+    assert!(
+        e["ejections"].as_f64().unwrap_or(0.0) >= 1.0,
+        "{e}\n{output}"
+    );
+    assert!(e["detect_s"].as_f64().is_some(), "{e}\n{output}");
+    assert!(smoke.run.stdout.contains("| experiment |"), "{output}");
+    let html = smoke.report("faults-", "html");
+    assert!(html.contains("data-chart=\"black-hole-success\""), "{html}");
+    // Nothing is left behind: the lab's namespaces (`rpcf<pid>-<host>`) are gone.
+    let left = std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .unwrap();
+    let left = String::from_utf8_lossy(&left.stdout);
+    let lab: Vec<&str> = left.lines().filter(|l| is_lab_namespace(l)).collect();
+    assert!(lab.is_empty(), "namespaces left: {lab:?}");
+}
+
+/// Whether a line of `ip netns list` names a fault lab's namespace, `rpcf<pid>-<host>`.
+fn is_lab_namespace(line: &str) -> bool {
+    let name = line.split_whitespace().next().unwrap_or("");
+    name.strip_prefix("rpcf")
+        .and_then(|rest| rest.split_once('-'))
+        .is_some_and(|(pid, _)| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
+}
