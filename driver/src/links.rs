@@ -898,3 +898,54 @@ mod tests {
         assert!(matches!(is(&l), Is::Up { home: None, .. }));
     }
 }
+
+#[cfg(test)]
+mod written {
+    use super::*;
+    use rpcmesh_wire::codec::FrameCodec;
+    use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
+    use tokio::net::{TcpListener, TcpSocket};
+
+    /// Calls whose frames start at or past where the socket's writes reached never left
+    /// the worker (they are `unsent` when the connection is lost); the others may have.
+    /// A peer that reads nothing, small socket buffers: most of 1 MiB of calls stays in
+    /// the write buffer.
+    #[tokio::test]
+    async fn calls_past_what_the_socket_took_are_told_apart_from_those_it_took() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let socket = TcpSocket::new_v4().unwrap();
+        socket.set_send_buffer_size(4096).unwrap();
+        let stream = socket.connect(addr).await.unwrap();
+        let (_peer, _) = listener.accept().await.unwrap();
+        let io = FramedIo::new(stream, FrameCodec::new(DEFAULT_MAX_BODY_LEN));
+        let patience = Patience {
+            until: None,
+            after: Duration::from_secs(60),
+            stop: CancellationToken::new(),
+        };
+        let connector = Connector::new(vec![addr.to_string()], 0, 0);
+        let mut links = Links::new(connector, patience, Instant::now());
+        let _ = links.connected(0, io, Instant::now());
+        let link = links.writable().unwrap();
+        const FRAME: usize = 16 << 10;
+        let starts: Vec<u64> = (0..64)
+            .map(|_| {
+                link.io.wbuf().extend_from_slice(&[0u8; FRAME]);
+                link.carry(FRAME)
+            })
+            .collect();
+        link.io.try_flush().unwrap();
+        let written = link.written();
+        let unsent = starts.iter().filter(|&&s| s >= written).count();
+        assert!(written > 0, "the socket took some");
+        assert!(unsent > 0 && unsent < starts.len(), "{unsent} of 64 unsent");
+        // What the socket took is a prefix: the unsent calls are the last ones.
+        assert!(starts[..starts.len() - unsent].iter().all(|&s| s < written));
+        assert_eq!(
+            written + link.io.pending_write() as u64,
+            (64 * FRAME) as u64,
+            "every byte is written or waiting"
+        );
+    }
+}
