@@ -18,8 +18,10 @@
 //! control, so the mesh has routed around the fault (0 when no interval was unhealthy: the
 //! fault never showed; none when the last interval before the repair is still unhealthy:
 //! the mesh did not route around it). The time to recover is the same from the repair to
-//! the run's end. Intervals belong to the phase they start in; requests to the interval they
-//! were meant to start in (the driver's steps).
+//! the run's end. An interval (of the timeline, or of the latency histograms) is *before*
+//! when it ends by the fault, *after* when it starts at the repair or later, and *during*
+//! otherwise: one the fault began or ended in counts with the fault. Requests are in the
+//! interval they were meant to start in (the driver's steps).
 
 use std::fmt::Write as _;
 
@@ -90,6 +92,32 @@ pub struct Shares {
 
 /// Percentiles of a window's successful requests, ms: (p50, p99, how many).
 pub type WindowLatency = (f64, f64, u64);
+
+/// The phases of a run with a fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Which {
+    /// Before the fault.
+    Before,
+    /// While it lasted.
+    During,
+    /// After the repair.
+    After,
+}
+
+impl Which {
+    /// The phase of the interval from `start` to `end` (seconds) in a run whose fault
+    /// lasted from `window.0` to `window.1`: before when it ends by the fault, after when
+    /// it starts at the repair or later, during otherwise.
+    pub fn of(start: f64, end: f64, window: (f64, f64)) -> Which {
+        if end <= window.0 {
+            Which::Before
+        } else if start >= window.1 {
+            Which::After
+        } else {
+            Which::During
+        }
+    }
+}
 
 /// One phase of a run.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -231,27 +259,48 @@ fn healthy(i: &Interval, b: &Bounds) -> bool {
     failed_ok && p99_ok
 }
 
-/// From `from` to the end of the last unhealthy interval of those starting in
-/// `[from, to)`: 0 when none is; none when the last of them is.
-pub fn settle_time(timeline: &[Interval], b: &Bounds, from: f64, to: f64) -> Option<f64> {
-    let window: Vec<&Interval> = timeline
+/// The intervals of `timeline` in phase `which` of a run whose fault lasted `window`.
+fn in_phase(
+    timeline: &[Interval],
+    window: (f64, f64),
+    which: Which,
+) -> impl Iterator<Item = &Interval> {
+    timeline
         .iter()
-        .filter(|i| i.start_s >= from && i.start_s < to)
-        .collect();
-    match window.iter().rposition(|i| !healthy(i, b)) {
+        .filter(move |i| Which::of(i.start_s, i.start_s + i.seconds, window) == which)
+}
+
+/// From `from` to the end of the last unhealthy interval of phase `which` (During: the
+/// time to detect, from the fault; After: the time to recover, from the repair): 0 when
+/// none is; none when the last of them is.
+pub fn settle_time(
+    timeline: &[Interval],
+    b: &Bounds,
+    window: (f64, f64),
+    which: Which,
+) -> Option<f64> {
+    let from = match which {
+        Which::After => window.1,
+        Which::Before | Which::During => window.0,
+    };
+    let phase: Vec<&Interval> = in_phase(timeline, window, which).collect();
+    match phase.iter().rposition(|i| !healthy(i, b)) {
         None => Some(0.0),
-        Some(k) if k + 1 == window.len() => None,
-        Some(k) => Some((window[k].start_s + window[k].seconds - from).max(0.0)),
+        Some(k) if k + 1 == phase.len() => None,
+        Some(k) => Some((phase[k].start_s + phase[k].seconds - from).max(0.0)),
     }
 }
 
-/// The phase of `timeline` from `from` to `to` (seconds), its latency from `latency`.
-fn phase(timeline: &[Interval], from: f64, to: f64, latency: Option<WindowLatency>) -> Phase {
+/// Phase `which` of `timeline` (a run whose fault lasted `window`), its latency from
+/// `latency`.
+fn phase(
+    timeline: &[Interval],
+    window: (f64, f64),
+    which: Which,
+    latency: Option<WindowLatency>,
+) -> Phase {
     let (mut requests, mut ok) = (0, 0);
-    for i in timeline
-        .iter()
-        .filter(|i| i.start_s >= from && i.start_s < to)
-    {
+    for i in in_phase(timeline, window, which) {
         requests += i.due;
         ok += i.ok;
     }
@@ -268,23 +317,25 @@ fn phase(timeline: &[Interval], from: f64, to: f64, latency: Option<WindowLatenc
     }
 }
 
-/// The phases of `run` with the fault window `(start, end)`; `latency(run, from, to)`
-/// merges the run's latency over a window.
+/// The phases of `run` with the fault window `window`; `latency(run, window, which)`
+/// merges the run's latency over a phase.
 fn phases(
     run: &RunData,
-    (start, end): (f64, f64),
-    latency: &impl Fn(&str, f64, f64) -> Option<WindowLatency>,
+    window: (f64, f64),
+    latency: &impl Fn(&str, (f64, f64), Which) -> Option<WindowLatency>,
 ) -> Phases {
-    let last = run
-        .timeline
-        .iter()
-        .map(|i| i.start_s + i.seconds)
-        .fold(end, f64::max);
-    let of = |from: f64, to: f64| phase(&run.timeline, from, to, latency(&run.name, from, to));
+    let of = |which| {
+        phase(
+            &run.timeline,
+            window,
+            which,
+            latency(&run.name, window, which),
+        )
+    };
     Phases {
-        before: of(0.0, start),
-        during: of(start, end),
-        after: of(end, last + 1.0),
+        before: of(Which::Before),
+        during: of(Which::During),
+        after: of(Which::After),
     }
 }
 
@@ -301,11 +352,12 @@ fn points(timeline: &[Interval], b: &Bounds) -> Vec<Point> {
 }
 
 /// The report of `runs` (controls and runs with a fault), set up as `setup` says;
-/// `latency(run, from, to)` gives a run's latency over a window of its measured time.
+/// `latency(run, window, which)` gives a run's latency over one phase of a fault window
+/// (in seconds of its measured time), by [`Which::of`].
 pub fn build(
     setup: serde_json::Value,
     runs: &[RunData],
-    latency: impl Fn(&str, f64, f64) -> Option<WindowLatency>,
+    latency: impl Fn(&str, (f64, f64), Which) -> Option<WindowLatency>,
 ) -> Result<FaultReport, FaultReportError> {
     let mut experiments = Vec::new();
     for run in runs.iter().filter(|r| r.fault.is_some()) {
@@ -330,12 +382,9 @@ pub fn build(
             fault_end_s: window.1,
             phases: phases(run, window, &latency),
             control_phases: phases(control, window, &latency),
-            detect_s: settle_time(&run.timeline, &b, window.0, window.1),
-            recover_s: settle_time(&run.timeline, &b, window.1, f64::INFINITY),
-            unhealthy_during: run
-                .timeline
-                .iter()
-                .filter(|i| i.start_s >= window.0 && i.start_s < window.1)
+            detect_s: settle_time(&run.timeline, &b, window, Which::During),
+            recover_s: settle_time(&run.timeline, &b, window, Which::After),
+            unhealthy_during: in_phase(&run.timeline, window, Which::During)
                 .filter(|i| !healthy(i, &b))
                 .count(),
             share_of_faulty: run.shares,
@@ -479,17 +528,27 @@ mod tests {
     #[test]
     fn detection_ends_with_the_last_unhealthy_interval_of_the_fault() {
         let b = bounds(&timeline(20, &[]));
+        let fault = (2.0, 6.0);
         // Fault from 2 s to 6 s: unhealthy at 2.0 and 2.5, healthy after.
         let run = timeline(20, &[(2.0, 50, 1.0), (2.5, 90, 1.0)]);
-        assert_eq!(settle_time(&run, &b, 2.0, 6.0), Some(1.0));
+        assert_eq!(settle_time(&run, &b, fault, Which::During), Some(1.0));
         // Never unhealthy: it never showed.
-        assert_eq!(settle_time(&timeline(20, &[]), &b, 2.0, 6.0), Some(0.0));
+        let fine = timeline(20, &[]);
+        assert_eq!(settle_time(&fine, &b, fault, Which::During), Some(0.0));
         // Unhealthy to the end of the fault: not routed around.
         let stuck = timeline(20, &[(2.0, 50, 1.0), (5.5, 50, 1.0)]);
-        assert_eq!(settle_time(&stuck, &b, 2.0, 6.0), None);
+        assert_eq!(settle_time(&stuck, &b, fault, Which::During), None);
         // Recovery: after the repair at 6 s, one slow interval.
         let slow = timeline(20, &[(6.5, 100, 50.0)]);
-        assert_eq!(settle_time(&slow, &b, 6.0, f64::INFINITY), Some(1.0));
+        assert_eq!(settle_time(&slow, &b, fault, Which::After), Some(1.0));
+        // A fault that begins inside an interval: that interval is the fault's.
+        let late = (2.1, 6.0);
+        assert_eq!(Which::of(2.0, 2.5, late), Which::During);
+        assert_eq!(Which::of(1.5, 2.0, late), Which::Before);
+        assert_eq!(Which::of(5.5, 6.0, late), Which::During);
+        assert_eq!(Which::of(6.0, 6.5, late), Which::After);
+        let d = settle_time(&run, &b, late, Which::During).unwrap();
+        assert!((d - 0.9).abs() < 1e-9, "{d}");
     }
 
     #[test]
@@ -516,8 +575,8 @@ mod tests {
             }),
             ejections: Some(1.0),
         };
-        let latency = |name: &str, from: f64, _to: f64| {
-            Some(if name == "control" || from < 2.0 {
+        let latency = |name: &str, _window: (f64, f64), which: Which| {
+            Some(if name == "control" || which == Which::Before {
                 (1.0, 2.0, 10)
             } else {
                 (1.5, 9.0, 10)

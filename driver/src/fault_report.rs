@@ -10,7 +10,9 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use rpcmesh_capacity::faults::{self, FaultReport, Interval, RunData, Shares, WindowLatency};
+use rpcmesh_capacity::faults::{
+    self, FaultReport, Interval, RunData, Shares, Which, WindowLatency,
+};
 
 use crate::hdr_log::{self, HdrLogError, Log};
 use crate::report::Report;
@@ -97,15 +99,14 @@ fn timeline(r: &Report) -> Vec<Interval> {
         .collect()
 }
 
-/// The latency of the successful requests logged in the seconds of `log` that start in
-/// `[from, to)`.
-fn window_latency(log: &Log, from: f64, to: f64) -> Option<WindowLatency> {
+/// The latency of the successful requests logged in the seconds of `log` in phase
+/// `which` of the fault `window` ([`Which::of`]).
+fn window_latency(log: &Log, window: (f64, f64), which: Which) -> Option<WindowLatency> {
     let mut sum = Latency::default();
-    for i in log
-        .intervals
-        .iter()
-        .filter(|i| i.tag == LATENCY_TAG && i.start >= from && i.start < to)
-    {
+    let seconds = log.intervals.iter().filter(|i| {
+        i.tag == LATENCY_TAG && Which::of(i.start, i.start + i.length, window) == which
+    });
+    for i in seconds {
         sum.add_histogram(&i.histogram).ok()?;
     }
     let s = sum.summary();
@@ -135,10 +136,10 @@ pub fn make(path: &Path) -> Result<FaultReport, FaultReportError> {
         });
         logs.push((r.name.clone(), log));
     }
-    let latency = |name: &str, from: f64, to: f64| {
+    let latency = |name: &str, window: (f64, f64), which: Which| {
         logs.iter()
             .find(|(n, _)| n == name)
-            .and_then(|(_, log)| window_latency(log, from, to))
+            .and_then(|(_, log)| window_latency(log, window, which))
     };
     Ok(faults::build(raw.setup, &runs, latency)?)
 }
