@@ -296,7 +296,7 @@ async fn under_overload_retries_never_exceed_the_budget() {
     };
     let (p, q) = (shedding(), shedding());
     let b = broker(&[("--upstream", p.rpc), ("--upstream", q.rpc)], &[]);
-    const CALLS: usize = 4000;
+    const CALLS: usize = 2048;
     let failed = failed_calls(b.rpc, CALLS, 32).await;
     let calls = b.metric("rpcmesh_calls_total", &[]);
     let retried = b.metric(CALLS_REROUTED_TOTAL.name, &[]);
