@@ -346,9 +346,21 @@ impl<C> Links<C> {
     /// is the current one it takes no more calls (it is set aside), and the worker moves
     /// on as when it is lost. `None` when it is not the current one.
     pub fn drained(&mut self, serial: u32, now: Instant) -> Option<(Aside<C>, Move)> {
+        self.leave(serial, now, Connector::drained)
+    }
+
+    /// Leaves the current connection `serial` (telling the connector with `tell`, by its
+    /// target): it takes no more calls (it is set aside) and the worker moves on. `None`
+    /// when it is not the current one.
+    fn leave(
+        &mut self,
+        serial: u32,
+        now: Instant,
+        tell: fn(&mut Connector, usize),
+    ) -> Option<(Aside<C>, Move)> {
         match std::mem::replace(&mut self.state, State::Closed) {
             State::Up { link, home } | State::Ending { link, home } if link.serial == serial => {
-                self.connector.drained(link.target);
+                tell(&mut self.connector, link.target);
                 let aside = self.set_aside(link);
                 let moved = self.move_on(home, now);
                 Some((aside, moved))
@@ -370,18 +382,7 @@ impl<C> Links<C> {
         if !self.would_leave_shedding(serial, now) {
             return None;
         }
-        match std::mem::replace(&mut self.state, State::Closed) {
-            State::Up { link, home } => {
-                self.connector.shed(link.target);
-                let aside = self.set_aside(link);
-                let moved = self.move_on(home, now);
-                Some((aside, moved))
-            }
-            other => {
-                self.state = other;
-                None
-            }
-        }
+        self.leave(serial, now, Connector::shed)
     }
 
     /// Whether the current connection `serial` would be left for a call its target shed

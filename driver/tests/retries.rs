@@ -6,6 +6,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
+use support::{finish, start};
+
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -13,7 +17,6 @@ use rpcmesh_common::cli::flags::RetryBudgetArgs;
 use rpcmesh_common::metrics::Telemetry;
 use rpcmesh_common::metrics::catalogue::CALLS_IN_FLIGHT;
 use rpcmesh_common::metrics::recorder::sample;
-use rpcmesh_common::net::shutdown::CancellationToken;
 use rpcmesh_common::retry::Idempotent;
 use rpcmesh_driver::config::{ProgressMode, WorkloadKind};
 use rpcmesh_driver::{DriverConfig, Report, Stop};
@@ -30,36 +33,6 @@ fn driver(targets: &[SocketAddr], stop: Stop) -> DriverConfig {
         progress: ProgressMode::Off,
         ..DriverConfig::default()
     }
-}
-
-fn start(
-    config: DriverConfig,
-) -> (
-    Telemetry,
-    CancellationToken,
-    tokio::task::JoinHandle<anyhow::Result<Report>>,
-) {
-    let telemetry = Telemetry::new();
-    let stop = CancellationToken::new();
-    let run = tokio::spawn(rpcmesh_driver::run_with(
-        config,
-        telemetry.clone(),
-        stop.clone(),
-    ));
-    (telemetry, stop, run)
-}
-
-/// Ends the run (now, if it is still going) and returns its report.
-async fn finish(
-    run: tokio::task::JoinHandle<anyhow::Result<Report>>,
-    stop: CancellationToken,
-) -> Report {
-    stop.cancel();
-    tokio::time::timeout(WAIT_TIMEOUT, run)
-        .await
-        .expect("the run ends once stopped")
-        .unwrap()
-        .unwrap()
 }
 
 /// Every call sent has exactly one outcome.

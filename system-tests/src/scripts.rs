@@ -148,3 +148,23 @@ pub fn smoke_script(name: &str, tmp: &std::path::Path, timeout: Duration) -> Smo
     );
     SmokeRun { run, out }
 }
+
+/// The network namespaces a lab script (`capacity-lab`: `rpcm`, `faults`: `rpcf`) left
+/// behind: those named `<prefix><pid>-<host>`. Only the lab's own are looked for: a
+/// deployment rehearsal's (`rpcm-<machine>`) may exist meanwhile.
+pub fn lab_namespaces_left(prefix: &str) -> Vec<String> {
+    let list = std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .expect("ip netns list (iproute2: scripts/deps)");
+    String::from_utf8_lossy(&list.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|name| {
+            name.strip_prefix(prefix)
+                .and_then(|rest| rest.split_once('-'))
+                .is_some_and(|(pid, _)| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .map(str::to_string)
+        .collect()
+}

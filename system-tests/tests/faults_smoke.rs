@@ -69,19 +69,6 @@ fn fault_lab_smoke_mode_catches_the_black_hole_and_writes_its_report() {
     let html = smoke.report("faults-", "html");
     assert!(html.contains("data-chart=\"black-hole-success\""), "{html}");
     // Nothing is left behind: the lab's namespaces (`rpcf<pid>-<host>`) are gone.
-    let left = std::process::Command::new("ip")
-        .args(["netns", "list"])
-        .output()
-        .unwrap();
-    let left = String::from_utf8_lossy(&left.stdout);
-    let lab: Vec<&str> = left.lines().filter(|l| is_lab_namespace(l)).collect();
+    let lab = system::lab_namespaces_left("rpcf");
     assert!(lab.is_empty(), "namespaces left: {lab:?}");
-}
-
-/// Whether a line of `ip netns list` names a fault lab's namespace, `rpcf<pid>-<host>`.
-fn is_lab_namespace(line: &str) -> bool {
-    let name = line.split_whitespace().next().unwrap_or("");
-    name.strip_prefix("rpcf")
-        .and_then(|rest| rest.split_once('-'))
-        .is_some_and(|(pid, _)| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
 }

@@ -4,7 +4,7 @@
 //! Drawn with the capacity report's chart pieces ([`super::charts`]) and checked by the
 //! same page script.
 
-use maud::{DOCTYPE, Markup, PreEscaped, html};
+use maud::{Markup, html};
 use plotters::prelude::*;
 use rpcmesh_common::format::{fixed, ms};
 
@@ -12,39 +12,27 @@ use super::charts::{
     CHART_SIZE, Chart, LOG_HEADROOM, OFF_COLOR, ON_COLOR, SLO_COLOR, Series, axis_max, draw_svg,
     legend, line_axes, line_with_points, sorted_points, span,
 };
-use super::{STYLE, drawn_check_script, figure};
+use super::{figure, page};
 use crate::faults::{Experiment, FaultReport, Phase, Point};
 
 /// The HTML page of `report`: one file, nothing outside it.
 pub fn render(report: &FaultReport) -> String {
-    let page = html! {
-        (DOCTYPE)
-        html lang="en" {
-            head {
-                meta charset="utf-8";
-                meta name="viewport" content="width=device-width, initial-scale=1";
-                title { "rpcmesh fault lab" }
-                style { (PreEscaped(STYLE)) }
-            }
-            body {
-                h1 { "rpcmesh fault lab" }
-                p {
-                    "Each experiment against its control, the same run with no fault. An interval is unhealthy when over "
-                    (report.unhealthy_failed_points) " percentage point more of its requests failed than in the control's worst interval, or its p99 is over "
-                    (report.unhealthy_p99_factor) " times the control's worst. Detect: from the fault to the end of the last unhealthy interval while it lasted; recover: the same from the repair."
-                }
-                (table(report))
-                @for e in &report.experiments {
-                    h2 { (e.name) }
-                    p { (e.fault) ", from " (fixed(e.fault_start_s, 1)) " s to " (fixed(e.fault_end_s, 1)) " s." }
-                    (figure(&format!("{}-success", e.name), success_chart(e)))
-                    (figure(&format!("{}-p99", e.name), p99_chart(e)))
-                }
-                script { (PreEscaped(drawn_check_script())) }
-            }
+    let body = html! {
+        h1 { "rpcmesh fault lab" }
+        p {
+            "Each experiment against its control, the same run with no fault. An interval is unhealthy when over "
+            (report.unhealthy_failed_points) " percentage point more of its requests failed than in the control's worst interval, or its p99 is over "
+            (report.unhealthy_p99_factor) " times the control's worst. Detect: from the fault to the end of the last unhealthy interval while it lasted; recover: the same from the repair."
+        }
+        (table(report))
+        @for e in &report.experiments {
+            h2 { (e.name) }
+            p { (e.fault) ", from " (fixed(e.fault_start_s, 1)) " s to " (fixed(e.fault_end_s, 1)) " s." }
+            (figure(&format!("{}-success", e.name), success_chart(e)))
+            (figure(&format!("{}-p99", e.name), p99_chart(e)))
         }
     };
-    page.into_string() + "\n"
+    page("rpcmesh fault lab", body)
 }
 
 fn percent(v: Option<f64>) -> String {
@@ -187,4 +175,47 @@ fn p99_chart(e: &Experiment) -> Option<Chart> {
         svg,
         caption: "The p99 of each interval's successful requests, from their intended start, with the fault and without; shaded: while the fault lasted.".into(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::faults::{Interval, RunData, build};
+
+    #[test]
+    fn each_experiment_has_its_two_charts_and_text_is_escaped() {
+        let timeline = |bad: u64| -> Vec<Interval> {
+            (0..20)
+                .map(|k| Interval {
+                    start_s: k as f64 * 0.5,
+                    seconds: 0.5,
+                    due: 100,
+                    ok: if k == 6 { 100 - bad } else { 100 },
+                    p99_ms: Some(1.0 + k as f64 / 10.0),
+                })
+                .collect()
+        };
+        let run = |name: &str, fault: Option<&str>, bad| RunData {
+            name: name.into(),
+            fault: fault.map(Into::into),
+            control: fault.map(|_| "control".into()),
+            window: fault.map(|_| (2.0, 6.0)),
+            timeline: timeline(bad),
+            shares: None,
+            ejections: None,
+        };
+        let runs = [
+            run("control", None, 0),
+            run("hole", Some("<b>fails</b>"), 40),
+        ];
+        let report = build(serde_json::json!({}), &runs, |_, _, _| Some((1.0, 2.0, 10))).unwrap();
+        let page = super::render(&report);
+        for chart in ["hole-success", "hole-p99"] {
+            let at = page
+                .find(&format!("data-chart=\"{chart}\""))
+                .unwrap_or_else(|| panic!("no {chart} in {page}"));
+            assert!(page[at..].contains("<svg"), "{chart} drawn");
+        }
+        assert!(page.contains("&lt;b&gt;fails&lt;/b&gt;"), "escaped");
+        assert!(!page.contains("<b>fails"), "escaped");
+    }
 }
