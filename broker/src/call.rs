@@ -369,6 +369,9 @@ pub(crate) struct Forward {
     /// or refused it. One whose connection closed before the write may still take it
     /// when no other does.
     pub avoid: Avoid,
+    /// Its service and method are marked idempotent (`--idempotent`, the providers
+    /// file): lost in flight, it may be sent again.
+    pub idempotent: bool,
 }
 
 /// Which provider a call routed again keeps away from.
@@ -393,34 +396,15 @@ pub(crate) enum Reply {
         /// The call's reservation, released once the reply is copied.
         reserved: Option<Reserved>,
     },
-    /// Not run by any provider: safe to route again.
+    /// Not run by any provider, or idempotent and lost in flight: to route again (the
+    /// retry drawn from the budget already when the connection handed it back for
+    /// [`Reroute::Overloaded`] or [`Reroute::Lost`]).
     Retry(Forward, Reroute),
 }
 
-/// Why a call came back to its session to be routed again.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Reroute {
-    /// Its connection closed before the call was written.
-    Unsent,
-    /// The provider is draining and refused it without running it (`NOT_RUN`).
-    NotRun,
-    /// The provider answered "overloaded": it shed the call without running it.
-    Overloaded,
-}
-
-impl Reroute {
-    /// Every reason, in the order of their metric handles.
-    pub const ALL: [Reroute; 3] = [Reroute::Unsent, Reroute::NotRun, Reroute::Overloaded];
-
-    /// The `reason` label of `rpcmesh_calls_rerouted_total`.
-    pub fn label(self) -> &'static str {
-        match self {
-            Reroute::Unsent => "unsent",
-            Reroute::NotRun => "not_run",
-            Reroute::Overloaded => "overloaded",
-        }
-    }
-}
+/// Why a call came back to its session to be routed again: the reasons every program
+/// that retries shares (`rpcmesh_common::retry`), with their labels.
+pub(crate) use rpcmesh_common::retry::RetryReason as Reroute;
 
 #[cfg(test)]
 mod tests {

@@ -332,6 +332,9 @@ pub struct BrokerConfig {
     pub authz_policy: Option<PathBuf>,
     /// Outlier ejection, the latency estimate, the retry budget.
     pub resilience: crate::resilience::ResilienceConfig,
+    /// The calls the flags mark idempotent (`--idempotent`; the providers file may mark
+    /// more): lost in flight, they are sent again.
+    pub idempotent: rpcmesh_common::retry::Idempotent,
 }
 
 impl BrokerConfig {
@@ -377,6 +380,7 @@ impl BrokerConfig {
             upstream_tls: None,
             authz_policy: None,
             resilience: crate::resilience::ResilienceConfig::default(),
+            idempotent: rpcmesh_common::retry::Idempotent::default(),
         }
     }
 }
@@ -488,6 +492,7 @@ impl Args {
         );
         self.stages.warnings(self.metrics_listen, &mut w);
         let resilience = self.resilience.config(&mut p);
+        let idempotent = self.resilience.idempotent.calls(&mut p);
         let tls = self.tls.server(&mut p);
         let upstream_tls = if self.upstream_tls.0 {
             self.tls.client(&mut p)
@@ -525,6 +530,7 @@ impl Args {
             upstream_tls,
             authz_policy: self.authz.authz_policy.clone(),
             resilience,
+            idempotent,
         })
     }
 }

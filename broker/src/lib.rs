@@ -185,7 +185,8 @@ pub async fn run_with_reload(
             guards: guards.clone(),
         },
         &providers,
-    );
+    )
+    .marking(text.as_deref());
     // Calls are accepted once every provider has settled (bounded): a caller that connects
     // meanwhile waits in the listen backlog instead of being answered "unavailable".
     let stopped = tokio::select! {

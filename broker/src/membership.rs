@@ -39,6 +39,7 @@ use crate::route::Router;
 use crate::session::Shared;
 use crate::upstream::{PoolLink, ProviderPool};
 use crate::upstream_spec::UpstreamSpec;
+use rpcmesh_common::retry::Idempotent;
 
 /// How often the providers file's stamp (device, inode, size, modification time) is
 /// looked at. Ansible and editors replace the file by rename, which a stamp always shows
@@ -121,6 +122,8 @@ pub(crate) struct Membership {
     leaving: JoinSet<()>,
     /// Parent of every keeper's stop token.
     stop_all: CancellationToken,
+    /// The calls the providers file marks idempotent (beside the flags').
+    idempotent: Idempotent,
 }
 
 /// What a change of the providers did.
@@ -139,9 +142,16 @@ impl Membership {
             members: Vec::new(),
             leaving: JoinSet::new(),
             stop_all: CancellationToken::new(),
+            idempotent: Idempotent::default(),
         };
         m.members = specs.iter().map(|s| m.join(s)).collect();
         m
+    }
+
+    /// Takes the calls the providers file's `text` (as served now) marks idempotent.
+    pub fn marking(mut self, text: Option<&str>) -> Self {
+        self.idempotent = text.map(providers_file::idempotent).unwrap_or_default();
+        self
     }
 
     fn join(&self, spec: &UpstreamSpec) -> Member {
@@ -190,6 +200,7 @@ impl Membership {
             &members,
             self.maker.config.balance,
             self.maker.config.pack_in_flight,
+            self.maker.config.idempotent.and(&self.idempotent),
         )
     }
 
@@ -258,6 +269,7 @@ impl Membership {
         stop: &CancellationToken,
     ) -> Result<Change, ProvidersFileError> {
         let specs = providers_file::providers_of(path, text, &self.maker.config.upstreams)?;
+        self.idempotent = providers_file::idempotent(text);
         let (change, left) = self.change(&specs);
         if change.joined > 0 {
             tokio::select! {

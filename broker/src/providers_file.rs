@@ -3,7 +3,9 @@
 //! `membership`'s.
 //!
 //! One provider per line, in the `--upstream` syntax; `v1 ` before it marks a plain RPCF
-//! v1 server (what `--upstream-v1` gives); `#` starts a comment, to the end of the line;
+//! v1 server (what `--upstream-v1` gives); a line `idempotent CALLS…` marks calls that may
+//! run twice (as `--idempotent` does: `Service.Method`, `Service.*` or `*`, separated by
+//! blanks or commas; docs/resilience.md); `#` starts a comment, to the end of the line;
 //! blank lines are skipped:
 //!
 //! ```text
@@ -11,6 +13,7 @@
 //! 10.0.0.3:7800                            # any service
 //! EchoService,PlatformService=10.0.0.4:7800
 //! v1 LegacyService=10.0.0.9:7000           # a plain v1 server
+//! idempotent EchoService.* PlatformService.doQuery
 //! ```
 //!
 //! An address may appear once, in the file and the flags together (it names the
@@ -23,6 +26,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
+use rpcmesh_common::retry::Idempotent;
 use rpcmesh_wire::PeerKind;
 
 use crate::upstream_spec::{FORM, SpecProblem, UpstreamSpec};
@@ -36,6 +40,8 @@ pub const MAX_FILE_BYTES: u64 = 1 << 20;
 pub const MAX_PROVIDERS: usize = 1024;
 /// The word that marks a plain RPCF v1 server, before its address.
 pub const V1_MARK: &str = "v1";
+/// The word that begins a line of calls marked idempotent.
+pub const IDEMPOTENT_MARK: &str = "idempotent";
 /// Bad lines named in a [`ProvidersFileError::Invalid`]'s message; the others are counted.
 const PROBLEMS_SHOWN: usize = 10;
 
@@ -112,6 +118,12 @@ pub fn parse(text: &str, flags: &[UpstreamSpec]) -> Result<Vec<UpstreamSpec>, Ve
         }
         let (kind, rest) = match content.split_once(char::is_whitespace) {
             Some((mark, rest)) if mark == V1_MARK => (PeerKind::V1, rest.trim()),
+            Some((mark, rest)) if mark == IDEMPOTENT_MARK => {
+                if let Err(problem) = idempotent_calls(rest) {
+                    problems.push(LineProblem { line, problem });
+                }
+                continue;
+            }
             _ => (PeerKind::Rpcmesh, content),
         };
         let spec = match parse_spec(rest, kind) {
@@ -150,6 +162,35 @@ pub fn parse(text: &str, flags: &[UpstreamSpec]) -> Result<Vec<UpstreamSpec>, Ve
     } else {
         Err(problems)
     }
+}
+
+/// The calls of an `idempotent` line (after the mark), or what is wrong with them.
+fn idempotent_calls(rest: &str) -> Result<Idempotent, String> {
+    let calls: Vec<&str> = rest
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|c| !c.is_empty())
+        .collect();
+    if calls.is_empty() {
+        return Err(format!(
+            "{IDEMPOTENT_MARK:?} with no call after it: name them as Service.Method, Service.* or *"
+        ));
+    }
+    Idempotent::parse(&calls).map_err(|e| format!("{IDEMPOTENT_MARK}: {e}"))
+}
+
+/// The calls the file's `idempotent` lines mark (every line valid: [`parse`] checked them;
+/// one that is not marks nothing).
+pub fn idempotent(text: &str) -> Idempotent {
+    let mut marked = Idempotent::default();
+    for raw in text.lines() {
+        let content = raw.split_once('#').map_or(raw, |(before, _)| before).trim();
+        if let Some((IDEMPOTENT_MARK, rest)) = content.split_once(char::is_whitespace) {
+            if let Ok(calls) = idempotent_calls(rest) {
+                marked = marked.and(&calls);
+            }
+        }
+    }
+    marked
 }
 
 /// One provider, in the `--upstream` syntax; the problem is named, with the line's forms.
@@ -265,6 +306,28 @@ mod tests {
                 ("old:7000", V1, vec![]),
                 ("old2:7000", V1, vec!["Legacy"]),
             ]
+        );
+    }
+
+    #[test]
+    fn idempotent_lines_mark_calls_and_list_no_provider() {
+        let text = "a:1\nidempotent EchoService.*, PlatformService.doQuery # safe twice\nidempotent Other.get\n";
+        assert_eq!(
+            addrs(&parse(text, &[]).unwrap()),
+            [("a:1", Rpcmesh, vec![])]
+        );
+        let marked = idempotent(text);
+        assert!(marked.covers("EchoService", "Echo"));
+        assert!(marked.covers("PlatformService", "doQuery"));
+        assert!(marked.covers("Other", "get"));
+        assert!(!marked.covers("PlatformService", "doUpdate"));
+        assert!(idempotent("a:1\n").is_empty());
+        let problems = parse("idempotent\nidempotent EchoService\n", &[]).unwrap_err();
+        let lines: Vec<usize> = problems.iter().map(|p| p.line).collect();
+        assert_eq!(lines, [1, 2], "{problems:?}");
+        assert!(
+            problems[1].problem.contains("not Service.Method"),
+            "{problems:?}"
         );
     }
 

@@ -27,6 +27,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+use rpcmesh_common::retry::Idempotent;
 use rpcmesh_wire::body::request_service;
 use rpcmesh_wire::frame::Flags;
 
@@ -112,6 +113,8 @@ pub(crate) struct Router {
     any: Vec<usize>,
     balance: Balance,
     pack: usize,
+    /// The calls marked idempotent (the flags' and the providers file's).
+    idempotent: Idempotent,
 }
 
 impl Router {
@@ -121,6 +124,7 @@ impl Router {
         members: &[(UpstreamSpec, Arc<ProviderPool>)],
         balance: Balance,
         pack: usize,
+        idempotent: Idempotent,
     ) -> Self {
         let mut by_service: HashMap<Box<[u8]>, Vec<usize>> = HashMap::new();
         let mut any = Vec::new();
@@ -139,7 +143,14 @@ impl Router {
             any,
             balance,
             pack,
+            idempotent,
         }
+    }
+
+    /// Whether calls of `service`'s `method` are marked idempotent (lost in flight, they
+    /// may be sent again).
+    pub fn idempotent(&self, service: &[u8], method: &[u8]) -> bool {
+        self.idempotent.covers_bytes(service, method)
     }
 
     /// The providers of `service`, in the order they are offered its calls: those named

@@ -431,6 +431,12 @@ impl Session {
         self.in_flight += 1;
         self.admitted += 1;
         let now = self.read_at;
+        let idempotent = {
+            let router = self
+                .router
+                .get_or_insert_with(|| self.shared.router.load_full());
+            router.idempotent(&frame.body[service], &frame.body[method])
+        };
         let fwd = Forward {
             frame,
             verbatim,
@@ -449,6 +455,7 @@ impl Session {
             refused_by_drain: false,
             avoid: crate::call::Avoid::None,
             reserved: (len >= SMALL_BODY).then(|| Reserved::new(&self.shared.budget, len)),
+            idempotent,
         };
         // A call its caller bounded tightly may have run out of time while the read's
         // earlier calls were handled: never forwarded then. (A longer budget cannot run
@@ -507,9 +514,9 @@ impl Session {
                 let now = Instant::now();
                 self.picker.now = now;
                 let live = fwd.retries < MAX_RETRIES && now < fwd.deadline;
-                // An overloaded call had its retry drawn by its connection already.
-                let granted =
-                    live && (why == Reroute::Overloaded || self.shared.guards.budget.withdraw(now));
+                // A call shed or lost had its retry drawn by its connection already.
+                let drawn = matches!(why, Reroute::Overloaded | Reroute::Lost);
+                let granted = live && (drawn || self.shared.guards.budget.withdraw(now));
                 if live && !granted {
                     self.shared.metrics.budget_exhausted[why as usize].increment(1);
                 }
@@ -520,6 +527,8 @@ impl Session {
                         Failure::ProvidersDraining(service())
                     } else if why == Reroute::Overloaded {
                         Failure::Full(service())
+                    } else if why == Reroute::Lost {
+                        Failure::TimedOutQueued
                     } else {
                         Failure::KeptClosing
                     };

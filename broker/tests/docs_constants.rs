@@ -14,8 +14,7 @@ use rpcmesh_broker::providers_file::{MAX_FILE_BYTES, MAX_PROVIDERS};
 use rpcmesh_broker::resilience::{
     DEFAULT_EJECT_BASE_TIME, DEFAULT_EJECT_CONSECUTIVE, DEFAULT_EJECT_MAX_TIME,
     DEFAULT_EJECT_MIN_CALLS, DEFAULT_EJECT_SUCCESS_RATE, DEFAULT_EJECT_WINDOW, DEFAULT_EWMA_DECAY,
-    DEFAULT_EWMA_DEFAULT_RTT, DEFAULT_MAX_EJECTION_PERCENT, DEFAULT_RETRY_MIN_PER_SECOND,
-    DEFAULT_RETRY_PERCENT, PROBE_SPACING, RETRY_BUDGET_TTL,
+    DEFAULT_EWMA_DEFAULT_RTT, DEFAULT_MAX_EJECTION_PERCENT, PROBE_SPACING,
 };
 use rpcmesh_broker::{FILE_POLL, MAX_RETRIES, REQUEST_RETAIN, RING_MAX, RING_MIN};
 use rpcmesh_testkit::quoted::{self, Value, bytes, count, time};
@@ -90,15 +89,6 @@ fn broker() -> Vec<(&'static str, Value)> {
         (
             "broker::DEFAULT_MAX_EJECTION_PERCENT",
             count(DEFAULT_MAX_EJECTION_PERCENT),
-        ),
-        (
-            "broker::DEFAULT_RETRY_PERCENT",
-            count(DEFAULT_RETRY_PERCENT),
-        ),
-        ("broker::RETRY_BUDGET_TTL", time(RETRY_BUDGET_TTL)),
-        (
-            "broker::DEFAULT_RETRY_MIN_PER_SECOND",
-            count(DEFAULT_RETRY_MIN_PER_SECOND),
         ),
         ("broker::DEFAULT_EWMA_DECAY", time(DEFAULT_EWMA_DECAY)),
         (

@@ -11,8 +11,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use rpcmesh_common::metrics::catalogue::{
-    CALLS_REROUTED_TOTAL, POOL_HEALTHY_CONNECTIONS, RETRY_BUDGET_EXHAUSTED_TOTAL,
-    UPSTREAM_CALLS_TOTAL, UPSTREAM_EJECTIONS_TOTAL, UPSTREAMS_EJECTED,
+    CALLS_REROUTED_TOTAL, CONFIG_RELOADS_TOTAL, POOL_HEALTHY_CONNECTIONS,
+    RETRY_BUDGET_EXHAUSTED_TOTAL, UPSTREAM_CALLS_TOTAL, UPSTREAM_EJECTIONS_TOTAL,
+    UPSTREAMS_EJECTED,
 };
 use rpcmesh_common::net::client::{Client, ClientConfig};
 use rpcmesh_testkit::Spawned;
@@ -94,10 +95,9 @@ async fn a_black_hole_beside_a_healthy_provider_is_ejected_and_under_one_percent
     let failed_before = failed_calls(before.rpc, CALLS, 4).await;
     drop(before);
 
-    // A provider that has not answered yet is scored at PeakEWMA's default latency, and
-    // beside a fast one gets no call until that estimate decays (tens of seconds): an
-    // assumed 1 µs sends the black hole calls from the start, as a fast failure would.
-    let b = broker(&ups, &["--ewma-default-rtt", "1us"]);
+    // The black hole, not yet measured, gets a probe call at once; failing fast, it then
+    // looks fast, and takes calls until it is ejected.
+    let b = broker(&ups, &[]);
     let hole_label = hole.rpc.to_string();
     for p in [healthy.rpc.to_string(), hole_label.clone()] {
         rpcmesh_testkit::wait_until(&format!("{p} is healthy at the broker"), || {
@@ -278,4 +278,112 @@ fn timeouts_at_a_deadline_the_caller_set_shorter_eject_no_provider() {
         ejections, 0.0,
         "no provider is blamed for its caller's deadline"
     );
+}
+
+/// Two providers that both shed (one call in flight per connection, each held 20 ms):
+/// the broker is overloaded, and nearly every call it forwards is answered "overloaded".
+/// Each such call could be sent on to the other provider and back, up to three times; the
+/// budget holds the retries to a fifth of the calls plus its floor (10 a second over 10 s),
+/// and counts the ones it refuses. (Without the budget the retries are several times the
+/// calls.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_overload_retries_never_exceed_the_budget() {
+    let shedding = || {
+        Spawned::start(
+            "provider",
+            &["--service-time", "20ms", "--max-in-flight-per-conn", "1"],
+        )
+    };
+    let (p, q) = (shedding(), shedding());
+    let b = broker(&[("--upstream", p.rpc), ("--upstream", q.rpc)], &[]);
+    const CALLS: usize = 2048;
+    let failed = failed_calls(b.rpc, CALLS, 32).await;
+    let calls = b.metric("rpcmesh_calls_total", &[]);
+    let retried = b.metric(CALLS_REROUTED_TOTAL.name, &[]);
+    let refused = b.metric(RETRY_BUDGET_EXHAUSTED_TOTAL.name, &[]);
+    println!(
+        "overload: {calls} calls, {failed} failed, {retried} retried, {refused} not for want of budget"
+    );
+    assert_eq!(calls, CALLS as f64);
+    assert!(refused > 0.0, "the budget was spent: {refused}");
+    assert!(
+        retried <= 0.2 * calls + 100.0,
+        "{retried} retries for {calls} calls: over 20 % plus the floor"
+    );
+}
+
+/// Two providers that hold each call 200 ms; one is killed (SIGKILL) while it holds calls:
+/// they are lost in flight. Returns how many of `CALLS` calls failed, and how many the
+/// broker sent again as lost.
+async fn kill_one_with_calls_in_flight(extra: &[&str]) -> (usize, f64) {
+    let slow = || Spawned::start("provider", &["--service-time", "200ms"]);
+    let (a, b) = (slow(), slow());
+    let bk = broker(&[("--upstream", a.rpc), ("--upstream", b.rpc)], extra);
+    for p in [a.rpc.to_string(), b.rpc.to_string()] {
+        rpcmesh_testkit::wait_until(&format!("{p} is healthy at the broker"), || {
+            bk.metric(POOL_HEALTHY_CONNECTIONS.name, &[("upstream", &p)]) > 0.0
+        })
+        .await;
+    }
+    const CALLS: usize = 64;
+    let addr = bk.rpc;
+    let calls = tokio::spawn(failed_calls(addr, CALLS, 16));
+    rpcmesh_testkit::wait_until("the first provider holds calls", || {
+        a.metric("rpcmesh_calls_in_flight", &[]) > 0.0
+    })
+    .await;
+    a.child.signal(rpcmesh_testkit::Signal::KILL);
+    let failed = calls.await.unwrap();
+    let lost = bk.metric(CALLS_REROUTED_TOTAL.name, &[("reason", "lost")]);
+    (failed, lost)
+}
+
+/// Calls lost in flight with a provider that was killed fail (they may have run), unless
+/// the broker marks them idempotent: then they go to the other provider, and none fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_lost_in_flight_go_to_another_provider_only_when_marked_idempotent() {
+    let (failed, lost) = kill_one_with_calls_in_flight(&[]).await;
+    println!("not idempotent: {failed} calls failed, {lost} sent again");
+    assert!(failed > 0 && lost == 0.0);
+    let (failed, lost) = kill_one_with_calls_in_flight(&["--idempotent", "EchoService.*"]).await;
+    println!("idempotent: {failed} calls failed, {lost} sent again");
+    assert!(lost > 0.0, "the calls lost in flight were sent again");
+    assert_eq!(failed, 0, "none failed");
+}
+
+/// A provider added by the providers file beside a fast one that has been taking calls
+/// gets calls at once: not yet measured, it is sent a probe call, whose reply measures it,
+/// and then its share as calls overlap. (Scored at PeakEWMA's default latency, 30 ms, it
+/// would get none until that had decayed below the fast one's latency × its calls in
+/// flight, tens of seconds.) Proved by order: the calls made after it joined.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_added_beside_a_fast_one_takes_calls_at_once() {
+    let (a, b) = (
+        Spawned::start("provider", &[]),
+        Spawned::start("provider", &[]),
+    );
+    let dir = std::env::temp_dir().join(format!("rpcmesh-probe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("providers");
+    std::fs::write(&file, format!("{}\n", a.rpc)).unwrap();
+    let bk = broker(&[], &["--providers-file", file.to_str().unwrap()]);
+    assert_eq!(failed_calls(bk.rpc, 50, 1).await, 0, "A alone, measured");
+    let tmp = dir.join("providers.tmp");
+    std::fs::write(&tmp, format!("{}\n{}\n", a.rpc, b.rpc)).unwrap();
+    std::fs::rename(&tmp, &file).unwrap();
+    bk.child.signal(rpcmesh_testkit::Signal::HUP);
+    let b_label = b.rpc.to_string();
+    rpcmesh_testkit::wait_until("B joined and is healthy", || {
+        bk.metric(CONFIG_RELOADS_TOTAL.name, &[("result", "ok")]) >= 1.0
+            && bk.metric(POOL_HEALTHY_CONNECTIONS.name, &[("upstream", &b_label)]) > 0.0
+    })
+    .await;
+    assert_eq!(failed_calls(bk.rpc, 200, 4).await, 0);
+    let at_b = bk.metric(
+        UPSTREAM_CALLS_TOTAL.name,
+        &[("upstream", &b_label), ("status", "ok")],
+    );
+    println!("the provider that joined took {at_b} of the 200 calls made after, 4 at a time");
+    assert!(at_b > 0.0, "B took calls");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -24,10 +24,13 @@
 //! - [`usl`]: the Universal Scalability Law and its least-squares fit.
 //! - [`report`]: the report's data and its JSON Schema.
 //! - [`text`]: the report as text and Markdown.
-//! - [`html`]: the report as one HTML page with charts.
+//! - [`html`]: the report as one HTML page with charts (the fault lab's too).
+//! - [`faults`]: the fault lab's report (`scripts/faults`): phases, time to detect and to
+//!   recover, against a control; beside the planner, it shares its reports' charts.
 
 pub mod args;
 pub mod experiment;
+pub mod faults;
 pub mod html;
 pub mod report;
 pub mod search;

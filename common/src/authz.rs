@@ -46,16 +46,16 @@ pub struct PolicyError {
     pub message: String,
 }
 
-/// A name or a prefix of names.
+/// A name or a prefix of names (also what `crate::retry::Idempotent` marks calls with).
 #[derive(Clone, Debug, PartialEq, Eq)]
-enum Pattern {
+pub(crate) enum Pattern {
     Any,
     Exact(String),
     Prefix(String),
 }
 
 impl Pattern {
-    fn new(s: &str) -> Pattern {
+    pub(crate) fn new(s: &str) -> Pattern {
         match s.strip_suffix('*') {
             Some("") => Pattern::Any,
             Some(prefix) => Pattern::Prefix(prefix.to_string()),
@@ -72,7 +72,7 @@ impl Pattern {
     }
 
     /// [`Pattern::matches`] of `service.method`, without making that string.
-    fn matches_call(&self, service: &str, method: &str) -> bool {
+    pub(crate) fn matches_call(&self, service: &str, method: &str) -> bool {
         // What is left of a pattern once `service` and the dot are taken off it.
         fn after<'a>(p: &'a str, service: &str) -> Option<&'a str> {
             p.strip_prefix(service)?.strip_prefix('.')
@@ -84,6 +84,16 @@ impl Pattern {
             Pattern::Prefix(p) => after(p, service).is_some_and(|m| method.starts_with(m)),
         }
     }
+}
+
+/// What is wrong with `name` as a pattern of calls (`Service.Method`, `Service.*` or
+/// `*`), if anything.
+pub(crate) fn call_pattern_problem(name: &str) -> Option<String> {
+    let well_formed = name == "*"
+        || name
+            .split_once('.')
+            .is_some_and(|(s, m)| !s.is_empty() && !m.is_empty());
+    (!well_formed).then(|| format!("{name:?} is not Service.Method, Service.*, or *"))
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -140,13 +150,7 @@ impl Policy {
         let mut rules = Vec::new();
         for r in &form.allow {
             for c in &r.calls {
-                let name = c.get_ref();
-                let well_formed = name == "*"
-                    || name
-                        .split_once('.')
-                        .is_some_and(|(s, m)| !s.is_empty() && !m.is_empty());
-                if !well_formed {
-                    let m = format!("{name:?} is not Service.Method, Service.*, or *");
+                if let Some(m) = call_pattern_problem(c.get_ref()) {
                     return Err(problem(c, m));
                 }
             }

@@ -10,6 +10,7 @@
 //!             are counted: a leaf
 //!   build     this build's version, git commit and profile (from build.rs): pure
 //!   authz     the authorization policy: who may call what, who may forward identities
+//!   retry     the retry budget: a share of the calls plus a floor a second (a leaf)
 //!   metrics   the catalogue of metrics, the recorder, handle groups, errors, /proc
 //!   net       framed connections, accept loop, server-session skeleton, slot table,
 //!             busy polling, a small client, shutdown
@@ -32,6 +33,7 @@ pub mod format;
 pub mod log_sink;
 pub mod metrics;
 pub mod net;
+pub mod retry;
 
 #[cfg(test)]
 mod layering {

@@ -23,6 +23,9 @@ use rpcmesh_common::net::session::{
     DEFAULT_WRITE_TIMEOUT, DRAIN_LINGER, PAUSED_PEER_CHECK, WRITE_BACKLOG_LIMIT,
 };
 use rpcmesh_common::net::tls::{DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_HANDSHAKES};
+use rpcmesh_common::retry::{
+    DEFAULT_RETRY_MIN_PER_SECOND, DEFAULT_RETRY_PERCENT, RETRY_BUDGET_TTL,
+};
 use rpcmesh_testkit::quoted::{self, Value, bytes, count, time};
 use rpcmesh_wire::codec::RESYNC_SCAN_LIMIT;
 use rpcmesh_wire::compress::{
@@ -100,6 +103,15 @@ fn common() -> Vec<(&'static str, Value)> {
         ("common::LISTEN_BACKLOG", count(LISTEN_BACKLOG)),
         ("common::LOG_QUEUE_LINES", count(LOG_QUEUE_LINES)),
         ("common::LOG_FLUSH_WAIT", time(LOG_FLUSH_WAIT)),
+        (
+            "common::DEFAULT_RETRY_PERCENT",
+            count(DEFAULT_RETRY_PERCENT),
+        ),
+        ("common::RETRY_BUDGET_TTL", time(RETRY_BUDGET_TTL)),
+        (
+            "common::DEFAULT_RETRY_MIN_PER_SECOND",
+            count(DEFAULT_RETRY_MIN_PER_SECOND),
+        ),
     ]
 }
 

@@ -36,7 +36,10 @@ pub(crate) struct Slot {
     /// The measured step it belongs to (`None`: warm-up).
     pub step: Option<usize>,
     pub place: Place,
-    /// Times it was sent again after a `NOT_RUN` refusal.
+    /// Where its frame starts in the byte stream of the connection it is written on
+    /// (when written): what tells a call lost unsent from one lost in flight.
+    pub at: u64,
+    /// Times it was sent again (retries).
     pub tries: u8,
     /// Stage stamps (stages on only): encoding began, encoding ended, write returned.
     pub encoding: Option<Instant>,
@@ -54,6 +57,7 @@ impl Slot {
             user: user as u32,
             step,
             place: Place::Parked,
+            at: 0,
             tries: 0,
             encoding: None,
             encoded: None,
@@ -61,11 +65,11 @@ impl Slot {
         }
     }
 
-    /// The same call, to send again after a refusal (its start and deadline kept, its
-    /// stages timed anew).
+    /// The same call, to send again (its start and deadline kept, its stages timed anew).
     pub fn retry(self) -> Self {
         Slot {
             place: Place::Parked,
+            at: 0,
             tries: self.tries + 1,
             encoding: None,
             encoded: None,

@@ -9,10 +9,13 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use rpcmesh_capacity::{OutputArgs, PlanArgs};
-use rpcmesh_common::cli::flags::{CompressionArgs, RuntimeArgs, StageArgs};
+use rpcmesh_common::cli::flags::{
+    CompressionArgs, IdempotentArgs, RetryBudgetArgs, RuntimeArgs, StageArgs,
+};
 use rpcmesh_common::cli::values::parse_duration;
 use rpcmesh_common::cli::{ConfigProblems, DurationArg, MetricsListen, OnOff};
 use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
+use rpcmesh_common::retry::Idempotent;
 use rpcmesh_wire::PeerKind;
 use rpcmesh_wire::compress::{
     CompressionConfig, DEFAULT_COMPRESS_LEVEL, DEFAULT_COMPRESS_THRESHOLD,
@@ -246,6 +249,12 @@ pub struct LoadArgs {
     /// on|off (ignored with --v1).
     #[arg(long, env = "RPCMESH_DEADLINE", default_value_t = OnOff(DEFAULT_DEADLINE))]
     pub deadline: OnOff,
+    /// The retry budget of calls that did not run (or, idempotent, were lost).
+    #[command(flatten)]
+    pub retry: RetryBudgetArgs,
+    /// The calls that may be retried when lost in flight.
+    #[command(flatten)]
+    pub idempotent: IdempotentArgs,
     /// The driver's runtime.
     #[command(flatten)]
     pub runtime: RuntimeArgs,
@@ -271,6 +280,10 @@ pub enum Command {
     /// Scalability Law, and compression off against on. With no --target it starts a
     /// provider and a broker as child processes. See docs/capacity.md.
     Capacity(Box<CapacityArgs>),
+    /// The fault lab's report from its runs (scripts/faults writes them): each fault's
+    /// success rate and latency before, during and after, against a run with no fault,
+    /// and its time to detect and to recover. See docs/resilience.md.
+    FaultReport(FaultReportArgs),
     /// Run as the provider or the broker (`driver serve provider --listen ...`): how
     /// `driver capacity` starts its local mesh.
     #[command(hide = true)]
@@ -406,6 +419,23 @@ pub struct MergeArgs {
     pub json: Option<PathBuf>,
 }
 
+/// `driver fault-report`'s arguments; its flags fall back on
+/// `RPCMESH_FAULT_REPORT_<FLAG>`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct FaultReportArgs {
+    /// The fault lab's account of its runs (`runs.json`, written by scripts/faults).
+    pub runs: PathBuf,
+    /// Write the report as JSON to this file.
+    #[arg(long, env = "RPCMESH_FAULT_REPORT_JSON")]
+    pub json: Option<PathBuf>,
+    /// Write the report as Markdown to this file.
+    #[arg(long, env = "RPCMESH_FAULT_REPORT_MARKDOWN")]
+    pub markdown: Option<PathBuf>,
+    /// Write the report as an HTML page with charts to this file.
+    #[arg(long, env = "RPCMESH_FAULT_REPORT_HTML")]
+    pub html: Option<PathBuf>,
+}
+
 /// Validated driver settings, as `run` takes them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DriverConfig {
@@ -445,6 +475,10 @@ pub struct DriverConfig {
     pub call_timeout: Duration,
     /// Send each call's deadline to targets that take it (rpcmesh targets only).
     pub deadline: bool,
+    /// The retry budget's share of the calls and floor.
+    pub retry: RetryBudgetArgs,
+    /// The calls marked idempotent (retried when lost in flight).
+    pub idempotent: Idempotent,
     /// Where to write the JSON report.
     pub json: Option<PathBuf>,
     /// Where to write the HdrHistogram interval log.
@@ -482,6 +516,8 @@ impl Default for DriverConfig {
             kind: PeerKind::Rpcmesh,
             call_timeout: DEFAULT_CALL_TIMEOUT,
             deadline: DEFAULT_DEADLINE,
+            retry: RetryBudgetArgs::default(),
+            idempotent: Idempotent::default(),
             json: None,
             hdr_log: None,
             progress: DEFAULT_PROGRESS,
@@ -758,6 +794,8 @@ impl LoadArgs {
             },
             call_timeout: self.timeout.0,
             deadline: self.deadline.0,
+            retry: self.retry,
+            idempotent: self.idempotent.calls(p),
             json: None,
             hdr_log: None,
             progress: DEFAULT_PROGRESS,

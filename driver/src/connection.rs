@@ -57,6 +57,12 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// restarts is listening again within a second or two, and a target that stays down costs
 /// one connection attempt per interval per worker.
 pub const HOME_RETRY: Duration = Duration::from_secs(1);
+/// How long a worker's connection must have been its current one before the worker leaves
+/// it for a call its target shed ("overloaded"), to send the call to the next target: so
+/// that a worker moves at most once a second for shedding, and a mesh that sheds
+/// everywhere does not have its workers reconnect at the rate of its retries. The same
+/// second as [`HOME_RETRY`]: a worker that left its own target comes back after it.
+pub const SHED_MOVE_SPACING: Duration = Duration::from_secs(1);
 /// How long a new connection waits for the answer to its question about call fields
 /// before it carries plain calls: a target answers a heartbeat in well under a
 /// millisecond, a loaded one within a few; a second covers that many times, and a target
@@ -443,6 +449,19 @@ impl Connector {
         let addr = self.addr(target).to_string();
         tracing::info!(worker = self.worker, target = %addr, "target draining; moving to the next");
         self.next = self.after(target);
+    }
+
+    /// `target` shed a call ("overloaded") and the worker leaves it to send the call to
+    /// the next target in turn.
+    pub fn shed(&mut self, target: usize) {
+        let addr = self.addr(target).to_string();
+        tracing::debug!(worker = self.worker, target = %addr, "target shed a call; moving to the next");
+        self.next = self.after(target);
+    }
+
+    /// How many targets the run has.
+    pub fn targets(&self) -> usize {
+        self.targets.len()
     }
 
     fn pause(&mut self, target: usize) {

@@ -236,6 +236,91 @@ pub struct MergedFigures {
     pub latency: LatencySummary,
 }
 
+/// One interval of a log, as read.
+#[derive(Debug)]
+pub struct LoggedInterval {
+    /// When it starts, seconds from the log's base time (the measured window's start).
+    pub start: f64,
+    /// How long it lasts, seconds.
+    pub length: f64,
+    /// Its tag ([`TAGS`]).
+    pub tag: String,
+    /// Its histogram, µs.
+    pub histogram: Histogram<u64>,
+}
+
+/// A log as read: its base time and its intervals, in order.
+#[derive(Debug)]
+pub struct Log {
+    /// The base time, seconds since the Unix epoch (the measured window's start).
+    pub base_unix: f64,
+    /// Its intervals.
+    pub intervals: Vec<LoggedInterval>,
+    /// The driver's measured window, seconds, when the log says it.
+    pub measured_seconds: Option<f64>,
+}
+
+/// Reads the interval log at `path`.
+pub fn read(path: &Path) -> Result<Log, HdrLogError> {
+    let bytes = std::fs::read(path).map_err(|source| HdrLogError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let mut deserializer = Deserializer::new();
+    let mut base = 0.0;
+    let mut intervals = Vec::new();
+    for entry in IntervalLogIterator::new(&bytes) {
+        let entry = entry.map_err(|e| match e {
+            hdrhistogram::serialization::interval_log::LogIteratorError::ParseError { offset } => {
+                HdrLogError::Parse {
+                    path: path.to_path_buf(),
+                    offset,
+                }
+            }
+        })?;
+        let interval = match entry {
+            LogEntry::BaseTime(t) => {
+                base = t.as_secs_f64();
+                continue;
+            }
+            LogEntry::StartTime(_) => continue,
+            LogEntry::Interval(i) => i,
+        };
+        let bad = |reason: String| HdrLogError::Histogram {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let raw = base64::engine::general_purpose::STANDARD
+            .decode(interval.encoded_histogram())
+            .map_err(|e| bad(e.to_string()))?;
+        let histogram: Histogram<u64> = deserializer
+            .deserialize(&mut raw.as_slice())
+            .map_err(|e| bad(format!("{e:?}")))?;
+        intervals.push(LoggedInterval {
+            start: interval.start_timestamp().as_secs_f64(),
+            length: interval.duration().as_secs_f64(),
+            tag: interval
+                .tag()
+                .map_or("untagged", |t| t.as_str())
+                .to_string(),
+            histogram,
+        });
+    }
+    // The driver's own measured window, when the log says it.
+    let measured_seconds = String::from_utf8_lossy(&bytes).lines().rev().find_map(|l| {
+        l.strip_prefix('#')?
+            .strip_prefix(MEASURED_SECONDS)?
+            .trim()
+            .parse::<f64>()
+            .ok()
+    });
+    Ok(Log {
+        base_unix: base,
+        intervals,
+        measured_seconds,
+    })
+}
+
 /// Reads every log and adds their histograms by tag.
 pub fn merge(paths: &[PathBuf]) -> Result<MergedReport, HdrLogError> {
     let mut sums: BTreeMap<String, Latency> = BTreeMap::new();
@@ -243,67 +328,31 @@ pub fn merge(paths: &[PathBuf]) -> Result<MergedReport, HdrLogError> {
     let mut measured_seconds = Vec::new();
     let mut intervals = 0u64;
     let mut window: Option<(f64, f64)> = None;
-    let mut deserializer = Deserializer::new();
     for path in paths {
-        let bytes = std::fs::read(path).map_err(|source| HdrLogError::Io {
-            path: path.clone(),
-            source,
-        })?;
-        let mut base = 0.0;
+        let log = read(path)?;
         let mut counts: BTreeMap<String, u64> = BTreeMap::new();
         let mut first_last: Option<(f64, f64)> = None;
-        for entry in IntervalLogIterator::new(&bytes) {
-            let entry = entry.map_err(|e| match e {
-                hdrhistogram::serialization::interval_log::LogIteratorError::ParseError {
-                    offset,
-                } => HdrLogError::Parse {
-                    path: path.clone(),
-                    offset,
-                },
-            })?;
-            let interval = match entry {
-                LogEntry::BaseTime(t) => {
-                    base = t.as_secs_f64();
-                    continue;
-                }
-                LogEntry::StartTime(_) => continue,
-                LogEntry::Interval(i) => i,
-            };
+        for i in &log.intervals {
             let bad = |reason: String| HdrLogError::Histogram {
                 path: path.clone(),
                 reason,
             };
-            let raw = base64::engine::general_purpose::STANDARD
-                .decode(interval.encoded_histogram())
-                .map_err(|e| bad(e.to_string()))?;
-            let h: Histogram<u64> = deserializer
-                .deserialize(&mut raw.as_slice())
-                .map_err(|e| bad(format!("{e:?}")))?;
-            let tag = interval.tag().map_or("untagged", |t| t.as_str());
-            sums.entry(tag.to_string())
+            sums.entry(i.tag.clone())
                 .or_default()
-                .add_histogram(&h)
+                .add_histogram(&i.histogram)
                 .map_err(|e| bad(format!("{e:?}")))?;
-            *counts.entry(tag.to_string()).or_default() += h.len();
+            *counts.entry(i.tag.clone()).or_default() += i.histogram.len();
             intervals += 1;
-            let start = base + interval.start_timestamp().as_secs_f64();
-            let end = start + interval.duration().as_secs_f64();
+            let start = log.base_unix + i.start;
+            let end = start + i.length;
             let span =
                 |w: Option<(f64, f64)>| w.map_or((start, end), |(a, b)| (a.min(start), b.max(end)));
             window = Some(span(window));
             first_last = Some(span(first_last));
         }
         // The driver's own measured window, when the log says it (else the intervals').
-        let secs = String::from_utf8_lossy(&bytes)
-            .lines()
-            .rev()
-            .find_map(|l| {
-                l.strip_prefix('#')?
-                    .strip_prefix(MEASURED_SECONDS)?
-                    .trim()
-                    .parse::<f64>()
-                    .ok()
-            })
+        let secs = log
+            .measured_seconds
             .unwrap_or_else(|| first_last.map_or(0.0, |(a, b)| b - a));
         measured_seconds.push(secs);
         for (tag, n) in counts {

@@ -41,6 +41,7 @@ pub mod connection;
 mod dispatch;
 pub mod embedded;
 pub mod failures;
+pub mod fault_report;
 pub mod hdr_log;
 mod intake;
 mod links;
@@ -70,7 +71,7 @@ pub use verdict::Verdict;
 // Fixed limits that are not flags, public so that the docs quoting them are held to the
 // code (`tests/docs_constants.rs`).
 pub use links::MAX_DRAINING;
-pub use worker::MAX_REROUTES;
+pub use worker::MAX_RETRIES;
 
 use crate::stats::Tally;
 use crate::worker::{Plan, RunShared};
@@ -157,8 +158,11 @@ async fn drive(
         )?),
         None => None,
     };
+    let (service, method) = workload.target();
     let shared = Arc::new(RunShared {
         tls,
+        retry: config.retry.budget(),
+        retry_lost: config.idempotent.covers(service, method),
         workload,
         metrics,
         finish: worker::FinishLine::new(n),

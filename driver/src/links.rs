@@ -35,7 +35,9 @@ use std::time::{Duration, Instant};
 use rpcmesh_common::net::connection::{FramedIo, IoEvent};
 use rpcmesh_common::net::shutdown::CancellationToken;
 
-use crate::connection::{Connected, Connector, DialError, Dialing, Heard, Reach};
+use crate::connection::{
+    Connected, Connector, DialError, Dialing, Heard, Reach, SHED_MOVE_SPACING,
+};
 use crate::metrics::DriverMetrics;
 use crate::outcome::Loss;
 
@@ -59,6 +61,12 @@ pub(crate) struct Link<C> {
     in_flight: usize,
     /// Whether it has brought a reply.
     heard: Heard,
+    /// Bytes put in its write buffer since it was made: where the next call's frame
+    /// starts in the byte stream (calls starting at or past what was written when it is
+    /// lost never left the worker).
+    encoded: u64,
+    /// When it became the worker's current connection.
+    opened: Instant,
 }
 
 impl<C> Link<C> {
@@ -67,9 +75,22 @@ impl<C> Link<C> {
         self.serial
     }
 
-    /// A call was written on it.
-    pub fn carry(&mut self) {
+    /// A call whose frame is `frame_len` bytes was put in its write buffer; returns where
+    /// the frame starts in the connection's byte stream.
+    pub fn carry(&mut self, frame_len: usize) -> u64 {
         self.in_flight += 1;
+        let at = self.encoded;
+        self.encoded += frame_len as u64;
+        at
+    }
+}
+
+impl Link<FramedIo> {
+    /// Where in the connection's byte stream its writes have reached: a call whose frame
+    /// starts at or past it was never handed to the socket (it still waits in the write
+    /// buffer), so it did not run.
+    pub fn written(&self) -> u64 {
+        self.encoded.saturating_sub(self.io.pending_write() as u64)
     }
 }
 
@@ -251,9 +272,10 @@ impl<C> Links<C> {
         }
     }
 
-    /// A connection to `target` is up (`io`): it becomes the current one. A current one
-    /// it replaces (it was the way back to the worker's own target) is set aside.
-    pub fn connected(&mut self, target: usize, io: C) -> Aside<C> {
+    /// A connection to `target` is up (`io`, at `now`): it becomes the current one. A
+    /// current one it replaces (it was the way back to the worker's own target) is set
+    /// aside.
+    pub fn connected(&mut self, target: usize, io: C, now: Instant) -> Aside<C> {
         self.serials = self.serials.wrapping_add(1);
         let link = Link {
             io,
@@ -261,6 +283,8 @@ impl<C> Links<C> {
             target,
             in_flight: 0,
             heard: Heard::Nothing,
+            encoded: 0,
+            opened: now,
         };
         let replaced = match std::mem::replace(&mut self.state, State::Up { link, home: None }) {
             State::Up { link, .. } | State::Ending { link, .. } => Some(link),
@@ -322,9 +346,21 @@ impl<C> Links<C> {
     /// is the current one it takes no more calls (it is set aside), and the worker moves
     /// on as when it is lost. `None` when it is not the current one.
     pub fn drained(&mut self, serial: u32, now: Instant) -> Option<(Aside<C>, Move)> {
+        self.leave(serial, now, Connector::drained)
+    }
+
+    /// Leaves the current connection `serial` (telling the connector with `tell`, by its
+    /// target): it takes no more calls (it is set aside) and the worker moves on. `None`
+    /// when it is not the current one.
+    fn leave(
+        &mut self,
+        serial: u32,
+        now: Instant,
+        tell: fn(&mut Connector, usize),
+    ) -> Option<(Aside<C>, Move)> {
         match std::mem::replace(&mut self.state, State::Closed) {
             State::Up { link, home } | State::Ending { link, home } if link.serial == serial => {
-                self.connector.drained(link.target);
+                tell(&mut self.connector, link.target);
                 let aside = self.set_aside(link);
                 let moved = self.move_on(home, now);
                 Some((aside, moved))
@@ -333,6 +369,32 @@ impl<C> Links<C> {
                 self.state = other;
                 None
             }
+        }
+    }
+
+    /// The current connection `serial`'s target shed a call ("overloaded"): when the run
+    /// has another target and the connection has been the current one for
+    /// [`SHED_MOVE_SPACING`], it takes no more calls (it is set aside) and the worker
+    /// moves on, as when it drains, so that the call goes to another target. `None` when
+    /// it stays (then the call is not sent again: its only other way is back to the
+    /// target that shed it).
+    pub fn leave_shedding(&mut self, serial: u32, now: Instant) -> Option<(Aside<C>, Move)> {
+        if !self.would_leave_shedding(serial, now) {
+            return None;
+        }
+        self.leave(serial, now, Connector::shed)
+    }
+
+    /// Whether the current connection `serial` would be left for a call its target shed
+    /// ([`Links::leave_shedding`]), without leaving it.
+    pub fn would_leave_shedding(&self, serial: u32, now: Instant) -> bool {
+        match &self.state {
+            State::Up { link, .. } => {
+                link.serial == serial
+                    && self.connector.targets() > 1
+                    && now.saturating_duration_since(link.opened) >= SHED_MOVE_SPACING
+            }
+            _ => false,
         }
     }
 
@@ -542,7 +604,7 @@ mod tests {
     fn carrying(l: &mut Links<()>, calls: usize) -> u32 {
         let link = l.writable().expect("a current connection");
         for _ in 0..calls {
-            link.carry();
+            link.carry(0);
         }
         link.serial()
     }
@@ -560,7 +622,7 @@ mod tests {
         let mut l = links(2, 1, LONG);
         assert_eq!(is(&l), Is::Dialing(1));
         assert!(!l.is_writable() && l.reach() == Reach::Reachable);
-        assert!(matches!(l.connected(1, ()), Aside::Kept));
+        assert!(matches!(l.connected(1, (), Instant::now()), Aside::Kept));
         let up = Is::Up {
             serial: 1,
             target: 1,
@@ -618,7 +680,7 @@ mod tests {
     #[test]
     fn a_lost_connection_that_had_replied_moves_to_the_next_target_at_once() {
         let mut l = links(2, 0, LONG);
-        let _ = l.connected(0, ());
+        let _ = l.connected(0, (), Instant::now());
         let s = carrying(&mut l, 2);
         l.heard(s);
         let (link, moved) = l.lose(s, &Loss::ClosedByPeer, Instant::now()).unwrap();
@@ -631,7 +693,7 @@ mod tests {
     #[test]
     fn a_connection_lost_before_any_reply_counts_as_a_failed_attempt() {
         let mut l = links(2, 0, LONG);
-        let _ = l.connected(0, ());
+        let _ = l.connected(0, (), Instant::now());
         let s = carrying(&mut l, 1);
         let _ = l.lose(s, &Loss::ClosedByPeer, Instant::now()).unwrap();
         assert_eq!(l.connector().failures(), 1);
@@ -641,7 +703,7 @@ mod tests {
     #[test]
     fn a_connection_that_refused_a_call_takes_no_more_and_drains_until_its_calls_are_answered() {
         let mut l = links(2, 0, LONG);
-        let _ = l.connected(0, ());
+        let _ = l.connected(0, (), Instant::now());
         let s = carrying(&mut l, 2);
         let (aside, moved) = l.drained(s, Instant::now()).unwrap();
         assert!(matches!(aside, Aside::Kept));
@@ -661,7 +723,7 @@ mod tests {
     #[test]
     fn a_connection_set_aside_with_no_call_in_flight_is_closed_at_once() {
         let mut l = links(2, 0, LONG);
-        let _ = l.connected(0, ());
+        let _ = l.connected(0, (), Instant::now());
         let s = carrying(&mut l, 0);
         let (aside, _) = l.drained(s, Instant::now()).unwrap();
         assert!(matches!(aside, Aside::Close(link) if serial(&link) == s));
@@ -673,7 +735,7 @@ mod tests {
         let mut l = links(2, 0, LONG);
         let mut serials = Vec::new();
         for i in 0..=MAX_DRAINING {
-            let _ = l.connected(i % 2, ());
+            let _ = l.connected(i % 2, (), Instant::now());
             serials.push(carrying(&mut l, 1));
             let (aside, _) = l.drained(serials[i], Instant::now()).unwrap();
             if i < MAX_DRAINING {
@@ -690,7 +752,7 @@ mod tests {
         let mut l = links(2, 0, after);
         let t0 = Instant::now();
         let _ = l.dial_failed(0, &refused(), &metrics(), t0);
-        let _ = l.connected(1, ());
+        let _ = l.connected(1, (), Instant::now());
         let s = carrying(&mut l, 1);
         l.heard(s);
         l.return_home(t0);
@@ -708,7 +770,7 @@ mod tests {
     #[test]
     fn the_connection_made_on_the_way_back_home_takes_over_and_the_old_one_drains() {
         let (mut l, old) = away_and_going_home(LONG);
-        assert!(matches!(l.connected(0, ()), Aside::Kept));
+        assert!(matches!(l.connected(0, (), Instant::now()), Aside::Kept));
         let home = Is::Up {
             serial: old + 1,
             target: 0,
@@ -741,6 +803,33 @@ mod tests {
     }
 
     #[test]
+    fn a_worker_leaves_a_shedding_target_only_for_another_and_at_most_once_a_spacing() {
+        let t0 = Instant::now();
+        let mut one = links(1, 0, LONG);
+        let _ = one.connected(0, (), t0);
+        let s = carrying(&mut one, 1);
+        let later = t0 + SHED_MOVE_SPACING;
+        assert!(!one.would_leave_shedding(s, later), "no other target");
+        assert!(one.leave_shedding(s, later).is_none());
+
+        let mut two = links(2, 0, LONG);
+        let _ = two.connected(0, (), t0);
+        let s = carrying(&mut two, 1);
+        let soon = t0 + SHED_MOVE_SPACING / 2;
+        assert!(!two.would_leave_shedding(s, soon), "too soon after it came");
+        assert!(
+            !two.would_leave_shedding(s + 1, later),
+            "not the current one"
+        );
+        assert!(two.would_leave_shedding(s, later));
+        let (aside, moved) = two.leave_shedding(s, later).unwrap();
+        assert!(matches!(aside, Aside::Kept), "its call in flight drains");
+        assert_eq!(moved, Move::On);
+        assert_eq!(is(&two), Is::Dialing(1));
+        assert_eq!(draining(&two), [s]);
+    }
+
+    #[test]
     fn a_connection_made_while_the_draining_bound_is_reached_dials_nothing_more() {
         let (mut l, old) = away_and_going_home(LONG);
         for i in 0..MAX_DRAINING as u32 {
@@ -750,9 +839,11 @@ mod tests {
                 target: 1,
                 in_flight: 1,
                 heard: Heard::Reply,
+                encoded: 0,
+                opened: Instant::now(),
             });
         }
-        let aside = l.connected(0, ());
+        let aside = l.connected(0, (), Instant::now());
         assert!(matches!(aside, Aside::Evict(link) if serial(&link) == 100));
         let home = Is::Up {
             serial: old + 1,
@@ -766,7 +857,7 @@ mod tests {
     #[test]
     fn an_ending_connection_takes_no_call_but_is_read_until_it_is_lost() {
         let mut l = links(2, 0, LONG);
-        let _ = l.connected(0, ());
+        let _ = l.connected(0, (), Instant::now());
         let s = carrying(&mut l, 1);
         l.ending(s + 1);
         assert!(l.is_writable(), "another serial: no change");
@@ -785,10 +876,10 @@ mod tests {
     #[test]
     fn at_the_end_every_connection_is_handed_back_the_current_one_first() {
         let mut l = links(2, 0, LONG);
-        let _ = l.connected(0, ());
+        let _ = l.connected(0, (), Instant::now());
         let first = carrying(&mut l, 1);
         let _ = l.drained(first, Instant::now());
-        let _ = l.connected(1, ());
+        let _ = l.connected(1, (), Instant::now());
         let second = carrying(&mut l, 1);
         let all: Vec<u32> = l.close_all().iter().map(serial).collect();
         assert_eq!(all, [second, first]);
@@ -801,10 +892,61 @@ mod tests {
         let mut l = links(2, 0, LONG);
         let t0 = Instant::now();
         let _ = l.dial_failed(0, &refused(), &metrics(), t0);
-        let _ = l.connected(1, ());
+        let _ = l.connected(1, (), Instant::now());
         l.return_home(t0);
         l.patience.stop.cancel();
         l.return_home(t0 + HOME_RETRY);
         assert!(matches!(is(&l), Is::Up { home: None, .. }));
+    }
+}
+
+#[cfg(test)]
+mod written {
+    use super::*;
+    use rpcmesh_wire::codec::FrameCodec;
+    use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
+    use tokio::net::{TcpListener, TcpSocket};
+
+    /// Calls whose frames start at or past where the socket's writes reached never left
+    /// the worker (they are `unsent` when the connection is lost); the others may have.
+    /// A peer that reads nothing, small socket buffers: most of 1 MiB of calls stays in
+    /// the write buffer.
+    #[tokio::test]
+    async fn calls_past_what_the_socket_took_are_told_apart_from_those_it_took() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let socket = TcpSocket::new_v4().unwrap();
+        socket.set_send_buffer_size(4096).unwrap();
+        let stream = socket.connect(addr).await.unwrap();
+        let (_peer, _) = listener.accept().await.unwrap();
+        let io = FramedIo::new(stream, FrameCodec::new(DEFAULT_MAX_BODY_LEN));
+        let patience = Patience {
+            until: None,
+            after: Duration::from_secs(60),
+            stop: CancellationToken::new(),
+        };
+        let connector = Connector::new(vec![addr.to_string()], 0, 0);
+        let mut links = Links::new(connector, patience, Instant::now());
+        let _ = links.connected(0, io, Instant::now());
+        let link = links.writable().unwrap();
+        const FRAME: usize = 16 << 10;
+        let starts: Vec<u64> = (0..64)
+            .map(|_| {
+                link.io.wbuf().extend_from_slice(&[0u8; FRAME]);
+                link.carry(FRAME)
+            })
+            .collect();
+        link.io.try_flush().unwrap();
+        let written = link.written();
+        let unsent = starts.iter().filter(|&&s| s >= written).count();
+        assert!(written > 0, "the socket took some");
+        assert!(unsent > 0 && unsent < starts.len(), "{unsent} of 64 unsent");
+        // What the socket took is a prefix: the unsent calls are the last ones.
+        assert!(starts[..starts.len() - unsent].iter().all(|&s| s < written));
+        assert_eq!(
+            written + link.io.pending_write() as u64,
+            (64 * FRAME) as u64,
+            "every byte is written or waiting"
+        );
     }
 }

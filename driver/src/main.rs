@@ -2,7 +2,8 @@
 //! broker when no target is given), prints the report and writes it as JSON when asked.
 //! Ctrl-C ends the run early and still reports. The exit status says how the run ended
 //! (`rpcmesh_driver::verdict`, listed in `--help`). `driver merge` combines interval logs;
-//! `driver capacity` runs a capacity experiment.
+//! `driver capacity` runs a capacity experiment; `driver fault-report` makes the fault
+//! lab's report.
 
 use std::process::ExitCode;
 
@@ -12,7 +13,7 @@ use rpcmesh_common::cli::{ConfigProblems, startup};
 use rpcmesh_common::metrics::{Telemetry, recorder};
 use rpcmesh_common::net::shutdown::{self, CancellationToken};
 use rpcmesh_driver::capacity::config::CapacityConfig;
-use rpcmesh_driver::config::{CapacityArgs, Command, MergeArgs};
+use rpcmesh_driver::config::{CapacityArgs, Command, FaultReportArgs, MergeArgs};
 use rpcmesh_driver::verdict::{FAILED, REFUSED};
 use rpcmesh_driver::{Args, Verdict};
 
@@ -21,6 +22,7 @@ fn main() -> ExitCode {
     let done = match &args.command {
         Some(Command::Merge(m)) => merge(m),
         Some(Command::Capacity(c)) => capacity(c),
+        Some(Command::FaultReport(f)) => fault_report(f),
         Some(Command::Serve(s)) => {
             rpcmesh_driver::capacity::mesh::serve(s.role, &s.flags).map(|()| 0)
         }
@@ -84,6 +86,27 @@ fn merge(m: &MergeArgs) -> anyhow::Result<u8> {
     if let Some(path) = &m.json {
         let text = serde_json::to_string_pretty(&report)?;
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(0)
+}
+
+/// `driver fault-report`: the fault lab's report, on stdout (Markdown) and in the files
+/// asked for.
+fn fault_report(args: &FaultReportArgs) -> anyhow::Result<u8> {
+    let report = rpcmesh_driver::fault_report::make(&args.runs)?;
+    let markdown = report.render_markdown();
+    print_report(&markdown);
+    let write = |path: &std::path::Path, text: String| {
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+    };
+    if let Some(p) = &args.json {
+        write(p, serde_json::to_string_pretty(&report)? + "\n")?;
+    }
+    if let Some(p) = &args.markdown {
+        write(p, markdown)?;
+    }
+    if let Some(p) = &args.html {
+        write(p, rpcmesh_capacity::html::render_faults(&report))?;
     }
     Ok(0)
 }

@@ -7,14 +7,15 @@ use std::sync::Arc;
 
 use metrics::{Counter, Gauge, Histogram};
 use rpcmesh_common::metrics::catalogue::{
-    CALLS_IN_FLIGHT, CALLS_SENT_TOTAL, CALLS_TOTAL, DRIVER_ACHIEVED_CALLS_PER_SECOND,
-    DRIVER_LATENCY_SECONDS, DRIVER_OFFERED_CALLS_PER_SECOND, DRIVER_REROUTED_TOTAL, DRIVER_USERS,
-    REQUESTS_TOTAL,
+    CALLS_IN_FLIGHT, CALLS_REROUTED_TOTAL, CALLS_SENT_TOTAL, CALLS_TOTAL,
+    DRIVER_ACHIEVED_CALLS_PER_SECOND, DRIVER_LATENCY_SECONDS, DRIVER_OFFERED_CALLS_PER_SECOND,
+    DRIVER_USERS, REQUESTS_TOTAL, RETRY_BUDGET_EXHAUSTED_TOTAL,
 };
 use rpcmesh_common::metrics::families::{
     CompressionTimers, ConnCounters, PayloadCounters, Stages, WireCounters,
 };
 use rpcmesh_common::metrics::{ErrorCounters, Role, Telemetry};
+use rpcmesh_common::retry::RetryReason;
 use rpcmesh_wire::envelope::PayloadSize;
 
 use crate::outcome::CallOutcome;
@@ -54,8 +55,10 @@ pub struct DriverMetrics {
     calls: Vec<Counter>,
     /// Calls written (offered load).
     sent: Counter,
-    /// Calls sent again after a draining target refused them unstarted.
-    rerouted: Counter,
+    /// `rpcmesh_calls_rerouted_total` by reason, indexed by [`RetryReason`].
+    retries: [Counter; RetryReason::COUNT],
+    /// `rpcmesh_retry_budget_exhausted_total` by reason, indexed by [`RetryReason`].
+    retries_refused: [Counter; RetryReason::COUNT],
     /// Requests finished with every call successful.
     requests_ok: Counter,
     /// Requests finished with a failed call.
@@ -115,7 +118,18 @@ impl DriverMetrics {
         DriverMetrics {
             calls,
             sent: t.counter(&CALLS_SENT_TOTAL, &role),
-            rerouted: t.counter(&DRIVER_REROUTED_TOTAL, &role),
+            retries: RetryReason::ALL.map(|r| {
+                t.counter(
+                    &CALLS_REROUTED_TOTAL,
+                    &[("role", ROLE.label()), ("reason", r.label())],
+                )
+            }),
+            retries_refused: RetryReason::ALL.map(|r| {
+                t.counter(
+                    &RETRY_BUDGET_EXHAUSTED_TOTAL,
+                    &[("role", ROLE.label()), ("reason", r.label())],
+                )
+            }),
             requests_ok: requests("ok"),
             requests_failed: requests("failed"),
             requests_not_sent: requests("not_sent"),
@@ -150,7 +164,12 @@ impl DriverMetrics {
     /// add per counter per tick instead of several per call.
     pub fn add(&self, t: &Tally) {
         self.sent.increment(t.sent);
-        self.rerouted.increment(t.rerouted);
+        for (c, &n) in self.retries.iter().zip(&t.retries) {
+            c.increment(n);
+        }
+        for (c, &n) in self.retries_refused.iter().zip(&t.retries_refused) {
+            c.increment(n);
+        }
         for (o, &n) in CallOutcome::ALL.iter().zip(&t.outcomes) {
             if n == 0 {
                 continue;

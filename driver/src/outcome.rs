@@ -32,7 +32,8 @@ pub enum CallOutcome {
     /// The connection was lost with the call written on it: it may have run.
     Connection,
     /// No connection to any target took the call within the driver's timeout (every target
-    /// refused, or was draining): it was never written, so it did not run.
+    /// refused, or was draining), or its connection was lost before it was written and it
+    /// was not sent again: it was never written, so it did not run.
     NoConnection,
     /// A successful reply that does not decode, or is not what the service answers.
     BadReply,

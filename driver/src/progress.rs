@@ -95,9 +95,9 @@ pub(crate) async fn show(shared: Arc<RunShared>, started: Instant, done: Cancell
             // Open loop: requests due that found every slot busy and the backlog full.
             let _ = write!(line, "   not sent {}", second.requests_not_sent);
         }
-        if second.rerouted > 0 {
-            // A target is draining: its refusals went elsewhere.
-            let _ = write!(line, "   re-routed {}", second.rerouted);
+        if second.retried() > 0 {
+            // Calls that did not run (a target drained, shed or lost them) went again.
+            let _ = write!(line, "   retried {}", second.retried());
         }
         if live {
             write_whole(&format!("{CLEAR_LINE}{line}"));

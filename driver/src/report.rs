@@ -183,12 +183,22 @@ pub struct CallFigures {
     /// driver's own findings) in a group of their outcome with no `text`.
     #[serde(default)]
     pub failures: Vec<FailureGroup>,
-    /// Times a call was sent again, on another connection (to another target when there
-    /// is one), because a draining broker or provider refused it unstarted (a reply
-    /// flagged `NOT_RUN`). Not an outcome: the call's outcome is that of its last try, and
-    /// its latency runs from its first intended start, detour included.
+    /// Times a call was sent again, for any reason (the sum of `retries`). Not an
+    /// outcome: the call's outcome is that of its last try, and its latency runs from its
+    /// first intended start, detours included.
     #[serde(default)]
     pub rerouted: u64,
+    /// Times a call was sent again, by why (docs/resilience.md): `not_run` (a draining
+    /// target refused it unstarted), `unsent` (its connection was lost before it was
+    /// written), `overloaded` (its target shed it; sent to another target), `lost` (its
+    /// connection was lost after it was written: idempotent calls only). Only the reasons
+    /// that happened.
+    #[serde(default)]
+    pub retries: BTreeMap<String, u64>,
+    /// Calls safe to send again that were not, because the retry budget was spent, by
+    /// the reason they would have been sent again for.
+    #[serde(default)]
+    pub retry_budget_exhausted: BTreeMap<String, u64>,
     /// Calls sent per second.
     pub per_second: f64,
     /// Successful calls per second.
@@ -260,7 +270,9 @@ impl CallFigures {
             ok: t.ok(),
             errors: t.errors().map(|(k, v)| (k.to_string(), v)).collect(),
             failures: failures::groups(&t.outcomes, &t.texts),
-            rerouted: t.rerouted,
+            rerouted: t.retried(),
+            retries: Tally::by_reason(&t.retries),
+            retry_budget_exhausted: Tally::by_reason(&t.retries_refused),
             per_second: t.sent as f64 / secs,
             ok_per_second: t.ok() as f64 / secs,
             latency: t.calls.summary(),
@@ -295,6 +307,14 @@ impl ByteFigures {
 /// A count as the text report prints it: with thousands separators.
 fn count(n: u64) -> String {
     thousands(n as f64)
+}
+
+/// Counts by reason, as the text report prints them: `not_run 3, unsent 1`.
+fn reasons(by: &BTreeMap<String, u64>) -> String {
+    by.iter()
+        .map(|(k, n)| format!("{k} {}", count(*n)))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 impl Report {
@@ -448,8 +468,23 @@ impl Report {
         if self.calls.rerouted > 0 {
             let _ = writeln!(
                 o,
-                "  re-routed: {} sends again after a draining target refused the call unstarted",
-                self.calls.rerouted
+                "  retried: {} sends again of calls that did not run{} ({})",
+                count(self.calls.rerouted),
+                if self.calls.retries.contains_key("lost") {
+                    " or are idempotent"
+                } else {
+                    ""
+                },
+                reasons(&self.calls.retries)
+            );
+        }
+        if !self.calls.retry_budget_exhausted.is_empty() {
+            let refused: u64 = self.calls.retry_budget_exhausted.values().sum();
+            let _ = writeln!(
+                o,
+                "  not retried for want of retry budget: {} ({})",
+                count(refused),
+                reasons(&self.calls.retry_budget_exhausted)
             );
         }
         let _ = writeln!(

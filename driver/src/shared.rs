@@ -43,6 +43,12 @@ pub(crate) struct RunShared {
     pub finish: FinishLine,
     /// TLS to the targets, when on (one configuration for every worker).
     pub tls: Option<std::sync::Arc<rpcmesh_common::net::tls::ClientTls>>,
+    /// The run's retry budget: every worker's calls deposit in it, every retry draws
+    /// from it (docs/resilience.md).
+    pub retry: rpcmesh_common::retry::RetryBudget,
+    /// The calls are marked idempotent (`--idempotent`): one lost in flight may be sent
+    /// again too.
+    pub retry_lost: bool,
 }
 
 /// Workers close their connections only once every worker is done, so that no call still

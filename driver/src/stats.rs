@@ -3,10 +3,12 @@
 //! [`Books`] (the run's figures and the interval's) and hands back its
 //! [`WorkerFigures`]; the run adds the workers' up at the end.
 
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use hdrhistogram::Histogram;
 use hdrhistogram::errors::AdditionError;
+use rpcmesh_common::retry::RetryReason;
 use rpcmesh_wire::envelope::PayloadSize;
 use serde::Serialize;
 
@@ -193,9 +195,11 @@ pub struct Tally {
     pub sent: u64,
     /// Calls by outcome, indexed by [`CallOutcome::index`] (`ok` first).
     pub outcomes: [u64; CallOutcome::COUNT],
-    /// Times a call was sent again after a draining target refused it unstarted (a reply
-    /// flagged `NOT_RUN`): not outcomes, detours (a call sent twice counts once in `sent`).
-    pub rerouted: u64,
+    /// Times a call was sent again, by why (indexed by [`RetryReason`]): not outcomes,
+    /// detours (a call sent twice counts once in `sent`).
+    pub retries: [u64; RetryReason::COUNT],
+    /// Calls safe to retry that were not, for want of retry budget, by why.
+    pub retries_refused: [u64; RetryReason::COUNT],
     /// Requests due: the pacer's intended starts in the open loop, the requests started in
     /// the closed loop. Each ends as ok, failed or not sent.
     pub requests_due: u64,
@@ -285,7 +289,8 @@ impl Tally {
             requests_failed_latency,
             sent,
             outcomes,
-            rerouted,
+            retries,
+            retries_refused,
             requests_due,
             requests_ok,
             requests_failed,
@@ -310,9 +315,10 @@ impl Tally {
         }
         texts.clear();
         *outcomes = [0; CallOutcome::COUNT];
+        *retries = [0; RetryReason::COUNT];
+        *retries_refused = [0; RetryReason::COUNT];
         for n in [
             sent,
-            rerouted,
             requests_due,
             requests_ok,
             requests_failed,
@@ -373,6 +379,21 @@ impl Tally {
             .filter(|(_, n)| *n > 0)
     }
 
+    /// Times calls were sent again, for any reason.
+    pub fn retried(&self) -> u64 {
+        self.retries.iter().sum()
+    }
+
+    /// Counts by reason label (`retries` or `retries_refused`), the reasons that happened
+    /// only.
+    pub fn by_reason(counts: &[u64; RetryReason::COUNT]) -> BTreeMap<String, u64> {
+        RetryReason::ALL
+            .iter()
+            .map(|r| (r.label().to_string(), counts[*r as usize]))
+            .filter(|(_, n)| *n > 0)
+            .collect()
+    }
+
     /// Adds what each of `cells` (the workers' figures, shared) holds, and clears them.
     pub fn take_from(&mut self, cells: &[std::sync::Mutex<Tally>]) {
         for m in cells {
@@ -392,7 +413,12 @@ impl Tally {
         for (a, b) in self.outcomes.iter_mut().zip(o.outcomes) {
             *a += b;
         }
-        self.rerouted += o.rerouted;
+        for (a, b) in self.retries.iter_mut().zip(o.retries) {
+            *a += b;
+        }
+        for (a, b) in self.retries_refused.iter_mut().zip(o.retries_refused) {
+            *a += b;
+        }
         self.requests_due += o.requests_due;
         self.requests_ok += o.requests_ok;
         self.requests_failed += o.requests_failed;
@@ -506,9 +532,14 @@ impl Books {
         self.both(step, |t| t.sent += 1);
     }
 
-    /// A call refused unstarted by a draining target is sent again.
-    pub fn rerouted(&mut self, step: Option<usize>) {
-        self.both(step, |t| t.rerouted += 1);
+    /// A call is sent again, for `why`.
+    pub fn retried(&mut self, step: Option<usize>, why: RetryReason) {
+        self.both(step, |t| t.retries[why as usize] += 1);
+    }
+
+    /// A call safe to send again for `why` was not: the retry budget was spent.
+    pub fn retry_refused(&mut self, step: Option<usize>, why: RetryReason) {
+        self.both(step, |t| t.retries_refused[why as usize] += 1);
     }
 
     /// A call ended with `outcome`, having taken `latency`.

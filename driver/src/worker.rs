@@ -15,13 +15,21 @@
 //! Every call sent has exactly one outcome, and rolling restarts cost no failed call while
 //! another target is healthy:
 //!
-//! - A reply flagged `NOT_RUN` (a draining broker or provider did not start the call) is
-//!   not an outcome: the call is sent again on the worker's next connection, to the next
-//!   target in turn, at most [`MAX_REROUTES`] times, still timed from its first intended
-//!   start. The connection that said so takes no more calls and drains.
+//! - A call that did not run is sent again, within the run's retry budget
+//!   (`rpcmesh_common::retry`: a share of the calls plus a floor a second), at most
+//!   [`MAX_RETRIES`] times and never past its timeout, still timed from its first intended
+//!   start and carrying the time left to it: a reply flagged `NOT_RUN` (a draining broker
+//!   or provider did not start it: the connection takes no more calls and drains, and the
+//!   call goes on the next connection, to the next target in turn); a call lost with its
+//!   connection before it was written (it was still in the write buffer: it goes on the
+//!   next connection); an "overloaded" answer, when the run has another target and the
+//!   worker has been on this one for [`SHED_MOVE_SPACING`] (the worker leaves the target
+//!   that shed it, as from a draining one). With `--idempotent` naming the calls, one lost
+//!   with its connection after it was written is sent again too. A retry the budget
+//!   refuses is counted, and the call ends as it came.
 //! - A refused connect or a lost connection moves the worker to the next target at once
 //!   (each target keeps its own back-off). Calls lost with a connection after they were
-//!   written count as `connection` (they may have run).
+//!   written count as `connection` (they may have run) unless sent again.
 //! - On a connection whose target takes the deadline (`crate::connection`), each call is
 //!   written with the time left to it (from its issue, the call timeout, less any time
 //!   parked or re-sent): a broker or provider then drops it unstarted once its caller has
@@ -40,6 +48,7 @@ use rpcmesh_common::metrics::families::{InFlightShare, Sampler};
 use rpcmesh_common::metrics::{ErrorKind, Side};
 use rpcmesh_common::net::connection::{CloseReason, FramedIo, IoEvent};
 use rpcmesh_common::net::listener::AcceptObserver;
+use rpcmesh_common::retry::RetryReason;
 use rpcmesh_wire::compress::DEFAULT_MAX_INFLATED_LEN;
 use rpcmesh_wire::envelope::CallCodec;
 use rpcmesh_wire::ext;
@@ -48,6 +57,8 @@ use rpcmesh_wire::{PeerKind, Status};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::calls::{Calls, Place, Slot};
+#[cfg(doc)]
+use crate::connection::SHED_MOVE_SPACING;
 use crate::connection::{CallFields, Connected, Connector, Reach};
 use crate::failures::MAX_TEXT_BYTES;
 use crate::intake::Intake;
@@ -62,11 +73,11 @@ pub(crate) use crate::stats::WorkerFigures;
 
 /// How often a worker checks deadlines and hands its figures to the progress line.
 const TICK: Duration = Duration::from_millis(100);
-/// How many times a call refused unstarted (`NOT_RUN`) is sent again before the refusal
-/// counts as its outcome (`unavailable`): one try per other broker of a two- or
-/// three-broker deployment, and one more for a provider draining behind a broker. A call
-/// refused more often than that finds nothing healthy, and says so.
-pub const MAX_REROUTES: u8 = 3;
+/// How many times a call is sent again (retried) before its last answer counts as its
+/// outcome: one try per other broker of a two- or three-broker deployment, and one more for
+/// a provider draining behind a broker. A call refused more often than that finds nothing
+/// healthy, and says so. The broker's bound is the same (`broker::MAX_RETRIES`).
+pub const MAX_RETRIES: u8 = 3;
 
 /// What one worker does.
 #[derive(Debug)]
@@ -163,6 +174,7 @@ pub(crate) async fn run(plan: Plan, shared: Arc<RunShared>) -> WorkerFigures {
             Books::default()
         },
         figures: WorkerFigures::default(),
+        issued: 0,
         shared: shared.clone(),
     };
     w.run().await;
@@ -205,6 +217,8 @@ struct Worker {
     /// The figures the books do not keep: late replies, the last measured call's end, the
     /// open loop's start lag.
     figures: WorkerFigures,
+    /// Calls issued since the last deposit in the run's retry budget.
+    issued: usize,
 }
 
 impl Worker {
@@ -253,6 +267,10 @@ impl Worker {
             self.record_written();
             self.count_bytes();
             self.reap();
+            if self.issued > 0 {
+                self.shared.retry.deposit(self.issued, Instant::now());
+                self.issued = 0;
+            }
         }
         // Nothing in flight here any more; the others may still have calls out.
         runner.cross().await;
@@ -370,9 +388,9 @@ impl Worker {
     fn connected(&mut self, target: usize, connected: Connected) {
         self.shared.metrics.conns.opened();
         self.fields = connected.fields;
-        let aside = self.links.connected(target, connected.io);
-        self.set_aside(aside);
         let now = Instant::now();
+        let aside = self.links.connected(target, connected.io, now);
+        self.set_aside(aside);
         for _ in 0..self.calls.parked() {
             match self.calls.unpark() {
                 Some(id) => self.send(id),
@@ -392,16 +410,43 @@ impl Worker {
         }
     }
 
-    /// `link` was lost (`loss`): it closes, and every call written on it fails.
+    /// `link` was lost (`loss`): it closes. Its calls still in the write buffer never left
+    /// the worker: they are sent again on the next connection (or, refused a retry, end
+    /// `no_connection`: they did not run). Those written fail (they may have run), unless
+    /// the calls are idempotent and a retry is granted.
     fn lost(&mut self, link: Link<FramedIo>, loss: Loss) {
         let mut lost = std::mem::take(&mut self.ended);
         self.calls.take_on(link.serial(), &mut lost);
+        let written = link.written();
         self.retire(link, loss.close_reason());
         let now = Instant::now();
         for (_, s) in lost.drain(..) {
-            self.call_done(s, Loss::OUTCOME, now);
+            let (why, outcome) = if s.at >= written {
+                (Some(RetryReason::Unsent), CallOutcome::NoConnection)
+            } else {
+                let why = self.shared.retry_lost.then_some(RetryReason::Lost);
+                (why, Loss::OUTCOME)
+            };
+            match why {
+                Some(why) if self.may_retry(&s, why, now) => self.retry(s, why),
+                _ => self.call_done(s, outcome, now),
+            }
         }
         self.ended = lost;
+    }
+
+    /// Whether `slot`'s call, safe to send again for `why`, is: it has tries and time left,
+    /// and the run's retry budget grants one (taken now; a refusal is counted).
+    fn may_retry(&mut self, slot: &Slot, why: RetryReason, now: Instant) -> bool {
+        let timeout = self.shared.config.call_timeout;
+        if slot.tries >= MAX_RETRIES || now.saturating_duration_since(slot.sent) >= timeout {
+            return false;
+        }
+        if self.shared.retry.withdraw(now) {
+            return true;
+        }
+        self.books.retry_refused(slot.step, why);
+        false
     }
 
     /// The connection `serial` refused a call unstarted: its target is draining. If it is
@@ -528,10 +573,20 @@ impl Worker {
         if not_run && outcome == CallOutcome::Replied(Status::Unavailable) {
             // Not an outcome: the call did not start there. The connection takes no more.
             self.drained(serial);
-            if slot.tries < MAX_REROUTES {
-                self.reroute(slot);
-                return;
+            if self.may_retry(&slot, RetryReason::NotRun, now) {
+                return self.retry(slot, RetryReason::NotRun);
             }
+        } else if outcome == CallOutcome::Replied(Status::Overloaded)
+            && self.links.would_leave_shedding(serial, now)
+            && self.may_retry(&slot, RetryReason::Overloaded, now)
+        {
+            // Shed unstarted: the worker leaves the target that shed it, and the call goes
+            // to the next one.
+            if let Some((aside, moved)) = self.links.leave_shedding(serial, now) {
+                self.moved(moved);
+                self.set_aside(aside);
+            }
+            return self.retry(slot, RetryReason::Overloaded);
         }
         if let (Some(decoding), Some(written)) = (decoding, slot.written) {
             let decoded = Instant::now();
@@ -549,9 +604,10 @@ impl Worker {
         self.call_done(slot, outcome, now);
     }
 
-    /// Sends `slot`'s call again (it was refused unstarted), keeping its intended start.
-    fn reroute(&mut self, slot: Slot) {
-        self.books.rerouted(slot.step);
+    /// Sends `slot`'s call again (for `why`, a retry granted), keeping its intended start
+    /// and its deadline: on the current connection, or parked for the next.
+    fn retry(&mut self, slot: Slot, why: RetryReason) {
+        self.books.retried(slot.step, why);
         let id = self.calls.issue(slot.retry());
         self.send(id);
     }
@@ -641,6 +697,7 @@ impl Worker {
         // Sent, whether or not it encodes or finds a connection: every call sent gets
         // exactly one outcome.
         self.books.sent(step);
+        self.issued += 1;
         self.send(id);
     }
 
@@ -664,13 +721,15 @@ impl Worker {
             }
         };
         let block = block.as_ref().map_or(&[][..], |b| &b[..]);
+        let before = link.io.wbuf().len();
         let encoded =
             self.shared
                 .workload
                 .encode(&mut self.codec, link.io.wbuf(), id, self.flags, block);
         match encoded {
             Ok(size) => {
-                link.carry();
+                let len = link.io.wbuf().len() - before;
+                slot.at = link.carry(len);
                 slot.place = Place::On(link.serial());
                 slot.encoding = encoding;
                 if let Some(a) = encoding {

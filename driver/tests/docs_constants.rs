@@ -6,17 +6,18 @@
 use std::time::Duration;
 
 use rpcmesh_driver::config::{DEFAULT_BACKLOG, DEFAULT_CALL_TIMEOUT};
-use rpcmesh_driver::connection::{ASK_TIMEOUT, HOME_RETRY};
+use rpcmesh_driver::connection::{ASK_TIMEOUT, HOME_RETRY, SHED_MOVE_SPACING};
 use rpcmesh_driver::failures::{MAX_TEXT_BYTES, MAX_TEXTS};
 use rpcmesh_driver::pacer::EXACT_SPIN;
 use rpcmesh_driver::stats::MAX_LATENCY_US;
-use rpcmesh_driver::{MAX_DRAINING, MAX_REROUTES};
+use rpcmesh_driver::{MAX_DRAINING, MAX_RETRIES};
 use rpcmesh_testkit::quoted::{self, Value, bytes, count, time};
 
 /// The driver's constants the docs quote, by the name they quote them under.
 fn driver() -> Vec<(&'static str, Value)> {
     vec![
-        ("driver::MAX_REROUTES", count(MAX_REROUTES)),
+        ("driver::MAX_RETRIES", count(MAX_RETRIES)),
+        ("driver::SHED_MOVE_SPACING", time(SHED_MOVE_SPACING)),
         ("driver::MAX_DRAINING", count(MAX_DRAINING)),
         ("driver::DEFAULT_CALL_TIMEOUT", time(DEFAULT_CALL_TIMEOUT)),
         ("driver::DEFAULT_BACKLOG", count(DEFAULT_BACKLOG)),

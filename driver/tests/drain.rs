@@ -10,12 +10,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
+use support::{finish, start};
+
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use rpcmesh_common::metrics::Telemetry;
 use rpcmesh_common::metrics::recorder::sample;
-use rpcmesh_common::net::shutdown::CancellationToken;
 use rpcmesh_driver::config::ProgressMode;
 use rpcmesh_driver::pacer::{Pacing, Schedule};
 use rpcmesh_driver::{DriverConfig, Report, Stop};
@@ -94,36 +97,6 @@ async fn terminate(mut p: Spawned) {
 /// Calls served successfully by a broker or provider process.
 fn served(p: &Spawned) -> f64 {
     p.metric("rpcmesh_calls_total", &[("status", "ok")])
-}
-
-/// Ends the run and returns its report.
-async fn finish(
-    run: tokio::task::JoinHandle<anyhow::Result<Report>>,
-    stop: CancellationToken,
-) -> Report {
-    stop.cancel();
-    tokio::time::timeout(WAIT_TIMEOUT, run)
-        .await
-        .expect("the run ends once stopped")
-        .unwrap()
-        .unwrap()
-}
-
-fn start(
-    config: DriverConfig,
-) -> (
-    Telemetry,
-    CancellationToken,
-    tokio::task::JoinHandle<anyhow::Result<Report>>,
-) {
-    let telemetry = Telemetry::new();
-    let stop = CancellationToken::new();
-    let run = tokio::spawn(rpcmesh_driver::run_with(
-        config,
-        telemetry.clone(),
-        stop.clone(),
-    ));
-    (telemetry, stop, run)
 }
 
 /// No call failed, at least one was re-routed, and every call sent has one outcome.

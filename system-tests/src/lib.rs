@@ -25,5 +25,8 @@ pub mod scripts;
 pub mod tools;
 
 pub use browser::headless_dom;
-pub use scripts::{ScriptRun, SmokeRun, program_dir, run_repo_command, run_script, smoke_script};
+pub use scripts::{
+    ScriptRun, SmokeRun, lab_namespaces_left, program_dir, run_repo_command, run_script,
+    smoke_script,
+};
 pub use tools::{need_tool, systemd_analyze_verify};

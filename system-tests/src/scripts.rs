@@ -1,7 +1,7 @@
 //! Running the workspace's own commands from a test: the measurement scripts
-//! (`scripts/bench`, `scripts/accuracy`, `scripts/capacity-lab`) in their smoke mode and
-//! the deployment rehearsal (`deploy/rehearse`), from the workspace root, their output to
-//! files (nothing blocks on a full pipe), killed if they hang.
+//! (`scripts/bench`, `scripts/accuracy`, `scripts/capacity-lab`, `scripts/faults`) in their
+//! smoke mode and the deployment rehearsal (`deploy/rehearse`), from the workspace root,
+//! their output to files (nothing blocks on a full pipe), killed if they hang.
 
 use std::time::Duration;
 
@@ -147,4 +147,24 @@ pub fn smoke_script(name: &str, tmp: &std::path::Path, timeout: Duration) -> Smo
         run.output
     );
     SmokeRun { run, out }
+}
+
+/// The network namespaces a lab script (`capacity-lab`: `rpcm`, `faults`: `rpcf`) left
+/// behind: those named `<prefix><pid>-<host>`. Only the lab's own are looked for: a
+/// deployment rehearsal's (`rpcm-<machine>`) may exist meanwhile.
+pub fn lab_namespaces_left(prefix: &str) -> Vec<String> {
+    let list = std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .expect("ip netns list (iproute2: scripts/deps)");
+    String::from_utf8_lossy(&list.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|name| {
+            name.strip_prefix(prefix)
+                .and_then(|rest| rest.split_once('-'))
+                .is_some_and(|(pid, _)| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .map(str::to_string)
+        .collect()
 }

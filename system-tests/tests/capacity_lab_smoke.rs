@@ -52,19 +52,6 @@ fn capacity_lab_smoke_mode_runs_the_search_across_namespaces() {
     assert!(smoke.run.stdout.contains("| experiment |"), "{output}");
     // Nothing is left behind: the lab's namespaces (`rpcm<pid>-<host>`) are gone. Only its
     // own are looked for: a deployment rehearsal's (`rpcm-<machine>`) may exist meanwhile.
-    let left = std::process::Command::new("ip")
-        .args(["netns", "list"])
-        .output()
-        .unwrap();
-    let left = String::from_utf8_lossy(&left.stdout);
-    let lab: Vec<&str> = left.lines().filter(|l| is_lab_namespace(l)).collect();
+    let lab = system::lab_namespaces_left("rpcm");
     assert!(lab.is_empty(), "namespaces left: {lab:?}");
-}
-
-/// Whether a line of `ip netns list` names a capacity lab's namespace, `rpcm<pid>-<host>`.
-fn is_lab_namespace(line: &str) -> bool {
-    let name = line.split_whitespace().next().unwrap_or("");
-    name.strip_prefix("rpcm")
-        .and_then(|rest| rest.split_once('-'))
-        .is_some_and(|(pid, _)| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
 }

@@ -8,14 +8,13 @@
 //! - [`ewma`]: each provider's latency as a peak-sensitive moving average, which the
 //!   router multiplies by its calls in flight to pick the better of two (`--balance
 //!   peak-ewma`, the default).
-//! - [`budget`]: retries of calls that are safe to send again draw from one budget, a
-//!   share of the calls plus a floor per second, so that retries never multiply an
-//!   overload.
+//! - retries of calls that are safe to send again draw from one budget, a share of the
+//!   calls plus a floor per second, so that retries never multiply an overload
+//!   (`rpcmesh_common::retry`, the driver's too).
 //!
 //! The flags are here ([`ResilienceArgs`]); the settings they validate into are
 //! [`ResilienceConfig`], and what the broker's parts share at run time is [`Guards`].
 
-pub(crate) mod budget;
 pub(crate) mod ewma;
 pub(crate) mod outlier;
 
@@ -24,7 +23,9 @@ pub use outlier::PROBE_SPACING;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use rpcmesh_common::cli::flags::{IdempotentArgs, RetryBudgetArgs};
 use rpcmesh_common::cli::{ConfigProblems, DurationArg};
+use rpcmesh_common::retry::RetryBudget;
 
 /// Consecutive failures that eject a provider (`--eject-consecutive-failures`; 0 = off):
 /// Envoy's `consecutive_5xx` and Finagle's failure accrual both take 5, few enough that a
@@ -53,15 +54,6 @@ pub const DEFAULT_EJECT_MAX_TIME: Duration = Duration::from_secs(300);
 /// percent`), rounded down: with two providers one may be ejected, with one none, so that
 /// a fault everywhere (the service's own, not one provider's) never empties the pool.
 pub const DEFAULT_MAX_EJECTION_PERCENT: u32 = 50;
-/// Retries allowed per call, in percent (`--retry-budget-percent`): Finagle's
-/// `RetryBudget` and tower's `TpsBudget` both take 20 %, so that under overload retries
-/// add at most a fifth to the load.
-pub const DEFAULT_RETRY_PERCENT: u32 = 20;
-/// Retries allowed per second whatever the traffic (`--retry-budget-min-per-second`):
-/// Finagle's and tower's 10, so that a quiet broker can still retry.
-pub const DEFAULT_RETRY_MIN_PER_SECOND: u32 = 10;
-/// How long a call's deposit in the retry budget lasts: Finagle's and tower's 10 s.
-pub const RETRY_BUDGET_TTL: Duration = Duration::from_secs(10);
 /// How fast a provider's latency estimate forgets (`--ewma-decay`): linkerd2-proxy's
 /// `EWMA_DECAY` (10 s, `linkerd/app/outbound/src/lib.rs`), so that a provider that was
 /// slow gets a call again within tens of seconds once nothing else is known of it.
@@ -97,13 +89,10 @@ pub struct ResilienceArgs {
     /// The largest share of the providers ejected at once, in percent (rounded down).
     #[arg(long, env = "RPCMESH_MAX_EJECTION_PERCENT", default_value_t = DEFAULT_MAX_EJECTION_PERCENT)]
     pub max_ejection_percent: u32,
-    /// Retries of calls safe to send again, as a percent of the calls of the last 10 s;
-    /// 0 with --retry-budget-min-per-second 0 = no retries.
-    #[arg(long, env = "RPCMESH_RETRY_BUDGET_PERCENT", default_value_t = DEFAULT_RETRY_PERCENT)]
-    pub retry_budget_percent: u32,
-    /// Retries allowed per second on top of the percent, whatever the traffic.
-    #[arg(long, env = "RPCMESH_RETRY_BUDGET_MIN_PER_SECOND", default_value_t = DEFAULT_RETRY_MIN_PER_SECOND)]
-    pub retry_budget_min_per_second: u32,
+    #[command(flatten)]
+    pub retry: RetryBudgetArgs,
+    #[command(flatten)]
+    pub idempotent: IdempotentArgs,
     /// How fast a provider's latency estimate forgets (--balance peak-ewma).
     #[arg(long, env = "RPCMESH_EWMA_DECAY", default_value_t = DurationArg(DEFAULT_EWMA_DECAY))]
     pub ewma_decay: DurationArg,
@@ -129,10 +118,8 @@ pub struct ResilienceConfig {
     pub eject_max_time: Duration,
     /// The largest share of providers ejected at once, percent.
     pub max_ejection_percent: u32,
-    /// Retries per call, percent.
-    pub retry_percent: u32,
-    /// Retries per second on top.
-    pub retry_min_per_second: u32,
+    /// The retry budget's share of the calls and floor.
+    pub retry: RetryBudgetArgs,
     /// The latency estimate's decay.
     pub ewma_decay: Duration,
     /// The latency assumed before the first reply.
@@ -149,8 +136,7 @@ impl Default for ResilienceConfig {
             eject_base_time: DEFAULT_EJECT_BASE_TIME,
             eject_max_time: DEFAULT_EJECT_MAX_TIME,
             max_ejection_percent: DEFAULT_MAX_EJECTION_PERCENT,
-            retry_percent: DEFAULT_RETRY_PERCENT,
-            retry_min_per_second: DEFAULT_RETRY_MIN_PER_SECOND,
+            retry: RetryBudgetArgs::default(),
             ewma_decay: DEFAULT_EWMA_DECAY,
             ewma_default_rtt: DEFAULT_EWMA_DEFAULT_RTT,
         }
@@ -195,8 +181,7 @@ impl ResilienceArgs {
             eject_base_time: self.eject_base_time.0,
             eject_max_time: self.eject_max_time.0,
             max_ejection_percent: self.max_ejection_percent,
-            retry_percent: self.retry_budget_percent,
-            retry_min_per_second: self.retry_budget_min_per_second,
+            retry: self.retry,
             ewma_decay: self.ewma_decay.0,
             ewma_default_rtt: self.ewma_default_rtt.0,
         }
@@ -209,7 +194,7 @@ impl ResilienceArgs {
 pub(crate) struct Guards {
     pub config: ResilienceConfig,
     pub ejections: Arc<outlier::Ejections>,
-    pub budget: budget::RetryBudget,
+    pub budget: RetryBudget,
 }
 
 impl Guards {
@@ -219,11 +204,7 @@ impl Guards {
                 config.max_ejection_percent,
                 metrics.ejected.clone(),
             )),
-            budget: budget::RetryBudget::new(
-                config.retry_percent,
-                config.retry_min_per_second,
-                RETRY_BUDGET_TTL,
-            ),
+            budget: config.retry.budget(),
             config,
         })
     }

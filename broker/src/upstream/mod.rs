@@ -592,6 +592,15 @@ impl ProviderPool {
                     .draining_below
                     .compare_exchange(mark, 0, Ordering::Relaxed, Ordering::Relaxed)
                     .is_ok();
+            // Back after it had no healthy connection, or after its drain: what was
+            // measured of it was another process's, and its next call is a probe
+            // (`crate::resilience::ewma`).
+            if back || (healthy_before == 0 && healthy > 0) {
+                let now = std::time::Instant::now();
+                self.link
+                    .ewma
+                    .forget(self.link.guards.config.ewma_default_rtt, now);
+            }
             self.ready.store(Arc::new(conns));
             self.link.settle();
             if back {

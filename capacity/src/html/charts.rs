@@ -95,10 +95,10 @@ pub(super) struct Chart {
 /// A line through points, with a legend label.
 #[derive(Debug, Clone)]
 pub(super) struct Series {
-    label: String,
-    color: RGBColor,
+    pub(super) label: String,
+    pub(super) color: RGBColor,
     /// Finite points, sorted by x.
-    points: Vec<(f64, f64)>,
+    pub(super) points: Vec<(f64, f64)>,
 }
 
 /// Draws an SVG of `size` with `draw`.
@@ -367,7 +367,7 @@ fn peak(f: &UslFit, max_users: f64) -> Option<(f64, f64)> {
 /// A line chart's frame on `root`: titled `title`, its axes over `x` and `y` (ranges of
 /// `f64`, linear or logarithmic) described by `desc` (x, y), and their ticks labelled by
 /// [`tick`].
-fn line_axes<'a, X, Y>(
+pub(super) fn line_axes<'a, X, Y>(
     root: &Area<'a>,
     title: &str,
     (x_desc, y_desc): (&str, &str),

@@ -12,6 +12,9 @@
 
 mod bars;
 mod charts;
+mod faults;
+
+pub use faults::render as render_faults;
 
 use std::collections::BTreeSet;
 use std::time::{Duration, UNIX_EPOCH};
@@ -49,37 +52,47 @@ figcaption{font-size:.9em;color:#555}";
 /// The HTML report of `report`: one file, nothing outside it.
 pub fn render(report: &CapacityReport) -> String {
     let r = report;
+    let title = format!("rpcmesh capacity: {}", r.setup.workload);
+    let body = html! {
+        h1 { (title) }
+        (summary(r))
+        (setup(r))
+        (slo(r))
+        h2 { "Searches" }
+        @for s in &r.searches {
+            (search(r, s))
+        }
+        @if r.searches.is_empty() {
+            p { "No search was run." }
+        }
+        (figure("throughput", charts::throughput_chart(r)))
+        (figure("latency", charts::latency_chart(r)))
+        @if let Some(c) = &r.comparison {
+            (comparison(c))
+        }
+        (figure("compression", bars::compression_chart(r)))
+        @if let Some(s) = &r.sweep {
+            (sweep(r, s))
+            (figure("usl", charts::usl_chart(s)))
+        }
+    };
+    page(&title, body)
+}
+
+/// A whole page titled `title` around `body`: the style sheet, and at its end the script
+/// that marks which charts were drawn.
+fn page(title: &str, body: Markup) -> String {
     let page = html! {
         (DOCTYPE)
         html lang="en" {
             head {
                 meta charset="utf-8";
                 meta name="viewport" content="width=device-width, initial-scale=1";
-                title { "rpcmesh capacity: " (r.setup.workload) }
+                title { (title) }
                 style { (PreEscaped(STYLE)) }
             }
             body {
-                h1 { "rpcmesh capacity: " (r.setup.workload) }
-                (summary(r))
-                (setup(r))
-                (slo(r))
-                h2 { "Searches" }
-                @for s in &r.searches {
-                    (search(r, s))
-                }
-                @if r.searches.is_empty() {
-                    p { "No search was run." }
-                }
-                (figure("throughput", charts::throughput_chart(r)))
-                (figure("latency", charts::latency_chart(r)))
-                @if let Some(c) = &r.comparison {
-                    (comparison(c))
-                }
-                (figure("compression", bars::compression_chart(r)))
-                @if let Some(s) = &r.sweep {
-                    (sweep(r, s))
-                    (figure("usl", charts::usl_chart(s)))
-                }
+                (body)
                 script { (PreEscaped(drawn_check_script())) }
             }
         }

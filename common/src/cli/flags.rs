@@ -1,8 +1,9 @@
 //! Flag groups more than one program takes, flattened into each program's `Args`: the
 //! runtime's threads ([`RuntimeArgs`]), stage sampling ([`StageArgs`]), compression
-//! tuning ([`CompressionArgs`]) and the servers' connection timeouts and memory budget
-//! ([`LimitArgs`]). Each flag is written here once, with its environment
-//! fallback and its default as a named constant.
+//! tuning ([`CompressionArgs`]), the servers' connection timeouts and memory budget
+//! ([`LimitArgs`]), and the retry budget and idempotent calls of the broker and the
+//! driver ([`RetryBudgetArgs`], [`IdempotentArgs`]). Each flag is written here once, with its environment fallback
+//! and its default as a named constant.
 
 use rpcmesh_wire::compress::{
     CompressionConfig, DEFAULT_COMPRESS_LEVEL, DEFAULT_COMPRESS_THRESHOLD,
@@ -15,6 +16,7 @@ use crate::net::budget::DEFAULT_MEMORY_BUDGET;
 use crate::net::session::{
     DEFAULT_FRAME_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_WRITE_TIMEOUT, Timeouts,
 };
+use crate::retry::{DEFAULT_RETRY_MIN_PER_SECOND, DEFAULT_RETRY_PERCENT, Idempotent, RetryBudget};
 
 /// Worker threads unless told otherwise: 0, one per CPU the process may run on.
 pub const DEFAULT_THREADS: usize = 0;
@@ -158,5 +160,66 @@ impl LimitArgs {
             )
         });
         b
+    }
+}
+
+/// The retry budget (`crate::retry`): the share of the calls, and the floor per second,
+/// that retries of calls safe to send again may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::Args)]
+pub struct RetryBudgetArgs {
+    /// Retries of calls safe to send again, as a percent of the calls of the last 10 s;
+    /// 0 with --retry-budget-min-per-second 0 = no retries.
+    #[arg(long, env = "RPCMESH_RETRY_BUDGET_PERCENT", default_value_t = DEFAULT_RETRY_PERCENT)]
+    pub retry_budget_percent: u32,
+    /// Retries allowed per second on top of the percent, whatever the traffic.
+    #[arg(long, env = "RPCMESH_RETRY_BUDGET_MIN_PER_SECOND", default_value_t = DEFAULT_RETRY_MIN_PER_SECOND)]
+    pub retry_budget_min_per_second: u32,
+}
+
+impl Default for RetryBudgetArgs {
+    fn default() -> Self {
+        RetryBudgetArgs {
+            retry_budget_percent: DEFAULT_RETRY_PERCENT,
+            retry_budget_min_per_second: DEFAULT_RETRY_MIN_PER_SECOND,
+        }
+    }
+}
+
+impl RetryBudgetArgs {
+    /// The budget the flags give.
+    pub fn budget(&self) -> RetryBudget {
+        RetryBudget::of(self.retry_budget_percent, self.retry_budget_min_per_second)
+    }
+}
+
+/// The calls marked idempotent (`crate::retry::Idempotent`): those lost in flight may be
+/// retried too.
+#[derive(Debug, Clone, Default, PartialEq, Eq, clap::Args)]
+pub struct IdempotentArgs {
+    /// Calls that may run twice without harm (Service.Method, Service.* or *; repeatable,
+    /// or several separated by commas): one lost in flight (its connection lost after it
+    /// was written) may be retried, within the retry budget. None by default.
+    #[arg(
+        long = "idempotent",
+        env = "RPCMESH_IDEMPOTENT",
+        value_delimiter = ',',
+        value_name = "CALLS"
+    )]
+    pub idempotent: Vec<String>,
+}
+
+impl IdempotentArgs {
+    /// The calls marked; a bad pattern is recorded in `problems`.
+    pub fn calls(&self, problems: &mut ConfigProblems) -> Idempotent {
+        let given: Vec<&str> = self
+            .idempotent
+            .iter()
+            .map(|s| s.trim())
+            .filter(|s| !s.is_empty())
+            .collect();
+        Idempotent::parse(&given).unwrap_or_else(|e| {
+            problems.check(true, || format!("--idempotent {e}"));
+            Idempotent::default()
+        })
     }
 }

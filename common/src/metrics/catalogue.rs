@@ -125,6 +125,7 @@ const ALL: &[Role] = &Role::ALL;
 const PROVIDER_DRIVER: &[Role] = &[Role::Provider, Role::Driver];
 const PROVIDER_BROKER: &[Role] = &[Role::Provider, Role::Broker];
 const BROKER: &[Role] = &[Role::Broker];
+const BROKER_DRIVER: &[Role] = &[Role::Broker, Role::Driver];
 const DRIVER: &[Role] = &[Role::Driver];
 
 const ROLE: &[&str] = &["role"];
@@ -387,16 +388,16 @@ pub const CALLS_REROUTED_TOTAL: Family = Family {
     name: "rpcmesh_calls_rerouted_total",
     kind: Counter,
     labels: &["role", "reason"],
-    roles: BROKER,
-    help: "Calls handed back to be routed to another provider, not having run: reason=not_run (a draining provider refused it), unsent (its connection closed before it was written), overloaded (the provider answered overloaded). Each retry is drawn from the retry budget (docs/resilience.md); each call still ends once in rpcmesh_calls_total.",
+    roles: BROKER_DRIVER,
+    help: "Calls sent again, by the broker to another provider or by the driver to another target: reason=not_run (a draining server refused it), unsent (its connection closed before it was written), overloaded (the server shed it), lost (its connection was lost after it was written; idempotent calls only). Each retry is drawn from the retry budget (docs/resilience.md); each call still ends once in rpcmesh_calls_total.",
 };
 /// `rpcmesh_retry_budget_exhausted_total{role, reason}`.
 pub const RETRY_BUDGET_EXHAUSTED_TOTAL: Family = Family {
     name: "rpcmesh_retry_budget_exhausted_total",
     kind: Counter,
     labels: &["role", "reason"],
-    roles: BROKER,
-    help: "Calls safe to retry that were not retried because the retry budget (--retry-budget-percent of the calls of the last 10 s, plus --retry-budget-min-per-second) was spent, by the reason they would have been retried for (not_run, unsent, overloaded): the caller got the answer as it came.",
+    roles: BROKER_DRIVER,
+    help: "Calls safe to retry that were not retried because the retry budget (--retry-budget-percent of the calls of the last 10 s, plus --retry-budget-min-per-second) was spent, by the reason they would have been retried for (not_run, unsent, overloaded, lost): the caller got the answer as it came.",
 };
 /// `rpcmesh_upstream_ejections_total{role, upstream, reason}`.
 pub const UPSTREAM_EJECTIONS_TOTAL: Family = Family {
@@ -510,14 +511,6 @@ pub const DRIVER_LATENCY_SECONDS: Family = Family {
     labels: &["role", "of", "from"],
     roles: DRIVER,
     help: "Latency of what the driver finished successfully: of=call (successful calls) or request (successful requests); from=intended (from the start the schedule meant: corrected for coordinated omission, the figure to read) or sent (from the actual start; open loop only, for comparison).",
-};
-/// `rpcmesh_driver_rerouted_total{role}`.
-pub const DRIVER_REROUTED_TOTAL: Family = Family {
-    name: "rpcmesh_driver_rerouted_total",
-    kind: Counter,
-    labels: ROLE,
-    roles: DRIVER,
-    help: "Calls the driver sent again, on another connection (to another target when it has one), because a draining broker or provider refused them unstarted (a reply flagged NOT_RUN); each call still ends once in rpcmesh_calls_total.",
 };
 /// `rpcmesh_driver_users{role}`.
 pub const DRIVER_USERS: Family = Family {
@@ -714,7 +707,6 @@ pub const CATALOGUE: &[&Family] = &[
     &DRIVER_OFFERED_CALLS_PER_SECOND,
     &DRIVER_ACHIEVED_CALLS_PER_SECOND,
     &DRIVER_LATENCY_SECONDS,
-    &DRIVER_REROUTED_TOTAL,
     &DRIVER_USERS,
     &SOFTIRQS_TOTAL,
     &CPU_SECONDS_TOTAL,

@@ -285,6 +285,7 @@ mod fixtures {
             refused_by_drain: false,
             avoid: crate::call::Avoid::None,
             reserved: None,
+            idempotent: false,
         }
     }
 }

@@ -133,6 +133,7 @@ impl ConnState {
                     kept: Kept::Nowhere,
                     retries: fwd.retries,
                     refused_by_drain: fwd.refused_by_drain,
+                    idempotent: fwd.idempotent,
                 },
                 |key| neutral_id(client_id, key),
             )
@@ -273,21 +274,29 @@ impl Calls {
         } else {
             None
         };
+        let in_flight = table.len();
         for id in queued.drain(..) {
             if let Some(slot) = table.get_mut(id) {
-                if let Kept::Queued { at, len } = slot.kept {
-                    // A batch too large for the ring (a large request in it) has its
-                    // small requests put in one by one.
-                    let pos = match base {
-                        Some(base) => Some(base + at as u64),
-                        None if keep_request => wbuf.get(at..at + len).and_then(|b| ring.push(b)),
-                        None => None,
-                    };
-                    slot.kept = pos.map_or(Kept::Nowhere, |pos| Kept::Ring { pos, len });
-                } else if !keep_request {
-                    // A plain v1 server's calls keep nothing once written (only an rpcmesh
-                    // provider refuses with NOT_RUN).
-                    slot.kept = Kept::Nowhere;
+                // An rpcmesh provider's calls keep their requests (it may refuse them
+                // NOT_RUN), and so do idempotent calls, which go again if lost in flight; a
+                // plain v1 server's others keep nothing once written.
+                let keep = keep_request || slot.idempotent;
+                match slot.kept {
+                    Kept::Queued { at, len } => {
+                        // A batch too large for the ring (a large request in it), or a
+                        // plain v1 server's idempotent call, goes in on its own.
+                        let pos = match base {
+                            Some(base) => Some(base + at as u64),
+                            None if keep => {
+                                ring.fit(len * in_flight, budget);
+                                wbuf.get(at..at + len).and_then(|b| ring.push(b))
+                            }
+                            None => None,
+                        };
+                        slot.kept = pos.map_or(Kept::Nowhere, |pos| Kept::Ring { pos, len });
+                    }
+                    _ if !keep => slot.kept = Kept::Nowhere,
+                    _ => {}
                 }
                 if slot.info.routed.is_some() {
                     round.push(id);
@@ -347,12 +356,14 @@ pub(super) struct Slot {
     pub retries: u8,
     /// A draining provider refused it before (see [`Forward::refused_by_drain`]).
     pub refused_by_drain: bool,
+    /// Marked idempotent (see [`Forward::idempotent`]).
+    pub idempotent: bool,
 }
 
 impl Slot {
     /// Gives the call back to its session with its request frame, to be routed again,
-    /// away from `provider` (its `PoolLink::id`): strictly when the provider refused or
-    /// shed it, by preference when only the connection failed. Dropped when the session is
+    /// away from `provider` (its `PoolLink::id`): strictly when the provider refused,
+    /// shed or lost it, by preference when only the connection failed before the write. Dropped when the session is
     /// gone (nobody is left to answer).
     pub fn hand_back(self, request: Frame, why: Reroute, provider: u64) {
         let to = self.reply_to.clone();
@@ -370,8 +381,9 @@ impl Slot {
             refused_by_drain: self.refused_by_drain || why == Reroute::NotRun,
             avoid: match why {
                 Reroute::Unsent => Avoid::Prefer(provider),
-                Reroute::NotRun | Reroute::Overloaded => Avoid::Never(provider),
+                Reroute::NotRun | Reroute::Overloaded | Reroute::Lost => Avoid::Never(provider),
             },
+            idempotent: self.idempotent,
         };
         to.send(Reply::Retry(fwd, why));
     }

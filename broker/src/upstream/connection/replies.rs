@@ -312,10 +312,36 @@ impl ConnTask {
     fn hand_back(&mut self, slot: Slot, request: Frame, why: Reroute) {
         let status = match why {
             Reroute::Overloaded => Status::Overloaded,
-            Reroute::NotRun | Reroute::Unsent => Status::Unavailable,
+            Reroute::NotRun | Reroute::Unsent | Reroute::Lost => Status::Unavailable,
         };
         settled(&self.state, &self.metrics, status);
         slot.hand_back(request, why, self.link.id);
+    }
+
+    /// A call written on this connection was lost with it (`failure`): when it is marked
+    /// idempotent, its request is still held (`request`, taken from where it was kept),
+    /// it has tries and time left and the retry budget grants one, it goes back to its
+    /// session to be sent to another provider (the loss still counts against this
+    /// provider); else it is answered with the failure.
+    pub fn lose_slot(&self, slot: Slot, request: Option<Frame>, failure: Failure) {
+        let now = Instant::now();
+        let retry = slot.idempotent
+            && request.is_some()
+            && slot.retries < crate::session::MAX_RETRIES
+            && now < slot.deadline;
+        if retry {
+            if self.link.guards.budget.withdraw(now) {
+                if let Some(request) = request {
+                    self.link.outlier.record(Verdict::Fault, now);
+                    settled(&self.state, &self.metrics, failure.status());
+                    slot.hand_back(request, Reroute::Lost, self.link.id);
+                    return;
+                }
+            } else {
+                self.metrics.budget_exhausted[Reroute::Lost as usize].increment(1);
+            }
+        }
+        self.fail_slot(slot, failure);
     }
 
     /// Answers a call taken off the table with a failure of the broker's own making, and

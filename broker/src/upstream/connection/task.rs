@@ -351,7 +351,13 @@ impl ConnTask {
                         provider: self.settings.label.clone(),
                         cause: end.clone(),
                     };
-                    self.fail_slot(slot, failure);
+                    // Written: an idempotent call may go again, with its request.
+                    let request = if slot.idempotent {
+                        calls.take_request(&mut slot)
+                    } else {
+                        None
+                    };
+                    self.lose_slot(slot, request, failure);
                 }
             }
         }
