@@ -20,6 +20,9 @@ use rpcmesh_testkit::Spawned;
 use rpcmesh_wire::Status;
 use rpcmesh_wire::proto::rpc::EchoRequest;
 
+/// Held by the tests whose load would disturb the latency estimate another test reads.
+static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Makes `calls` echo calls through `addr`, `parallel` at a time; returns how many did not
 /// succeed.
 async fn failed_calls(addr: SocketAddr, calls: usize, parallel: usize) -> usize {
@@ -84,6 +87,7 @@ const NO_EJECTION: &[&str] = &[
 /// the calls fail. It is one of two providers, so the cap (half of them) lets it go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_black_hole_beside_a_healthy_provider_is_ejected_and_under_one_percent_fail() {
+    let _alone = ALONE.lock().await;
     let healthy = Spawned::start("provider", &[]);
     let hole = Spawned::start("provider", &["--classic", "--fail-calls"]);
     let ups = [("--upstream", healthy.rpc), ("--upstream-v1", hole.rpc)];
@@ -136,6 +140,9 @@ async fn a_black_hole_beside_a_healthy_provider_is_ejected_and_under_one_percent
 /// a time, so that each provider has answered once).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_provider_gets_almost_no_call_under_peak_ewma() {
+    // Alone: the other tests' floods of calls would stall the healthy provider, and each
+    // stall is a peak the estimate keeps for seconds.
+    let _alone = ALONE.lock().await;
     let healthy = Spawned::start("provider", &[]);
     let slow = Spawned::start("provider", &["--service-time", "20ms"]);
     let ups = [("--upstream", healthy.rpc), ("--upstream", slow.rpc)];
@@ -176,6 +183,7 @@ async fn a_slow_provider_gets_almost_no_call_under_peak_ewma() {
 /// Retries never exceed the budget: the counter stays under 20 % of the calls plus 100.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retries_of_shed_calls_go_to_another_provider_within_the_budget() {
+    let _alone = ALONE.lock().await;
     let healthy = Spawned::start("provider", &[]);
     let shedding = Spawned::start(
         "provider",
@@ -288,6 +296,7 @@ fn timeouts_at_a_deadline_the_caller_set_shorter_eject_no_provider() {
 /// calls.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_overload_retries_never_exceed_the_budget() {
+    let _alone = ALONE.lock().await;
     let shedding = || {
         Spawned::start(
             "provider",
