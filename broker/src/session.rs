@@ -64,15 +64,6 @@ const GATHER_YIELDS: usize = 1;
 /// the clock before it is forwarded: handling a read's earlier calls takes microseconds,
 /// which only so short a budget can miss. Longer ones are judged at the read's instant.
 const FRESH_CLOCK_BELOW: Duration = Duration::from_millis(1);
-/// The start of an extension block that holds a deadline and nothing else: its length
-/// (one field), the field's tag and the value's length.
-const DEADLINE_ONLY: [u8; 5] = [
-    0,
-    (3 + ext::DEADLINE_LEN) as u8,
-    ext::TAG_DEADLINE,
-    0,
-    ext::DEADLINE_LEN as u8,
-];
 /// Tag bit of a call whose (service, method) has no labels yet.
 const PENDING: u32 = 1 << 31;
 /// How often a call handed back without having run (its connection closed before it was
@@ -208,7 +199,7 @@ impl Protocol for Session {
         // certificates name).
         let within = budget.is_some_and(|b| b <= self.shared.config.call_timeout);
         let verbatim = match frame.body.get(..ext::DEADLINE_BLOCK_LEN) {
-            Some(b) if within && b[..5] == DEADLINE_ONLY => Verbatim::Deadline {
+            Some(b) if within && b[..5] == ext::DEADLINE_ONLY => Verbatim::Deadline {
                 budget_us: u32::from_be_bytes([b[5], b[6], b[7], b[8]]),
                 body: frame.body.clone(),
                 trailer: self.trailer,

@@ -59,6 +59,15 @@ pub const MAX_DEADLINE: Duration = Duration::from_micros(u32::MAX as u64);
 pub const DEADLINE_FIELD: &str = "deadline";
 /// A block holding only a deadline: its length.
 pub const DEADLINE_BLOCK_LEN: usize = 2 + 3 + DEADLINE_LEN;
+/// How a block holding only a deadline begins: its length (one field), the field's tag and
+/// the value's length; the value's four bytes follow.
+pub const DEADLINE_ONLY: [u8; 5] = [
+    0,
+    (3 + DEADLINE_LEN) as u8,
+    TAG_DEADLINE,
+    0,
+    DEADLINE_LEN as u8,
+];
 /// The longest extension block taken: 4 KiB holds the caller (2 KiB at most) and the
 /// fields to come; a longer one is refused as malformed.
 pub const MAX_BLOCK_LEN: usize = 4096;
@@ -171,6 +180,17 @@ pub fn put_ext_request_with_deadline(
 /// field running past the block, a caller that is not UTF-8 or is too long, a deadline
 /// whose value is not [`DEADLINE_LEN`] bytes.
 pub fn split(body: &Bytes) -> Result<(Fields<'_>, Bytes), FrameError> {
+    // The block of nearly every call: its deadline alone, read without the walk.
+    if let Some(d) = body.get(..DEADLINE_BLOCK_LEN) {
+        if d[..DEADLINE_ONLY.len()] == DEADLINE_ONLY {
+            let micros = u32::from_be_bytes([d[5], d[6], d[7], d[8]]);
+            let fields = Fields {
+                caller: None,
+                deadline: Some(Duration::from_micros(u64::from(micros))),
+            };
+            return Ok((fields, body.slice(DEADLINE_BLOCK_LEN..)));
+        }
+    }
     let mut b = &body[..];
     if b.len() < 2 {
         return Err(bad("no block length"));
