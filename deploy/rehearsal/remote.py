@@ -134,6 +134,17 @@ class Controller:
     def ssh_text(self, host: Host, command: str, *, timeout: float = SSH_TIMEOUT) -> str:
         return self.ssh(host, command, timeout=timeout).stdout.decode(errors="replace")
 
+    def put(self, host: Host, path: str, data: bytes, mode: str = "0600") -> None:
+        """Writes `data` to a file on a machine (over the SSH connection, with cat), with
+        `mode`, renamed into place whole."""
+        self.run_input(host, f"mkdir -p $(dirname {path}) && umask 077 && cat > {path}.tmp && "
+                             f"chmod {mode} {path}.tmp && mv -f {path}.tmp {path}", data)
+
+    def run_input(self, host: Host, command: str, data: bytes):
+        """Runs a shell command on a machine with `data` on its stdin."""
+        return proc.run(in_controller(["ssh", *self.ssh_options(), f"root@{host.ip}", command]),
+                        timeout=SSH_TIMEOUT, input=data)
+
     def fetch(self, host: Host, path: str, local: Path) -> None:
         """Copies a file from a machine (over the SSH connection, with cat)."""
         local.write_bytes(self.ssh(host, f"cat {path}").stdout)

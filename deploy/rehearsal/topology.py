@@ -37,6 +37,14 @@ BROKER_METRICS_PORT = 9770
 DRIVER_METRICS_PORT = 9790
 PROMETHEUS_PORT = 9090
 
+#: What the role tls installs on every rpcmesh host (deploy/ansible/group_vars: the
+#: programs' rpcmesh_*_tls_* variables): the fleet's CA, and each program's certificate
+#: with its key in one file (given as both --tls-cert and --tls-key).
+TLS_CA = "/etc/rpcmesh/ca.pem"
+TLS_FILE = "/etc/rpcmesh/{program}.pem"
+#: The identities' trust domain (group_vars/all.yml's rpcmesh_tls_trust_domain).
+TRUST_DOMAIN = "rpcmesh.internal"
+
 #: The unit that must be active on every machine of a group once deployed.
 UNITS = {
     "providers": "rpcmesh-provider.service",

@@ -1,9 +1,11 @@
 //! The deployment test: `deploy/rehearse`, the whole rehearsal of deploy/REHEARSAL.md,
 //! end to end. Eight Debian machines booted with systemd-nspawn in network namespaces,
-//! the Ansible playbooks run over SSH from a controller namespace, the units and the
-//! Prometheus targets checked, the firewall keeping a driver away from a provider, both
-//! drivers against both brokers with their HDR logs merged, a third provider joined
-//! through the providers file, the rolling restart under load, a rollout that fails after
+//! the Ansible playbooks run over SSH from a controller namespace (mutual TLS on every
+//! hop), the units and the Prometheus targets checked, the firewall keeping a driver away
+//! from a provider, drivers with no certificate, in plaintext or with an identity the
+//! policy does not name getting no call through, both drivers against both brokers with
+//! their HDR logs merged, a third provider joined through the providers file, every
+//! certificate rotated under load, the rolling restart under load, a rollout that fails after
 //! its copy and the run after it, a lost restart caught, a broken build rolled back
 //! automatically, all with zero failed calls, `--check --diff` clean on every host, and a
 //! frozen provider restarted by systemd's watchdog; then everything removed.
@@ -43,7 +45,7 @@ const FLEET_RATE: &str = "250";
 const CHANGE_RATE: &str = "30";
 
 /// The steps the report must have, each ok, in this order.
-const STEPS: [&str; 17] = [
+const STEPS: [&str; 18] = [
     "build",
     "lint",
     "image",
@@ -51,9 +53,10 @@ const STEPS: [&str; 17] = [
     "boot",
     "deploy",
     "units active",
-    "firewall",
+    "firewall and mTLS",
     "fleet run",
     "join a provider",
+    "rotate certificates",
     "rolling restart",
     "lost restart",
     "rollback",
@@ -121,11 +124,36 @@ fn rehearsal_deploys_changes_and_rolls_back_the_fleet_with_zero_failed_calls() {
     let firewall = &f["firewall"];
     assert_eq!(firewall["rpcm-drv1->rpcm-prv1:7800"], "dropped", "{f:#}");
     assert_eq!(firewall["rpcm-drv1->rpcm-brk1:7700"], "open", "{f:#}");
+    // Mutual TLS on every hop: a driver with no certificate, and one in plaintext, is
+    // refused at the handshake, counted by reason; an identity the policy does not name
+    // gets "permission denied" on every call, each counted by the broker.
+    let refused = &f["mtls_refusals"];
+    assert!(
+        refused["refused_no_certificate"].as_u64().unwrap() >= 1,
+        "{f:#}"
+    );
+    assert!(refused["refused_not_tls"].as_u64().unwrap() >= 1, "{f:#}");
+    let denied = refused["denied_calls"].as_u64().unwrap();
+    assert!(denied > 0, "{f:#}");
+    assert_eq!(refused["denied_counted"].as_u64(), Some(denied), "{f:#}");
+    assert!(
+        refused["denied_said"]
+            .as_str()
+            .unwrap()
+            .starts_with("permission denied: spiffe://rpcmesh.internal/tester/"),
+        "{f:#}"
+    );
+    // Every certificate renewed under load and read by the 3 providers and 2 brokers
+    // without a restart (the change run's zero failed calls covers it, below).
+    assert_eq!(
+        f["rotation"]["servers_reloaded_without_restart"], 5,
+        "{f:#}"
+    );
     // The broken build was put back on the first provider, the others never touched.
     assert_eq!(f["rollback"]["host"], "rpcm-prv1", "{f:#}");
     assert_eq!(f["rollback"]["others_untouched"], 2, "{f:#}");
-    // The join, the rolling restart, the lost restart and the rollback under load: not
-    // one call failed.
+    // The join, the rotation, the rolling restart, the lost restart and the rollback
+    // under load: not one call failed.
     let during = &f["during_changes"];
     assert!(during["calls"].as_u64().unwrap() > 0, "{f:#}");
     assert_eq!(during["failed_calls"], 0, "{f:#}");
