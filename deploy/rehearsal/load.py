@@ -49,9 +49,10 @@ class Run:
 
 
 def start(ctl: Controller, name: str, *, rate: float, duration: float, warmup: float,
-          concurrency: int) -> Run:
-    """Starts the driver on every driver machine, each against every broker."""
-    drivers, brokers = group("drivers"), group("brokers")
+          concurrency: int, drivers: list[Host] | None = None) -> Run:
+    """Starts the driver on every driver machine (or on `drivers`), each against every
+    broker."""
+    drivers, brokers = drivers or group("drivers"), group("brokers")
     args = [a for b in brokers for a in ("--target", f"{b.ip}:{BROKER_PORT}")]
     # Mutual TLS, as the role tls installs it: the fleet's CA, the driver's certificate.
     cert = TLS_FILE.format(program="driver")
