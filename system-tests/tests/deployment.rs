@@ -49,10 +49,10 @@ const CHANGE_RATE: &str = "30";
 /// The steps the report must have, each ok, in this order.
 const STEPS: [&str; 20] = [
     "build",
-    "lint",
     "image",
     "network",
     "boot",
+    "lint",
     "deploy",
     "units active",
     "firewall and mTLS",
