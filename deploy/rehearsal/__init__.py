@@ -16,6 +16,11 @@ One module per concern, each used only by the ones after it:
 - `load`: driver runs on the driver machines, their HDR logs and reports, the merge;
 - `scenarios`: the firewall's check, a lost restart, the rollback of a broken build,
   check mode;
+- `security`: mutual TLS's refusals (no certificate, plaintext, an identity the policy
+  does not name) and the rotation of every certificate under load;
+- `alerts`: the webhook receiver on the monitoring machine (`webhook.py`, a script run
+  there), the alerts' settings, and an alert fired by a provider failing its calls,
+  delivered firing, then resolved;
 - `report`: the steps' outcomes and the figures, printed and as JSON.
 
 `deploy/rehearse` is the command: it runs the steps in order and removes everything it

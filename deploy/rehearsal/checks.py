@@ -1,6 +1,7 @@
-"""What the rehearsal checks on the deployed fleet: each machine's systemd state and its
-group's unit, Prometheus's targets on the monitoring host, and figures read from the
-programs' own /metrics pages (the Prometheus text format, parsed here: stdlib only).
+"""What the rehearsal checks on the deployed fleet: each machine's systemd state, its
+group's units and its node_exporter, Prometheus's targets on the monitoring host, and
+figures read from the programs' own /metrics pages (the Prometheus text format, parsed
+here: stdlib only).
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from . import proc
 from .remote import Controller
 from .topology import (
     BROKER_METRICS_PORT,
+    EVERY_MACHINE_UNITS,
     MACHINES,
     DRIVER_METRICS_PORT,
+    NODE_EXPORTER_PORT,
     PROMETHEUS_PORT,
     PROVIDER_METRICS_PORT,
     PROVIDER_PORT,
@@ -99,16 +102,18 @@ def system_state(ctl: Controller, m: Host) -> str:
 
 
 def units_active(ctl: Controller, *, joined: bool) -> dict[str, str]:
-    """Each deployed machine's unit and its state (`active` when all is well), and each
-    machine's own state (`running`: no unit failed)."""
+    """Each deployed machine's units and their states (`active` when all is well), and
+    each machine's own state (`running`: no unit failed)."""
     states = {}
     for m in MACHINES:
-        if joined or not m.joins_later:
-            states[f"{m.name} system"] = system_state(ctl, m)
-    for g, unit in UNITS.items():
-        for m in group(g, joined=joined):
-            r = ctl.ssh(m, f"systemctl is-active {unit}", check=False)
-            states[f"{m.name} {unit}"] = r.stdout.decode().strip() or f"exit {r.returncode}"
+        if not (joined or not m.joins_later):
+            continue
+        states[f"{m.name} system"] = system_state(ctl, m)
+        units = (*UNITS.get(m.group, ()), *EVERY_MACHINE_UNITS)
+        r = ctl.ssh(m, f"systemctl is-active {' '.join(units)}", check=False)
+        said = r.stdout.decode().split()
+        for i, unit in enumerate(units):
+            states[f"{m.name} {unit}"] = said[i] if i < len(said) else f"exit {r.returncode}"
     return states
 
 
@@ -169,11 +174,12 @@ def wait_targets_up(ctl: Controller, expected: list[tuple[Host, int]], timeout: 
 
 def expected_targets(*, joined: bool, drivers: bool) -> list[tuple[Host, int]]:
     """The (machine, port) pairs Prometheus must scrape: every program's metrics endpoint
-    (the drivers' only while they run)."""
+    (the drivers' only while they run), and every machine's node_exporter."""
     ports = {"providers": PROVIDER_METRICS_PORT, "brokers": BROKER_METRICS_PORT}
     if drivers:
         ports["drivers"] = DRIVER_METRICS_PORT
-    return [(m, p) for g, p in ports.items() for m in group(g, joined=joined)]
+    programs = [(m, p) for g, p in ports.items() for m in group(g, joined=joined)]
+    return programs + [(m, NODE_EXPORTER_PORT) for m in MACHINES if joined or not m.joins_later]
 
 
 def provider_calls(ctl: Controller, host: Host) -> float:

@@ -22,12 +22,14 @@ SUITE = "bookworm"
 #: The smallest root that boots systemd: what the packages below need and nothing more.
 VARIANT = "minbase"
 #: What the machines need, since they have no route out: systemd as PID 1 with D-Bus,
-#: sshd and python3 for Ansible, ip and ps, Prometheus (Debian's 2.42) with curl for
-#: the monitoring host, and what the roles firewall and host install on every host
-#: (nftables, systemd-timesyncd).
+#: sshd and python3 for Ansible, ip and ps, Prometheus (Debian's 2.42) and Alertmanager
+#: (0.25) with curl for the monitoring host, and what the roles firewall, host and
+#: node_exporter install on every host (nftables, systemd-timesyncd,
+#: prometheus-node-exporter 1.5).
 PACKAGES = (
     "systemd", "systemd-sysv", "dbus", "iproute2", "openssh-server", "python3",
-    "prometheus", "procps", "curl", "ca-certificates", "nftables", "systemd-timesyncd",
+    "prometheus", "prometheus-alertmanager", "prometheus-node-exporter", "procps", "curl",
+    "ca-certificates", "nftables", "systemd-timesyncd",
 )
 #: Where images are cached (the lab's folder).
 LAB_DIR = Path("/var/lib/rpcmesh-lab")

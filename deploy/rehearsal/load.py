@@ -18,7 +18,7 @@ from pathlib import Path
 
 from . import proc
 from .remote import Controller
-from .topology import BROKER_PORT, DRIVER_METRICS_PORT, PREFIX, Host, group
+from .topology import BROKER_PORT, DRIVER_METRICS_PORT, PREFIX, TLS_CA, TLS_FILE, Host, group
 
 #: Where a run writes on a driver machine (its overlay).
 LOAD_DIR = "/var/lib/rpcm-load"
@@ -49,10 +49,14 @@ class Run:
 
 
 def start(ctl: Controller, name: str, *, rate: float, duration: float, warmup: float,
-          concurrency: int) -> Run:
-    """Starts the driver on every driver machine, each against every broker."""
-    drivers, brokers = group("drivers"), group("brokers")
+          concurrency: int, drivers: list[Host] | None = None) -> Run:
+    """Starts the driver on every driver machine (or on `drivers`), each against every
+    broker."""
+    drivers, brokers = drivers or group("drivers"), group("brokers")
     args = [a for b in brokers for a in ("--target", f"{b.ip}:{BROKER_PORT}")]
+    # Mutual TLS, as the role tls installs it: the fleet's CA, the driver's certificate.
+    cert = TLS_FILE.format(program="driver")
+    args += ["--tls-ca", TLS_CA, "--tls-cert", cert, "--tls-key", cert]
     args += [
         "--rate", f"{rate:g}", "--pacer", "lean", "--concurrency", str(concurrency),
         "--duration", f"{duration:g}s", "--warmup", f"{warmup:g}s", "--progress", "plain",

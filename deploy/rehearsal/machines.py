@@ -4,8 +4,8 @@ network namespace, all from the one base image, each with a tmpfs overlay over i
 
 What a machine needs beyond the image is bound into it read-only before it boots: the
 controller's SSH key (/root/.ssh), its host name and the fleet's /etc/hosts. On every
-machine but the monitoring host, the image's Prometheus is masked (a real deployment would
-not install it there). The host has no system bus, so nspawn runs with `--register=no
+machine but the monitoring host, the image's Prometheus and Alertmanager are masked (a
+real deployment would not install them there). The host has no system bus, so nspawn runs with `--register=no
 --keep-unit`; a machine is halted by SIGTERM to its nspawn process, which powers it off.
 
 Each nspawn starts in a cgroup of its own (`rpcm-<machine>`, in every hierarchy that
@@ -36,6 +36,9 @@ from .topology import MACHINES, Host
 #: The run's state: the machines' process ids, for `--cleanup`.
 STATE_DIR = Path("/run/rpcm-rehearsal")
 STATE = STATE_DIR / "machines.json"
+#: The base's units that run on the monitoring host only (a real deployment would not
+#: install them elsewhere): masked on every other machine.
+MONITORING_ONLY = ("prometheus.service", "prometheus-alertmanager.service")
 #: A machine powers off in a few seconds; its units have TimeoutStopSec=20s at worst.
 HALT_TIMEOUT = 30.0
 
@@ -157,7 +160,8 @@ def boot(host: Host, image: Path, run_dir: Path, out_dir: Path) -> Machine:
         f"--bind-ro={etc / 'hosts'}:/etc/hosts",
     ]
     if host.group != "monitoring":
-        argv.append("--bind-ro=/dev/null:/etc/systemd/system/prometheus.service")
+        for unit in MONITORING_ONLY:
+            argv.append(f"--bind-ro=/dev/null:/etc/systemd/system/{unit}")
     # /proc/sys/net writable (it is the machine's own network namespace), so that the host
     # tuning (somaxconn and friends) applies; the rest of /proc/sys stays read-only.
     env = dict(os.environ, SYSTEMD_NSPAWN_API_VFS_WRITABLE="network")

@@ -99,13 +99,13 @@ def output(argv: list[str], *, timeout: float, check: bool = True) -> str:
 
 
 def start(argv: list[str], *, log: Path, env: dict[str, str] | None = None,
-          preexec=None) -> subprocess.Popen:
+          preexec=None, cwd: Path | None = None) -> subprocess.Popen:
     """Starts argv in the background, its output to `log`; remembered for teardown.
     `preexec` runs in the child just before argv (e.g. to enter a cgroup)."""
     with open(log, "ab") as f:
         p = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env,
-            preexec_fn=preexec,
+            preexec_fn=preexec, cwd=cwd,
         )
     _background.append(p)
     return p

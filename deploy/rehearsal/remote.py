@@ -134,6 +134,17 @@ class Controller:
     def ssh_text(self, host: Host, command: str, *, timeout: float = SSH_TIMEOUT) -> str:
         return self.ssh(host, command, timeout=timeout).stdout.decode(errors="replace")
 
+    def put(self, host: Host, path: str, data: bytes, mode: str = "0600") -> None:
+        """Writes `data` to a file on a machine (over the SSH connection, with cat), with
+        `mode`, renamed into place whole."""
+        self.run_input(host, f"mkdir -p $(dirname {path}) && umask 077 && cat > {path}.tmp && "
+                             f"chmod {mode} {path}.tmp && mv -f {path}.tmp {path}", data)
+
+    def run_input(self, host: Host, command: str, data: bytes):
+        """Runs a shell command on a machine with `data` on its stdin."""
+        return proc.run(in_controller(["ssh", *self.ssh_options(), f"root@{host.ip}", command]),
+                        timeout=SSH_TIMEOUT, input=data)
+
     def fetch(self, host: Host, path: str, local: Path) -> None:
         """Copies a file from a machine (over the SSH connection, with cat)."""
         local.write_bytes(self.ssh(host, f"cat {path}").stdout)
@@ -246,15 +257,21 @@ def recap(log: Path, field: str = "changed") -> dict[str, int]:
     return counts
 
 
-def prometheus_config(source: Path, run_dir: Path, interval: str) -> Path:
+def prometheus_config(source: Path, run_dir: Path, interval: str,
+                      kept: dict[str, str] | None = None) -> Path:
     """A copy of the deployment's Prometheus configuration with the scrape and evaluation
-    intervals (and the scrape timeout) at `interval`, and nothing else changed."""
+    intervals (and the scrape timeout) at `interval`, but for the jobs of `kept` (job:
+    the deployment's interval), and nothing else changed."""
     lines = []
     for line in source.read_text().splitlines():
         key = line.strip().split(":", 1)[0]
         if line.startswith("  ") and key in ("scrape_interval", "scrape_timeout", "evaluation_interval"):
             line = f"{line.split(':', 1)[0]}: {interval}"
         lines.append(line)
+        job = line.strip().removeprefix("- job_name:").strip() if "- job_name:" in line else None
+        if job in (kept or {}):
+            indent = line[:len(line) - len(line.lstrip())] + "  "
+            lines += [f"{indent}scrape_interval: {kept[job]}", f"{indent}scrape_timeout: 10s"]
     path = run_dir / "prometheus.yml"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -36,13 +36,25 @@ BROKER_PORT = 7700
 BROKER_METRICS_PORT = 9770
 DRIVER_METRICS_PORT = 9790
 PROMETHEUS_PORT = 9090
+#: Every machine's node_exporter (group_vars/all.yml's rpcmesh_node_exporter_port).
+NODE_EXPORTER_PORT = 9100
 
-#: The unit that must be active on every machine of a group once deployed.
+#: What the role tls installs on every rpcmesh host (deploy/ansible/group_vars: the
+#: programs' rpcmesh_*_tls_* variables): the fleet's CA, and each program's certificate
+#: with its key in one file (given as both --tls-cert and --tls-key).
+TLS_CA = "/etc/rpcmesh/ca.pem"
+TLS_FILE = "/etc/rpcmesh/{program}.pem"
+#: The identities' trust domain (group_vars/all.yml's rpcmesh_tls_trust_domain).
+TRUST_DOMAIN = "rpcmesh.internal"
+
+#: The units that must be active on every machine of a group once deployed, and on
+#: every machine.
 UNITS = {
-    "providers": "rpcmesh-provider.service",
-    "brokers": "rpcmesh-broker.service",
-    "monitoring": "prometheus.service",
+    "providers": ("rpcmesh-provider.service",),
+    "brokers": ("rpcmesh-broker.service",),
+    "monitoring": ("prometheus.service", "prometheus-alertmanager.service"),
 }
+EVERY_MACHINE_UNITS = ("prometheus-node-exporter.service",)
 
 
 @dataclass(frozen=True)

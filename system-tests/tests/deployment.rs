@@ -1,12 +1,16 @@
 //! The deployment test: `deploy/rehearse`, the whole rehearsal of deploy/REHEARSAL.md,
 //! end to end. Eight Debian machines booted with systemd-nspawn in network namespaces,
-//! the Ansible playbooks run over SSH from a controller namespace, the units and the
-//! Prometheus targets checked, the firewall keeping a driver away from a provider, both
+//! the Ansible playbooks run over SSH from a controller namespace (mutual TLS on every
+//! hop), the units and the Prometheus targets (every node_exporter's too) checked, the
+//! firewall keeping a driver away from a provider, drivers with no certificate, in
+//! plaintext or with an identity the policy does not name getting no call through, both
 //! drivers against both brokers with their HDR logs merged, a third provider joined
-//! through the providers file, the rolling restart under load, a rollout that fails after
-//! its copy and the run after it, a lost restart caught, a broken build rolled back
-//! automatically, all with zero failed calls, `--check --diff` clean on every host, and a
-//! frozen provider restarted by systemd's watchdog; then everything removed.
+//! through the providers file, every certificate rotated under load, the rolling restart
+//! under load, a rollout that fails after its copy and the run after it, a lost restart
+//! caught, a broken build rolled back automatically, all with zero failed calls, a
+//! provider failing its calls firing an alert that reaches a webhook and then resolves,
+//! `--check --diff` clean on every host, and a frozen provider restarted by systemd's
+//! watchdog; then everything removed.
 //!
 //! It needs root, systemd-nspawn, debootstrap and ansible-core in the rehearsal's venv
 //! (`scripts/deps` installs them: `deploy/rehearse --install`); it fails, saying so, when
@@ -43,22 +47,25 @@ const FLEET_RATE: &str = "250";
 const CHANGE_RATE: &str = "30";
 
 /// The steps the report must have, each ok, in this order.
-const STEPS: [&str; 17] = [
+const STEPS: [&str; 20] = [
     "build",
-    "lint",
     "image",
     "network",
     "boot",
+    "lint",
     "deploy",
     "units active",
-    "firewall",
+    "firewall and mTLS",
     "fleet run",
     "join a provider",
+    "rotate certificates",
     "rolling restart",
     "lost restart",
     "rollback",
     "changes under load",
+    "alert fires",
     "check mode",
+    "alert resolves",
     "watchdog",
     "teardown",
 ];
@@ -109,9 +116,11 @@ fn rehearsal_deploys_changes_and_rolls_back_the_fleet_with_zero_failed_calls() {
     assert!(f["fleet"]["p99_ms"].as_f64().unwrap() > 0.0, "{f:#}");
     assert_eq!(f["fleet"]["failed_calls"], 0, "{f:#}");
     // Every program's metrics scraped by the monitoring host: 2 providers, 2 brokers and
-    // 2 drivers, and the third provider after the join.
-    assert_eq!(f["prometheus_targets_up"]["fleet_run"], 6, "{f:#}");
-    assert_eq!(f["prometheus_targets_up"]["after_join"], 7, "{f:#}");
+    // 2 drivers, and every machine's node_exporter (7); then the third provider and its
+    // machine's node_exporter after the join. Each node_exporter counts softirqs.
+    assert_eq!(f["prometheus_targets_up"]["fleet_run"], 6 + 7, "{f:#}");
+    assert_eq!(f["prometheus_targets_up"]["after_join"], 7 + 8, "{f:#}");
+    assert_eq!(f["node_exporter_softirq_hosts"], 7, "{f:#}");
     // The third provider took calls once the providers file named it.
     assert!(
         f["joined_provider"]["calls_answered"].as_u64().unwrap() >= 100,
@@ -121,14 +130,50 @@ fn rehearsal_deploys_changes_and_rolls_back_the_fleet_with_zero_failed_calls() {
     let firewall = &f["firewall"];
     assert_eq!(firewall["rpcm-drv1->rpcm-prv1:7800"], "dropped", "{f:#}");
     assert_eq!(firewall["rpcm-drv1->rpcm-brk1:7700"], "open", "{f:#}");
+    // Mutual TLS on every hop: a driver with no certificate, and one in plaintext, is
+    // refused at the handshake, counted by reason; an identity the policy does not name
+    // gets "permission denied" on every call, each counted by the broker.
+    let refused = &f["mtls_refusals"];
+    assert!(
+        refused["refused_no_certificate"].as_u64().unwrap() >= 1,
+        "{f:#}"
+    );
+    assert!(refused["refused_not_tls"].as_u64().unwrap() >= 1, "{f:#}");
+    let denied = refused["denied_calls"].as_u64().unwrap();
+    assert!(denied > 0, "{f:#}");
+    assert_eq!(refused["denied_counted"].as_u64(), Some(denied), "{f:#}");
+    assert!(
+        refused["denied_said"]
+            .as_str()
+            .unwrap()
+            .starts_with("permission denied: spiffe://rpcmesh.internal/tester/"),
+        "{f:#}"
+    );
+    // Every certificate renewed under load and read by the 3 providers and 2 brokers
+    // without a restart (the change run's zero failed calls covers it, below).
+    assert_eq!(
+        f["rotation"]["servers_reloaded_without_restart"], 5,
+        "{f:#}"
+    );
     // The broken build was put back on the first provider, the others never touched.
     assert_eq!(f["rollback"]["host"], "rpcm-prv1", "{f:#}");
     assert_eq!(f["rollback"]["others_untouched"], 2, "{f:#}");
-    // The join, the rolling restart, the lost restart and the rollback under load: not
-    // one call failed.
+    // The join, the rotation, the rolling restart, the lost restart and the rollback
+    // under load: not one call failed.
     let during = &f["during_changes"];
     assert!(during["calls"].as_u64().unwrap() > 0, "{f:#}");
     assert_eq!(during["failed_calls"], 0, "{f:#}");
+    // A provider failing its calls (some of the fault's run's calls failed before the
+    // brokers ejected it): RpcmeshProviderEjected reached the webhook receiver on the
+    // monitoring machine, firing; once the provider was put right and called again, it
+    // reached it resolved, and no call of that run failed.
+    let alert = &f["alert"];
+    assert_eq!(alert["alert"], "RpcmeshProviderEjected", "{f:#}");
+    assert!(!alert["brokers"].as_array().unwrap().is_empty(), "{f:#}");
+    assert!(alert["fault_run_failed"].as_u64().unwrap() > 0, "{f:#}");
+    assert!(alert["resolved_after_calls_s"].as_f64().is_some(), "{f:#}");
+    assert!(alert["probe_run_calls"].as_u64().unwrap() > 0, "{f:#}");
+    assert_eq!(alert["probe_run_failed"], 0, "{f:#}");
     // Check mode on the converged fleet: nothing would change anywhere.
     let check = f["check_mode_changed"].as_object().expect("hosts");
     assert_eq!(check.len(), 8, "{f:#}");
