@@ -299,7 +299,9 @@ async fn run<P: Protocol>(
                 }
             }
             () = relieved(paused.as_deref()), if paused.is_some() => {}
-            () = tokio::time::sleep(PAUSED_PEER_CHECK), if paused.is_some() => {
+            // Made only when polled: `select!` evaluates a disabled branch's future too,
+            // and a `Sleep` reads the clock and builds a timer entry (a cost per round).
+            () = async { tokio::time::sleep(PAUSED_PEER_CHECK).await }, if paused.is_some() => {
                 if io.note_peer_left() {
                     take_frames(io, p, draining)?;
                 }
