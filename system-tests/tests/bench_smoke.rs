@@ -16,6 +16,7 @@
 //! with and without resumption; the baseline run says `--tls off` and must have none of it.
 //! A third test runs the script's `judge` on made-up ratios: P1's and P3's verdicts carry
 //! the deciding cell's range over the repeats, and say when it straddles the goal.
+//! A fourth runs `scripts/profile` (the broker under callgrind) on a few hundred calls.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -448,4 +449,71 @@ print(json.dumps({k: out[k] for k in ("P1", "P3")}))
             .contains("single repeats 0.90-1.05 (some meet the goal and some do not"),
         "{p3}"
     );
+}
+
+/// `scripts/profile` counts the broker's instructions per call under callgrind: on the
+/// tests' debug build, with a few hundred calls, it must count some for every call and
+/// split them into groups and functions that add up to at most the total, twice when
+/// given two brokers (the same binary), with the second's ratio to the first.
+#[test]
+fn profile_counts_the_brokers_instructions_per_call_and_where_they_go() {
+    let _one = ONE_BENCH.lock().unwrap_or_else(|e| e.into_inner());
+    let bins = system::program_dir();
+    let broker = bins.join("broker");
+    let json = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("profile-smoke-{}.json", std::process::id()));
+    let args: [&std::ffi::OsStr; 12] = [
+        "--bin-dir".as_ref(),
+        bins.as_os_str(),
+        "--broker".as_ref(),
+        broker.as_os_str(),
+        "--broker".as_ref(),
+        broker.as_os_str(),
+        "--calls".as_ref(),
+        "300".as_ref(),
+        "--warmup-calls".as_ref(),
+        "50".as_ref(),
+        "--json".as_ref(),
+        json.as_os_str(),
+    ];
+    let run = system::run_script("profile", &args, SMOKE_TIMEOUT);
+    let output = &run.output;
+    assert!(run.status.success(), "scripts/profile failed\n{output}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let results = report["results"].as_array().expect("results is a list");
+    assert_eq!(results.len(), 2, "{report}");
+    for r in results {
+        assert_eq!(r["calls"], 300, "{r}");
+        let total = r["instructions_per_call"].as_f64().unwrap();
+        // A forwarded call cannot cost the broker fewer than a few hundred instructions
+        // (two frames read, checked and written); far fewer means the measured dump missed
+        // the run.
+        assert!(total > 500.0, "{total} instructions per call\n{output}");
+        let groups: f64 = r["groups"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .sum();
+        assert!(
+            (groups - total).abs() < 1.0,
+            "groups {groups} vs total {total}"
+        );
+        let functions: f64 = r["functions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f["per_call"].as_f64().unwrap())
+            .sum();
+        assert!(
+            functions > 0.0 && functions <= total + 1.0,
+            "{functions} of {total}"
+        );
+    }
+    assert!(
+        run.stdout.contains("| ÷ first |") && run.stdout.contains("largest functions"),
+        "the text report lacks its tables\n{output}"
+    );
+    let _ = std::fs::remove_file(&json);
 }
