@@ -15,7 +15,10 @@
 //! counted from the read that brought it) is not started once that has passed: it is
 //! answered "timeout: deadline exceeded" and counted `deadline_exceeded`, so that work
 //! nobody waits for any more is never begun (a call queued behind slow handlers of the
-//! same read is the case).
+//! same read is the case). A broker's connection also gives a cap, its call timeout
+//! (`ext::CAP_KEY`, in its heartbeats): every call read there then has at most that
+//! budget, with a deadline field or without, which lets the broker forward calls as they
+//! came.
 //!
 //! The provider's [`Protocol`] over the shared server-session skeleton
 //! (`rpcmesh_common::net::session`: the loop, backlog limit, drain and final flush). One
@@ -29,7 +32,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -141,6 +144,10 @@ struct Session {
     last_method: Option<MethodId>,
     /// Whom the connection's certificate names (`None`: no certificate).
     identity: Option<Identity>,
+    /// The longest budget of any call on this connection, from when it is read: the cap a
+    /// broker gave in its heartbeats (`rpcmesh_wire::ext::CAP_KEY`, its own call timeout),
+    /// so that it can forward a call as it came; `None` until one is given.
+    deadline_cap: Option<Duration>,
 }
 
 impl Protocol for Session {
@@ -192,7 +199,8 @@ impl Protocol for Session {
                 return;
             }
         }
-        self.serve_request(frame, io, draining, None);
+        let deadline = self.deadline_cap.map(|cap| self.read_began + cap);
+        self.serve_request(frame, io, draining, deadline);
     }
 
     /// A call a broker forwarded with its caller's identity: the caller is believed only
@@ -202,7 +210,12 @@ impl Protocol for Session {
         let (id, flags) = (frame.header.req_id, frame.header.flags);
         let (caller, deadline, inner) = match ext::split(&frame.body) {
             Ok((fields, inner)) => {
-                let deadline = fields.deadline.map(|budget| self.read_began + budget);
+                // The earlier of the call's own deadline and the connection's cap.
+                let budget = match (fields.deadline, self.deadline_cap) {
+                    (Some(d), Some(cap)) => Some(d.min(cap)),
+                    (d, cap) => d.or(cap),
+                };
+                let deadline = budget.map(|budget| self.read_began + budget);
                 (fields.caller.map(str::to_string), deadline, inner)
             }
             Err(e) => {
@@ -305,6 +318,7 @@ impl Session {
             in_flight_share: InFlightShare::new(shared.metrics.in_flight.clone()),
             bad_input: BadInputLog::new(shared.metrics.errors.clone(), Side::Client),
             read_began: Instant::now(),
+            deadline_cap: None,
             calls_in_read: 0,
             answered: Vec::new(),
             sampler: shared.metrics.stages.sampler(),
@@ -336,10 +350,15 @@ impl Session {
     /// the plain answer.
     fn answer_heartbeat(&mut self, frame: Frame, io: &mut FramedIo) {
         let (asked, ext_asked) = match Heartbeat::parse(&frame.body) {
-            Ok(hb) => (
-                hb.extra_value(pace::HEARTBEAT_KEY).is_some(),
-                hb.extra_value(ext::HEARTBEAT_KEY).is_some(),
-            ),
+            Ok(hb) => {
+                if let Some(cap) = hb.extra_value(ext::CAP_KEY).and_then(ext::parse_cap) {
+                    self.deadline_cap = Some(cap);
+                }
+                (
+                    hb.extra_value(pace::HEARTBEAT_KEY).is_some(),
+                    hb.extra_value(ext::HEARTBEAT_KEY).is_some(),
+                )
+            }
             Err(e) => {
                 self.on_bad_frame(&e, io);
                 (false, false)
@@ -352,7 +371,11 @@ impl Session {
             pairs.push((pace::HEARTBEAT_KEY, v.as_str()));
         }
         if ext_asked {
-            pairs.push((ext::HEARTBEAT_KEY, ext::PROVIDER_FIELDS));
+            let fields = match self.deadline_cap {
+                Some(_) => ext::PROVIDER_FIELDS_CAPPED,
+                None => ext::PROVIDER_FIELDS,
+            };
+            pairs.push((ext::HEARTBEAT_KEY, fields));
         }
         let extra = &pairs[..];
         let id = frame.header.req_id;

@@ -86,3 +86,73 @@ async fn the_provider_says_it_takes_deadlines_and_never_starts_a_call_past_one()
     );
     p.stop().await;
 }
+
+/// The answer to a heartbeat carrying `extra`, on `s`: the fields the provider says it
+/// takes.
+async fn ask_fields(s: &mut TcpStream, buf: &mut BytesMut, extra: &[(&str, &str)]) -> String {
+    let mut ask = BytesMut::new();
+    Heartbeat::put_now_with(&mut ask, 77, "t", "t", extra).unwrap();
+    s.write_all(&ask).await.unwrap();
+    let answer = read_frames(s, buf, 1).await.unwrap().remove(0);
+    let hb = Heartbeat::parse(&answer.body).unwrap();
+    hb.extra_value(ext::HEARTBEAT_KEY).unwrap().to_string()
+}
+
+/// The statuses of the answers to `frames`, sent in one write, by request id.
+async fn statuses(s: &mut TcpStream, buf: &mut BytesMut, frames: &[BytesMut]) -> Vec<Status> {
+    let all: Vec<u8> = frames.iter().flat_map(|f| f.iter().copied()).collect();
+    s.write_all(&all).await.unwrap();
+    let mut replies = read_frames(s, buf, frames.len()).await.unwrap();
+    replies.sort_by_key(|f| f.header.req_id);
+    let mut codec = CallCodec::new(None, 1 << 20);
+    replies
+        .iter()
+        .map(|f| codec.decode_response(f).unwrap().status)
+        .collect()
+}
+
+/// A broker gives a cap in its heartbeats (`ext::CAP_KEY`, its call timeout): every call on
+/// that connection then has at most that budget, a plain one and one whose own deadline is
+/// longer alike, so that the broker may forward calls as they came. A cap of 0 drops both
+/// unstarted; the provider says it applies the cap only where it was given one, and a
+/// call's own shorter deadline still wins.
+#[tokio::test]
+async fn a_connections_cap_bounds_every_call_on_it_and_only_there() {
+    let p = start().await;
+    let plain = |id: u64| echo_request(id, "hi");
+    let long = |id: u64| with_deadline(id, Duration::from_secs(10));
+    let none_left = |id: u64| with_deadline(id, Duration::ZERO);
+
+    // Without a cap: the provider does not say it takes one, and both calls run.
+    let (mut s, mut buf) = (TcpStream::connect(p.addr).await.unwrap(), BytesMut::new());
+    let fields = ask_fields(&mut s, &mut buf, &[(ext::HEARTBEAT_KEY, "")]).await;
+    assert!(!ext::takes(&fields, ext::DEADLINE_CAP_FIELD), "{fields}");
+    let got = statuses(&mut s, &mut buf, &[plain(1), long(2)]).await;
+    assert_eq!(got, [Status::Success, Status::Success]);
+
+    // A cap of 0 on another connection: both are dropped unstarted.
+    let (mut c, mut cbuf) = (TcpStream::connect(p.addr).await.unwrap(), BytesMut::new());
+    let zero = ext::cap_value(Duration::ZERO);
+    let ask = [(ext::HEARTBEAT_KEY, ""), (ext::CAP_KEY, zero.as_str())];
+    let fields = ask_fields(&mut c, &mut cbuf, &ask).await;
+    assert!(ext::takes(&fields, ext::DEADLINE_CAP_FIELD), "{fields}");
+    let got = statuses(&mut c, &mut cbuf, &[plain(3), long(4)]).await;
+    assert_eq!(got, [Status::Timeout, Status::Timeout]);
+
+    // The first connection is still uncapped; a cap of 10 s on the second lets its plain
+    // call run, and a call's own deadline, shorter, still wins.
+    let got = statuses(&mut s, &mut buf, &[plain(5)]).await;
+    assert_eq!(got, [Status::Success]);
+    let ten = ext::cap_value(Duration::from_secs(10));
+    let ask = [(ext::HEARTBEAT_KEY, ""), (ext::CAP_KEY, ten.as_str())];
+    ask_fields(&mut c, &mut cbuf, &ask).await;
+    let got = statuses(&mut c, &mut cbuf, &[plain(6), none_left(7)]).await;
+    assert_eq!(got, [Status::Success, Status::Timeout]);
+
+    let dropped = p.metric(
+        "rpcmesh_errors_total",
+        &[("kind", "deadline_exceeded"), ("side", "client")],
+    );
+    assert_eq!(dropped, 3.0);
+    p.stop().await;
+}

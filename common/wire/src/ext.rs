@@ -81,6 +81,33 @@ pub const CALLER_FIELD: &str = "caller";
 /// What a provider answers [`HEARTBEAT_KEY`] with: it takes both fields (a broker sends
 /// the caller only over TLS).
 pub const PROVIDER_FIELDS: &str = "caller,deadline";
+/// The heartbeat pair by which a broker gives a provider the longest budget of any call on
+/// that connection (its own call timeout: it answers "timeout" then whatever comes), in
+/// microseconds, decimal. From then on every call the provider reads there, with a
+/// deadline field or without, has at most that budget from when it is read. So a call the
+/// broker writes in the round that read it, whose time left is exactly that cap or its
+/// caller's own deadline field, goes on as it came (no re-encoding, no CRC pass), and the
+/// provider still drops it unstarted once the broker has given up on it.
+pub const CAP_KEY: &str = "rpcmesh-deadline-cap";
+/// The name, in a provider's [`HEARTBEAT_KEY`] answer, that says it applies the cap the
+/// same heartbeat gave ([`CAP_KEY`]).
+pub const DEADLINE_CAP_FIELD: &str = "deadline-cap";
+/// What a provider given a cap answers [`HEARTBEAT_KEY`] with.
+pub const PROVIDER_FIELDS_CAPPED: &str = "caller,deadline,deadline-cap";
+
+/// The cap of a [`CAP_KEY`] value: decimal microseconds, at most [`MAX_DEADLINE`]; `None`
+/// for anything else (a provider then applies none and does not say it does).
+pub fn parse_cap(value: &str) -> Option<Duration> {
+    value
+        .parse::<u32>()
+        .ok()
+        .map(|us| Duration::from_micros(u64::from(us)))
+}
+
+/// A [`CAP_KEY`] value for `cap` (rounded down to the microsecond, as a deadline field).
+pub fn cap_value(cap: Duration) -> String {
+    deadline_micros(cap).to_string()
+}
 
 /// The fields of an extension block, as far as this side knows them.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -352,7 +379,23 @@ mod tests {
             assert!(split(&Bytes::copy_from_slice(bad)).is_err(), "{bad:?}");
         }
         assert!(takes("caller,deadline", CALLER_FIELD));
+        assert!(takes(PROVIDER_FIELDS_CAPPED, DEADLINE_CAP_FIELD));
+        assert!(!takes(PROVIDER_FIELDS, DEADLINE_CAP_FIELD));
         assert!(!takes("deadline", CALLER_FIELD));
+    }
+
+    #[test]
+    fn a_cap_is_decimal_microseconds_and_nothing_else() {
+        let cap = Duration::from_millis(5_000);
+        assert_eq!(cap_value(cap), "5000000");
+        assert_eq!(parse_cap(&cap_value(cap)), Some(cap));
+        assert_eq!(
+            parse_cap(&cap_value(Duration::from_secs(1 << 40))),
+            Some(MAX_DEADLINE)
+        );
+        for bad in ["", "-1", "5s", "4294967296", " 5", "1.5"] {
+            assert_eq!(parse_cap(bad), None, "{bad:?}");
+        }
     }
 
     proptest! {

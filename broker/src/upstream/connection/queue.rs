@@ -46,6 +46,10 @@ pub(super) struct ConnState {
     /// The provider takes the calls' deadlines (it said so in a heartbeat answer): calls
     /// are queued as extension requests carrying the time left to them.
     pub takes_deadline: AtomicBool,
+    /// The provider applies the cap of the call timeout to every call on this connection
+    /// (`rpcmesh_wire::ext::CAP_KEY`): a call queued in the round that read it, whose time
+    /// left is the cap or its own field's, is queued as it came.
+    pub takes_deadline_cap: AtomicBool,
     /// The calls, under the lock.
     calls: Mutex<Calls>,
 }
@@ -139,12 +143,17 @@ impl ConnState {
             )
             .expect("a key is free: the table holds fewer calls than it has keys (checked)");
         let caller = self.takes_caller.load(Ordering::Relaxed);
-        // The time left to the call (the broker's own time spent on it taken off): a
+        let takes_deadline = self.takes_deadline.load(Ordering::Relaxed);
+        // Queued in the round that read it (the clock is read once a round), a call has
+        // the whole of its budget left: the earlier of its caller's deadline and the call
+        // timeout, which is what a provider applying the cap gives it anyway.
+        let capped = takes_deadline
+            && now == fwd.info.admitted
+            && self.takes_deadline_cap.load(Ordering::Relaxed);
+        // Else the time left to the call (the broker's own time spent on it taken off): a
         // provider does not start it once that has passed.
-        let left = self
-            .takes_deadline
-            .load(Ordering::Relaxed)
-            .then(|| slot.deadline.saturating_duration_since(now));
+        let left =
+            (takes_deadline && !capped).then(|| slot.deadline.saturating_duration_since(now));
         let same_flags = flags == fwd.frame.header.flags;
         match (&fwd.verbatim, caller, left) {
             // The frame as it came is the frame to write: copied, id rewritten, CRC kept.
@@ -158,8 +167,11 @@ impl ConnState {
                     trailer,
                 },
                 false,
-                Some(left),
-            ) if same_flags && deadline_micros(left) == *budget_us => {
+                left,
+            ) if same_flags
+                && takes_deadline
+                && left.is_none_or(|left| deadline_micros(left) == *budget_us) =>
+            {
                 put_verbatim(wbuf, MsgType::ExtRequest, flags, id, body, *trailer);
             }
             (_, true, _) | (_, _, Some(_)) => {

@@ -118,6 +118,9 @@ impl ConnTask {
             self.state
                 .takes_deadline
                 .store(takes(ext::DEADLINE_FIELD), relaxed);
+            self.state
+                .takes_deadline_cap
+                .store(takes(ext::DEADLINE_CAP_FIELD), relaxed);
         }
     }
 

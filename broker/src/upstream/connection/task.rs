@@ -101,6 +101,9 @@ pub(super) struct ConnTask {
     pub now: Instant,
     /// The slowest reply of the current read, for the balancer's estimate.
     pub peak: Duration,
+    /// The cap this connection gives an rpcmesh provider in its heartbeats
+    /// (`rpcmesh_wire::ext::CAP_KEY`): the call timeout, made once.
+    cap_value: String,
 }
 
 impl ConnTask {
@@ -126,6 +129,7 @@ impl ConnTask {
             quick_ack: settings.kind == PeerKind::V1,
             round: Vec::new(),
             bad_input: BadInputLog::new(metrics.errors.clone(), Side::Provider),
+            cap_value: ext::cap_value(settings.call_timeout),
             settings,
             metrics,
             link,
@@ -307,9 +311,16 @@ impl ConnTask {
         // An rpcmesh provider is asked for its time per call (`crate::upstream::pace`); a
         // plain v1 server gets the plain heartbeat.
         // It is asked too which call fields it takes (`rpcmesh_wire::ext`): the deadline
-        // on any connection, the caller over TLS only (`replies::take_call_fields`).
+        // on any connection, the caller over TLS only (`replies::take_call_fields`); and
+        // given the cap of every call's budget here, the call timeout, so that a call
+        // written in the round that read it may go on as it came (`ext::CAP_KEY`).
+        let rpcmesh = [
+            (HEARTBEAT_KEY, ""),
+            (ext::HEARTBEAT_KEY, ""),
+            (ext::CAP_KEY, self.cap_value.as_str()),
+        ];
         let extra: &[(&str, &str)] = match self.settings.kind {
-            PeerKind::Rpcmesh => &[(HEARTBEAT_KEY, ""), (ext::HEARTBEAT_KEY, "")],
+            PeerKind::Rpcmesh => &rpcmesh,
             PeerKind::V1 => &[],
         };
         if Heartbeat::put_now_with(self.io.wbuf(), id, "broker", "rpcmesh-broker", extra).is_ok() {
