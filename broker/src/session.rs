@@ -193,13 +193,13 @@ impl Protocol for Session {
             Ok((fields, inner)) => (fields.deadline, inner),
             Err(e) => return self.refuse(io, id, flags, 0, Failure::BadRequest(e)),
         };
-        // A block holding the deadline alone may go on as it came, when the deadline is
-        // not past the broker's own call timeout (which would take its place); a caller
-        // field from a client is never passed on (a broker's callers are whom their
-        // certificates name).
-        let within = budget.is_some_and(|b| b <= self.shared.config.call_timeout);
+        // A block holding the deadline alone may go on as it came: when the deadline is
+        // not past the broker's own call timeout (which would take its place), or to a
+        // provider that caps every call at that timeout (`ext::CAP_KEY`: the earlier of
+        // the two is the call's); a caller field from a client is never passed on (a
+        // broker's callers are whom their certificates name).
         let verbatim = match frame.body.get(..ext::DEADLINE_BLOCK_LEN) {
-            Some(b) if within && b[..5] == ext::DEADLINE_ONLY => Verbatim::Deadline {
+            Some(b) if b[..5] == ext::DEADLINE_ONLY => Verbatim::Deadline {
                 budget_us: u32::from_be_bytes([b[5], b[6], b[7], b[8]]),
                 body: frame.body.clone(),
                 trailer: self.trailer,
