@@ -98,14 +98,15 @@ pub(crate) struct PoolLink {
     last_failure: std::sync::Mutex<Option<Failure>>,
     /// The provider's time per call on one connection, measured by the connections (a
     /// plain v1 server) or reported in heartbeat answers (an rpcmesh provider), and read by
-    /// the router to decide how deep it packs them ([`pace`]).
-    pub pace: pace::Pace,
+    /// the router to decide how deep it packs them ([`pace`]). This and the three below
+    /// are the provider's, shared by the pools of every cell (`crate::cell`).
+    pub pace: Arc<pace::Pace>,
     /// The provider's number, unique in the process: what a retry avoids.
     pub id: u64,
     /// Its faults and ejections (`crate::resilience::outlier`).
-    pub outlier: Outlier,
+    pub outlier: Arc<Outlier>,
     /// Its latency as the balancer sees it (`crate::resilience::ewma`).
-    pub ewma: PeakEwma,
+    pub ewma: Arc<PeakEwma>,
     /// What every provider of the broker shares: the settings, the retry budget.
     pub guards: Arc<Guards>,
 }
@@ -124,10 +125,46 @@ impl PoolLink {
         ejections: [metrics::Counter; EjectReason::ALL.len()],
     ) -> Self {
         let r = guards.config;
+        PoolLink::of_provider(
+            NEXT_PROVIDER.fetch_add(1, Ordering::Relaxed),
+            Arc::new(Outlier::new(
+                r,
+                Arc::clone(&guards.ejections),
+                label,
+                ejections,
+            )),
+            Arc::new(PeakEwma::new(r.ewma_default_rtt, r.ewma_decay)),
+            Arc::new(pace::Pace::new(pack_wait, source)),
+            guards,
+        )
+    }
+
+    /// The link of another cell's pool of the same provider (`crate::cell`): the
+    /// provider's number, pace, ejections and latency estimate are this link's; its
+    /// connections, their numbering, its drain mark and its keeper's wake-ups are its own.
+    fn sibling(&self) -> Self {
+        PoolLink::of_provider(
+            self.id,
+            Arc::clone(&self.outlier),
+            Arc::clone(&self.ewma),
+            Arc::clone(&self.pace),
+            Arc::clone(&self.guards),
+        )
+    }
+
+    /// A new pool's link to the provider's shared state.
+    fn of_provider(
+        id: u64,
+        outlier: Arc<Outlier>,
+        ewma: Arc<PeakEwma>,
+        pace: Arc<pace::Pace>,
+        guards: Arc<Guards>,
+    ) -> Self {
         PoolLink {
-            id: NEXT_PROVIDER.fetch_add(1, Ordering::Relaxed),
-            outlier: Outlier::new(r, Arc::clone(&guards.ejections), label, ejections),
-            ewma: PeakEwma::new(r.ewma_default_rtt, r.ewma_decay),
+            id,
+            outlier,
+            ewma,
+            pace,
             guards,
             wake: Notify::new(),
             next_id: AtomicU64::new(1),
@@ -136,7 +173,6 @@ impl PoolLink {
             task_done: Notify::new(),
             settled: watch::Sender::new(false),
             last_failure: std::sync::Mutex::new(None),
-            pace: pace::Pace::new(pack_wait, source),
         }
     }
 
@@ -378,7 +414,18 @@ impl bb8::ManageConnection for Manager {
     }
 }
 
-/// The connections of one provider.
+/// Where a provider's pool runs (`crate::cell`).
+pub(crate) struct Placement<'a> {
+    /// Its connections: its cell's share of `--pool-size`.
+    pub size: u32,
+    /// Its cell's spinner, when the broker busy-polls.
+    pub activity: Option<Arc<Activity>>,
+    /// The same provider's pool in the first cell, whose provider-level state (number,
+    /// pace, ejections, latency estimate) this one shares; `None`: this is the first.
+    pub sibling: Option<&'a PoolLink>,
+}
+
+/// The connections of one provider (in one cell).
 pub(crate) struct ProviderPool {
     pub spec: UpstreamSpec,
     ready: ArcSwap<Vec<Arc<UpstreamConn>>>,
@@ -398,25 +445,30 @@ impl std::fmt::Debug for ProviderPool {
 }
 
 impl ProviderPool {
-    /// Builds the pool (connections are made in the background). The budgets: the
-    /// process's memory budget, and the resilience guards every provider shares.
+    /// Builds the pool (connections are made in the background, on the runtime this is
+    /// called in: its cell's). The budgets: the process's memory budget, and the
+    /// resilience guards every provider shares.
     pub fn new(
         spec: UpstreamSpec,
         config: &BrokerConfig,
         metrics: UpstreamMetrics,
-        activity: Option<Arc<Activity>>,
+        place: Placement<'_>,
         grace_over: CancellationToken,
         (budget, guards): (Arc<MemoryBudget>, Arc<Guards>),
         tls: Option<Arc<rpcmesh_common::net::tls::ClientTls>>,
     ) -> Arc<ProviderPool> {
         let source = pace::Source::of(spec.kind);
-        let link = Arc::new(PoolLink::new(
-            config.pack_wait,
-            source,
-            guards,
-            Arc::from(spec.label()),
-            metrics.ejections.clone(),
-        ));
+        let link = Arc::new(match place.sibling {
+            Some(first) => first.sibling(),
+            None => PoolLink::new(
+                config.pack_wait,
+                source,
+                guards,
+                Arc::from(spec.label()),
+                metrics.ejections.clone(),
+            ),
+        });
+        let activity = place.activity;
         let settings = ConnSettings {
             label: Arc::from(spec.label()),
             kind: spec.kind,
@@ -439,8 +491,8 @@ impl ProviderPool {
             retry: std::sync::Mutex::new(Retry::default()),
         };
         let pool = bb8::Pool::builder()
-            .max_size(config.pool_size)
-            .min_idle(Some(config.pool_size))
+            .max_size(place.size)
+            .min_idle(Some(place.size))
             .test_on_check_out(true)
             // The keeper checks connections out and in every health interval, so bb8's
             // idle and lifetime reapers would only close busy connections.
@@ -453,7 +505,7 @@ impl ProviderPool {
             ready: ArcSwap::from_pointee(Vec::new()),
             pool,
             link,
-            size: config.pool_size,
+            size: place.size,
             health_interval: config.health_interval,
             metrics,
         })
@@ -578,7 +630,7 @@ impl ProviderPool {
             conns.sort_unstable_by_key(|c| c.id());
             let healthy = conns.len();
             self.metrics
-                .publish_conn_loads(conns.iter().map(|c| c.load()));
+                .publish_conn_loads(self.size as usize, conns.iter().map(|c| c.load()));
             self.metrics.publish_pace(self.link.pace.per_call());
             self.metrics
                 .publish_latency_estimate(self.link.ewma.estimate(std::time::Instant::now()));
@@ -638,6 +690,6 @@ impl ProviderPool {
             }
         }
         self.ready.store(Arc::new(Vec::new()));
-        self.metrics.publish_gone();
+        self.metrics.publish_gone(self.size as usize);
     }
 }
