@@ -99,6 +99,9 @@ pub const DEFAULT_UPSTREAM_TLS: bool = false;
 /// `--threads` sets it (one cell per thread).
 pub const DEFAULT_CELLS: usize = 1;
 
+/// What `--threads` means to the broker (the runtime flag every program takes).
+const THREADS_HELP: &str = "Threads, each a cell serving its own client connections over its own share of each provider's pool (0 = one per CPU)";
+
 /// Whether the broker busy-polls after reads (`--busy-poll`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BusyPoll {
@@ -179,7 +182,8 @@ impl fmt::Display for Balance {
 #[command(
     name = "broker",
     version = rpcmesh_common::build::VERSION_LINE,
-    about = "rpcmesh broker: a stateless RPCF v1 proxy that pools and balances calls to providers"
+    about = "rpcmesh broker: a stateless RPCF v1 proxy that pools and balances calls to providers",
+    mut_arg("threads", |a| a.help(THREADS_HELP))
 )]
 pub struct Args {
     /// Address to listen on for client connections: IP:PORT, or :PORT for every interface.
@@ -249,7 +253,7 @@ pub struct Args {
     #[command(flatten)]
     pub limits: LimitArgs,
     /// Keep polling for I/O this long after each read instead of sleeping (e.g. 50us),
-    /// `off`, or `auto`: 50us when the broker runs one worker thread (`--threads 1`), else
+    /// `off`, or `auto`: 50us when the broker runs one thread (`--threads 1`), else
     /// off. Spares peers the cost of waking the broker and cuts its latency, at the price
     /// of one busy core while traffic flows.
     #[arg(long, env = "RPCMESH_BUSY_POLL", default_value_t = BusyPoll::Auto)]
