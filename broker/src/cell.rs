@@ -21,8 +21,8 @@
 //!   `--pool-size` ([`pool_share`]), kept by a keeper on that cell: the provider sees
 //!   about the connections it was sized for, whatever the thread count. What is the
 //!   provider's is shared by its pools: its number, its pace, its ejections and its latency
-//!   estimate (`crate::upstream::PoolLink`); a drain it announces is learnt by each cell
-//!   from its own calls (a call it refuses is routed again, never lost).
+//!   estimate (`crate::upstream::PoolLink`); a drain it announces to one cell is marked
+//!   in its pools of every cell at once.
 //! - **Shared by every cell**: the settings, the routing's membership (each cell gets its
 //!   own router over its own pools, published at every change), the broker-wide
 //!   in-flight cap, the memory budget, the retry budget, TLS, and the metrics (the

@@ -13,8 +13,8 @@
 //!   round run at once, so a stalled provider is out of service one health interval plus
 //!   one heartbeat timeout after it stalled, whatever the pool's size.
 //! - A provider that answers a call "unavailable" with `NOT_RUN` is draining (it was told
-//!   to stop, and refuses what it did not start): the whole pool is marked draining
-//!   ([`PoolLink`]), the router passes it over, its connections open at that moment fail
+//!   to stop, and refuses what it did not start): the whole pool, in every cell, is
+//!   marked draining ([`PoolLink`]), the router passes it over, its connections open at that moment fail
 //!   their next check and close once their calls are done, and the mark is lifted when a
 //!   connection made after it answers a heartbeat (the provider is back, typically
 //!   restarted on the same address; reconnects back off meanwhile).
@@ -107,8 +107,40 @@ pub(crate) struct PoolLink {
     pub outlier: Arc<Outlier>,
     /// Its latency as the balancer sees it (`crate::resilience::ewma`).
     pub ewma: Arc<PeakEwma>,
+    /// The provider's pools in every cell, told of a drain together.
+    siblings: Arc<Siblings>,
     /// What every provider of the broker shares: the settings, the retry budget.
     pub guards: Arc<Guards>,
+}
+
+/// The links of one provider's pools, one per cell (`crate::cell`): a drain one cell
+/// learns of from a refused call is every cell's at once, so that the others do not each
+/// send it calls to be refused (and routed again at the retry budget's expense).
+#[derive(Debug, Default)]
+struct Siblings(std::sync::Mutex<Vec<std::sync::Weak<PoolLink>>>);
+
+impl Siblings {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<std::sync::Weak<PoolLink>>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Counts `link` among the provider's pools (those gone are let go).
+    fn add(&self, link: &Arc<PoolLink>) {
+        let mut links = self.lock();
+        links.retain(|l| l.strong_count() > 0);
+        links.push(Arc::downgrade(link));
+    }
+
+    /// Calls `f` with each of the provider's pools but `this`.
+    fn each_other(&self, this: &PoolLink, mut f: impl FnMut(&PoolLink)) {
+        for other in self.lock().iter().filter_map(std::sync::Weak::upgrade) {
+            if !std::ptr::eq(Arc::as_ptr(&other), this) {
+                f(&other);
+            }
+        }
+    }
 }
 
 /// The number the next provider's pool gets.
@@ -143,13 +175,16 @@ impl PoolLink {
     /// provider's number, pace, ejections and latency estimate are this link's; its
     /// connections, their numbering, its drain mark and its keeper's wake-ups are its own.
     fn sibling(&self) -> Self {
-        PoolLink::of_provider(
-            self.id,
-            Arc::clone(&self.outlier),
-            Arc::clone(&self.ewma),
-            Arc::clone(&self.pace),
-            Arc::clone(&self.guards),
-        )
+        PoolLink {
+            siblings: Arc::clone(&self.siblings),
+            ..PoolLink::of_provider(
+                self.id,
+                Arc::clone(&self.outlier),
+                Arc::clone(&self.ewma),
+                Arc::clone(&self.pace),
+                Arc::clone(&self.guards),
+            )
+        }
     }
 
     /// A new pool's link to the provider's shared state.
@@ -166,6 +201,7 @@ impl PoolLink {
             ewma,
             pace,
             guards,
+            siblings: Arc::default(),
             wake: Notify::new(),
             next_id: AtomicU64::new(1),
             draining_below: AtomicU64::new(0),
@@ -206,9 +242,19 @@ impl PoolLink {
         self.wake.notify_one();
     }
 
-    /// The provider said it is draining: every connection open now is out. True when this
-    /// is news (the first word of this drain), so that it is logged once.
+    /// The provider said it is draining: every connection open now is out, in this pool and
+    /// in the provider's pools of the other cells. True when this is news to this pool (the
+    /// first word of this drain), so that it is logged once.
     pub fn mark_draining(&self) -> bool {
+        let news = self.mark_own_draining();
+        self.siblings.each_other(self, |other| {
+            other.mark_own_draining();
+        });
+        news
+    }
+
+    /// [`PoolLink::mark_draining`] in this pool alone.
+    fn mark_own_draining(&self) -> bool {
         let mark = self.next_id.load(Ordering::Relaxed);
         let before = self.draining_below.fetch_max(mark, Ordering::Relaxed);
         if before < mark {
@@ -468,6 +514,7 @@ impl ProviderPool {
                 metrics.ejections.clone(),
             ),
         });
+        link.siblings.add(&link);
         let activity = place.activity;
         let settings = ConnSettings {
             label: Arc::from(spec.label()),
@@ -691,5 +738,31 @@ impl ProviderPool {
         }
         self.ready.store(Arc::new(Vec::new()));
         self.metrics.publish_gone(self.size as usize);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A provider's pools in two cells: a drain one learns of is the other's at once, and
+    /// what is the provider's (its number, its latency estimate) is one.
+    #[test]
+    fn a_drain_one_cell_learns_of_is_marked_in_every_cell() {
+        let first = Arc::new(PoolLink::for_test(Duration::ZERO, pace::Source::Reported));
+        first.siblings.add(&first);
+        let second = Arc::new(first.sibling());
+        second.siblings.add(&second);
+        assert_eq!(first.id, second.id);
+        assert!(Arc::ptr_eq(&first.ewma, &second.ewma));
+        // Each pool has made two connections (numbered 1 and 2).
+        for link in [&first, &second] {
+            link.next_id.fetch_add(2, Ordering::Relaxed);
+        }
+        assert!(!first.is_draining() && !second.is_draining());
+        assert!(second.mark_draining(), "news to the cell that learnt it");
+        assert!(first.is_draining() && second.is_draining());
+        assert!(first.is_drained(2) && !first.is_drained(3));
+        assert!(!first.mark_draining(), "no news to the other cell after");
     }
 }
