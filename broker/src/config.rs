@@ -216,7 +216,8 @@ pub struct Args {
     /// The runtime.
     #[command(flatten)]
     pub runtime: RuntimeArgs,
-    /// Pooled connections per provider.
+    /// Pooled connections per provider (with several --threads, divided among them,
+    /// rounded up: at least one per thread).
     #[arg(long, env = "RPCMESH_POOL_SIZE", default_value_t = DEFAULT_POOL_SIZE)]
     pub pool_size: u32,
     /// Per-call timeout (e.g. 5s, 500ms).
