@@ -491,8 +491,9 @@ pub const FILE_RELOADS_TOTAL: Family = Family {
     help: "Reads of the TLS files (file=tls) and of the authorization policy (file=policy) after the start, on SIGHUP or when they changed: result=ok (in force now), error (kept out; what was in force stays).",
 };
 
-/// Families a program exports only when it is configured to use what they count (TLS).
-pub const CONDITIONAL: &[&Family] = &[&TLS_CERT_EXPIRY_TIMESTAMP_SECONDS];
+/// Families a program exports only when it is configured to use what they count (TLS;
+/// a broker's cells, with `--threads` above 1).
+pub const CONDITIONAL: &[&Family] = &[&TLS_CERT_EXPIRY_TIMESTAMP_SECONDS, &CELL_CALLS_TOTAL];
 
 // ---- driver
 
