@@ -94,13 +94,23 @@ pub const DEFAULT_PACK_WAIT: Duration = Duration::from_micros(100);
 /// (`--upstream-tls`): each hop's TLS is its own choice.
 pub const DEFAULT_UPSTREAM_TLS: bool = false;
 
+/// Cells of a broker that the library runs (`BrokerConfig::with_upstreams`): one, the
+/// runtime `run` is called on, which is what a test's runtime expects. The command line's
+/// `--threads` sets it (one cell per thread).
+pub const DEFAULT_CELLS: usize = 1;
+
+/// What `--threads` means to the broker (the runtime flag every program takes).
+const THREADS_HELP: &str = "Threads, each a cell serving its own client connections over its own share of each provider's pool (0 = one per CPU)";
+
 /// Whether the broker busy-polls after reads (`--busy-poll`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BusyPoll {
-    /// [`DEFAULT_BUSY_POLL`] when the runtime has one worker thread, else off: with
-    /// several, a spinning worker cannot take the reactor from one blocked in `epoll_wait`,
-    /// and busy polling costs more than a core for little (see
-    /// `rpcmesh_common::net::busy_poll`).
+    /// [`DEFAULT_BUSY_POLL`] when the broker serves calls on one thread, else off: with
+    /// several cells (`crate::cell`), a spinner per cell keeps a core per cell busy, which
+    /// on a machine shared with the broker's peers costs them more than the wake-ups it
+    /// spares them (docs/performance.md, "Scaling with threads: cells"); in a runtime
+    /// of several workers, a spinning worker cannot take the reactor from one blocked in
+    /// `epoll_wait` (see `rpcmesh_common::net::busy_poll`).
     Auto,
     /// Sleep at once when there is nothing to do.
     Off,
@@ -109,7 +119,8 @@ pub enum BusyPoll {
 }
 
 impl BusyPoll {
-    /// The window to use with `workers` runtime worker threads; `None` = off.
+    /// The window to use with `workers` threads serving calls (cells, or a runtime's worker
+    /// threads); `None` = off.
     pub fn window(self, workers: usize) -> Option<Duration> {
         match self {
             BusyPoll::Auto => (workers == 1).then_some(DEFAULT_BUSY_POLL),
@@ -171,7 +182,8 @@ impl fmt::Display for Balance {
 #[command(
     name = "broker",
     version = rpcmesh_common::build::VERSION_LINE,
-    about = "rpcmesh broker: a stateless RPCF v1 proxy that pools and balances calls to providers"
+    about = "rpcmesh broker: a stateless RPCF v1 proxy that pools and balances calls to providers",
+    mut_arg("threads", |a| a.help(THREADS_HELP))
 )]
 pub struct Args {
     /// Address to listen on for client connections: IP:PORT, or :PORT for every interface.
@@ -204,7 +216,8 @@ pub struct Args {
     /// The runtime.
     #[command(flatten)]
     pub runtime: RuntimeArgs,
-    /// Pooled connections per provider.
+    /// Pooled connections per provider (with several --threads, divided among them,
+    /// rounded up: at least one per thread).
     #[arg(long, env = "RPCMESH_POOL_SIZE", default_value_t = DEFAULT_POOL_SIZE)]
     pub pool_size: u32,
     /// Per-call timeout (e.g. 5s, 500ms).
@@ -241,7 +254,7 @@ pub struct Args {
     #[command(flatten)]
     pub limits: LimitArgs,
     /// Keep polling for I/O this long after each read instead of sleeping (e.g. 50us),
-    /// `off`, or `auto`: 50us when the broker runs one worker thread (`--threads 1`), else
+    /// `off`, or `auto`: 50us when the broker runs one thread (`--threads 1`), else
     /// off. Spares peers the cost of waking the broker and cuts its latency, at the price
     /// of one busy core while traffic flows.
     #[arg(long, env = "RPCMESH_BUSY_POLL", default_value_t = BusyPoll::Auto)]
@@ -335,6 +348,10 @@ pub struct BrokerConfig {
     /// The calls the flags mark idempotent (`--idempotent`; the providers file may mark
     /// more): lost in flight, they are sent again.
     pub idempotent: rpcmesh_common::retry::Idempotent,
+    /// Cells: threads that each serve their own client connections over their own
+    /// provider connections (`--threads`; `crate::cell`). 1: the runtime `run` is called
+    /// on serves everything itself.
+    pub cells: usize,
 }
 
 impl BrokerConfig {
@@ -381,6 +398,7 @@ impl BrokerConfig {
             authz_policy: None,
             resilience: crate::resilience::ResilienceConfig::default(),
             idempotent: rpcmesh_common::retry::Idempotent::default(),
+            cells: DEFAULT_CELLS,
         }
     }
 }
@@ -531,6 +549,10 @@ impl Args {
             authz_policy: self.authz.authz_policy.clone(),
             resilience,
             idempotent,
+            cells: match self.runtime.threads {
+                0 => rpcmesh_common::cli::startup::default_threads(),
+                n => n,
+            },
         })
     }
 }
@@ -568,7 +590,13 @@ mod tests {
         let c = Args::parse_from(["broker", "--upstream", "127.0.0.1:7800"])
             .config()
             .unwrap();
-        assert_eq!(c, BrokerConfig::with_upstreams(["127.0.0.1:7800"]));
+        // The command line's cells are one per CPU (`--threads 0`), the library's one.
+        let cells = rpcmesh_common::cli::startup::default_threads();
+        let defaults = BrokerConfig {
+            cells,
+            ..BrokerConfig::with_upstreams(["127.0.0.1:7800"])
+        };
+        assert_eq!(c, defaults);
         // No flag at all is refused: a broker needs a provider.
         let e = Args::parse_from(["broker"]).config().unwrap_err();
         assert_eq!(

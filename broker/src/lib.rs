@@ -21,6 +21,8 @@
 //! - `call`: what passes between sessions and upstream connections: a call offered for
 //!   routing (`Forward`), and the session's inbox, into which upstream connections copy
 //!   replies under the callers' ids.
+//! - `cell`: with `--threads N`, N cells, each a single-threaded runtime serving the
+//!   client connections dealt to it over its own pools, so that no call crosses threads.
 //! - `failure`: every answer the broker makes itself, with its side and retry safety.
 //! - [`config`], [`UpstreamSpec`] (the `--upstream` syntax), [`metrics`].
 //!
@@ -29,6 +31,7 @@
 //! as the [`Reload`] trigger ([`run_with_reload`]).
 
 mod call;
+mod cell;
 pub mod config;
 mod failure;
 mod membership;
@@ -44,7 +47,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 
-use rpcmesh_common::alloc::Counted;
 use rpcmesh_common::cli::DurationArg;
 use rpcmesh_common::cli::security::{Security, SecuritySettings};
 use rpcmesh_common::metrics::Telemetry;
@@ -77,11 +79,13 @@ pub fn main_with(args: &Args) -> anyhow::Result<()> {
         .transpose()?;
     // Ready for systemd once the pools have settled (run_with_reload says so), not when
     // the port is bound: "active" then means calls are routed.
+    // The runtime `main` starts is the first cell; the broker starts the others itself
+    // (`cell`), each a runtime of one thread.
     rpcmesh_common::cli::startup::serve_with(
         "broker",
         args.listen,
         args.metrics_listen,
-        args.runtime.threads,
+        1,
         rpcmesh_common::cli::systemd::Readiness::Announced,
         |telemetry, listener, shutdown| {
             // Installed before the first call is served: from then on SIGHUP reloads
@@ -163,22 +167,68 @@ pub async fn run_with_reload(
             return ServeSummary::default();
         }
     };
-    let workers = tokio::runtime::Handle::current().metrics().num_workers();
+    // Each cell is a runtime of one thread; with one cell, the runtime `run` is called on
+    // (which may have more).
+    let (threads, handles) = match cell::CellThreads::start("broker", config.cells.max(1) - 1) {
+        Ok(started) => started,
+        Err(e) => {
+            tracing::error!(error = %e, cells = config.cells, "broker not started: its cells' threads could not be started");
+            return ServeSummary::default();
+        }
+    };
+    // The threads serving calls: busy polling is on by default only with one (a spinner
+    // per cell would keep a core per cell busy, which on a machine the broker shares
+    // costs its peers more than the wake-ups it spares them).
+    let workers = if config.cells > 1 {
+        config.cells
+    } else {
+        tokio::runtime::Handle::current().metrics().num_workers()
+    };
     let busy_poll = config.busy_poll.window(workers);
-    // Every socket of this broker, client and provider side, tells its spinner of reads.
-    let activity = busy_poll.map(|_| Activity::new());
     // Cancelled by the accept loop when the grace period ends: the upstream connections
     // then answer the calls they still hold, and the sessions pass the answers on.
     let grace_over = CancellationToken::new();
     let budget = MemoryBudget::new(config.memory_budget);
     publish_budget(&metrics.telemetry, metrics::ROLE, &budget);
     let guards = resilience::Guards::new(config.resilience, &metrics);
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let empty = route::Router::new(
+        &[],
+        config.balance,
+        config.pack_in_flight,
+        config.idempotent.clone(),
+    );
+    let empty = Arc::new(empty);
+    let cells = cell::Cells::new(
+        std::iter::once(tokio::runtime::Handle::current())
+            .chain(handles)
+            .enumerate()
+            .map(|(i, handle)| {
+                cell::Cell::new(
+                    handle,
+                    Arc::new(session::Shared {
+                        router: arc_swap::ArcSwap::new(empty.clone()),
+                        // Every socket of a cell, client and provider side, tells its
+                        // spinner of reads.
+                        activity: busy_poll.map(|_| Activity::new()),
+                        budget: budget.clone(),
+                        config: config.clone(),
+                        metrics: metrics.clone(),
+                        in_flight: in_flight.clone(),
+                        security: security.clone(),
+                        guards: guards.clone(),
+                        cell_calls: metrics.cell_calls(i, config.cells),
+                    }),
+                )
+            })
+            .collect(),
+    );
     let (providers, text) = membership::initial(&config, &metrics);
     let members = membership::Membership::start(
         membership::PoolMaker {
             config: config.clone(),
             metrics: metrics.clone(),
-            activity: activity.clone(),
+            cells: cells.clone(),
             grace_over: grace_over.clone(),
             budget: budget.clone(),
             tls: security.upstream.clone(),
@@ -187,6 +237,7 @@ pub async fn run_with_reload(
         &providers,
     )
     .marking(text.as_deref());
+    members.publish();
     // Calls are accepted once every provider has settled (bounded): a caller that connects
     // meanwhile waits in the listen backlog instead of being answered "unavailable".
     let stopped = tokio::select! {
@@ -209,6 +260,7 @@ pub async fn run_with_reload(
             balance = %config.balance,
             busy_poll = %busy_poll.map_or_else(|| "off".to_string(), |w| DurationArg(w).to_string()),
             workers,
+            cells = config.cells,
             "broker listening"
         );
         // A no-op unless systemd runs this broker (Type=notify).
@@ -222,52 +274,50 @@ pub async fn run_with_reload(
         grace: config.grace,
     };
     let observer = metrics.conns.clone();
-    let shared = Arc::new(session::Shared {
-        router: arc_swap::ArcSwap::from_pointee(members.router()),
-        activity: activity.clone(),
-        budget,
-        config,
-        metrics,
-        in_flight: AtomicUsize::new(0),
-        security,
-        guards,
-    });
     let watcher = tokio::spawn(membership::watch(
         members,
-        shared.clone(),
         text,
         reload,
         token.child_token(),
     ));
-    let idle = shared.metrics.busy_poll_idle.clone();
-    let spinner = busy_poll.zip(activity).map(|(window, activity)| {
-        let record = move |d: std::time::Duration| idle.record(d.as_secs_f64());
-        busy_poll::spawn(activity, window, token.child_token(), record)
-    });
-    let housekeeping = Housekeeping::start(&shared.metrics.telemetry, metrics::ROLE);
+    // A spinner per cell, on the cell.
+    let spinners: Vec<_> = cells
+        .all()
+        .iter()
+        .filter_map(|cell| {
+            let (window, activity) = busy_poll.zip(cell.shared.activity.clone())?;
+            let idle = metrics.busy_poll_idle.clone();
+            let record = move |d: std::time::Duration| idle.record(d.as_secs_f64());
+            let _on_cell = cell.handle.enter();
+            Some(busy_poll::spawn(
+                activity,
+                window,
+                token.child_token(),
+                record,
+            ))
+        })
+        .collect();
+    let housekeeping = Housekeeping::start(&metrics.telemetry, metrics::ROLE);
+    let dealer = cells.clone();
     let summary = listener::serve(
         listener,
         accept,
         token,
         grace_over,
         observer,
-        move |stream, peer, via, stop| {
-            let allocations = shared.metrics.allocations.clone();
-            Counted::new(
-                session::serve(stream, peer, via, shared.clone(), stop),
-                allocations,
-            )
-        },
+        move |stream, peer, via, stop| dealer.serve(stream, peer, via, stop),
     )
     .await;
     drop(housekeeping);
-    if let Some(s) = spinner {
+    for s in spinners {
         s.abort();
     }
     // The watcher stopped with the shutdown token; it hands the providers back.
     if let Ok(members) = watcher.await {
         members.stop().await;
     }
+    drop(cells);
+    threads.stop().await;
     tracing::info!(
         accepted = summary.accepted,
         refused = summary.refused,

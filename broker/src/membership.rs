@@ -1,8 +1,9 @@
 //! Which providers the broker serves, and how that set changes while it runs.
 //!
-//! [`Membership`] owns the providers served now: for each, its pool and its keeper task.
-//! The router the sessions read is rebuilt from it and published whole in their
-//! `ArcSwap` at each change, so the per-call path takes no lock. [`watch`] reads the
+//! [`Membership`] owns the providers served now: for each, its pool and its keeper task in
+//! every cell (`crate::cell`). Each cell's router, over the cell's own pools, is rebuilt
+//! from it and published whole in the `ArcSwap` the cell's sessions read, at each change,
+//! so the per-call path takes no lock. [`watch`] reads the
 //! providers file again when asked ([`Reload`]: SIGHUP) and when the file changes (its
 //! [`FileStamp`] is looked at every [`FILE_POLL`]), and applies what changed:
 //!
@@ -26,18 +27,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rpcmesh_common::net::budget::MemoryBudget;
-use rpcmesh_common::net::busy_poll::Activity;
 use rpcmesh_common::net::shutdown::CancellationToken;
 use rpcmesh_wire::PeerKind;
 use tokio::sync::Notify;
 use tokio::task::{JoinHandle, JoinSet};
 
+use crate::cell::{self, Cells};
 use crate::config::BrokerConfig;
 use crate::metrics::BrokerMetrics;
 use crate::providers_file::{self, FileStamp, ProvidersFileError};
 use crate::route::Router;
-use crate::session::Shared;
-use crate::upstream::{PoolLink, ProviderPool};
+use crate::upstream::{Placement, PoolLink, ProviderPool};
 use crate::upstream_spec::UpstreamSpec;
 use rpcmesh_common::retry::Idempotent;
 
@@ -70,11 +70,12 @@ impl Reload {
     }
 }
 
-/// What making a provider's pool takes, beyond its spec.
+/// What making a provider's pools takes, beyond its spec.
 pub(crate) struct PoolMaker {
     pub config: BrokerConfig,
     pub metrics: BrokerMetrics,
-    pub activity: Option<Arc<Activity>>,
+    /// The cells: a provider has a pool in each (`crate::cell`).
+    pub cells: Arc<Cells>,
     pub grace_over: CancellationToken,
     pub budget: Arc<MemoryBudget>,
     /// TLS towards the providers, when on.
@@ -84,27 +85,55 @@ pub(crate) struct PoolMaker {
 }
 
 impl PoolMaker {
-    fn make(&self, spec: &UpstreamSpec) -> Arc<ProviderPool> {
-        ProviderPool::new(
-            spec.clone(),
-            &self.config,
-            self.metrics.upstream(spec.label(), self.config.pool_size),
-            self.activity.clone(),
-            self.grace_over.clone(),
-            (self.budget.clone(), self.guards.clone()),
-            self.tls.clone(),
-        )
+    /// The provider's pools, one per cell (in the cells' order), each made on its cell's
+    /// runtime, where its connections run, with its keeper started there.
+    fn make(&self, spec: &UpstreamSpec, stop: &CancellationToken) -> Vec<Pool> {
+        let cells = self.cells.all();
+        let size = cell::pool_share(self.config.pool_size, cells.len());
+        let metrics = self
+            .metrics
+            .upstream(spec.label(), size * cells.len() as u32, cells.len());
+        let mut first: Option<Arc<PoolLink>> = None;
+        let mut pools = Vec::with_capacity(cells.len());
+        for (i, cell) in cells.iter().enumerate() {
+            let pool = {
+                let _on_cell = cell.handle.enter();
+                ProviderPool::new(
+                    spec.clone(),
+                    &self.config,
+                    metrics.in_cell(i, i * size as usize),
+                    Placement {
+                        size,
+                        activity: cell.shared.activity.clone(),
+                        sibling: first.as_deref(),
+                    },
+                    self.grace_over.clone(),
+                    (self.budget.clone(), self.guards.clone()),
+                    self.tls.clone(),
+                )
+            };
+            first.get_or_insert_with(|| pool.link());
+            let keeper = cell.handle.spawn(pool.clone().keep(stop.clone()));
+            pools.push(Pool { pool, keeper });
+        }
+        pools
     }
+}
+
+/// A provider's pool in one cell, and its keeper.
+struct Pool {
+    pool: Arc<ProviderPool>,
+    keeper: JoinHandle<()>,
 }
 
 /// A provider served now.
 struct Member {
     /// As listed now (its services may differ from those its pool was made with).
     spec: UpstreamSpec,
-    pool: Arc<ProviderPool>,
-    /// Stops its keeper.
+    /// Its pool in each cell, in the cells' order.
+    pools: Vec<Pool>,
+    /// Stops its keepers.
     stop: CancellationToken,
-    keeper: JoinHandle<()>,
 }
 
 impl Member {
@@ -155,14 +184,11 @@ impl Membership {
     }
 
     fn join(&self, spec: &UpstreamSpec) -> Member {
-        let pool = self.maker.make(spec);
         let stop = self.stop_all.child_token();
-        let keeper = tokio::spawn(pool.clone().keep(stop.clone()));
         Member {
             spec: spec.clone(),
-            pool,
+            pools: self.maker.make(spec, &stop),
             stop,
-            keeper,
         }
     }
 
@@ -174,12 +200,16 @@ impl Membership {
     /// did). Providers that settled before cost nothing.
     pub async fn settled(&self) {
         let bound = self.maker.config.checkout_timeout();
-        let waits = self.members.iter().map(|m| m.pool.settled());
+        let waits = self
+            .members
+            .iter()
+            .flat_map(|m| &m.pools)
+            .map(|p| p.pool.settled());
         let _ = tokio::time::timeout(bound, futures_util::future::join_all(waits)).await;
         let late: Vec<&str> = self
             .members
             .iter()
-            .filter(|m| m.pool.is_connecting())
+            .filter(|m| m.pools.iter().any(|p| p.pool.is_connecting()))
             .map(|m| m.spec.addr.as_str())
             .collect();
         if !late.is_empty() {
@@ -187,21 +217,26 @@ impl Membership {
         }
     }
 
-    /// The router over the providers served now.
-    pub fn router(&self) -> Router {
+    /// Publishes to each cell the router over its pools of the providers served now.
+    pub fn publish(&self) {
         // The cap on ejections is a share of the providers served now.
         self.maker.guards.ejections.set_members(self.members.len());
-        let members: Vec<_> = self
-            .members
-            .iter()
-            .map(|m| (m.spec.clone(), m.pool.clone()))
-            .collect();
-        Router::new(
-            &members,
-            self.maker.config.balance,
-            self.maker.config.pack_in_flight,
-            self.maker.config.idempotent.and(&self.idempotent),
-        )
+        let config = &self.maker.config;
+        let idempotent = config.idempotent.and(&self.idempotent);
+        for (i, cell) in self.maker.cells.all().iter().enumerate() {
+            let members: Vec<_> = self
+                .members
+                .iter()
+                .map(|m| (m.spec.clone(), m.pools[i].pool.clone()))
+                .collect();
+            let router = Router::new(
+                &members,
+                config.balance,
+                config.pack_in_flight,
+                idempotent.clone(),
+            );
+            cell.shared.router.store(Arc::new(router));
+        }
     }
 
     /// Makes `specs` the providers served: returns what changed, and the members that
@@ -240,30 +275,38 @@ impl Membership {
         let config = &self.maker.config;
         let bound = config.call_timeout + config.checkout_timeout();
         for m in left {
-            tracing::info!(provider = %m.spec.addr, calls_in_flight = m.pool.calls_in_flight(), "provider left: no new calls; its connections close once their calls are done");
+            let calls: usize = m.pools.iter().map(|p| p.pool.calls_in_flight()).sum();
+            tracing::info!(provider = %m.spec.addr, calls_in_flight = calls, "provider left: no new calls; its connections close once their calls are done");
             m.stop.cancel();
-            let link: Arc<PoolLink> = m.pool.link();
-            let (addr, pool, keeper) = (m.spec.addr, m.pool, m.keeper);
+            let addr = m.spec.addr;
+            let pools = m.pools;
             self.leaving.spawn(async move {
-                let _ = keeper.await;
-                // The last handles of its connections go with the pool: each connection
-                // task then ends once its calls are answered.
-                drop(pool);
-                match tokio::time::timeout(bound, link.all_closed()).await {
-                    Ok(()) => tracing::info!(provider = %addr, "provider gone: its connections are closed"),
-                    Err(_) => tracing::warn!(provider = %addr, open = link.open_tasks(), "provider left with connections still open past the call timeout"),
+                let mut links: Vec<Arc<PoolLink>> = Vec::with_capacity(pools.len());
+                for Pool { pool, keeper } in pools {
+                    let _ = keeper.await;
+                    links.push(pool.link());
+                    // The last handles of its connections go with the pool: each
+                    // connection task then ends once its calls are answered.
+                    drop(pool);
+                }
+                let closed = futures_util::future::join_all(links.iter().map(|l| l.all_closed()));
+                match tokio::time::timeout(bound, closed).await {
+                    Ok(_) => tracing::info!(provider = %addr, "provider gone: its connections are closed"),
+                    Err(_) => {
+                        let open: usize = links.iter().map(|l| l.open_tasks()).sum();
+                        tracing::warn!(provider = %addr, open, "provider left with connections still open past the call timeout");
+                    }
                 }
             });
         }
     }
 
     /// Reads the providers file at `path` and serves what it lists with the flags'
-    /// providers; on success the new router is published in `shared`, once the providers
+    /// providers; on success the new routers are published to the cells, once the providers
     /// that joined have settled (as at the start: a call is not answered "unavailable"
     /// only because a new provider's first connections were still being made), or `stop`.
     async fn apply(
         &mut self,
-        shared: &Shared,
         path: &Path,
         text: &str,
         stop: &CancellationToken,
@@ -277,7 +320,7 @@ impl Membership {
                 () = stop.cancelled() => {}
             }
         }
-        shared.router.store(Arc::new(self.router()));
+        self.publish();
         self.retire(left);
         Ok(change)
     }
@@ -286,7 +329,9 @@ impl Membership {
     pub async fn stop(mut self) {
         self.stop_all.cancel();
         for m in self.members.drain(..) {
-            let _ = m.keeper.await;
+            for p in m.pools {
+                let _ = p.keeper.await;
+            }
         }
         self.leaving.shutdown().await;
     }
@@ -336,12 +381,12 @@ enum Wake {
 /// content served now. Returns the membership, for the broker to stop it.
 pub(crate) async fn watch(
     mut m: Membership,
-    shared: Arc<Shared>,
     mut text: Option<String>,
     reload: Reload,
     stop: CancellationToken,
 ) -> Membership {
-    let path: Option<PathBuf> = shared.config.providers_file.clone();
+    let path: Option<PathBuf> = m.maker.config.providers_file.clone();
+    let metrics = m.maker.metrics.clone();
     // No stamp yet: the first poll reads the file and compares its text with the text
     // served (read before the start's wait for the providers, which can take seconds), so
     // a change made meanwhile is applied, and an unchanged file changes nothing.
@@ -397,17 +442,17 @@ pub(crate) async fn watch(
             continue;
         }
         let applied = match read {
-            Ok(t) => m.apply(&shared, path, &t, &stop).await.map(|c| (c, t)),
+            Ok(t) => m.apply(path, &t, &stop).await.map(|c| (c, t)),
             Err(e) => Err(e),
         };
         match applied {
             Ok((change, t)) => {
-                shared.metrics.reloads_ok.increment(1);
+                metrics.reloads_ok.increment(1);
                 tracing::info!(file = %path.display(), providers = m.members.len(), joined = change.joined, left = change.left, kept = change.kept, "providers file applied");
                 text = Some(t);
             }
             Err(e) => {
-                shared.metrics.reloads_error.increment(1);
+                metrics.reloads_error.increment(1);
                 tracing::error!(error = %e, providers = m.members.len(), "providers file kept out; the providers stay as they were");
             }
         }

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use metrics::{Counter, Gauge, Histogram};
 use rpcmesh_common::metrics::catalogue::{
     ABANDONED_REPLIES_TOTAL, BUSY_POLL_IDLE_SECONDS, CALLS_IN_FLIGHT, CALLS_REROUTED_TOTAL,
-    CONFIG_RELOADS_TOTAL, FORWARDING_ALLOCATIONS_TOTAL, POOL_CONNECTIONS,
+    CELL_CALLS_TOTAL, CONFIG_RELOADS_TOTAL, FORWARDING_ALLOCATIONS_TOTAL, POOL_CONNECTIONS,
     POOL_CONNECTIONS_CLOSED_TOTAL, POOL_GET_WAIT_SECONDS, POOL_GETS_TIMED_OUT_TOTAL,
     POOL_GETS_WAITED_TOTAL, POOL_HEALTHY_CONNECTIONS, POOL_IDLE_CONNECTIONS,
     RETRY_BUDGET_EXHAUSTED_TOTAL, UPSTREAM_CALLS_IN_FLIGHT, UPSTREAM_CALLS_TOTAL,
@@ -163,13 +163,28 @@ impl BrokerMetrics {
         c
     }
 
+    /// The count of calls answered by cell `cell` of `cells` (`crate::cell`); none with
+    /// one cell, whose count is the broker's.
+    pub fn cell_calls(&self, cell: usize, cells: usize) -> Counter {
+        if cells <= 1 {
+            return Counter::noop();
+        }
+        let cell = cell.to_string();
+        self.telemetry.counter(
+            &CELL_CALLS_TOTAL,
+            &[("role", ROLE.label()), ("cell", &cell)],
+        )
+    }
+
     /// The counters for calls whose names could not be read.
     pub fn calls_other(&self) -> Arc<CallCounters> {
         self.calls.other.clone()
     }
 
-    /// Handles for one upstream with `pool_size` pooled connections.
-    pub fn upstream(&self, label: &str, pool_size: u32) -> UpstreamMetrics {
+    /// Handles for one upstream with `pool_size` pooled connections, over `cells` cells
+    /// (`crate::cell`): these are the first cell's, [`UpstreamMetrics::in_cell`] gives the
+    /// others'. The pool's gauges and counters are summed over the cells.
+    pub fn upstream(&self, label: &str, pool_size: u32, cells: usize) -> UpstreamMetrics {
         let t = &self.telemetry;
         let l = [("role", ROLE.label()), ("upstream", label)];
         UpstreamMetrics {
@@ -226,6 +241,11 @@ impl BrokerMetrics {
                 ],
             ),
             _exposed: Arc::new(t.exposure("upstream", label)),
+            cell: 0,
+            conn_offset: 0,
+            sums: Arc::new(PoolSums {
+                cells: Mutex::new(vec![[0; POOL_FIGURES]; cells.max(1)]),
+            }),
         }
     }
 }
@@ -294,18 +314,89 @@ pub struct UpstreamMetrics {
     /// tasks hold clones, so they go once the provider left and its last connection
     /// closed (before that, a leaving provider shows its draining connections).
     _exposed: Arc<Exposure>,
+    /// The cell whose pool these are, and the number of its first connection among the
+    /// provider's (the `conn` label).
+    cell: usize,
+    conn_offset: usize,
+    /// The pool figures of every cell.
+    sums: Arc<PoolSums>,
+}
+
+/// How many pool figures a cell publishes: connections, idle, healthy, gets waited, gets
+/// timed out, closed broken, closed invalid.
+const POOL_FIGURES: usize = 7;
+
+/// A provider's pool figures in each cell, whose sums its series show. Written once per
+/// health interval by each cell's keeper, under the lock, so that the series always show
+/// a sum of the latest figures.
+#[derive(Debug)]
+struct PoolSums {
+    cells: Mutex<Vec<[u64; POOL_FIGURES]>>,
 }
 
 impl UpstreamMetrics {
+    /// The handles of the same provider's pool in cell `cell`, whose connections are
+    /// numbered from `conn_offset`.
+    pub(crate) fn in_cell(&self, cell: usize, conn_offset: usize) -> UpstreamMetrics {
+        UpstreamMetrics {
+            cell,
+            conn_offset,
+            ..self.clone()
+        }
+    }
+
+    /// Changes this cell's pool figures with `change` and publishes their sums over the
+    /// cells.
+    fn publish_sums(&self, change: impl FnOnce(&mut [u64; POOL_FIGURES])) {
+        let mut cells = self
+            .sums
+            .cells
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(row) = cells.get_mut(self.cell) {
+            change(row);
+        }
+        let mut sum = [0u64; POOL_FIGURES];
+        for row in cells.iter() {
+            for (s, v) in sum.iter_mut().zip(row) {
+                *s += v;
+            }
+        }
+        let [
+            connections,
+            idle,
+            healthy,
+            waited,
+            timed_out,
+            broken,
+            invalid,
+        ] = sum;
+        self.pool_connections.set(connections as f64);
+        self.pool_idle.set(idle as f64);
+        self.pool_healthy.set(healthy as f64);
+        self.pool_gets_waited.absolute(waited);
+        self.pool_gets_timed_out.absolute(timed_out);
+        self.pool_closed_broken.absolute(broken);
+        self.pool_closed_invalid.absolute(invalid);
+    }
+
+    /// This cell's connection gauges.
+    fn own_conns(&self, count: usize) -> &[Gauge] {
+        let start = self.conn_offset.min(self.conn_in_flight.len());
+        let end = (self.conn_offset + count).min(self.conn_in_flight.len());
+        &self.conn_in_flight[start..end]
+    }
+
     /// Counts the outcome of one call written to this provider.
     pub(crate) fn outcome(&self, status: Status) {
         self.calls[status as usize].increment(1);
     }
 
-    /// Sets the calls in flight of each pooled connection, by position.
-    pub(crate) fn publish_conn_loads(&self, loads: impl Iterator<Item = usize>) {
+    /// Sets the calls in flight of each of this cell's `size` pooled connections, by
+    /// position.
+    pub(crate) fn publish_conn_loads(&self, size: usize, loads: impl Iterator<Item = usize>) {
         let mut loads = loads;
-        for g in &self.conn_in_flight {
+        for g in self.own_conns(size) {
             g.set(loads.next().unwrap_or(0) as f64);
         }
     }
@@ -322,15 +413,13 @@ impl UpstreamMetrics {
 
     /// The pool stopped (its provider left, or the broker is stopping): its gauges go to
     /// zero, so that a provider that left does not look as if it still had connections.
-    pub(crate) fn publish_gone(&self) {
-        for g in &self.conn_in_flight {
+    pub(crate) fn publish_gone(&self, size: usize) {
+        for g in self.own_conns(size) {
             g.set(0.0);
         }
         self.pace.set(0.0);
         self.latency_estimate.set(0.0);
-        self.pool_connections.set(0.0);
-        self.pool_idle.set(0.0);
-        self.pool_healthy.set(0.0);
+        self.publish_sums(|row| row[..3].fill(0));
     }
 
     /// Copies bb8's view of the pool into the gauges and counters. `waited_before` is
@@ -344,19 +433,21 @@ impl UpstreamMetrics {
     ) {
         let before = waited_before;
         let s = &state.statistics;
-        self.pool_connections.set(f64::from(state.connections));
-        self.pool_idle.set(f64::from(state.idle_connections));
-        self.pool_healthy.set(healthy as f64);
-        self.pool_gets_waited.absolute(s.get_waited);
-        self.pool_gets_timed_out.absolute(s.get_timed_out);
+        self.publish_sums(|row| {
+            *row = [
+                u64::from(state.connections),
+                u64::from(state.idle_connections),
+                healthy as u64,
+                s.get_waited,
+                s.get_timed_out,
+                s.connections_closed_broken,
+                s.connections_closed_invalid,
+            ];
+        });
         if s.get_wait_time > *before {
             self.pool_wait_seconds
                 .record((s.get_wait_time - *before).as_secs_f64());
             *before = s.get_wait_time;
         }
-        self.pool_closed_broken
-            .absolute(s.connections_closed_broken);
-        self.pool_closed_invalid
-            .absolute(s.connections_closed_invalid);
     }
 }

@@ -81,7 +81,7 @@ pub(crate) struct Shared {
     pub router: ArcSwap<Router>,
     pub metrics: BrokerMetrics,
     /// Calls in flight in the whole broker (the global shedding cap).
-    pub in_flight: AtomicUsize,
+    pub in_flight: Arc<AtomicUsize>,
     /// Reads are reported here when the broker busy-polls.
     pub activity: Option<Arc<Activity>>,
     /// The process's budget of buffered bytes.
@@ -90,6 +90,8 @@ pub(crate) struct Shared {
     pub security: Security,
     /// Ejections and the retry budget (`crate::resilience`).
     pub guards: Arc<crate::resilience::Guards>,
+    /// The calls this cell answered (`crate::cell`; a no-op with one cell).
+    pub cell_calls: metrics::Counter,
 }
 
 /// The process's budget of denied-call log lines (a caller can cause them at will).
@@ -154,6 +156,8 @@ struct Session {
     admitted: usize,
     /// The CRC trailer of the request being admitted, as received.
     trailer: u32,
+    /// Calls answered since the cell's count was last told.
+    answered: u64,
 }
 
 impl Protocol for Session {
@@ -272,6 +276,8 @@ impl Protocol for Session {
             self.admitted = 0;
         }
         self.picker.new_batch();
+        // Before the answers leave: a caller that has one sees it counted.
+        self.tell_cell();
     }
 
     fn after_write(&mut self, io: &mut FramedIo) {
@@ -287,6 +293,7 @@ impl Protocol for Session {
     /// Calls still in flight when the caller left: their replies find no one; count them
     /// out of the global cap as they would have been.
     fn on_end(&mut self) {
+        self.tell_cell();
         self.inbox.close();
         if self.in_flight > 0 {
             tracing::debug!(calls = self.in_flight, "client left with calls in flight");
@@ -322,6 +329,7 @@ impl Session {
             sampler: shared.metrics.stages.sampler(),
             admitted: 0,
             trailer: 0,
+            answered: 0,
             shared,
         }
     }
@@ -587,7 +595,16 @@ impl Session {
     fn counted(&mut self, tag: u32, status: Status) -> usize {
         let i = self.counters_index(tag, status);
         self.counters[i].inc(status);
+        self.answered += 1;
         i
+    }
+
+    /// Adds the calls answered since the last time to the cell's count.
+    fn tell_cell(&mut self) {
+        if self.answered > 0 {
+            self.shared.cell_calls.increment(self.answered);
+            self.answered = 0;
+        }
     }
 
     /// The session's tag for a (service, method) pair: an index into its counters, or,

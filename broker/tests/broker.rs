@@ -315,3 +315,53 @@ async fn only_names_that_succeed_get_their_own_labels() {
     b.stop().await;
     p.stop().await;
 }
+
+/// With two cells (`--threads 2`), client connections are dealt to both: each cell
+/// answers the calls of its own connections over its own share of the provider's pool,
+/// and the cells' counts, kept apart, add up to the broker's count of calls at a scrape,
+/// as the pool gauges of the two cells add up to the configured pool.
+#[tokio::test]
+async fn two_cells_each_serve_their_connections_and_their_counts_add_up() {
+    const CONNECTIONS: usize = 4;
+    const CALLS: usize = 20;
+    let p = provider(ProviderConfig::default()).await;
+    let mut cfg = broker_config(&[p.addr]);
+    cfg.cells = 2;
+    let pool_size = cfg.pool_size;
+    let b = broker(cfg).await;
+    let mut clients = Vec::new();
+    for _ in 0..CONNECTIONS {
+        let c = client(b.addr).await;
+        until_ready(&c).await;
+        clients.push(c);
+    }
+    let calls = clients.iter().enumerate().map(|(i, c)| async move {
+        for k in 0..CALLS {
+            let m = format!("conn {i} call {k}");
+            let r = c.call("EchoService", "Echo", &echo(&m)).await.unwrap();
+            assert_eq!(r.status, Status::Success);
+            assert_eq!(r.decode::<EchoResponse>().unwrap().message, m);
+        }
+    });
+    futures_util::future::join_all(calls).await;
+    let cell = |k: &str| b.metric("rpcmesh_cell_calls_total", &[("cell", k)]);
+    let (first, second) = (cell("0"), cell("1"));
+    let total = b.metric("rpcmesh_calls_total", &[]);
+    assert!(
+        first >= CALLS as f64 && second >= CALLS as f64,
+        "both cells answered calls of their connections: {first} and {second}"
+    );
+    assert_eq!(first + second, total, "the cells' counts add up");
+    assert!(total >= (CONNECTIONS * CALLS) as f64, "{total}");
+    // Each cell has its share of the pool, and the gauges show their sum.
+    testkit::wait_for("both cells' pools to be published", || async {
+        (b.metric("rpcmesh_pool_healthy_connections", &[]) == f64::from(pool_size)).then_some(())
+    })
+    .await;
+    assert_eq!(
+        b.metric("rpcmesh_pool_connections", &[]),
+        f64::from(pool_size)
+    );
+    b.stop().await;
+    p.stop().await;
+}

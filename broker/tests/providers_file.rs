@@ -60,6 +60,11 @@ fn broker_process(file: &Path, log: &Path) -> Spawned {
 
 /// As [`broker_process`], with `health_timeout` for one heartbeat.
 fn broker_process_with(file: &Path, log: &Path, health_timeout: &str) -> Spawned {
+    broker_process_on(file, log, health_timeout, "1")
+}
+
+/// As [`broker_process_with`], on `threads` threads (cells).
+fn broker_process_on(file: &Path, log: &Path, health_timeout: &str, threads: &str) -> Spawned {
     Spawned::start_with(
         "broker",
         &[
@@ -72,7 +77,7 @@ fn broker_process_with(file: &Path, log: &Path, health_timeout: &str) -> Spawned
             "--health-timeout",
             health_timeout,
             "--threads",
-            "1",
+            threads,
             "--busy-poll",
             "off",
         ],
@@ -608,7 +613,8 @@ async fn a_provider_drained_by_sigterm_under_load_costs_the_callers_nothing_and_
 /// docs/broker.md's own example: a provider named for the services beside one for any
 /// service. The named one takes every call while it is healthy; drained by SIGTERM under
 /// load, the calls it refuses and all after go to the one of any service, its fallback,
-/// and none fails.
+/// and none fails. The broker runs two cells, each with a client connection under load:
+/// the drain one cell learns of is the other's too, and neither loses a call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_named_provider_drained_under_load_falls_back_to_the_any_service_one() {
     let dir = test_dir("fallback");
@@ -622,12 +628,15 @@ async fn a_named_provider_drained_under_load_falls_back_to_the_any_service_one()
         format!("EchoService,PlatformService={named_addr}\n{}\n", any.addr),
     )
     .unwrap();
-    let b = broker_process(&file, &dir.join("broker.log"));
-    let c = client(b.rpc).await;
+    let b = broker_process_on(&file, &dir.join("broker.log"), "500ms", "2");
+    // Two connections: one per cell.
+    let (c, c2) = (client(b.rpc).await, client(b.rpc).await);
     until_ready(&c).await;
+    until_ready(&c2).await;
 
     let stop = Arc::new(AtomicBool::new(false));
     let running = load(&c, &stop);
+    let running2 = load(&c2, &stop);
     wait_until("the named provider to serve calls under the load", || {
         upstream_ok(&b, named_addr) >= 200.0
     })
@@ -647,8 +656,18 @@ async fn a_named_provider_drained_under_load_falls_back_to_the_any_service_one()
     stop.store(true, Ordering::Relaxed);
     let (made, bad) = running.await.unwrap();
     assert_all_ok(made, &bad);
+    let (made2, bad2) = running2.await.unwrap();
+    assert_all_ok(made2, &bad2);
+    let cell = |k: &str| b.metric("rpcmesh_cell_calls_total", &[("cell", k)]);
+    assert!(
+        cell("0") >= 200.0 && cell("1") >= 200.0,
+        "both cells carried the load: {} and {}",
+        cell("0"),
+        cell("1")
+    );
     println!(
-        "fallback under a drain: {made} calls, all ok, {} by the fallback",
+        "fallback under a drain: {} calls, all ok, {} by the fallback",
+        made + made2,
         any.calls("ok")
     );
     drop(b);

@@ -1,7 +1,7 @@
-//! Mutual TLS on both hops, end to end on 127.0.0.1: the driver calls through a broker to a
-//! provider, each hop mutual TLS with certificates of one test CA. A driver with a valid
-//! certificate gets every call through; one with no certificate, another CA's, or none of
-//! TLS at all gets none through, each refusal counted with its reason by the broker; an
+//! Mutual TLS on both hops, end to end on 127.0.0.1: the driver calls through a broker of
+//! two cells to a provider, each hop mutual TLS with certificates of one test CA. A driver
+//! with a valid certificate gets every call through; one with no certificate, another
+//! CA's, or none of TLS at all gets none through, each refusal counted with its reason by the broker; an
 //! identity the policy denies is answered "permission denied", by the broker for its own
 //! policy and by the provider for the caller's identity the broker forwarded, and the
 //! counts add up.
@@ -95,6 +95,9 @@ async fn mesh(name: &str) -> Mesh {
         }),
         tls: Some(tls),
         authz_policy: Some(write(&dir, "broker.toml", BROKER_POLICY)),
+        // Two cells: each run's connection is dealt to one, in turn, so that handshakes,
+        // the policy and TLS towards the provider are each cell's own.
+        cells: 2,
         ..BrokerConfig::with_upstreams([provider.addr.to_string()])
     };
     let broker = InProcess::start(|l, t, s| rpcmesh_broker::run_with(broker_config, t, l, s)).await;

@@ -13,8 +13,8 @@
 //!   round run at once, so a stalled provider is out of service one health interval plus
 //!   one heartbeat timeout after it stalled, whatever the pool's size.
 //! - A provider that answers a call "unavailable" with `NOT_RUN` is draining (it was told
-//!   to stop, and refuses what it did not start): the whole pool is marked draining
-//!   ([`PoolLink`]), the router passes it over, its connections open at that moment fail
+//!   to stop, and refuses what it did not start): the whole pool, in every cell, is
+//!   marked draining ([`PoolLink`]), the router passes it over, its connections open at that moment fail
 //!   their next check and close once their calls are done, and the mark is lifted when a
 //!   connection made after it answers a heartbeat (the provider is back, typically
 //!   restarted on the same address; reconnects back off meanwhile).
@@ -98,16 +98,49 @@ pub(crate) struct PoolLink {
     last_failure: std::sync::Mutex<Option<Failure>>,
     /// The provider's time per call on one connection, measured by the connections (a
     /// plain v1 server) or reported in heartbeat answers (an rpcmesh provider), and read by
-    /// the router to decide how deep it packs them ([`pace`]).
-    pub pace: pace::Pace,
+    /// the router to decide how deep it packs them ([`pace`]). This and the three below
+    /// are the provider's, shared by the pools of every cell (`crate::cell`).
+    pub pace: Arc<pace::Pace>,
     /// The provider's number, unique in the process: what a retry avoids.
     pub id: u64,
     /// Its faults and ejections (`crate::resilience::outlier`).
-    pub outlier: Outlier,
+    pub outlier: Arc<Outlier>,
     /// Its latency as the balancer sees it (`crate::resilience::ewma`).
-    pub ewma: PeakEwma,
+    pub ewma: Arc<PeakEwma>,
+    /// The provider's pools in every cell, told of a drain together.
+    siblings: Arc<Siblings>,
     /// What every provider of the broker shares: the settings, the retry budget.
     pub guards: Arc<Guards>,
+}
+
+/// The links of one provider's pools, one per cell (`crate::cell`): a drain one cell
+/// learns of from a refused call is every cell's at once, so that the others do not each
+/// send it calls to be refused (and routed again at the retry budget's expense).
+#[derive(Debug, Default)]
+struct Siblings(std::sync::Mutex<Vec<std::sync::Weak<PoolLink>>>);
+
+impl Siblings {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<std::sync::Weak<PoolLink>>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Counts `link` among the provider's pools (those gone are let go).
+    fn add(&self, link: &Arc<PoolLink>) {
+        let mut links = self.lock();
+        links.retain(|l| l.strong_count() > 0);
+        links.push(Arc::downgrade(link));
+    }
+
+    /// Calls `f` with each of the provider's pools but `this`.
+    fn each_other(&self, this: &PoolLink, mut f: impl FnMut(&PoolLink)) {
+        for other in self.lock().iter().filter_map(std::sync::Weak::upgrade) {
+            if !std::ptr::eq(Arc::as_ptr(&other), this) {
+                f(&other);
+            }
+        }
+    }
 }
 
 /// The number the next provider's pool gets.
@@ -124,11 +157,51 @@ impl PoolLink {
         ejections: [metrics::Counter; EjectReason::ALL.len()],
     ) -> Self {
         let r = guards.config;
-        PoolLink {
-            id: NEXT_PROVIDER.fetch_add(1, Ordering::Relaxed),
-            outlier: Outlier::new(r, Arc::clone(&guards.ejections), label, ejections),
-            ewma: PeakEwma::new(r.ewma_default_rtt, r.ewma_decay),
+        PoolLink::of_provider(
+            NEXT_PROVIDER.fetch_add(1, Ordering::Relaxed),
+            Arc::new(Outlier::new(
+                r,
+                Arc::clone(&guards.ejections),
+                label,
+                ejections,
+            )),
+            Arc::new(PeakEwma::new(r.ewma_default_rtt, r.ewma_decay)),
+            Arc::new(pace::Pace::new(pack_wait, source)),
             guards,
+        )
+    }
+
+    /// The link of another cell's pool of the same provider (`crate::cell`): the
+    /// provider's number, pace, ejections and latency estimate are this link's; its
+    /// connections, their numbering, its drain mark and its keeper's wake-ups are its own.
+    fn sibling(&self) -> Self {
+        PoolLink {
+            siblings: Arc::clone(&self.siblings),
+            ..PoolLink::of_provider(
+                self.id,
+                Arc::clone(&self.outlier),
+                Arc::clone(&self.ewma),
+                Arc::clone(&self.pace),
+                Arc::clone(&self.guards),
+            )
+        }
+    }
+
+    /// A new pool's link to the provider's shared state.
+    fn of_provider(
+        id: u64,
+        outlier: Arc<Outlier>,
+        ewma: Arc<PeakEwma>,
+        pace: Arc<pace::Pace>,
+        guards: Arc<Guards>,
+    ) -> Self {
+        PoolLink {
+            id,
+            outlier,
+            ewma,
+            pace,
+            guards,
+            siblings: Arc::default(),
             wake: Notify::new(),
             next_id: AtomicU64::new(1),
             draining_below: AtomicU64::new(0),
@@ -136,7 +209,6 @@ impl PoolLink {
             task_done: Notify::new(),
             settled: watch::Sender::new(false),
             last_failure: std::sync::Mutex::new(None),
-            pace: pace::Pace::new(pack_wait, source),
         }
     }
 
@@ -170,9 +242,19 @@ impl PoolLink {
         self.wake.notify_one();
     }
 
-    /// The provider said it is draining: every connection open now is out. True when this
-    /// is news (the first word of this drain), so that it is logged once.
+    /// The provider said it is draining: every connection open now is out, in this pool and
+    /// in the provider's pools of the other cells. True when this is news to this pool (the
+    /// first word of this drain), so that it is logged once.
     pub fn mark_draining(&self) -> bool {
+        let news = self.mark_own_draining();
+        self.siblings.each_other(self, |other| {
+            other.mark_own_draining();
+        });
+        news
+    }
+
+    /// [`PoolLink::mark_draining`] in this pool alone.
+    fn mark_own_draining(&self) -> bool {
         let mark = self.next_id.load(Ordering::Relaxed);
         let before = self.draining_below.fetch_max(mark, Ordering::Relaxed);
         if before < mark {
@@ -378,7 +460,18 @@ impl bb8::ManageConnection for Manager {
     }
 }
 
-/// The connections of one provider.
+/// Where a provider's pool runs (`crate::cell`).
+pub(crate) struct Placement<'a> {
+    /// Its connections: its cell's share of `--pool-size`.
+    pub size: u32,
+    /// Its cell's spinner, when the broker busy-polls.
+    pub activity: Option<Arc<Activity>>,
+    /// The same provider's pool in the first cell, whose provider-level state (number,
+    /// pace, ejections, latency estimate) this one shares; `None`: this is the first.
+    pub sibling: Option<&'a PoolLink>,
+}
+
+/// The connections of one provider (in one cell).
 pub(crate) struct ProviderPool {
     pub spec: UpstreamSpec,
     ready: ArcSwap<Vec<Arc<UpstreamConn>>>,
@@ -398,25 +491,31 @@ impl std::fmt::Debug for ProviderPool {
 }
 
 impl ProviderPool {
-    /// Builds the pool (connections are made in the background). The budgets: the
-    /// process's memory budget, and the resilience guards every provider shares.
+    /// Builds the pool (connections are made in the background, on the runtime this is
+    /// called in: its cell's). The budgets: the process's memory budget, and the
+    /// resilience guards every provider shares.
     pub fn new(
         spec: UpstreamSpec,
         config: &BrokerConfig,
         metrics: UpstreamMetrics,
-        activity: Option<Arc<Activity>>,
+        place: Placement<'_>,
         grace_over: CancellationToken,
         (budget, guards): (Arc<MemoryBudget>, Arc<Guards>),
         tls: Option<Arc<rpcmesh_common::net::tls::ClientTls>>,
     ) -> Arc<ProviderPool> {
         let source = pace::Source::of(spec.kind);
-        let link = Arc::new(PoolLink::new(
-            config.pack_wait,
-            source,
-            guards,
-            Arc::from(spec.label()),
-            metrics.ejections.clone(),
-        ));
+        let link = Arc::new(match place.sibling {
+            Some(first) => first.sibling(),
+            None => PoolLink::new(
+                config.pack_wait,
+                source,
+                guards,
+                Arc::from(spec.label()),
+                metrics.ejections.clone(),
+            ),
+        });
+        link.siblings.add(&link);
+        let activity = place.activity;
         let settings = ConnSettings {
             label: Arc::from(spec.label()),
             kind: spec.kind,
@@ -439,8 +538,8 @@ impl ProviderPool {
             retry: std::sync::Mutex::new(Retry::default()),
         };
         let pool = bb8::Pool::builder()
-            .max_size(config.pool_size)
-            .min_idle(Some(config.pool_size))
+            .max_size(place.size)
+            .min_idle(Some(place.size))
             .test_on_check_out(true)
             // The keeper checks connections out and in every health interval, so bb8's
             // idle and lifetime reapers would only close busy connections.
@@ -453,7 +552,7 @@ impl ProviderPool {
             ready: ArcSwap::from_pointee(Vec::new()),
             pool,
             link,
-            size: config.pool_size,
+            size: place.size,
             health_interval: config.health_interval,
             metrics,
         })
@@ -578,7 +677,7 @@ impl ProviderPool {
             conns.sort_unstable_by_key(|c| c.id());
             let healthy = conns.len();
             self.metrics
-                .publish_conn_loads(conns.iter().map(|c| c.load()));
+                .publish_conn_loads(self.size as usize, conns.iter().map(|c| c.load()));
             self.metrics.publish_pace(self.link.pace.per_call());
             self.metrics
                 .publish_latency_estimate(self.link.ewma.estimate(std::time::Instant::now()));
@@ -638,6 +737,32 @@ impl ProviderPool {
             }
         }
         self.ready.store(Arc::new(Vec::new()));
-        self.metrics.publish_gone();
+        self.metrics.publish_gone(self.size as usize);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A provider's pools in two cells: a drain one learns of is the other's at once, and
+    /// what is the provider's (its number, its latency estimate) is one.
+    #[test]
+    fn a_drain_one_cell_learns_of_is_marked_in_every_cell() {
+        let first = Arc::new(PoolLink::for_test(Duration::ZERO, pace::Source::Reported));
+        first.siblings.add(&first);
+        let second = Arc::new(first.sibling());
+        second.siblings.add(&second);
+        assert_eq!(first.id, second.id);
+        assert!(Arc::ptr_eq(&first.ewma, &second.ewma));
+        // Each pool has made two connections (numbered 1 and 2).
+        for link in [&first, &second] {
+            link.next_id.fetch_add(2, Ordering::Relaxed);
+        }
+        assert!(!first.is_draining() && !second.is_draining());
+        assert!(second.mark_draining(), "news to the cell that learnt it");
+        assert!(first.is_draining() && second.is_draining());
+        assert!(first.is_drained(2) && !first.is_drained(3));
+        assert!(!first.mark_draining(), "no news to the other cell after");
     }
 }

@@ -431,6 +431,14 @@ pub const ABANDONED_REPLIES_TOTAL: Family = Family {
     roles: BROKER,
     help: "Outcomes of calls whose caller had left (its connection closed with the call in flight): dropped when they came, neither buffered nor routed again.",
 };
+/// `rpcmesh_cell_calls_total{role, cell}`.
+pub const CELL_CALLS_TOTAL: Family = Family {
+    name: "rpcmesh_cell_calls_total",
+    kind: Counter,
+    labels: &["role", "cell"],
+    roles: BROKER,
+    help: "Calls answered by each cell of a broker run with --threads above 1 (a thread serving its own client connections over its own provider connections; cell 0 also runs the control plane): how evenly the load is dealt. They add up to rpcmesh_calls_total; absent with one thread.",
+};
 /// `rpcmesh_config_reloads_total{role, result}`.
 pub const CONFIG_RELOADS_TOTAL: Family = Family {
     name: "rpcmesh_config_reloads_total",
@@ -483,8 +491,9 @@ pub const FILE_RELOADS_TOTAL: Family = Family {
     help: "Reads of the TLS files (file=tls) and of the authorization policy (file=policy) after the start, on SIGHUP or when they changed: result=ok (in force now), error (kept out; what was in force stays).",
 };
 
-/// Families a program exports only when it is configured to use what they count (TLS).
-pub const CONDITIONAL: &[&Family] = &[&TLS_CERT_EXPIRY_TIMESTAMP_SECONDS];
+/// Families a program exports only when it is configured to use what they count (TLS;
+/// a broker's cells, with `--threads` above 1).
+pub const CONDITIONAL: &[&Family] = &[&TLS_CERT_EXPIRY_TIMESTAMP_SECONDS, &CELL_CALLS_TOTAL];
 
 // ---- driver
 
@@ -694,6 +703,7 @@ pub const CATALOGUE: &[&Family] = &[
     &POOL_CONNECTIONS_CLOSED_TOTAL,
     &CALLS_REROUTED_TOTAL,
     &ABANDONED_REPLIES_TOTAL,
+    &CELL_CALLS_TOTAL,
     &RETRY_BUDGET_EXHAUSTED_TOTAL,
     &UPSTREAM_EJECTIONS_TOTAL,
     &UPSTREAMS_EJECTED,

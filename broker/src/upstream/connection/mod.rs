@@ -252,7 +252,8 @@ mod fixtures {
             budget: MemoryBudget::new(1 << 30),
             tls: None,
         };
-        let metrics = crate::metrics::BrokerMetrics::new(Telemetry::new(), 8).upstream("test", 1);
+        let metrics =
+            crate::metrics::BrokerMetrics::new(Telemetry::new(), 8).upstream("test", 1, 1);
         let (conn, task) = UpstreamConn::pair(Stream::Plain(stream), 1, settings, metrics, link);
         (conn, task, server)
     }
