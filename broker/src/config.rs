@@ -17,6 +17,7 @@ use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
 use rpcmesh_common::net::budget::DEFAULT_MEMORY_BUDGET;
 use rpcmesh_common::net::session::{DEFAULT_MAX_IN_FLIGHT_PER_LINK, Timeouts};
 use rpcmesh_common::net::slots::KEYED_SLOTS;
+use rpcmesh_common::net::sources::SourceLimits;
 use rpcmesh_common::net::tls::{ClientTlsSettings, ServerTlsSettings};
 use rpcmesh_wire::PeerKind;
 use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
@@ -299,6 +300,8 @@ pub struct BrokerConfig {
     pub health_timeout: Duration,
     /// Client connections open at once.
     pub max_connections: usize,
+    /// Limits on each source of client connections.
+    pub sources: SourceLimits,
     /// Calls in flight per client connection.
     pub max_in_flight_per_conn: usize,
     /// Calls in flight in total.
@@ -364,6 +367,7 @@ impl BrokerConfig {
             health_interval: DEFAULT_HEALTH_INTERVAL,
             health_timeout: DEFAULT_HEALTH_TIMEOUT,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            sources: SourceLimits::default(),
             max_in_flight_per_conn: DEFAULT_MAX_IN_FLIGHT_PER_CONN,
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             max_in_flight_per_upstream_conn: DEFAULT_MAX_IN_FLIGHT_PER_UPSTREAM_CONN,
@@ -466,6 +470,7 @@ impl Args {
             )
         });
         let mut w = ConfigWarnings::default();
+        let sources = self.limits.sources(&mut p, &mut w);
         w.check(self.grace.0 < self.call_timeout.0, || {
             format!(
                 "--grace {} is below --call-timeout {}: at SIGTERM, calls still in flight after {} are answered \"unavailable\" rather than waited for",
@@ -514,6 +519,7 @@ impl Args {
             health_interval: self.health_interval.0,
             health_timeout: self.health_timeout.0,
             max_connections: self.max_connections,
+            sources,
             max_in_flight_per_conn: self.max_in_flight_per_conn,
             max_in_flight: self.max_in_flight,
             max_in_flight_per_upstream_conn: self.max_in_flight_per_upstream_conn,

@@ -219,6 +219,7 @@ pub async fn run_with_reload(
     }
     let accept = AcceptConfig {
         max_connections: config.max_connections,
+        sources: config.sources,
         grace: config.grace,
     };
     let observer = metrics.conns.clone();

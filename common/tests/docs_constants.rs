@@ -22,6 +22,10 @@ use rpcmesh_common::net::session::{
     DEFAULT_FRAME_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_IN_FLIGHT_PER_LINK,
     DEFAULT_WRITE_TIMEOUT, DRAIN_LINGER, PAUSED_PEER_CHECK, WRITE_BACKLOG_LIMIT,
 };
+use rpcmesh_common::net::sources::{
+    DEFAULT_ACCEPT_BURST_PER_SOURCE, DEFAULT_ACCEPT_RATE_PER_SOURCE,
+    DEFAULT_MAX_CONNECTIONS_PER_SOURCE,
+};
 use rpcmesh_common::net::tls::{DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_HANDSHAKES};
 use rpcmesh_common::retry::{
     DEFAULT_RETRY_MIN_PER_SECOND, DEFAULT_RETRY_PERCENT, RETRY_BUDGET_TTL,
@@ -111,6 +115,18 @@ fn common() -> Vec<(&'static str, Value)> {
         (
             "common::DEFAULT_RETRY_MIN_PER_SECOND",
             count(DEFAULT_RETRY_MIN_PER_SECOND),
+        ),
+        (
+            "common::DEFAULT_MAX_CONNECTIONS_PER_SOURCE",
+            count(DEFAULT_MAX_CONNECTIONS_PER_SOURCE),
+        ),
+        (
+            "common::DEFAULT_ACCEPT_RATE_PER_SOURCE",
+            count(DEFAULT_ACCEPT_RATE_PER_SOURCE),
+        ),
+        (
+            "common::DEFAULT_ACCEPT_BURST_PER_SOURCE",
+            count(DEFAULT_ACCEPT_BURST_PER_SOURCE),
         ),
     ]
 }

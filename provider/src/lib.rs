@@ -111,6 +111,7 @@ where
 {
     let accept = AcceptConfig {
         max_connections: config.max_connections,
+        sources: config.sources,
         grace: config.grace,
     };
     let observer = metrics.conns.clone();

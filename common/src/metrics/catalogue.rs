@@ -236,13 +236,13 @@ pub const CONNECTIONS_CLOSED_TOTAL: Family = Family {
     roles: ALL,
     help: "Connections closed, by reason: peer (it closed), idle_timeout, frame_timeout, write_timeout, bad_input, error (socket failed), shutdown (drained), local (closed by this side), tls_handshake (its TLS handshake was refused), memory_budget (paused for the memory budget, one of the connections holding it, its frame unfinished after the frame timeout).",
 };
-/// `rpcmesh_connections_refused_total{role, side}`.
+/// `rpcmesh_connections_refused_total{role, side, reason}`.
 pub const CONNECTIONS_REFUSED_TOTAL: Family = Family {
     name: "rpcmesh_connections_refused_total",
     kind: Counter,
-    labels: ROLE_SIDE,
+    labels: &["role", "side", "reason"],
     roles: PROVIDER_BROKER,
-    help: "Connections accepted and closed at once because the connection cap was reached.",
+    help: "Connections accepted and closed at once, by reason: connection_cap (the connection cap was reached), source_connections (its source had --max-connections-per-source open), source_rate (its source opened connections faster than --accept-rate-per-source).",
 };
 /// `rpcmesh_wire_bytes_total{role, side, direction}`.
 pub const WIRE_BYTES_TOTAL: Family = Family {

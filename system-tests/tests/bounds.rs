@@ -1,0 +1,258 @@
+//! Bounds that hold under attack, against the broker and the provider as real processes on
+//! 127.0.0.1: one test per attack of issue 34's table. Clients play several hosts by
+//! binding 127.0.0.2, 127.0.0.3… as their source (`testkit::connect_from`). The tests that
+//! compare throughputs do so within one run, in short slots taking turns, and assert
+//! ratios with margin; they hold [`MEASURING`] so that no other test of this file loads
+//! the machine meanwhile.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::Write;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use rpcmesh_testkit::{self as testkit, Spawned};
+use rpcmesh_wire::Status;
+
+/// Held by the tests that measure throughput or load the machine hard, one at a time.
+static MEASURING: Mutex<()> = Mutex::new(());
+
+fn measuring() -> std::sync::MutexGuard<'static, ()> {
+    MEASURING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn inbound(reason: &str) -> [(&'static str, &str); 2] {
+    [("side", "inbound"), ("reason", reason)]
+}
+
+/// The most heartbeat-only sockets the cap test holds (issue 34's attack: 9,998 of them
+/// held a broker's 10,000 connections for 3.7 KB/s).
+const HEARTBEATERS: usize = 9_998;
+/// Heartbeat-only sockets opened from each source address: under the per-source cap
+/// (1,024) and burst, so that only the connection cap and the idle timeout are at play.
+const HEARTBEATERS_PER_SOURCE: usize = 1_000;
+/// The broker's idle timeout in the heartbeat test: well beyond the time the sockets take
+/// to fill the cap (about 2 s on a loaded 2-core machine, the other tests of this file
+/// that load it kept out by [`MEASURING`]).
+const HEARTBEAT_IDLE: Duration = Duration::from_secs(6);
+/// How often each socket sends a heartbeat: six times per idle period.
+const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+/// Rounds of heartbeats sent at most (a hang detector: 10 idle periods).
+const HEARTBEAT_ROUNDS: usize = 60;
+/// File descriptors the test and the broker keep beside the sockets.
+const FD_SPARE: u64 = 1_024;
+
+/// As many sockets as the machine's descriptor limit allows (up to [`HEARTBEATERS`]) fill
+/// the broker's connection cap and send nothing but heartbeats, six per idle period: a
+/// newcomer is refused while they hold the cap, and the idle timeout closes every one of
+/// them all the same; then a newcomer is served.
+#[test]
+fn heartbeat_only_sockets_cannot_hold_the_connection_cap() {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    use std::io::Read;
+    let _measuring = measuring();
+    // The test and the broker (its child) may hold as many descriptors as allowed.
+    let limit = getrlimit(Resource::Nofile);
+    let hard = limit.maximum.unwrap_or(u64::MAX);
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(hard),
+            maximum: limit.maximum,
+        },
+    )
+    .unwrap();
+    let n =
+        HEARTBEATERS.min(usize::try_from(hard.saturating_sub(FD_SPARE)).unwrap_or(HEARTBEATERS));
+    assert!(n >= 1_000, "{hard} descriptors allow only {n} sockets");
+    let provider = Spawned::start("provider", &["--threads", "1"]);
+    let upstream = provider.rpc.to_string();
+    let (cap, idle) = (n.to_string(), format!("{}ms", HEARTBEAT_IDLE.as_millis()));
+    let broker = Spawned::start(
+        "broker",
+        &[
+            "--threads",
+            "1",
+            "--max-connections",
+            &cap,
+            "--idle-timeout",
+            &idle,
+            "--upstream",
+            &upstream,
+        ],
+    );
+    let mut beat = bytes::BytesMut::new();
+    rpcmesh_wire::body::Heartbeat::put_now(&mut beat, 1, "hostile", "0").unwrap();
+    let mut open: Vec<Option<std::net::TcpStream>> = (0..n)
+        .map(|i| {
+            let source = testkit::loopback_source(1 + (i / HEARTBEATERS_PER_SOURCE) as u16);
+            let mut s = testkit::connect_from(source, broker.rpc, testkit::WAIT_TIMEOUT).unwrap();
+            s.write_all(&beat).unwrap();
+            Some(s)
+        })
+        .collect();
+    let inbound_open = || broker.metric("rpcmesh_connections_open", &[("side", "inbound")]);
+    let closed = || broker.metric("rpcmesh_connections_closed_total", &inbound("idle_timeout"));
+    testkit::wait_until_blocking("the heartbeat sockets fill the cap", || {
+        inbound_open() >= n as f64 || closed() > 0.0
+    });
+    assert_eq!(
+        closed(),
+        0.0,
+        "the sockets filled the cap within the idle timeout"
+    );
+    // A newcomer is accepted and closed at once.
+    let mut newcomer = std::net::TcpStream::connect(broker.rpc).unwrap();
+    newcomer
+        .set_read_timeout(Some(testkit::WAIT_TIMEOUT))
+        .unwrap();
+    assert!(
+        matches!(newcomer.read(&mut [0; 1]), Ok(0) | Err(_)),
+        "a newcomer is refused while the heartbeat sockets hold the cap"
+    );
+    let mut rounds = 0;
+    while closed() < n as f64 && rounds < HEARTBEAT_ROUNDS {
+        for slot in &mut open {
+            if let Some(s) = slot {
+                if s.write_all(&beat).is_err() {
+                    *slot = None;
+                }
+            }
+        }
+        rounds += 1;
+        std::thread::sleep(HEARTBEAT_EVERY);
+    }
+    let refused = broker.metric(
+        "rpcmesh_connections_refused_total",
+        &inbound("connection_cap"),
+    );
+    eprintln!(
+        "{n} heartbeat-only sockets: {} closed idle after {rounds} rounds of heartbeats; {refused} newcomers refused at the cap meanwhile",
+        closed()
+    );
+    assert!(refused >= 1.0, "the newcomer was refused at the cap");
+    assert!(
+        rounds as f64 >= HEARTBEAT_IDLE.as_secs_f64() / HEARTBEAT_EVERY.as_secs_f64() - 1.0,
+        "heartbeats went on for an idle period"
+    );
+    assert_eq!(
+        closed(),
+        n as f64,
+        "every heartbeat-only socket was closed idle"
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    assert!(rt.block_on(broker.call_succeeds()), "a newcomer is served");
+    drop(open);
+}
+
+/// Connections one source tries to open at once in the per-source test: beyond its share.
+const ONE_SOURCE: usize = 1_100;
+/// Connections it tries again at once, once it has closed its share: its bucket, spent by
+/// the first ones, refills 64 a second, so that these would all get in only after about
+/// 16 s.
+const ONE_SOURCE_AGAIN: usize = 1_000;
+
+/// With the default limits, one source that opens connections as fast as it can holds at
+/// most its share of the broker's connections (1,024) and, its burst spent, opens them
+/// no faster than its rate: the rest are accepted and closed at once, counted by reason
+/// and logged (thinned), while another source is served throughout.
+#[test]
+fn one_source_cannot_hold_the_whole_cap_nor_open_connections_beyond_its_rate() {
+    let _measuring = measuring();
+    use std::io::Read;
+    let dir = std::env::temp_dir().join(format!("rpcmesh-sources-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("stderr");
+    let provider = Spawned::start("provider", &["--threads", "1"]);
+    let upstream = provider.rpc.to_string();
+    let broker = Spawned::start_with(
+        "broker",
+        &["--threads", "1", "--upstream", &upstream],
+        testkit::Launch {
+            stderr: Some(&log),
+            ..testkit::Launch::default()
+        },
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(broker.wait_serving());
+    let (greedy, other) = (testkit::loopback_source(1), testkit::loopback_source(2));
+    let other_is_served = || {
+        let Ok(mut s) = testkit::connect_from(other, broker.rpc, testkit::WAIT_TIMEOUT) else {
+            return false;
+        };
+        s.set_read_timeout(Some(testkit::WAIT_TIMEOUT)).unwrap();
+        s.write_all(&testkit::echo_request(7, "another host"))
+            .unwrap();
+        let codec = rpcmesh_wire::codec::FrameCodec::default();
+        let mut buf = bytes::BytesMut::new();
+        let mut chunk = [0; 4096];
+        loop {
+            if let Ok(Some(f)) = codec.decode_frame(&mut buf) {
+                return f.header.req_id == 7 && f.body[0] == Status::Success as u8;
+            }
+            match s.read(&mut chunk) {
+                Ok(0) | Err(_) => return false,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+    };
+    let open_from = |n: usize| -> Vec<std::net::TcpStream> {
+        (0..n)
+            .map(|_| testkit::connect_from(greedy, broker.rpc, testkit::WAIT_TIMEOUT).unwrap())
+            .collect()
+    };
+    let refused = |reason| broker.metric("rpcmesh_connections_refused_total", &inbound(reason));
+    let inbound_open = || broker.metric("rpcmesh_connections_open", &[("side", "inbound")]);
+    // Its share, and no more.
+    let held = open_from(ONE_SOURCE);
+    testkit::wait_until_blocking(
+        "the greedy source's connections are taken or refused",
+        || inbound_open() + refused("source_connections") >= ONE_SOURCE as f64,
+    );
+    let share = rpcmesh_common::net::sources::DEFAULT_MAX_CONNECTIONS_PER_SOURCE;
+    assert_eq!(
+        inbound_open(),
+        share as f64,
+        "the greedy source holds its share"
+    );
+    assert_eq!(refused("source_connections"), (ONE_SOURCE - share) as f64);
+    assert!(other_is_served(), "another source is served beside it");
+    // Its burst spent, it opens no faster than its rate.
+    drop(held);
+    testkit::wait_until_blocking("the greedy source's connections are closed", || {
+        inbound_open() == 0.0
+    });
+    let again = open_from(ONE_SOURCE_AGAIN);
+    testkit::wait_until_blocking("its new connections are taken or refused", || {
+        inbound_open() + refused("source_rate") >= ONE_SOURCE_AGAIN as f64
+    });
+    let by_rate = refused("source_rate");
+    assert!(other_is_served(), "another source is still served");
+    drop(again);
+    let lines = std::fs::read_to_string(&log).unwrap();
+    let logged = lines
+        .lines()
+        .filter(|l| l.contains("connection refused: over its source's limits"))
+        .count();
+    eprintln!(
+        "one source opening {ONE_SOURCE} at once: {share} held, {} refused; {ONE_SOURCE_AGAIN} more once closed: {by_rate} refused by rate; {logged} log lines",
+        refused("source_connections")
+    );
+    assert!(
+        by_rate >= 1.0,
+        "none of {ONE_SOURCE_AGAIN} refused by its rate"
+    );
+    for reason in ["source_connections", "source_rate"] {
+        assert!(
+            lines.contains(&format!("reason=\"{reason}\"")),
+            "the refusals are logged with their reason, {reason}: {lines:.2000}"
+        );
+    }
+    assert!(
+        (logged as f64) < refused("source_connections") + by_rate,
+        "the log is thinned: {logged} lines"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
