@@ -16,9 +16,10 @@
 //! - a provider listed before (same address, same kind) keeps its pool and connections
 //!   untouched; a change of its services changes only the routing.
 //!
-//! A file that cannot be read or does not parse is kept out: one log line with the file,
-//! the line numbers and what is wrong, `rpcmesh_config_reloads_total{result="error"}`, and
-//! the providers stay as they were. Providers of the flags are always served. What the
+//! A file that cannot be read, does not parse, or lists no provider (unless
+//! `--allow-empty-providers`) is kept out: one log line with the file, the line numbers
+//! and what is wrong, `rpcmesh_config_reloads_total{result="error"}`, and the providers
+//! stay as they were. Providers of the flags are always served. What the
 //! file's lines mean is `providers_file`'s.
 
 use std::path::{Path, PathBuf};
@@ -268,7 +269,8 @@ impl Membership {
         text: &str,
         stop: &CancellationToken,
     ) -> Result<Change, ProvidersFileError> {
-        let specs = providers_file::providers_of(path, text, &self.maker.config.upstreams)?;
+        let config = &self.maker.config;
+        let specs = providers_file::providers_of(path, text, &config.upstreams, config.if_empty())?;
         self.idempotent = providers_file::idempotent(text);
         let (change, left) = self.change(&specs);
         if change.joined > 0 {
@@ -304,7 +306,7 @@ pub(crate) fn initial(
     };
     let read = providers_file::read_text(path).and_then(|text| {
         Ok((
-            providers_file::providers_of(path, &text, &config.upstreams)?,
+            providers_file::providers_of(path, &text, &config.upstreams, config.if_empty())?,
             text,
         ))
     });

@@ -256,3 +256,112 @@ fn one_source_cannot_hold_the_whole_cap_nor_open_connections_beyond_its_rate() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A scratch folder of one test, removed when dropped.
+struct Scratch(std::path::PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let dir =
+            std::env::temp_dir().join(format!("rpcmesh-bounds-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+
+    fn path(&self, file: &str) -> std::path::PathBuf {
+        self.0.join(file)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Replaces `path` with a file holding `text`, as Ansible and editors do (rename).
+fn replace_file(path: &std::path::Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// A providers file that lists no provider (left empty, or cut short to its comments) is
+/// refused: a broker does not start on it, and one running keeps its providers, logs why
+/// and counts the read kept out; with `--allow-empty-providers` it is taken.
+#[test]
+fn an_empty_providers_file_is_refused_unless_allowed() {
+    let dir = Scratch::new("empty");
+    let provider = Spawned::start("provider", &["--threads", "1"]);
+    let file = dir.path("providers");
+    let log = dir.path("stderr");
+    std::fs::write(&file, "").unwrap();
+    // At the start: refused, saying why (a broker that starts is stopped by the guard).
+    let started = std::process::Command::new(testkit::bin_path("broker"))
+        .args(["--listen", "127.0.0.1:0", "--metrics-listen", "off"])
+        .arg("--providers-file")
+        .arg(&file)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let status = testkit::ChildGuard(Some(started)).wait_timeout(testkit::WAIT_TIMEOUT);
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "a broker started on an empty file ({status:?}): {said}"
+    );
+    assert!(said.contains("lists no provider"), "{said}");
+    // Running: a file cut short is kept out, and the providers stay.
+    std::fs::write(&file, format!("{}\n", provider.rpc)).unwrap();
+    let broker = Spawned::start_with(
+        "broker",
+        &["--threads", "1", "--providers-file", file.to_str().unwrap()],
+        testkit::Launch {
+            stderr: Some(&log),
+            ..testkit::Launch::default()
+        },
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(broker.wait_serving());
+    let reloads = |result| broker.metric("rpcmesh_config_reloads_total", &[("result", result)]);
+    for (i, text) in ["", "# the providers\n"].into_iter().enumerate() {
+        replace_file(&file, text);
+        testkit::wait_until_blocking("the empty file to be kept out", || {
+            reloads("error") >= (i + 1) as f64
+        });
+        assert!(
+            rt.block_on(broker.call_succeeds()),
+            "the provider still serves"
+        );
+    }
+    testkit::wait_until_blocking("the refusal to be logged", || {
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .any(|l| l.contains("lists no provider") && l.contains("kept out"))
+    });
+    assert_eq!(reloads("ok"), 0.0);
+    drop(broker);
+    // Allowed: taken, and the provider leaves.
+    std::fs::write(&file, format!("{}\n", provider.rpc)).unwrap();
+    let broker = Spawned::start(
+        "broker",
+        &[
+            "--threads",
+            "1",
+            "--allow-empty-providers",
+            "--providers-file",
+            file.to_str().unwrap(),
+        ],
+    );
+    rt.block_on(broker.wait_serving());
+    replace_file(&file, "");
+    testkit::wait_until_blocking("the empty file to be taken", || {
+        broker.metric("rpcmesh_config_reloads_total", &[("result", "ok")]) >= 1.0
+    });
+    testkit::wait_until_blocking("no call to be served", || {
+        !rt.block_on(broker.call_succeeds())
+    });
+}
