@@ -77,11 +77,15 @@ pub fn main_with(args: &Args) -> anyhow::Result<()> {
         .transpose()?;
     // Ready for systemd once the pools have settled (run_with_reload says so), not when
     // the port is bound: "active" then means calls are routed.
+    let server = rpcmesh_common::cli::startup::Server {
+        program: "broker",
+        listen: args.listen,
+        metrics: args.metrics_listen,
+        threads: args.runtime.threads,
+        grace: config.grace,
+    };
     rpcmesh_common::cli::startup::serve_with(
-        "broker",
-        args.listen,
-        args.metrics_listen,
-        args.runtime.threads,
+        server,
         rpcmesh_common::cli::systemd::Readiness::Announced,
         |telemetry, listener, shutdown| {
             // Installed before the first call is served: from then on SIGHUP reloads

@@ -4,7 +4,9 @@
 //! is held to the constant it names, and a test fails naming the row or line that
 //! differs.
 
-use rpcmesh_common::cli::startup::LISTEN_BACKLOG;
+use rpcmesh_common::cli::startup::{
+    EXIT_DEADLINE_STATUS, EXIT_MARGIN, LISTEN_BACKLOG, RUNTIME_STOP_WAIT,
+};
 use rpcmesh_common::log_sink::{LOG_FLUSH_WAIT, LOG_QUEUE_LINES};
 use rpcmesh_common::metrics::endpoint::{
     ACCEPT_ERROR_PAUSE, CONNECTION_LIFETIME, HEADER_READ_TIMEOUT, MAX_CONNECTIONS,
@@ -127,6 +129,12 @@ fn common() -> Vec<(&'static str, Value)> {
         (
             "common::DEFAULT_ACCEPT_BURST_PER_SOURCE",
             count(DEFAULT_ACCEPT_BURST_PER_SOURCE),
+        ),
+        ("common::EXIT_MARGIN", time(EXIT_MARGIN)),
+        ("common::RUNTIME_STOP_WAIT", time(RUNTIME_STOP_WAIT)),
+        (
+            "common::EXIT_DEADLINE_STATUS",
+            count(EXIT_DEADLINE_STATUS.unsigned_abs()),
         ),
     ]
 }
