@@ -19,7 +19,9 @@ use rpcmesh_common::net::budget::{DEFAULT_MEMORY_BUDGET, PAUSE_FLOOR, SMALL_BODY
 use rpcmesh_common::net::connection::{
     KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_PROBES, SHRINK_ABOVE,
 };
-use rpcmesh_common::net::listener::{ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN, LAST_ANSWERS_WAIT};
+use rpcmesh_common::net::listener::{
+    ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN, ACCEPT_BATCH, LAST_ANSWERS_WAIT, REFUSED_BATCH_PAUSE,
+};
 use rpcmesh_common::net::session::{
     DEFAULT_FRAME_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_IN_FLIGHT_PER_LINK,
     DEFAULT_WRITE_TIMEOUT, DRAIN_LINGER, PAUSED_PEER_CHECK, WRITE_BACKLOG_LIMIT,
@@ -130,6 +132,8 @@ fn common() -> Vec<(&'static str, Value)> {
             "common::DEFAULT_ACCEPT_BURST_PER_SOURCE",
             count(DEFAULT_ACCEPT_BURST_PER_SOURCE),
         ),
+        ("common::ACCEPT_BATCH", count(ACCEPT_BATCH)),
+        ("common::REFUSED_BATCH_PAUSE", time(REFUSED_BATCH_PAUSE)),
         ("common::EXIT_MARGIN", time(EXIT_MARGIN)),
         ("common::RUNTIME_STOP_WAIT", time(RUNTIME_STOP_WAIT)),
         (
