@@ -490,6 +490,55 @@ fn one_source_cannot_hold_the_whole_cap_nor_open_connections_beyond_its_rate() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Idle connections held open to `/metrics` in the scrape test (issue 34: behind 305 of
+/// them, a Prometheus scrape took 43 s).
+const IDLE_SCRAPERS: usize = 300;
+
+/// With hundreds of connections to `/metrics` held open and idle, a scrape is answered:
+/// each newcomer takes the place of the connection idle longest, and the scrape's own
+/// answer shows that none was closed by a timeout before it (so it did not wait for
+/// one), while the idle ones were closed to make room.
+#[test]
+fn a_scrape_is_answered_while_hundreds_of_idle_connections_are_held_open() {
+    use std::io::Read;
+    let provider = Spawned::start("provider", &["--threads", "1"]);
+    let metrics = provider.metrics.unwrap();
+    let idle: Vec<std::net::TcpStream> = (0..IDLE_SCRAPERS)
+        .map(|_| std::net::TcpStream::connect(metrics).unwrap())
+        .collect();
+    let mut scrape = std::net::TcpStream::connect(metrics).unwrap();
+    scrape
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    scrape
+        .set_read_timeout(Some(testkit::WAIT_TIMEOUT))
+        .unwrap();
+    let mut answer = String::new();
+    scrape
+        .read_to_string(&mut answer)
+        .expect("the scrape is answered before the hang detector gives up");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer:.200}");
+    let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    let closed = |reason| {
+        rpcmesh_common::metrics::recorder::sample(
+            body,
+            "rpcmesh_scrape_connections_closed_total",
+            &[("reason", reason)],
+        )
+        .unwrap_or(-1.0)
+    };
+    let (evicted, timed_out) = (closed("evicted"), closed("timeout"));
+    eprintln!(
+        "a scrape behind {IDLE_SCRAPERS} idle connections: answered with {evicted} idle ones evicted, {timed_out} timed out"
+    );
+    assert_eq!(timed_out, 0.0, "the scrape waited for no timeout");
+    assert!(
+        evicted >= 1.0,
+        "idle connections made room for it: {evicted}"
+    );
+    drop(idle);
+}
+
 /// A scratch folder of one test, removed when dropped.
 struct Scratch(std::path::PathBuf);
 

@@ -651,6 +651,14 @@ pub const LOG_LINES_DROPPED_TOTAL: Family = Family {
     roles: ALL,
     help: "Log lines this process dropped instead of waiting on stderr: its queue was full (stderr took nothing) or the write failed (stderr closed). The process serves on either way.",
 };
+/// `rpcmesh_scrape_connections_closed_total{role, reason}`.
+pub const SCRAPE_CONNECTIONS_CLOSED_TOTAL: Family = Family {
+    name: "rpcmesh_scrape_connections_closed_total",
+    kind: Counter,
+    labels: &["role", "reason"],
+    roles: ALL,
+    help: "Connections to this process's /metrics closed, by reason: done (the client closed it, or its response asked to), evicted (idle longest when the 16-connection cap was reached, closed to make room for a new one), timeout (no request headers within 5 s, or idle that long between requests), lifetime (open 120 s), error.",
+};
 /// `rpcmesh_build_info{role, version, commit}`.
 pub const BUILD_INFO: Family = Family {
     name: "rpcmesh_build_info",
@@ -724,6 +732,7 @@ pub const CATALOGUE: &[&Family] = &[
     &PROCESS_THREADS,
     &PROCESS_START_TIME_SECONDS,
     &LOG_LINES_DROPPED_TOTAL,
+    &SCRAPE_CONNECTIONS_CLOSED_TOTAL,
     &BUILD_INFO,
 ];
 
