@@ -187,6 +187,7 @@ pub async fn run_with_reload(
             budget: budget.clone(),
             tls: security.upstream.clone(),
             guards: guards.clone(),
+            liveness: Arc::new(tokio::sync::Notify::new()),
         },
         &providers,
     )

@@ -82,6 +82,9 @@ pub(crate) struct PoolMaker {
     pub tls: Option<Arc<rpcmesh_common::net::tls::ClientTls>>,
     /// Ejections and the retry budget, shared by every provider.
     pub guards: Arc<crate::resilience::Guards>,
+    /// Told by a pool when its provider gains its first healthy connection or loses its
+    /// last: the routing is then made again ([`watch`]).
+    pub liveness: Arc<Notify>,
 }
 
 impl PoolMaker {
@@ -92,7 +95,11 @@ impl PoolMaker {
             self.metrics.upstream(spec.label(), self.config.pool_size),
             self.activity.clone(),
             self.grace_over.clone(),
-            (self.budget.clone(), self.guards.clone()),
+            (
+                self.budget.clone(),
+                self.guards.clone(),
+                self.liveness.clone(),
+            ),
             self.tls.clone(),
         )
     }
@@ -331,6 +338,8 @@ enum Wake {
     Asked,
     Poll,
     LeftGone,
+    /// A provider gained its first healthy connection or lost its last.
+    Liveness,
 }
 
 /// Serves reloads until `stop`: reads the providers file when `reload` is requested and
@@ -351,26 +360,33 @@ pub(crate) async fn watch(
     let mut poll = tokio::time::interval(FILE_POLL);
     poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     poll.reset();
+    let liveness = m.maker.liveness.clone();
     loop {
         let wake = tokio::select! {
             () = stop.cancelled() => Wake::Stop,
+            () = liveness.notified() => Wake::Liveness,
             () = reload.requested() => Wake::Asked,
             _ = poll.tick(), if path.is_some() => Wake::Poll,
             Some(_) = m.leaving.join_next(), if !m.leaving.is_empty() => Wake::LeftGone,
         };
+        if let Wake::Liveness = wake {
+            // The providers with connections come first in the routing (`route`).
+            shared.router.store(Arc::new(m.router()));
+            continue;
+        }
         let Some(path) = &path else {
             match wake {
                 Wake::Stop => return m,
                 Wake::Asked => tracing::info!(
                     "reload asked for, but the broker has no --providers-file: nothing to read"
                 ),
-                Wake::Poll | Wake::LeftGone => {}
+                Wake::Poll | Wake::LeftGone | Wake::Liveness => {}
             }
             continue;
         };
         match wake {
             Wake::Stop => return m,
-            Wake::LeftGone => continue,
+            Wake::LeftGone | Wake::Liveness => continue,
             Wake::Poll => {
                 let now = stamp_of(path.clone()).await;
                 if now == stamp {
