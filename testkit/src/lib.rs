@@ -53,7 +53,8 @@ pub use capacity::{short_capacity_search, short_tls_comparison};
 pub use certs::{CertFiles, Leaf, Pki, spiffe};
 pub use child::{ChildGuard, Signal};
 pub use frames::{
-    compressed_request, echo_request, metadata_bomb, put_echo_with_metadata, read_frames,
+    compressed_request, echo_request, large_claim, metadata_bomb, put_echo_with_metadata,
+    read_frames,
 };
 pub use gate::Gate;
 pub use golden::{golden, golden_exchange};
