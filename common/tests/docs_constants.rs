@@ -15,7 +15,9 @@ use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
 use rpcmesh_common::metrics::recorder::LATENCY_BUCKETS;
 use rpcmesh_common::metrics::system::DEFAULT_INTERVAL;
 use rpcmesh_common::net::backoff::{RECONNECT_MAX, RECONNECT_MIN};
-use rpcmesh_common::net::budget::{DEFAULT_MEMORY_BUDGET, PAUSE_FLOOR, SMALL_BODY};
+use rpcmesh_common::net::budget::{
+    CONNECTION_BASE, DEFAULT_MEMORY_BUDGET, PAUSE_FLOOR, RSS_OVERHEAD, SMALL_BODY,
+};
 use rpcmesh_common::net::connection::{
     KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_PROBES, SHRINK_ABOVE,
 };
@@ -140,6 +142,8 @@ fn common() -> Vec<(&'static str, Value)> {
             "common::EXIT_DEADLINE_STATUS",
             count(EXIT_DEADLINE_STATUS.unsigned_abs()),
         ),
+        ("common::CONNECTION_BASE", bytes(CONNECTION_BASE)),
+        ("common::RSS_OVERHEAD", bytes(RSS_OVERHEAD)),
     ]
 }
 

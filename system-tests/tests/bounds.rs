@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use rpcmesh_common::net::budget::RSS_OVERHEAD;
 use rpcmesh_common::net::client::{Client, ClientConfig};
 use rpcmesh_testkit::{self as testkit, Spawned};
 use rpcmesh_wire::Status;
@@ -934,4 +935,190 @@ fn sigterm_ends_a_broker_on_a_blocked_file_at_its_grace_period() {
         .wait_timeout(testkit::WAIT_TIMEOUT)
         .expect("it ends on SIGTERM");
     assert!(status.success(), "{status}");
+}
+
+/// The memory budget of the broker in the 128 KiB flood: small beside the flood, so that
+/// the flood's excess shows beside the fixed overhead.
+const SMALL_FLOOD_BUDGET_MIB: usize = 32;
+/// Callers in the 128 KiB flood, each pipelining echo calls of [`SMALL_FLOOD_FRAME`]
+/// without reading a reply: together four times the budget in frames under the pause
+/// floor (256 KiB), which a connection alone is never paused for.
+const SMALL_FLOODERS: usize = 1_000;
+/// Threads sending the flood, each for its share of the callers.
+const SMALL_FLOOD_THREADS: usize = 16;
+/// Each flooder's frames: under the pause floor.
+const SMALL_FLOOD_FRAME: usize = 128 << 10;
+/// Frames each caller of the flood sends at most: 1 GiB in all, beyond what the broker
+/// holds at once many times over.
+const SMALL_FLOOD_FRAMES: usize = 8;
+/// Small calls made while the flood goes on.
+const FLOOD_SMALL_CALLS: usize = 20;
+
+/// A resident-memory sampler of a process, every few milliseconds until dropped.
+struct PeakRss {
+    peak: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl PeakRss {
+    fn watch(pid: u32) -> PeakRss {
+        let (peak, stop) = (
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let (p, s) = (peak.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                if let Ok(st) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
+                    let kib = st
+                        .lines()
+                        .find_map(|l| l.strip_prefix("VmRSS:"))
+                        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+                        .unwrap_or(0);
+                    p.fetch_max(kib, Ordering::Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        });
+        PeakRss {
+            peak,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// The highest resident memory seen, KiB.
+    fn stop(mut self) -> u64 {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        self.peak.load(Ordering::Relaxed)
+    }
+}
+
+/// A thousand callers pipelining 128 KiB calls without reading a reply, four times the
+/// budget in frames none of which is large enough for its connection to be paused alone:
+/// what the broker buffers stays within its budget (every connection counts its base, and
+/// reads on only while what its buffer must grow by fits), small calls on another
+/// connection are all answered, and its resident memory stays within the budget and the
+/// fixed overhead (`RSS_OVERHEAD`: a partial frame left after others were split off is
+/// copied out under pressure, so that their allocation goes).
+#[test]
+fn a_flood_of_frames_under_the_pause_floor_stays_within_the_budget() {
+    let _measuring = measuring();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let provider = Spawned::start("provider", &["--threads", "1"]);
+    let (upstream, budget) = (
+        provider.rpc.to_string(),
+        format!("{SMALL_FLOOD_BUDGET_MIB}MiB"),
+    );
+    // One malloc arena, as `testkit::budgeted_broker`'s (its doc says why).
+    let broker = Spawned::start_with(
+        "broker",
+        &[
+            "--threads",
+            "1",
+            "--memory-budget",
+            &budget,
+            "--upstream",
+            &upstream,
+        ],
+        testkit::Launch {
+            env: &[("MALLOC_ARENA_MAX", "1")],
+            ..testkit::Launch::default()
+        },
+    );
+    rt.block_on(broker.wait_serving());
+    let budget = SMALL_FLOOD_BUDGET_MIB << 20;
+    // The caller of small calls is connected before the flood, not queued behind it.
+    let client = rt
+        .block_on(Client::connect(broker.rpc, ClientConfig::default()))
+        .unwrap();
+    let peak = PeakRss::watch(broker.pid());
+    let stop = Arc::new(AtomicBool::new(false));
+    let body = "x".repeat(SMALL_FLOOD_FRAME - 64);
+    let flooders: Vec<_> = (0..SMALL_FLOOD_THREADS)
+        .map(|t| {
+            let (to, stop) = (broker.rpc, stop.clone());
+            let request = testkit::echo_request(t as u64, &body);
+            std::thread::spawn(move || {
+                // Half the callers on each of two sources, within the per-source cap.
+                let mut callers: Vec<(std::net::TcpStream, usize, usize)> = (t..SMALL_FLOODERS)
+                    .step_by(SMALL_FLOOD_THREADS)
+                    .map(|f| {
+                        let source = testkit::loopback_source(1 + u16::from(f % 2 == 1));
+                        let s = testkit::connect_from(source, to, testkit::WAIT_TIMEOUT).unwrap();
+                        s.set_nonblocking(true).unwrap();
+                        (s, 0, 0)
+                    })
+                    .collect();
+                // Round after round, each caller sends what its socket takes of its next
+                // frame, until every one has sent its frames or the broker takes no more.
+                let mut sent = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let mut moved = false;
+                    for (s, frames, at) in &mut callers {
+                        if *frames == SMALL_FLOOD_FRAMES {
+                            continue;
+                        }
+                        match s.write(&request[*at..]) {
+                            Ok(n) => {
+                                moved = true;
+                                *at += n;
+                                if *at == request.len() {
+                                    (*frames, *at) = (*frames + 1, 0);
+                                    sent += 1;
+                                }
+                            }
+                            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                            Err(_) => *frames = SMALL_FLOOD_FRAMES,
+                        }
+                    }
+                    if !moved {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                }
+                (callers.into_iter().map(|c| c.0).collect::<Vec<_>>(), sent)
+            })
+        })
+        .collect();
+    // Past half the budget, where large calls are refused: the flood weighs on it.
+    let mut buffered: f64 = 0.0;
+    rt.block_on(testkit::wait_until(
+        "the flood passes half the budget",
+        || {
+            buffered = buffered.max(broker.metric("rpcmesh_buffered_bytes", &[]));
+            buffered >= budget as f64 * 0.5
+        },
+    ));
+    for i in 0..FLOOD_SMALL_CALLS {
+        let r = rt
+            .block_on(async { testkit::echo_call(&client, "small").await })
+            .unwrap()
+            .unwrap();
+        assert_eq!(r.status, Status::Success, "small call {i}: {}", r.error_msg);
+        buffered = buffered.max(broker.metric("rpcmesh_buffered_bytes", &[]));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (sockets, sent): (Vec<Vec<std::net::TcpStream>>, Vec<usize>) =
+        flooders.into_iter().map(|f| f.join().unwrap()).unzip();
+    let peak = peak.stop();
+    let sent: usize = sent.iter().sum();
+    eprintln!(
+        "{SMALL_FLOODERS} callers sent {sent} calls of {SMALL_FLOOD_FRAME} B: buffered at most {:.1} MiB (budget {} MiB), RSS peaked at {:.1} MiB",
+        buffered / f64::from(1 << 20),
+        budget >> 20,
+        peak as f64 / 1024.0,
+    );
+    assert!(
+        buffered <= budget as f64,
+        "the broker buffered {buffered} bytes"
+    );
+    assert!(
+        peak << 10 <= (budget + RSS_OVERHEAD) as u64,
+        "the broker's RSS peaked at {peak} KiB, past its budget and overhead"
+    );
+    drop(sockets);
 }
