@@ -17,6 +17,7 @@ use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
 use rpcmesh_common::net::budget::DEFAULT_MEMORY_BUDGET;
 use rpcmesh_common::net::session::{DEFAULT_MAX_IN_FLIGHT_PER_LINK, Timeouts};
 use rpcmesh_common::net::slots::KEYED_SLOTS;
+use rpcmesh_common::net::sources::SourceLimits;
 use rpcmesh_common::net::tls::{ClientTlsSettings, ServerTlsSettings};
 use rpcmesh_wire::PeerKind;
 use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
@@ -210,6 +211,11 @@ pub struct Args {
     /// providers join and leave (draining) without a restart.
     #[arg(long, env = "RPCMESH_PROVIDERS_FILE")]
     pub providers_file: Option<PathBuf>,
+    /// Let the providers file list no provider: without it, a file that lists none (left
+    /// empty, or cut short by a failed write) is refused as a bad one is, and the
+    /// providers stay as they were.
+    #[arg(long, env = "RPCMESH_ALLOW_EMPTY_PROVIDERS")]
+    pub allow_empty_providers: bool,
     /// How calls are spread over the providers of a service.
     #[arg(long, env = "RPCMESH_BALANCE", value_enum, default_value_t = DEFAULT_BALANCE)]
     pub balance: Balance,
@@ -298,6 +304,8 @@ pub struct BrokerConfig {
     /// The providers file, whose providers are served too (read at the start, on
     /// SIGHUP and when it changes; see `providers_file`).
     pub providers_file: Option<PathBuf>,
+    /// The providers file may list no provider (`--allow-empty-providers`).
+    pub allow_empty_providers: bool,
     /// Balancing across the providers of a service.
     pub balance: Balance,
     /// Pooled connections per provider.
@@ -312,6 +320,8 @@ pub struct BrokerConfig {
     pub health_timeout: Duration,
     /// Client connections open at once.
     pub max_connections: usize,
+    /// Limits on each source of client connections.
+    pub sources: SourceLimits,
     /// Calls in flight per client connection.
     pub max_in_flight_per_conn: usize,
     /// Calls in flight in total.
@@ -362,6 +372,11 @@ impl BrokerConfig {
         self.connect_timeout + self.health_timeout
     }
 
+    /// Whether the providers file may list no provider.
+    pub fn if_empty(&self) -> crate::providers_file::IfEmpty {
+        crate::providers_file::IfEmpty::allowed(self.allow_empty_providers)
+    }
+
     /// Defaults with the given providers (each serving any service).
     pub fn with_upstreams<S: Into<String>>(addrs: impl IntoIterator<Item = S>) -> Self {
         BrokerConfig {
@@ -374,6 +389,7 @@ impl BrokerConfig {
                 })
                 .collect(),
             providers_file: None,
+            allow_empty_providers: false,
             balance: DEFAULT_BALANCE,
             pool_size: DEFAULT_POOL_SIZE,
             call_timeout: DEFAULT_CALL_TIMEOUT,
@@ -381,6 +397,7 @@ impl BrokerConfig {
             health_interval: DEFAULT_HEALTH_INTERVAL,
             health_timeout: DEFAULT_HEALTH_TIMEOUT,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            sources: SourceLimits::default(),
             max_in_flight_per_conn: DEFAULT_MAX_IN_FLIGHT_PER_CONN,
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             max_in_flight_per_upstream_conn: DEFAULT_MAX_IN_FLIGHT_PER_UPSTREAM_CONN,
@@ -429,9 +446,11 @@ impl Args {
             }
         }
         // A providers file is read now, so that a broker does not start on a file that
-        // is missing or wrong; it may list no provider yet (they are added later).
+        // is missing or wrong; it may list no provider yet (they are added later) only
+        // with --allow-empty-providers.
+        let if_empty = crate::providers_file::IfEmpty::allowed(self.allow_empty_providers);
         if let Some(path) = &self.providers_file {
-            if let Err(e) = crate::providers_file::read(path, &upstreams) {
+            if let Err(e) = crate::providers_file::read(path, &upstreams, if_empty) {
                 p.0.push(e.to_string());
             }
         }
@@ -484,6 +503,11 @@ impl Args {
             )
         });
         let mut w = ConfigWarnings::default();
+        w.check(
+            self.allow_empty_providers && self.providers_file.is_none(),
+            || "--allow-empty-providers does nothing without --providers-file".into(),
+        );
+        let sources = self.limits.sources(&mut p, &mut w);
         w.check(self.grace.0 < self.call_timeout.0, || {
             format!(
                 "--grace {} is below --call-timeout {}: at SIGTERM, calls still in flight after {} are answered \"unavailable\" rather than waited for",
@@ -525,6 +549,7 @@ impl Args {
         p.into_result(BrokerConfig {
             upstreams,
             providers_file: self.providers_file.clone(),
+            allow_empty_providers: self.allow_empty_providers,
             balance: self.balance,
             pool_size: self.pool_size,
             call_timeout: self.call_timeout.0,
@@ -532,6 +557,7 @@ impl Args {
             health_interval: self.health_interval.0,
             health_timeout: self.health_timeout.0,
             max_connections: self.max_connections,
+            sources,
             max_in_flight_per_conn: self.max_in_flight_per_conn,
             max_in_flight: self.max_in_flight,
             max_in_flight_per_upstream_conn: self.max_in_flight_per_upstream_conn,
@@ -606,7 +632,7 @@ mod tests {
     }
 
     #[test]
-    fn a_providers_file_must_be_there_and_valid_at_the_start_and_may_list_none() {
+    fn a_providers_file_must_be_there_and_valid_at_the_start_and_may_list_none_if_allowed() {
         let dir = std::env::temp_dir().join(format!("rpcmesh-bcfg-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("providers");
@@ -623,7 +649,9 @@ mod tests {
 ",
         )
         .unwrap();
-        let c = with_file(&[]).unwrap();
+        let e = with_file(&[]).unwrap_err();
+        assert!(e.0[0].contains("lists no provider"), "{e}");
+        let c = with_file(&["--allow-empty-providers"]).unwrap();
         assert_eq!(c.providers_file.as_deref(), Some(path.as_path()));
         assert!(c.upstreams.is_empty());
         std::fs::write(

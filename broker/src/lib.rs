@@ -81,11 +81,15 @@ pub fn main_with(args: &Args) -> anyhow::Result<()> {
     // the port is bound: "active" then means calls are routed.
     // The runtime `main` starts is the first cell; the broker starts the others itself
     // (`cell`), each a runtime of one thread.
+    let server = rpcmesh_common::cli::startup::Server {
+        program: "broker",
+        listen: args.listen,
+        metrics: args.metrics_listen,
+        threads: 1,
+        grace: config.grace,
+    };
     rpcmesh_common::cli::startup::serve_with(
-        "broker",
-        args.listen,
-        args.metrics_listen,
-        1,
+        server,
         rpcmesh_common::cli::systemd::Readiness::Announced,
         |telemetry, listener, shutdown| {
             // Installed before the first call is served: from then on SIGHUP reloads
@@ -233,6 +237,7 @@ pub async fn run_with_reload(
             budget: budget.clone(),
             tls: security.upstream.clone(),
             guards: guards.clone(),
+            liveness: Arc::new(tokio::sync::Notify::new()),
         },
         &providers,
     )
@@ -271,6 +276,7 @@ pub async fn run_with_reload(
     }
     let accept = AcceptConfig {
         max_connections: config.max_connections,
+        sources: config.sources,
         grace: config.grace,
     };
     let observer = metrics.conns.clone();

@@ -17,9 +17,10 @@
 //! - a provider listed before (same address, same kind) keeps its pool and connections
 //!   untouched; a change of its services changes only the routing.
 //!
-//! A file that cannot be read or does not parse is kept out: one log line with the file,
-//! the line numbers and what is wrong, `rpcmesh_config_reloads_total{result="error"}`, and
-//! the providers stay as they were. Providers of the flags are always served. What the
+//! A file that cannot be read, does not parse, or lists no provider (unless
+//! `--allow-empty-providers`) is kept out: one log line with the file, the line numbers
+//! and what is wrong, `rpcmesh_config_reloads_total{result="error"}`, and the providers
+//! stay as they were. Providers of the flags are always served. What the
 //! file's lines mean is `providers_file`'s.
 
 use std::path::{Path, PathBuf};
@@ -82,6 +83,9 @@ pub(crate) struct PoolMaker {
     pub tls: Option<Arc<rpcmesh_common::net::tls::ClientTls>>,
     /// Ejections and the retry budget, shared by every provider.
     pub guards: Arc<crate::resilience::Guards>,
+    /// Told by a pool when its provider gains its first healthy connection or loses its
+    /// last: the routing is then made again ([`watch`]).
+    pub liveness: Arc<Notify>,
 }
 
 impl PoolMaker {
@@ -108,7 +112,11 @@ impl PoolMaker {
                         sibling: first.as_deref(),
                     },
                     self.grace_over.clone(),
-                    (self.budget.clone(), self.guards.clone()),
+                    (
+                        self.budget.clone(),
+                        self.guards.clone(),
+                        self.liveness.clone(),
+                    ),
                     self.tls.clone(),
                 )
             };
@@ -311,7 +319,8 @@ impl Membership {
         text: &str,
         stop: &CancellationToken,
     ) -> Result<Change, ProvidersFileError> {
-        let specs = providers_file::providers_of(path, text, &self.maker.config.upstreams)?;
+        let config = &self.maker.config;
+        let specs = providers_file::providers_of(path, text, &config.upstreams, config.if_empty())?;
         self.idempotent = providers_file::idempotent(text);
         let (change, left) = self.change(&specs);
         if change.joined > 0 {
@@ -349,7 +358,7 @@ pub(crate) fn initial(
     };
     let read = providers_file::read_text(path).and_then(|text| {
         Ok((
-            providers_file::providers_of(path, &text, &config.upstreams)?,
+            providers_file::providers_of(path, &text, &config.upstreams, config.if_empty())?,
             text,
         ))
     });
@@ -374,6 +383,8 @@ enum Wake {
     Asked,
     Poll,
     LeftGone,
+    /// A provider gained its first healthy connection or lost its last.
+    Liveness,
 }
 
 /// Serves reloads until `stop`: reads the providers file when `reload` is requested and
@@ -394,26 +405,33 @@ pub(crate) async fn watch(
     let mut poll = tokio::time::interval(FILE_POLL);
     poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     poll.reset();
+    let liveness = m.maker.liveness.clone();
     loop {
         let wake = tokio::select! {
             () = stop.cancelled() => Wake::Stop,
+            () = liveness.notified() => Wake::Liveness,
             () = reload.requested() => Wake::Asked,
             _ = poll.tick(), if path.is_some() => Wake::Poll,
             Some(_) = m.leaving.join_next(), if !m.leaving.is_empty() => Wake::LeftGone,
         };
+        if let Wake::Liveness = wake {
+            // The providers with connections come first in the routing (`route`).
+            m.publish();
+            continue;
+        }
         let Some(path) = &path else {
             match wake {
                 Wake::Stop => return m,
                 Wake::Asked => tracing::info!(
                     "reload asked for, but the broker has no --providers-file: nothing to read"
                 ),
-                Wake::Poll | Wake::LeftGone => {}
+                Wake::Poll | Wake::LeftGone | Wake::Liveness => {}
             }
             continue;
         };
         match wake {
             Wake::Stop => return m,
-            Wake::LeftGone => continue,
+            Wake::LeftGone | Wake::Liveness => continue,
             Wake::Poll => {
                 let now = stamp_of(path.clone()).await;
                 if now == stamp {

@@ -18,7 +18,10 @@
 //!
 //! An address may appear once, in the file and the flags together (it names the
 //! provider's metrics and its pool). A file that cannot be read or has a bad line is
-//! refused whole, with every bad line listed ([`ProvidersFileError`]).
+//! refused whole, with every bad line listed ([`ProvidersFileError`]). So is a file that
+//! lists no provider, unless the broker is told it may (`--allow-empty-providers`): a file
+//! left empty or cut short by a failed write would otherwise take every provider it listed
+//! out of service, and every call would be answered "service not found".
 
 use std::collections::HashMap;
 use std::fmt;
@@ -89,6 +92,12 @@ pub enum ProvidersFileError {
         path: PathBuf,
         /// Every bad line, in order.
         problems: Vec<LineProblem>,
+    },
+    /// It lists no provider, and the broker may not serve none from it.
+    #[error("providers file {}: lists no provider, refused (an empty or cut-short file would take every provider it listed out of service); give --allow-empty-providers if it may list none", path.display())]
+    Empty {
+        /// The file.
+        path: PathBuf,
     },
 }
 
@@ -232,11 +241,35 @@ pub fn read_text(path: &Path) -> Result<String, ProvidersFileError> {
     })
 }
 
+/// Whether a providers file may list no provider (`--allow-empty-providers`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IfEmpty {
+    /// A file that lists none is refused ([`ProvidersFileError::Empty`]).
+    Refuse,
+    /// A file that lists none takes the providers it listed out of service.
+    Allow,
+}
+
+impl IfEmpty {
+    /// As `--allow-empty-providers` says.
+    pub fn allowed(allow: bool) -> IfEmpty {
+        if allow {
+            IfEmpty::Allow
+        } else {
+            IfEmpty::Refuse
+        }
+    }
+}
+
 /// The providers of the flags (`flags`) and of the file at `path`, or why the file is
 /// refused.
-pub fn read(path: &Path, flags: &[UpstreamSpec]) -> Result<Vec<UpstreamSpec>, ProvidersFileError> {
+pub fn read(
+    path: &Path,
+    flags: &[UpstreamSpec],
+    if_empty: IfEmpty,
+) -> Result<Vec<UpstreamSpec>, ProvidersFileError> {
     let text = read_text(path)?;
-    providers_of(path, &text, flags)
+    providers_of(path, &text, flags, if_empty)
 }
 
 /// As [`read`], from text already read.
@@ -244,11 +277,18 @@ pub fn providers_of(
     path: &Path,
     text: &str,
     flags: &[UpstreamSpec],
+    if_empty: IfEmpty,
 ) -> Result<Vec<UpstreamSpec>, ProvidersFileError> {
-    parse(text, flags).map_err(|problems| ProvidersFileError::Invalid {
+    let providers = parse(text, flags).map_err(|problems| ProvidersFileError::Invalid {
         path: path.to_path_buf(),
         problems,
-    })
+    })?;
+    if providers.len() == flags.len() && if_empty == IfEmpty::Refuse {
+        return Err(ProvidersFileError::Empty {
+            path: path.to_path_buf(),
+        });
+    }
+    Ok(providers)
 }
 
 /// What tells a file's versions apart without reading it: which file the path names
@@ -338,6 +378,20 @@ mod tests {
     }
 
     #[test]
+    fn a_file_that_lists_no_provider_is_refused_unless_allowed() {
+        let flags = [UpstreamSpec::parse("a:1", Rpcmesh).unwrap()];
+        for text in ["", "# cut short\n"] {
+            let e = providers_of(Path::new("p"), text, &flags, IfEmpty::Refuse).unwrap_err();
+            assert!(matches!(e, ProvidersFileError::Empty { .. }), "{e}");
+            assert!(e.to_string().contains("--allow-empty-providers"), "{e}");
+            let allowed = providers_of(Path::new("p"), text, &flags, IfEmpty::Allow).unwrap();
+            assert_eq!(addrs(&allowed), [("a:1", Rpcmesh, vec![])]);
+        }
+        let one = providers_of(Path::new("p"), "b:2\n", &flags, IfEmpty::Refuse).unwrap();
+        assert_eq!(one.len(), 2);
+    }
+
+    #[test]
     fn providers_of_the_flags_come_first() {
         let flags = [UpstreamSpec::parse("a:1", Rpcmesh).unwrap()];
         let p = parse("b:2\n", &flags).unwrap();
@@ -420,13 +474,13 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("providers");
         assert!(matches!(
-            read(&path, &[]),
+            read(&path, &[], IfEmpty::Refuse),
             Err(ProvidersFileError::Read { .. })
         ));
         assert_eq!(FileStamp::of(&path), None);
         std::fs::write(&path, "a:1\n").unwrap();
         let first = FileStamp::of(&path).unwrap();
-        assert_eq!(read(&path, &[]).unwrap().len(), 1);
+        assert_eq!(read(&path, &[], IfEmpty::Refuse).unwrap().len(), 1);
         // Replaced by rename, as Ansible and editors do: another inode.
         let tmp = dir.join("providers.tmp");
         std::fs::write(&tmp, "a:1\n").unwrap();
@@ -434,11 +488,11 @@ mod tests {
         assert_ne!(FileStamp::of(&path).unwrap(), first);
         std::fs::write(&path, vec![b'#'; MAX_FILE_BYTES as usize + 1]).unwrap();
         assert!(matches!(
-            read(&path, &[]),
+            read(&path, &[], IfEmpty::Refuse),
             Err(ProvidersFileError::TooLarge { .. })
         ));
         std::fs::write(&path, [0xff, 0xfe]).unwrap();
-        let e = read(&path, &[]).unwrap_err();
+        let e = read(&path, &[], IfEmpty::Refuse).unwrap_err();
         assert!(e.to_string().contains("not UTF-8"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }

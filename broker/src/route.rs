@@ -21,7 +21,12 @@
 //! is the caller answered.
 //!
 //! A [`Router`] is immutable: the providers file's reloads (`membership`) build a new one
-//! and publish it in an `ArcSwap`, which each call reads without a lock.
+//! and publish it in an `ArcSwap`, which each call reads without a lock. So does a
+//! provider gaining its first healthy connection or losing its last: each list of
+//! candidates holds the providers with connections first, and the balancing draws among
+//! those, so that providers nothing answers at (a thousand dead ones in the providers
+//! file) cost a call nothing; the others are offered a call only when none of those took
+//! it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -63,8 +68,9 @@ pub(crate) struct Picker {
     rng: fastrand::Rng,
     turn: usize,
     /// The provider (an index into the session's router, which stays the same for the
-    /// round) and the connection that took the current batch's first call.
-    batch: Option<(usize, Arc<UpstreamConn>)>,
+    /// round), the list of candidates it was drawn from ([`Candidates::id`]) and the
+    /// connection that took the current batch's first call.
+    batch: Option<(usize, u32, Arc<UpstreamConn>)>,
     /// When the session's current read returned: the instant latency estimates are
     /// decayed to and ejections are timed by.
     pub now: Instant,
@@ -109,12 +115,43 @@ impl Picker {
 #[derive(Debug)]
 pub(crate) struct Router {
     pools: Vec<Arc<ProviderPool>>,
-    by_service: HashMap<Box<[u8]>, Vec<usize>>,
-    any: Vec<usize>,
+    by_service: HashMap<Box<[u8]>, Candidates>,
+    any: Candidates,
     balance: Balance,
     pack: usize,
     /// The calls marked idempotent (the flags' and the providers file's).
     idempotent: Idempotent,
+}
+
+/// The providers a call may go to at one rank (those named for its service, or those of
+/// any service): indices into the router's pools, those that had a healthy connection
+/// when the router was built first.
+#[derive(Debug, Default)]
+struct Candidates {
+    /// Which list this is in its router (the batch remembers it).
+    id: u32,
+    all: Vec<usize>,
+    /// How many of `all`, at its start, had a healthy connection.
+    live: usize,
+}
+
+impl Candidates {
+    /// `all`, those of them whose pool `is_live` first (in their order).
+    fn new(id: u32, all: Vec<usize>, is_live: impl Fn(usize) -> bool) -> Self {
+        let (mut first, rest): (Vec<usize>, Vec<usize>) =
+            all.into_iter().partition(|&i| is_live(i));
+        let live = first.len();
+        first.extend(rest);
+        Candidates {
+            id,
+            all: first,
+            live,
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.all.is_empty()
+    }
 }
 
 impl Router {
@@ -126,21 +163,27 @@ impl Router {
         pack: usize,
         idempotent: Idempotent,
     ) -> Self {
-        let mut by_service: HashMap<Box<[u8]>, Vec<usize>> = HashMap::new();
+        let mut named: HashMap<Box<[u8]>, Vec<usize>> = HashMap::new();
         let mut any = Vec::new();
         for (i, (spec, _)) in members.iter().enumerate() {
             if spec.services.is_empty() {
                 any.push(i);
             }
             for s in &spec.services {
-                by_service.entry(s.as_bytes().into()).or_default().push(i);
+                named.entry(s.as_bytes().into()).or_default().push(i);
             }
         }
+        let is_live = |i: usize| members[i].1.has_healthy();
+        let by_service = named
+            .into_iter()
+            .zip(1..)
+            .map(|((service, list), id)| (service, Candidates::new(id, list, is_live)))
+            .collect();
         let pools = members.iter().map(|(_, p)| p.clone()).collect();
         Router {
             pools,
             by_service,
-            any,
+            any: Candidates::new(0, any, is_live),
             balance,
             pack,
             idempotent,
@@ -156,10 +199,10 @@ impl Router {
     /// The providers of `service`, in the order they are offered its calls: those named
     /// for it, then those of any service (the fallback); a service no one names goes to
     /// those of any service alone.
-    fn candidates(&self, service: &[u8]) -> (&[usize], &[usize]) {
+    fn candidates(&self, service: &[u8]) -> (&Candidates, Option<&Candidates>) {
         match self.by_service.get(service) {
-            Some(named) => (named, &self.any),
-            None => (&self.any, &[]),
+            Some(named) => (named, Some(&self.any)),
+            None => (&self.any, None),
         }
     }
 
@@ -180,8 +223,8 @@ impl Router {
         // (without looking up the pool's connections); when that one cannot take it, the
         // call is balanced like any other. Only a batch on a first-choice provider: one on
         // a fallback goes through the first choices again, which may be back.
-        if let Some((pool_idx, conn)) = &picker.batch {
-            if first.contains(pool_idx)
+        if let Some((pool_idx, list, conn)) = &picker.batch {
+            if *list == first.id
                 && self.refusal(*pool_idx, flags).is_none()
                 && self.pools[*pool_idx].admits(picker.now)
                 && !avoided(fwd.avoid, self.pools[*pool_idx].id(), Pass::Admitted)
@@ -197,14 +240,14 @@ impl Router {
                 };
             }
         }
-        for cands in [first, fallback] {
+        for cands in std::iter::once(first).chain(fallback) {
             fwd = match self.offer_among(cands, fwd, picker, flags, &mut why, Pass::Admitted) {
                 Ok(()) => return Ok(()),
                 Err(f) => f,
             };
         }
         // No provider in service took it: an ejected one may, rather than none.
-        for cands in [first, fallback] {
+        for cands in std::iter::once(first).chain(fallback) {
             fwd = match self.offer_among(cands, fwd, picker, flags, &mut why, Pass::LastResort) {
                 Ok(()) => return Ok(()),
                 Err(f) => f,
@@ -213,23 +256,28 @@ impl Router {
         Err((fwd, why))
     }
 
-    /// Offers `fwd` to the providers `cands`: the better of two random ones (or the next
-    /// in turn) first, then all the others in order.
+    /// Offers `fwd` to the providers `cands`: the better of two random ones of those with
+    /// a healthy connection (or the next in turn) first, then the others with one, then
+    /// those without.
     // A refused call is handed back by value (no allocation on the per-call path).
     #[allow(clippy::result_large_err)]
     fn offer_among(
         &self,
-        cands: &[usize],
+        cands: &Candidates,
         mut fwd: Forward,
         picker: &mut Picker,
         flags: Flags,
         why: &mut NoRoute,
         pass: Pass,
     ) -> Result<(), Forward> {
-        let n = cands.len();
-        if n == 0 {
+        let (all, list) = (cands.all.len(), cands.id);
+        if all == 0 {
             return Err(fwd);
         }
+        // Balanced among the live ones (among all when none was live).
+        let n = if cands.live > 0 { cands.live } else { all };
+        let cands_all = &cands.all;
+        let cands = &cands_all[..n];
         let first = match self.balance {
             Balance::PeakEwma if n > 1 => {
                 let a = picker.rng.usize(..n);
@@ -256,8 +304,12 @@ impl Router {
                 picker.turn % n
             }
         };
-        for k in 0..n {
-            let pool_idx = cands[(first + k) % n];
+        for k in 0..all {
+            let pool_idx = if k < n {
+                cands[(first + k) % n]
+            } else {
+                cands_all[k]
+            };
             let pool = &self.pools[pool_idx];
             let skip = match pass {
                 // Those out are skipped (a probing one takes its one probe call).
@@ -268,7 +320,7 @@ impl Router {
             if skip || avoided(fwd.avoid, pool.id(), pass) {
                 continue;
             }
-            fwd = match self.offer(pool_idx, fwd, picker, flags, why) {
+            fwd = match self.offer(pool_idx, list, fwd, picker, flags, why) {
                 Ok(()) => return Ok(()),
                 Err(f) => f,
             };
@@ -297,6 +349,7 @@ impl Router {
     fn offer(
         &self,
         pool_idx: usize,
+        list: u32,
         fwd: Forward,
         picker: &mut Picker,
         flags: Flags,
@@ -310,7 +363,7 @@ impl Router {
         }
         match try_pool(&self.pools[pool_idx], fwd, picker, self.pack) {
             Ok(conn) => {
-                picker.batch = Some((pool_idx, conn));
+                picker.batch = Some((pool_idx, list, conn));
                 Ok(())
             }
             Err((fwd, refused)) => {

@@ -204,20 +204,6 @@ const BUDGET_MIB: usize = testkit::BROKER_BUDGET_MIB;
 /// Connections that each send one header claiming the largest body.
 const BIG_HEADERS: usize = 1000;
 
-/// The header of a request whose body would be 10 MiB (the largest the default allows),
-/// sent alone.
-fn big_header(id: u64) -> Vec<u8> {
-    let mut b = bytes::BytesMut::new();
-    rpcmesh_wire::frame::Header {
-        msg_type: rpcmesh_wire::frame::MsgType::Request,
-        flags: rpcmesh_wire::frame::Flags::NONE,
-        body_len: rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN,
-        req_id: id,
-    }
-    .put(&mut b);
-    b.to_vec()
-}
-
 #[tokio::test]
 async fn a_thousand_big_body_headers_cost_less_than_the_budget() {
     let (_provider, broker) = testkit::budgeted_broker().await;
@@ -225,7 +211,7 @@ async fn a_thousand_big_body_headers_cost_less_than_the_budget() {
     let held: Vec<TcpStream> = (0..BIG_HEADERS)
         .map(|i| {
             let mut s = TcpStream::connect(broker.rpc).unwrap();
-            s.write_all(&big_header(i as u64)).unwrap();
+            s.write_all(&testkit::large_claim(i as u64)).unwrap();
             s
         })
         .collect();
@@ -357,88 +343,6 @@ async fn a_spent_budget_refuses_large_calls_overloaded_and_serves_small_ones() {
         "{refused} of {sent} large calls answered overloaded; {:.1} MiB buffered",
         broker.metric("rpcmesh_buffered_bytes", &[]) / f64::from(1 << 20)
     );
-}
-
-/// Callers in the paused-partial-bodies test, each sending part of a large frame.
-const PARTIAL_BODIES: usize = 100;
-/// Bytes of its frame each sends (of the 10 MiB its header claims), then nothing: 100 of
-/// them are past the pause mark of a 64 MiB budget, as 100 × 3 MiB are of 512 MiB.
-const PARTIAL_BODY: usize = 1 << 20;
-
-/// Where `s` takes bytes without blocking: as much of `bytes` as the socket takes now.
-fn send_what_goes(s: &mut TcpStream, bytes: &[u8]) {
-    s.set_nonblocking(true).unwrap();
-    let mut sent = 0;
-    while sent < bytes.len() {
-        match s.write(&bytes[sent..]) {
-            Ok(n) => sent += n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-            Err(e) => panic!("send: {e}"),
-        }
-    }
-}
-
-/// A hundred callers each send part of a body whose header claims 10 MiB, then nothing:
-/// past three quarters of the budget they are all paused. Paused, they are still closed:
-/// those holding the budget when their frame timeout passes (counted `memory_budget`),
-/// then the others, which read again, by their frame timeout; and a large call is served
-/// again. Without it, none was ever closed and every large call was answered "overloaded"
-/// until the broker restarted.
-#[tokio::test]
-async fn partial_bodies_that_hold_the_budget_are_closed_and_large_calls_served_again() {
-    let provider = Spawned::start("provider", &["--threads", "1"]);
-    let upstream = provider.rpc.to_string();
-    let budget = format!("{BUDGET_MIB}MiB");
-    let broker = Spawned::start(
-        "broker",
-        &[
-            "--threads",
-            "1",
-            "--memory-budget",
-            &budget,
-            "--frame-timeout",
-            "2s",
-            "--upstream",
-            &upstream,
-        ],
-    );
-    broker.wait_serving().await;
-    let mut part = big_header(0);
-    part.resize(PARTIAL_BODY, 7);
-    let held: Vec<TcpStream> = (0..PARTIAL_BODIES)
-        .map(|_| {
-            let mut s = TcpStream::connect(broker.rpc).unwrap();
-            send_what_goes(&mut s, &part);
-            s
-        })
-        .collect();
-    let closed = |reason| broker.metric("rpcmesh_connections_closed_total", &inbound(reason));
-    testkit::wait_until("the partial bodies pass the pause mark", || {
-        closed("memory_budget") >= 1.0
-            || broker.metric("rpcmesh_buffered_bytes", &[]) >= (BUDGET_MIB << 20) as f64 * 0.75
-    })
-    .await;
-    testkit::wait_until("every partial body is closed", || {
-        closed("memory_budget") + closed("frame_timeout") >= PARTIAL_BODIES as f64
-    })
-    .await;
-    let (by_budget, by_frame) = (closed("memory_budget"), closed("frame_timeout"));
-    eprintln!(
-        "{PARTIAL_BODIES} partial bodies of {PARTIAL_BODY} bytes: {by_budget} closed holding the budget, {by_frame} by the frame timeout"
-    );
-    assert!(
-        by_budget >= 1.0,
-        "the paused ones holding the budget were closed"
-    );
-    let client = Client::connect(broker.rpc, ClientConfig::default())
-        .await
-        .unwrap();
-    let large = rpcmesh_wire::proto::rpc::EchoRequest {
-        message: "x".repeat(256 << 10),
-    };
-    let r = client.call("EchoService", "Echo", &large).await.unwrap();
-    assert_eq!(r.status, Status::Success, "{}", r.error_msg);
-    drop(held);
 }
 
 /// Sockets in the heartbeat-only test.

@@ -4,7 +4,9 @@
 //! is held to the constant it names, and a test fails naming the row or line that
 //! differs.
 
-use rpcmesh_common::cli::startup::LISTEN_BACKLOG;
+use rpcmesh_common::cli::startup::{
+    EXIT_DEADLINE_STATUS, EXIT_MARGIN, LISTEN_BACKLOG, RUNTIME_STOP_WAIT,
+};
 use rpcmesh_common::log_sink::{LOG_FLUSH_WAIT, LOG_QUEUE_LINES};
 use rpcmesh_common::metrics::endpoint::{
     ACCEPT_ERROR_PAUSE, CONNECTION_LIFETIME, HEADER_READ_TIMEOUT, MAX_CONNECTIONS,
@@ -13,14 +15,22 @@ use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
 use rpcmesh_common::metrics::recorder::LATENCY_BUCKETS;
 use rpcmesh_common::metrics::system::DEFAULT_INTERVAL;
 use rpcmesh_common::net::backoff::{RECONNECT_MAX, RECONNECT_MIN};
-use rpcmesh_common::net::budget::{DEFAULT_MEMORY_BUDGET, PAUSE_FLOOR, SMALL_BODY};
+use rpcmesh_common::net::budget::{
+    CONNECTION_BASE, DEFAULT_MEMORY_BUDGET, PAUSE_FLOOR, RSS_OVERHEAD, SMALL_BODY,
+};
 use rpcmesh_common::net::connection::{
     KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_PROBES, SHRINK_ABOVE,
 };
-use rpcmesh_common::net::listener::{ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN, LAST_ANSWERS_WAIT};
+use rpcmesh_common::net::listener::{
+    ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN, ACCEPT_BATCH, LAST_ANSWERS_WAIT, REFUSED_BATCH_PAUSE,
+};
 use rpcmesh_common::net::session::{
     DEFAULT_FRAME_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_IN_FLIGHT_PER_LINK,
     DEFAULT_WRITE_TIMEOUT, DRAIN_LINGER, PAUSED_PEER_CHECK, WRITE_BACKLOG_LIMIT,
+};
+use rpcmesh_common::net::sources::{
+    DEFAULT_ACCEPT_BURST_PER_SOURCE, DEFAULT_ACCEPT_RATE_PER_SOURCE,
+    DEFAULT_MAX_CONNECTIONS_PER_SOURCE,
 };
 use rpcmesh_common::net::tls::{DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_HANDSHAKES};
 use rpcmesh_common::retry::{
@@ -112,6 +122,28 @@ fn common() -> Vec<(&'static str, Value)> {
             "common::DEFAULT_RETRY_MIN_PER_SECOND",
             count(DEFAULT_RETRY_MIN_PER_SECOND),
         ),
+        (
+            "common::DEFAULT_MAX_CONNECTIONS_PER_SOURCE",
+            count(DEFAULT_MAX_CONNECTIONS_PER_SOURCE),
+        ),
+        (
+            "common::DEFAULT_ACCEPT_RATE_PER_SOURCE",
+            count(DEFAULT_ACCEPT_RATE_PER_SOURCE),
+        ),
+        (
+            "common::DEFAULT_ACCEPT_BURST_PER_SOURCE",
+            count(DEFAULT_ACCEPT_BURST_PER_SOURCE),
+        ),
+        ("common::ACCEPT_BATCH", count(ACCEPT_BATCH)),
+        ("common::REFUSED_BATCH_PAUSE", time(REFUSED_BATCH_PAUSE)),
+        ("common::EXIT_MARGIN", time(EXIT_MARGIN)),
+        ("common::RUNTIME_STOP_WAIT", time(RUNTIME_STOP_WAIT)),
+        (
+            "common::EXIT_DEADLINE_STATUS",
+            count(EXIT_DEADLINE_STATUS.unsigned_abs()),
+        ),
+        ("common::CONNECTION_BASE", bytes(CONNECTION_BASE)),
+        ("common::RSS_OVERHEAD", bytes(RSS_OVERHEAD)),
     ]
 }
 

@@ -11,6 +11,7 @@ use rpcmesh_common::cli::{ConfigProblems, ConfigWarnings, DurationArg, MetricsLi
 use rpcmesh_common::metrics::families::DEFAULT_STAGE_SAMPLE;
 use rpcmesh_common::net::budget::DEFAULT_MEMORY_BUDGET;
 use rpcmesh_common::net::session::{DEFAULT_MAX_IN_FLIGHT_PER_LINK, Timeouts};
+use rpcmesh_common::net::sources::SourceLimits;
 use rpcmesh_common::net::tls::ServerTlsSettings;
 use rpcmesh_wire::compress::{CompressionConfig, DEFAULT_MAX_INFLATED_LEN};
 use rpcmesh_wire::envelope::{CallCodec, DEFAULT_MAX_METADATA_BYTES};
@@ -141,6 +142,8 @@ pub struct ProviderConfig {
     pub service_mode: ServiceMode,
     /// Open connections at once.
     pub max_connections: usize,
+    /// Limits on each source of connections.
+    pub sources: SourceLimits,
     /// Calls in flight per connection.
     pub max_in_flight_per_conn: usize,
     /// Largest frame body accepted.
@@ -188,6 +191,7 @@ impl Default for ProviderConfig {
             service_time: DEFAULT_SERVICE_TIME,
             service_mode: ServiceMode::Sleep,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            sources: SourceLimits::default(),
             max_in_flight_per_conn: DEFAULT_MAX_IN_FLIGHT_PER_CONN,
             max_body_len: DEFAULT_MAX_BODY_LEN,
             max_inflated: DEFAULT_MAX_INFLATED_LEN,
@@ -242,6 +246,7 @@ impl Args {
             });
         }
         let mut w = ConfigWarnings::default();
+        let sources = self.limits.sources(&mut p, &mut w);
         if self.classic {
             let tuned: Vec<&str> = [
                 (
@@ -299,6 +304,7 @@ impl Args {
                 ServiceMode::Sleep
             },
             max_connections: self.max_connections,
+            sources,
             max_in_flight_per_conn: self.max_in_flight_per_conn,
             max_body_len: self.max_body_bytes,
             max_inflated: self.max_inflated_bytes,

@@ -50,30 +50,31 @@ pub fn main_with(args: &Args) -> anyhow::Result<()> {
         .listen_plain
         .map(rpcmesh_common::cli::startup::bind_std)
         .transpose()?;
-    rpcmesh_common::cli::startup::serve(
-        "provider",
-        args.listen,
-        args.metrics_listen,
-        args.runtime.threads,
-        |telemetry, listener, shutdown| async move {
-            config.warnings.log();
-            let listeners = Listeners::with_plain(listener, plain);
-            let mut registry = if config.classic {
-                classic::registry()
-            } else {
-                Registry::builtin()
-            };
-            if config.fail_calls {
-                registry.fail_every_call();
-                tracing::warn!("--fail-calls: every call is answered failed");
-            }
-            if config.classic {
-                classic::run_with(config, registry, telemetry, listeners.main, shutdown).await
-            } else {
-                run_with(config, registry, telemetry, listeners, shutdown).await
-            }
-        },
-    )?;
+    let server = rpcmesh_common::cli::startup::Server {
+        program: "provider",
+        listen: args.listen,
+        metrics: args.metrics_listen,
+        threads: args.runtime.threads,
+        grace: config.grace,
+    };
+    rpcmesh_common::cli::startup::serve(server, |telemetry, listener, shutdown| async move {
+        config.warnings.log();
+        let listeners = Listeners::with_plain(listener, plain);
+        let mut registry = if config.classic {
+            classic::registry()
+        } else {
+            Registry::builtin()
+        };
+        if config.fail_calls {
+            registry.fail_every_call();
+            tracing::warn!("--fail-calls: every call is answered failed");
+        }
+        if config.classic {
+            classic::run_with(config, registry, telemetry, listeners.main, shutdown).await
+        } else {
+            run_with(config, registry, telemetry, listeners, shutdown).await
+        }
+    })?;
     Ok(())
 }
 
@@ -111,6 +112,7 @@ where
 {
     let accept = AcceptConfig {
         max_connections: config.max_connections,
+        sources: config.sources,
         grace: config.grace,
     };
     let observer = metrics.conns.clone();

@@ -13,6 +13,21 @@ use rpcmesh_wire::proto::rpc::{EchoRequest, RpcRequest};
 
 use crate::bad_input::PROBE_TIMEOUT;
 
+/// The header of a request whose body would be 10 MiB (the largest the default allows),
+/// alone: what a caller that claims a large frame and sends its body slowly, or never,
+/// sends first.
+pub fn large_claim(req_id: u64) -> Vec<u8> {
+    let mut b = BytesMut::new();
+    rpcmesh_wire::frame::Header {
+        msg_type: rpcmesh_wire::frame::MsgType::Request,
+        flags: Flags::NONE,
+        body_len: rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN,
+        req_id,
+    }
+    .put(&mut b);
+    b.to_vec()
+}
+
 /// A well-formed echo request frame, no flags.
 pub fn echo_request(req_id: u64, message: &str) -> BytesMut {
     let mut b = BytesMut::new();

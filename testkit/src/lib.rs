@@ -19,6 +19,7 @@
 //!   quoted      the constants the docs quote, held to the code by each crate's test
 //!   capacity    the short `driver capacity` experiment both tiers run
 //!   certs       a test CA and the certificates it issues, as PEM files
+//!   source      connections from 127.0.0.2, 127.0.0.3…, as other client hosts would
 //! ```
 //!
 //! The tests prove order and causality, never how long something took: a test waits for
@@ -42,6 +43,7 @@ pub mod in_process;
 pub mod notify;
 pub mod paths;
 pub mod quoted;
+pub mod source;
 pub mod spawned;
 pub mod stderr;
 pub mod wait;
@@ -51,7 +53,8 @@ pub use capacity::{short_capacity_search, short_tls_comparison};
 pub use certs::{CertFiles, Leaf, Pki, spiffe};
 pub use child::{ChildGuard, Signal};
 pub use frames::{
-    compressed_request, echo_request, metadata_bomb, put_echo_with_metadata, read_frames,
+    compressed_request, echo_request, large_claim, metadata_bomb, put_echo_with_metadata,
+    read_frames,
 };
 pub use gate::Gate;
 pub use golden::{golden, golden_exchange};
@@ -59,6 +62,7 @@ pub use http::{get, get_query};
 pub use in_process::{InProcess, echo_call, echo_calls};
 pub use notify::NotifySocket;
 pub use paths::{bin_path, free_port, workspace_root};
+pub use source::{connect_from, loopback_source};
 pub use spawned::{BROKER_BUDGET_MIB, Launch, Spawned, budgeted_broker};
 pub use stderr::{closed_pipe, full_pipe};
 pub use wait::{

@@ -24,10 +24,13 @@
 //!   as the broker runs is not answered "unavailable" only because the first connections
 //!   were still being made. Bounded by the pool's connection timeout (`--connect-timeout`
 //!   + `--health-timeout`), after which a round always ends.
-//! - Reconnects back off: after a failed connect, a failed heartbeat, or a connection
-//!   that closed before its first heartbeat was answered (a provider at its connection
-//!   cap accepts and closes at once), the next connect waits for the shared
-//!   [`Backoff`]'s pause; the first answered heartbeat resets it.
+//! - Reconnects back off per provider: after a failed connect, a failed heartbeat, or a
+//!   connection that closed before its first heartbeat was answered (a provider at its
+//!   connection cap accepts and closes at once), the next connect waits for the shared
+//!   [`Backoff`]'s pause; the first answered heartbeat resets it. While a provider's
+//!   connects fail, they are made one at a time: the others of its pool wait for that
+//!   one's outcome and share it (a provider nothing listens at costs one connect per
+//!   pause, not one per pooled connection), and bb8 does not retry on its own.
 
 pub(crate) mod connection;
 pub(crate) mod pace;
@@ -74,6 +77,9 @@ pub enum UpstreamError {
     /// The TLS handshake was refused.
     #[error("{0}")]
     Tls(#[from] rpcmesh_common::net::tls::ConnectError),
+    /// Not tried: the provider's connect made meanwhile failed.
+    #[error("provider unreachable: the connect made meanwhile failed")]
+    Unreachable,
 }
 
 /// What a pool shares with the tasks of its connections.
@@ -355,6 +361,11 @@ struct Manager {
     link: Arc<PoolLink>,
     /// The pauses between failing attempts, and when the next connect may start.
     retry: std::sync::Mutex<Retry>,
+    /// Held by the one connect that may run while the provider's connects fail.
+    probe: tokio::sync::Mutex<()>,
+    /// Connects that failed so far: one that waited for the probe and sees it grown
+    /// shares its failure instead of trying again.
+    connect_failures: AtomicU64,
 }
 
 /// The back-off state of one provider's connects.
@@ -396,6 +407,17 @@ impl bb8::ManageConnection for Manager {
     type Error = UpstreamError;
 
     async fn connect(&self) -> Result<Arc<UpstreamConn>, UpstreamError> {
+        // While the provider's connects fail, one at a time: the others wait for its
+        // outcome, and share a failure rather than try again at once.
+        let failures = self.connect_failures.load(Ordering::Relaxed);
+        let failing = !self.retry().backoff.is_reset();
+        let _probe = match failing {
+            true => Some(self.probe.lock().await),
+            false => None,
+        };
+        if self.connect_failures.load(Ordering::Relaxed) != failures {
+            return Err(UpstreamError::Unreachable);
+        }
         let not_before = self.retry().not_before;
         if let Some(t) = not_before {
             tokio::time::sleep_until(t).await;
@@ -414,6 +436,7 @@ impl bb8::ManageConnection for Manager {
             Ok(_) => self.metrics.conns.opened(),
             Err(e) => {
                 self.metrics.connect_failures.increment(1);
+                self.connect_failures.fetch_add(1, Ordering::Relaxed);
                 self.failed();
                 self.link.failed(Failure::Connect(e.to_string()));
                 // Nothing answers there (yet): waiting for the round would not help.
@@ -475,6 +498,10 @@ pub(crate) struct Placement<'a> {
 pub(crate) struct ProviderPool {
     pub spec: UpstreamSpec,
     ready: ArcSwap<Vec<Arc<UpstreamConn>>>,
+    /// Told when the provider gains its first healthy connection or loses its last, so
+    /// that the routing is made again with it among the providers with connections (or
+    /// not): see `route`.
+    liveness: Arc<Notify>,
     pool: bb8::Pool<Manager>,
     link: Arc<PoolLink>,
     size: u32,
@@ -492,15 +519,16 @@ impl std::fmt::Debug for ProviderPool {
 
 impl ProviderPool {
     /// Builds the pool (connections are made in the background, on the runtime this is
-    /// called in: its cell's). The budgets: the process's memory budget, and the
-    /// resilience guards every provider shares.
+    /// called in: its cell's). What every pool shares: the process's memory budget, the
+    /// resilience guards, and what to tell when the provider gains or loses its healthy
+    /// connections.
     pub fn new(
         spec: UpstreamSpec,
         config: &BrokerConfig,
         metrics: UpstreamMetrics,
         place: Placement<'_>,
         grace_over: CancellationToken,
-        (budget, guards): (Arc<MemoryBudget>, Arc<Guards>),
+        (budget, guards, liveness): (Arc<MemoryBudget>, Arc<Guards>, Arc<Notify>),
         tls: Option<Arc<rpcmesh_common::net::tls::ClientTls>>,
     ) -> Arc<ProviderPool> {
         let source = pace::Source::of(spec.kind);
@@ -536,11 +564,16 @@ impl ProviderPool {
             metrics: metrics.clone(),
             link: link.clone(),
             retry: std::sync::Mutex::new(Retry::default()),
+            probe: tokio::sync::Mutex::new(()),
+            connect_failures: AtomicU64::new(0),
         };
         let pool = bb8::Pool::builder()
             .max_size(place.size)
             .min_idle(Some(place.size))
             .test_on_check_out(true)
+            // Connects back off in the manager, per provider; bb8 retrying a failed one
+            // on its own would make several attempts per pause.
+            .retry_connection(false)
             // The keeper checks connections out and in every health interval, so bb8's
             // idle and lifetime reapers would only close busy connections.
             .idle_timeout(None)
@@ -550,6 +583,7 @@ impl ProviderPool {
         Arc::new(ProviderPool {
             spec,
             ready: ArcSwap::from_pointee(Vec::new()),
+            liveness,
             pool,
             link,
             size: place.size,
@@ -561,6 +595,11 @@ impl ProviderPool {
     /// The connections to use now (some may have closed since; check `is_closed`).
     pub fn ready(&self) -> arc_swap::Guard<Arc<Vec<Arc<UpstreamConn>>>> {
         self.ready.load()
+    }
+
+    /// True when the last round of checks found a healthy connection.
+    pub fn has_healthy(&self) -> bool {
+        !self.ready.load().is_empty()
     }
 
     /// How many calls the router may pack onto one connection of this provider before it
@@ -701,6 +740,9 @@ impl ProviderPool {
                     .forget(self.link.guards.config.ewma_default_rtt, now);
             }
             self.ready.store(Arc::new(conns));
+            if (healthy > 0) != (healthy_before > 0 && healthy_before != usize::MAX) {
+                self.liveness.notify_one();
+            }
             self.link.settle();
             if back {
                 tracing::info!(provider = %self.spec.addr, connections = healthy, "provider back after its drain");
@@ -737,6 +779,7 @@ impl ProviderPool {
             }
         }
         self.ready.store(Arc::new(Vec::new()));
+        self.liveness.notify_one();
         self.metrics.publish_gone(self.size as usize);
     }
 }

@@ -10,11 +10,15 @@ use rpcmesh_wire::compress::{
 };
 
 use crate::cli::config::{ConfigProblems, ConfigWarnings};
-use crate::cli::values::{DurationArg, MetricsListen, OnOff, SizeArg, parse_bytes};
+use crate::cli::values::{DurationArg, MetricsListen, OnOff, RateArg, SizeArg, parse_bytes};
 use crate::metrics::families::DEFAULT_STAGE_SAMPLE;
 use crate::net::budget::DEFAULT_MEMORY_BUDGET;
 use crate::net::session::{
     DEFAULT_FRAME_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_WRITE_TIMEOUT, Timeouts,
+};
+use crate::net::sources::{
+    AcceptRate, DEFAULT_ACCEPT_BURST_PER_SOURCE, DEFAULT_ACCEPT_RATE_PER_SOURCE,
+    DEFAULT_MAX_CONNECTIONS_PER_SOURCE, SourceLimits,
 };
 use crate::retry::{DEFAULT_RETRY_MIN_PER_SECOND, DEFAULT_RETRY_PERCENT, Idempotent, RetryBudget};
 
@@ -109,8 +113,8 @@ impl CompressionArgs {
     }
 }
 
-/// The time limits of every connection a server (provider, broker) accepts, and the
-/// server's memory budget.
+/// The time limits of every connection a server (provider, broker) accepts, the limits on
+/// each source of connections, and the server's memory budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::Args)]
 pub struct LimitArgs {
     /// Close a connection with no call in flight, nothing to write and nothing read for
@@ -129,6 +133,18 @@ pub struct LimitArgs {
     /// reading.
     #[arg(long, env = "RPCMESH_MEMORY_BUDGET", default_value_t = SizeArg(DEFAULT_MEMORY_BUDGET))]
     pub memory_budget: SizeArg,
+    /// Connections one source (a client's IP address; an IPv6 client's /64) may have open
+    /// at once; one more is accepted and closed at once.
+    #[arg(long, env = "RPCMESH_MAX_CONNECTIONS_PER_SOURCE", default_value_t = DEFAULT_MAX_CONNECTIONS_PER_SOURCE)]
+    pub max_connections_per_source: usize,
+    /// New connections a second one source may open, sustained (a token bucket), or
+    /// `off`; one opened faster is accepted and closed at once.
+    #[arg(long, env = "RPCMESH_ACCEPT_RATE_PER_SOURCE", default_value_t = RateArg(Some(DEFAULT_ACCEPT_RATE_PER_SOURCE)))]
+    pub accept_rate_per_source: RateArg,
+    /// New connections one source may open at once before --accept-rate-per-source holds
+    /// it (the token bucket's size).
+    #[arg(long, env = "RPCMESH_ACCEPT_BURST_PER_SOURCE", default_value_t = DEFAULT_ACCEPT_BURST_PER_SOURCE)]
+    pub accept_burst_per_source: u32,
 }
 
 impl LimitArgs {
@@ -146,6 +162,39 @@ impl LimitArgs {
             idle: self.idle_timeout.0,
             frame: self.frame_timeout.0,
             write: self.write_timeout.0,
+        }
+    }
+
+    /// The limits on each source of connections; a cap or a burst of zero (no connection
+    /// could ever be served) is recorded in `problems`, a burst given with the rate off
+    /// in `warnings`.
+    pub fn sources(
+        &self,
+        problems: &mut ConfigProblems,
+        warnings: &mut ConfigWarnings,
+    ) -> SourceLimits {
+        problems.check(self.max_connections_per_source == 0, || {
+            "--max-connections-per-source must be at least 1".into()
+        });
+        problems.check(self.accept_burst_per_source == 0, || {
+            "--accept-burst-per-source must be at least 1".into()
+        });
+        warnings.check(
+            self.accept_rate_per_source.0.is_none()
+                && self.accept_burst_per_source != DEFAULT_ACCEPT_BURST_PER_SOURCE,
+            || {
+                format!(
+                    "--accept-burst-per-source {} does nothing with --accept-rate-per-source off",
+                    self.accept_burst_per_source
+                )
+            },
+        );
+        SourceLimits {
+            max_connections: self.max_connections_per_source,
+            rate: self.accept_rate_per_source.0.map(|per_second| AcceptRate {
+                per_second,
+                burst: self.accept_burst_per_source,
+            }),
         }
     }
 

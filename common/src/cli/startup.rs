@@ -2,9 +2,17 @@
 //! and, for the servers, binding the listen address, starting the metrics endpoint and
 //! waiting for SIGTERM/SIGINT ([`serve`]). A `main` is then: parse the flags, validate
 //! them into the program's config, call [`serve`] (or [`start`], for the driver).
+//!
+//! A server always ends within its grace period once told to stop: the drain is `run`'s,
+//! and should the process still be there [`EXIT_MARGIN`] after the grace period (a handler
+//! burning the only runtime thread, a system call stuck in the kernel, anything the
+//! runtime cannot stop), a thread of its own that saw the signal ends it
+//! ([`EXIT_DEADLINE_STATUS`]). The runtime's own stop leaves behind, after
+//! [`RUNTIME_STOP_WAIT`], blocking tasks that do not return.
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpSocket};
 
@@ -22,6 +30,20 @@ use crate::net::shutdown::{self, ShutdownSignal};
 /// fill: the kernel then drops SYNs and those connects wait a second or more for their
 /// retransmit.
 pub const LISTEN_BACKLOG: u32 = 4096;
+
+/// How long a stopping server may take beyond its grace period before it is ended anyway:
+/// the sessions' last answers ([`crate::net::listener::LAST_ANSWERS_WAIT`], 2 s), the
+/// runtime's stop ([`RUNTIME_STOP_WAIT`], 1 s) and the last log lines
+/// ([`log_sink::LOG_FLUSH_WAIT`], 1 s), with a second to spare. A supervisor's stop
+/// timeout (systemd's `TimeoutStopSec`) should exceed the grace period plus this.
+pub const EXIT_MARGIN: Duration = Duration::from_secs(5);
+/// The exit status of a server ended by its deadline ([`EXIT_MARGIN`]): `EX_SOFTWARE`
+/// (sysexits.h), an internal error, so that a supervisor tells it from a clean stop (0).
+pub const EXIT_DEADLINE_STATUS: i32 = 70;
+/// How long the runtime's stop waits for blocking tasks (file reads, `/proc`) before it
+/// leaves them behind: each takes milliseconds; one that takes longer is stuck in the
+/// kernel, and the process ends without it.
+pub const RUNTIME_STOP_WAIT: Duration = Duration::from_secs(1);
 
 /// Binds a server's listen socket at `addr` with [`LISTEN_BACKLOG`] (and `SO_REUSEADDR`,
 /// as `TcpListener::bind` sets it, so a restarted server binds while old connections are
@@ -99,14 +121,30 @@ pub fn init_logging(default: &str) {
 #[derive(Debug)]
 pub struct ProgramRuntime {
     // Fields drop in order: the runtime (whose tasks may log as they end), then the flush.
-    rt: tokio::runtime::Runtime,
+    rt: StoppedInTime,
     _flush: FlushLogs,
 }
 
 impl std::ops::Deref for ProgramRuntime {
     type Target = tokio::runtime::Runtime;
     fn deref(&self) -> &tokio::runtime::Runtime {
-        &self.rt
+        self.rt
+            .0
+            .as_ref()
+            .expect("the runtime is taken only when dropped")
+    }
+}
+
+/// A runtime whose stop, when dropped, waits at most [`RUNTIME_STOP_WAIT`] for its
+/// blocking tasks (a plain `Runtime` waits for them for ever).
+#[derive(Debug)]
+struct StoppedInTime(Option<tokio::runtime::Runtime>);
+
+impl Drop for StoppedInTime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_timeout(RUNTIME_STOP_WAIT);
+        }
     }
 }
 
@@ -166,45 +204,81 @@ pub fn start(
     init_logging(default_log);
     let rt = build(program, threads).map_err(StartupError::Runtime)?;
     Ok(ProgramRuntime {
-        rt,
+        rt: StoppedInTime(Some(rt)),
         _flush: FlushLogs,
     })
+}
+
+/// Where and how a server program runs: what [`serve`] and [`serve_with`] take beside its
+/// `run`.
+#[derive(Debug, Clone, Copy)]
+pub struct Server<'a> {
+    /// The program's name (`broker`, `provider`): its threads' and log lines'.
+    pub program: &'a str,
+    /// The address to take calls on.
+    pub listen: SocketAddr,
+    /// The metrics endpoint's address, or none.
+    pub metrics: MetricsListen,
+    /// Runtime worker threads (0 = one per CPU).
+    pub threads: usize,
+    /// How long the drain may take once told to stop: the process ends at most
+    /// [`EXIT_MARGIN`] after it.
+    pub grace: Duration,
 }
 
 /// The whole life of a server program after its flags are validated: logging at `info`,
 /// the runtime, the listener on `listen`, the metrics endpoint on `metrics` (or none), one
 /// line on stdout saying where both are (see [`listening_line`]), then
-/// `run(telemetry, listener, shutdown)` until it returns (it drains on SIGTERM/SIGINT).
+/// `run(telemetry, listener, shutdown)` until it returns (it drains on SIGTERM/SIGINT;
+/// the process ends at most [`EXIT_MARGIN`] after the grace period whatever it does).
 /// Under systemd it is ready once it listens ([`serve_with`] for another moment).
-pub fn serve<F, Fut>(
-    program: &str,
-    listen: SocketAddr,
-    metrics: MetricsListen,
-    threads: usize,
-    run: F,
-) -> Result<(), StartupError>
+pub fn serve<F, Fut>(server: Server<'_>, run: F) -> Result<(), StartupError>
 where
     F: FnOnce(Telemetry, TcpListener, ShutdownSignal) -> Fut,
     Fut: Future,
 {
-    serve_with(
-        program,
-        listen,
-        metrics,
-        threads,
-        Readiness::WhenListening,
-        run,
-    )
+    serve_with(server, Readiness::WhenListening, run)
+}
+
+/// Ends the process [`EXIT_MARGIN`] after the grace period `grace` once SIGTERM or SIGINT
+/// comes, unless it has ended by then: a thread of its own waits for the signal, so that
+/// nothing the runtime is stuck on (a handler burning its only thread, a blocked system
+/// call) can hold the process past it. The signal is also the runtime's (both register
+/// through `signal-hook-registry`, which runs every handler of a signal).
+fn end_by_deadline(program: &str, grace: Duration) {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let deadline = grace.saturating_add(EXIT_MARGIN);
+    let mut signals = match signal_hook::iterator::Signals::new([SIGTERM, SIGINT]) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "no exit deadline: SIGTERM cannot be watched beside the runtime");
+            return;
+        }
+    };
+    let spawned = std::thread::Builder::new()
+        .name(format!("{program}-deadline"))
+        .spawn(move || {
+            if signals.forever().next().is_some() {
+                std::thread::sleep(deadline);
+                tracing::error!(
+                    deadline_ms = deadline.as_millis() as u64,
+                    status = EXIT_DEADLINE_STATUS,
+                    "still running past the grace period and the margin after SIGTERM: exiting"
+                );
+                log_sink::flush(log_sink::LOG_FLUSH_WAIT);
+                std::process::exit(EXIT_DEADLINE_STATUS);
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "no exit deadline: its thread could not start");
+    }
 }
 
 /// As [`serve`], telling systemd (when it runs the program: [`systemd`]) `READY=1` at the
 /// moment `readiness` says, `STOPPING=1` when the shutdown signal comes, and pinging its
 /// watchdog from the runtime when the unit has one.
 pub fn serve_with<F, Fut>(
-    program: &str,
-    listen: SocketAddr,
-    metrics: MetricsListen,
-    threads: usize,
+    server: Server<'_>,
     readiness: Readiness,
     run: F,
 ) -> Result<(), StartupError>
@@ -212,7 +286,15 @@ where
     F: FnOnce(Telemetry, TcpListener, ShutdownSignal) -> Fut,
     Fut: Future,
 {
+    let Server {
+        program,
+        listen,
+        metrics,
+        threads,
+        grace,
+    } = server;
     let rt = start(program, "info", threads)?;
+    end_by_deadline(program, grace);
     rt.block_on(async {
         let listener = bind(listen).map_err(|source| StartupError::Bind {
             addr: listen,
@@ -372,12 +454,21 @@ mod tests {
         });
     }
 
+    fn test_server(listen: SocketAddr) -> Server<'static> {
+        Server {
+            program: "test",
+            listen,
+            metrics: MetricsListen(None),
+            threads: 1,
+            grace: Duration::from_secs(1),
+        }
+    }
+
     #[test]
     fn a_server_that_cannot_bind_says_which_address() {
         let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = taken.local_addr().unwrap();
-        let e = serve("test", addr, MetricsListen(None), 1, |_, _, _| async {})
-            .expect_err("the address is taken");
+        let e = serve(test_server(addr), |_, _, _| async {}).expect_err("the address is taken");
         assert!(
             matches!(e, StartupError::Bind { addr: a, .. } if a == addr),
             "{e}"
@@ -390,10 +481,7 @@ mod tests {
         let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
         let s = seen.clone();
         serve(
-            "test",
-            "127.0.0.1:0".parse().unwrap(),
-            MetricsListen(None),
-            1,
+            test_server("127.0.0.1:0".parse().unwrap()),
             move |telemetry, listener, _shutdown| async move {
                 *s.lock().unwrap() =
                     Some((telemetry.is_recording(), listener.local_addr().is_ok()));

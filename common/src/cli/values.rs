@@ -134,6 +134,35 @@ impl fmt::Display for SizeArg {
     }
 }
 
+/// A rate flag's value: a count a second (`256`), or `off` (no limit).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RateArg(pub Option<u32>);
+
+impl FromStr for RateArg {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        if t.eq_ignore_ascii_case("off") {
+            return Ok(RateArg(None));
+        }
+        match t.parse::<u32>() {
+            Ok(n) if n > 0 => Ok(RateArg(Some(n))),
+            _ => Err(format!(
+                "{s:?} is not a rate: write a number a second above zero (256), or off"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for RateArg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(n) => write!(f, "{n}"),
+            None => f.write_str("off"),
+        }
+    }
+}
+
 /// An `on`/`off` flag's value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OnOff(pub bool);

@@ -236,13 +236,13 @@ pub const CONNECTIONS_CLOSED_TOTAL: Family = Family {
     roles: ALL,
     help: "Connections closed, by reason: peer (it closed), idle_timeout, frame_timeout, write_timeout, bad_input, error (socket failed), shutdown (drained), local (closed by this side), tls_handshake (its TLS handshake was refused), memory_budget (paused for the memory budget, one of the connections holding it, its frame unfinished after the frame timeout).",
 };
-/// `rpcmesh_connections_refused_total{role, side}`.
+/// `rpcmesh_connections_refused_total{role, side, reason}`.
 pub const CONNECTIONS_REFUSED_TOTAL: Family = Family {
     name: "rpcmesh_connections_refused_total",
     kind: Counter,
-    labels: ROLE_SIDE,
+    labels: &["role", "side", "reason"],
     roles: PROVIDER_BROKER,
-    help: "Connections accepted and closed at once because the connection cap was reached.",
+    help: "Connections accepted and closed at once, by reason: connection_cap (the connection cap was reached), source_connections (its source had --max-connections-per-source open), source_rate (its source opened connections faster than --accept-rate-per-source).",
 };
 /// `rpcmesh_wire_bytes_total{role, side, direction}`.
 pub const WIRE_BYTES_TOTAL: Family = Family {
@@ -660,6 +660,14 @@ pub const LOG_LINES_DROPPED_TOTAL: Family = Family {
     roles: ALL,
     help: "Log lines this process dropped instead of waiting on stderr: its queue was full (stderr took nothing) or the write failed (stderr closed). The process serves on either way.",
 };
+/// `rpcmesh_scrape_connections_closed_total{role, reason}`.
+pub const SCRAPE_CONNECTIONS_CLOSED_TOTAL: Family = Family {
+    name: "rpcmesh_scrape_connections_closed_total",
+    kind: Counter,
+    labels: &["role", "reason"],
+    roles: ALL,
+    help: "Connections to this process's /metrics closed, by reason: done (the client closed it, or its response asked to), evicted (idle longest when the 16-connection cap was reached, closed to make room for a new one), timeout (no request headers within 5 s, or idle that long between requests), lifetime (open 120 s), error.",
+};
 /// `rpcmesh_build_info{role, version, commit}`.
 pub const BUILD_INFO: Family = Family {
     name: "rpcmesh_build_info",
@@ -734,6 +742,7 @@ pub const CATALOGUE: &[&Family] = &[
     &PROCESS_THREADS,
     &PROCESS_START_TIME_SECONDS,
     &LOG_LINES_DROPPED_TOTAL,
+    &SCRAPE_CONNECTIONS_CLOSED_TOTAL,
     &BUILD_INFO,
 ];
 

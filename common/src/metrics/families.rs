@@ -22,7 +22,7 @@ use crate::metrics::catalogue::{
     STAGE_SECONDS, WIRE_BYTES_TOTAL, WIRE_SYSCALLS_TOTAL,
 };
 use crate::net::connection::{CloseReason, IoCounts};
-use crate::net::listener::AcceptObserver;
+use crate::net::listener::{AcceptObserver, Refusal};
 
 /// One connection's share of `rpcmesh_calls_in_flight`: each connection adds the change
 /// since it last reported, so the gauge sums every connection's calls without a lock; a
@@ -175,7 +175,8 @@ pub struct ConnCounters {
     opened: Counter,
     /// By [`CloseReason::index`].
     closed: [Counter; CloseReason::ALL.len()],
-    refused: Counter,
+    /// By [`Refusal::index`].
+    refused: [Counter; Refusal::ALL.len()],
     open: Gauge,
 }
 
@@ -184,10 +185,16 @@ impl ConnCounters {
     /// `inbound`), refusals at the connection cap included.
     pub fn inbound(t: &Telemetry, role: Role) -> Self {
         let mut c = ConnCounters::outbound(t, role, "inbound");
-        c.refused = t.counter(
-            &CONNECTIONS_REFUSED_TOTAL,
-            &[("role", role.label()), ("side", "inbound")],
-        );
+        c.refused = Refusal::ALL.map(|r| {
+            t.counter(
+                &CONNECTIONS_REFUSED_TOTAL,
+                &[
+                    ("role", role.label()),
+                    ("side", "inbound"),
+                    ("reason", r.label()),
+                ],
+            )
+        });
         c
     }
 
@@ -203,7 +210,7 @@ impl ConnCounters {
                     &[l[0], l[1], ("reason", r.label())],
                 )
             }),
-            refused: Counter::noop(),
+            refused: Refusal::ALL.map(|_| Counter::noop()),
             open: t.gauge(&CONNECTIONS_OPEN, &l),
         }
     }
@@ -218,8 +225,8 @@ impl AcceptObserver for ConnCounters {
         self.closed[reason.index()].increment(1);
         self.open.decrement(1.0);
     }
-    fn refused(&self) {
-        self.refused.increment(1);
+    fn refused(&self, reason: Refusal) {
+        self.refused[reason.index()].increment(1);
     }
 }
 

@@ -81,6 +81,9 @@ pub struct Telemetry {
     refresh: Arc<Mutex<Vec<Refresh>>>,
     exposures: Exposures,
     served_at: Option<std::net::SocketAddr>,
+    /// The metrics endpoint's connections closed, by reason (published with the system
+    /// metrics, which know the program's role).
+    scrape_closes: Arc<crate::metrics::endpoint::ScrapeCloses>,
 }
 
 impl std::fmt::Debug for Telemetry {
@@ -114,6 +117,7 @@ impl Telemetry {
             refresh: Arc::default(),
             exposures: Arc::default(),
             served_at: None,
+            scrape_closes: Arc::default(),
         };
         catalogue::describe_all(&t);
         t
@@ -128,6 +132,7 @@ impl Telemetry {
             refresh: Arc::default(),
             exposures: Arc::default(),
             served_at: None,
+            scrape_closes: Arc::default(),
         }
     }
 
@@ -150,6 +155,11 @@ impl Telemetry {
     /// Where `/metrics` is served, if it is.
     pub fn served_at(&self) -> Option<std::net::SocketAddr> {
         self.served_at
+    }
+
+    /// The metrics endpoint's connections closed so far, by reason.
+    pub fn scrape_closes(&self) -> &Arc<crate::metrics::endpoint::ScrapeCloses> {
+        &self.scrape_closes
     }
 
     /// Runs `f` before every scrape's rendering (on a blocking thread), so that figures

@@ -21,7 +21,7 @@ use tokio::time::Instant;
 use rpcmesh_wire::codec::{self, FrameCodec};
 use rpcmesh_wire::frame::{FRAME_OVERHEAD, Frame, FrameError, HEADER_LEN, Header, TRAILER_LEN};
 
-use crate::net::budget::{Held, MemoryBudget};
+use crate::net::budget::{Held, MemoryBudget, Pressure};
 use crate::net::busy_poll::Activity;
 use crate::net::stream::Stream;
 
@@ -226,13 +226,29 @@ impl FramedIo {
     }
 
     /// Tells the budget what the buffers hold now, and gives back a buffer that is empty
-    /// after a peak. Once per round.
+    /// after a peak: over [`SHRINK_ABOVE`] of room, or, while the budget is past half
+    /// ([`crate::net::budget::Pressure::High`]), over a small buffer's: many callers that
+    /// each sent a large frame (refused) would otherwise keep its room. While it is past
+    /// half, a partial frame under a read chunk left in the read buffer is also copied
+    /// into a buffer of its own. Once per round.
     pub fn account(&mut self) {
-        if self.rbuf.is_empty() && self.rbuf.capacity() > SHRINK_ABOVE {
+        let keep = match &self.held {
+            Some(h) if h.budget().pressure() >= Pressure::High => MIN_READ_ROOM,
+            _ => SHRINK_ABOVE,
+        };
+        if self.rbuf.is_empty() && self.rbuf.capacity() > keep {
             self.rbuf = BytesMut::with_capacity(MIN_READ_ROOM);
         }
-        if self.wbuf.is_empty() && self.wbuf.capacity() > SHRINK_ABOVE {
+        if self.wbuf.is_empty() && self.wbuf.capacity() > keep {
             self.wbuf = BytesMut::new();
+        }
+        // The part of a frame left after the frames before it were split off keeps their
+        // whole allocation alive, which `capacity` no longer shows; under pressure it is
+        // copied out, so that the allocation goes once those frames are done with.
+        if keep == MIN_READ_ROOM && !self.rbuf.is_empty() && self.rbuf.len() < READ_CHUNK {
+            let mut fresh = BytesMut::with_capacity(self.rbuf.len().max(MIN_READ_ROOM));
+            fresh.extend_from_slice(&self.rbuf);
+            self.rbuf = fresh;
         }
         let n = self.buffered();
         if let Some(h) = &mut self.held {
@@ -241,12 +257,16 @@ impl FramedIo {
     }
 
     /// The budget, when the process is near it and this connection holds enough to wait
-    /// until it is relieved (see [`MemoryBudget::should_pause`]); the budget is told
-    /// whether this connection waits, and how much it holds. Once per round.
+    /// until it is relieved (see [`MemoryBudget::should_pause`]), or must grow its read
+    /// buffer to read on and a read chunk more does not fit ([`MemoryBudget::fits`]); the
+    /// budget is told whether this connection waits, and how much it holds. Once per
+    /// round.
     pub fn budget_pause(&mut self) -> Option<Arc<MemoryBudget>> {
         let n = self.buffered();
+        let must_grow = self.must_grow();
         let h = self.held.as_mut()?;
-        let pause = h.budget().should_pause(n);
+        let budget = h.budget();
+        let pause = budget.should_pause(n) || (must_grow && !budget.fits(READ_CHUNK));
         h.set_waiting(pause, n);
         pause.then(|| h.budget().clone())
     }
@@ -409,12 +429,35 @@ impl FramedIo {
         Poll::Pending
     }
 
-    fn make_read_room(&mut self) {
+    /// True when the read buffer must grow before the next read. A fresh (small) buffer
+    /// grows only once it is full: a peer that sent a few bytes, or only a header, costs
+    /// no read chunk.
+    fn must_grow(&self) -> bool {
         let room = self.rbuf.capacity() - self.rbuf.len();
-        // A fresh (small) buffer grows only once it is full: a peer that sent a few bytes,
-        // or only a header, costs no read chunk.
-        if room == 0 || (room < MIN_READ_ROOM && self.rbuf.capacity() >= READ_CHUNK) {
+        room == 0 || (room < MIN_READ_ROOM && self.rbuf.capacity() >= READ_CHUNK)
+    }
+
+    /// Grows the read buffer when it must: by doubling (what [`BytesMut::reserve`] does,
+    /// few copies for a large frame), or, when the doubling would not fit in the memory
+    /// budget, by one read chunk exactly (a reader waits for the budget unless that fits:
+    /// [`FramedIo::budget_pause`]).
+    fn make_read_room(&mut self) {
+        if !self.must_grow() {
+            return;
+        }
+        let doubling = self.rbuf.capacity().max(READ_CHUNK);
+        if self.held.as_ref().is_none_or(|h| h.budget().fits(doubling)) {
             self.rbuf.reserve(READ_CHUNK);
+        } else {
+            let mut grown = BytesMut::with_capacity(self.rbuf.len() + READ_CHUNK);
+            grown.extend_from_slice(&self.rbuf);
+            self.rbuf = grown;
+        }
+        // Told at once, before the read waits: another connection deciding whether its
+        // own growth fits must see this one's.
+        let n = self.buffered();
+        if let Some(h) = &mut self.held {
+            h.set(n);
         }
     }
 

@@ -9,6 +9,8 @@
 //! - [`watch`]: files read again on SIGHUP and when they change.
 //! - [`listener`]: the accept loop: connection cap, back-off when out of descriptors, one
 //!   task per connection, drain on shutdown.
+//! - [`sources`]: admission per source for the accept loop: connections open and a token
+//!   bucket for the rate of new ones, per peer address (per /64 for IPv6).
 //! - [`session`]: the server-session skeleton the provider and broker share: the loop,
 //!   the write-backlog limit, the connection timeouts, the drain, the final flush.
 //! - [`pace`]: how long one call takes on one connection (a lock-free moving average), and
@@ -38,6 +40,7 @@ pub mod pace;
 pub mod session;
 pub mod shutdown;
 pub mod slots;
+pub mod sources;
 pub mod stream;
 pub mod thinned;
 pub mod timer;

@@ -1,8 +1,8 @@
 //! Splits a byte stream into [`Frame`]s: the frame decoder every connection uses.
 //!
 //! Owns the stream-level rules: the body-length limit, checked on the header *before*
-//! anything is reserved for the body, and room for the body made as its bytes arrive,
-//! never on the header's claim alone; zero-copy bodies (each frame is `split_to` off the
+//! anything is read of the body (room for it is the reader's to make, as its bytes
+//! arrive, never on the header's claim); zero-copy bodies (each frame is `split_to` off the
 //! read buffer and frozen, so bodies are `Bytes` slices of it); and what happens to bad
 //! input. It leaves the meaning of a frame to [`crate::frame`] and sockets to the net layer
 //! (`rpcmesh_common::net::connection`).
@@ -52,8 +52,8 @@ impl FrameCodec {
 
     /// Takes the next frame off the front of `src`, if a whole one is there.
     ///
-    /// `Ok(None)` means more bytes are needed (and room for the announced frame has been
-    /// reserved, within the limit). On an error that is not
+    /// `Ok(None)` means more bytes are needed (nothing is reserved for them: the reader
+    /// makes room as they arrive). On an error that is not
     /// [fatal](FrameError::is_fatal) the offending bytes have been consumed and the caller
     /// may call again.
     pub fn decode_frame(&self, src: &mut BytesMut) -> Result<Option<Frame>, FrameError> {
@@ -92,11 +92,9 @@ impl FrameCodec {
         }
         let total = FRAME_OVERHEAD + p.body_len as usize;
         if src.len() < total {
-            // Room for what is missing, but never more than what has arrived: memory
-            // follows the bytes (doubling as they come), not the header's claim, so a
-            // thousand headers claiming 10 MiB each cost nothing until the bytes come.
-            let missing = total - src.len();
-            src.reserve(missing.min(src.len()));
+            // Nothing reserved on the header's claim: a thousand headers claiming 10 MiB
+            // each cost nothing until the bytes come, and the reader grows its buffer as
+            // they do, within its memory budget (`rpcmesh_common::net::connection`).
             return Ok(None);
         }
         // Checked where it lies; a bad frame's bytes are gone.

@@ -23,8 +23,9 @@ use crate::metrics::catalogue::{
     PROCESS_CONTEXT_SWITCHES_TOTAL, PROCESS_CPU_SECONDS, PROCESS_CPU_SECONDS_TOTAL,
     PROCESS_MAX_FDS, PROCESS_OPEN_FDS, PROCESS_RESIDENT_MEMORY_BYTES, PROCESS_START_TIME_SECONDS,
     PROCESS_THREADS, PROCESS_VIRTUAL_MEMORY_BYTES, PROCESS_VIRTUAL_MEMORY_MAX_BYTES, Role,
-    SOFTIRQS_TOTAL,
+    SCRAPE_CONNECTIONS_CLOSED_TOTAL, SOFTIRQS_TOTAL,
 };
+use crate::metrics::endpoint::ScrapeClose;
 use crate::net::shutdown::CancellationToken;
 
 /// How often [`spawn`] reads `/proc` unless told otherwise: a third of Prometheus's usual
@@ -176,6 +177,8 @@ pub struct SystemMetrics {
     context_switches: [Option<(Counter, u64)>; 2],
     /// Log lines the process dropped (`crate::log_sink`).
     log_lines_dropped: Counter,
+    /// The metrics endpoint's connections closed, by [`ScrapeClose::index`].
+    scrape_closes: [Counter; ScrapeClose::ALL.len()],
     warned: Warned,
 }
 
@@ -198,6 +201,12 @@ impl SystemMetrics {
             context_switches: Default::default(),
             log_lines_dropped: telemetry
                 .counter(&LOG_LINES_DROPPED_TOTAL, &[("role", role.label())]),
+            scrape_closes: ScrapeClose::ALL.map(|r| {
+                telemetry.counter(
+                    &SCRAPE_CONNECTIONS_CLOSED_TOTAL,
+                    &[("role", role.label()), ("reason", r.label())],
+                )
+            }),
             warned: Warned::default(),
         }
     }
@@ -223,6 +232,10 @@ impl SystemMetrics {
         self.record_process(&process, process_cpu_seconds());
         self.log_lines_dropped
             .absolute(crate::log_sink::dropped_lines());
+        let closes = self.telemetry.scrape_closes();
+        for (c, r) in self.scrape_closes.iter().zip(ScrapeClose::ALL) {
+            c.absolute(closes.get(r));
+        }
     }
 
     fn record_softirqs(&mut self, s: &Softirqs) {

@@ -33,6 +33,7 @@
 //! | `rpcmesh_process_resident_memory_bytes`, `rpcmesh_process_virtual_memory_bytes`, `rpcmesh_process_virtual_memory_max_bytes` | gauge | `role` |
 //! | `rpcmesh_process_open_fds`, `rpcmesh_process_max_fds`, `rpcmesh_process_threads`, `rpcmesh_process_start_time_seconds` | gauge | `role` |
 //! | `rpcmesh_log_lines_dropped_total` (the process's count in [`crate::log_sink`]) | counter | `role` |
+//! | `rpcmesh_scrape_connections_closed_total` (the metrics endpoint's count, [`crate::metrics::endpoint::ScrapeClose`]) | counter | `role`, `reason` |
 //!
 //! `cpu` is the kernel's CPU number (`"0"`, `"1"`, …, the same in both files, so the two
 //! can be joined); `vector` is the row name of `/proc/softirqs` lower-cased (`net_rx`,
