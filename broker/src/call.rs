@@ -16,11 +16,12 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::Instant;
 
-use bytes::BufMut;
 use bytes::{Bytes, BytesMut};
 use rpcmesh_common::net::budget::{Reserved, SMALL_BODY};
 use rpcmesh_common::net::connection::SHRINK_ABOVE;
-use rpcmesh_wire::frame::{FRAME_OVERHEAD, Flags, Frame, Header, MsgType, put_forwarded_response};
+use rpcmesh_wire::frame::{
+    Flags, Frame, Header, MsgType, put_forwarded_response, put_frame_with_trailer,
+};
 use rpcmesh_wire::{PeerKind, Status};
 
 use crate::failure::Failure;
@@ -280,32 +281,17 @@ pub(crate) fn write_reply_to(
     };
     match trailer {
         Some(t) if out == flags && wire == body[0] => {
-            put_forwarded_verbatim(dst, info.client_id, flags, body, t);
+            let h = Header {
+                msg_type: MsgType::Response,
+                flags,
+                body_len: 0,
+                req_id: info.client_id,
+            };
+            put_frame_with_trailer(dst, &h, body, t);
         }
         _ => put_forwarded_response(dst, info.client_id, out, body, wire),
     }
     status
-}
-
-/// Appends a response frame under `req_id` with `flags` and `body` as received, and its
-/// trailer as received: right for an id neutral to the one it came with.
-fn put_forwarded_verbatim(
-    dst: &mut BytesMut,
-    req_id: u64,
-    flags: Flags,
-    body: &[u8],
-    trailer: u32,
-) {
-    dst.reserve(FRAME_OVERHEAD + body.len());
-    Header {
-        msg_type: MsgType::Response,
-        flags,
-        body_len: body.len() as u32,
-        req_id,
-    }
-    .put(dst);
-    dst.extend_from_slice(body);
-    dst.put_u32(trailer);
 }
 
 /// What the session needs back to answer the caller.

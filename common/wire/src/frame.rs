@@ -405,6 +405,20 @@ impl Frame {
     }
 }
 
+/// Appends a frame with the given header fields (its `body_len` is taken from `body`),
+/// its body, and `trailer` as its CRC: no CRC pass. Right only when these bytes have that
+/// CRC: a frame copied as it came under an id neutral to its own (`crate::neutral`).
+pub fn put_frame_with_trailer(dst: &mut BytesMut, header: &Header, body: &[u8], trailer: u32) {
+    dst.reserve(FRAME_OVERHEAD + body.len());
+    Header {
+        body_len: body.len() as u32,
+        ..*header
+    }
+    .put(dst);
+    dst.extend_from_slice(body);
+    dst.put_u32(trailer);
+}
+
 /// Appends a frame with the given header fields (its `body_len` is taken from `body`)
 /// and body. This is the forwarding path: the body is copied once, into `dst`.
 pub fn put_frame(dst: &mut BytesMut, header: &Header, body: &[u8]) {

@@ -15,13 +15,13 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::Instant;
 
-use bytes::{BufMut, BytesMut};
+use bytes::BytesMut;
 
 use rpcmesh_common::net::budget::{MemoryBudget, Reserved};
 use rpcmesh_common::net::slots::{KEYED_SLOTS, SlotTable};
 use rpcmesh_wire::PeerKind;
 use rpcmesh_wire::ext::{deadline_micros, put_ext_request_with_deadline};
-use rpcmesh_wire::frame::{FRAME_OVERHEAD, Flags, Frame, Header, MsgType, put_frame};
+use rpcmesh_wire::frame::{Flags, Frame, Header, MsgType, put_frame, put_frame_with_trailer};
 use rpcmesh_wire::neutral::neutral_id;
 
 use super::Refused;
@@ -158,7 +158,13 @@ impl ConnState {
         match (&fwd.verbatim, caller, left) {
             // The frame as it came is the frame to write: copied, id rewritten, CRC kept.
             (Verbatim::Plain { trailer }, false, None) if same_flags => {
-                put_verbatim(wbuf, MsgType::Request, flags, id, &fwd.frame.body, *trailer);
+                let h = Header {
+                    msg_type: MsgType::Request,
+                    flags,
+                    body_len: 0,
+                    req_id: id,
+                };
+                put_frame_with_trailer(wbuf, &h, &fwd.frame.body, *trailer);
             }
             (
                 Verbatim::Deadline {
@@ -172,7 +178,13 @@ impl ConnState {
                 && takes_deadline
                 && left.is_none_or(|left| deadline_micros(left) == *budget_us) =>
             {
-                put_verbatim(wbuf, MsgType::ExtRequest, flags, id, body, *trailer);
+                let h = Header {
+                    msg_type: MsgType::ExtRequest,
+                    flags,
+                    body_len: 0,
+                    req_id: id,
+                };
+                put_frame_with_trailer(wbuf, &h, body, *trailer);
             }
             (_, true, _) | (_, _, Some(_)) => {
                 // The caller's identity before the body the broker never opens.
@@ -211,29 +223,6 @@ impl ConnState {
         }
         Ok(())
     }
-}
-
-/// Appends a frame of `msg_type` with `flags` and `body` under `id`, with the CRC trailer
-/// `trailer` its caller sent it with: right, because `id` is neutral to the caller's
-/// (`rpcmesh_wire::neutral`) and nothing else differs.
-fn put_verbatim(
-    dst: &mut BytesMut,
-    msg_type: MsgType,
-    flags: Flags,
-    id: u64,
-    body: &[u8],
-    trailer: u32,
-) {
-    dst.reserve(FRAME_OVERHEAD + body.len());
-    Header {
-        msg_type,
-        flags,
-        body_len: body.len() as u32,
-        req_id: id,
-    }
-    .put(dst);
-    dst.extend_from_slice(body);
-    dst.put_u32(trailer);
 }
 
 /// A connection's calls: queued by sessions, written and matched to replies by its task.
