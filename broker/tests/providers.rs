@@ -1,7 +1,8 @@
 //! The broker and its providers, black-box on 127.0.0.1: balancing and fail-over between
 //! two providers, two brokers in front of one, connections to a silent provider, a
 //! provider down at the start, the start's wait for the providers' first connections, and
-//! a draining broker.
+//! a draining broker, and a provider restarted on its port after the broker's connects
+//! to it failed.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -9,6 +10,7 @@ mod support;
 
 use std::time::Duration;
 
+use rpcmesh_common::metrics::catalogue::UPSTREAM_CONNECT_FAILURES_TOTAL;
 use rpcmesh_common::metrics::recorder::sample;
 use rpcmesh_provider::ProviderConfig;
 use rpcmesh_testkit::{self as testkit, wait_until};
@@ -253,4 +255,42 @@ async fn a_broker_whose_provider_is_down_answers_unavailable_without_waiting_for
         .unwrap();
     assert_eq!(r.status, Status::Unavailable);
     b.stop().await;
+}
+
+/// A provider stopped and started again on the same port, after the broker's connects to
+/// it failed meanwhile: the broker takes it back within its reconnect back-off. bb8 tells
+/// a waiting checkout nothing of a failed connect, so the keeper's round ends on one
+/// instead of waiting out the checkout's timeout (`--connect-timeout` + `--health-timeout`,
+/// a minute here: longer than the wait below, which fails without it).
+#[tokio::test]
+async fn a_provider_restarted_after_failed_connects_is_taken_back_at_once() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let p = provider_on(listener, ProviderConfig::default());
+    let mut cfg = broker_config(&[addr]);
+    cfg.connect_timeout = Duration::from_secs(60);
+    let b = broker(cfg).await;
+    let c = client(b.addr).await;
+    until_ready(&c).await;
+
+    p.stop().await;
+    let failures = || b.metric(UPSTREAM_CONNECT_FAILURES_TOTAL.name, &[]);
+    wait_until(
+        "the broker's connects to the stopped provider to fail",
+        || failures() >= 2.0,
+    )
+    .await;
+    let r = c
+        .call("EchoService", "Echo", &echo("to nobody"))
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Unavailable);
+
+    let p = provider_on(
+        tokio::net::TcpListener::bind(addr).await.unwrap(),
+        ProviderConfig::default(),
+    );
+    until_ready(&c).await;
+    b.stop().await;
+    p.stop().await;
 }

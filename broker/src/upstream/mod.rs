@@ -30,7 +30,9 @@
 //!   [`Backoff`]'s pause; the first answered heartbeat resets it. While a provider's
 //!   connects fail, they are made one at a time: the others of its pool wait for that
 //!   one's outcome and share it (a provider nothing listens at costs one connect per
-//!   pause, not one per pooled connection), and bb8 does not retry on its own.
+//!   pause, not one per pooled connection), and bb8 does not retry on its own. A failed
+//!   connect ends the keeper's round at once (bb8 would leave its checkouts waiting out
+//!   their timeout), so a provider restarted on its address is back within one pause.
 
 pub(crate) mod connection;
 pub(crate) mod pace;
@@ -40,6 +42,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use futures_util::StreamExt as _;
 use rpcmesh_common::cli::DurationArg;
 use rpcmesh_common::net::backoff::Backoff;
 use rpcmesh_common::net::budget::MemoryBudget;
@@ -88,6 +91,11 @@ pub(crate) struct PoolLink {
     /// Notified when a connection fails or the provider says it is draining: the keeper
     /// looks again at once.
     wake: Notify,
+    /// Notified when a connect fails: the keeper's round stops waiting for the checkouts
+    /// still out, since bb8 tells a waiting checkout nothing of a failed connect (it would
+    /// wait out its whole timeout, `--connect-timeout` + `--health-timeout`, and a provider
+    /// restarted meanwhile would stay out of service that long).
+    connect_failed: Notify,
     /// The number the next connection gets (numbers follow the order connections are made).
     next_id: AtomicU64,
     /// While the provider drains: connections numbered below this are out of service
@@ -209,6 +217,7 @@ impl PoolLink {
             guards,
             siblings: Arc::default(),
             wake: Notify::new(),
+            connect_failed: Notify::new(),
             next_id: AtomicU64::new(1),
             draining_below: AtomicU64::new(0),
             tasks: AtomicUsize::new(0),
@@ -439,6 +448,7 @@ impl bb8::ManageConnection for Manager {
                 self.connect_failures.fetch_add(1, Ordering::Relaxed);
                 self.failed();
                 self.link.failed(Failure::Connect(e.to_string()));
+                self.link.connect_failed.notify_one();
                 // Nothing answers there (yet): waiting for the round would not help.
                 self.link.settle();
                 match CONNECT_FAILED_LINES.admit() {
@@ -689,21 +699,33 @@ impl ProviderPool {
     pub async fn keep(self: Arc<Self>, stop: CancellationToken) {
         let mut healthy_before = usize::MAX;
         let mut waited_before = Duration::ZERO;
-        loop {
-            // Every connection is checked out (and its heartbeat sent) at once.
-            let checkouts = (0..self.size).map(|_| self.pool.get_owned());
-            let got = tokio::select! {
-                got = futures_util::future::join_all(checkouts) => got,
-                () = stop.cancelled() => break,
-            };
+        'rounds: loop {
+            // Every connection is checked out (and its heartbeat sent) at once. A connect
+            // that fails ends the round: the checkouts still out would wait for bb8's
+            // timeout, and the next round's connects wait for the back-off's pause instead.
+            let mut checkouts: futures_util::stream::FuturesUnordered<_> =
+                (0..self.size).map(|_| self.pool.get_owned()).collect();
+            let connect_failed = self.link.connect_failed.notified();
+            tokio::pin!(connect_failed);
             let mut held = Vec::with_capacity(self.size as usize);
             let mut last_error = None;
-            for g in got {
-                match g {
-                    Ok(c) => held.push(c),
-                    Err(e) => last_error = Some(e),
+            let mut cut_short = false;
+            loop {
+                tokio::select! {
+                    biased;
+                    () = stop.cancelled() => break 'rounds,
+                    got = checkouts.next() => match got {
+                        Some(Ok(c)) => held.push(c),
+                        Some(Err(e)) => last_error = Some(e),
+                        None => break,
+                    },
+                    () = &mut connect_failed => {
+                        cut_short = true;
+                        break;
+                    }
                 }
             }
+            drop(checkouts);
             // Connections open when the provider said it was draining failed their check;
             // any that slipped through (marked since) are left out.
             let mut conns: Vec<Arc<UpstreamConn>> = held
@@ -711,6 +733,18 @@ impl ProviderPool {
                 .map(|c| Arc::clone(&**c))
                 .filter(|c| !self.link.is_drained(c.id()))
                 .collect();
+            if cut_short {
+                // The checks still out were of connections healthy at the last round: they
+                // stay in service until a check fails (which retires them).
+                for c in self.ready.load().iter() {
+                    if !c.is_closed()
+                        && !self.link.is_drained(c.id())
+                        && !conns.iter().any(|h| h.id() == c.id())
+                    {
+                        conns.push(Arc::clone(c));
+                    }
+                }
+            }
             // Oldest first, in a stable order: the router packs calls onto the first
             // connections, and they should not move between connections at every check.
             conns.sort_unstable_by_key(|c| c.id());
@@ -771,6 +805,10 @@ impl ProviderPool {
                     }
                 }
                 healthy_before = healthy;
+            }
+            if cut_short {
+                // The next round's connects wait for the back-off's pause on their own.
+                continue;
             }
             tokio::select! {
                 () = tokio::time::sleep(self.health_interval) => {}

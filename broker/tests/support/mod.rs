@@ -49,6 +49,13 @@ pub async fn provider(config: ProviderConfig) -> Running {
     .await
 }
 
+/// A provider on a listener the test bound itself (to start one again on the same port).
+pub fn provider_on(listener: TcpListener, config: ProviderConfig) -> Running {
+    InProcess::start_on(listener, |listener, telemetry, stop| {
+        rpcmesh_provider::run_with(config, Registry::builtin(), telemetry, listener, stop)
+    })
+}
+
 /// Test-friendly broker settings: fast health checks, so that the pool notices changes
 /// within a fraction of a second.
 pub fn broker_config(upstreams: &[SocketAddr]) -> BrokerConfig {

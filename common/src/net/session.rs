@@ -34,9 +34,11 @@ pub const FINAL_FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long a draining session, once it has nothing in flight, keeps reading and
 /// answering before it closes: requests its caller sent before hearing of the drain are
 /// still on their way, and closing on them would lose them (and reset the connection).
-/// 200 ms covers any LAN round trip many times. Every frame read while draining starts
+/// 200 ms covers any LAN round trip many times. Every call read while draining starts
 /// the linger again (a caller starved of CPU may act on the refusal late), so a caller
-/// that keeps sending keeps its session until the grace period ends.
+/// that keeps sending calls keeps its session until the grace period ends; a heartbeat
+/// does not, or a pool checking its connections more often than the linger would hold
+/// an idle session for the whole grace.
 pub const DRAIN_LINGER: Duration = Duration::from_millis(200);
 /// Calls in flight on one multiplexed connection between a broker and a provider, by
 /// default: the broker puts up to this many on one pooled connection and the provider
@@ -273,11 +275,12 @@ async fn run<P: Protocol>(
                     // A read of heartbeats alone is no activity to a protocol that says
                     // so: the idle clock runs on.
                     quiet = n > 0 && n == heartbeats && !p.heartbeats_are_activity();
-                    if draining && n > 0 {
-                        // The caller is still sending (it has not heard of the drain
-                        // yet, or was too busy to act on it): closing now would lose
-                        // what it sends next. The linger starts again once idle; the
-                        // grace period bounds it all.
+                    if draining && n > heartbeats {
+                        // The caller is still sending calls (it has not heard of the
+                        // drain yet, or was too busy to act on it): closing now would
+                        // lose what it sends next. The linger starts again once idle; the
+                        // grace period bounds it all. Heartbeats do not (see
+                        // `DRAIN_LINGER`).
                         drain.restart();
                     }
                     frames = Some(n);
