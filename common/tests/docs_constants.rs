@@ -16,7 +16,8 @@ use rpcmesh_common::metrics::recorder::LATENCY_BUCKETS;
 use rpcmesh_common::metrics::system::DEFAULT_INTERVAL;
 use rpcmesh_common::net::backoff::{RECONNECT_MAX, RECONNECT_MIN};
 use rpcmesh_common::net::budget::{
-    CONNECTION_BASE, DEFAULT_MEMORY_BUDGET, PAUSE_FLOOR, RSS_OVERHEAD, SMALL_BODY,
+    CONNECTION_BASE, DEFAULT_MEMORY_BUDGET, PAUSE_FLOOR, RSS_OVERHEAD, SHED_AFTER, SHED_CHECK,
+    SMALL_BODY,
 };
 use rpcmesh_common::net::connection::{
     KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_PROBES, SHRINK_ABOVE,
@@ -95,6 +96,8 @@ fn common() -> Vec<(&'static str, Value)> {
         ),
         ("common::SMALL_BODY", bytes(SMALL_BODY)),
         ("common::PAUSE_FLOOR", bytes(PAUSE_FLOOR)),
+        ("common::SHED_AFTER", time(SHED_AFTER)),
+        ("common::SHED_CHECK", time(SHED_CHECK)),
         ("common::SHRINK_ABOVE", bytes(SHRINK_ABOVE)),
         ("common::KEEPALIVE_IDLE", time(KEEPALIVE_IDLE)),
         ("common::KEEPALIVE_INTERVAL", time(KEEPALIVE_INTERVAL)),

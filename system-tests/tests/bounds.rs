@@ -118,6 +118,129 @@ async fn partial_bodies_that_hold_the_budget_are_closed_and_large_calls_served_a
     drop(held);
 }
 
+/// Callers in the stalled-readers test.
+const STALLED_READERS: usize = 8;
+/// Echo calls each stalled reader sends, of [`STALLED_READER_CALL`] bytes: more than the
+/// broker's write backlog for one connection holds (8 MiB).
+const STALLED_READER_CALLS: usize = 16;
+const STALLED_READER_CALL: usize = 1 << 20;
+/// The broker's write timeout in that test: an operator's choice for slow clients, longer
+/// than the test waits, so that only the memory budget's own bound can end the readers.
+const LONG_WRITE_TIMEOUT: &str = "120s";
+
+/// Eight callers send large echo calls and read none of their replies, at a broker whose
+/// write timeout is long: their backlogs hold its budget past the high mark, where large
+/// calls are refused. The largest holders are closed once the budget has stayed past the
+/// mark for `budget::SHED_AFTER`, counted `memory_budget`, and a large call is served
+/// again. Without it every large call was refused "overloaded" until the write timeout
+/// (here two minutes; the test waits 30 s).
+#[test]
+fn backlogs_holding_the_budget_past_its_mark_are_closed_largest_first() {
+    let _measuring = measuring();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let provider = Spawned::start("provider", &["--threads", "1"]);
+    let upstream = provider.rpc.to_string();
+    let budget = format!("{}MiB", testkit::BROKER_BUDGET_MIB);
+    let broker = Spawned::start(
+        "broker",
+        &[
+            "--threads",
+            "1",
+            "--memory-budget",
+            &budget,
+            "--write-timeout",
+            LONG_WRITE_TIMEOUT,
+            "--upstream",
+            &upstream,
+        ],
+    );
+    rt.block_on(broker.wait_serving());
+    let client = rt
+        .block_on(Client::connect(broker.rpc, ClientConfig::default()))
+        .unwrap();
+    let large = rpcmesh_wire::proto::rpc::EchoRequest {
+        message: "x".repeat(256 << 10),
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let readers = {
+        let (to, stop) = (broker.rpc, stop.clone());
+        std::thread::spawn(move || {
+            let body = "r".repeat(STALLED_READER_CALL - 64);
+            let stream: Vec<u8> = (0..STALLED_READER_CALLS)
+                .flat_map(|i| testkit::echo_request(i as u64, &body).to_vec())
+                .collect();
+            let mut callers: Vec<(std::net::TcpStream, usize)> = (0..STALLED_READERS)
+                .map(|i| {
+                    let source = testkit::loopback_source(1 + (i % 4) as u16);
+                    let s = testkit::connect_from(source, to, testkit::WAIT_TIMEOUT).unwrap();
+                    s.set_nonblocking(true).unwrap();
+                    (s, 0)
+                })
+                .collect();
+            // Bounded: the test ends it, or this does after a minute.
+            for _ in 0..600 {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                for (s, sent) in &mut callers {
+                    // What the socket takes now; a closed one takes nothing more.
+                    while *sent < stream.len() {
+                        match s.write(&stream[*sent..]) {
+                            Ok(n) => *sent += n,
+                            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                            Err(_) => *sent = stream.len(),
+                        }
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            callers
+        })
+    };
+    let high = (testkit::BROKER_BUDGET_MIB << 20) as f64 * 0.5;
+    let mut peak: f64 = 0.0;
+    rt.block_on(testkit::wait_until(
+        "the stalled readers' backlogs pass the budget's high mark",
+        || {
+            peak = peak.max(broker.metric("rpcmesh_buffered_bytes", &[]));
+            peak >= high
+        },
+    ));
+    let refused = rt
+        .block_on(client.call("EchoService", "Echo", &large))
+        .unwrap();
+    assert_eq!(
+        refused.status,
+        Status::Overloaded,
+        "past the high mark a large call is refused: {}",
+        refused.error_msg
+    );
+    let closed = |reason| broker.metric("rpcmesh_connections_closed_total", &inbound(reason));
+    rt.block_on(testkit::wait_for(
+        "a large call to be served again",
+        || async {
+            let r = client.call("EchoService", "Echo", &large).await.ok()?;
+            if r.status == Status::Success {
+                Some(())
+            } else {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                None
+            }
+        },
+    ));
+    let (shed, others) = (closed("memory_budget"), closed("write_timeout"));
+    stop.store(true, Ordering::Relaxed);
+    drop(readers.join().unwrap());
+    eprintln!(
+        "{STALLED_READERS} stalled readers: peak {:.1} MiB buffered (high mark {:.0} MiB), {shed} closed for the budget, {others} by the write timeout",
+        peak / (1 << 20) as f64,
+        high / (1 << 20) as f64
+    );
+    assert!(shed >= 1.0, "the largest holders were closed");
+    assert!(shed < STALLED_READERS as f64, "only as many as needed");
+    assert_eq!(others, 0.0, "no write timeout ended them");
+}
+
 /// Echo calls in flight at once from a [`Victim`].
 const VICTIM_CALLS: usize = 8;
 

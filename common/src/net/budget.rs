@@ -29,10 +29,19 @@
 //! process restarts; they are closed within one frame timeout. A connection paused by
 //! what others hold (calls in flight, other callers' backlogs) is still not timed out for
 //! it.
+//!
+//! Nor can holders that keep their bytes without stopping, such as callers that read
+//! their replies a byte at a time (no write timeout fires while they take some) or send
+//! large frames without end: when the budget stays past its high mark, where large calls
+//! are refused, for [`SHED_AFTER`], the largest holder is closed, then the next, each
+//! as it looks ([`SHED_CHECK`]), until the budget is back under the mark (as Envoy's
+//! overload manager resets the streams that hold the most). Only connections holding
+//! [`PAUSE_FLOOR`] or more are candidates: callers of small calls never are.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
@@ -70,6 +79,15 @@ pub const PAUSE_SHARE: f64 = 0.75;
 pub const SMALL_BODY: usize = 4096;
 /// How much a holder's bytes must change before it tells the budget.
 pub const GRANULE: usize = 16 * 1024;
+/// How long the budget may stay past its high mark (large calls refused) before the
+/// largest holder is closed: the frame timeout's default, so that the timeouts of holders
+/// that stopped (a frame left unfinished, a backlog nobody reads) act first, and what is
+/// still past the mark after that is held by peers that keep it on purpose or cannot be
+/// served anyway. A burst of large calls lives well under it.
+pub const SHED_AFTER: Duration = Duration::from_secs(10);
+/// How often a connection holding [`PAUSE_FLOOR`] or more looks whether it is the one to
+/// close: a second, a small part of [`SHED_AFTER`], and only for the few large holders.
+pub const SHED_CHECK: Duration = Duration::from_secs(1);
 /// What every holder (a connection) counts from the start: a granule, about what a
 /// connection costs before it holds anything (its 4 KiB read buffer, its write buffer,
 /// its session and task; measured: 14 KiB of resident memory each for 1,000 connections),
@@ -86,16 +104,25 @@ pub struct MemoryBudget {
     used: AtomicUsize,
     relieved: Notify,
     /// What each paused holder holds, by ticket (only connections that wait for the
-    /// budget are here, so it is empty but under pressure).
-    paused: Mutex<Paused>,
+    /// budget are here, so it is empty but under pressure), and what each holder of
+    /// [`PAUSE_FLOOR`] or more holds.
+    holders: Mutex<Holders>,
     next_ticket: AtomicU64,
+    /// The instant the nanoseconds below count from.
+    epoch: Instant,
+    /// Since when (nanoseconds from `epoch`, plus one) the budget has been past its high
+    /// mark, as first seen by a large holder's look; 0 while it is not.
+    over_since: AtomicU64,
+    /// Connections closed to bring the budget back under its high mark.
+    shed: AtomicU64,
 }
 
-/// The paused holders and their sum.
+/// The paused holders and their sum; the large holders.
 #[derive(Debug, Default)]
-struct Paused {
-    held: HashMap<u64, usize>,
+struct Holders {
+    paused: HashMap<u64, usize>,
     sum: usize,
+    large: HashMap<u64, usize>,
 }
 
 /// How close the process is to its budget.
@@ -119,35 +146,92 @@ impl MemoryBudget {
             pause: (limit as f64 * PAUSE_SHARE) as usize,
             used: AtomicUsize::new(0),
             relieved: Notify::new(),
-            paused: Mutex::default(),
+            holders: Mutex::default(),
             next_ticket: AtomicU64::new(0),
+            epoch: Instant::now(),
+            over_since: AtomicU64::new(0),
+            shed: AtomicU64::new(0),
         })
     }
 
-    fn paused(&self) -> std::sync::MutexGuard<'_, Paused> {
+    fn holders(&self) -> std::sync::MutexGuard<'_, Holders> {
         // Every update under the lock is a few words, done whole.
-        self.paused.lock().unwrap_or_else(PoisonError::into_inner)
+        self.holders.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Records that the holder of `ticket` waits for the budget, holding `n` bytes (again
     /// each round while it waits: what it holds may shrink as its backlog is written).
     fn set_paused(&self, ticket: u64, n: usize) {
-        let mut p = self.paused();
-        let before = p.held.insert(ticket, n).unwrap_or(0);
+        let mut p = self.holders();
+        let before = p.paused.insert(ticket, n).unwrap_or(0);
         p.sum = p.sum + n - before;
     }
 
     /// The holder of `ticket` reads again (or is gone).
     fn unset_paused(&self, ticket: u64) {
-        let mut p = self.paused();
-        if let Some(n) = p.held.remove(&ticket) {
+        let mut p = self.holders();
+        if let Some(n) = p.paused.remove(&ticket) {
             p.sum -= n;
         }
     }
 
+    /// Records what the holder of `ticket` holds when it is [`PAUSE_FLOOR`] or more
+    /// (`None`: it holds less, or is gone).
+    fn set_large(&self, ticket: u64, n: Option<usize>) {
+        let mut h = self.holders();
+        match n {
+            Some(n) => h.large.insert(ticket, n),
+            None => h.large.remove(&ticket),
+        };
+    }
+
     /// How many holders wait for the budget now.
     pub fn paused_holders(&self) -> usize {
-        self.paused().held.len()
+        self.holders().paused.len()
+    }
+
+    /// True when the large holder of `ticket` is to be closed now: the budget has been past
+    /// its high mark for [`SHED_AFTER`] and it holds the most (of equal holders, the
+    /// oldest). It is then no longer a candidate, so that the next look closes the next
+    /// largest while the budget stays past the mark.
+    pub fn sheds(&self, ticket: u64) -> bool {
+        self.sheds_at(ticket, self.epoch.elapsed().as_nanos() as u64 + 1)
+    }
+
+    /// [`MemoryBudget::sheds`] at `now`, nanoseconds from `epoch` plus one.
+    fn sheds_at(&self, ticket: u64, now: u64) -> bool {
+        if self.used() < self.high {
+            self.over_since.store(0, Ordering::Relaxed);
+            return false;
+        }
+        let since =
+            match self
+                .over_since
+                .compare_exchange(0, now, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => now,
+                Err(since) => since,
+            };
+        if now - since < SHED_AFTER.as_nanos() as u64 {
+            return false;
+        }
+        let mut h = self.holders();
+        let largest = h
+            .large
+            .iter()
+            .max_by_key(|&(t, n)| (*n, std::cmp::Reverse(*t)))
+            .map(|(t, _)| *t);
+        if largest != Some(ticket) {
+            return false;
+        }
+        h.large.remove(&ticket);
+        self.shed.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// Connections closed so far to bring the budget back under its high mark.
+    pub fn shed_so_far(&self) -> u64 {
+        self.shed.load(Ordering::Relaxed)
     }
 
     /// True when the paused holder of `ticket` is one of those holding the budget: the
@@ -161,8 +245,8 @@ impl MemoryBudget {
         if used < self.pause {
             return false;
         }
-        let p = self.paused();
-        p.held.contains_key(&ticket) && used.saturating_sub(p.sum) < self.pause
+        let p = self.holders();
+        p.paused.contains_key(&ticket) && used.saturating_sub(p.sum) < self.pause
     }
 
     /// The limit, in bytes.
@@ -227,6 +311,9 @@ impl MemoryBudget {
     /// pause mark.
     pub fn release(&self, n: usize) {
         let before = self.used.fetch_sub(n, Ordering::Relaxed);
+        if before >= self.high && before - n < self.high {
+            self.over_since.store(0, Ordering::Relaxed);
+        }
         if before >= self.pause && before - n < self.pause {
             self.relieved.notify_waiters();
         }
@@ -263,47 +350,59 @@ impl Drop for Reserved {
 pub struct Held {
     budget: Arc<MemoryBudget>,
     told: usize,
-    /// Its ticket among the paused holders, while it waits for the budget.
-    paused: Option<u64>,
+    /// Its number among the budget's paused and large holders.
+    ticket: u64,
+    /// True while it waits for the budget.
+    paused: bool,
+    /// True while it holds [`PAUSE_FLOOR`] or more (as last told).
+    large: bool,
 }
 
 impl Held {
     /// A holder of nothing yet, counting its [`CONNECTION_BASE`].
     pub fn new(budget: Arc<MemoryBudget>) -> Self {
         budget.add(CONNECTION_BASE);
+        let ticket = budget.next_ticket.fetch_add(1, Ordering::Relaxed);
         Held {
             budget,
             told: CONNECTION_BASE,
-            paused: None,
+            ticket,
+            paused: false,
+            large: false,
         }
     }
 
     /// Says whether the holder waits for the budget now (it holds `now` bytes).
     pub fn set_waiting(&mut self, waiting: bool, now: usize) {
-        match (waiting, self.paused) {
-            (true, ticket) => {
-                let t = ticket
-                    .unwrap_or_else(|| self.budget.next_ticket.fetch_add(1, Ordering::Relaxed));
-                self.paused = Some(t);
-                self.budget.set_paused(t, now);
-            }
-            (false, Some(t)) => {
-                self.paused = None;
-                self.budget.unset_paused(t);
-            }
-            (false, None) => {}
+        if waiting {
+            self.budget.set_paused(self.ticket, now);
+        } else if self.paused {
+            self.budget.unset_paused(self.ticket);
         }
+        self.paused = waiting;
     }
 
     /// True while it waits for the budget and is one of those holding it
     /// ([`MemoryBudget::is_holding`]).
     pub fn is_holding(&self) -> bool {
-        self.paused.is_some_and(|t| self.budget.is_holding(t))
+        self.paused && self.budget.is_holding(self.ticket)
     }
 
     /// True while it waits for the budget.
     pub fn is_waiting(&self) -> bool {
-        self.paused.is_some()
+        self.paused
+    }
+
+    /// True while it holds [`PAUSE_FLOOR`] or more: it looks every [`SHED_CHECK`] whether
+    /// it is to be closed ([`Held::sheds`]).
+    pub fn is_large(&self) -> bool {
+        self.large
+    }
+
+    /// True when this holder is to be closed to bring the budget back under its high mark
+    /// ([`MemoryBudget::sheds`]).
+    pub fn sheds(&self) -> bool {
+        self.large && self.budget.sheds(self.ticket)
     }
 
     /// The budget this holder reports to.
@@ -325,12 +424,20 @@ impl Held {
             self.budget.release(self.told - now);
         }
         self.told = now;
+        let large = now >= PAUSE_FLOOR;
+        if large || self.large {
+            self.budget.set_large(self.ticket, large.then_some(now));
+            self.large = large;
+        }
     }
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
         self.set_waiting(false, 0);
+        if self.large {
+            self.budget.set_large(self.ticket, None);
+        }
         self.budget.release(self.told);
     }
 }
@@ -418,6 +525,37 @@ mod tests {
         drop(holders);
         assert_eq!(b.used(), 0);
         assert_eq!(b.paused_holders(), 0);
+    }
+
+    #[test]
+    fn past_the_high_mark_for_long_the_largest_holders_are_closed_one_by_one() {
+        let b = MemoryBudget::new(1 << 20);
+        let mut small = Held::new(b.clone());
+        small.set(200 * 1024);
+        let mut big: Vec<Held> = (0..2).map(|_| Held::new(b.clone())).collect();
+        big[0].set(300 * 1024);
+        big[1].set(320 * 1024);
+        assert_eq!(b.pressure(), Pressure::High);
+        assert!(!small.is_large() && big.iter().all(Held::is_large));
+        assert!(!big[1].sheds(), "past the mark only just now");
+        // SHED_AFTER after the first look.
+        let later = b.over_since.load(Ordering::Relaxed) + SHED_AFTER.as_nanos() as u64;
+        let sheds = |h: &Held| h.large && b.sheds_at(h.ticket, later);
+        assert!(!sheds(&big[0]), "not the largest");
+        assert!(!sheds(&small), "under the floor: never");
+        assert!(sheds(&big[1]), "the largest");
+        assert!(!sheds(&big[1]), "once");
+        assert!(sheds(&big[0]), "then the next, while still past the mark");
+        assert_eq!(b.shed_so_far(), 2);
+        drop(big);
+        assert_eq!(b.pressure(), Pressure::Normal);
+        assert_eq!(
+            b.over_since.load(Ordering::Relaxed),
+            0,
+            "under the mark again"
+        );
+        small.set(600 * 1024);
+        assert!(!small.sheds(), "past it again: the time starts over");
     }
 
     #[tokio::test]

@@ -72,7 +72,8 @@ pub enum CloseReason {
     /// `rpcmesh_tls_handshake_failures_total`).
     TlsHandshake,
     /// Its reads were paused for the memory budget, it was one of the connections holding
-    /// the budget, and its frame was still not whole after the frame timeout.
+    /// the budget, and its frame was still not whole after the frame timeout; or the
+    /// budget stayed past its high mark for `budget::SHED_AFTER` and it held the most.
     MemoryBudget,
 }
 
@@ -280,6 +281,19 @@ impl FramedIo {
     /// holding the budget ([`MemoryBudget::is_holding`]): the time it waits is its own.
     pub fn holds_budget(&self) -> bool {
         self.held.as_ref().is_some_and(Held::is_holding)
+    }
+
+    /// True while this connection holds [`crate::net::budget::PAUSE_FLOOR`] or more of
+    /// the memory budget: it looks every [`crate::net::budget::SHED_CHECK`] whether it
+    /// is to be closed ([`FramedIo::sheds`]).
+    pub fn is_large_holder(&self) -> bool {
+        self.held.as_ref().is_some_and(Held::is_large)
+    }
+
+    /// True when this connection is to be closed to bring the memory budget back under
+    /// its high mark ([`MemoryBudget::sheds`]).
+    pub fn sheds(&self) -> bool {
+        self.held.as_ref().is_some_and(Held::sheds)
     }
 
     /// As [`FramedIo::peer_left_mid_frame`], and if so the stream is taken as ended (the

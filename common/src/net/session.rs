@@ -329,6 +329,9 @@ async fn run<P: Protocol>(
     }
 }
 
+/// The process's budget of log lines for connections closed to relieve the memory budget.
+static SHED_LINES: crate::net::thinned::Thinned = crate::net::thinned::Thinned::new();
+
 /// Resolves when the memory budget that paused this connection's reads is relieved.
 async fn relieved(budget: Option<&crate::net::budget::MemoryBudget>) {
     if let Some(b) = budget {
@@ -352,6 +355,9 @@ struct Clock {
     armed: Option<Instant>,
     /// The memory budget paused the connection at the last update.
     was_paused: bool,
+    /// When a connection holding much of the memory budget next looks whether it is the
+    /// one to close (`budget::SHED_CHECK`); `None` while it holds little.
+    shed_check: Option<Instant>,
 }
 
 impl Clock {
@@ -362,6 +368,7 @@ impl Clock {
             idle_since: Some(now),
             frame_since: None,
             was_paused: false,
+            shed_check: None,
             timer: Box::pin(tokio::time::sleep_until(now + limits.idle)),
             armed: None,
         };
@@ -402,6 +409,11 @@ impl Clock {
         } else if (frames.is_some() && !quiet) || self.idle_since.is_none() {
             self.idle_since = Some(Instant::now());
         }
+        if !io.is_large_holder() {
+            self.shed_check = None;
+        } else if self.shed_check.is_none() {
+            self.shed_check = Some(Instant::now() + crate::net::budget::SHED_CHECK);
+        }
         if let Some(due) = self.next_due(io) {
             if self.armed.is_none_or(|armed| due < armed) {
                 self.arm(due);
@@ -409,9 +421,10 @@ impl Clock {
         }
     }
 
-    fn deadlines(&self, io: &FramedIo) -> [(Option<Instant>, CloseReason); 3] {
+    fn deadlines(&self, io: &FramedIo) -> [(Option<Instant>, CloseReason); 4] {
         let l = &self.limits;
         [
+            (self.shed_check, CloseReason::MemoryBudget),
             (
                 io.write_stalled_since().map(|t| t + l.write),
                 CloseReason::WriteTimeout,
@@ -453,6 +466,24 @@ impl Clock {
             .into_iter()
             .find(|(d, _)| d.is_some_and(|d| d <= now))
         {
+            if reason == CloseReason::MemoryBudget {
+                // A large holder's look: closed if it holds the most of a budget long
+                // past its high mark; else it looks again later.
+                if io.sheds() {
+                    if let Some(a) = SHED_LINES.admit() {
+                        tracing::warn!(
+                            held = io.buffered(),
+                            after_s = crate::net::budget::SHED_AFTER.as_secs(),
+                            closed = a.seen,
+                            left_out = a.left_out,
+                            "memory budget past its high mark too long: closing the connection that holds the most"
+                        );
+                    }
+                    return Some(reason);
+                }
+                self.shed_check = Some(now + crate::net::budget::SHED_CHECK);
+                return self.expired(io);
+            }
             if reason != CloseReason::FrameTimeout || !io.is_budget_paused() {
                 return Some(reason);
             }
