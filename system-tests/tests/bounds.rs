@@ -118,22 +118,142 @@ async fn partial_bodies_that_hold_the_budget_are_closed_and_large_calls_served_a
     drop(held);
 }
 
+/// The frame timeout in the paused-hang-up test, and the write and frame timeouts in the
+/// stalled-readers test: longer than the tests wait, so that only what they test can end
+/// the connections (a caller's hang-up noticed, the memory budget's own bound).
+const LONG_TIMEOUT: &str = "120s";
+/// Callers in the paused-hang-up test that hang up once paused.
+const HANGING_UP: usize = 20;
+/// What each of those sends of its frame first: past the pause floor (256 KiB), and
+/// read whole while the budget is low; one byte more once it is past the mark pauses it.
+const HANGING_UP_PART: usize = 320 << 10;
+/// What each sends once paused, before it hangs up: left waiting in the broker's kernel
+/// (its receive buffer takes it whole, so that the hang-up reaches the broker).
+const WAITING: usize = 16 << 10;
+/// Callers in that test that stay, each holding part of a frame under the pause floor:
+/// never paused themselves, together they keep the budget (64 MiB) past its pause mark
+/// and under its limit, whatever the others do.
+const STAYING: usize = 336;
+const STAYING_PART: usize = 120 << 10;
+
+/// Twenty callers each send part of a body whose header claims 10 MiB, and are paused
+/// once others, each holding less than the pause floor, have taken the budget past three
+/// quarters; then they hang up. Paused, their sessions still notice it (the socket is
+/// watched for the hang-up while its reads wait, and looked at each second): all twenty
+/// end at once, each as a frame cut off (`bad_input`), long before their frame timeout.
+/// Without it they stayed, their bytes held, until the frame timeout (before issue 34:
+/// until the broker restarted). Once the others hang up too, a large call is served
+/// again. (A caller whose kernel still has bytes to send when it hangs up is seen to leave
+/// only by the frame timeout: its FIN waits behind them; see
+/// `FramedIo::peer_left_mid_frame`.)
+#[allow(clippy::await_holding_lock)]
+#[tokio::test]
+async fn paused_callers_that_hang_up_end_their_sessions_at_once() {
+    let _measuring = measuring();
+    let provider = Spawned::start("provider", &["--threads", "1"]);
+    let upstream = provider.rpc.to_string();
+    let budget = format!("{}MiB", testkit::BROKER_BUDGET_MIB);
+    let broker = Spawned::start(
+        "broker",
+        &[
+            "--threads",
+            "1",
+            "--memory-budget",
+            &budget,
+            "--frame-timeout",
+            LONG_TIMEOUT,
+            "--upstream",
+            &upstream,
+        ],
+    );
+    broker.wait_serving().await;
+    let buffered = || broker.metric("rpcmesh_buffered_bytes", &[]);
+    let paused = || broker.metric("rpcmesh_paused_connections", &[]);
+    let open = || broker.metric("rpcmesh_connections_open", &[("side", "inbound")]);
+    let closed = |reason| broker.metric("rpcmesh_connections_closed_total", &inbound(reason));
+    let mut part = testkit::large_claim(0);
+    part.resize(HANGING_UP_PART + 1 + WAITING, 7);
+    let connect = |i: usize, part: &[u8]| {
+        let source = testkit::loopback_source(1 + (i % 4) as u16);
+        let mut s = testkit::connect_from(source, broker.rpc, testkit::WAIT_TIMEOUT).unwrap();
+        send_what_goes(&mut s, part);
+        s
+    };
+    // Those that will hang up first, read whole while the budget is low.
+    let mut leaving: Vec<std::net::TcpStream> = (0..HANGING_UP)
+        .map(|i| connect(i, &part[..HANGING_UP_PART]))
+        .collect();
+    testkit::wait_until("their parts to be read", || {
+        buffered() >= (HANGING_UP * HANGING_UP_PART) as f64
+    })
+    .await;
+    let staying: Vec<std::net::TcpStream> = (0..STAYING)
+        .map(|i| connect(i, &part[..STAYING_PART]))
+        .collect();
+    let mark = (testkit::BROKER_BUDGET_MIB << 20) as f64 * 0.75;
+    testkit::wait_until(
+        "the others' parts to take the budget past its pause mark",
+        || buffered() >= mark,
+    )
+    .await;
+    assert_eq!(paused(), 0.0, "under the pause floor, none paused");
+    for s in &mut leaving {
+        send_what_goes(s, &part[HANGING_UP_PART..HANGING_UP_PART + 1]);
+    }
+    testkit::wait_until("the leaving callers' readers to be paused", || {
+        paused() == HANGING_UP as f64
+    })
+    .await;
+    assert_eq!(open(), (HANGING_UP + STAYING) as f64, "none closed");
+    // Bytes left waiting in the broker's kernel as they hang up: their sockets stay
+    // readable, so the hang-up is found by the paused connection's own looks.
+    for s in &mut leaving {
+        send_what_goes(s, &part[HANGING_UP_PART + 1..]);
+    }
+    let before = closed("bad_input");
+    drop(leaving);
+    testkit::wait_until("the sessions of those that hung up to end", || {
+        open() == STAYING as f64
+    })
+    .await;
+    let (cut, timed_out) = (
+        closed("bad_input") - before,
+        closed("frame_timeout") + closed("memory_budget"),
+    );
+    eprintln!(
+        "{HANGING_UP} paused callers hung up beside {STAYING} holding {:.1} MiB: {cut} sessions ended as a frame cut off, {timed_out} by a timeout",
+        buffered() / (1 << 20) as f64
+    );
+    assert_eq!(cut, HANGING_UP as f64, "each ended on its hang-up");
+    assert_eq!(timed_out, 0.0);
+    drop(staying);
+    testkit::wait_until("every session to end", || open() == 0.0).await;
+    let client = Client::connect(broker.rpc, ClientConfig::default())
+        .await
+        .unwrap();
+    let large = rpcmesh_wire::proto::rpc::EchoRequest {
+        message: "x".repeat(256 << 10),
+    };
+    let r = client.call("EchoService", "Echo", &large).await.unwrap();
+    assert_eq!(r.status, Status::Success, "{}", r.error_msg);
+}
+
 /// Callers in the stalled-readers test.
 const STALLED_READERS: usize = 8;
-/// Echo calls each stalled reader sends, of [`STALLED_READER_CALL`] bytes: more than the
-/// broker's write backlog for one connection holds (8 MiB).
-const STALLED_READER_CALLS: usize = 16;
-const STALLED_READER_CALL: usize = 1 << 20;
-/// The broker's write timeout in that test: an operator's choice for slow clients, longer
-/// than the test waits, so that only the memory budget's own bound can end the readers.
-const LONG_WRITE_TIMEOUT: &str = "120s";
+/// Echo calls each stalled reader sends, of [`STALLED_READER_CALL`] bytes: 12 MB, more
+/// than the broker's write backlog for one connection holds (8 MiB).
+const STALLED_READER_CALLS: usize = 3_000;
+/// Under the 4 KiB from which calls are refused past the high mark: they are all served,
+/// and their replies pile up.
+const STALLED_READER_CALL: usize = 4_000;
 
-/// Eight callers send large echo calls and read none of their replies, at a broker whose
-/// write timeout is long: their backlogs hold its budget past the high mark, where large
-/// calls are refused. The largest holders are closed once the budget has stayed past the
-/// mark for `budget::SHED_AFTER`, counted `memory_budget`, and a large call is served
-/// again. Without it every large call was refused "overloaded" until the write timeout
-/// (here two minutes; the test waits 30 s).
+/// Eight callers send thousands of echo calls just under the size refused past the high
+/// mark, and read none of their replies, at a broker whose write and frame timeouts are
+/// long: their backlogs hold its budget past the high mark, where large calls are refused.
+/// The largest holders are closed once the budget has stayed past the mark for
+/// `budget::SHED_AFTER`, counted `memory_budget`, and a large call is served again.
+/// Without it every large call was refused "overloaded" until a timeout ended the
+/// readers (here two minutes; the test waits 30 s).
 #[test]
 fn backlogs_holding_the_budget_past_its_mark_are_closed_largest_first() {
     let _measuring = measuring();
@@ -149,7 +269,9 @@ fn backlogs_holding_the_budget_past_its_mark_are_closed_largest_first() {
             "--memory-budget",
             &budget,
             "--write-timeout",
-            LONG_WRITE_TIMEOUT,
+            LONG_TIMEOUT,
+            "--frame-timeout",
+            LONG_TIMEOUT,
             "--upstream",
             &upstream,
         ],
@@ -165,7 +287,7 @@ fn backlogs_holding_the_budget_past_its_mark_are_closed_largest_first() {
     let readers = {
         let (to, stop) = (broker.rpc, stop.clone());
         std::thread::spawn(move || {
-            let body = "r".repeat(STALLED_READER_CALL - 64);
+            let body = "r".repeat(STALLED_READER_CALL);
             let stream: Vec<u8> = (0..STALLED_READER_CALLS)
                 .flat_map(|i| testkit::echo_request(i as u64, &body).to_vec())
                 .collect();

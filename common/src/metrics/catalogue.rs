@@ -234,7 +234,7 @@ pub const CONNECTIONS_CLOSED_TOTAL: Family = Family {
     kind: Counter,
     labels: &["role", "side", "reason"],
     roles: ALL,
-    help: "Connections closed, by reason: peer (it closed), idle_timeout, frame_timeout, write_timeout, bad_input, error (socket failed), shutdown (drained), local (closed by this side), tls_handshake (its TLS handshake was refused), memory_budget (paused for the memory budget, one of the connections holding it, its frame unfinished after the frame timeout).",
+    help: "Connections closed, by reason: peer (it closed), idle_timeout, frame_timeout, write_timeout, bad_input, error (socket failed), shutdown (drained), local (closed by this side), tls_handshake (its TLS handshake was refused), memory_budget (paused for the memory budget, one of the connections holding it, its frame unfinished after the frame timeout; or holding the most of a budget past half for 10 s).",
 };
 /// `rpcmesh_connections_refused_total{role, side, reason}`.
 pub const CONNECTIONS_REFUSED_TOTAL: Family = Family {
@@ -604,6 +604,14 @@ pub const MEMORY_BUDGET_BYTES: Family = Family {
     roles: PROVIDER_BROKER,
     help: "The memory budget (--memory-budget): past half of it large calls are answered overloaded, past three quarters the largest holders stop reading.",
 };
+/// `rpcmesh_paused_connections{role}`.
+pub const PAUSED_CONNECTIONS: Family = Family {
+    name: "rpcmesh_paused_connections",
+    kind: Gauge,
+    labels: ROLE,
+    roles: PROVIDER_BROKER,
+    help: "Connections whose reads the memory budget pauses now (past three quarters of it, those holding 256 KiB or more).",
+};
 /// `rpcmesh_process_virtual_memory_bytes{role}`.
 pub const PROCESS_VIRTUAL_MEMORY_BYTES: Family = Family {
     name: "rpcmesh_process_virtual_memory_bytes",
@@ -734,6 +742,7 @@ pub const CATALOGUE: &[&Family] = &[
     &PROCESS_RESIDENT_MEMORY_BYTES,
     &BUFFERED_BYTES,
     &MEMORY_BUDGET_BYTES,
+    &PAUSED_CONNECTIONS,
     &PROCESS_CONTEXT_SWITCHES_TOTAL,
     &PROCESS_VIRTUAL_MEMORY_BYTES,
     &PROCESS_VIRTUAL_MEMORY_MAX_BYTES,

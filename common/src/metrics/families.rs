@@ -18,8 +18,8 @@ use crate::metrics::Telemetry;
 use crate::metrics::catalogue::{
     BUFFERED_BYTES, BUILD_INFO, CALL_SECONDS, CALLS_TOTAL, COMPRESSION_SECONDS,
     CONNECTIONS_CLOSED_TOTAL, CONNECTIONS_OPEN, CONNECTIONS_OPENED_TOTAL,
-    CONNECTIONS_REFUSED_TOTAL, MEMORY_BUDGET_BYTES, PAYLOAD_BYTES_TOTAL, Role, SHED_TOTAL,
-    STAGE_SECONDS, WIRE_BYTES_TOTAL, WIRE_SYSCALLS_TOTAL,
+    CONNECTIONS_REFUSED_TOTAL, MEMORY_BUDGET_BYTES, PAUSED_CONNECTIONS, PAYLOAD_BYTES_TOTAL, Role,
+    SHED_TOTAL, STAGE_SECONDS, WIRE_BYTES_TOTAL, WIRE_SYSCALLS_TOTAL,
 };
 use crate::net::connection::{CloseReason, IoCounts};
 use crate::net::listener::{AcceptObserver, Refusal};
@@ -396,8 +396,8 @@ impl CompressionObserver for CompressionTimers {
     }
 }
 
-/// Publishes `budget` as `rpcmesh_buffered_bytes` and `rpcmesh_memory_budget_bytes` of
-/// `role`, read at every scrape.
+/// Publishes `budget` as `rpcmesh_buffered_bytes`, `rpcmesh_paused_connections` and
+/// `rpcmesh_memory_budget_bytes` of `role`, read at every scrape.
 pub fn publish_budget(
     t: &Telemetry,
     role: Role,
@@ -405,9 +405,13 @@ pub fn publish_budget(
 ) {
     let l = [("role", role.label())];
     let used = t.gauge(&BUFFERED_BYTES, &l);
+    let paused = t.gauge(&PAUSED_CONNECTIONS, &l);
     t.gauge(&MEMORY_BUDGET_BYTES, &l).set(budget.limit() as f64);
     let b = budget.clone();
-    t.on_scrape(std::sync::Arc::new(move || used.set(b.used() as f64)));
+    t.on_scrape(std::sync::Arc::new(move || {
+        used.set(b.used() as f64);
+        paused.set(b.paused_holders() as f64);
+    }));
 }
 
 /// `rpcmesh_build_info` at 1 with this build's version and commit ([`crate::build`]), so

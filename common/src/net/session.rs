@@ -251,8 +251,16 @@ async fn run<P: Protocol>(
     // round, for a signal that comes once in the session's life.
     let mut drain_begun = Cancelled::new(&stop.drain);
     let mut grace_ended = Cancelled::new(&stop.grace_over);
+    // While the budget pauses the connection: when it next looks whether its caller left.
+    // Kept across rounds, so that other wake-ups (the clock's own looks) do not put it off.
+    let mut peer_check: Option<Instant> = None;
     loop {
         let paused = io.budget_pause();
+        peer_check = match (&paused, peer_check) {
+            (None, _) => None,
+            (Some(_), None) => Some(Instant::now() + PAUSED_PEER_CHECK),
+            (Some(_), due) => due,
+        };
         let reading = !io.is_eof() && io.pending_write() < WRITE_BACKLOG_LIMIT && paused.is_none();
         if !reading && paused.is_none() {
             // The frame clock stops while the caller's own unread backlog keeps this side
@@ -304,7 +312,8 @@ async fn run<P: Protocol>(
             () = relieved(paused.as_deref()), if paused.is_some() => {}
             // Made only when polled: `select!` evaluates a disabled branch's future too,
             // and a `Sleep` reads the clock and builds a timer entry (a cost per round).
-            () = async { tokio::time::sleep(PAUSED_PEER_CHECK).await }, if paused.is_some() => {
+            () = async { tokio::time::sleep_until(peer_check.unwrap_or_else(Instant::now)).await }, if paused.is_some() => {
+                peer_check = None;
                 if io.note_peer_left() {
                     take_frames(io, p, draining)?;
                 }
