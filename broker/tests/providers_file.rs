@@ -699,14 +699,7 @@ async fn a_providers_file_replaced_by_a_named_pipe_is_refused_and_sigterm_still_
     let mut b = broker_process(&file, &log);
     let c = client(b.rpc).await;
     until_ready(&c).await;
-    let pipe = dir.join("pipe");
-    rustix::fs::mkfifoat(
-        rustix::fs::CWD,
-        &pipe,
-        rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR,
-    )
-    .unwrap();
-    std::fs::rename(&pipe, &file).unwrap();
+    testkit::replace_with_fifo(&file);
     b.child.signal(testkit::Signal::HUP);
     wait_until("the pipe to be kept out", || reloads(&b, "error") >= 1.0).await;
     let logged = || {

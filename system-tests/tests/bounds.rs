@@ -31,6 +31,26 @@ fn inbound(reason: &str) -> [(&'static str, &str); 2] {
     [("side", "inbound"), ("reason", reason)]
 }
 
+/// A call of 256 KiB: large enough to be refused past the budget's high mark.
+fn large_echo() -> rpcmesh_wire::proto::rpc::EchoRequest {
+    rpcmesh_wire::proto::rpc::EchoRequest {
+        message: "x".repeat(256 << 10),
+    }
+}
+
+/// A [`large_echo`] call on a fresh connection to `broker` succeeds: the budget is back
+/// under its high mark.
+async fn large_call_is_served(broker: SocketAddr) {
+    let client = Client::connect(broker, ClientConfig::default())
+        .await
+        .unwrap();
+    let r = client
+        .call("EchoService", "Echo", &large_echo())
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Success, "{}", r.error_msg);
+}
+
 /// Callers in the paused-partial-bodies test, each sending part of a large frame.
 const PARTIAL_BODIES: usize = 100;
 /// Bytes of its frame each sends (of the 10 MiB its header claims), then nothing: 100 of
@@ -62,23 +82,8 @@ fn send_what_goes(s: &mut std::net::TcpStream, bytes: &[u8]) {
 #[tokio::test]
 async fn partial_bodies_that_hold_the_budget_are_closed_and_large_calls_served_again() {
     let _measuring = measuring();
-    let provider = Spawned::start("provider", &["--threads", "1"]);
-    let upstream = provider.rpc.to_string();
-    let budget = format!("{}MiB", testkit::BROKER_BUDGET_MIB);
-    let broker = Spawned::start(
-        "broker",
-        &[
-            "--threads",
-            "1",
-            "--memory-budget",
-            &budget,
-            "--frame-timeout",
-            "2s",
-            "--upstream",
-            &upstream,
-        ],
-    );
-    broker.wait_serving().await;
+    let (_provider, broker) =
+        testkit::budgeted_broker_with(testkit::BROKER_BUDGET_MIB, &["--frame-timeout", "2s"]).await;
     let mut part = testkit::large_claim(0);
     part.resize(PARTIAL_BODY, 7);
     let held: Vec<std::net::TcpStream> = (0..PARTIAL_BODIES)
@@ -107,14 +112,7 @@ async fn partial_bodies_that_hold_the_budget_are_closed_and_large_calls_served_a
         by_budget >= 1.0,
         "the paused ones holding the budget were closed"
     );
-    let client = Client::connect(broker.rpc, ClientConfig::default())
-        .await
-        .unwrap();
-    let large = rpcmesh_wire::proto::rpc::EchoRequest {
-        message: "x".repeat(256 << 10),
-    };
-    let r = client.call("EchoService", "Echo", &large).await.unwrap();
-    assert_eq!(r.status, Status::Success, "{}", r.error_msg);
+    large_call_is_served(broker.rpc).await;
     drop(held);
 }
 
@@ -150,23 +148,11 @@ const STAYING_PART: usize = 120 << 10;
 #[tokio::test]
 async fn paused_callers_that_hang_up_end_their_sessions_at_once() {
     let _measuring = measuring();
-    let provider = Spawned::start("provider", &["--threads", "1"]);
-    let upstream = provider.rpc.to_string();
-    let budget = format!("{}MiB", testkit::BROKER_BUDGET_MIB);
-    let broker = Spawned::start(
-        "broker",
-        &[
-            "--threads",
-            "1",
-            "--memory-budget",
-            &budget,
-            "--frame-timeout",
-            LONG_TIMEOUT,
-            "--upstream",
-            &upstream,
-        ],
-    );
-    broker.wait_serving().await;
+    let (_provider, broker) = testkit::budgeted_broker_with(
+        testkit::BROKER_BUDGET_MIB,
+        &["--frame-timeout", LONG_TIMEOUT],
+    )
+    .await;
     let buffered = || broker.metric("rpcmesh_buffered_bytes", &[]);
     let paused = || broker.metric("rpcmesh_paused_connections", &[]);
     let open = || broker.metric("rpcmesh_connections_open", &[("side", "inbound")]);
@@ -228,14 +214,7 @@ async fn paused_callers_that_hang_up_end_their_sessions_at_once() {
     assert_eq!(timed_out, 0.0);
     drop(staying);
     testkit::wait_until("every session to end", || open() == 0.0).await;
-    let client = Client::connect(broker.rpc, ClientConfig::default())
-        .await
-        .unwrap();
-    let large = rpcmesh_wire::proto::rpc::EchoRequest {
-        message: "x".repeat(256 << 10),
-    };
-    let r = client.call("EchoService", "Echo", &large).await.unwrap();
-    assert_eq!(r.status, Status::Success, "{}", r.error_msg);
+    large_call_is_served(broker.rpc).await;
 }
 
 /// Callers in the stalled-readers test.
@@ -258,31 +237,19 @@ const STALLED_READER_CALL: usize = 4_000;
 fn backlogs_holding_the_budget_past_its_mark_are_closed_largest_first() {
     let _measuring = measuring();
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let provider = Spawned::start("provider", &["--threads", "1"]);
-    let upstream = provider.rpc.to_string();
-    let budget = format!("{}MiB", testkit::BROKER_BUDGET_MIB);
-    let broker = Spawned::start(
-        "broker",
+    let (_provider, broker) = rt.block_on(testkit::budgeted_broker_with(
+        testkit::BROKER_BUDGET_MIB,
         &[
-            "--threads",
-            "1",
-            "--memory-budget",
-            &budget,
             "--write-timeout",
             LONG_TIMEOUT,
             "--frame-timeout",
             LONG_TIMEOUT,
-            "--upstream",
-            &upstream,
         ],
-    );
-    rt.block_on(broker.wait_serving());
+    ));
     let client = rt
         .block_on(Client::connect(broker.rpc, ClientConfig::default()))
         .unwrap();
-    let large = rpcmesh_wire::proto::rpc::EchoRequest {
-        message: "x".repeat(256 << 10),
-    };
+    let large = large_echo();
     let stop = Arc::new(AtomicBool::new(false));
     let readers = {
         let (to, stop) = (broker.rpc, stop.clone());
@@ -1144,14 +1111,7 @@ fn sigterm_ends_a_broker_on_a_blocked_file_at_its_grace_period() {
     rt.block_on(testkit::wait_until("the slow provider is pooled", || {
         broker.metric("rpcmesh_pool_healthy_connections", &[]) >= 1.0
     }));
-    let pipe = dir.path("pipe");
-    rustix::fs::mkfifoat(
-        rustix::fs::CWD,
-        &pipe,
-        rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR,
-    )
-    .unwrap();
-    std::fs::rename(&pipe, &file).unwrap();
+    testkit::replace_with_fifo(&file);
     broker.child.signal(testkit::Signal::HUP);
     rt.block_on(testkit::wait_until("the pipe to be kept out", || {
         broker.metric("rpcmesh_config_reloads_total", &[("result", "error")]) >= 1.0
@@ -1203,50 +1163,6 @@ const SMALL_FLOOD_FRAMES: usize = 8;
 /// Small calls made while the flood goes on.
 const FLOOD_SMALL_CALLS: usize = 20;
 
-/// A resident-memory sampler of a process, every few milliseconds until dropped.
-struct PeakRss {
-    peak: Arc<AtomicU64>,
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl PeakRss {
-    fn watch(pid: u32) -> PeakRss {
-        let (peak, stop) = (
-            Arc::new(AtomicU64::new(0)),
-            Arc::new(AtomicBool::new(false)),
-        );
-        let (p, s) = (peak.clone(), stop.clone());
-        let thread = std::thread::spawn(move || {
-            while !s.load(Ordering::Relaxed) {
-                if let Ok(st) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
-                    let kib = st
-                        .lines()
-                        .find_map(|l| l.strip_prefix("VmRSS:"))
-                        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-                        .unwrap_or(0);
-                    p.fetch_max(kib, Ordering::Relaxed);
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-        });
-        PeakRss {
-            peak,
-            stop,
-            thread: Some(thread),
-        }
-    }
-
-    /// The highest resident memory seen, KiB.
-    fn stop(mut self) -> u64 {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-        self.peak.load(Ordering::Relaxed)
-    }
-}
-
 /// A thousand callers pipelining 128 KiB calls without reading a reply, four times the
 /// budget in frames none of which is large enough for its connection to be paused alone:
 /// what the broker buffers stays within its budget (every connection counts its base, and
@@ -1258,34 +1174,14 @@ impl PeakRss {
 fn a_flood_of_frames_under_the_pause_floor_stays_within_the_budget() {
     let _measuring = measuring();
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let provider = Spawned::start("provider", &["--threads", "1"]);
-    let (upstream, budget) = (
-        provider.rpc.to_string(),
-        format!("{SMALL_FLOOD_BUDGET_MIB}MiB"),
-    );
-    // One malloc arena, as `testkit::budgeted_broker`'s (its doc says why).
-    let broker = Spawned::start_with(
-        "broker",
-        &[
-            "--threads",
-            "1",
-            "--memory-budget",
-            &budget,
-            "--upstream",
-            &upstream,
-        ],
-        testkit::Launch {
-            env: &[("MALLOC_ARENA_MAX", "1")],
-            ..testkit::Launch::default()
-        },
-    );
-    rt.block_on(broker.wait_serving());
+    let (_provider, broker) =
+        rt.block_on(testkit::budgeted_broker_with(SMALL_FLOOD_BUDGET_MIB, &[]));
     let budget = SMALL_FLOOD_BUDGET_MIB << 20;
     // The caller of small calls is connected before the flood, not queued behind it.
     let client = rt
         .block_on(Client::connect(broker.rpc, ClientConfig::default()))
         .unwrap();
-    let peak = PeakRss::watch(broker.pid());
+    let peak = broker.watch_rss();
     let stop = Arc::new(AtomicBool::new(false));
     let body = "x".repeat(SMALL_FLOOD_FRAME - 64);
     let flooders: Vec<_> = (0..SMALL_FLOOD_THREADS)

@@ -194,23 +194,7 @@ async fn large_frame_flooders_stay_under_the_budget_while_small_calls_are_served
             })
         })
         .collect();
-    let peak = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let sampler = {
-        let (peak, stop, pid) = (peak.clone(), stop.clone(), broker.pid());
-        std::thread::spawn(move || {
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                if let Ok(st) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
-                    let kib = st
-                        .lines()
-                        .find_map(|l| l.strip_prefix("VmRSS:"))
-                        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-                        .unwrap_or(0);
-                    peak.fetch_max(kib, std::sync::atomic::Ordering::Relaxed);
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        })
-    };
+    let peak = broker.watch_rss();
     testkit::wait_until("the flood fills the budget", || {
         broker.metric("rpcmesh_buffered_bytes", &[]) >= (BUDGET_MIB << 20) as f64 * 0.5
     })
@@ -227,8 +211,7 @@ async fn large_frame_flooders_stay_under_the_budget_while_small_calls_are_served
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let (sockets, sent): (Vec<TcpStream>, Vec<usize>) =
         flooders.into_iter().map(|f| f.join().unwrap()).unzip();
-    sampler.join().unwrap();
-    let peak = peak.load(std::sync::atomic::Ordering::Relaxed);
+    let peak = peak.stop();
     let shed = broker.metric("rpcmesh_errors_total", &[("kind", "overloaded")]);
     eprintln!(
         "flooders sent {sent:?} MiB; broker RSS {base} → peak {peak} KiB; buffered at most {:.1} MiB; {shed} calls shed",

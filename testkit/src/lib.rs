@@ -61,9 +61,11 @@ pub use golden::{golden, golden_exchange};
 pub use http::{get, get_query};
 pub use in_process::{InProcess, echo_call, echo_calls};
 pub use notify::NotifySocket;
-pub use paths::{bin_path, free_port, workspace_root};
+pub use paths::{bin_path, free_port, replace_with_fifo, workspace_root};
 pub use source::{connect_from, loopback_source};
-pub use spawned::{BROKER_BUDGET_MIB, Launch, Spawned, budgeted_broker};
+pub use spawned::{
+    BROKER_BUDGET_MIB, Launch, PeakRss, Spawned, budgeted_broker, budgeted_broker_with,
+};
 pub use stderr::{closed_pipe, full_pipe};
 pub use wait::{
     WAIT_POLL, WAIT_TIMEOUT, eventually, wait_for, wait_listening, wait_refused, wait_until,

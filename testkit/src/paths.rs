@@ -1,6 +1,6 @@
 //! Where things are: the workspace's root, the programs' binaries (built on demand in the
-//! test's own profile) and free ports for programs that take an address on the command
-//! line.
+//! test's own profile), free ports for programs that take an address on the command
+//! line, and a file replaced by a named pipe (what a reload must not block on).
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -82,4 +82,18 @@ pub fn free_port() -> u16 {
     // An unusual ephemeral range: let the kernel choose.
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind port 0");
     l.local_addr().expect("local addr").port()
+}
+
+/// Replaces the file at `path` with a named pipe, as an editor's rename would: made beside
+/// it, then renamed over it. Opening it for reading blocks until someone writes to it.
+pub fn replace_with_fifo(path: &Path) {
+    let pipe = path.with_extension("fifo");
+    let _ = std::fs::remove_file(&pipe);
+    rustix::fs::mkfifoat(
+        rustix::fs::CWD,
+        &pipe,
+        rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR,
+    )
+    .expect("a named pipe");
+    std::fs::rename(&pipe, path).expect("the pipe renamed over the file");
 }

@@ -8,6 +8,9 @@ use std::io::BufRead;
 use std::net::SocketAddr;
 use std::os::fd::BorrowedFd;
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
 use rpcmesh_common::cli::startup::parse_listening_line;
 use rpcmesh_common::metrics::recorder::sample;
@@ -148,14 +151,13 @@ impl Spawned {
 
     /// A line of `/proc/PID/status` (`VmRSS`, `VmSize`...), in KiB.
     pub fn status_kib(&self, field: &str) -> u64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
-            .expect("the process is running");
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("{field} in /proc/PID/status"))
+        proc_status_kib(self.pid(), field)
+            .unwrap_or_else(|| panic!("{field} in /proc/PID/status of a running process"))
+    }
+
+    /// Samples its resident memory until [`PeakRss::stop`], keeping the highest.
+    pub fn watch_rss(&self) -> PeakRss {
+        PeakRss::watch(self.pid())
     }
 
     /// True when one echo call on a fresh connection to it succeeds.
@@ -178,26 +180,97 @@ impl Spawned {
     }
 }
 
+/// A field of `/proc/PID/status` in KiB (`None`: the process is gone, or has no such
+/// field).
+fn proc_status_kib(pid: u32, field: &str) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// A process's highest resident memory, sampled every few milliseconds on a thread of
+/// its own until [`PeakRss::stop`].
+#[derive(Debug)]
+pub struct PeakRss {
+    peak: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// How often [`PeakRss`] samples: often enough to catch a flood's peak, a read of a small
+/// file each time.
+const RSS_SAMPLE_EVERY: Duration = Duration::from_millis(5);
+
+impl PeakRss {
+    fn watch(pid: u32) -> PeakRss {
+        let (peak, stop) = (
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let (p, s) = (peak.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                if let Some(kib) = proc_status_kib(pid, "VmRSS") {
+                    p.fetch_max(kib, Ordering::Relaxed);
+                }
+                std::thread::sleep(RSS_SAMPLE_EVERY);
+            }
+        });
+        PeakRss {
+            peak,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// Stops sampling; the highest resident memory seen, KiB.
+    pub fn stop(mut self) -> u64 {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        self.peak.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for PeakRss {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
 /// A provider, and a broker in front of it with a budget of [`BROKER_BUDGET_MIB`], serving.
 pub async fn budgeted_broker() -> (Spawned, Spawned) {
+    budgeted_broker_with(BROKER_BUDGET_MIB, &[]).await
+}
+
+/// As [`budgeted_broker`], with a budget of `budget_mib` and the broker's flags `extra`.
+pub async fn budgeted_broker_with(budget_mib: usize, extra: &[&str]) -> (Spawned, Spawned) {
     let provider = Spawned::start("provider", &["--threads", "1"]);
     let upstream = provider.rpc.to_string();
-    let budget = format!("{BROKER_BUDGET_MIB}MiB");
+    let budget = format!("{budget_mib}MiB");
     // One malloc arena: glibc reserves 64 MiB of address space for each thread's own
     // arena, the first time a thread allocates. The broker's blocking threads (metrics,
     // system readings) are made when first needed, so that reservation could fall on
     // either side of the measurement (seen: +64 MiB of address space, +0 of RSS). The
     // tests are about what the broker reserves for what it is sent.
+    let mut args = vec![
+        "--threads",
+        "1",
+        "--memory-budget",
+        &budget,
+        "--upstream",
+        &upstream,
+    ];
+    args.extend_from_slice(extra);
     let broker = Spawned::start_with(
         "broker",
-        &[
-            "--threads",
-            "1",
-            "--memory-budget",
-            &budget,
-            "--upstream",
-            &upstream,
-        ],
+        &args,
         Launch {
             env: &[("MALLOC_ARENA_MAX", "1")],
             ..Launch::default()

@@ -115,8 +115,6 @@ pub struct MemoryBudget {
     /// Since when (nanoseconds from `epoch`, plus one) the budget has been past its high
     /// mark, as first seen by a large holder's look; 0 while it is not.
     over_since: AtomicU64,
-    /// Connections closed to bring the budget back under its high mark.
-    shed: AtomicU64,
 }
 
 /// The paused holders and their sum; the large holders.
@@ -152,7 +150,6 @@ impl MemoryBudget {
             next_ticket: AtomicU64::new(0),
             epoch: Instant::now(),
             over_since: AtomicU64::new(0),
-            shed: AtomicU64::new(0),
         })
     }
 
@@ -227,13 +224,7 @@ impl MemoryBudget {
             return false;
         }
         h.large.remove(&ticket);
-        self.shed.fetch_add(1, Ordering::Relaxed);
         true
-    }
-
-    /// Connections closed so far to bring the budget back under its high mark.
-    pub fn shed_so_far(&self) -> u64 {
-        self.shed.load(Ordering::Relaxed)
     }
 
     /// True when the paused holder of `ticket` is one of those holding the budget: the
@@ -548,7 +539,10 @@ mod tests {
         assert!(sheds(&big[1]), "the largest");
         assert!(!sheds(&big[1]), "once");
         assert!(sheds(&big[0]), "then the next, while still past the mark");
-        assert_eq!(b.shed_so_far(), 2);
+        assert!(
+            b.holders().large.is_empty(),
+            "both closed, and no longer candidates"
+        );
         drop(big);
         assert_eq!(b.pressure(), Pressure::Normal);
         assert_eq!(

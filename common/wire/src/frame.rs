@@ -409,13 +409,7 @@ impl Frame {
 /// its body, and `trailer` as its CRC: no CRC pass. Right only when these bytes have that
 /// CRC: a frame copied as it came under an id neutral to its own (`crate::neutral`).
 pub fn put_frame_with_trailer(dst: &mut BytesMut, header: &Header, body: &[u8], trailer: u32) {
-    dst.reserve(FRAME_OVERHEAD + body.len());
-    Header {
-        body_len: body.len() as u32,
-        ..*header
-    }
-    .put(dst);
-    dst.extend_from_slice(body);
+    put_header_and_body(dst, header, body);
     dst.put_u32(trailer);
 }
 
@@ -423,6 +417,14 @@ pub fn put_frame_with_trailer(dst: &mut BytesMut, header: &Header, body: &[u8], 
 /// and body. This is the forwarding path: the body is copied once, into `dst`.
 pub fn put_frame(dst: &mut BytesMut, header: &Header, body: &[u8]) {
     let start = dst.len();
+    put_header_and_body(dst, header, body);
+    let crc = crc32(&dst[start..]);
+    dst.put_u32(crc);
+}
+
+/// Appends the header (its `body_len` taken from `body`) and the body, with room reserved
+/// for the trailer that follows.
+fn put_header_and_body(dst: &mut BytesMut, header: &Header, body: &[u8]) {
     dst.reserve(FRAME_OVERHEAD + body.len());
     Header {
         body_len: body.len() as u32,
@@ -430,8 +432,6 @@ pub fn put_frame(dst: &mut BytesMut, header: &Header, body: &[u8]) {
     }
     .put(dst);
     dst.extend_from_slice(body);
-    let crc = crc32(&dst[start..]);
-    dst.put_u32(crc);
 }
 
 /// Appends a response frame whose body is `body` (a response body as received from
