@@ -106,11 +106,11 @@ const THREADS_HELP: &str = "Threads, each a cell serving its own client connecti
 /// Whether the broker busy-polls after reads (`--busy-poll`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BusyPoll {
-    /// [`DEFAULT_BUSY_POLL`] when the broker serves calls on one thread, else off: with
-    /// several cells (`crate::cell`), a spinner per cell keeps a core per cell busy, which
-    /// on a machine shared with the broker's peers costs them more than the wake-ups it
-    /// spares them (docs/performance.md, "Scaling with threads: cells"); in a runtime
-    /// of several workers, a spinning worker cannot take the reactor from one blocked in
+    /// [`DEFAULT_BUSY_POLL`] when the broker serves calls on one thread, else off: a
+    /// spinner per cell (`crate::cell`) keeps a core per cell busy while traffic flows,
+    /// and on two vCPUs cells that spin are still slower than one cell
+    /// (docs/performance.md, "Scaling with threads: cells"); in a runtime of several
+    /// workers, a spinning worker cannot take the reactor from one blocked in
     /// `epoll_wait` (see `rpcmesh_common::net::busy_poll`).
     Auto,
     /// Sleep at once when there is nothing to do.
@@ -262,7 +262,7 @@ pub struct Args {
     /// Keep polling for I/O this long after each read instead of sleeping (e.g. 50us),
     /// `off`, or `auto`: 50us when the broker runs one thread (`--threads 1`), else
     /// off. Spares peers the cost of waking the broker and cuts its latency, at the price
-    /// of one busy core while traffic flows.
+    /// of one busy core while traffic flows (yielded to any thread that waits for it).
     #[arg(long, env = "RPCMESH_BUSY_POLL", default_value_t = BusyPoll::Auto)]
     pub busy_poll: BusyPoll,
     /// The most calls in flight to which a provider's connections are filled one after

@@ -8,6 +8,13 @@
 //! CPU: while traffic keeps arriving within the window, one worker thread stays busy.
 //! An idle process does not spin: the window starts only when a read returned data.
 //!
+//! It spins only on a CPU no one else wants: every round that finds no read ends with
+//! `sched_yield`, which returns at once when no other thread waits for this CPU and
+//! otherwise lets those that do run first. A spinner that only spun would keep its CPU for
+//! the scheduler's whole slice while the callers and providers beside it, or any other
+//! process, waited: on a machine busy with other work it lost more than the wake-ups it
+//! spared (docs/performance.md, "Busy polling").
+//!
 //! The sockets of a server share one [`Activity`] with its spinner ([`spawn`]):
 //! [`FramedIo`](crate::net::connection::FramedIo) calls [`Activity::note_read`] on every read that
 //! returned data. Each server has its own, so several servers in one process (tests, the
@@ -83,8 +90,9 @@ impl Drop for NotSpinningOnDrop {
 ///
 /// `idle` is told the time spent polling without finding a read, in chunks of about
 /// [`IDLE_RECORD_CHUNK`] (the broker records it as `rpcmesh_busy_poll_idle_seconds`); its
-/// sum is roughly the CPU time busy polling cost beyond the work (rounds in which only
-/// other tasks ran, woken without a read, count as idle too).
+/// sum is at most the CPU time busy polling cost beyond the work: rounds in which only
+/// other tasks ran, woken without a read, count as idle too, and so does the time other
+/// threads ran on this CPU when a round yielded to them.
 pub fn spawn(
     activity: Arc<Activity>,
     window: Duration,
@@ -132,6 +140,9 @@ pub fn spawn(
                     }
                     continue;
                 }
+                // A round without a read: let any other thread waiting for this CPU run
+                // first (`sched_yield`, which returns at once when none waits).
+                std::thread::yield_now();
                 let now = Instant::now();
                 match stretch {
                     None => stretch = Some((now, now)),
@@ -186,6 +197,76 @@ mod tests {
             .expect("the spinner stops when told")
             .unwrap();
         assert!(!activity.is_spinning());
+    }
+
+    /// CPU time of the calling thread.
+    fn thread_cpu() -> Duration {
+        let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+        Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+    }
+
+    /// Pins the calling thread to `cpu`.
+    fn pin(cpu: usize) {
+        let mut set = rustix::thread::CpuSet::new();
+        set.set(cpu);
+        rustix::thread::sched_setaffinity(None, &set).expect("pin the thread");
+    }
+
+    #[test]
+    fn a_spinning_worker_lets_a_thread_waiting_for_its_cpu_run() {
+        // The spinner's worker and a thread that always has work share one CPU while the
+        // spinner's window lasts. A spinner that only spun would take about half of it;
+        // one that yields in every round without a read takes a small part.
+        let allowed = rustix::thread::sched_getaffinity(None).expect("affinity");
+        let cpu = (0..rustix::thread::CpuSet::MAX_CPU)
+            .find(|&c| allowed.is_set(c))
+            .expect("an allowed CPU");
+        let done = Arc::new(AtomicBool::new(false));
+        let neighbour = {
+            let done = done.clone();
+            std::thread::spawn(move || {
+                pin(cpu);
+                let start = thread_cpu();
+                let mut spins = 0u64;
+                while !done.load(Ordering::Relaxed) {
+                    spins = std::hint::black_box(spins + 1);
+                }
+                thread_cpu() - start
+            })
+        };
+        let spinner_cpu = std::thread::spawn(move || {
+            pin(cpu);
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let start = thread_cpu();
+            rt.block_on(async {
+                let activity = Activity::new();
+                let stop = CancellationToken::new();
+                let task = spawn(
+                    activity.clone(),
+                    Duration::from_secs(3600),
+                    stop.clone(),
+                    |_| {},
+                );
+                activity.note_read();
+                tokio::time::sleep(Duration::from_millis(600)).await;
+                assert!(activity.is_spinning(), "still within its window");
+                stop.cancel();
+                task.await.unwrap();
+            });
+            thread_cpu() - start
+        })
+        .join()
+        .unwrap();
+        done.store(true, Ordering::Relaxed);
+        let neighbour_cpu = neighbour.join().unwrap();
+        eprintln!("one CPU for 600 ms: spinner {spinner_cpu:?}, neighbour {neighbour_cpu:?}");
+        assert!(
+            spinner_cpu * 3 < neighbour_cpu,
+            "the spinner took {spinner_cpu:?} of the CPU its neighbour wanted (neighbour: {neighbour_cpu:?})"
+        );
     }
 
     #[tokio::test]
