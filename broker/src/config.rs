@@ -245,6 +245,8 @@ pub struct Args {
     #[arg(long, env = "RPCMESH_MAX_IN_FLIGHT_PER_CONN", default_value_t = DEFAULT_MAX_IN_FLIGHT_PER_CONN)]
     pub max_in_flight_per_conn: usize,
     /// Calls in flight in the whole broker; over it, calls are answered "overloaded".
+    /// With several threads each leases it in blocks, so one may be refused a little
+    /// below it while the others hold part of it unused.
     #[arg(long, env = "RPCMESH_MAX_IN_FLIGHT", default_value_t = DEFAULT_MAX_IN_FLIGHT)]
     pub max_in_flight: usize,
     /// Calls in flight per upstream connection (at most 65,536).

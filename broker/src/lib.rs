@@ -23,6 +23,7 @@
 //!   replies under the callers' ids.
 //! - `cell`: with `--threads N`, N cells, each a single-threaded runtime serving the
 //!   client connections dealt to it over its own pools, so that no call crosses threads.
+//! - `in_flight`: the broker-wide cap on calls in flight, leased to the cells in blocks.
 //! - `failure`: every answer the broker makes itself, with its side and retry safety.
 //! - [`config`], [`UpstreamSpec`] (the `--upstream` syntax), [`metrics`].
 //!
@@ -34,6 +35,7 @@ mod call;
 mod cell;
 pub mod config;
 mod failure;
+mod in_flight;
 mod membership;
 pub mod metrics;
 pub mod providers_file;
@@ -45,7 +47,6 @@ mod upstream_spec;
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::AtomicUsize;
 
 use rpcmesh_common::cli::DurationArg;
 use rpcmesh_common::cli::security::{Security, SecuritySettings};
@@ -195,7 +196,7 @@ pub async fn run_with_reload(
     let budget = MemoryBudget::new(config.memory_budget);
     publish_budget(&metrics.telemetry, metrics::ROLE, &budget);
     let guards = resilience::Guards::new(config.resilience, &metrics);
-    let in_flight = Arc::new(AtomicUsize::new(0));
+    let in_flight = in_flight::InFlightCap::new(config.max_in_flight, config.cells);
     let empty = route::Router::new(
         &[],
         config.balance,
@@ -218,7 +219,7 @@ pub async fn run_with_reload(
                         budget: budget.clone(),
                         config: config.clone(),
                         metrics: metrics.clone(),
-                        in_flight: in_flight.clone(),
+                        in_flight: in_flight.lease(),
                         security: security.clone(),
                         guards: guards.clone(),
                         cell_calls: metrics.cell_calls(i, config.cells),

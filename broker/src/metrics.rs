@@ -392,6 +392,11 @@ impl UpstreamMetrics {
         self.calls[status as usize].increment(1);
     }
 
+    /// Counts `n` calls of one status (a read's worth).
+    pub(crate) fn outcomes(&self, status: Status, n: u64) {
+        self.calls[status as usize].increment(n);
+    }
+
     /// Sets the calls in flight of each of this cell's `size` pooled connections, by
     /// position.
     pub(crate) fn publish_conn_loads(&self, size: usize, loads: impl Iterator<Item = usize>) {

@@ -25,7 +25,6 @@ use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
@@ -80,8 +79,8 @@ pub(crate) struct Shared {
     /// (read once per call, without a lock).
     pub router: ArcSwap<Router>,
     pub metrics: BrokerMetrics,
-    /// Calls in flight in the whole broker (the global shedding cap).
-    pub in_flight: Arc<AtomicUsize>,
+    /// This cell's lease on the broker-wide cap on calls in flight (`crate::in_flight`).
+    pub in_flight: crate::in_flight::Lease,
     /// Reads are reported here when the broker busy-polls.
     pub activity: Option<Arc<Activity>>,
     /// The process's budget of buffered bytes.
@@ -141,6 +140,12 @@ struct Session {
     /// (service, method) bytes → tag; tag → counters.
     tags: HashMap<Bytes, u32>,
     counters: Vec<Arc<CallCounters>>,
+    /// Calls answered this round not yet added to `counters`, by index and status: added
+    /// once per round (`tell_cell`), so that an answer costs no atomic shared with the
+    /// other sessions and cells calling the same method.
+    uncounted: Vec<[u32; Status::ALL.len()]>,
+    /// The indices of `uncounted` that hold counts.
+    uncounted_at: Vec<usize>,
     /// The names and tag of the last labelled call.
     last_tag: Option<(Bytes, u32)>,
     /// Names of calls in flight whose (service, method) has no labels yet.
@@ -297,9 +302,7 @@ impl Protocol for Session {
         self.inbox.close();
         if self.in_flight > 0 {
             tracing::debug!(calls = self.in_flight, "client left with calls in flight");
-            self.shared
-                .in_flight
-                .fetch_sub(self.in_flight, Ordering::Relaxed);
+            self.shared.in_flight.release(self.in_flight);
             self.in_flight = 0;
         }
     }
@@ -323,6 +326,8 @@ impl Session {
             message: String::new(),
             tags: HashMap::new(),
             counters: vec![shared.metrics.calls_other()],
+            uncounted: Vec::new(),
+            uncounted_at: Vec::new(),
             written: Vec::new(),
             unlabelled: Vec::new(),
             last_tag: None,
@@ -344,9 +349,7 @@ impl Session {
         let mut answered = std::mem::take(&mut self.taken.answered);
         if !answered.is_empty() {
             self.in_flight -= answered.len();
-            self.shared
-                .in_flight
-                .fetch_sub(answered.len(), Ordering::Relaxed);
+            self.shared.in_flight.release(answered.len());
             for a in answered.drain(..) {
                 let counters = self.counted(a.tag, a.status);
                 if let Some((admitted, replied)) = a.timed {
@@ -422,8 +425,7 @@ impl Session {
             let cap = Cap::PerConnection(cfg.max_in_flight_per_conn);
             return self.refuse(io, id, flags, tag, Failure::Shed(cap));
         }
-        if self.shared.in_flight.fetch_add(1, Ordering::Relaxed) >= cfg.max_in_flight {
-            self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if !self.shared.in_flight.admit() {
             let cap = Cap::Total(cfg.max_in_flight);
             return self.refuse(io, id, flags, tag, Failure::Shed(cap));
         }
@@ -544,7 +546,7 @@ impl Session {
     /// Writes the outcome of an admitted call to the caller and counts it out.
     fn finish(&mut self, info: CallInfo, outcome: Result<Frame, Failure>, io: &mut FramedIo) {
         self.in_flight -= 1;
-        self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.shared.in_flight.release(1);
         let counters = match outcome {
             Ok(frame) => {
                 let status = write_reply_to(io.wbuf(), frame.header.flags, &frame.body, None, info);
@@ -594,13 +596,30 @@ impl Session {
     /// Counts an answered call's outcome; returns the index of the counters it counted in.
     fn counted(&mut self, tag: u32, status: Status) -> usize {
         let i = self.counters_index(tag, status);
-        self.counters[i].inc(status);
+        if i >= self.uncounted.len() {
+            self.uncounted
+                .resize(self.counters.len(), Default::default());
+        }
+        let counts = &mut self.uncounted[i];
+        if counts.iter().all(|&n| n == 0) {
+            self.uncounted_at.push(i);
+        }
+        counts[status as usize] += 1;
         self.answered += 1;
         i
     }
 
-    /// Adds the calls answered since the last time to the cell's count.
+    /// Adds the calls answered since the last time to their methods' counters and to the
+    /// cell's count.
     fn tell_cell(&mut self) {
+        for i in self.uncounted_at.drain(..) {
+            let counts = std::mem::take(&mut self.uncounted[i]);
+            for (status, n) in Status::ALL.into_iter().zip(counts) {
+                if n > 0 {
+                    self.counters[i].add(status, u64::from(n));
+                }
+            }
+        }
         if self.answered > 0 {
             self.shared.cell_calls.increment(self.answered);
             self.answered = 0;

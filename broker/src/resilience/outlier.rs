@@ -249,16 +249,20 @@ impl Outlier {
     pub fn record(&self, verdict: Verdict, now: Instant) {
         match verdict {
             Verdict::Neutral => {}
-            Verdict::Success => {
-                if self.run.load(Ordering::Relaxed) != 0 {
-                    self.run.store(0, Ordering::Relaxed);
-                }
-                self.calls.fetch_add(1, Ordering::Relaxed);
-                if self.state() == State::Probing {
-                    self.come_back(now);
-                }
-            }
+            Verdict::Success => self.succeeded(1, now),
             Verdict::Fault => self.fault(now),
+        }
+    }
+
+    /// Records `n` successes at once (those of one read: an upstream connection tells
+    /// them together, and a fault after them only once they are told).
+    pub fn succeeded(&self, n: u64, now: Instant) {
+        if self.run.load(Ordering::Relaxed) != 0 {
+            self.run.store(0, Ordering::Relaxed);
+        }
+        self.calls.fetch_add(n, Ordering::Relaxed);
+        if self.state() == State::Probing {
+            self.come_back(now);
         }
     }
 
@@ -438,6 +442,41 @@ mod tests {
         o.record(Verdict::Success, t);
         o.record(Verdict::Fault, t);
         assert!(o.is_out());
+    }
+
+    #[test]
+    fn successes_told_together_count_as_many_and_end_a_run_of_faults() {
+        let s = shared(2);
+        let o = outlier(&s, ResilienceConfig::default());
+        let t = Instant::now();
+        // The same calls as the test above, the successes of each read told at once.
+        for _ in 0..33 {
+            o.succeeded(2, t);
+            for _ in 0..4 {
+                assert!(!o.is_out());
+            }
+            o.record(Verdict::Fault, t);
+        }
+        assert!(!o.is_out(), "99 calls: under the volume");
+        o.succeeded(1, t);
+        o.record(Verdict::Fault, t);
+        assert!(
+            o.is_out(),
+            "101 calls, 66 % succeeded: under the 80 % asked"
+        );
+        // A run of four faults, then a read's successes: the run starts again.
+        let s = shared(2);
+        let o = outlier(&s, ResilienceConfig::default());
+        for _ in 0..4 {
+            o.record(Verdict::Fault, t);
+        }
+        o.succeeded(3, t);
+        for _ in 0..4 {
+            o.record(Verdict::Fault, t);
+        }
+        assert!(!o.is_out());
+        o.record(Verdict::Fault, t);
+        assert!(o.is_out(), "five in a row");
     }
 
     #[test]

@@ -359,6 +359,11 @@ impl CallCounters {
         self.0[status as usize].increment(1);
     }
 
+    /// Counts `n` finished calls of one status (a session's round of them at once).
+    pub fn add(&self, status: Status, n: u64) {
+        self.0[status as usize].increment(n);
+    }
+
     /// Records the time one (timed) call of this method took here.
     pub fn time(&self, from: std::time::Instant, to: std::time::Instant) {
         if let Some(h) = &self.1 {

@@ -50,7 +50,7 @@ impl ConnTask {
         let read_at = self.metrics.stages.on().then_some(self.now);
         let mut calls = state.lock();
         let before = calls.table.len();
-        loop {
+        let taken = loop {
             match self.io.peek_frame() {
                 Ok(Some(header)) => {
                     if !self.answer_in_place(&mut calls, &header, read_at) {
@@ -58,10 +58,17 @@ impl ConnTask {
                         self.on_frame(&mut calls, frame, read_at);
                     }
                 }
-                Ok(None) => break,
-                Err(e) => self.on_bad_frame(&mut calls, e)?,
+                Ok(None) => break Ok(()),
+                Err(e) => {
+                    if let Err(end) = self.on_bad_frame(&mut calls, e) {
+                        break Err(end);
+                    }
+                }
             }
-        }
+        };
+        self.tell_successes();
+        self.tell_outcomes();
+        taken?;
         if self.settings.kind == PeerKind::V1 {
             // Sessions queue under this lock, so the table changed by the replies alone.
             let answered = before.saturating_sub(calls.table.len());
@@ -87,9 +94,36 @@ impl ConnTask {
         self.peak = self.peak.max(self.now.saturating_duration_since(admitted));
     }
 
-    /// Records what an outcome says of the provider (`crate::resilience::outlier`).
-    pub fn judge(&self, verdict: Verdict) {
-        self.link.outlier.record(verdict, self.now);
+    /// Records what an outcome says of the provider (`crate::resilience::outlier`): a
+    /// success is counted here and told with the read's others, a fault at once (after
+    /// the successes before it).
+    pub fn judge(&mut self, verdict: Verdict) {
+        match verdict {
+            Verdict::Neutral => {}
+            Verdict::Success => self.successes += 1,
+            Verdict::Fault => {
+                self.tell_successes();
+                self.link.outlier.record(Verdict::Fault, self.now);
+            }
+        }
+    }
+
+    /// Tells the outlier detector the successes counted since it was last told.
+    fn tell_successes(&mut self) {
+        if self.successes > 0 {
+            self.link.outlier.succeeded(self.successes, self.now);
+            self.successes = 0;
+        }
+    }
+
+    /// Adds the read's replies answered in place to the provider's outcome counters.
+    fn tell_outcomes(&mut self) {
+        for (status, n) in Status::ALL.into_iter().zip(&mut self.outcomes) {
+            if *n > 0 {
+                self.metrics.outcomes(status, *n);
+                *n = 0;
+            }
+        }
     }
 
     /// Takes an rpcmesh provider's time per call from its heartbeat answer, for the
@@ -157,7 +191,8 @@ impl ConnTask {
             .reply_to
             .answer_small(header.flags, body, trailer, slot.info);
         let verdict = verdict_of(status, header.flags, body);
-        settled(&self.state, &self.metrics, status);
+        self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.outcomes[status as usize] += 1;
         self.io.skip_peeked(header);
         self.took(admitted);
         self.judge(verdict);

@@ -101,6 +101,13 @@ pub(super) struct ConnTask {
     pub now: Instant,
     /// The slowest reply of the current read, for the balancer's estimate.
     pub peak: Duration,
+    /// Successes of the current read not yet told to the provider's outlier detector:
+    /// told once per read (or before a fault, to keep their order), so that a reply
+    /// costs no atomic shared with the other cells calling this provider.
+    pub successes: u64,
+    /// Replies of the current read answered in place, by status, not yet added to the
+    /// provider's outcome counters (added once per read, for the same reason).
+    pub outcomes: [u64; rpcmesh_wire::status::Status::ALL.len()],
     /// The cap this connection gives an rpcmesh provider in its heartbeats
     /// (`rpcmesh_wire::ext::CAP_KEY`): the call timeout, made once.
     cap_value: String,
@@ -136,6 +143,8 @@ impl ConnTask {
             backlog: Backlog::default(),
             now: Instant::now(),
             peak: Duration::ZERO,
+            successes: 0,
+            outcomes: [0; rpcmesh_wire::status::Status::ALL.len()],
         }
     }
 
