@@ -113,6 +113,36 @@ impl SmokeRun {
             });
         std::fs::read_to_string(path).expect("read the report")
     }
+
+    /// The servers' logs the run kept (`<run>/logs/<server>-<n>.err`) whose names start with
+    /// one of `prefixes`, each under its name: for a failed assertion's message (the folder
+    /// goes with the run).
+    pub fn logs(&self, prefixes: &[&str]) -> String {
+        let mut found: Vec<std::path::PathBuf> = std::fs::read_dir(&self.out)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|run| run.path().join("logs"))
+            .filter_map(|dir| std::fs::read_dir(dir).ok())
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
+                name.is_some_and(|n| {
+                    n.ends_with(".err") && prefixes.iter().any(|pre| n.starts_with(pre))
+                })
+            })
+            .collect();
+        found.sort();
+        found
+            .iter()
+            .map(|p| {
+                let text = std::fs::read_to_string(p).unwrap_or_default();
+                format!("--- {}\n{text}", p.display())
+            })
+            .collect()
+    }
 }
 
 impl Drop for SmokeRun {

@@ -52,16 +52,20 @@ fn fault_lab_smoke_mode_catches_the_black_hole_and_writes_its_report() {
                 .is_some_and(|t| !t.is_empty()),
         "{e}"
     );
-    // Caught: the broker ejected it, and it took under a tenth of the calls while it lasted
-    // (a few failed ones, then none). (The times to detect and recover are there, a number or null:
-    // on a busy machine a stall in the fault's last interval can make it "not routed
-    // around", which is the figure's meaning, not a failure of the lab.)
-    assert!(
-        e["ejections"].as_f64().unwrap_or(0.0) >= 1.0,
-        "{e}\n{output}"
-    );
+    // Caught: it took under a tenth of the calls while it lasted (a few failed ones, then
+    // none), and the broker ejected it. Or it was never given the calls to be ejected for:
+    // when the restarted provider's first reply (its probe) is slow, on a loaded machine,
+    // PeakEWMA avoids it for longer than the smoke's 5 s fault, and it fails a call or two
+    // out of a thousand. (The times to detect and recover are there, a number or null: on a
+    // busy machine a stall in the fault's last interval can make it "not routed around",
+    // which is the figure's meaning, not a failure of the lab.)
     let during = e["share_of_faulty"]["during"].as_f64().unwrap_or(f64::NAN);
-    assert!(during < 0.1, "{e}\n{output}");
+    let logs = smoke.logs(&["broker1-", "provider1-"]);
+    assert!(during < 0.1, "{e}\n{output}\n{logs}");
+    assert!(
+        e["ejections"].as_f64().unwrap_or(0.0) >= 1.0 || during < 0.01,
+        "neither ejected nor avoided: {e}\n{output}\n{logs}"
+    );
     for k in ["detect_s", "recover_s"] {
         assert!(e.get(k).is_some(), "{k}: {e}");
     }
