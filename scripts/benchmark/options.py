@@ -12,7 +12,7 @@ from pathlib import Path
 
 from procs import ROOT, add_binary_args
 
-from . import plan
+from . import busy, plan
 
 from .plan import (
     CLASSIC_LEVELS,
@@ -76,6 +76,10 @@ def parse_args(argv, description: str):
                    help="run the hop of every path (the broker, HAProxy, nginx) on a CPU of its own and the driver and "
                         "upstream on the others (taskset), so that per-call costs compare without the scheduler's "
                         "placement")  # fmt: skip
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="run every path beside N processes that only spin, each pinned to one of the lowest N CPUs "
+                        "(never the hops' with --pin), to compare the hops on a machine busy with other work "
+                        "(default 0: none)")  # fmt: skip
     p.add_argument("--tls", choices=("on", "off"), default="on",
                    help="the TLS paths (direct-tls, broker-tls, haproxy-tls, nginx-tls; rpcmesh's provider only) and "
                         "the handshake measurement (default on)")  # fmt: skip
@@ -89,6 +93,10 @@ def parse_args(argv, description: str):
     a.tls = a.tls == "on"
     # (hops' CPUs, the others'), or None: the scheduler places them.
     a.cpus = plan.pin_cpus(os.sched_getaffinity(0)) if a.pin else None
+    allowed = os.sched_getaffinity(0)
+    if not 0 <= a.busy < len(allowed):
+        p.error(f"--busy must leave a CPU to the bench: 0 to {len(allowed) - 1} on this machine")
+    a.busy_cpus = busy.busy_cpus(allowed, a.busy)
     if a.handshake_seconds is None:
         a.handshake_seconds = HANDSHAKE_SMOKE_S if a.smoke else HANDSHAKE_S
     if a.tls_warmup is None:

@@ -99,6 +99,8 @@ def document(args, *, machine_info: dict, kinds, paths, bin_dir: Path, build_sec
             "clock_ticks_per_second": CLK_TCK,
             # --pin: the hops' CPUs and the others' (None: the scheduler placed them).
             "pinned": None if args.cpus is None else {"hops": sorted(args.cpus[0]), "others": sorted(args.cpus[1])},
+            # --busy: the CPUs a spinning process kept busy for the whole bench.
+            "busy_cpus": args.busy_cpus,
             # Where provider, broker and driver came from: figures are a release build's.
             "bin_dir": str(bin_dir),
         },
@@ -144,12 +146,17 @@ def render(result, markdown: bool) -> str:
     )
     i = result["interference"]
     if i:
+        hogs = s.get("busy_cpus") or []
+        # What other work took beyond the --busy hogs, which are there by design.
+        unasked = i["other_cpu_seconds"] - i.get("busy_cpu_seconds", 0.0)
         o.append(
             f"Other processes used {i['other_cpu_seconds']:.1f} CPU s during the {i['wall_seconds']:.0f} s of the bench "
             f"({100 * i['other_cpu_seconds'] / max(i['wall_seconds'], 1e-9):.1f} % of one CPU; the bench's own processes "
             f"{i['bench_cpu_seconds']:.0f} CPU s); hypervisor steal {i['steal_seconds']:.1f} s."
-            + (" The machine was not quiet: treat the numbers with care." if i["other_cpu_seconds"] > max(1.0, 0.05 * i["wall_seconds"]) else "")
-        )
+            + (f" Busy on purpose (--busy {len(hogs)}): a process spinning on CPU {', '.join(map(str, hogs))} for the "
+               f"whole bench ({i.get('busy_cpu_seconds', 0.0):.1f} CPU s), counted with the other processes." if hogs else "")
+            + (" The machine was not quiet: treat the numbers with care." if unasked > max(1.0, 0.05 * i["wall_seconds"]) else "")
+        )  # fmt: skip
     p = result.get("stall_probe")
     if p:
         o.append(

@@ -297,8 +297,10 @@ fn bench_smoke_mode_with_a_baseline_broker_adds_the_before_path_and_its_ratios()
             // The TLS paths are the first test's; this also checks that they can be left out.
             "--tls".as_ref(),
             "off".as_ref(),
-            // And each hop on a CPU of its own.
+            // And each hop on a CPU of its own, beside a process that keeps another busy.
             "--pin".as_ref(),
+            "--busy".as_ref(),
+            "1".as_ref(),
         ],
         SMOKE_TIMEOUT,
     );
@@ -318,6 +320,30 @@ fn bench_smoke_mode_with_a_baseline_broker_adds_the_before_path_and_its_ratios()
         "--pin names the hops' CPU and the others': {pinned}\n{output}"
     );
     assert!(md.contains("pinned: the hops on CPU"), "{md}");
+    let busy = &report["settings"]["busy_cpus"];
+    assert!(
+        busy.as_array().is_some_and(|b| b.len() == 1)
+            && pinned["hops"]
+                .as_array()
+                .is_some_and(|h| !h.contains(&busy[0])),
+        "--busy 1 names one CPU, not the hops': {busy}\n{output}"
+    );
+    let hog_cpu = report["interference"]["busy_cpu_seconds"]
+        .as_f64()
+        .unwrap_or(0.0);
+    assert!(hog_cpu > 0.0, "the spinning process ran: {report}");
+    assert!(md.contains("Busy on purpose (--busy 1)"), "{md}");
+    let left: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.contains("rpcmesh-bench-busy"))
+        .collect();
+    assert!(
+        left.is_empty(),
+        "the spinning process outlived the bench: {left:?}"
+    );
     let runs = report["runs"].as_array().expect("runs is a list");
     for workload in KINDS {
         let order: Vec<&str> = runs
