@@ -64,6 +64,7 @@ pub use metrics::BrokerMetrics;
 pub use upstream_spec::UpstreamSpec;
 // Fixed limits that are not flags, public so that the docs quoting them are held to the
 // code (`tests/docs_constants.rs`).
+pub use in_flight::LEASE_BLOCK;
 pub use session::MAX_RETRIES;
 pub use upstream::connection::{REQUEST_RETAIN, RING_MAX, RING_MIN};
 

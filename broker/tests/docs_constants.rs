@@ -16,7 +16,7 @@ use rpcmesh_broker::resilience::{
     DEFAULT_EJECT_MIN_CALLS, DEFAULT_EJECT_SUCCESS_RATE, DEFAULT_EJECT_WINDOW, DEFAULT_EWMA_DECAY,
     DEFAULT_EWMA_DEFAULT_RTT, DEFAULT_MAX_EJECTION_PERCENT, PROBE_SPACING,
 };
-use rpcmesh_broker::{FILE_POLL, MAX_RETRIES, REQUEST_RETAIN, RING_MAX, RING_MIN};
+use rpcmesh_broker::{FILE_POLL, LEASE_BLOCK, MAX_RETRIES, REQUEST_RETAIN, RING_MAX, RING_MIN};
 use rpcmesh_testkit::quoted::{self, Value, bytes, count, time};
 
 /// The broker's constants the docs quote, by the name they quote them under.
@@ -56,6 +56,7 @@ fn broker() -> Vec<(&'static str, Value)> {
             time(DEFAULT_CONNECT_TIMEOUT + DEFAULT_HEALTH_TIMEOUT),
         ),
         ("broker::DEFAULT_GRACE", time(DEFAULT_GRACE)),
+        ("broker::LEASE_BLOCK", count(LEASE_BLOCK)),
         ("broker::RING_MIN", bytes(RING_MIN)),
         ("broker::RING_MAX", bytes(RING_MAX)),
         ("broker::DEFAULT_BUSY_POLL", time(DEFAULT_BUSY_POLL)),
