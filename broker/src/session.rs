@@ -381,8 +381,8 @@ impl Session {
             Ok(r) => r,
             Err(e) => return self.refuse(io, id, flags, 0, Failure::BadRequest(e)),
         };
-        let names = frame.body.slice(service.start..method.end);
-        let tag = self.tag(&names, service.len());
+        let names = service.start..method.end;
+        let tag = self.tag(&frame.body, names.clone(), service.len());
         if draining {
             return self.refuse(io, id, flags, tag, Failure::Draining);
         }
@@ -407,7 +407,11 @@ impl Session {
             if let Err((s, m)) = allowed {
                 let message = denial(caller, s, m);
                 // Labelled only with a pair that has labels already (one that succeeded).
-                let known = self.shared.metrics.known_calls(&names).is_some();
+                let known = self
+                    .shared
+                    .metrics
+                    .known_calls(&frame.body[names])
+                    .is_some();
                 self.shared.security.denied.deny(known.then_some((s, m)));
                 if let Some(a) = DENIED_LINES.admit() {
                     tracing::warn!(denied = a.seen, left_out = a.left_out, "{message}");
@@ -629,10 +633,13 @@ impl Session {
     /// The session's tag for a (service, method) pair: an index into its counters, or,
     /// for a pair that has no labels yet, [`PENDING`] plus the index of its names among
     /// the calls waiting to show that the pair exists (see [`Session::counters_index`]).
-    fn tag(&mut self, names: &Bytes, service_len: usize) -> u32 {
+    /// `names` is the pair's range of `body`, which is sliced (a reference to the read
+    /// buffer) only when the pair has no labels yet: a labelled call takes no reference.
+    fn tag(&mut self, body: &Bytes, names: std::ops::Range<usize>, service_len: usize) -> u32 {
+        let (range, names) = (names.clone(), &body[names]);
         // Most connections call one method over and over: try the last one first.
         if let Some((last, t)) = &self.last_tag {
-            if last == names {
+            if last.as_ref() == names {
                 return *t;
             }
         }
@@ -652,11 +659,11 @@ impl Session {
                 self.unlabelled.len() - 1
             }
         };
-        self.unlabelled[slot] = Some((names.clone(), service_len));
+        self.unlabelled[slot] = Some((body.slice(range), service_len));
         PENDING | slot as u32
     }
 
-    fn cache_tag(&mut self, names: &Bytes, counters: Arc<CallCounters>) -> u32 {
+    fn cache_tag(&mut self, names: &[u8], counters: Arc<CallCounters>) -> u32 {
         // As many names per session as label pairs overall; beyond, they count as other.
         if self.tags.len() >= crate::metrics::MAX_CALL_LABELS {
             return 0;

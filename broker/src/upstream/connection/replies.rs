@@ -46,7 +46,7 @@ impl ConnTask {
         // One clock read per read: the replies' latencies for the balancer, the instant
         // their outcomes are judged at.
         self.now = Instant::now();
-        self.peak = Duration::ZERO;
+        self.oldest = None;
         let read_at = self.metrics.stages.on().then_some(self.now);
         let mut calls = state.lock();
         let before = calls.table.len();
@@ -79,9 +79,13 @@ impl ConnTask {
                 .on_read(now, answered, waiting, &self.link.pace);
         }
         drop(calls);
-        if !self.peak.is_zero() {
-            // The slowest reply of the read (see `crate::resilience::ewma`).
-            self.link.ewma.observe(self.peak, self.now);
+        // The slowest reply of the read (see `crate::resilience::ewma`): that of its call
+        // admitted first, all being read at one instant.
+        let peak = self
+            .oldest
+            .map_or(Duration::ZERO, |o| self.now.saturating_duration_since(o));
+        if !peak.is_zero() {
+            self.link.ewma.observe(peak, self.now);
         }
         if self.io.is_eof() {
             return Err(ConnEnd::ClosedByProvider);
@@ -89,9 +93,13 @@ impl ConnTask {
         Ok(())
     }
 
-    /// A reply to a call admitted at `admitted` was read: its latency joins the read's.
+    /// A reply to a call admitted at `admitted` was read: its latency joins the read's
+    /// (kept as the earliest admission, an instant compared, not a duration computed, per
+    /// reply).
     fn took(&mut self, admitted: Instant) {
-        self.peak = self.peak.max(self.now.saturating_duration_since(admitted));
+        if self.oldest.is_none_or(|o| admitted < o) {
+            self.oldest = Some(admitted);
+        }
     }
 
     /// Records what an outcome says of the provider (`crate::resilience::outlier`): a

@@ -99,8 +99,9 @@ pub(super) struct ConnTask {
     pub backlog: Backlog,
     /// When the last read returned (the outcomes it brought are judged at that instant).
     pub now: Instant,
-    /// The slowest reply of the current read, for the balancer's estimate.
-    pub peak: Duration,
+    /// When the call of the current read's slowest reply was admitted (all its replies are
+    /// read at `now`), for the balancer's estimate.
+    pub oldest: Option<Instant>,
     /// Successes of the current read not yet told to the provider's outlier detector:
     /// told once per read (or before a fault, to keep their order), so that a reply
     /// costs no atomic shared with the other cells calling this provider.
@@ -142,7 +143,7 @@ impl ConnTask {
             link,
             backlog: Backlog::default(),
             now: Instant::now(),
-            peak: Duration::ZERO,
+            oldest: None,
             successes: 0,
             outcomes: [0; rpcmesh_wire::status::Status::ALL.len()],
         }
