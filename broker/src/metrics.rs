@@ -389,10 +389,10 @@ impl UpstreamMetrics {
 
     /// Counts the outcome of one call written to this provider.
     pub(crate) fn outcome(&self, status: Status) {
-        self.calls[status as usize].increment(1);
+        self.outcomes(status, 1);
     }
 
-    /// Counts `n` calls of one status (a read's worth).
+    /// Counts `n` calls of one status (a read's worth, [`StatusTally`]).
     pub(crate) fn outcomes(&self, status: Status, n: u64) {
         self.calls[status as usize].increment(n);
     }
@@ -453,6 +453,34 @@ impl UpstreamMetrics {
             self.pool_wait_seconds
                 .record((s.get_wait_time - *before).as_secs_f64());
             *before = s.get_wait_time;
+        }
+    }
+}
+
+/// Calls counted by status where they end, to be added to a counter family in one go: a
+/// session's round of answers, an upstream connection's read of replies. The counters are
+/// shared by the cells calling the same method or provider; the tally is the cell's own,
+/// so an answer costs no atomic another core writes.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct StatusTally([u32; Status::ALL.len()]);
+
+impl StatusTally {
+    /// One call more of `status`.
+    pub fn add(&mut self, status: Status) {
+        self.0[status as usize] += 1;
+    }
+
+    /// Whether nothing was counted since the last drain.
+    pub fn is_empty(&self) -> bool {
+        self.0.iter().all(|&n| n == 0)
+    }
+
+    /// Hands each status's count, if any, to `to`, and starts again from none.
+    pub fn drain(&mut self, mut to: impl FnMut(Status, u64)) {
+        for (status, n) in Status::ALL.into_iter().zip(std::mem::take(&mut self.0)) {
+            if n > 0 {
+                to(status, u64::from(n));
+            }
         }
     }
 }

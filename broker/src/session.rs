@@ -53,7 +53,7 @@ use tracing::Instrument;
 use crate::BrokerConfig;
 use crate::call::{CallInfo, Forward, Inbox, Reply, Reroute, Taken, Verbatim, write_reply_to};
 use crate::failure::{Cap, Failure};
-use crate::metrics::{ADMIT, BrokerMetrics, TOTAL, WRITE_BACK};
+use crate::metrics::{ADMIT, BrokerMetrics, StatusTally, TOTAL, WRITE_BACK};
 use crate::route::{NoRoute, Picker, Router};
 
 /// Times the session lets the other ready tasks run before writing, while each turn
@@ -139,12 +139,10 @@ struct Session {
     message: String,
     /// (service, method) bytes → tag; tag → counters.
     tags: HashMap<Bytes, u32>,
-    counters: Vec<Arc<CallCounters>>,
-    /// Calls answered this round not yet added to `counters`, by index and status: added
-    /// once per round (`tell_cell`), so that an answer costs no atomic shared with the
-    /// other sessions and cells calling the same method.
-    uncounted: Vec<[u32; Status::ALL.len()]>,
-    /// The indices of `uncounted` that hold counts.
+    /// Each with the calls answered this round not yet added to it (once per round,
+    /// `tell_cell`).
+    counters: Vec<(Arc<CallCounters>, StatusTally)>,
+    /// The indices of `counters` whose tallies hold counts.
     uncounted_at: Vec<usize>,
     /// The names and tag of the last labelled call.
     last_tag: Option<(Bytes, u32)>,
@@ -325,8 +323,7 @@ impl Session {
             read_at: Instant::now(),
             message: String::new(),
             tags: HashMap::new(),
-            counters: vec![shared.metrics.calls_other()],
-            uncounted: Vec::new(),
+            counters: vec![(shared.metrics.calls_other(), StatusTally::default())],
             uncounted_at: Vec::new(),
             written: Vec::new(),
             unlabelled: Vec::new(),
@@ -600,15 +597,11 @@ impl Session {
     /// Counts an answered call's outcome; returns the index of the counters it counted in.
     fn counted(&mut self, tag: u32, status: Status) -> usize {
         let i = self.counters_index(tag, status);
-        if i >= self.uncounted.len() {
-            self.uncounted
-                .resize(self.counters.len(), Default::default());
-        }
-        let counts = &mut self.uncounted[i];
-        if counts.iter().all(|&n| n == 0) {
+        let tally = &mut self.counters[i].1;
+        if tally.is_empty() {
             self.uncounted_at.push(i);
         }
-        counts[status as usize] += 1;
+        tally.add(status);
         self.answered += 1;
         i
     }
@@ -617,12 +610,8 @@ impl Session {
     /// cell's count.
     fn tell_cell(&mut self) {
         for i in self.uncounted_at.drain(..) {
-            let counts = std::mem::take(&mut self.uncounted[i]);
-            for (status, n) in Status::ALL.into_iter().zip(counts) {
-                if n > 0 {
-                    self.counters[i].add(status, u64::from(n));
-                }
-            }
+            let (counters, tally) = &mut self.counters[i];
+            tally.drain(|status, n| counters.add(status, n));
         }
         if self.answered > 0 {
             self.shared.cell_calls.increment(self.answered);
@@ -669,7 +658,7 @@ impl Session {
             return 0;
         }
         let tag = self.counters.len() as u32;
-        self.counters.push(counters);
+        self.counters.push((counters, StatusTally::default()));
         self.tags.insert(Bytes::copy_from_slice(names), tag);
         tag
     }
@@ -712,7 +701,7 @@ impl Session {
                 stages.record_span(WRITE_BACK, r, now);
             }
             stages.record_span(TOTAL, admitted, now);
-            self.counters[counters].time(admitted, now);
+            self.counters[counters].0.time(admitted, now);
         }
     }
 }

@@ -92,8 +92,8 @@ def parse_args(argv, description: str):
     a = p.parse_args(argv)
     a.tls = a.tls == "on"
     # (hops' CPUs, the others'), or None: the scheduler places them.
-    a.cpus = plan.pin_cpus(os.sched_getaffinity(0)) if a.pin else None
     allowed = os.sched_getaffinity(0)
+    a.cpus = plan.pin_cpus(allowed) if a.pin else None
     if not 0 <= a.busy < len(allowed):
         p.error(f"--busy must leave a CPU to the bench: 0 to {len(allowed) - 1} on this machine")
     a.busy_cpus = busy.busy_cpus(allowed, a.busy)

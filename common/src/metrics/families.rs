@@ -356,7 +356,7 @@ impl CallCounters {
 
     /// Counts one finished call.
     pub fn inc(&self, status: Status) {
-        self.0[status as usize].increment(1);
+        self.add(status, 1);
     }
 
     /// Counts `n` finished calls of one status (a session's round of them at once).

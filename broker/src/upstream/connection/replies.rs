@@ -126,12 +126,8 @@ impl ConnTask {
 
     /// Adds the read's replies answered in place to the provider's outcome counters.
     fn tell_outcomes(&mut self) {
-        for (status, n) in Status::ALL.into_iter().zip(&mut self.outcomes) {
-            if *n > 0 {
-                self.metrics.outcomes(status, *n);
-                *n = 0;
-            }
-        }
+        let metrics = &self.metrics;
+        self.outcomes.drain(|status, n| metrics.outcomes(status, n));
     }
 
     /// Takes an rpcmesh provider's time per call from its heartbeat answer, for the
@@ -199,8 +195,9 @@ impl ConnTask {
             .reply_to
             .answer_small(header.flags, body, trailer, slot.info);
         let verdict = verdict_of(status, header.flags, body);
+        // `settled`, its count told with the read's others.
         self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
-        self.outcomes[status as usize] += 1;
+        self.outcomes.add(status);
         self.io.skip_peeked(header);
         self.took(admitted);
         self.judge(verdict);

@@ -108,7 +108,7 @@ pub(super) struct ConnTask {
     pub successes: u64,
     /// Replies of the current read answered in place, by status, not yet added to the
     /// provider's outcome counters (added once per read, for the same reason).
-    pub outcomes: [u64; rpcmesh_wire::status::Status::ALL.len()],
+    pub outcomes: crate::metrics::StatusTally,
     /// The cap this connection gives an rpcmesh provider in its heartbeats
     /// (`rpcmesh_wire::ext::CAP_KEY`): the call timeout, made once.
     cap_value: String,
@@ -145,7 +145,7 @@ impl ConnTask {
             now: Instant::now(),
             oldest: None,
             successes: 0,
-            outcomes: [0; rpcmesh_wire::status::Status::ALL.len()],
+            outcomes: Default::default(),
         }
     }
 
