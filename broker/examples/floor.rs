@@ -1,0 +1,298 @@
+//! The floor of the broker's design: a forwarder with the broker's architecture and none of
+//! its features, to measure what the design itself costs per call.
+//!
+//! Like the broker it runs one current-thread Tokio runtime, a task per client connection
+//! and a task per provider connection, hands calls between them through buffers and a
+//! wake-up, checks every frame where it lies with the broker's codec (magic, version,
+//! length, CRC) and gives each call an id neutral to its CRC (`rpcmesh_wire::neutral`),
+//! so a frame is copied with 8 bytes changed and its trailer kept, both ways. A provider
+//! connection and a session let the runtime turn while more calls or replies come before
+//! they write, as the broker's do, so that one `write` carries them. Nothing else: no names
+//! read, no routing (every call goes to one provider connection), no caps, deadlines,
+//! metrics, timeouts, retries, TLS or budget; bad frames are dropped; a provider connection
+//! that fails ends the program. Not a product: a yardstick for `scripts/profile`, which runs it
+//! as it runs the broker (it takes the broker's flags and ignores all but `--listen` and
+//! `--upstream`):
+//!
+//! ```text
+//! cargo build --release -p rpcmesh-broker --example floor
+//! scripts/profile --no-build --broker target/release/broker --broker target/release/examples/floor
+//! ```
+//!
+//! docs/performance.md ("What limits them") gives its figures beside the broker's.
+
+use std::cell::RefCell;
+use std::io;
+use std::net::SocketAddr;
+use std::rc::Rc;
+
+use bytes::{Buf, BytesMut};
+use rpcmesh_wire::codec::{FrameCodec, body_in_place, skip_frame};
+use rpcmesh_wire::frame::{DEFAULT_MAX_BODY_LEN, FRAME_OVERHEAD, Header, put_frame_with_trailer};
+use rpcmesh_wire::neutral::neutral_id;
+use tokio::io::AsyncReadExt;
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
+
+/// Provider connections: one, as the broker packs this load on one connection of its pool
+/// (`--pack-in-flight`: 64 calls over 8 client connections ride its oldest connection; a
+/// floor that spread them over four made four times the provider-side system calls).
+const UPSTREAM_CONNECTIONS: usize = 1;
+/// Read buffers grow by this much when under [`READ_ROOM`] is left, as the broker's.
+const READ_CHUNK: usize = 64 << 10;
+/// The room under which a read buffer grows.
+const READ_ROOM: usize = 4 << 10;
+/// Turns a session waits for more replies before it writes, at most, as the broker's.
+const SESSION_GATHER_YIELDS: usize = 1;
+/// Turns a provider connection waits for more calls before it writes, at most, as the
+/// broker's.
+const UPSTREAM_GATHER_YIELDS: usize = 4;
+
+/// A provider connection's side of the hub: what to write, and the calls on it.
+struct Upstream {
+    wbuf: BytesMut,
+    wake: Rc<Notify>,
+    /// By key (the id's low 32 bits): the session, the caller's id and the id given.
+    slots: Vec<Option<(usize, u64, u64)>>,
+    free: Vec<u32>,
+}
+
+/// A client connection's side of the hub: its replies to write.
+struct Session {
+    wbuf: BytesMut,
+    wake: Rc<Notify>,
+}
+
+/// What the tasks share (one thread: a `RefCell`, never held across an await).
+#[derive(Default)]
+struct Hub {
+    upstreams: Vec<Upstream>,
+    sessions: Vec<Option<Session>>,
+    turn: usize,
+}
+
+/// The whole frame at the front of `src`, checked where it lies: its header and trailer,
+/// `None` when it is not all there. A bad frame's bytes are dropped (the codec's doing).
+fn next_frame(codec: &FrameCodec, src: &mut BytesMut) -> Option<(Header, u32)> {
+    loop {
+        match codec.peek_frame(src) {
+            Ok(Some(h)) => {
+                let end = FRAME_OVERHEAD + h.body_len as usize;
+                let t =
+                    u32::from_be_bytes([src[end - 4], src[end - 3], src[end - 2], src[end - 1]]);
+                return Some((h, t));
+            }
+            Ok(None) => return None,
+            Err(e) if e.is_fatal() => {
+                src.clear();
+                return None;
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+/// Writes all of `b`, waiting while the socket takes nothing.
+async fn flush(s: &OwnedWriteHalf, b: &mut BytesMut) -> io::Result<()> {
+    while !b.is_empty() {
+        match s.try_write(b) {
+            Ok(n) => b.advance(n),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => s.writable().await?,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn room(b: &mut BytesMut) {
+    if b.capacity() - b.len() < READ_ROOM {
+        b.reserve(READ_CHUNK);
+    }
+}
+
+/// Moves session `me`'s replies to `out`; how many bytes.
+fn take_replies(hub: &RefCell<Hub>, me: usize, out: &mut BytesMut) -> usize {
+    let mut h = hub.borrow_mut();
+    let Some(Some(mine)) = h.sessions.get_mut(me) else {
+        return 0;
+    };
+    let n = mine.wbuf.len();
+    if out.is_empty() {
+        std::mem::swap(out, &mut mine.wbuf);
+    } else {
+        out.extend_from_slice(&mine.wbuf);
+        mine.wbuf.clear();
+    }
+    n
+}
+
+async fn session(s: TcpStream, me: usize, hub: Rc<RefCell<Hub>>, wake: Rc<Notify>) {
+    let _ = s.set_nodelay(true);
+    let (mut rd, wr) = s.into_split();
+    let codec = FrameCodec::new(DEFAULT_MAX_BODY_LEN);
+    let mut rbuf = BytesMut::new();
+    let mut out = BytesMut::new();
+    loop {
+        room(&mut rbuf);
+        tokio::select! {
+            r = rd.read_buf(&mut rbuf) => {
+                if !matches!(r, Ok(n) if n > 0) {
+                    break;
+                }
+                let mut h = hub.borrow_mut();
+                let h = &mut *h;
+                while let Some((mut header, trailer)) = next_frame(&codec, &mut rbuf) {
+                    let u = h.turn % h.upstreams.len();
+                    h.turn = h.turn.wrapping_add(1);
+                    let up = &mut h.upstreams[u];
+                    let key = up.free.pop().unwrap_or_else(|| {
+                        up.slots.push(None);
+                        u32::try_from(up.slots.len() - 1).unwrap_or(u32::MAX)
+                    });
+                    let id = neutral_id(header.req_id, key);
+                    up.slots[key as usize] = Some((me, header.req_id, id));
+                    header.req_id = id;
+                    let body = body_in_place(&rbuf, &header);
+                    put_frame_with_trailer(&mut up.wbuf, &header, body, trailer);
+                    skip_frame(&mut rbuf, &header);
+                    up.wake.notify_one();
+                }
+            }
+            () = wake.notified() => {}
+        }
+        // As the broker's sessions do: while replies keep coming, a turn more before the
+        // write, so that one write carries them.
+        if take_replies(&hub, me, &mut out) > 0 {
+            for _ in 0..SESSION_GATHER_YIELDS {
+                tokio::task::yield_now().await;
+                if take_replies(&hub, me, &mut out) == 0 {
+                    break;
+                }
+            }
+        }
+        if flush(&wr, &mut out).await.is_err() {
+            break;
+        }
+    }
+    hub.borrow_mut().sessions[me] = None;
+}
+
+async fn upstream(
+    s: TcpStream,
+    me: usize,
+    hub: Rc<RefCell<Hub>>,
+    wake: Rc<Notify>,
+) -> io::Result<()> {
+    s.set_nodelay(true)?;
+    let (mut rd, wr) = s.into_split();
+    let codec = FrameCodec::new(DEFAULT_MAX_BODY_LEN);
+    let mut rbuf = BytesMut::new();
+    let mut out = BytesMut::new();
+    loop {
+        room(&mut rbuf);
+        tokio::select! {
+            r = rd.read_buf(&mut rbuf) => {
+                if r? == 0 {
+                    return Err(io::ErrorKind::UnexpectedEof.into());
+                }
+                let mut h = hub.borrow_mut();
+                let h = &mut *h;
+                while let Some((mut header, trailer)) = next_frame(&codec, &mut rbuf) {
+                    let key = header.req_id as u32;
+                    let up = &mut h.upstreams[me];
+                    let given = header.req_id;
+                    let slot = up.slots.get_mut(key as usize);
+                    let slot = slot.and_then(|s| s.take_if(|s| s.2 == given));
+                    if let Some((session, caller_id, _)) = slot {
+                        up.free.push(key);
+                        if let Some(Some(to)) = h.sessions.get_mut(session) {
+                            header.req_id = caller_id;
+                            let body = body_in_place(&rbuf, &header);
+                            put_frame_with_trailer(&mut to.wbuf, &header, body, trailer);
+                            to.wake.notify_one();
+                        }
+                    }
+                    skip_frame(&mut rbuf, &header);
+                }
+            }
+            () = wake.notified() => {
+                // The other sessions read in this turn add their calls first: one write.
+                for _ in 0..UPSTREAM_GATHER_YIELDS {
+                    let before = hub.borrow().upstreams[me].wbuf.len();
+                    tokio::task::yield_now().await;
+                    if hub.borrow().upstreams[me].wbuf.len() == before {
+                        break;
+                    }
+                }
+            }
+        }
+        std::mem::swap(&mut out, &mut hub.borrow_mut().upstreams[me].wbuf);
+        flush(&wr, &mut out).await?;
+    }
+}
+
+/// `--listen` and `--upstream` of the broker's flags; every other flag and its value are
+/// ignored.
+fn addresses() -> Result<(SocketAddr, SocketAddr), String> {
+    let (mut listen, mut upstream) = (None, None);
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let value = args.next();
+        let parse = |v: Option<String>| v.and_then(|v| v.parse::<SocketAddr>().ok());
+        match flag.as_str() {
+            "--listen" => listen = parse(value),
+            "--upstream" => upstream = parse(value),
+            _ => {}
+        }
+    }
+    match (listen, upstream) {
+        (Some(l), Some(u)) => Ok((l, u)),
+        _ => Err("usage: floor --listen IP:PORT --upstream IP:PORT [broker flags, ignored]".into()),
+    }
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let (listen, to) = addresses()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let local = tokio::task::LocalSet::new();
+    local.block_on(&rt, async move {
+        let hub = Rc::new(RefCell::new(Hub::default()));
+        let mut ended = Vec::new();
+        for me in 0..UPSTREAM_CONNECTIONS {
+            let s = TcpStream::connect(to).await?;
+            let wake = Rc::new(Notify::new());
+            hub.borrow_mut().upstreams.push(Upstream {
+                wbuf: BytesMut::new(),
+                wake: wake.clone(),
+                slots: Vec::new(),
+                free: Vec::new(),
+            });
+            ended.push(tokio::task::spawn_local(upstream(s, me, hub.clone(), wake)));
+        }
+        let l = TcpListener::bind(listen).await?;
+        let failed = futures_util::future::select_all(ended);
+        tokio::pin!(failed);
+        loop {
+            tokio::select! {
+                accepted = l.accept() => {
+                    let (s, _) = accepted?;
+                    let wake = Rc::new(Notify::new());
+                    let me = {
+                        let mut h = hub.borrow_mut();
+                        let wbuf = BytesMut::new();
+                        h.sessions.push(Some(Session { wbuf, wake: wake.clone() }));
+                        h.sessions.len() - 1
+                    };
+                    tokio::task::spawn_local(session(s, me, hub.clone(), wake));
+                }
+                (r, _, _) = &mut failed => {
+                    let e = r.map_err(io::Error::other).and_then(|r| r).err();
+                    return Err(format!("a provider connection ended: {e:?}").into());
+                }
+            }
+        }
+    })
+}
