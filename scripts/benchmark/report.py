@@ -196,8 +196,10 @@ def render(result, markdown: bool) -> str:
     o.append("")
     o.append(
         "Where the CPU goes (medians): microseconds of CPU per call sent in user mode + in the kernel "
-        "(system calls and the network stack's work on their behalf), and context switches per call "
-        "(a process that sleeps between batches must be woken, which its peer pays for)."
+        "(system calls and the network stack's work on their behalf), context switches per call "
+        "(a process that sleeps between batches must be woken, which its peer pays for), and "
+        "microseconds per call each server was ready to run and waited for a CPU (its run-queue "
+        "delay: the time the other processes on the machine kept it from running)."
     )
     o.append("")
     h, r = split_rows(result["cells"], columns)

@@ -206,9 +206,12 @@ def record_report(run: dict, report: dict, used: dict[str, Usage]) -> None:
     for k, u in used.items():
         if n > 0:
             run["cpu_per_1000_calls"][k] = round(u.cpu * 1000 / n, 7)
-            # Where the time went, per call: user and kernel µs, context switches.
+            # Where the time went, per call: user and kernel µs, context switches, and for
+            # a server the µs it waited for a CPU.
             run["per_call"][k] = {"user_us": round(u.user * 1e6 / n, 4), "system_us": round(u.system * 1e6 / n, 4),
                                   "switches": round(u.switches / n, 5)}  # fmt: skip
+            if u.waited is not None:
+                run["per_call"][k]["waited_us"] = round(u.waited * 1e6 / n, 4)
     if n > 0 and "driver" in used:
         # Every process on the path together (P2: what a hop adds over the direct path).
         run["cpu_us_per_call_all"] = round(sum(u.cpu for u in used.values()) * 1e6 / n, 4)

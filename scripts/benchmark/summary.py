@@ -15,8 +15,9 @@ METRICS = ("calls_per_second", "p50_us", "p99_us", "p999_us", "max_us", "slow_ca
 CPU_COLUMNS = ("provider", "broker", "haproxy", "nginx", "driver")
 #: With --baseline-broker: the baseline broker's column too.
 BASELINE_CPU_COLUMNS = ("provider", "broker", "before", "haproxy", "nginx", "driver")
-#: Where a process's time went, per call sent: user-mode µs, kernel µs, context switches.
-PER_CALL = ("user_us", "system_us", "switches")
+#: Where a process's time went, per call sent: user-mode µs, kernel µs, context switches,
+#: and (servers only) µs waiting for a CPU.
+PER_CALL = ("user_us", "system_us", "switches", "waited_us")
 
 
 def median_of(runs, key):
@@ -68,7 +69,9 @@ def summarize_cell(rs: list[dict], w: str, level, path: str, columns) -> dict:
         cell["median_cpu_per_1000_calls"][n] = statistics.median(vals) if vals else None
         split = [r["per_call"][n] for r in rs if n in r.get("per_call", {})]
         if split:
-            cell["median_per_call"][n] = {k: statistics.median(x[k] for x in split) for k in PER_CALL}
+            cell["median_per_call"][n] = {
+                k: statistics.median(x[k] for x in split) for k in PER_CALL if all(k in x for x in split)
+            }
     allocs = [r["allocations_per_call"]["broker"] for r in rs if "broker" in r.get("allocations_per_call", {})]
     # The broker's heap allocations per call (its forwarding path's count), on its paths.
     cell["median_allocations_per_call"] = statistics.median(allocs) if allocs else None

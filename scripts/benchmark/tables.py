@@ -55,11 +55,11 @@ def table_rows(cells, columns=CPU_COLUMNS) -> tuple[list[str], list[list[str]]]:
 
 
 def split_rows(cells, columns=CPU_COLUMNS) -> tuple[list[str], list[list[str]]]:
-    """Where the CPU goes: each process's µs per call in user mode + in the kernel, and its
-    context switches per call."""
+    """Where the CPU goes: each process's µs per call in user mode + in the kernel, its
+    context switches per call, and for a server the µs per call it waited for a CPU."""
     head = ["workload", "in flight", "conns", "path"]
     for n in columns:
-        head += [f"{n} user+sys us", f"{n} switches"]
+        head += [f"{n} user+sys us", f"{n} switches"] + ([f"{n} waited us"] if n != "driver" else [])
     head.append("broker allocs/call")
     rows = []
     for c in cells:
@@ -75,6 +75,8 @@ def split_rows(cells, columns=CPU_COLUMNS) -> tuple[list[str], list[list[str]]]:
                 row += ["-", "-"]
             else:
                 row += [f"{m['user_us']:.2f}+{m['system_us']:.2f}", f"{m['switches']:.3f}"]
+            if n != "driver":
+                row.append(fmt_num((m or {}).get("waited_us"), ".2f"))
         row.append(fmt_num(c.get("median_allocations_per_call"), ".4f"))
         rows.append(row)
     return head, rows

@@ -26,25 +26,32 @@ class Usage(NamedTuple):
     system: float
     #: Context switches, voluntary (slept, e.g. in epoll_wait) and involuntary (preempted).
     switches: int
+    #: Seconds its threads were ready to run and waited for a CPU (the run-queue delay of
+    #: /proc/<pid>/task/*/schedstat): what the other processes on the machine kept it
+    #: from. None where it cannot be read (a child already reaped, a kernel without it).
+    waited: float | None = None
 
     @property
     def cpu(self) -> float:
         return self.user + self.system
 
     def __sub__(self, other: "Usage") -> "Usage":
-        return Usage(self.user - other.user, self.system - other.system, self.switches - other.switches)
+        waited = None if self.waited is None or other.waited is None else self.waited - other.waited
+        return Usage(self.user - other.user, self.system - other.system, self.switches - other.switches, waited)
 
 
 def proc_usage(pid: int) -> Usage:
     """A live process's usage (all its threads): times from /proc/<pid>/stat, context
-    switches summed over /proc/<pid>/task/*/status (a thread that already exited is missed:
-    the programs' threads live as long as they do, bar Tokio's idle blocking threads)."""
+    switches and run-queue delay summed over /proc/<pid>/task/*/status and schedstat (a
+    thread that already exited is missed: the programs' threads live as long as they do,
+    bar Tokio's idle blocking threads)."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         stat = f.read().decode(errors="replace")
     # Fields after "pid (comm)"; comm may hold spaces and parentheses, so split after the
     # last ')'. utime and stime are fields 14 and 15 of the whole line.
     rest = stat[stat.rindex(")") + 2 :].split()
     switches = 0
+    waited_ns: int | None = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/status") as f:
@@ -52,8 +59,19 @@ def proc_usage(pid: int) -> Usage:
                     if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
                         switches += int(line.split()[1])
         except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
-            pass
-    return Usage(int(rest[11]) / CLK_TCK, int(rest[12]) / CLK_TCK, switches)
+            continue
+        try:
+            # On a CPU (ns), waiting on a run queue (ns), slices run.
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                if waited_ns is not None:
+                    waited_ns += int(f.read().split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            # A kernel without schedstat (or the thread ended): not counted at all.
+            if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+                continue
+            waited_ns = None
+    waited = None if waited_ns is None else waited_ns / 1e9
+    return Usage(int(rest[11]) / CLK_TCK, int(rest[12]) / CLK_TCK, switches, waited)
 
 
 def children_usage() -> Usage:

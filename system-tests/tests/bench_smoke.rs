@@ -169,9 +169,23 @@ fn bench_smoke_mode_reports_calls_on_all_four_paths_of_both_upstream_kinds() {
                 sum += v;
             }
             if process == "driver" {
-                // The driver's figures come from its rusage, in microseconds.
+                // The driver's figures come from its rusage, in microseconds, which has no
+                // run-queue delay.
                 let cpu = split["user_us"].as_f64().unwrap() + split["system_us"].as_f64().unwrap();
                 assert!(cpu > 0.0, "run on {path}: no driver CPU counted\n{output}");
+                assert!(
+                    split.get("waited_us").is_none(),
+                    "run on {path}: a driver wait that cannot be read\n{output}"
+                );
+            } else {
+                // A server's wait for a CPU, from its threads' schedstat.
+                let waited = split["waited_us"].as_f64().unwrap_or_else(|| {
+                    panic!("run on {path}: no per_call.{process}.waited_us\n{output}")
+                });
+                assert!(
+                    waited >= 0.0,
+                    "run on {path}: per_call.{process}.waited_us = {waited}"
+                );
             }
             *seen.entry(process).or_default() += sum;
         }
@@ -183,8 +197,8 @@ fn bench_smoke_mode_reports_calls_on_all_four_paths_of_both_upstream_kinds() {
         );
     }
     assert!(
-        run.stdout.contains("Where the CPU goes"),
-        "the text report lacks the CPU split table\n{output}"
+        run.stdout.contains("Where the CPU goes") && run.stdout.contains("broker waited us"),
+        "the text report lacks the CPU split table or its waits\n{output}"
     );
     // The broker's allocations are counted on its own paths, and only there.
     for run in runs {
