@@ -30,12 +30,13 @@ proxies' default), which the broker does not pay."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 
 from procs import ScriptError, log, spawn, stop
+
+from .usage import schedstat
 
 
 #: Seconds per measurement in a full bench: at a few thousand handshakes a second, 3 s make
@@ -157,16 +158,10 @@ def measure(name: str, pid: int, port: int, server_name: str, certs, seconds: fl
 
 
 def cpu_ns(pid: int) -> int:
-    """Nanoseconds the process `pid` has run on a CPU, over all its threads (schedstat's
-    first field; a thread that already ended is missed, as in `usage.proc_usage`)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return total
+    """Nanoseconds the process `pid` has run on a CPU, over all its threads
+    (`usage.schedstat`); 0 on a kernel without schedstat."""
+    sched = schedstat(pid)
+    return 0 if sched is None else sched[0]
 
 
 def measure_all(listeners: list[dict], certs, seconds: float) -> list[dict]:

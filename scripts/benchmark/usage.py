@@ -51,7 +51,6 @@ def proc_usage(pid: int) -> Usage:
     # last ')'. utime and stime are fields 14 and 15 of the whole line.
     rest = stat[stat.rindex(")") + 2 :].split()
     switches = 0
-    waited_ns: int | None = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/status") as f:
@@ -59,19 +58,28 @@ def proc_usage(pid: int) -> Usage:
                     if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
                         switches += int(line.split()[1])
         except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
-            continue
-        try:
-            # On a CPU (ns), waiting on a run queue (ns), slices run.
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                if waited_ns is not None:
-                    waited_ns += int(f.read().split()[1])
-        except (FileNotFoundError, ProcessLookupError):
-            # A kernel without schedstat (or the thread ended): not counted at all.
-            if not os.path.exists(f"/proc/{pid}/task/{tid}"):
-                continue
-            waited_ns = None
-    waited = None if waited_ns is None else waited_ns / 1e9
+            pass
+    sched = schedstat(pid)
+    waited = None if sched is None else sched[1] / 1e9
     return Usage(int(rest[11]) / CLK_TCK, int(rest[12]) / CLK_TCK, switches, waited)
+
+
+def schedstat(pid: int) -> tuple[int, int] | None:
+    """Nanoseconds the threads of the live process `pid` have run on a CPU and have waited
+    on a run queue, summed (the first two fields of /proc/<pid>/task/*/schedstat; a thread
+    that already ended is missed, as in `proc_usage`); None on a kernel without them."""
+    ran = waited = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                fields = f.read().split()
+        except (FileNotFoundError, ProcessLookupError):
+            if os.path.exists(f"/proc/{pid}/task/{tid}"):
+                return None  # the thread is there and its schedstat is not: no schedstat
+            continue  # the thread ended meanwhile
+        ran += int(fields[0])
+        waited += int(fields[1])
+    return ran, waited
 
 
 def children_usage() -> Usage:
