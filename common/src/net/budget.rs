@@ -279,9 +279,13 @@ impl MemoryBudget {
         self.used().saturating_add(more) <= self.limit
     }
 
-    /// True when a new call with a body of `len` bytes is to be answered "overloaded".
+    /// True when a new call with a body of `len` bytes is to be answered "overloaded": it
+    /// is large and what the others hold is past the high mark. Its own bytes, in its read
+    /// buffer already, do not count: a call past the mark by its own size alone would
+    /// refuse itself, and with the others holding just under the mark (where no holder is
+    /// shed) every large call would be refused for as long as they held it.
     pub fn refuses(&self, len: usize) -> bool {
-        len >= SMALL_BODY && self.used() >= self.high
+        len >= SMALL_BODY && self.used().saturating_sub(len) >= self.high
     }
 
     /// Resolves once the budget is back under the pause mark (at once if it is).
@@ -471,6 +475,20 @@ mod tests {
         assert!(!b.should_pause(112 * 1024));
         assert!(b.fits(64 * 1024));
         assert!(!b.fits(128 * 1024 + 1));
+    }
+
+    #[test]
+    fn a_large_call_is_not_refused_for_its_own_bytes() {
+        let b = MemoryBudget::new(1 << 20);
+        let mut others = Held::new(b.clone());
+        others.set((512 - 64) * 1024);
+        // The call's 256 KiB read: the budget is past its mark (512 KiB) by them alone.
+        let mut own = Held::new(b.clone());
+        own.set(256 * 1024);
+        assert_eq!(b.pressure(), Pressure::High);
+        assert!(!b.refuses(256 * 1024), "refused for its own bytes");
+        others.set(512 * 1024);
+        assert!(b.refuses(256 * 1024), "the others past the mark refuse it");
     }
 
     #[test]
