@@ -31,25 +31,25 @@ use rpcmesh_wire::codec::{FrameCodec, body_in_place, skip_frame};
 use rpcmesh_wire::frame::{DEFAULT_MAX_BODY_LEN, FRAME_OVERHEAD, Header, put_frame_with_trailer};
 use rpcmesh_wire::neutral::neutral_id;
 use tokio::io::AsyncReadExt;
-use tokio::net::tcp::OwnedWriteHalf;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 
-/// Provider connections: one, as the broker packs this load on one connection of its pool
-/// (`--pack-in-flight`: 64 calls over 8 client connections ride its oldest connection; a
-/// floor that spread them over four made four times the provider-side system calls).
-const UPSTREAM_CONNECTIONS: usize = 1;
 /// Read buffers grow by this much when under [`READ_ROOM`] is left, as the broker's.
 const READ_CHUNK: usize = 64 << 10;
 /// The room under which a read buffer grows.
 const READ_ROOM: usize = 4 << 10;
 /// Turns a session waits for more replies before it writes, at most, as the broker's.
 const SESSION_GATHER_YIELDS: usize = 1;
-/// Turns a provider connection waits for more calls before it writes, at most, as the
+/// Turns the provider connection waits for more calls before it writes, at most, as the
 /// broker's.
 const UPSTREAM_GATHER_YIELDS: usize = 4;
 
-/// A provider connection's side of the hub: what to write, and the calls on it.
+/// The provider connection's side of the hub: what to write, and the calls on it. One
+/// connection, as the broker packs this load on one connection of its pool
+/// (`--pack-in-flight`: 64 calls over 8 client connections ride its oldest connection; a
+/// floor that spread them over four made four times the provider-side system calls).
+#[derive(Default)]
 struct Upstream {
     wbuf: BytesMut,
     wake: Rc<Notify>,
@@ -67,47 +67,85 @@ struct Session {
 /// What the tasks share (one thread: a `RefCell`, never held across an await).
 #[derive(Default)]
 struct Hub {
-    upstreams: Vec<Upstream>,
+    upstream: Upstream,
     sessions: Vec<Option<Session>>,
-    turn: usize,
 }
 
-/// The whole frame at the front of `src`, checked where it lies: its header and trailer,
-/// `None` when it is not all there. A bad frame's bytes are dropped (the codec's doing).
-fn next_frame(codec: &FrameCodec, src: &mut BytesMut) -> Option<(Header, u32)> {
-    loop {
-        match codec.peek_frame(src) {
-            Ok(Some(h)) => {
-                let end = FRAME_OVERHEAD + h.body_len as usize;
-                let t =
-                    u32::from_be_bytes([src[end - 4], src[end - 3], src[end - 2], src[end - 1]]);
-                return Some((h, t));
+/// One socket's two halves, its read buffer checked with the broker's codec, and what it
+/// has to write: what the session and the provider connection both are.
+struct Link {
+    rd: OwnedReadHalf,
+    wr: OwnedWriteHalf,
+    codec: FrameCodec,
+    rbuf: BytesMut,
+    out: BytesMut,
+}
+
+impl Link {
+    fn new(s: TcpStream) -> io::Result<Link> {
+        s.set_nodelay(true)?;
+        let (rd, wr) = s.into_split();
+        Ok(Link {
+            rd,
+            wr,
+            codec: FrameCodec::new(DEFAULT_MAX_BODY_LEN),
+            rbuf: BytesMut::new(),
+            out: BytesMut::new(),
+        })
+    }
+
+    /// Reads what the socket has; `Ok(0)` when the peer closed.
+    async fn read(&mut self) -> io::Result<usize> {
+        if self.rbuf.capacity() - self.rbuf.len() < READ_ROOM {
+            self.rbuf.reserve(READ_CHUNK);
+        }
+        self.rd.read_buf(&mut self.rbuf).await
+    }
+
+    /// The whole frame at the front of the read buffer, checked where it lies: its header
+    /// and trailer, `None` when it is not all there. A bad frame's bytes are dropped (the
+    /// codec's doing).
+    fn next_frame(&mut self) -> Option<(Header, u32)> {
+        let src = &mut self.rbuf;
+        loop {
+            match self.codec.peek_frame(src) {
+                Ok(Some(h)) => {
+                    let end = FRAME_OVERHEAD + h.body_len as usize;
+                    let t = u32::from_be_bytes([
+                        src[end - 4],
+                        src[end - 3],
+                        src[end - 2],
+                        src[end - 1],
+                    ]);
+                    return Some((h, t));
+                }
+                Ok(None) => return None,
+                Err(e) if e.is_fatal() => {
+                    src.clear();
+                    return None;
+                }
+                Err(_) => {}
             }
-            Ok(None) => return None,
-            Err(e) if e.is_fatal() => {
-                src.clear();
-                return None;
-            }
-            Err(_) => {}
         }
     }
-}
 
-/// Writes all of `b`, waiting while the socket takes nothing.
-async fn flush(s: &OwnedWriteHalf, b: &mut BytesMut) -> io::Result<()> {
-    while !b.is_empty() {
-        match s.try_write(b) {
-            Ok(n) => b.advance(n),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => s.writable().await?,
-            Err(e) => return Err(e),
-        }
+    /// Copies the frame `next_frame` found under `header` (its id changed, `trailer` kept)
+    /// to `dst`, and drops it from the read buffer.
+    fn forward(&mut self, header: &Header, trailer: u32, dst: &mut BytesMut) {
+        put_frame_with_trailer(dst, header, body_in_place(&self.rbuf, header), trailer);
+        skip_frame(&mut self.rbuf, header);
     }
-    Ok(())
-}
 
-fn room(b: &mut BytesMut) {
-    if b.capacity() - b.len() < READ_ROOM {
-        b.reserve(READ_CHUNK);
+    /// Writes all of `out`, waiting while the socket takes nothing.
+    async fn flush(&mut self) -> io::Result<()> {
+        while !self.out.is_empty() {
+            match self.wr.try_write(&self.out) {
+                Ok(n) => self.out.advance(n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.wr.writable().await?,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 }
 
@@ -128,24 +166,22 @@ fn take_replies(hub: &RefCell<Hub>, me: usize, out: &mut BytesMut) -> usize {
 }
 
 async fn session(s: TcpStream, me: usize, hub: Rc<RefCell<Hub>>, wake: Rc<Notify>) {
-    let _ = s.set_nodelay(true);
-    let (mut rd, wr) = s.into_split();
-    let codec = FrameCodec::new(DEFAULT_MAX_BODY_LEN);
-    let mut rbuf = BytesMut::new();
-    let mut out = BytesMut::new();
+    if let Ok(mut link) = Link::new(s) {
+        let _ = serve(&mut link, me, &hub, &wake).await;
+    }
+    hub.borrow_mut().sessions[me] = None;
+}
+
+async fn serve(link: &mut Link, me: usize, hub: &RefCell<Hub>, wake: &Notify) -> io::Result<()> {
     loop {
-        room(&mut rbuf);
         tokio::select! {
-            r = rd.read_buf(&mut rbuf) => {
-                if !matches!(r, Ok(n) if n > 0) {
-                    break;
+            r = link.read() => {
+                if r? == 0 {
+                    return Ok(());
                 }
                 let mut h = hub.borrow_mut();
-                let h = &mut *h;
-                while let Some((mut header, trailer)) = next_frame(&codec, &mut rbuf) {
-                    let u = h.turn % h.upstreams.len();
-                    h.turn = h.turn.wrapping_add(1);
-                    let up = &mut h.upstreams[u];
+                let up = &mut h.upstream;
+                while let Some((mut header, trailer)) = link.next_frame() {
                     let key = up.free.pop().unwrap_or_else(|| {
                         up.slots.push(None);
                         u32::try_from(up.slots.len() - 1).unwrap_or(u32::MAX)
@@ -153,9 +189,7 @@ async fn session(s: TcpStream, me: usize, hub: Rc<RefCell<Hub>>, wake: Rc<Notify
                     let id = neutral_id(header.req_id, key);
                     up.slots[key as usize] = Some((me, header.req_id, id));
                     header.req_id = id;
-                    let body = body_in_place(&rbuf, &header);
-                    put_frame_with_trailer(&mut up.wbuf, &header, body, trailer);
-                    skip_frame(&mut rbuf, &header);
+                    link.forward(&header, trailer, &mut up.wbuf);
                     up.wake.notify_one();
                 }
             }
@@ -163,72 +197,60 @@ async fn session(s: TcpStream, me: usize, hub: Rc<RefCell<Hub>>, wake: Rc<Notify
         }
         // As the broker's sessions do: while replies keep coming, a turn more before the
         // write, so that one write carries them.
-        if take_replies(&hub, me, &mut out) > 0 {
+        if take_replies(hub, me, &mut link.out) > 0 {
             for _ in 0..SESSION_GATHER_YIELDS {
                 tokio::task::yield_now().await;
-                if take_replies(&hub, me, &mut out) == 0 {
+                if take_replies(hub, me, &mut link.out) == 0 {
                     break;
                 }
             }
         }
-        if flush(&wr, &mut out).await.is_err() {
-            break;
-        }
+        link.flush().await?;
     }
-    hub.borrow_mut().sessions[me] = None;
 }
 
-async fn upstream(
-    s: TcpStream,
-    me: usize,
-    hub: Rc<RefCell<Hub>>,
-    wake: Rc<Notify>,
-) -> io::Result<()> {
-    s.set_nodelay(true)?;
-    let (mut rd, wr) = s.into_split();
-    let codec = FrameCodec::new(DEFAULT_MAX_BODY_LEN);
-    let mut rbuf = BytesMut::new();
-    let mut out = BytesMut::new();
+async fn upstream(s: TcpStream, hub: Rc<RefCell<Hub>>, wake: Rc<Notify>) -> io::Result<()> {
+    let mut link = Link::new(s)?;
     loop {
-        room(&mut rbuf);
         tokio::select! {
-            r = rd.read_buf(&mut rbuf) => {
+            r = link.read() => {
                 if r? == 0 {
                     return Err(io::ErrorKind::UnexpectedEof.into());
                 }
                 let mut h = hub.borrow_mut();
                 let h = &mut *h;
-                while let Some((mut header, trailer)) = next_frame(&codec, &mut rbuf) {
-                    let key = header.req_id as u32;
-                    let up = &mut h.upstreams[me];
-                    let given = header.req_id;
-                    let slot = up.slots.get_mut(key as usize);
-                    let slot = slot.and_then(|s| s.take_if(|s| s.2 == given));
-                    if let Some((session, caller_id, _)) = slot {
-                        up.free.push(key);
-                        if let Some(Some(to)) = h.sessions.get_mut(session) {
-                            header.req_id = caller_id;
-                            let body = body_in_place(&rbuf, &header);
-                            put_frame_with_trailer(&mut to.wbuf, &header, body, trailer);
-                            to.wake.notify_one();
+                while let Some((mut header, trailer)) = link.next_frame() {
+                    let (key, given) = (header.req_id as u32, header.req_id);
+                    let slot = h.upstream.slots.get_mut(key as usize);
+                    match slot.and_then(|s| s.take_if(|s| s.2 == given)) {
+                        Some((session, caller_id, _)) => {
+                            h.upstream.free.push(key);
+                            match h.sessions.get_mut(session) {
+                                Some(Some(to)) => {
+                                    header.req_id = caller_id;
+                                    link.forward(&header, trailer, &mut to.wbuf);
+                                    to.wake.notify_one();
+                                }
+                                _ => skip_frame(&mut link.rbuf, &header),
+                            }
                         }
+                        None => skip_frame(&mut link.rbuf, &header),
                     }
-                    skip_frame(&mut rbuf, &header);
                 }
             }
             () = wake.notified() => {
-                // The other sessions read in this turn add their calls first: one write.
+                // The sessions read in this turn add their calls first: one write.
                 for _ in 0..UPSTREAM_GATHER_YIELDS {
-                    let before = hub.borrow().upstreams[me].wbuf.len();
+                    let before = hub.borrow().upstream.wbuf.len();
                     tokio::task::yield_now().await;
-                    if hub.borrow().upstreams[me].wbuf.len() == before {
+                    if hub.borrow().upstream.wbuf.len() == before {
                         break;
                     }
                 }
             }
         }
-        std::mem::swap(&mut out, &mut hub.borrow_mut().upstreams[me].wbuf);
-        flush(&wr, &mut out).await?;
+        std::mem::swap(&mut link.out, &mut hub.borrow_mut().upstream.wbuf);
+        link.flush().await?;
     }
 }
 
@@ -260,21 +282,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let local = tokio::task::LocalSet::new();
     local.block_on(&rt, async move {
         let hub = Rc::new(RefCell::new(Hub::default()));
-        let mut ended = Vec::new();
-        for me in 0..UPSTREAM_CONNECTIONS {
-            let s = TcpStream::connect(to).await?;
-            let wake = Rc::new(Notify::new());
-            hub.borrow_mut().upstreams.push(Upstream {
-                wbuf: BytesMut::new(),
-                wake: wake.clone(),
-                slots: Vec::new(),
-                free: Vec::new(),
-            });
-            ended.push(tokio::task::spawn_local(upstream(s, me, hub.clone(), wake)));
-        }
+        let s = TcpStream::connect(to).await?;
+        let wake = hub.borrow().upstream.wake.clone();
+        let mut failed = tokio::task::spawn_local(upstream(s, hub.clone(), wake));
         let l = TcpListener::bind(listen).await?;
-        let failed = futures_util::future::select_all(ended);
-        tokio::pin!(failed);
         loop {
             tokio::select! {
                 accepted = l.accept() => {
@@ -288,7 +299,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     };
                     tokio::task::spawn_local(session(s, me, hub.clone(), wake));
                 }
-                (r, _, _) = &mut failed => {
+                r = &mut failed => {
                     let e = r.map_err(io::Error::other).and_then(|r| r).err();
                     return Err(format!("a provider connection ended: {e:?}").into());
                 }
