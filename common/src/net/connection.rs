@@ -157,6 +157,41 @@ pub struct FramedIo {
     held: Option<Held>,
 }
 
+/// A [`FramedIo`] between two runtimes ([`FramedIo::detach`]): everything but its
+/// registration with a reactor and its busy-polling activity, which belong to the runtime
+/// that serves it.
+#[derive(Debug)]
+pub struct DetachedIo {
+    stream: crate::net::stream::Detached,
+    codec: FrameCodec,
+    rbuf: BytesMut,
+    wbuf: BytesMut,
+    eof: bool,
+    discard: usize,
+    counts: IoCounts,
+    write_stalled: Option<Instant>,
+    held: Option<Held>,
+}
+
+impl DetachedIo {
+    /// The connection again, registered with the current runtime's reactor and telling
+    /// `activity` (that runtime's spinner, if any) of its reads.
+    pub fn attach(self, activity: Option<Arc<Activity>>) -> io::Result<FramedIo> {
+        Ok(FramedIo {
+            stream: self.stream.attach()?,
+            codec: self.codec,
+            rbuf: self.rbuf,
+            wbuf: self.wbuf,
+            eof: self.eof,
+            discard: self.discard,
+            counts: self.counts,
+            write_stalled: self.write_stalled,
+            activity,
+            held: self.held,
+        })
+    }
+}
+
 impl FramedIo {
     /// Wraps a connected socket, turns on `TCP_NODELAY` (frames are batched here, so
     /// Nagle would only add delay) and TCP keepalive (so that a peer that vanished without
@@ -217,6 +252,35 @@ impl FramedIo {
     pub fn with_budget(mut self, budget: Option<Arc<MemoryBudget>>) -> Self {
         self.held = budget.map(Held::new);
         self
+    }
+
+    /// Takes the connection off this runtime, its buffers, partial frame, counts and
+    /// budget share whole, for [`DetachedIo::attach`] on another (the broker moves a
+    /// client connection between its cells so, `broker::cell`).
+    pub fn detach(self) -> io::Result<DetachedIo> {
+        let FramedIo {
+            stream,
+            codec,
+            rbuf,
+            wbuf,
+            eof,
+            discard,
+            counts,
+            write_stalled,
+            activity: _,
+            held,
+        } = self;
+        Ok(DetachedIo {
+            stream: stream.detach()?,
+            codec,
+            rbuf,
+            wbuf,
+            eof,
+            discard,
+            counts,
+            write_stalled,
+            held,
+        })
     }
 
     /// Bytes the buffers hold now: the room of the read buffer (partial frames and the

@@ -8,7 +8,9 @@
 //! (answering what still arrives for [`DRAIN_LINGER`] once idle, then closing), the end of
 //! the grace period (every call still in flight answered "unavailable: shutting down"
 //! before the connection closes), the final flush, [`SessionError`], and the
-//! [`CloseReason`] the session ended with.
+//! [`CloseReason`] the session ended with; and, for a server of several runtimes, the
+//! move of a session to another between two of its rounds ([`serve_movable`]: its
+//! connection, buffers and clocks go whole, its calls in flight stay in flight).
 //!
 //! The protocol owns what the frames mean: the provider decodes calls and runs handlers;
 //! the broker routes calls to providers and writes their replies back. Neither sees the
@@ -21,7 +23,7 @@ use rpcmesh_wire::frame::{Frame, FrameError, MsgType};
 
 use tokio::time::Instant;
 
-use crate::net::connection::{CloseReason, FramedIo, IoEvent};
+use crate::net::connection::{CloseReason, DetachedIo, FramedIo, IoEvent};
 use crate::net::shutdown::{CancellationToken, Cancelled};
 
 /// Replies waiting to be written beyond which a session stops reading requests until the
@@ -211,17 +213,88 @@ pub trait Protocol: Send {
 /// what is already answered (within [`FINAL_FLUSH_TIMEOUT`]) and closes. Logs at debug how
 /// it ended (callers wrap it in their span) and returns why.
 pub async fn serve<P: Protocol>(
+    io: FramedIo,
+    protocol: P,
+    timeouts: Timeouts,
+    stop: Stop,
+) -> CloseReason {
+    match serve_movable(io, protocol, timeouts, stop, None, Resume::default()).await {
+        Ended::Closed(reason) => reason,
+        // Never asked to move.
+        Ended::Moving(_) => CloseReason::Local,
+    }
+}
+
+/// How a movable session ended on this runtime.
+#[derive(Debug)]
+pub enum Ended<P> {
+    /// The connection is closed.
+    Closed(CloseReason),
+    /// It was asked to move and is ready to: serve it on the runtime it goes to, with
+    /// [`Moving::resume`] (boxed: a session's state is large, and a closed one needs
+    /// none of its room).
+    Moving(Box<Moving<P>>),
+}
+
+/// A session between two runtimes: its connection off the reactor, its protocol, and
+/// its timeouts' clocks, which keep running.
+#[derive(Debug)]
+pub struct Moving<P> {
+    /// The connection, to [`DetachedIo::attach`] on the runtime it goes to.
+    pub io: DetachedIo,
+    /// The protocol's state, to be rebound to that runtime's parts by its owner.
+    pub protocol: P,
+    /// The clocks, for [`serve_movable`] there.
+    pub resume: Resume,
+}
+
+/// The timeouts' clocks of a session that moved: an idle or slow caller is timed across
+/// a move as if it had not moved. Default: a fresh session's.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Resume {
+    idle_since: Option<Instant>,
+    frame_since: Option<Instant>,
+    shed_check: Option<Instant>,
+    /// Not a fresh session: the clocks above are the session's.
+    moved: bool,
+}
+
+/// As [`serve`], and movable: once `move_asked` is cancelled the session ends on this
+/// runtime at the end of its round, its connection detached, unless it is draining
+/// (then it stays, and the drain ends it here), the memory budget pauses it, or its
+/// caller has left. Calls in flight stay in flight: a protocol whose outcomes reach it
+/// through a channel any thread may write to (the broker's inbox) has them delivered
+/// wherever it runs next. `resume`: the clocks of a session that moved here.
+pub async fn serve_movable<P: Protocol>(
     mut io: FramedIo,
     mut protocol: P,
     timeouts: Timeouts,
     stop: Stop,
-) -> CloseReason {
-    let end = run(&mut io, &mut protocol, timeouts, &stop).await;
-    let reason = match &end {
-        Ok(reason) => {
+    move_asked: Option<&CancellationToken>,
+    resume: Resume,
+) -> Ended<P> {
+    let end = run(&mut io, &mut protocol, timeouts, &stop, move_asked, resume).await;
+    let reason = match end {
+        Ok(Round::Close(reason)) => {
             tracing::debug!(reason = reason.label(), "connection closed");
-            *reason
+            reason
         }
+        Ok(Round::Move(resume)) => match io.detach() {
+            Ok(io) => {
+                tracing::debug!(in_flight = protocol.in_flight(), "moving");
+                return Ended::Moving(Box::new(Moving {
+                    io,
+                    protocol,
+                    resume,
+                }));
+            }
+            Err(e) => {
+                // The socket is gone with the error: nothing is left to flush.
+                tracing::debug!(error = %e, "connection lost while moving");
+                protocol.on_end();
+                return Ended::Closed(CloseReason::Error);
+            }
+        },
         Err(e) => {
             tracing::debug!(error = %e, "connection ended");
             e.reason()
@@ -230,7 +303,13 @@ pub async fn serve<P: Protocol>(
     protocol.on_end();
     let _ = tokio::time::timeout(FINAL_FLUSH_TIMEOUT, io.shutdown()).await;
     protocol.after_write(&mut io);
-    reason
+    Ended::Closed(reason)
+}
+
+/// How a session's loop ended without error.
+enum Round {
+    Close(CloseReason),
+    Move(Resume),
 }
 
 /// The loop: one round per event (the socket's, the protocol's, the drain's, a timeout's),
@@ -240,11 +319,16 @@ async fn run<P: Protocol>(
     p: &mut P,
     timeouts: Timeouts,
     stop: &Stop,
-) -> Result<CloseReason, SessionError> {
+    move_asked: Option<&CancellationToken>,
+    resume: Resume,
+) -> Result<Round, SessionError> {
     let mut draining = false;
     let mut cut = false;
     let mut drain = Drain::default();
-    let mut clock = Clock::new(timeouts);
+    let mut clock = Clock::new(timeouts, resume);
+    clock.arm_earliest(io);
+    let mut moving = false;
+    let mut move_begun = move_asked.map(Cancelled::new);
     // Made once and kept registered with their tokens, and asking them only when they
     // woke the task: a `cancelled()` made each round would lock the token to add itself as
     // a waiter and lock it again to leave, and even one kept locks it twice per poll, every
@@ -299,6 +383,9 @@ async fn run<P: Protocol>(
                 tracing::debug!(in_flight = p.in_flight(), "draining");
                 draining = true;
             }
+            () = async { if let Some(m) = move_begun.as_mut() { m.await } }, if move_begun.is_some() && !moving => {
+                moving = true;
+            }
             () = &mut grace_ended, if !cut => {
                 tracing::debug!(in_flight = p.in_flight(), "grace period over");
                 p.on_grace_over(io);
@@ -329,10 +416,13 @@ async fn run<P: Protocol>(
             // `abortonclose`), so a caller that sends and closes costs no session while
             // its replies are on their way; they are dropped when they come. What is
             // already answered still goes out in the final flush.
-            return Ok(CloseReason::Peer);
+            return Ok(Round::Close(CloseReason::Peer));
         }
         if (cut && idle) || drain.should_close(draining, idle) {
-            return Ok(CloseReason::Shutdown);
+            return Ok(Round::Close(CloseReason::Shutdown));
+        }
+        if moving && !draining && paused.is_none() && !io.is_eof() {
+            return Ok(Round::Move(clock.resume()));
         }
         clock.update(io, frames, reading, idle, quiet);
     }
@@ -370,7 +460,7 @@ struct Clock {
 }
 
 impl Clock {
-    fn new(limits: Timeouts) -> Self {
+    fn new(limits: Timeouts, resume: Resume) -> Self {
         let now = Instant::now();
         let mut clock = Clock {
             limits,
@@ -381,8 +471,33 @@ impl Clock {
             timer: Box::pin(tokio::time::sleep_until(now + limits.idle)),
             armed: None,
         };
+        if resume.moved {
+            clock.idle_since = resume.idle_since;
+            clock.frame_since = resume.frame_since;
+            clock.shed_check = resume.shed_check;
+        }
         clock.arm(now + limits.idle);
         clock
+    }
+
+    /// Arms the timer for the earliest deadline, if it is before the one armed (a moved
+    /// session's clocks may be due before its idle timeout).
+    fn arm_earliest(&mut self, io: &FramedIo) {
+        if let Some(due) = self.next_due(io) {
+            if self.armed.is_none_or(|armed| due < armed) {
+                self.arm(due);
+            }
+        }
+    }
+
+    /// The clocks, for the runtime the session moves to (its timer stays behind).
+    fn resume(&self) -> Resume {
+        Resume {
+            idle_since: self.idle_since,
+            frame_since: self.frame_since,
+            shed_check: self.shed_check,
+            moved: true,
+        }
     }
 
     /// This side stopped reading: the frame being read is not timed meanwhile (it starts
@@ -423,11 +538,7 @@ impl Clock {
         } else if self.shed_check.is_none() {
             self.shed_check = Some(Instant::now() + crate::net::budget::SHED_CHECK);
         }
-        if let Some(due) = self.next_due(io) {
-            if self.armed.is_none_or(|armed| due < armed) {
-                self.arm(due);
-            }
-        }
+        self.arm_earliest(io);
     }
 
     fn deadlines(&self, io: &FramedIo) -> [(Option<Instant>, CloseReason); 4] {

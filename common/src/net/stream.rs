@@ -87,8 +87,48 @@ pub struct WriteDone {
     pub blocked: bool,
 }
 
+/// A [`Stream`] taken off its runtime's reactor, to be carried to another thread and
+/// put on that runtime's ([`Stream::detach`], [`Detached::attach`]): the broker moves a
+/// client connection between its cells so. The TLS state goes with the socket.
+#[derive(Debug)]
+pub struct Detached {
+    tcp: std::net::TcpStream,
+    tls: Option<(rustls::Connection, bool)>,
+}
+
+impl Detached {
+    /// Registers the socket with the current runtime's reactor (call it on the runtime
+    /// that is to serve it). A socket that was readable when it was detached wakes its
+    /// new task at once: the reactor reports its readiness on registration.
+    pub fn attach(self) -> io::Result<Stream> {
+        let tcp = TcpStream::from_std(self.tcp)?;
+        Ok(match self.tls {
+            None => Stream::Plain(tcp),
+            Some((tls, tcp_eof)) => Stream::Tls(Box::new(TlsStream { tcp, tls, tcp_eof })),
+        })
+    }
+}
+
 impl Stream {
     /// The TCP socket (its options: keepalive, quick ACKs).
+    /// Takes the socket off this runtime's reactor (it stays non-blocking), with its TLS
+    /// state, for [`Detached::attach`] on another runtime.
+    pub fn detach(self) -> io::Result<Detached> {
+        Ok(match self {
+            Stream::Plain(s) => Detached {
+                tcp: s.into_std()?,
+                tls: None,
+            },
+            Stream::Tls(t) => {
+                let TlsStream { tcp, tls, tcp_eof } = *t;
+                Detached {
+                    tcp: tcp.into_std()?,
+                    tls: Some((tls, tcp_eof)),
+                }
+            }
+        })
+    }
+
     pub fn tcp(&self) -> &TcpStream {
         match self {
             Stream::Plain(s) => s,
