@@ -103,15 +103,67 @@ pub const DEFAULT_CELLS: usize = 1;
 /// What `--threads` means to the broker (the runtime flag every program takes).
 const THREADS_HELP: &str = "Threads, each a cell serving its own client connections over its own share of each provider's pool (0 = one per CPU)";
 
+/// Where a broker of several cells puts its client connections (`--cell-placement`;
+/// `crate::cell::placement`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum CellPlacement {
+    /// On as few cells as keep up with them, more only when a trial shows another cell
+    /// answers more calls: a broker given more threads than it has cores to itself is
+    /// never slower than one cell.
+    #[default]
+    Gather,
+    /// Over every cell from the start, and never moved: for cores known to be the
+    /// broker's own.
+    Spread,
+}
+
+impl fmt::Display for CellPlacement {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CellPlacement::Gather => "gather",
+            CellPlacement::Spread => "spread",
+        })
+    }
+}
+
+/// How a gathering broker judges its cells (`crate::cell::placement`); the defaults are
+/// its named constants. Not on the command line: tests shorten the review and force
+/// trials with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlacementTuning {
+    /// How often the placement looks.
+    pub review: Duration,
+    /// The per cent of a review an open cell must have been busy to try one more.
+    pub spread_busy_pct: u32,
+    /// The per cent of the calls before a trial that its review must beat to be kept.
+    pub spread_gain_pct: u32,
+    /// Reviews of a steady load a trial needs before it (0: none, any load will do).
+    pub steady_reviews: usize,
+}
+
+impl Default for PlacementTuning {
+    fn default() -> Self {
+        use crate::cell::placement;
+        PlacementTuning {
+            review: placement::REVIEW,
+            spread_busy_pct: placement::SPREAD_BUSY_PCT,
+            spread_gain_pct: placement::SPREAD_GAIN_PCT,
+            steady_reviews: placement::STEADY_REVIEWS,
+        }
+    }
+}
+
 /// Whether the broker busy-polls after reads (`--busy-poll`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BusyPoll {
-    /// [`DEFAULT_BUSY_POLL`] when the broker serves calls on one thread, else off: a
-    /// spinner per cell (`crate::cell`) keeps a core per cell busy while traffic flows,
-    /// and on two vCPUs cells that spin are still slower than one cell
-    /// (docs/performance.md, "Scaling with threads: cells"); in a runtime of several
-    /// workers, a spinning worker cannot take the reactor from one blocked in
-    /// `epoll_wait` (see `rpcmesh_common::net::busy_poll`).
+    /// [`DEFAULT_BUSY_POLL`] when each thread serving calls is a runtime of its own: one
+    /// cell, or cells placed by [`CellPlacement::Gather`] (a cell without connections
+    /// reads nothing and never spins); else off: cells spread from the start would keep a
+    /// core per cell spinning while traffic flows, which on a machine the broker shares
+    /// costs its peers more than the wake-ups it spares them (docs/performance.md,
+    /// "Scaling with threads: cells"), and in a runtime of several workers a spinning
+    /// worker cannot take the reactor from one blocked in `epoll_wait` (see
+    /// `rpcmesh_common::net::busy_poll`).
     Auto,
     /// Sleep at once when there is nothing to do.
     Off,
@@ -262,11 +314,17 @@ pub struct Args {
     #[command(flatten)]
     pub limits: LimitArgs,
     /// Keep polling for I/O this long after each read instead of sleeping (e.g. 50us),
-    /// `off`, or `auto`: 50us when the broker runs one thread (`--threads 1`), else
-    /// off. Spares peers the cost of waking the broker and cuts its latency, at the price
+    /// `off`, or `auto`: 50us when the broker runs one thread (`--threads 1`) or gathers
+    /// its cells (`--cell-placement gather`), else off. Spares peers the cost of waking the broker and cuts its latency, at the price
     /// of one busy core while traffic flows (yielded to any thread that waits for it).
     #[arg(long, env = "RPCMESH_BUSY_POLL", default_value_t = BusyPoll::Auto)]
     pub busy_poll: BusyPoll,
+    /// With several threads (cells): `gather` keeps the client connections on as few
+    /// cells as keep up and spreads them only when a trial shows more calls answered, so
+    /// that threads without cores of their own cost nothing; `spread` deals them over
+    /// every cell from the start.
+    #[arg(long, env = "RPCMESH_CELL_PLACEMENT", value_enum, default_value_t = CellPlacement::Gather)]
+    pub cell_placement: CellPlacement,
     /// The most calls in flight to which a provider's connections are filled one after
     /// the other (fewer, larger batches); 0 = always the less loaded of two. A provider
     /// that takes longer per call is packed less deep, as `--pack-wait` says.
@@ -364,6 +422,10 @@ pub struct BrokerConfig {
     /// provider connections (`--threads`; `crate::cell`). 1: the runtime `run` is called
     /// on serves everything itself.
     pub cells: usize,
+    /// Where the cells' client connections go.
+    pub cell_placement: CellPlacement,
+    /// How the placement judges the cells when it gathers.
+    pub placement_tuning: PlacementTuning,
 }
 
 impl BrokerConfig {
@@ -418,6 +480,8 @@ impl BrokerConfig {
             resilience: crate::resilience::ResilienceConfig::default(),
             idempotent: rpcmesh_common::retry::Idempotent::default(),
             cells: DEFAULT_CELLS,
+            cell_placement: CellPlacement::Gather,
+            placement_tuning: PlacementTuning::default(),
         }
     }
 }
@@ -581,6 +645,8 @@ impl Args {
                 0 => rpcmesh_common::cli::startup::default_threads(),
                 n => n,
             },
+            cell_placement: self.cell_placement,
+            placement_tuning: PlacementTuning::default(),
         })
     }
 }

@@ -123,6 +123,45 @@ impl Lease {
     }
 }
 
+/// Calls in flight of a session moving between cells, handed from one cell's lease to
+/// the other's ([`Lease::hand_over`], [`Lease::take_over`]): they stay leased from the
+/// cap meanwhile, so the move neither frees room for other calls nor needs any. Dropped
+/// without being taken over (the session ended on its way), they are counted out of the
+/// cap.
+#[derive(Debug)]
+#[must_use = "calls handed over are counted out when dropped"]
+pub(crate) struct HandedOver {
+    cap: Arc<InFlightCap>,
+    calls: usize,
+}
+
+impl Drop for HandedOver {
+    fn drop(&mut self) {
+        self.cap.leased.fetch_sub(self.calls, Ordering::Relaxed);
+    }
+}
+
+impl Lease {
+    /// Counts `n` calls out of this cell's lease without giving their room back to the
+    /// cap (on this cell's thread, as the session leaves it).
+    pub fn hand_over(&self, n: usize) -> HandedOver {
+        self.used.fetch_sub(n, Ordering::Relaxed);
+        self.held.fetch_sub(n, Ordering::Relaxed);
+        HandedOver {
+            cap: self.cap.clone(),
+            calls: n,
+        }
+    }
+
+    /// Counts calls handed over from another cell into this one's lease (on this cell's
+    /// thread, as the session arrives).
+    pub fn take_over(&self, mut calls: HandedOver) {
+        let n = std::mem::take(&mut calls.calls);
+        self.held.fetch_add(n, Ordering::Relaxed);
+        self.used.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
 impl Drop for Lease {
     /// A cell that goes away gives back what it holds.
     fn drop(&mut self) {
@@ -175,6 +214,33 @@ mod tests {
         );
         drop(b);
         assert!(cap.leased() <= LEASE_BLOCK);
+    }
+
+    #[test]
+    fn calls_handed_between_cells_stay_leased_until_they_finish() {
+        let cap = InFlightCap::new(10, 2);
+        let (a, b) = (cap.lease(), cap.lease());
+        for _ in 0..10 {
+            assert!(a.admit());
+        }
+        let moving = a.hand_over(10);
+        assert!(!b.admit(), "the calls on their way still hold the cap");
+        assert!(!a.admit());
+        b.take_over(moving);
+        b.release(4);
+        assert!(a.admit(), "a call finished on the new cell makes room");
+        a.release(1);
+        b.release(6);
+        // A session that ends on its way: its calls are counted out.
+        for _ in 0..3 {
+            assert!(a.admit());
+        }
+        drop(a.hand_over(3));
+        let mut admitted = 0;
+        while a.admit() || b.admit() {
+            admitted += 1;
+        }
+        assert_eq!(admitted, 10, "no room of the cap is lost");
     }
 
     #[test]

@@ -58,12 +58,16 @@ use rpcmesh_common::net::busy_poll::{self, Activity};
 use rpcmesh_common::net::listener::{self, AcceptConfig, Listeners, ServeSummary};
 use rpcmesh_common::net::shutdown::{self, CancellationToken};
 
-pub use config::{Args, Balance, BrokerConfig, BusyPoll};
+pub use config::{Args, Balance, BrokerConfig, BusyPoll, CellPlacement, PlacementTuning};
 pub use membership::{FILE_POLL, Reload};
 pub use metrics::BrokerMetrics;
 pub use upstream_spec::UpstreamSpec;
 // Fixed limits that are not flags, public so that the docs quoting them are held to the
 // code (`tests/docs_constants.rs`).
+pub use cell::placement::{
+    RETRY_FIRST, RETRY_MAX, REVIEW as PLACEMENT_REVIEW, SPREAD_BUSY_PCT, SPREAD_GAIN_PCT,
+    STEADY_REVIEWS,
+};
 pub use in_flight::LEASE_BLOCK;
 pub use session::MAX_RETRIES;
 pub use upstream::connection::{REQUEST_RETAIN, RING_MAX, RING_MIN};
@@ -182,13 +186,14 @@ pub async fn run_with_reload(
             return ServeSummary::default();
         }
     };
-    // The threads serving calls: busy polling is on by default only with one (a spinner
-    // per cell would keep a core per cell busy, which on a machine the broker shares
-    // costs its peers more than the wake-ups it spares them).
-    let workers = if config.cells > 1 {
-        config.cells
-    } else {
-        tokio::runtime::Handle::current().metrics().num_workers()
+    // The threads serving calls that may spin at once: busy polling is on by default only
+    // when that is one (`BusyPoll::Auto`). Gathered cells spin only where connections
+    // are, and no more cells hold them than keep up.
+    let gather = config.cell_placement == config::CellPlacement::Gather;
+    let workers = match config.cells {
+        1 => tokio::runtime::Handle::current().metrics().num_workers(),
+        _ if gather => 1,
+        n => n,
     };
     let busy_poll = config.busy_poll.window(workers);
     // Cancelled by the accept loop when the grace period ends: the upstream connections
@@ -224,10 +229,14 @@ pub async fn run_with_reload(
                         security: security.clone(),
                         guards: guards.clone(),
                         cell_calls: metrics.cell_calls(i, config.cells),
+                        answered: Default::default(),
+                        spin_idle_ns: Default::default(),
                     }),
                 )
             })
             .collect(),
+        gather,
+        &metrics,
     );
     let (providers, text) = membership::initial(&config, &metrics);
     let members = membership::Membership::start(
@@ -295,7 +304,14 @@ pub async fn run_with_reload(
         .filter_map(|cell| {
             let (window, activity) = busy_poll.zip(cell.shared.activity.clone())?;
             let idle = metrics.busy_poll_idle.clone();
-            let record = move |d: std::time::Duration| idle.record(d.as_secs_f64());
+            let shared = cell.shared.clone();
+            let record = move |d: std::time::Duration| {
+                idle.record(d.as_secs_f64());
+                let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+                shared
+                    .spin_idle_ns
+                    .fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
+            };
             let _on_cell = cell.handle.enter();
             Some(busy_poll::spawn(
                 activity,
@@ -305,6 +321,14 @@ pub async fn run_with_reload(
             ))
         })
         .collect();
+    // Where the connections of several cells live (`cell::placement`).
+    let placement = (gather && cells.all().len() > 1).then(|| {
+        tokio::spawn(cell::placement::run(
+            cells.clone(),
+            config.placement_tuning,
+            token.child_token(),
+        ))
+    });
     let housekeeping = Housekeeping::start(&metrics.telemetry, metrics::ROLE);
     let dealer = cells.clone();
     let summary = listener::serve(
@@ -317,6 +341,9 @@ pub async fn run_with_reload(
     )
     .await;
     drop(housekeeping);
+    if let Some(p) = placement {
+        p.abort();
+    }
     for s in spinners {
         s.abort();
     }

@@ -9,12 +9,13 @@ use std::sync::{Arc, Mutex};
 use metrics::{Counter, Gauge, Histogram};
 use rpcmesh_common::metrics::catalogue::{
     ABANDONED_REPLIES_TOTAL, BUSY_POLL_IDLE_SECONDS, CALLS_IN_FLIGHT, CALLS_REROUTED_TOTAL,
-    CELL_CALLS_TOTAL, CONFIG_RELOADS_TOTAL, FORWARDING_ALLOCATIONS_TOTAL, POOL_CONNECTIONS,
-    POOL_CONNECTIONS_CLOSED_TOTAL, POOL_GET_WAIT_SECONDS, POOL_GETS_TIMED_OUT_TOTAL,
-    POOL_GETS_WAITED_TOTAL, POOL_HEALTHY_CONNECTIONS, POOL_IDLE_CONNECTIONS,
-    RETRY_BUDGET_EXHAUSTED_TOTAL, UPSTREAM_CALLS_IN_FLIGHT, UPSTREAM_CALLS_TOTAL,
-    UPSTREAM_CONNECT_FAILURES_TOTAL, UPSTREAM_EJECTIONS_TOTAL, UPSTREAM_LATENCY_ESTIMATE_SECONDS,
-    UPSTREAM_PACE_SECONDS, UPSTREAM_QUICK_ACKS_TOTAL, UPSTREAMS_EJECTED,
+    CELL_CALLS_TOTAL, CELL_MOVES_TOTAL, CELLS_OPEN, CONFIG_RELOADS_TOTAL,
+    FORWARDING_ALLOCATIONS_TOTAL, POOL_CONNECTIONS, POOL_CONNECTIONS_CLOSED_TOTAL,
+    POOL_GET_WAIT_SECONDS, POOL_GETS_TIMED_OUT_TOTAL, POOL_GETS_WAITED_TOTAL,
+    POOL_HEALTHY_CONNECTIONS, POOL_IDLE_CONNECTIONS, RETRY_BUDGET_EXHAUSTED_TOTAL,
+    UPSTREAM_CALLS_IN_FLIGHT, UPSTREAM_CALLS_TOTAL, UPSTREAM_CONNECT_FAILURES_TOTAL,
+    UPSTREAM_EJECTIONS_TOTAL, UPSTREAM_LATENCY_ESTIMATE_SECONDS, UPSTREAM_PACE_SECONDS,
+    UPSTREAM_QUICK_ACKS_TOTAL, UPSTREAMS_EJECTED,
 };
 use rpcmesh_common::metrics::families::{
     CallCounters, ConnCounters, ShedCounters, Stages, WireCounters,
@@ -173,6 +174,19 @@ impl BrokerMetrics {
         self.telemetry.counter(
             &CELL_CALLS_TOTAL,
             &[("role", ROLE.label()), ("cell", &cell)],
+        )
+    }
+
+    /// `rpcmesh_cells_open` and `rpcmesh_cell_moves_total` of a broker of `cells` cells
+    /// (`crate::cell::placement`); none with one cell.
+    pub fn placement(&self, cells: usize) -> (Gauge, Counter) {
+        if cells <= 1 {
+            return (Gauge::noop(), Counter::noop());
+        }
+        let role = [("role", ROLE.label())];
+        (
+            self.telemetry.gauge(&CELLS_OPEN, &role),
+            self.telemetry.counter(&CELL_MOVES_TOTAL, &role),
         )
     }
 

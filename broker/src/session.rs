@@ -38,7 +38,8 @@ use rpcmesh_common::net::budget::{MemoryBudget, Reserved, SMALL_BODY};
 use rpcmesh_common::net::busy_poll::Activity;
 use rpcmesh_common::net::connection::{CloseReason, FramedIo};
 use rpcmesh_common::net::listener::Via;
-use rpcmesh_common::net::session::{self, Protocol, Stop};
+use rpcmesh_common::net::session::{self, Ended, Protocol, Resume, Stop};
+use rpcmesh_common::net::shutdown::CancellationToken;
 use rpcmesh_common::net::thinned::Thinned;
 use rpcmesh_common::net::tls::{Identity, Secured};
 use rpcmesh_wire::Status;
@@ -53,6 +54,7 @@ use tracing::Instrument;
 use crate::BrokerConfig;
 use crate::call::{CallInfo, Forward, Inbox, Reply, Reroute, Taken, Verbatim, write_reply_to};
 use crate::failure::{Cap, Failure};
+use crate::in_flight::HandedOver;
 use crate::metrics::{ADMIT, BrokerMetrics, StatusTally, TOTAL, WRITE_BACK};
 use crate::route::{NoRoute, Picker, Router};
 
@@ -91,6 +93,12 @@ pub(crate) struct Shared {
     pub guards: Arc<crate::resilience::Guards>,
     /// The calls this cell answered (`crate::cell`; a no-op with one cell).
     pub cell_calls: metrics::Counter,
+    /// The same count, for the cells' placement (`crate::cell::placement`): written by
+    /// this cell's thread only, once per round.
+    pub answered: std::sync::atomic::AtomicU64,
+    /// Time this cell's spinner polled without finding a read, in nanoseconds (written by
+    /// the spinner, in chunks).
+    pub spin_idle_ns: std::sync::atomic::AtomicU64,
 }
 
 /// The process's budget of denied-call log lines (a caller can cause them at will).
@@ -105,20 +113,52 @@ pub(crate) async fn serve(
     shared: Arc<Shared>,
     stop: Stop,
 ) -> CloseReason {
-    let Ok(Secured { stream, identity }) = shared.security.accept(stream, peer, via).await else {
-        return CloseReason::TlsHandshake;
-    };
-    let io = FramedIo::over(stream, FrameCodec::new(shared.config.max_body_len))
-        .with_activity(shared.activity.clone())
-        .with_budget(Some(shared.budget.clone()));
     let span = tracing::debug_span!("client", %peer);
     let timeouts = shared.config.timeouts;
-    session::serve(io, Session::new(shared, identity), timeouts, stop)
+    let Some((io, session)) = open(stream, peer, via, shared).await else {
+        return CloseReason::TlsHandshake;
+    };
+    session::serve(io, session, timeouts, stop)
         .instrument(span)
         .await
 }
 
-struct Session {
+/// A client connection's start: the TLS handshake if the broker takes TLS, then its
+/// framed connection and its session on `shared`'s cell. `None`: the handshake failed.
+pub(crate) async fn open(
+    stream: TcpStream,
+    peer: SocketAddr,
+    via: Via,
+    shared: Arc<Shared>,
+) -> Option<(FramedIo, Session)> {
+    let Ok(Secured { stream, identity }) = shared.security.accept(stream, peer, via).await else {
+        return None;
+    };
+    let io = FramedIo::over(stream, FrameCodec::new(shared.config.max_body_len))
+        .with_activity(shared.activity.clone())
+        .with_budget(Some(shared.budget.clone()));
+    Some((io, Session::new(shared, identity)))
+}
+
+/// Serves a client connection on its cell until it closes or, once `move_asked` is
+/// cancelled, is ready to move to another cell (`crate::cell`).
+pub(crate) async fn serve_on_cell(
+    io: FramedIo,
+    session: Session,
+    peer: SocketAddr,
+    stop: Stop,
+    move_asked: &CancellationToken,
+    resume: Resume,
+) -> Ended<Session> {
+    let span = tracing::debug_span!("client", %peer);
+    let timeouts = session.shared.config.timeouts;
+    session::serve_movable(io, session, timeouts, stop, Some(move_asked), resume)
+        .instrument(span)
+        .await
+}
+
+/// One client connection's state: what the skeleton's loop calls.
+pub(crate) struct Session {
     shared: Arc<Shared>,
     /// Where the upstream connections put this session's outcomes.
     inbox: Arc<Inbox>,
@@ -334,6 +374,25 @@ impl Session {
             answered: 0,
             shared,
         }
+    }
+
+    /// The session leaves its cell (on that cell's thread, its loop ended to move): what
+    /// it answered is counted in this cell, and its calls in flight leave this cell's
+    /// lease of the cap. Their replies still come, through the inbox, wherever the
+    /// session runs next.
+    pub(crate) fn leave_cell(&mut self) -> HandedOver {
+        self.tell_cell();
+        self.router = None;
+        self.picker.new_batch();
+        self.shared.in_flight.hand_over(self.in_flight)
+    }
+
+    /// The session arrives on the cell `shared` belongs to (on that cell's thread): its
+    /// calls in flight join that cell's lease, and its next calls are routed over that
+    /// cell's pools.
+    pub(crate) fn join_cell(&mut self, shared: Arc<Shared>, calls: HandedOver) {
+        shared.in_flight.take_over(calls);
+        self.shared = shared;
     }
 
     /// Takes every outcome arrived so far: the providers' replies go to the write buffer
@@ -615,6 +674,9 @@ impl Session {
         }
         if self.answered > 0 {
             self.shared.cell_calls.increment(self.answered);
+            self.shared
+                .answered
+                .fetch_add(self.answered, std::sync::atomic::Ordering::Relaxed);
             self.answered = 0;
         }
     }

@@ -6,16 +6,20 @@
 
 mod support;
 
-use rpcmesh_broker::UpstreamSpec;
+use rpcmesh_broker::{CellPlacement, PlacementTuning, UpstreamSpec};
 use rpcmesh_common::metrics::recorder::sample;
 use rpcmesh_common::net::client::{Client, ClientConfig};
 use rpcmesh_provider::ProviderConfig;
+use rpcmesh_testkit::Gate;
 use rpcmesh_testkit::{self as testkit};
 use rpcmesh_wire::body::Request;
 use rpcmesh_wire::compress::CompressionConfig;
 use rpcmesh_wire::proto::platform::QueryResponse;
 use rpcmesh_wire::proto::rpc::{EchoRequest, EchoResponse};
 use rpcmesh_wire::{PeerKind, Status};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 use support::*;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -316,7 +320,8 @@ async fn only_names_that_succeed_get_their_own_labels() {
     p.stop().await;
 }
 
-/// With two cells (`--threads 2`), client connections are dealt to both: each cell
+/// With two cells spread (`--threads 2 --cell-placement spread`), client connections are
+/// dealt to both: each cell
 /// answers the calls of its own connections over its own share of the provider's pool,
 /// and the cells' counts, kept apart, add up to the broker's count of calls at a scrape,
 /// as the pool gauges of the two cells add up to the configured pool.
@@ -327,14 +332,10 @@ async fn two_cells_each_serve_their_connections_and_their_counts_add_up() {
     let p = provider(ProviderConfig::default()).await;
     let mut cfg = broker_config(&[p.addr]);
     cfg.cells = 2;
+    cfg.cell_placement = CellPlacement::Spread;
     let pool_size = cfg.pool_size;
     let b = broker(cfg).await;
-    let mut clients = Vec::new();
-    for _ in 0..CONNECTIONS {
-        let c = client(b.addr).await;
-        until_ready(&c).await;
-        clients.push(c);
-    }
+    let clients = ready_clients(b.addr, CONNECTIONS).await;
     let calls = clients.iter().enumerate().map(|(i, c)| async move {
         for k in 0..CALLS {
             let m = format!("conn {i} call {k}");
@@ -362,6 +363,163 @@ async fn two_cells_each_serve_their_connections_and_their_counts_add_up() {
         b.metric("rpcmesh_pool_connections", &[]),
         f64::from(pool_size)
     );
+    b.stop().await;
+    p.stop().await;
+}
+
+/// Two cells gathering (`--threads 2`, the default placement): a light load stays on the
+/// first cell, the second serves nothing and no connection moves.
+#[tokio::test]
+async fn two_gathered_cells_keep_a_light_load_on_one() {
+    const CONNECTIONS: usize = 4;
+    let p = provider(ProviderConfig::default()).await;
+    let mut cfg = broker_config(&[p.addr]);
+    cfg.cells = 2;
+    cfg.placement_tuning.review = Duration::from_millis(50);
+    let b = broker(cfg).await;
+    let clients = ready_clients(b.addr, CONNECTIONS).await;
+    for (i, c) in clients.iter().enumerate() {
+        for k in 0..10 {
+            let m = echo(&format!("{i} {k}"));
+            let r = c.call("EchoService", "Echo", &m).await.unwrap();
+            assert_eq!(r.status, Status::Success);
+        }
+        // Several reviews pass while the connections are open.
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    }
+    let cell = |k: &str| b.metric("rpcmesh_cell_calls_total", &[("cell", k)]);
+    assert_eq!(cell("1"), 0.0, "the second cell served nothing");
+    assert_eq!(cell("0"), b.metric("rpcmesh_calls_total", &[]));
+    assert_eq!(b.metric("rpcmesh_cells_open", &[]), 1.0);
+    assert_eq!(b.metric("rpcmesh_cell_moves_total", &[]), 0.0);
+    b.stop().await;
+    p.stop().await;
+}
+
+/// Connections move between cells with their calls in flight: with every trial of a
+/// second cell made at once and failed (a placement tuned so), half of the connections
+/// move to the second cell and back while their calls wait at the provider. Every call
+/// is answered once, on the connection that made it, with its own reply; the calls made
+/// after the moves are too; and the counts add up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_move_between_cells_with_their_calls_in_flight() {
+    const CONNECTIONS: usize = 4;
+    const HELD: usize = 3;
+    let gate = Gate::new();
+    let p = held_provider(&gate).await;
+    let mut cfg = broker_config(&[p.addr]);
+    cfg.cells = 2;
+    cfg.placement_tuning = PlacementTuning {
+        review: Duration::from_millis(50),
+        spread_busy_pct: 0,
+        spread_gain_pct: u32::MAX,
+        steady_reviews: 0,
+    };
+    let b = broker(cfg).await;
+    let clients = ready_clients(b.addr, CONNECTIONS).await;
+    let held: Vec<_> = (0..CONNECTIONS)
+        .flat_map(|i| (0..HELD).map(move |k| (format!("conn {i} held {k}"), i)))
+        .map(|(m, i)| (held_call(&clients[i], &m), m))
+        .collect();
+    testkit::wait_for("the held calls to reach the provider", || async {
+        (gate.arrived() == CONNECTIONS * HELD).then_some(())
+    })
+    .await;
+    // A trial moves half the connections to the second cell; it fails, and they move
+    // back.
+    testkit::wait_for("connections to move out and back", || async {
+        (b.metric("rpcmesh_cell_moves_total", &[]) >= CONNECTIONS as f64).then_some(())
+    })
+    .await;
+    gate.open();
+    for (call, m) in held {
+        let r = call.await.unwrap().unwrap();
+        assert_eq!(r.status, Status::Success, "{m}");
+        assert_eq!(r.decode::<EchoResponse>().unwrap().message, m);
+    }
+    for (i, c) in clients.iter().enumerate() {
+        let m = format!("conn {i} after");
+        let r = c.call("EchoService", "Echo", &echo(&m)).await.unwrap();
+        assert_eq!(r.decode::<EchoResponse>().unwrap().message, m);
+    }
+    let cell = |k: &str| b.metric("rpcmesh_cell_calls_total", &[("cell", k)]);
+    let total = b.metric("rpcmesh_calls_total", &[]);
+    assert_eq!(cell("0") + cell("1"), total, "the cells' counts add up");
+    assert_eq!(
+        b.metric("rpcmesh_calls_total", &[("status", "ok")]),
+        total,
+        "no call failed"
+    );
+    assert_eq!(b.metric("rpcmesh_calls_in_flight", &[]), 0.0);
+    b.stop().await;
+    p.stop().await;
+}
+
+/// A second cell that answers more calls is kept, and gathered back when the load falls:
+/// with a placement tuned to try at once and to keep any trial that answers calls, half
+/// of the connections under load move to the second cell, which answers their calls;
+/// once the load stops, they move back and one cell is open again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spread_that_pays_is_kept_and_gathered_back_when_the_load_falls() {
+    const CONNECTIONS: usize = 4;
+    let p = provider(ProviderConfig::default()).await;
+    let mut cfg = broker_config(&[p.addr]);
+    cfg.cells = 2;
+    cfg.placement_tuning = PlacementTuning {
+        review: Duration::from_millis(50),
+        spread_busy_pct: 0,
+        spread_gain_pct: 0,
+        steady_reviews: 0,
+    };
+    let b = broker(cfg).await;
+    let clients = ready_clients(b.addr, CONNECTIONS).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let loads: Vec<_> = clients
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let (c, stop) = (c.clone(), stop.clone());
+            tokio::spawn(async move {
+                // Bounded: the test stops it, or it ends by itself after 20 s.
+                let end = std::time::Instant::now() + Duration::from_secs(20);
+                let mut k = 0u64;
+                while !stop.load(Ordering::Relaxed) && std::time::Instant::now() < end {
+                    let m = format!("conn {i} call {k}");
+                    let r = c.call("EchoService", "Echo", &echo(&m)).await.unwrap();
+                    assert_eq!(r.decode::<EchoResponse>().unwrap().message, m);
+                    k += 1;
+                }
+                k
+            })
+        })
+        .collect();
+    let cell = |k: &str| b.metric("rpcmesh_cell_calls_total", &[("cell", k)]);
+    testkit::wait_for(
+        "the second cell to answer calls of connections moved to it",
+        || async { (cell("1") >= 100.0).then_some(()) },
+    )
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    let mut made = 0;
+    for l in loads {
+        made += l.await.unwrap();
+    }
+    testkit::wait_for("the connections to be gathered on one cell", || async {
+        (b.metric("rpcmesh_cells_open", &[]) == 1.0).then_some(())
+    })
+    .await;
+    testkit::wait_for("the connections to move back", || async {
+        (b.metric("rpcmesh_cell_moves_total", &[]) >= CONNECTIONS as f64).then_some(())
+    })
+    .await;
+    for c in &clients {
+        let r = c.call("EchoService", "Echo", &echo("after")).await.unwrap();
+        assert_eq!(r.status, Status::Success);
+    }
+    let total = b.metric("rpcmesh_calls_total", &[]);
+    assert_eq!(cell("0") + cell("1"), total, "the cells' counts add up");
+    assert_eq!(b.metric("rpcmesh_calls_total", &[("status", "ok")]), total);
+    assert!(total >= made as f64, "{total} answered, {made} made");
     b.stop().await;
     p.stop().await;
 }

@@ -16,7 +16,10 @@ use rpcmesh_broker::resilience::{
     DEFAULT_EJECT_MIN_CALLS, DEFAULT_EJECT_SUCCESS_RATE, DEFAULT_EJECT_WINDOW, DEFAULT_EWMA_DECAY,
     DEFAULT_EWMA_DEFAULT_RTT, DEFAULT_MAX_EJECTION_PERCENT, PROBE_SPACING,
 };
-use rpcmesh_broker::{FILE_POLL, LEASE_BLOCK, MAX_RETRIES, REQUEST_RETAIN, RING_MAX, RING_MIN};
+use rpcmesh_broker::{
+    FILE_POLL, LEASE_BLOCK, MAX_RETRIES, PLACEMENT_REVIEW, REQUEST_RETAIN, RETRY_FIRST, RETRY_MAX,
+    RING_MAX, RING_MIN, SPREAD_BUSY_PCT, SPREAD_GAIN_PCT, STEADY_REVIEWS,
+};
 use rpcmesh_testkit::quoted::{self, Value, bytes, count, time};
 
 /// The broker's constants the docs quote, by the name they quote them under.
@@ -57,6 +60,12 @@ fn broker() -> Vec<(&'static str, Value)> {
         ),
         ("broker::DEFAULT_GRACE", time(DEFAULT_GRACE)),
         ("broker::LEASE_BLOCK", count(LEASE_BLOCK)),
+        ("broker::PLACEMENT_REVIEW", time(PLACEMENT_REVIEW)),
+        ("broker::STEADY_REVIEWS", count(STEADY_REVIEWS as u64)),
+        ("broker::SPREAD_BUSY_PCT", count(u64::from(SPREAD_BUSY_PCT))),
+        ("broker::SPREAD_GAIN_PCT", count(u64::from(SPREAD_GAIN_PCT))),
+        ("broker::RETRY_FIRST", time(RETRY_FIRST)),
+        ("broker::RETRY_MAX", time(RETRY_MAX)),
         ("broker::RING_MIN", bytes(RING_MIN)),
         ("broker::RING_MAX", bytes(RING_MAX)),
         ("broker::DEFAULT_BUSY_POLL", time(DEFAULT_BUSY_POLL)),

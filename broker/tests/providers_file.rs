@@ -63,7 +63,8 @@ fn broker_process_with(file: &Path, log: &Path, health_timeout: &str) -> Spawned
     broker_process_on(file, log, health_timeout, "1")
 }
 
-/// As [`broker_process_with`], on `threads` threads (cells).
+/// As [`broker_process_with`], on `threads` threads (cells), each dealt connections from
+/// the start.
 fn broker_process_on(file: &Path, log: &Path, health_timeout: &str, threads: &str) -> Spawned {
     Spawned::start_with(
         "broker",
@@ -78,6 +79,10 @@ fn broker_process_on(file: &Path, log: &Path, health_timeout: &str, threads: &st
             health_timeout,
             "--threads",
             threads,
+            // Every cell serves connections from the start (a gathering broker would keep
+            // a light load on one).
+            "--cell-placement",
+            "spread",
             "--busy-poll",
             "off",
         ],

@@ -11,7 +11,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use rpcmesh_broker::BrokerConfig;
+use rpcmesh_broker::{BrokerConfig, CellPlacement, PlacementTuning};
 use rpcmesh_common::metrics::Telemetry;
 use rpcmesh_common::metrics::catalogue::{AUTHZ_DENIED_TOTAL, TLS_HANDSHAKE_FAILURES_TOTAL};
 use rpcmesh_common::net::shutdown::CancellationToken;
@@ -68,6 +68,11 @@ fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
 }
 
 async fn mesh(name: &str) -> Mesh {
+    mesh_with(name, |_| {}).await
+}
+
+/// As [`mesh`], with the broker's settings changed by `tune`.
+async fn mesh_with(name: &str, tune: impl FnOnce(&mut BrokerConfig)) -> Mesh {
     let dir = std::env::temp_dir().join(format!("rpcmesh-e2e-tls-{name}-{}", std::process::id()));
     let pki = Pki::new(&dir, "mesh");
     let provider_config = ProviderConfig {
@@ -87,7 +92,7 @@ async fn mesh(name: &str) -> Mesh {
     })
     .await;
     let tls = server_tls(&pki, &Leaf::spiffe("broker", "b1"));
-    let broker_config = BrokerConfig {
+    let mut broker_config = BrokerConfig {
         upstream_tls: Some(ClientTlsSettings {
             files: tls.files.clone(),
             server_name: None,
@@ -95,11 +100,14 @@ async fn mesh(name: &str) -> Mesh {
         }),
         tls: Some(tls),
         authz_policy: Some(write(&dir, "broker.toml", BROKER_POLICY)),
-        // Two cells: each run's connection is dealt to one, in turn, so that handshakes,
-        // the policy and TLS towards the provider are each cell's own.
+        // Two cells, both open from the start: each run's connection is dealt to one, in
+        // turn, so that handshakes, the policy and TLS towards the provider are each
+        // cell's own.
         cells: 2,
+        cell_placement: CellPlacement::Spread,
         ..BrokerConfig::with_upstreams([provider.addr.to_string()])
     };
+    tune(&mut broker_config);
     let broker = InProcess::start(|l, t, s| rpcmesh_broker::run_with(broker_config, t, l, s)).await;
     Mesh {
         dir,
@@ -126,6 +134,16 @@ impl Mesh {
 
     /// A run of `requests` echo calls (one a request) through the broker.
     async fn drive(&self, tls: Option<ClientTlsSettings>, requests: u64) -> Report {
+        self.drive_over(tls, requests, 1).await
+    }
+
+    /// As [`Mesh::drive`], over `connections` connections.
+    async fn drive_over(
+        &self,
+        tls: Option<ClientTlsSettings>,
+        requests: u64,
+        connections: usize,
+    ) -> Report {
         let config = DriverConfig {
             targets: vec![self.broker.addr.to_string()],
             workload: WorkloadKind::Echo,
@@ -133,8 +151,8 @@ impl Mesh {
             warmup: Duration::ZERO,
             progress: ProgressMode::Off,
             fanout: 1,
-            concurrency: 2,
-            connections: 1,
+            concurrency: 2 * connections,
+            connections,
             call_timeout: Duration::from_secs(3),
             tls,
             ..DriverConfig::default()
@@ -163,6 +181,44 @@ async fn a_driver_with_a_valid_certificate_gets_every_call_through_mtls_on_both_
     );
     let denied = m.provider.metric(AUTHZ_DENIED_TOTAL.name, &[]);
     assert_eq!(denied, 0.0);
+    let _ = std::fs::remove_dir_all(&m.dir);
+}
+
+/// A TLS connection moves between the broker's cells with its session whole: with a
+/// placement tuned to try a second cell at once and undo every trial, the run's
+/// connections move to the second cell and back under load, and every call gets through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_connections_move_between_cells_under_load_and_lose_no_call() {
+    let m = mesh_with("moves", |c| {
+        c.cell_placement = CellPlacement::Gather;
+        c.placement_tuning = PlacementTuning {
+            review: Duration::from_millis(20),
+            spread_busy_pct: 0,
+            spread_gain_pct: u32::MAX,
+            steady_reviews: 0,
+        };
+    })
+    .await;
+    let tls = m.driver_tls(&m.pki, Some(&Leaf::spiffe("driver", "d1")));
+    let moves = || m.broker.metric("rpcmesh_cell_moves_total", &[]);
+    // Runs until connections have moved out and back during one (bounded: 20 runs).
+    for run in 0.. {
+        let r = m.drive_over(Some(tls.clone()), 2_000, 4).await;
+        assert_eq!(
+            (r.calls.sent, r.calls.ok),
+            (2_000, 2_000),
+            "run {run}: {:?}",
+            r.calls.errors
+        );
+        if moves() >= 4.0 || run == 20 {
+            break;
+        }
+    }
+    assert!(
+        moves() >= 4.0,
+        "connections moved out and back: {}",
+        moves()
+    );
     let _ = std::fs::remove_dir_all(&m.dir);
 }
 

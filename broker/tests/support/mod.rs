@@ -125,6 +125,17 @@ pub async fn client(addr: SocketAddr) -> Client {
         .unwrap()
 }
 
+/// `n` clients of `addr`, each having made a successful call.
+pub async fn ready_clients(addr: SocketAddr, n: usize) -> Vec<Client> {
+    let mut clients = Vec::with_capacity(n);
+    for _ in 0..n {
+        let c = client(addr).await;
+        until_ready(&c).await;
+        clients.push(c);
+    }
+    clients
+}
+
 /// Calls echo until one succeeds (the broker's pools connect in the background).
 pub async fn until_ready(c: &Client) {
     testkit::wait_for("the broker to answer an echo call", || async {

@@ -439,6 +439,22 @@ pub const CELL_CALLS_TOTAL: Family = Family {
     roles: BROKER,
     help: "Calls answered by each cell of a broker run with --threads above 1 (a thread serving its own client connections over its own provider connections; cell 0 also runs the control plane): how evenly the load is dealt. They add up to rpcmesh_calls_total; absent with one thread.",
 };
+/// `rpcmesh_cell_moves_total{role}`.
+pub const CELL_MOVES_TOTAL: Family = Family {
+    name: "rpcmesh_cell_moves_total",
+    kind: Counter,
+    labels: ROLE,
+    roles: BROKER,
+    help: "Client connections a broker run with --threads above 1 moved from one cell to another (--cell-placement gather: spread over one more cell when one could not keep up, gathered back when that did not pay or the load fell), calls in flight and all. Absent with one thread.",
+};
+/// `rpcmesh_cells_open{role}`.
+pub const CELLS_OPEN: Family = Family {
+    name: "rpcmesh_cells_open",
+    kind: Gauge,
+    labels: ROLE,
+    roles: BROKER,
+    help: "Cells of a broker run with --threads above 1 that new client connections are dealt to: with --cell-placement gather, as few as keep up (1 on a machine with no core to spare); with spread, all. Absent with one thread.",
+};
 /// `rpcmesh_config_reloads_total{role, result}`.
 pub const CONFIG_RELOADS_TOTAL: Family = Family {
     name: "rpcmesh_config_reloads_total",
@@ -493,7 +509,12 @@ pub const FILE_RELOADS_TOTAL: Family = Family {
 
 /// Families a program exports only when it is configured to use what they count (TLS;
 /// a broker's cells, with `--threads` above 1).
-pub const CONDITIONAL: &[&Family] = &[&TLS_CERT_EXPIRY_TIMESTAMP_SECONDS, &CELL_CALLS_TOTAL];
+pub const CONDITIONAL: &[&Family] = &[
+    &TLS_CERT_EXPIRY_TIMESTAMP_SECONDS,
+    &CELL_CALLS_TOTAL,
+    &CELL_MOVES_TOTAL,
+    &CELLS_OPEN,
+];
 
 // ---- driver
 
@@ -720,6 +741,8 @@ pub const CATALOGUE: &[&Family] = &[
     &CALLS_REROUTED_TOTAL,
     &ABANDONED_REPLIES_TOTAL,
     &CELL_CALLS_TOTAL,
+    &CELL_MOVES_TOTAL,
+    &CELLS_OPEN,
     &RETRY_BUDGET_EXHAUSTED_TOTAL,
     &UPSTREAM_EJECTIONS_TOTAL,
     &UPSTREAMS_EJECTED,
