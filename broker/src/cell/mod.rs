@@ -12,11 +12,16 @@
 //!
 //! - **Dealing.** One accept loop (`rpcmesh_common::net::listener`) takes every
 //!   connection, so the connection cap, the drain and the grace period stay whole; each
-//!   accepted socket is dealt to the cell serving the fewest client connections (ties in
-//!   turn) and moved onto that cell's reactor. An accept loop per cell on `SO_REUSEPORT`
-//!   listeners would hash a few connections unevenly (a client with 8 connections can
-//!   land 6 and 2), could not share the cap, and drops the connections queued on a
-//!   listener that closes; one hand-off per connection costs nothing per call.
+//!   accepted socket is dealt to the *open* cell serving the fewest client connections
+//!   (ties in turn) and moved onto that cell's reactor. An accept loop per cell on
+//!   `SO_REUSEPORT` listeners would hash a few connections unevenly (a client with 8
+//!   connections can land 6 and 2), could not share the cap, and drops the connections
+//!   queued on a listener that closes; one hand-off per connection costs nothing per call.
+//! - **Moving.** Which cells are open, and when connections move between them, is the
+//!   [`placement`]'s. A session asked to move ends its stay at the end of a round
+//!   (`rpcmesh_common::net::session::serve_movable`), hands its calls in flight over
+//!   from its cell's lease of the cap to the next cell's, and goes on there: the task that
+//!   serves a connection from the accept loop follows it from cell to cell.
 //! - **Pools.** Each provider has a pool in every cell, of its cell's share of
 //!   `--pool-size` ([`pool_share`]), kept by a keeper on that cell: the provider sees
 //!   about the connections it was sized for, whatever the thread count. What is the
