@@ -119,14 +119,7 @@ struct Placement {
 /// Runs the placement of `cells` until `stop` is cancelled.
 pub async fn run(cells: Arc<Cells>, tuning: PlacementTuning, stop: CancellationToken) {
     let mut last = read(&cells).await;
-    let mut state = Placement {
-        trial: None,
-        history: std::collections::VecDeque::with_capacity(STEADY_REVIEWS),
-        retry: RETRY_FIRST,
-        next_trial: Instant::now(),
-        light_reviews: 0,
-        busy_reviews: 0,
-    };
+    let mut state = Placement::new(Instant::now());
     loop {
         tokio::select! {
             () = tokio::time::sleep(tuning.review) => {}
@@ -165,6 +158,31 @@ fn thread_cpu_ns() -> u64 {
     u64::try_from(t.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(t.tv_nsec).unwrap_or(0)
 }
 
+/// What one review saw of the open cells, between two readings.
+#[derive(Debug)]
+struct Seen {
+    at: Instant,
+    /// Calls answered per second by all cells.
+    rate: f64,
+    /// Each open cell's work, in cores.
+    busy: Vec<f64>,
+    /// Each open cell's client connections.
+    sessions: Vec<usize>,
+    /// The cells there are, open or not.
+    cells: usize,
+}
+
+/// What the placement does after a review.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Change {
+    /// Nothing moves.
+    None,
+    /// Open one more cell, moving `count` of the connections of open cell `from` to it.
+    Spread { from: usize, count: usize },
+    /// Close the last open cell, moving its connections to the others.
+    Gather,
+}
+
 /// Acts on one review: the change from `before` to `now`.
 fn review(
     cells: &Cells,
@@ -180,37 +198,55 @@ fn review(
     if wall <= 0.0 {
         return;
     }
-    let rate = now.answered.saturating_sub(before.answered) as f64 / wall;
     let open = cells.open();
-    let busy: Vec<f64> = (0..open)
-        .map(|i| {
-            let d = now.work_ns[i].saturating_sub(before.work_ns.get(i).copied().unwrap_or(0));
-            d as f64 / 1e9 / wall
-        })
-        .collect();
+    let seen = Seen {
+        at: t1,
+        rate: now.answered.saturating_sub(before.answered) as f64 / wall,
+        busy: (0..open)
+            .map(|i| {
+                let d = now.work_ns[i].saturating_sub(before.work_ns.get(i).copied().unwrap_or(0));
+                d as f64 / 1e9 / wall
+            })
+            .collect(),
+        sessions: (0..open).map(|i| cells.all()[i].sessions()).collect(),
+        cells: cells.all().len(),
+    };
+    match decide(tuning, state, &seen) {
+        Change::None => {}
+        Change::Spread { from, count } => {
+            cells.set_open(open + 1);
+            cells.ask_to_move(from, open, count);
+        }
+        Change::Gather => gather(cells, open),
+    }
+}
+
+/// Decides what one review calls for, and logs it.
+fn decide(tuning: &PlacementTuning, state: &mut Placement, seen: &Seen) -> Change {
+    let open = seen.busy.len();
+    let rate = seen.rate;
     if let Some(mut trial) = state.trial.take() {
         trial.rates.push(rate);
         if trial.rates.len() < TRIAL_REVIEWS {
             state.trial = Some(trial);
-        } else {
-            judge(cells, tuning, state, trial, t1);
+            return Change::None;
         }
-        return;
+        return judge(tuning, state, trial, seen);
     }
-    let total: f64 = busy.iter().sum();
+    let total: f64 = seen.busy.iter().sum();
     if open > 1 && total < (open - 1) as f64 * GATHER_BELOW {
         state.light_reviews += 1;
         if state.light_reviews >= STEADY_REVIEWS as u32 {
             state.light_reviews = 0;
             state.history.clear();
-            gather(cells, open);
             tracing::info!(
                 cells = open - 1,
                 work = total,
                 "cells: gathered onto fewer, the load is light"
             );
+            return Change::Gather;
         }
-        return;
+        return Change::None;
     }
     state.light_reviews = 0;
     if state.history.len() == tuning.steady_reviews.max(1) {
@@ -218,7 +254,8 @@ fn review(
     }
     state.history.push_back(rate);
     let spread_busy = f64::from(tuning.spread_busy_pct) / 100.0;
-    let busiest = busy
+    let busiest = seen
+        .busy
         .iter()
         .enumerate()
         .max_by(|a, b| a.1.total_cmp(b.1))
@@ -229,41 +266,54 @@ fn review(
         state.busy_reviews = 0;
     }
     let Some(steady) = steady_rate(&state.history, tuning.steady_reviews) else {
-        return;
+        return Change::None;
     };
-    if t1 < state.next_trial {
-        return;
+    if seen.at < state.next_trial {
+        return Change::None;
     }
     if let Some((from, b)) = busiest {
-        let sessions = cells.all()[from].sessions();
+        let sessions = seen.sessions[from];
         // Busy through the steady reviews, not in one of them only.
         let busy_through = state.busy_reviews >= tuning.steady_reviews.max(1);
-        if busy_through && open < cells.all().len() && sessions >= 2 {
-            cells.set_open(open + 1);
-            let moved = cells.ask_to_move(from, open, sessions / 2);
+        if busy_through && open < seen.cells && sessions >= 2 {
             tracing::info!(
                 cells = open + 1,
                 busy = b,
-                moved,
+                moved = sessions / 2,
                 calls_per_s = steady as u64,
                 "cells: trying one more"
             );
             state.start(true, steady);
-            return;
+            return Change::Spread {
+                from,
+                count: sessions / 2,
+            };
         }
     }
     if open > 1 {
-        gather(cells, open);
         tracing::info!(
             cells = open - 1,
             calls_per_s = steady as u64,
             "cells: trying one fewer"
         );
         state.start(false, steady);
+        return Change::Gather;
     }
+    Change::None
 }
 
 impl Placement {
+    fn new(now: Instant) -> Placement {
+        Placement {
+            trial: None,
+            history: std::collections::VecDeque::with_capacity(STEADY_REVIEWS),
+            retry: RETRY_FIRST,
+            next_trial: now,
+            light_reviews: 0,
+            busy_reviews: 0,
+        }
+    }
+
     fn start(&mut self, spread: bool, before: f64) {
         self.history.clear();
         self.busy_reviews = 0;
@@ -296,68 +346,64 @@ fn steady_rate(history: &std::collections::VecDeque<f64>, reviews: usize) -> Opt
 /// answers at least [`GATHER_KEEP`] of them (fewer cells are cheaper: a tie gathers).
 /// An undone trial of either kind puts the next trial off by the retry wait, doubled
 /// each time; a kept one resets it, and one more cell kept lets the next be tried at once.
-fn judge(
-    cells: &Cells,
-    tuning: &PlacementTuning,
-    state: &mut Placement,
-    trial: Trial,
-    now: Instant,
-) {
+fn judge(tuning: &PlacementTuning, state: &mut Placement, trial: Trial, seen: &Seen) -> Change {
     let rate = trial.rates.iter().sum::<f64>() / trial.rates.len() as f64;
-    let open = cells.open();
+    let open = seen.busy.len();
     let kept = if trial.spread {
         rate > trial.before * f64::from(tuning.spread_gain_pct) / 100.0
     } else {
         rate >= trial.before * GATHER_KEEP
     };
     let (calls_per_s, before) = (rate as u64, trial.before as u64);
-    match (trial.spread, kept) {
-        (true, true) => tracing::info!(cells = open, calls_per_s, before, "cells: one more kept"),
-        (false, true) => tracing::info!(cells = open, calls_per_s, before, "cells: one fewer kept"),
+    let retry_s = state.retry.as_secs();
+    let change = match (trial.spread, kept) {
+        (true, true) => {
+            tracing::info!(cells = open, calls_per_s, before, "cells: one more kept");
+            Change::None
+        }
+        (false, true) => {
+            tracing::info!(cells = open, calls_per_s, before, "cells: one fewer kept");
+            Change::None
+        }
         (true, false) => {
-            gather(cells, open);
             tracing::info!(
                 cells = open - 1,
                 calls_per_s,
                 before,
-                retry_s = state.retry.as_secs(),
+                retry_s,
                 "cells: one more did not pay; gathered back"
             );
+            Change::Gather
         }
         (false, false) => {
-            let from = busiest_open(cells);
-            let sessions = cells.all()[from].sessions();
-            cells.set_open(open + 1);
-            cells.ask_to_move(from, open, sessions / 2);
+            let from = (0..open).max_by_key(|&i| seen.sessions[i]).unwrap_or(0);
             tracing::info!(
                 cells = open + 1,
                 calls_per_s,
                 before,
-                retry_s = state.retry.as_secs(),
+                retry_s,
                 "cells: one fewer answered fewer calls; spread again"
             );
+            Change::Spread {
+                from,
+                count: seen.sessions[from] / 2,
+            }
         }
-    }
+    };
     if kept {
         state.retry = RETRY_FIRST;
     }
     // One more cell that paid: the next may be tried as soon as the load is steady again
     // (a broker that needs many cells climbs one per trial).
     state.next_trial = if kept && trial.spread {
-        now
+        seen.at
     } else {
-        now + state.retry
+        seen.at + state.retry
     };
     if !kept {
         state.retry = (state.retry * 2).min(RETRY_MAX);
     }
-}
-
-/// The open cell serving the most connections.
-fn busiest_open(cells: &Cells) -> usize {
-    (0..cells.open())
-        .max_by_key(|&i| cells.all()[i].sessions())
-        .unwrap_or(0)
+    change
 }
 
 /// Closes the last open cell: its connections move to the other open cells, spread by
@@ -422,6 +468,103 @@ mod tests {
             Some(0.0),
             "tuned off: the last"
         );
+    }
+
+    /// The placement's decisions over a run of reviews 500 ms apart, from `t0`.
+    struct Run {
+        tuning: PlacementTuning,
+        state: Placement,
+        at: Instant,
+    }
+
+    impl Run {
+        fn new() -> Run {
+            let at = Instant::now();
+            Run {
+                tuning: PlacementTuning::default(),
+                state: Placement::new(at),
+                at,
+            }
+        }
+
+        /// One review of `open` cells of 2, each `busy` with 8 connections, at `rate`.
+        fn review(&mut self, open: usize, busy: f64, rate: f64) -> Change {
+            self.at += REVIEW;
+            let seen = Seen {
+                at: self.at,
+                rate,
+                busy: vec![busy; open],
+                sessions: vec![8; open],
+                cells: 2,
+            };
+            decide(&self.tuning, &mut self.state, &seen)
+        }
+
+        /// Reviews until one changes something (at most `n`); the change and the reviews
+        /// it took.
+        fn until_change(&mut self, n: usize, open: usize, busy: f64, rate: f64) -> (Change, usize) {
+            for k in 1..=n {
+                let c = self.review(open, busy, rate);
+                if c != Change::None {
+                    return (c, k);
+                }
+            }
+            (Change::None, n)
+        }
+    }
+
+    #[test]
+    fn a_busy_steady_cell_tries_one_more_and_an_unpaid_trial_is_undone_and_put_off() {
+        let mut run = Run::new();
+        let (c, k) = run.until_change(20, 1, 0.9, 400_000.0);
+        assert_eq!(c, Change::Spread { from: 0, count: 4 });
+        assert_eq!(k, STEADY_REVIEWS, "tried after the steady reviews");
+        // No more calls with two cells: undone after the trial's reviews.
+        let (c, k) = run.until_change(10, 2, 0.6, 420_000.0);
+        assert_eq!((c, k), (Change::Gather, TRIAL_REVIEWS));
+        // The next trial waits RETRY_FIRST, the one after twice that.
+        let (c, k) = run.until_change(200, 1, 0.9, 400_000.0);
+        assert_eq!(c, Change::Spread { from: 0, count: 4 });
+        assert_eq!(k as u32, RETRY_FIRST.div_duration_f64(REVIEW) as u32);
+        run.until_change(10, 2, 0.6, 400_000.0);
+        let (_, k) = run.until_change(400, 1, 0.9, 400_000.0);
+        assert_eq!(k as u32, (2 * RETRY_FIRST).div_duration_f64(REVIEW) as u32);
+    }
+
+    #[test]
+    fn a_cell_that_is_not_busy_or_a_load_that_is_not_steady_tries_nothing() {
+        let mut run = Run::new();
+        assert_eq!(run.until_change(40, 1, 0.8, 400_000.0).0, Change::None);
+        let mut run = Run::new();
+        for k in 0..40 {
+            // A load that swings by half from one review to the next.
+            let rate = if k % 2 == 0 { 200_000.0 } else { 400_000.0 };
+            assert_eq!(run.review(1, 0.95, rate), Change::None);
+        }
+    }
+
+    #[test]
+    fn a_paying_cell_is_kept_then_one_fewer_is_tried_and_undone_if_it_costs() {
+        let mut run = Run::new();
+        run.until_change(20, 1, 0.95, 300_000.0);
+        // Two cells answer half as many again: kept, nothing moves.
+        let (c, k) = run.until_change(2, 2, 0.8, 450_000.0);
+        assert_eq!((c, k), (Change::None, 2));
+        assert_eq!(run.state.retry, RETRY_FIRST);
+        // Steady again, no cell busy enough for a third (there is none): one fewer.
+        let (c, k) = run.until_change(20, 2, 0.8, 450_000.0);
+        assert_eq!((c, k), (Change::Gather, STEADY_REVIEWS));
+        // One cell answers fewer: spread again, half of its connections.
+        let (c, _) = run.until_change(10, 1, 0.95, 300_000.0);
+        assert_eq!(c, Change::Spread { from: 0, count: 4 });
+    }
+
+    #[test]
+    fn a_light_load_is_gathered_without_a_trial() {
+        let mut run = Run::new();
+        let (c, k) = run.until_change(10, 2, 0.1, 1_000.0);
+        assert_eq!((c, k), (Change::Gather, STEADY_REVIEWS));
+        assert!(run.state.trial.is_none());
     }
 
     #[test]
