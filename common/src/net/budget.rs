@@ -35,7 +35,10 @@
 //! large frames without end: when the budget stays past its high mark, where large calls
 //! are refused, for [`SHED_AFTER`], the largest holder is closed, then the next, each
 //! as it looks ([`SHED_CHECK`]), until the budget is back under the mark (as Envoy's
-//! overload manager resets the streams that hold the most). Only connections holding
+//! overload manager resets the streams that hold the most). A connection closed so gives
+//! its buffers back at once, without the final flush of other closes: its backlog is what
+//! was shed, and a second spent flushing it to a caller that does not read would keep the
+//! budget past the mark, and so close the next holder too. Only connections holding
 //! [`PAUSE_FLOOR`] or more are candidates: callers of small calls never are.
 
 use std::collections::HashMap;
