@@ -148,7 +148,7 @@ pub(crate) async fn serve_on_cell(
     peer: SocketAddr,
     stop: Stop,
     move_asked: &CancellationToken,
-    resume: Option<Resume>,
+    resume: Resume,
 ) -> Ended<Session> {
     let span = tracing::debug_span!("client", %peer);
     let timeouts = session.shared.config.timeouts;
@@ -381,8 +381,9 @@ impl Session {
     /// lease of the cap. Their replies still come, through the inbox, wherever the
     /// session runs next.
     pub(crate) fn leave_cell(&mut self) -> HandedOver {
-        // Its round has ended: its router and batch are let go already (`before_write`).
         self.tell_cell();
+        self.router = None;
+        self.picker.new_batch();
         self.shared.in_flight.hand_over(self.in_flight)
     }
 

@@ -45,7 +45,7 @@ use futures_util::future::Either;
 use rpcmesh_common::alloc::Counted;
 use rpcmesh_common::net::connection::CloseReason;
 use rpcmesh_common::net::listener::Via;
-use rpcmesh_common::net::session::{Ended, Moving, Stop};
+use rpcmesh_common::net::session::{Ended, Moving, Resume, Stop};
 use rpcmesh_common::net::shutdown::CancellationToken;
 use tokio::net::TcpStream;
 use tokio::runtime::Handle;
@@ -385,7 +385,7 @@ async fn dealt(
                         return Stay::Closed(CloseReason::Error);
                     };
                     match session::open(stream, peer, via, shared.clone()).await {
-                        Some((io, session)) => (io, session, None),
+                        Some((io, session)) => (io, session, Resume::default()),
                         None => return Stay::Closed(CloseReason::TlsHandshake),
                     }
                 }
@@ -397,7 +397,7 @@ async fn dealt(
                     } = *moving;
                     protocol.join_cell(shared.clone(), calls);
                     match io.attach(shared.activity.clone()) {
-                        Ok(io) => (io, protocol, Some(resume)),
+                        Ok(io) => (io, protocol, resume),
                         Err(_) => {
                             // Its socket could not be registered here: closed, its
                             // calls in flight counted out as for a caller that left.

@@ -78,15 +78,6 @@ pub enum CloseReason {
 }
 
 impl CloseReason {
-    /// Whether a connection closing for this reason first delivers what is already
-    /// answered (the session's final flush). Not when its peer took nothing for the write
-    /// timeout, nor when it was closed to give its buffers back to the memory budget: a
-    /// flush to a peer that does not read only holds the buffers a while longer, and
-    /// holding them past the budget's next look would close the next largest holder too.
-    pub fn delivers_last_replies(self) -> bool {
-        !matches!(self, CloseReason::WriteTimeout | CloseReason::MemoryBudget)
-    }
-
     /// Every reason, in the order of [`CloseReason::index`].
     pub const ALL: [CloseReason; 10] = [
         CloseReason::Peer,

@@ -218,7 +218,7 @@ pub async fn serve<P: Protocol>(
     timeouts: Timeouts,
     stop: Stop,
 ) -> CloseReason {
-    match serve_movable(io, protocol, timeouts, stop, None, None).await {
+    match serve_movable(io, protocol, timeouts, stop, None, Resume::default()).await {
         Ended::Closed(reason) => reason,
         // Never asked to move.
         Ended::Moving(_) => CloseReason::Local,
@@ -249,12 +249,14 @@ pub struct Moving<P> {
 }
 
 /// The timeouts' clocks of a session that moved: an idle or slow caller is timed across
-/// a move as if it had not moved.
-#[derive(Clone, Copy, Debug)]
+/// a move as if it had not moved. Default: a fresh session's.
+#[derive(Clone, Copy, Debug, Default)]
 pub struct Resume {
     idle_since: Option<Instant>,
     frame_since: Option<Instant>,
     shed_check: Option<Instant>,
+    /// Not a fresh session: the clocks above are the session's.
+    moved: bool,
 }
 
 /// As [`serve`], and movable: once `move_asked` is cancelled the session ends on this
@@ -262,15 +264,14 @@ pub struct Resume {
 /// (then it stays, and the drain ends it here), the memory budget pauses it, or its
 /// caller has left. Calls in flight stay in flight: a protocol whose outcomes reach it
 /// through a channel any thread may write to (the broker's inbox) has them delivered
-/// wherever it runs next. `resume`: the clocks of a session that moved here (`None`: a
-/// new session).
+/// wherever it runs next. `resume`: the clocks of a session that moved here.
 pub async fn serve_movable<P: Protocol>(
     mut io: FramedIo,
     mut protocol: P,
     timeouts: Timeouts,
     stop: Stop,
     move_asked: Option<&CancellationToken>,
-    resume: Option<Resume>,
+    resume: Resume,
 ) -> Ended<P> {
     let end = run(&mut io, &mut protocol, timeouts, &stop, move_asked, resume).await;
     let reason = match end {
@@ -300,9 +301,14 @@ pub async fn serve_movable<P: Protocol>(
         }
     };
     protocol.on_end();
-    if reason.delivers_last_replies() {
-        let _ = tokio::time::timeout(FINAL_FLUSH_TIMEOUT, io.shutdown()).await;
+    if reason == CloseReason::MemoryBudget {
+        // Closed to give its buffers back: they go now, unflushed. Flushing a backlog its
+        // caller does not read would hold them for the whole final flush, during which
+        // the budget, still past its mark, would close the next largest holder too.
+        protocol.after_write(&mut io);
+        return Ended::Closed(reason);
     }
+    let _ = tokio::time::timeout(FINAL_FLUSH_TIMEOUT, io.shutdown()).await;
     protocol.after_write(&mut io);
     Ended::Closed(reason)
 }
@@ -321,7 +327,7 @@ async fn run<P: Protocol>(
     timeouts: Timeouts,
     stop: &Stop,
     move_asked: Option<&CancellationToken>,
-    resume: Option<Resume>,
+    resume: Resume,
 ) -> Result<Round, SessionError> {
     let mut draining = false;
     let mut cut = false;
@@ -461,7 +467,7 @@ struct Clock {
 }
 
 impl Clock {
-    fn new(limits: Timeouts, resume: Option<Resume>) -> Self {
+    fn new(limits: Timeouts, resume: Resume) -> Self {
         let now = Instant::now();
         let mut clock = Clock {
             limits,
@@ -472,10 +478,10 @@ impl Clock {
             timer: Box::pin(tokio::time::sleep_until(now + limits.idle)),
             armed: None,
         };
-        if let Some(r) = resume {
-            clock.idle_since = r.idle_since;
-            clock.frame_since = r.frame_since;
-            clock.shed_check = r.shed_check;
+        if resume.moved {
+            clock.idle_since = resume.idle_since;
+            clock.frame_since = resume.frame_since;
+            clock.shed_check = resume.shed_check;
         }
         clock.arm(now + limits.idle);
         clock
@@ -497,6 +503,7 @@ impl Clock {
             idle_since: self.idle_since,
             frame_since: self.frame_since,
             shed_check: self.shed_check,
+            moved: true,
         }
     }
 
