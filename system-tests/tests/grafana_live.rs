@@ -180,8 +180,9 @@ fn every_panel_shows_live_data_and_the_alerts_fire_only_when_a_provider_hangs() 
         &[
             "--upstream",
             &p_rpc.to_string(),
+            // Two cells, so that the cells' panels (absent with one thread) have data.
             "--threads",
-            "1",
+            "2",
             "--max-in-flight",
             BROKER_MAX_IN_FLIGHT,
             "--call-timeout",
