@@ -139,6 +139,12 @@ pub struct PlacementTuning {
     pub spread_gain_pct: u32,
     /// Reviews of a steady load a trial needs before it (0: none, any load will do).
     pub steady_reviews: usize,
+    /// The per cent of a core per remaining cell under which the open cells' work is
+    /// gathered onto one fewer without a trial.
+    pub gather_below_pct: u32,
+    /// Whether one fewer cell is tried when several are open and none is busy (a light
+    /// load is gathered whatever this says).
+    pub gather_trials: bool,
 }
 
 impl Default for PlacementTuning {
@@ -149,6 +155,8 @@ impl Default for PlacementTuning {
             spread_busy_pct: placement::SPREAD_BUSY_PCT,
             spread_gain_pct: placement::SPREAD_GAIN_PCT,
             steady_reviews: placement::STEADY_REVIEWS,
+            gather_below_pct: placement::GATHER_BELOW_PCT,
+            gather_trials: true,
         }
     }
 }

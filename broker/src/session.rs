@@ -201,6 +201,9 @@ pub(crate) struct Session {
     trailer: u32,
     /// Calls answered since the cell's count was last told.
     answered: u64,
+    /// Every call this connection's session answered, on any cell, for the placement
+    /// to split cells by load (`crate::cell`; none with one cell).
+    calls: Option<Arc<std::sync::atomic::AtomicU64>>,
 }
 
 impl Protocol for Session {
@@ -372,8 +375,14 @@ impl Session {
             admitted: 0,
             trailer: 0,
             answered: 0,
+            calls: None,
             shared,
         }
+    }
+
+    /// Adds the calls it answers to `calls` from now on (once per round).
+    pub(crate) fn count_calls_in(&mut self, calls: Arc<std::sync::atomic::AtomicU64>) {
+        self.calls = Some(calls);
     }
 
     /// The session leaves its cell (on that cell's thread, its loop ended to move): what
@@ -677,6 +686,9 @@ impl Session {
             self.shared
                 .answered
                 .fetch_add(self.answered, std::sync::atomic::Ordering::Relaxed);
+            if let Some(calls) = &self.calls {
+                calls.fetch_add(self.answered, std::sync::atomic::Ordering::Relaxed);
+            }
             self.answered = 0;
         }
     }

@@ -196,6 +196,7 @@ async fn tls_connections_move_between_cells_under_load_and_lose_no_call() {
             spread_busy_pct: 0,
             spread_gain_pct: u32::MAX,
             steady_reviews: 0,
+            ..PlacementTuning::default()
         };
     })
     .await;

@@ -40,6 +40,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
 
 use futures_util::future::Either;
 use rpcmesh_common::alloc::Counted;
@@ -243,19 +244,63 @@ impl Cells {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         let mut asked = 0;
-        for r in residents.values() {
+        for r in residents.values().filter(|r| !r.asked.is_cancelled()) {
             if asked == count {
                 break;
             }
-            if r.asked.is_cancelled() {
-                continue;
-            }
-            r.to.store(to, Ordering::Relaxed);
-            r.asked.cancel();
+            r.ask(to);
             asked += 1;
         }
         asked
     }
+
+    /// Asks the sessions of cell `from` that carry about half its calls to move to cell
+    /// `to` ([`half_by_load`] of each one's calls/s on `from`); returns how many were
+    /// asked. Splitting by count instead could move the light connections and leave the
+    /// heavy one, and a trial of one more cell would then measure nothing.
+    pub fn ask_half_to_move(&self, from: usize, to: usize) -> usize {
+        let (Some(from), Some(_)) = (self.cells.get(from), self.cells.get(to)) else {
+            return 0;
+        };
+        let residents = from
+            .residents
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        let staying: Vec<&Resident> = residents
+            .values()
+            .filter(|r| !r.asked.is_cancelled())
+            .collect();
+        let loads: Vec<f64> = staying.iter().map(|r| r.calls_per_second(now)).collect();
+        let chosen = half_by_load(&loads);
+        for &i in &chosen {
+            staying[i].ask(to);
+        }
+        chosen.len()
+    }
+}
+
+/// Which of connections carrying `loads` (calls/s each) to move so that about half the
+/// calls move: the heaviest first, each taken if it brings the moved share nearer half
+/// (so idle connections stay, and one connection carrying most of the calls moves alone).
+/// With no calls to go by (connections too new to tell), half of them by count.
+fn half_by_load(loads: &[f64]) -> Vec<usize> {
+    let total: f64 = loads.iter().sum();
+    if total <= 0.0 || !total.is_finite() {
+        return (0..loads.len() / 2).collect();
+    }
+    let mut order: Vec<usize> = (0..loads.len()).collect();
+    order.sort_by(|&a, &b| loads[b].total_cmp(&loads[a]));
+    let half = total / 2.0;
+    let mut moved = 0.0;
+    let mut chosen = Vec::new();
+    for i in order {
+        if (half - (moved + loads[i])).abs() < (half - moved).abs() {
+            moved += loads[i];
+            chosen.push(i);
+        }
+    }
+    chosen
 }
 
 /// A session living on a cell, as the cell's placement sees it.
@@ -265,6 +310,25 @@ struct Resident {
     asked: CancellationToken,
     /// The cell it is asked to move to.
     to: Arc<AtomicUsize>,
+    /// The calls its session answered, wherever it ran (added once per round).
+    calls: Arc<AtomicU64>,
+    /// `calls` and the time when it arrived on this cell.
+    arrived: (u64, Instant),
+}
+
+impl Resident {
+    /// Its calls answered per second since it arrived on this cell.
+    fn calls_per_second(&self, now: Instant) -> f64 {
+        let (since, at) = self.arrived;
+        let calls = self.calls.load(Ordering::Relaxed).saturating_sub(since);
+        let secs = now.saturating_duration_since(at).as_secs_f64();
+        if secs > 0.0 { calls as f64 / secs } else { 0.0 }
+    }
+
+    fn ask(&self, to: usize) {
+        self.to.store(to, Ordering::Relaxed);
+        self.asked.cancel();
+    }
 }
 
 /// Counts a cell's client connection out when it ends or moves away, however it ends.
@@ -290,7 +354,11 @@ struct Residing {
 }
 
 impl Residing {
-    fn on(cell: &Arc<Cell>) -> (Residing, CancellationToken, Arc<AtomicUsize>) {
+    /// A session whose answered calls `calls` counts arrives on `cell`.
+    fn on(
+        cell: &Arc<Cell>,
+        calls: &Arc<AtomicU64>,
+    ) -> (Residing, CancellationToken, Arc<AtomicUsize>) {
         let asked = CancellationToken::new();
         let to = Arc::new(AtomicUsize::new(0));
         let key = cell.next_key.fetch_add(1, Ordering::Relaxed);
@@ -302,6 +370,8 @@ impl Residing {
                 Resident {
                     asked: asked.clone(),
                     to: to.clone(),
+                    calls: calls.clone(),
+                    arrived: (calls.load(Ordering::Relaxed), Instant::now()),
                 },
             );
         (
@@ -373,11 +443,14 @@ async fn dealt(
     };
     let mut counted = counted;
     let mut arrival = Arrival::New(stream);
+    // The calls the connection's session answers, for the placement to split by load.
+    let calls = Arc::new(AtomicU64::new(0));
     loop {
         let cell = counted.0.clone();
-        let (residing, asked, to) = Residing::on(&cell);
+        let (residing, asked, to) = Residing::on(&cell, &calls);
         let shared = cell.shared.clone();
         let stop = stop.clone();
+        let counts_calls = calls.clone();
         let task = cell.handle.spawn(async move {
             let (io, session, resume) = match arrival {
                 Arrival::New(stream) => {
@@ -385,7 +458,10 @@ async fn dealt(
                         return Stay::Closed(CloseReason::Error);
                     };
                     match session::open(stream, peer, via, shared.clone()).await {
-                        Some((io, session)) => (io, session, Resume::default()),
+                        Some((io, mut session)) => {
+                            session.count_calls_in(counts_calls);
+                            (io, session, Resume::default())
+                        }
                         None => return Stay::Closed(CloseReason::TlsHandshake),
                     }
                 }
@@ -438,6 +514,25 @@ async fn dealt(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn half_the_calls_move_heaviest_first() {
+        // One heavy connection among light ones moves alone; the light ones stay.
+        assert_eq!(half_by_load(&[10.0, 900.0, 10.0, 10.0, 10.0]), vec![1]);
+        // Even loads: half of them.
+        assert_eq!(half_by_load(&[5.0, 5.0, 5.0, 5.0]).len(), 2);
+        // Two heavy and two light: one heavy and one light, about half.
+        let mut c = half_by_load(&[100.0, 1.0, 100.0, 2.0]);
+        c.sort_unstable();
+        assert!(c == vec![0, 3] || c == vec![2, 3], "{c:?}");
+        // Idle connections never move with a load to go by.
+        assert_eq!(half_by_load(&[0.0, 50.0, 0.0, 50.0]).len(), 1);
+        // Nothing measured yet: half by count.
+        assert_eq!(half_by_load(&[0.0; 6]), vec![0, 1, 2]);
+        // One connection with every call: moving it would move the whole load.
+        assert!(half_by_load(&[10.0]).is_empty());
+        assert!(half_by_load(&[]).is_empty());
+    }
 
     #[test]
     fn a_pool_is_shared_among_cells_rounding_up() {

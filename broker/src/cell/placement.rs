@@ -16,8 +16,9 @@
 //!   [`STEADY_REVIEWS`] reviews before it, all within [`STEADY_SPREAD`] of one another (a
 //!   load starting or ending is no ground), and over the [`TRIAL_REVIEWS`] reviews after.
 //! - **One more cell** is tried when an open cell was busy for at least
-//!   [`SPREAD_BUSY_PCT`] per cent of each of the steady reviews: the next cell opens and half of the busiest
-//!   cell's connections move to it. Kept if it answers over [`SPREAD_GAIN_PCT`] per cent of
+//!   [`SPREAD_BUSY_PCT`] per cent of each of the steady reviews: the next cell opens and
+//!   connections carrying about half the busiest cell's calls move to it (by each one's
+//!   calls/s: a heavy connection counts for many light ones). Kept if it answers over [`SPREAD_GAIN_PCT`] per cent of
 //!   the calls before; else they move back and the cell closes.
 //! - **One fewer** is tried, with several open and none that busy: the last open cell's
 //!   connections move to the others. Kept if it answers at least [`GATHER_KEEP`] of the
@@ -25,7 +26,7 @@
 //! - An undone trial puts the next off by [`RETRY_FIRST`], twice as long after each
 //!   failure up to [`RETRY_MAX`]; a kept one resets the wait.
 //! - **Gathered when light**: when the open cells' work would fit in one fewer with room to
-//!   spare (all of it under [`GATHER_BELOW`] of a core per remaining cell, for
+//!   spare (all of it under [`GATHER_BELOW_PCT`] per cent of a core per remaining cell, for
 //!   [`STEADY_REVIEWS`] reviews running), the last open cell's connections move to the
 //!   others and it closes.
 //!
@@ -58,7 +59,7 @@ pub const SPREAD_GAIN_PCT: u32 = 110;
 /// Below this share of a core per remaining cell, for [`STEADY_REVIEWS`] reviews running,
 /// the open cells' work fits in one fewer without a trial: well under the load at which
 /// one more cell was worth trying, so that a spread kept is not undone by the next dip.
-pub const GATHER_BELOW: f64 = 0.3;
+pub const GATHER_BELOW_PCT: u32 = 30;
 /// Reviews of a steady load a trial is judged against (2 s): one review's rate on a
 /// shared machine varies by a tenth and more.
 pub const STEADY_REVIEWS: usize = 4;
@@ -177,8 +178,9 @@ struct Seen {
 enum Change {
     /// Nothing moves.
     None,
-    /// Open one more cell, moving `count` of the connections of open cell `from` to it.
-    Spread { from: usize, count: usize },
+    /// Open one more cell, moving about half the calls of open cell `from` to it (the
+    /// connections that carry them: [`Cells::ask_half_to_move`]).
+    Spread { from: usize },
     /// Close the last open cell, moving its connections to the others.
     Gather,
 }
@@ -213,9 +215,10 @@ fn review(
     };
     match decide(tuning, state, &seen) {
         Change::None => {}
-        Change::Spread { from, count } => {
+        Change::Spread { from } => {
             cells.set_open(open + 1);
-            cells.ask_to_move(from, open, count);
+            let moved = cells.ask_half_to_move(from, open);
+            tracing::debug!(from, to = open, moved, "cells: connections asked to move");
         }
         Change::Gather => gather(cells, open),
     }
@@ -234,7 +237,8 @@ fn decide(tuning: &PlacementTuning, state: &mut Placement, seen: &Seen) -> Chang
         return judge(tuning, state, trial, seen);
     }
     let total: f64 = seen.busy.iter().sum();
-    if open > 1 && total < (open - 1) as f64 * GATHER_BELOW {
+    let gather_below = f64::from(tuning.gather_below_pct) / 100.0;
+    if open > 1 && total < (open - 1) as f64 * gather_below {
         state.light_reviews += 1;
         if state.light_reviews >= STEADY_REVIEWS as u32 {
             state.light_reviews = 0;
@@ -279,18 +283,14 @@ fn decide(tuning: &PlacementTuning, state: &mut Placement, seen: &Seen) -> Chang
             tracing::info!(
                 cells = open + 1,
                 busy = b,
-                moved = sessions / 2,
                 calls_per_s = steady as u64,
                 "cells: trying one more"
             );
             state.start(true, steady);
-            return Change::Spread {
-                from,
-                count: sessions / 2,
-            };
+            return Change::Spread { from };
         }
     }
-    if open > 1 {
+    if open > 1 && tuning.gather_trials {
         tracing::info!(
             cells = open - 1,
             calls_per_s = steady as u64,
@@ -384,10 +384,7 @@ fn judge(tuning: &PlacementTuning, state: &mut Placement, trial: Trial, seen: &S
                 retry_s,
                 "cells: one fewer answered fewer calls; spread again"
             );
-            Change::Spread {
-                from,
-                count: seen.sessions[from] / 2,
-            }
+            Change::Spread { from }
         }
     };
     if kept {
@@ -517,14 +514,14 @@ mod tests {
     fn a_busy_steady_cell_tries_one_more_and_an_unpaid_trial_is_undone_and_put_off() {
         let mut run = Run::new();
         let (c, k) = run.until_change(20, 1, 0.9, 400_000.0);
-        assert_eq!(c, Change::Spread { from: 0, count: 4 });
+        assert_eq!(c, Change::Spread { from: 0 });
         assert_eq!(k, STEADY_REVIEWS, "tried after the steady reviews");
         // No more calls with two cells: undone after the trial's reviews.
         let (c, k) = run.until_change(10, 2, 0.6, 420_000.0);
         assert_eq!((c, k), (Change::Gather, TRIAL_REVIEWS));
         // The next trial waits RETRY_FIRST, the one after twice that.
         let (c, k) = run.until_change(200, 1, 0.9, 400_000.0);
-        assert_eq!(c, Change::Spread { from: 0, count: 4 });
+        assert_eq!(c, Change::Spread { from: 0 });
         assert_eq!(k as u32, RETRY_FIRST.div_duration_f64(REVIEW) as u32);
         run.until_change(10, 2, 0.6, 400_000.0);
         let (_, k) = run.until_change(400, 1, 0.9, 400_000.0);
@@ -554,9 +551,9 @@ mod tests {
         // Steady again, no cell busy enough for a third (there is none): one fewer.
         let (c, k) = run.until_change(20, 2, 0.8, 450_000.0);
         assert_eq!((c, k), (Change::Gather, STEADY_REVIEWS));
-        // One cell answers fewer: spread again, half of its connections.
+        // One cell answers fewer: spread again, half of its calls.
         let (c, _) = run.until_change(10, 1, 0.95, 300_000.0);
-        assert_eq!(c, Change::Spread { from: 0, count: 4 });
+        assert_eq!(c, Change::Spread { from: 0 });
     }
 
     #[test]
