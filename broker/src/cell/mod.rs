@@ -39,7 +39,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 use futures_util::future::Either;
@@ -236,13 +236,9 @@ impl Cells {
     /// how many were asked. Each moves at the end of its current round (`session`'s
     /// `serve_on_cell`), unless it is draining or closing.
     pub fn ask_to_move(&self, from: usize, to: usize, count: usize) -> usize {
-        let (Some(from), Some(_)) = (self.cells.get(from), self.cells.get(to)) else {
+        let Some(residents) = self.residents_moving(from, to) else {
             return 0;
         };
-        let residents = from
-            .residents
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
         let mut asked = 0;
         for r in residents.values().filter(|r| !r.asked.is_cancelled()) {
             if asked == count {
@@ -259,13 +255,9 @@ impl Cells {
     /// asked. Splitting by count instead could move the light connections and leave the
     /// heavy one, and a trial of one more cell would then measure nothing.
     pub fn ask_half_to_move(&self, from: usize, to: usize) -> usize {
-        let (Some(from), Some(_)) = (self.cells.get(from), self.cells.get(to)) else {
+        let Some(residents) = self.residents_moving(from, to) else {
             return 0;
         };
-        let residents = from
-            .residents
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
         let now = Instant::now();
         let staying: Vec<&Resident> = residents
             .values()
@@ -277,6 +269,24 @@ impl Cells {
             staying[i].ask(to);
         }
         chosen.len()
+    }
+}
+
+impl Cells {
+    /// The residents of cell `from`, locked, when both `from` and `to` are cells.
+    fn residents_moving(
+        &self,
+        from: usize,
+        to: usize,
+    ) -> Option<MutexGuard<'_, HashMap<u64, Resident>>> {
+        let (Some(from), Some(_)) = (self.cells.get(from), self.cells.get(to)) else {
+            return None;
+        };
+        Some(
+            from.residents
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        )
     }
 }
 
