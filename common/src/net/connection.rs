@@ -78,6 +78,15 @@ pub enum CloseReason {
 }
 
 impl CloseReason {
+    /// Whether a connection closing for this reason first flushes what is already answered
+    /// (the session's final flush, up to `crate::net::session::FINAL_FLUSH_TIMEOUT`). Not when it was closed to
+    /// give its buffers back to the memory budget: a flush to a caller that does not read
+    /// would hold them for the whole flush, during which the budget, still past its mark,
+    /// would close the next largest holder too.
+    pub fn flushes_on_close(self) -> bool {
+        self != CloseReason::MemoryBudget
+    }
+
     /// Every reason, in the order of [`CloseReason::index`].
     pub const ALL: [CloseReason; 10] = [
         CloseReason::Peer,

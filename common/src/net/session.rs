@@ -301,14 +301,9 @@ pub async fn serve_movable<P: Protocol>(
         }
     };
     protocol.on_end();
-    if reason == CloseReason::MemoryBudget {
-        // Closed to give its buffers back: they go now, unflushed. Flushing a backlog its
-        // caller does not read would hold them for the whole final flush, during which
-        // the budget, still past its mark, would close the next largest holder too.
-        protocol.after_write(&mut io);
-        return Ended::Closed(reason);
+    if reason.flushes_on_close() {
+        let _ = tokio::time::timeout(FINAL_FLUSH_TIMEOUT, io.shutdown()).await;
     }
-    let _ = tokio::time::timeout(FINAL_FLUSH_TIMEOUT, io.shutdown()).await;
     protocol.after_write(&mut io);
     Ended::Closed(reason)
 }
