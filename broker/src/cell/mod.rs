@@ -270,9 +270,7 @@ impl Cells {
         }
         chosen.len()
     }
-}
 
-impl Cells {
     /// The residents of cell `from`, locked, when both `from` and `to` are cells.
     fn residents_moving(
         &self,
