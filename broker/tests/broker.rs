@@ -456,6 +456,37 @@ async fn connections_move_between_cells_with_their_calls_in_flight() {
     p.stop().await;
 }
 
+/// Echo calls on each of `clients`, each checked, until `stop` (bounded: each ends by
+/// itself after 20 s), connection `i` pausing `pause(i)` after each call; each task
+/// returns its calls.
+fn echo_loads(
+    clients: &[Client],
+    stop: &Arc<AtomicBool>,
+    pause: impl Fn(usize) -> Option<Duration>,
+) -> Vec<tokio::task::JoinHandle<u64>> {
+    clients
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let (c, stop, pause) = (c.clone(), stop.clone(), pause(i));
+            tokio::spawn(async move {
+                let end = std::time::Instant::now() + Duration::from_secs(20);
+                let mut k = 0u64;
+                while !stop.load(Ordering::Relaxed) && std::time::Instant::now() < end {
+                    let m = format!("conn {i} call {k}");
+                    let r = c.call("EchoService", "Echo", &echo(&m)).await.unwrap();
+                    assert_eq!(r.decode::<EchoResponse>().unwrap().message, m);
+                    k += 1;
+                    if let Some(p) = pause {
+                        tokio::time::sleep(p).await;
+                    }
+                }
+                k
+            })
+        })
+        .collect()
+}
+
 /// A spread moves the connections that carry half the calls, not half the connections:
 /// one connection calling without pause beside three that call now and then, at a
 /// placement tuned to try one more cell once the load is steady and to keep it. The busy
@@ -484,28 +515,10 @@ async fn a_spread_moves_the_heavy_connection_and_leaves_the_light_ones() {
     let b = broker(cfg).await;
     let clients = ready_clients(b.addr, 1 + LIGHT).await;
     let stop = Arc::new(AtomicBool::new(false));
-    let loads: Vec<_> = clients
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            let (c, stop) = (c.clone(), stop.clone());
-            tokio::spawn(async move {
-                // Bounded: the test stops it, or it ends by itself after 20 s.
-                let end = std::time::Instant::now() + Duration::from_secs(20);
-                let mut k = 0u64;
-                while !stop.load(Ordering::Relaxed) && std::time::Instant::now() < end {
-                    let r = c.call("EchoService", "Echo", &echo("load")).await.unwrap();
-                    assert_eq!(r.status, Status::Success);
-                    k += 1;
-                    if i > 0 {
-                        // A light connection: a call every 100 ms.
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                    }
-                }
-                k
-            })
-        })
-        .collect();
+    // The first connection calls without pause, the light ones every 100 ms.
+    let loads = echo_loads(&clients, &stop, |i| {
+        (i > 0).then_some(Duration::from_millis(100))
+    });
     let cell = |k: &str| b.metric("rpcmesh_cell_calls_total", &[("cell", k)]);
     testkit::wait_for(
         "the second cell to answer the busy connection's calls",
@@ -560,25 +573,7 @@ async fn a_spread_that_pays_is_kept_and_gathered_back_when_the_load_falls() {
     let b = broker(cfg).await;
     let clients = ready_clients(b.addr, CONNECTIONS).await;
     let stop = Arc::new(AtomicBool::new(false));
-    let loads: Vec<_> = clients
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            let (c, stop) = (c.clone(), stop.clone());
-            tokio::spawn(async move {
-                // Bounded: the test stops it, or it ends by itself after 20 s.
-                let end = std::time::Instant::now() + Duration::from_secs(20);
-                let mut k = 0u64;
-                while !stop.load(Ordering::Relaxed) && std::time::Instant::now() < end {
-                    let m = format!("conn {i} call {k}");
-                    let r = c.call("EchoService", "Echo", &echo(&m)).await.unwrap();
-                    assert_eq!(r.decode::<EchoResponse>().unwrap().message, m);
-                    k += 1;
-                }
-                k
-            })
-        })
-        .collect();
+    let loads = echo_loads(&clients, &stop, |_| None);
     let cell = |k: &str| b.metric("rpcmesh_cell_calls_total", &[("cell", k)]);
     testkit::wait_for(
         "the second cell to answer calls of connections moved to it",
