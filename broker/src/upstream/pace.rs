@@ -115,16 +115,31 @@ impl Pace {
 
     /// Takes one sample of the broker's own timing, `replies` calls answered over `busy`,
     /// into the lower envelope: a sample below it replaces it; one above raises it by
-    /// [`ENVELOPE_RISE_SHIFT`], never past the sample (`PerCall::note_lowest`).
+    /// [`ENVELOPE_RISE_SHIFT`], never past the sample. (Two connection tasks on different
+    /// threads may lose a sample between them, no more: no lock.)
     pub fn note(&self, busy: Duration, replies: usize) {
-        self.per_call
-            .note_lowest(busy, replies, ENVELOPE_RISE_SHIFT);
+        if replies == 0 {
+            return;
+        }
+        let sample = u64::try_from(busy.as_nanos() / replies as u128)
+            .unwrap_or(u64::MAX)
+            .max(1);
+        let old = self.per_call.nanos();
+        let new = if old == 0 || sample <= old {
+            sample
+        } else {
+            sample.min(old.saturating_add((old >> ENVELOPE_RISE_SHIFT).max(1)))
+        };
+        self.per_call.set(Some(Duration::from_nanos(new)));
     }
 
     /// A server silent for `silent` with calls waiting at it has taken at least that long
     /// over its current call: the envelope is raised to it at once.
     fn stalled(&self, silent: Duration) {
-        self.per_call.raise_to(silent);
+        let silent = u64::try_from(silent.as_nanos()).unwrap_or(u64::MAX);
+        if silent > self.per_call.nanos() {
+            self.per_call.set(Some(Duration::from_nanos(silent)));
+        }
     }
 
     /// Takes the provider's report (`None`: it has measured nothing yet).
