@@ -23,20 +23,12 @@
 //!   server was working through that connection's queue, so the time between them divided
 //!   by the replies the second read brought is the time it takes per call on that
 //!   connection (its work on other connections meanwhile included, which is the wait a
-//!   packed call sees). An interval is that work plus whatever else kept the next read
-//!   back: a reply's round trip (the server's Nagle holds a reply until the broker's ACK),
-//!   the broker's or the server's wait for a CPU. Those only ever add, and they do not
-//!   grow with the depth, so the pool keeps the *lower envelope* of the samples
-//!   ([`ENVELOPE_RISE_SHIFT`]), not their average: with two calls on a connection a read
-//!   brings one reply, the interval is a round trip (60–110 µs behind a server that works
-//!   a few µs per call), and an average of those would keep the depth at 2 and the calls
-//!   spread for good, where packed deeper the same server shows its few µs. A connection
+//!   packed call sees). The pool keeps a moving average of those samples. A connection
 //!   whose server has answered nothing for longer than the wait while calls wait there is
 //!   timed at its deadline sweep too ([`Backlog::on_sweep`]; every 100 ms at the default
-//!   call timeout): the envelope is raised to that silence at once, so that a server that
-//!   hangs on a call stops being packed without waiting for a reply that may never come.
-//!   Until there is a sample nothing is packed: the less loaded of two connections takes
-//!   each call.
+//!   call timeout), so that a server that hangs on a call stops being packed without
+//!   waiting for a reply that may never come. Until there is a sample nothing is packed:
+//!   the less loaded of two connections takes each call.
 //! - **An rpcmesh provider** answers calls in batches, so the time between the broker's
 //!   reads is mostly the round trip, not the work (behind the echo provider at 8 calls in
 //!   flight it comes to 26–33 µs per call, where the provider spends under 1 µs on each).
@@ -58,13 +50,6 @@ use rpcmesh_wire::PeerKind;
 
 #[cfg(doc)]
 use crate::config::DEFAULT_PACK_WAIT;
-
-/// How fast the lower envelope of a plain v1 server's samples rises towards a sample above
-/// it: by 1/2^5 = 1/32 of itself per sample, so that a server that slows for good (from 5
-/// µs per call to 2 ms) is packed no deeper than its new pace allows within about 100
-/// samples (a few hundred ms at most behind such a server), while one long interval in a
-/// run of short ones moves it by a thirty-second.
-pub(crate) const ENVELOPE_RISE_SHIFT: u32 = 5;
 
 /// Where a pool's time per call comes from, and what the router does before it has one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,8 +78,7 @@ impl Source {
 /// per call, one relaxed load).
 #[derive(Debug)]
 pub(crate) struct Pace {
-    /// The time per call (nanoseconds, lock-free): a plain v1 server's lower envelope, an
-    /// rpcmesh provider's report.
+    /// The average (nanoseconds per call, lock-free).
     per_call: PerCall,
     /// How long a packed call may wait (`--pack-wait`), in nanoseconds (the router divides
     /// it per read); zero = never pack.
@@ -113,33 +97,9 @@ impl Pace {
         }
     }
 
-    /// Takes one sample of the broker's own timing, `replies` calls answered over `busy`,
-    /// into the lower envelope: a sample below it replaces it; one above raises it by
-    /// [`ENVELOPE_RISE_SHIFT`], never past the sample. (Two connection tasks on different
-    /// threads may lose a sample between them, no more: no lock.)
+    /// Takes one sample of the broker's own timing: `replies` calls answered over `busy`.
     pub fn note(&self, busy: Duration, replies: usize) {
-        if replies == 0 {
-            return;
-        }
-        let sample = u64::try_from(busy.as_nanos() / replies as u128)
-            .unwrap_or(u64::MAX)
-            .max(1);
-        let old = self.per_call.nanos();
-        let new = if old == 0 || sample <= old {
-            sample
-        } else {
-            sample.min(old.saturating_add((old >> ENVELOPE_RISE_SHIFT).max(1)))
-        };
-        self.per_call.set(Some(Duration::from_nanos(new)));
-    }
-
-    /// A server silent for `silent` with calls waiting at it has taken at least that long
-    /// over its current call: the envelope is raised to it at once.
-    fn stalled(&self, silent: Duration) {
-        let silent = u64::try_from(silent.as_nanos()).unwrap_or(u64::MAX);
-        if silent > self.per_call.nanos() {
-            self.per_call.set(Some(Duration::from_nanos(silent)));
-        }
+        self.per_call.note(busy, replies);
     }
 
     /// Takes the provider's report (`None`: it has measured nothing yet).
@@ -196,8 +156,8 @@ impl Backlog {
 
     /// At the connection's deadline sweep (`now`, while calls are in flight): a server
     /// that has answered nothing for longer than a packed call may wait, with calls
-    /// waiting there, has taken at least that long over its current call. `pace` is
-    /// raised to that at once, so that a server that stalls or hangs on a call stops
+    /// waiting there, has taken at least that long over its current call. `pace` takes
+    /// that as a sample at once, so that a server that stalls or hangs on a call stops
     /// being packed within a sweep instead of at its next reply (which may never come),
     /// and the interval starts again from here.
     pub fn on_sweep(&mut self, now: Instant, pace: &Pace) {
@@ -206,7 +166,7 @@ impl Backlog {
         };
         let silent = now.saturating_duration_since(then);
         if pace.wait_ns != 0 && silent > Duration::from_nanos(pace.wait_ns) {
-            pace.stalled(silent);
+            pace.note(silent, 1);
             self.since = Some((now, waiting));
         }
     }
@@ -287,7 +247,7 @@ mod tests {
     }
 
     #[test]
-    fn the_envelope_falls_to_a_lower_sample_and_rises_a_thirty_second_per_sample() {
+    fn the_average_moves_a_thirty_second_per_sample() {
         let pace = new_pace();
         pace.note(80 * US, 8);
         assert_eq!(
@@ -295,52 +255,23 @@ mod tests {
             Some(10 * US),
             "the first sample is taken whole"
         );
-        // A round trip's interval, far above the server's work: a thirty-second higher ...
-        pace.note(70 * US, 1);
-        assert_eq!(pace.per_call(), Some(Duration::from_nanos(10_312)));
-        assert_eq!(pace.depth(64), 10);
-        // ... and never past the sample.
-        pace.note(Duration::from_nanos(10_400), 1);
-        assert_eq!(pace.per_call(), Some(Duration::from_nanos(10_400)));
-        // A lower sample is taken at once.
-        pace.note(5 * US, 1);
-        assert_eq!(pace.per_call(), Some(5 * US));
-        // A run of round trips over a fast server (the calls spread two deep, one reply a
-        // read) leaves it packed: the interval does not say the server got slower ...
-        for _ in 0..10 {
-            pace.note(70 * US, 1);
-            pace.note(6 * US, 3);
+        // 10 − 10/32 + 2000/32 = 72.1875 µs: one slow call halves the depth ...
+        pace.note(Duration::from_millis(2), 1);
+        assert_eq!(pace.per_call(), Some(Duration::from_nanos(72_188)));
+        assert_eq!(pace.depth(64), 2);
+        // ... and a second stops packing.
+        pace.note(Duration::from_millis(2), 1);
+        assert_eq!(pace.depth(64), 0, "{:?}", pace.per_call());
+        // Fast calls bring it back, more slowly.
+        for _ in 0..150 {
+            pace.note(5 * US, 1);
         }
         assert!(pace.depth(64) >= 8, "{:?}", pace.per_call());
-        // ... a server that did stops being packed within about a hundred samples.
-        let mut n = 0;
-        while pace.depth(64) > 0 {
-            pace.note(Duration::from_millis(2), 1);
-            n += 1;
-        }
-        assert!((80..=140).contains(&n), "{n} samples");
         pace.note(Duration::ZERO, 0);
         assert!(
             pace.per_call().is_some(),
             "a read with no reply is no sample"
         );
-    }
-
-    /// The loop an average was caught in: a fast server spread two deep is timed a round
-    /// trip per call, which keeps it two deep. Fed what a connection sees, two deep (one
-    /// reply a read, 60 µs apart) with a packed read now and then (4 replies 20 µs after
-    /// the last), the envelope packs it as deep as its work allows.
-    #[test]
-    fn round_trips_between_single_replies_do_not_keep_a_fast_server_shallow() {
-        let pace = new_pace();
-        for i in 0..200 {
-            if i % 20 == 19 {
-                pace.note(20 * US, 4);
-            } else {
-                pace.note(60 * US, 1);
-            }
-        }
-        assert!(pace.depth(64) >= 8, "{:?}", pace.per_call());
     }
 
     #[test]
