@@ -23,12 +23,21 @@
 //!   server was working through that connection's queue, so the time between them divided
 //!   by the replies the second read brought is the time it takes per call on that
 //!   connection (its work on other connections meanwhile included, which is the wait a
-//!   packed call sees). The pool keeps a moving average of those samples. A connection
-//!   whose server has answered nothing for longer than the wait while calls wait there is
-//!   timed at its deadline sweep too ([`Backlog::on_sweep`]; every 100 ms at the default
-//!   call timeout), so that a server that hangs on a call stops being packed without
-//!   waiting for a reply that may never come. Until there is a sample nothing is packed:
-//!   the less loaded of two connections takes each call.
+//!   packed call sees). An interval is that work plus whatever else kept the next read
+//!   back: a reply's round trip (the server's Nagle holds a reply until the broker's ACK),
+//!   the broker's or the server's wait for a CPU. Those mostly add, and they do not grow
+//!   with the depth, so the pool keeps a *lower envelope* of the samples
+//!   ([`ENVELOPE_FALL_SHIFT`], [`ENVELOPE_RISE_SHIFT`]), not their average: with two calls
+//!   on a connection a read brings one reply, the interval is a round trip (60–110 µs
+//!   behind a server that works a few µs per call, on a busy machine), and an average of
+//!   those would keep the depth at 2 and the calls spread for good, where packed deeper
+//!   the same server shows its few µs. Only a read that brought a reply starts an
+//!   interval ([`Backlog`]). A connection whose server has answered nothing for longer
+//!   than the wait while calls wait there is timed at its deadline sweep too
+//!   ([`Backlog::on_sweep`]; every 100 ms at the default call timeout): the envelope is
+//!   raised to that silence at once, so that a server that hangs on a call stops being
+//!   packed without waiting for a reply that may never come. Until there is a sample
+//!   nothing is packed: the less loaded of two connections takes each call.
 //! - **An rpcmesh provider** answers calls in batches, so the time between the broker's
 //!   reads is mostly the round trip, not the work (behind the echo provider at 8 calls in
 //!   flight it comes to 26–33 µs per call, where the provider spends under 1 µs on each).
@@ -50,6 +59,23 @@ use rpcmesh_wire::PeerKind;
 
 #[cfg(doc)]
 use crate::config::DEFAULT_PACK_WAIT;
+
+/// How fast the lower envelope of a plain v1 server's samples rises towards a sample above
+/// it: by 1/2^6 = 1/64 of itself per sample, never past the sample. Slow enough that a run
+/// of round trips between rarer quick samples (one in 20 at 5 µs among 60 µs ones) leaves
+/// the envelope near the quick ones; a server that slows for good (from 5 µs per call to 2
+/// ms) is packed no deeper than its new pace allows within about 250 samples, and one that
+/// stalls within a deadline sweep ([`Backlog::on_sweep`]).
+pub(crate) const ENVELOPE_RISE_SHIFT: u32 = 6;
+
+/// How far a sample below the envelope takes it: half the way (the gap over 2^1), not all
+/// of it. A sample can come out short: when the broker was kept off the CPU for a while
+/// before a read, the next reply follows that read sooner than the server's time per call
+/// (on this 2-vCPU machine beside two or three spinning processes, the broker is held off
+/// for milliseconds). Taken whole, one such sample made a server that takes 2 ms per call
+/// read 73 µs, and packed it; halved, one takes 2 ms to 1 ms, and it takes seven in a row
+/// to bring it under the 100 µs wait.
+pub(crate) const ENVELOPE_FALL_SHIFT: u32 = 1;
 
 /// Where a pool's time per call comes from, and what the router does before it has one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,7 +104,8 @@ impl Source {
 /// per call, one relaxed load).
 #[derive(Debug)]
 pub(crate) struct Pace {
-    /// The average (nanoseconds per call, lock-free).
+    /// The time per call (nanoseconds, lock-free): a plain v1 server's lower envelope, an
+    /// rpcmesh provider's report.
     per_call: PerCall,
     /// How long a packed call may wait (`--pack-wait`), in nanoseconds (the router divides
     /// it per read); zero = never pack.
@@ -97,9 +124,19 @@ impl Pace {
         }
     }
 
-    /// Takes one sample of the broker's own timing: `replies` calls answered over `busy`.
+    /// Takes one sample of the broker's own timing, `replies` calls answered over `busy`,
+    /// into the lower envelope: a sample below it takes it down by
+    /// [`ENVELOPE_FALL_SHIFT`], one above raises it by [`ENVELOPE_RISE_SHIFT`], never past
+    /// the sample (`PerCall::note_lowest`).
     pub fn note(&self, busy: Duration, replies: usize) {
-        self.per_call.note(busy, replies);
+        self.per_call
+            .note_lowest(busy, replies, ENVELOPE_FALL_SHIFT, ENVELOPE_RISE_SHIFT);
+    }
+
+    /// A server silent for `silent` with calls waiting at it has taken at least that long
+    /// over its current call: the envelope is raised to it at once.
+    fn stalled(&self, silent: Duration) {
+        self.per_call.raise_to(silent);
     }
 
     /// Takes the provider's report (`None`: it has measured nothing yet).
@@ -131,21 +168,29 @@ impl Pace {
 }
 
 /// One connection's side of the measurement: what was waiting at the server at its last
-/// read.
+/// read that brought a reply.
+///
+/// Only such a read starts an interval. The server had just finished a call then, and the
+/// calls left waiting were already written, so from there to the next reply it was
+/// working through them (or waiting for a CPU, or for the broker's ACK: longer, never
+/// shorter, which is what the envelope needs). A read that brought no reply (a heartbeat's
+/// answer, a partial frame) starts nothing: the server may be well into a call by then, and
+/// timing from it would make a slow server look fast.
 #[derive(Debug, Default)]
 pub(crate) struct Backlog {
-    /// When the last read that left written calls unanswered ended, and how many it left.
+    /// When the last read that brought a reply and left written calls unanswered ended,
+    /// and how many it left.
     since: Option<(Instant, usize)>,
 }
 
 impl Backlog {
     /// After a read at `now` that answered `answered` calls and left `waiting` calls
-    /// written and unanswered: when calls were waiting at the server since the last read,
-    /// `pace` takes the time since then per call answered (at most as many as were
-    /// waiting: calls written after that read were not at the server all along). A read
-    /// that answered nothing (a partial frame, a heartbeat) keeps the interval open.
+    /// written and unanswered: when calls were waiting at the server since the last read
+    /// that brought a reply, `pace` takes the time since then per call answered (at most
+    /// as many as were waiting: calls written after that read were not at the server all
+    /// along). A read that answered nothing changes nothing.
     pub fn on_read(&mut self, now: Instant, answered: usize, waiting: usize, pace: &Pace) {
-        if answered == 0 && self.since.is_some() {
+        if answered == 0 {
             return;
         }
         if let Some((then, before)) = self.since {
@@ -156,18 +201,17 @@ impl Backlog {
 
     /// At the connection's deadline sweep (`now`, while calls are in flight): a server
     /// that has answered nothing for longer than a packed call may wait, with calls
-    /// waiting there, has taken at least that long over its current call. `pace` takes
-    /// that as a sample at once, so that a server that stalls or hangs on a call stops
-    /// being packed within a sweep instead of at its next reply (which may never come),
-    /// and the interval starts again from here.
-    pub fn on_sweep(&mut self, now: Instant, pace: &Pace) {
-        let Some((then, waiting)) = self.since else {
+    /// waiting there, has taken at least that long over its current call. `pace` is
+    /// raised to that at once, so that a server that stalls or hangs on a call stops
+    /// being packed within a sweep instead of at its next reply (which may never come).
+    /// The interval stays open: the reply that ends the silence is timed from its start.
+    pub fn on_sweep(&self, now: Instant, pace: &Pace) {
+        let Some((then, _)) = self.since else {
             return;
         };
         let silent = now.saturating_duration_since(then);
         if pace.wait_ns != 0 && silent > Duration::from_nanos(pace.wait_ns) {
-            pace.note(silent, 1);
-            self.since = Some((now, waiting));
+            pace.stalled(silent);
         }
     }
 }
@@ -247,7 +291,7 @@ mod tests {
     }
 
     #[test]
-    fn the_average_moves_a_thirty_second_per_sample() {
+    fn the_envelope_falls_half_way_to_a_lower_sample_and_rises_a_sixty_fourth() {
         let pace = new_pace();
         pace.note(80 * US, 8);
         assert_eq!(
@@ -255,23 +299,70 @@ mod tests {
             Some(10 * US),
             "the first sample is taken whole"
         );
-        // 10 − 10/32 + 2000/32 = 72.1875 µs: one slow call halves the depth ...
-        pace.note(Duration::from_millis(2), 1);
-        assert_eq!(pace.per_call(), Some(Duration::from_nanos(72_188)));
-        assert_eq!(pace.depth(64), 2);
-        // ... and a second stops packing.
-        pace.note(Duration::from_millis(2), 1);
-        assert_eq!(pace.depth(64), 0, "{:?}", pace.per_call());
-        // Fast calls bring it back, more slowly.
-        for _ in 0..150 {
-            pace.note(5 * US, 1);
+        // A round trip's interval, far above the server's work: a sixty-fourth higher ...
+        pace.note(70 * US, 1);
+        assert_eq!(pace.per_call(), Some(Duration::from_nanos(10_156)));
+        assert_eq!(pace.depth(64), 10);
+        // ... and never past the sample.
+        pace.note(Duration::from_nanos(10_200), 1);
+        assert_eq!(pace.per_call(), Some(Duration::from_nanos(10_200)));
+        // A lower sample takes it half the way down.
+        pace.note(5 * US, 1);
+        assert_eq!(pace.per_call(), Some(Duration::from_nanos(7_600)));
+        pace.note(5 * US, 1);
+        assert_eq!(pace.per_call(), Some(Duration::from_nanos(6_300)));
+        // A run of round trips over a fast server (the calls spread two deep, one reply a
+        // read) leaves it packed: the interval does not say the server got slower ...
+        for _ in 0..10 {
+            pace.note(70 * US, 1);
+            pace.note(6 * US, 3);
         }
         assert!(pace.depth(64) >= 8, "{:?}", pace.per_call());
+        // ... a server that did stops being packed within about 250 samples.
+        let mut n = 0;
+        while pace.depth(64) > 0 {
+            pace.note(Duration::from_millis(2), 1);
+            n += 1;
+        }
+        assert!((200..=300).contains(&n), "{n} samples");
         pace.note(Duration::ZERO, 0);
         assert!(
             pace.per_call().is_some(),
             "a read with no reply is no sample"
         );
+    }
+
+    /// A short sample (the read before it was late: the broker was off the CPU) among a
+    /// slow server's does not get the server packed; it takes seven in a row.
+    #[test]
+    fn one_short_sample_does_not_make_a_slow_server_look_fast() {
+        let pace = new_pace();
+        pace.note(Duration::from_millis(2), 1);
+        pace.note(73 * US, 1);
+        assert_eq!(pace.depth(64), 0, "{:?}", pace.per_call());
+        for _ in 0..5 {
+            pace.note(73 * US, 1);
+        }
+        assert_eq!(pace.depth(64), 0, "six: {:?}", pace.per_call());
+        pace.note(73 * US, 1);
+        assert_eq!(pace.depth(64), 2, "seven: {:?}", pace.per_call());
+    }
+
+    /// The loop an average was caught in: a fast server spread two deep is timed a round
+    /// trip per call, which keeps it two deep. Fed what a connection sees, two deep (one
+    /// reply a read, 60 µs apart) with a packed read now and then (4 replies 20 µs after
+    /// the last), the envelope packs it as deep as its work allows.
+    #[test]
+    fn round_trips_between_single_replies_do_not_keep_a_fast_server_shallow() {
+        let pace = new_pace();
+        for i in 0..200 {
+            if i % 20 == 19 {
+                pace.note(20 * US, 4);
+            } else {
+                pace.note(60 * US, 1);
+            }
+        }
+        assert!(pace.depth(64) >= 8, "{:?}", pace.per_call());
     }
 
     #[test]
@@ -308,22 +399,29 @@ mod tests {
         // ... one after 20 ms of silence stops the packing, before any reply ...
         backlog.on_sweep(t0 + Duration::from_millis(20), &pace);
         assert_eq!(pace.depth(64), 0, "{:?}", pace.per_call());
-        // ... and the reply that ends the silence is timed from that sweep.
-        let before = pace.per_call().unwrap();
-        backlog.on_read(t0 + Duration::from_millis(20) + 10 * US, 1, 1, &pace);
-        let after = pace.per_call().unwrap();
-        assert!(after < before, "{before:?} -> {after:?}");
+        // ... a later sweep raises it to the longer silence ...
+        backlog.on_sweep(t0 + Duration::from_millis(30), &pace);
+        assert_eq!(pace.per_call(), Some(Duration::from_millis(30) - 5 * US));
+        // ... and the reply that ends the silence is timed from the read before it, not
+        // from a sweep (which would make a server that took 30 ms look quick).
+        backlog.on_read(t0 + Duration::from_millis(30) + 10 * US, 1, 1, &pace);
+        assert_eq!(pace.per_call(), Some(Duration::from_millis(30) + 5 * US));
     }
 
     #[test]
-    fn a_read_without_replies_keeps_the_interval_open() {
+    fn a_read_without_replies_neither_starts_nor_ends_an_interval() {
         let pace = new_pace();
         let mut backlog = Backlog::default();
         let t0 = Instant::now();
-        backlog.on_read(t0, 1, 1, &pace);
+        // A heartbeat's answer with a call waiting: the server may be far into that call,
+        // so nothing is timed from here.
+        backlog.on_read(t0, 0, 1, &pace);
+        backlog.on_read(t0 + 2 * US, 1, 1, &pace);
+        assert_eq!(pace.per_call(), None, "2 µs from a heartbeat is no sample");
+        // Then a heartbeat's answer between two replies: the interval runs on through it.
         backlog.on_read(t0 + 4 * US, 0, 1, &pace);
         assert_eq!(pace.per_call(), None);
-        backlog.on_read(t0 + 12 * US, 1, 0, &pace);
+        backlog.on_read(t0 + 14 * US, 1, 0, &pace);
         assert_eq!(
             pace.per_call(),
             Some(12 * US),

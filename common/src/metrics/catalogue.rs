@@ -309,7 +309,7 @@ pub const UPSTREAM_PACE_SECONDS: Family = Family {
     kind: Gauge,
     labels: ROLE_UPSTREAM,
     roles: BROKER,
-    help: "A provider's time per call on one pooled connection: for a plain v1 server (--upstream-v1) as the broker measures it between reads while calls wait there, for an rpcmesh provider as the provider reports it in its heartbeat answers (its own work per call: decoded, handled, encoded). Moving average; 0 until known. The broker packs calls onto one of its connections only as deep as keeps a call's wait behind the others under --pack-wait.",
+    help: "A provider's time per call on one pooled connection: for a plain v1 server (--upstream-v1) as the broker measures it between reads while calls wait there, for an rpcmesh provider as the provider reports it in its heartbeat answers (its own work per call: decoded, handled, encoded). A v1 server's is the lower envelope of the broker's samples (a round trip or a wait for a CPU between two reads mostly adds to one), a provider's a moving average; 0 until known. The broker packs calls onto one of its connections only as deep as keeps a call's wait behind the others under --pack-wait.",
 };
 /// `rpcmesh_pool_connections{role, upstream}`.
 pub const POOL_CONNECTIONS: Family = Family {

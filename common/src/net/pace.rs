@@ -1,5 +1,7 @@
-//! How long one call takes on one connection, as a moving average that tasks on several
-//! threads feed and read without a lock.
+//! How long one call takes on one connection, kept where tasks on several threads feed and
+//! read it without a lock: as a moving average of the samples (a provider's own time) or as
+//! their lower envelope (the broker's timing of a plain v1 server, whose intervals a round
+//! trip or a wait for a CPU mostly lengthens).
 //!
 //! A connection's calls are worked through one after another: by a plain v1 server (one
 //! call at a time, in order) and by an rpcmesh provider (its session task runs a read's
@@ -21,14 +23,24 @@ use std::time::Duration;
 pub const HEARTBEAT_KEY: &str = "rpcmesh-ns-per-call";
 
 /// Weight of a new sample in the moving average, as a right shift: 1/32. Samples are
-/// noisy (an interval also holds wake-ups and the other side's delays): behind the classic
-/// v1 server, a weight of 1/8 swings the broker's packing depth between about 6 and 14
-/// around the 8 calls of the bench's shape, and costs the broker path 8 % of its calls/s.
-/// A connection that turns slow still shows it within a few calls: two calls of 2 ms take
-/// the average from 7 µs to over 100 µs.
+/// noisy (a read's work varies with what else the thread did): a weight of 1/8 swung the
+/// broker's packing depth between about 6 and 14 around the 8 calls of the bench's shape
+/// and cost it 8 % of its calls/s. A connection that turns slow still shows it within a
+/// few calls: two calls of 2 ms take the average from 7 µs to over 100 µs.
 const SHIFT: u32 = 5;
 
-/// A moving average of nanoseconds per call; 0 means nothing measured yet.
+/// One sample in nanoseconds per call (at least 1): `calls` calls worked through in `busy`;
+/// none without a call.
+fn sample_nanos(busy: Duration, calls: usize) -> Option<u64> {
+    (calls > 0).then(|| {
+        u64::try_from(busy.as_nanos() / calls as u128)
+            .unwrap_or(u64::MAX)
+            .max(1)
+    })
+}
+
+/// Nanoseconds per call, a moving average or a lower envelope of the samples (whichever its
+/// feeder uses); 0 means nothing measured yet.
 #[derive(Debug, Default)]
 pub struct PerCall {
     ns: AtomicU64,
@@ -40,16 +52,13 @@ impl PerCall {
         PerCall::default()
     }
 
-    /// Takes one sample: `calls` calls worked through in `busy`.
+    /// Takes one sample into the moving average: `calls` calls worked through in `busy`.
     pub fn note(&self, busy: Duration, calls: usize) {
-        if calls == 0 {
+        let Some(sample) = sample_nanos(busy, calls) else {
             return;
-        }
-        let sample = u64::try_from(busy.as_nanos() / calls as u128)
-            .unwrap_or(u64::MAX)
-            .max(1);
+        };
         // A lost update between two tasks on different threads loses a sample, no more:
-        // the average needs no lock.
+        // neither way of keeping it needs a lock.
         let old = self.ns.load(Ordering::Relaxed);
         let new = if old == 0 {
             sample
@@ -57,6 +66,30 @@ impl PerCall {
             old - (old >> SHIFT) + (sample >> SHIFT)
         };
         self.ns.store(new.max(1), Ordering::Relaxed);
+    }
+
+    /// Takes one sample into the lower envelope: a sample below it takes it down by
+    /// 1/2^`fall_shift` of the gap (0: to the sample); one above raises it by
+    /// 1/2^`rise_shift` of itself, never past the sample.
+    pub fn note_lowest(&self, busy: Duration, calls: usize, fall_shift: u32, rise_shift: u32) {
+        let Some(sample) = sample_nanos(busy, calls) else {
+            return;
+        };
+        let old = self.ns.load(Ordering::Relaxed);
+        let new = if old == 0 {
+            sample
+        } else if sample <= old {
+            (old - ((old - sample) >> fall_shift)).max(1)
+        } else {
+            sample.min(old.saturating_add((old >> rise_shift).max(1)))
+        };
+        self.ns.store(new, Ordering::Relaxed);
+    }
+
+    /// Raises it to `at_least` at once (a call seen to take that long), or leaves it.
+    pub fn raise_to(&self, at_least: Duration) {
+        let at_least = u64::try_from(at_least.as_nanos()).unwrap_or(u64::MAX);
+        self.ns.fetch_max(at_least, Ordering::Relaxed);
     }
 
     /// Replaces the average with one measured elsewhere (a provider's report); `None`
