@@ -31,8 +31,9 @@
 //!   on a connection a read brings one reply, the interval is a round trip (60–110 µs
 //!   behind a server that works a few µs per call, on a busy machine), and an average of
 //!   those would keep the depth at 2 and the calls spread for good, where packed deeper
-//!   the same server shows its few µs. Only a read that brought a reply starts an
-//!   interval ([`Backlog`]). A connection whose server has answered nothing for longer
+//!   the same server shows its few µs. It starts at the longest of the first few samples
+//!   ([`ENVELOPE_FIRST_SAMPLES`]). Only a read that brought a reply starts an interval
+//!   ([`Backlog`]). A connection whose server has answered nothing for longer
 //!   than the wait while calls wait there is timed at its deadline sweep too
 //!   ([`Backlog::on_sweep`]; every 100 ms at the default call timeout): the envelope is
 //!   raised to that silence at once, so that a server that hangs on a call stops being
@@ -52,6 +53,7 @@
 //! Either way, a provider slower than the wait per call is not packed at all, and with
 //! `--pack-wait 0` no provider is.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use rpcmesh_common::net::pace::PerCall;
@@ -76,6 +78,14 @@ pub(crate) const ENVELOPE_RISE_SHIFT: u32 = 6;
 /// read 73 µs, and packed it; halved, one takes 2 ms to 1 ms, and it takes seven in a row
 /// to bring it under the 100 µs wait.
 pub(crate) const ENVELOPE_FALL_SHIFT: u32 = 1;
+
+/// How many samples the envelope starts from: the longest of the first 4, then it follows
+/// the fall and the rise. A short sample is likeliest to matter at the start, when there is
+/// nothing yet to halve it against (behind a slow server spread over the pool, a connection
+/// gives a sample only now and then); taken whole it would get the server packed until
+/// enough long ones had raised the envelope a sixty-fourth at a time. A fast server is
+/// packed a few samples later, no more.
+pub(crate) const ENVELOPE_FIRST_SAMPLES: u32 = 4;
 
 /// Where a pool's time per call comes from, and what the router does before it has one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,6 +122,8 @@ pub(crate) struct Pace {
     wait_ns: u64,
     /// Where the time comes from.
     source: Source,
+    /// Samples taken so far, counted up to [`ENVELOPE_FIRST_SAMPLES`].
+    first_samples: AtomicU32,
 }
 
 impl Pace {
@@ -121,16 +133,34 @@ impl Pace {
             per_call: PerCall::new(),
             wait_ns: u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX),
             source,
+            first_samples: AtomicU32::new(0),
         }
     }
 
     /// Takes one sample of the broker's own timing, `replies` calls answered over `busy`,
-    /// into the lower envelope: a sample below it takes it down by
-    /// [`ENVELOPE_FALL_SHIFT`], one above raises it by [`ENVELOPE_RISE_SHIFT`], never past
-    /// the sample (`PerCall::note_lowest`).
+    /// into the lower envelope: the first [`ENVELOPE_FIRST_SAMPLES`] set it to the longest
+    /// of them; after those a sample below it takes it down by [`ENVELOPE_FALL_SHIFT`], one
+    /// above raises it by [`ENVELOPE_RISE_SHIFT`], never past the sample
+    /// (`PerCall::note_lowest`).
     pub fn note(&self, busy: Duration, replies: usize) {
-        self.per_call
-            .note_lowest(busy, replies, ENVELOPE_FALL_SHIFT, ENVELOPE_RISE_SHIFT);
+        let Some(per_call) = u32::try_from(replies)
+            .ok()
+            .filter(|n| *n > 0)
+            .map(|n| busy / n)
+        else {
+            return;
+        };
+        // Two connections' tasks may both count one of the first samples: the start then
+        // takes one sample fewer, no more.
+        let taken = self.first_samples.load(Ordering::Relaxed);
+        if taken < ENVELOPE_FIRST_SAMPLES {
+            self.first_samples.store(taken + 1, Ordering::Relaxed);
+            self.per_call
+                .raise_to(per_call.max(Duration::from_nanos(1)));
+        } else {
+            self.per_call
+                .note_lowest(busy, replies, ENVELOPE_FALL_SHIFT, ENVELOPE_RISE_SHIFT);
+        }
     }
 
     /// A server silent for `silent` with calls waiting at it has taken at least that long
@@ -293,12 +323,10 @@ mod tests {
     #[test]
     fn the_envelope_falls_half_way_to_a_lower_sample_and_rises_a_sixty_fourth() {
         let pace = new_pace();
-        pace.note(80 * US, 8);
-        assert_eq!(
-            pace.per_call(),
-            Some(10 * US),
-            "the first sample is taken whole"
-        );
+        for _ in 0..ENVELOPE_FIRST_SAMPLES {
+            pace.note(80 * US, 8);
+        }
+        assert_eq!(pace.per_call(), Some(10 * US), "the start");
         // A round trip's interval, far above the server's work: a sixty-fourth higher ...
         pace.note(70 * US, 1);
         assert_eq!(pace.per_call(), Some(Duration::from_nanos(10_156)));
@@ -332,12 +360,32 @@ mod tests {
         );
     }
 
+    /// The envelope starts at the longest of the first samples: a short one among them,
+    /// first or not, does not get a slow server packed.
+    #[test]
+    fn the_envelope_starts_at_the_longest_of_the_first_samples() {
+        let pace = new_pace();
+        pace.note(73 * US, 1);
+        assert_eq!(pace.per_call(), Some(73 * US), "packed two deep, for now");
+        pace.note(Duration::from_millis(2), 1);
+        pace.note(73 * US, 1);
+        pace.note(60 * US, 1);
+        assert_eq!(pace.per_call(), Some(Duration::from_millis(2)));
+        assert_eq!(pace.depth(64), 0);
+        // From there on, a short sample takes it half the way.
+        pace.note(Duration::ZERO, 0);
+        pace.note(Duration::from_millis(1), 1);
+        assert_eq!(pace.per_call(), Some(Duration::from_micros(1_500)));
+    }
+
     /// A short sample (the read before it was late: the broker was off the CPU) among a
     /// slow server's does not get the server packed; it takes seven in a row.
     #[test]
     fn one_short_sample_does_not_make_a_slow_server_look_fast() {
         let pace = new_pace();
-        pace.note(Duration::from_millis(2), 1);
+        for _ in 0..ENVELOPE_FIRST_SAMPLES {
+            pace.note(Duration::from_millis(2), 1);
+        }
         pace.note(73 * US, 1);
         assert_eq!(pace.depth(64), 0, "{:?}", pace.per_call());
         for _ in 0..5 {
