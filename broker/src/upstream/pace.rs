@@ -143,30 +143,19 @@ impl Pace {
     /// above raises it by [`ENVELOPE_RISE_SHIFT`], never past the sample
     /// (`PerCall::note_lowest`).
     pub fn note(&self, busy: Duration, replies: usize) {
-        let Some(per_call) = u32::try_from(replies)
-            .ok()
-            .filter(|n| *n > 0)
-            .map(|n| busy / n)
-        else {
+        if replies == 0 {
             return;
-        };
+        }
         // Two connections' tasks may both count one of the first samples: the start then
         // takes one sample fewer, no more.
         let taken = self.first_samples.load(Ordering::Relaxed);
         if taken < ENVELOPE_FIRST_SAMPLES {
             self.first_samples.store(taken + 1, Ordering::Relaxed);
-            self.per_call
-                .raise_to(per_call.max(Duration::from_nanos(1)));
+            self.per_call.note_highest(busy, replies);
         } else {
             self.per_call
                 .note_lowest(busy, replies, ENVELOPE_FALL_SHIFT, ENVELOPE_RISE_SHIFT);
         }
-    }
-
-    /// A server silent for `silent` with calls waiting at it has taken at least that long
-    /// over its current call: the envelope is raised to it at once.
-    fn stalled(&self, silent: Duration) {
-        self.per_call.raise_to(silent);
     }
 
     /// Takes the provider's report (`None`: it has measured nothing yet).
@@ -241,7 +230,7 @@ impl Backlog {
         };
         let silent = now.saturating_duration_since(then);
         if pace.wait_ns != 0 && silent > Duration::from_nanos(pace.wait_ns) {
-            pace.stalled(silent);
+            pace.per_call.raise_to(silent);
         }
     }
 }

@@ -86,6 +86,14 @@ impl PerCall {
         self.ns.store(new, Ordering::Relaxed);
     }
 
+    /// Takes one sample as a floor: raises it to the sample, or leaves it (the start of a
+    /// lower envelope, the longest of its first samples).
+    pub fn note_highest(&self, busy: Duration, calls: usize) {
+        if let Some(sample) = sample_nanos(busy, calls) {
+            self.ns.fetch_max(sample, Ordering::Relaxed);
+        }
+    }
+
     /// Raises it to `at_least` at once (a call seen to take that long), or leaves it.
     pub fn raise_to(&self, at_least: Duration) {
         let at_least = u64::try_from(at_least.as_nanos()).unwrap_or(u64::MAX);
