@@ -23,21 +23,20 @@
 
 use std::cell::RefCell;
 use std::io;
-use std::net::SocketAddr;
 use std::rc::Rc;
 
 use bytes::{Buf, BytesMut};
-use rpcmesh_wire::codec::{FrameCodec, body_in_place, skip_frame};
-use rpcmesh_wire::frame::{DEFAULT_MAX_BODY_LEN, FRAME_OVERHEAD, Header, put_frame_with_trailer};
-use rpcmesh_wire::neutral::neutral_id;
+use rpcmesh_wire::codec::{FrameCodec, skip_frame};
+use rpcmesh_wire::frame::{DEFAULT_MAX_BODY_LEN, Header};
 use tokio::io::AsyncReadExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 
-/// Read buffers grow by this much when under [`READ_ROOM`] is left, as the broker's.
-const READ_CHUNK: usize = 64 << 10;
-/// The room under which a read buffer grows.
+mod floor_shared;
+use floor_shared::{READ_CHUNK, Slots, addresses, say_listening};
+
+/// The room under which a read buffer grows (by [`READ_CHUNK`]), as the broker's.
 const READ_ROOM: usize = 4 << 10;
 /// Turns a session waits for more replies before it writes, at most, as the broker's.
 const SESSION_GATHER_YIELDS: usize = 1;
@@ -53,9 +52,7 @@ const UPSTREAM_GATHER_YIELDS: usize = 4;
 struct Upstream {
     wbuf: BytesMut,
     wake: Rc<Notify>,
-    /// By key (the id's low 32 bits): the session, the caller's id and the id given.
-    slots: Vec<Option<(usize, u64, u64)>>,
-    free: Vec<u32>,
+    slots: Slots,
 }
 
 /// A client connection's side of the hub: its replies to write.
@@ -102,38 +99,16 @@ impl Link {
         self.rd.read_buf(&mut self.rbuf).await
     }
 
-    /// The whole frame at the front of the read buffer, checked where it lies: its header
-    /// and trailer, `None` when it is not all there. A bad frame's bytes are dropped (the
-    /// codec's doing).
+    /// The whole frame at the front of the read buffer, checked where it lies
+    /// ([`floor_shared::next_frame`]).
     fn next_frame(&mut self) -> Option<(Header, u32)> {
-        let src = &mut self.rbuf;
-        loop {
-            match self.codec.peek_frame(src) {
-                Ok(Some(h)) => {
-                    let end = FRAME_OVERHEAD + h.body_len as usize;
-                    let t = u32::from_be_bytes([
-                        src[end - 4],
-                        src[end - 3],
-                        src[end - 2],
-                        src[end - 1],
-                    ]);
-                    return Some((h, t));
-                }
-                Ok(None) => return None,
-                Err(e) if e.is_fatal() => {
-                    src.clear();
-                    return None;
-                }
-                Err(_) => {}
-            }
-        }
+        floor_shared::next_frame(&self.codec, &mut self.rbuf)
     }
 
-    /// Copies the frame `next_frame` found under `header` (its id changed, `trailer` kept)
-    /// to `dst`, and drops it from the read buffer.
+    /// Copies the frame `next_frame` found to `dst` under `header`, and drops it from the
+    /// read buffer ([`floor_shared::forward`]).
     fn forward(&mut self, header: &Header, trailer: u32, dst: &mut BytesMut) {
-        put_frame_with_trailer(dst, header, body_in_place(&self.rbuf, header), trailer);
-        skip_frame(&mut self.rbuf, header);
+        floor_shared::forward(&mut self.rbuf, header, trailer, dst);
     }
 
     /// Writes all of `out`, waiting while the socket takes nothing.
@@ -182,13 +157,7 @@ async fn serve(link: &mut Link, me: usize, hub: &RefCell<Hub>, wake: &Notify) ->
                 let mut h = hub.borrow_mut();
                 let up = &mut h.upstream;
                 while let Some((mut header, trailer)) = link.next_frame() {
-                    let key = up.free.pop().unwrap_or_else(|| {
-                        up.slots.push(None);
-                        u32::try_from(up.slots.len() - 1).unwrap_or(u32::MAX)
-                    });
-                    let id = neutral_id(header.req_id, key);
-                    up.slots[key as usize] = Some((me, header.req_id, id));
-                    header.req_id = id;
+                    header.req_id = up.slots.give(me, header.req_id);
                     link.forward(&header, trailer, &mut up.wbuf);
                     up.wake.notify_one();
                 }
@@ -220,11 +189,8 @@ async fn upstream(s: TcpStream, hub: Rc<RefCell<Hub>>, wake: Rc<Notify>) -> io::
                 let mut h = hub.borrow_mut();
                 let h = &mut *h;
                 while let Some((mut header, trailer)) = link.next_frame() {
-                    let (key, given) = (header.req_id as u32, header.req_id);
-                    let slot = h.upstream.slots.get_mut(key as usize);
-                    match slot.and_then(|s| s.take_if(|s| s.2 == given)) {
-                        Some((session, caller_id, _)) => {
-                            h.upstream.free.push(key);
+                    match h.upstream.slots.take(header.req_id) {
+                        Some((session, caller_id)) => {
                             match h.sessions.get_mut(session) {
                                 Some(Some(to)) => {
                                     header.req_id = caller_id;
@@ -254,28 +220,8 @@ async fn upstream(s: TcpStream, hub: Rc<RefCell<Hub>>, wake: Rc<Notify>) -> io::
     }
 }
 
-/// `--listen` and `--upstream` of the broker's flags; every other flag and its value are
-/// ignored.
-fn addresses() -> Result<(SocketAddr, SocketAddr), String> {
-    let (mut listen, mut upstream) = (None, None);
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        let value = args.next();
-        let parse = |v: Option<String>| v.and_then(|v| v.parse::<SocketAddr>().ok());
-        match flag.as_str() {
-            "--listen" => listen = parse(value),
-            "--upstream" => upstream = parse(value),
-            _ => {}
-        }
-    }
-    match (listen, upstream) {
-        (Some(l), Some(u)) => Ok((l, u)),
-        _ => Err("usage: floor --listen IP:PORT --upstream IP:PORT [broker flags, ignored]".into()),
-    }
-}
-
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let (listen, to) = addresses()?;
+    let (listen, to) = addresses("floor")?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -286,6 +232,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let wake = hub.borrow().upstream.wake.clone();
         let mut failed = tokio::task::spawn_local(upstream(s, hub.clone(), wake));
         let l = TcpListener::bind(listen).await?;
+        say_listening("floor", l.local_addr()?);
         loop {
             tokio::select! {
                 accepted = l.accept() => {

@@ -56,7 +56,9 @@ class Servers:
             self.procs[name] = spawn(argv, f, f, self.cpus_of(name))
         wait_listening(name, self.procs[name], port, lambda: tail(path, name))
         if name in plan.BROKER_PROCESSES:
-            self.metrics[name] = metrics_address(path)
+            addr = metrics_address(path)
+            if addr is not None:
+                self.metrics[name] = addr
 
     def allocations(self, names) -> dict[str, float | None]:
         """`rpcmesh_forwarding_allocations_total` so far of each named broker (None for a
@@ -132,13 +134,15 @@ ALLOCATIONS = re.compile(r"^rpcmesh_forwarding_allocations_total\{[^}]*\} (\S+)$
 LISTENING_LINE_WAIT_S = 10.0
 
 
-def metrics_address(log_path: Path) -> str:
-    """Where a broker that is listening serves its metrics, from the line it prints."""
+def metrics_address(log_path: Path) -> str | None:
+    """Where a broker that is listening serves its metrics, from the line it prints; None
+    for one that serves none (`metrics=off`: the yardsticks `broker/examples/floor*.rs`,
+    run as a baseline, whose allocations the tables then show as '-')."""
     deadline = time.monotonic() + LISTENING_LINE_WAIT_S
     while True:
         m = LISTENING.search(log_path.read_text(errors="replace"))
-        if m is not None and m.group(1) != "off":
-            return m.group(1)
+        if m is not None:
+            return None if m.group(1) == "off" else m.group(1)
         if time.monotonic() > deadline:
             raise ScriptError(f"no metrics address in {log_path}")
         time.sleep(0.01)

@@ -8,7 +8,7 @@
 //!   child       a child process killed and reaped when dropped, signals by PID
 //!   stderr      stderr sinks that take nothing: a pipe whose reader has gone, a full one
 //!   notify      systemd's side of sd_notify: what a program says (READY=1, WATCHDOG=1)
-//!   paths       the workspace's root, the programs' binaries, free ports
+//!   paths       the workspace's root, the programs' and examples' binaries, free ports
 //!   wait        waiting on a condition instead of sleeping (async and blocking)
 //!   gate        holding calls in a handler until the test lets them through
 //!   frames      request frames made by hand, reading frames off a socket
@@ -61,7 +61,7 @@ pub use golden::{golden, golden_exchange};
 pub use http::{get, get_query};
 pub use in_process::{InProcess, echo_call, echo_calls};
 pub use notify::NotifySocket;
-pub use paths::{bin_path, free_port, replace_with_fifo, workspace_root};
+pub use paths::{bin_path, example_path, free_port, replace_with_fifo, workspace_root};
 pub use source::{connect_from, loopback_source};
 pub use spawned::{
     BROKER_BUDGET_MIB, Launch, PeakRss, Spawned, budgeted_broker, budgeted_broker_with,

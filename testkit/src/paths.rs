@@ -18,6 +18,18 @@ pub fn workspace_root() -> PathBuf {
 /// package that has it). Tests run the real programs as separate processes with this, and
 /// stop them by PID.
 pub fn bin_path(name: &str) -> PathBuf {
+    built("", name, &["--bin", name])
+}
+
+/// Path of example `name` of workspace package `package` (`rpcmesh-broker`'s yardsticks
+/// `floor` and `floor_epoll`), built in the same profile as the running test, first if
+/// needed, as [`bin_path`] builds a program.
+pub fn example_path(package: &str, name: &str) -> PathBuf {
+    built("examples", name, &["-p", package, "--example", name])
+}
+
+/// `target/<profile>/<folder>/<name>`, built with `cargo build <what>` once per process.
+fn built(folder: &str, name: &str, what: &[&str]) -> PathBuf {
     static BUILT: Mutex<Vec<String>> = Mutex::new(Vec::new());
     // target/<profile>/deps/<test binary>
     let exe = std::env::current_exe().expect("test binary path");
@@ -26,24 +38,25 @@ pub fn bin_path(name: &str) -> PathBuf {
         .and_then(|deps| deps.parent())
         .expect("test binary lives in target/<profile>/deps")
         .to_path_buf();
-    let path = profile_dir.join(name);
+    let path = profile_dir.join(folder).join(name);
+    let key = format!("{folder}/{name}");
     let mut built = BUILT
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if !built.iter().any(|b| b == name) {
+    if !built.contains(&key) {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let release = profile_dir.file_name().is_some_and(|p| p == "release");
         let manifest = workspace_root().join("Cargo.toml");
         let mut cmd = std::process::Command::new(cargo);
         cmd.args(["build", "--quiet", "--manifest-path"])
             .arg(manifest)
-            .args(["--bin", name]);
+            .args(what);
         if release {
             cmd.arg("--release");
         }
         let status = cmd.status().expect("run cargo build");
-        assert!(status.success(), "cargo build --bin {name} failed");
-        built.push(name.to_string());
+        assert!(status.success(), "cargo build {} failed", what.join(" "));
+        built.push(key);
     }
     assert!(path.exists(), "{} missing after build", path.display());
     path

@@ -19,7 +19,7 @@ use rpcmesh_wire::Status;
 
 use crate::child::ChildGuard;
 use crate::in_process::echo_call;
-use crate::paths::bin_path;
+use crate::paths::{bin_path, example_path};
 use crate::wait::{WAIT_TIMEOUT, wait_for};
 
 /// The kernel's `USER_HZ`, the unit of `/proc/PID/stat`'s CPU times (100 on every Linux
@@ -73,7 +73,24 @@ impl Spawned {
         Spawned::spawn(name, &listen.to_string(), args, Launch::default())
     }
 
+    /// As [`Spawned::start`], for example `name` of workspace package `package` (one that
+    /// takes the broker's flags: `rpcmesh-broker`'s yardsticks).
+    pub fn start_example(package: &str, name: &str, args: &[&str]) -> Spawned {
+        let path = example_path(package, name);
+        Spawned::spawn_path(&path, name, "127.0.0.1:0", args, Launch::default())
+    }
+
     fn spawn(name: &str, listen: &str, args: &[&str], launch: Launch<'_>) -> Spawned {
+        Spawned::spawn_path(&bin_path(name), name, listen, args, launch)
+    }
+
+    fn spawn_path(
+        path: &Path,
+        name: &str,
+        listen: &str,
+        args: &[&str],
+        launch: Launch<'_>,
+    ) -> Spawned {
         let err = match (launch.stderr_fd, launch.stderr) {
             (Some(fd), _) => fd
                 .try_clone_to_owned()
@@ -84,7 +101,7 @@ impl Spawned {
                 .expect("create the stderr file"),
             (None, None) => std::process::Stdio::null(),
         };
-        let mut child = std::process::Command::new(bin_path(name))
+        let mut child = std::process::Command::new(path)
             .envs(launch.env.iter().copied())
             .args(["--listen", listen, "--metrics-listen", "127.0.0.1:0"])
             .args(args)

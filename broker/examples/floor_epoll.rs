@@ -1,0 +1,316 @@
+//! The floor without the runtime: the forwarder of `floor`, on one epoll loop of its own
+//! (mio) instead of Tokio's tasks, to measure what the runtime costs per call.
+//!
+//! It does per call what `floor` does (every frame checked where it lies with the broker's
+//! codec, copied under an id neutral to its CRC, matched back by its key: `floor_shared`),
+//! and differs only in how the work moves: one thread waits on every socket at once
+//! (`epoll_wait`), reads each socket that is ready until it is drained, and hands calls and
+//! replies along by appending them to the buffer of the connection they go to, with no
+//! task, waker or channel between; when every ready socket was read, each connection given
+//! something writes it in one `send`. That is the shape of an L4 proxy's event loop
+//! (HAProxy's, nginx's), and of a broker whose thread owns its sessions and provider
+//! connections outright. Not a product: no names read, no routing, caps, deadlines,
+//! metrics, timeouts, TLS or budget; bad frames are dropped; the provider connection
+//! failing ends the program. `scripts/profile` runs it as it runs the broker (it takes the
+//! broker's flags and ignores all but `--listen` and `--upstream`):
+//!
+//! ```text
+//! cargo build --release -p rpcmesh-broker --example floor --example floor_epoll
+//! scripts/profile --no-build --broker target/release/examples/floor \
+//!     --broker target/release/examples/floor_epoll
+//! ```
+//!
+//! docs/performance.md ("What limits them") gives its figures beside the broker's.
+
+use std::io::{self, Read, Write};
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, BytesMut};
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Token};
+use rpcmesh_wire::codec::{FrameCodec, skip_frame};
+use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
+
+mod floor_shared;
+use floor_shared::{READ_CHUNK, Slots, addresses, flag, forward, next_frame, say_listening};
+
+const LISTENER: Token = Token(0);
+/// Provider connection `k` is registered as `Token(FIRST_UPSTREAM + k)`, session `i` as
+/// `Token(FIRST_UPSTREAM + upstreams + i)`.
+const FIRST_UPSTREAM: usize = 1;
+/// Provider connections without `--pool-size`: one, as `floor` has (the broker packs 64
+/// calls over 8 client connections on one connection of its pool).
+const DEFAULT_UPSTREAMS: usize = 1;
+/// Readiness events taken per `epoll_wait`: more than the connections a yardstick run has.
+const EVENTS: usize = 1024;
+
+/// A socket, what it read and has not yet handed on, and what it has to write.
+struct Conn {
+    stream: TcpStream,
+    rbuf: BytesMut,
+    out: BytesMut,
+    /// In the list of connections to write at the end of this round.
+    dirty: bool,
+}
+
+impl Conn {
+    fn new(stream: TcpStream) -> io::Result<Conn> {
+        stream.set_nodelay(true)?;
+        Ok(Conn {
+            stream,
+            rbuf: BytesMut::new(),
+            out: BytesMut::new(),
+            dirty: false,
+        })
+    }
+
+    /// One read, through `scratch`, appended to the read buffer. `Ok(None)`: the socket
+    /// is drained for now (a read that did not fill `scratch` drained it, as Tokio and mio
+    /// also assume of a stream socket, which spares the read that would only say so);
+    /// `Ok(Some(0))`: the peer closed. (`scratch` because the workspace forbids `unsafe`,
+    /// and a read into a `BytesMut`'s free room takes it, as Tokio's does: the copy it
+    /// adds, a few hundred bytes a read, counts against this floor, not for it.)
+    fn fill(&mut self, scratch: &mut [u8]) -> io::Result<Option<usize>> {
+        match (&self.stream).read(scratch) {
+            Ok(n) => {
+                self.rbuf.extend_from_slice(&scratch[..n]);
+                Ok(if n > 0 && n < scratch.len() {
+                    None
+                } else {
+                    Some(n)
+                })
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(Some(1)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Writes what it can of `out`; what the socket does not take now waits for its next
+    /// writable event.
+    fn flush(&mut self) -> io::Result<()> {
+        while !self.out.is_empty() {
+            match (&self.stream).write(&self.out) {
+                Ok(n) => self.out.advance(n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Everything the loop owns: one thread, no sharing.
+struct Floor {
+    poll: Poll,
+    codec: FrameCodec,
+    /// The provider connections; session `i` sends its calls on connection `i % len`.
+    upstreams: Vec<Conn>,
+    sessions: Vec<Option<Conn>>,
+    slots: Slots,
+    /// Sessions given replies this round.
+    dirty: Vec<usize>,
+    /// Where each read lands first ([`Conn::fill`]).
+    scratch: Vec<u8>,
+}
+
+impl Floor {
+    fn accept(&mut self, listener: &TcpListener) -> io::Result<()> {
+        loop {
+            let (stream, _) = match listener.accept() {
+                Ok(s) => s,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) => return Err(e),
+            };
+            let mut conn = Conn::new(stream)?;
+            let i = match self.sessions.iter().position(Option::is_none) {
+                Some(i) => i,
+                None => {
+                    self.sessions.push(None);
+                    self.sessions.len() - 1
+                }
+            };
+            self.poll.registry().register(
+                &mut conn.stream,
+                Token(FIRST_UPSTREAM + self.upstreams.len() + i),
+                Interest::READABLE | Interest::WRITABLE,
+            )?;
+            self.sessions[i] = Some(conn);
+        }
+    }
+
+    /// Reads session `i` until it is drained: each call to the provider connection's
+    /// buffer under a slot's id. The session is dropped when its peer closed or failed.
+    fn read_session(&mut self, i: usize) {
+        let Some(Some(conn)) = self.sessions.get_mut(i) else {
+            return;
+        };
+        loop {
+            let ended = match conn.fill(&mut self.scratch) {
+                Ok(Some(0)) | Err(_) => true,
+                Ok(read) => {
+                    while let Some((mut header, trailer)) = next_frame(&self.codec, &mut conn.rbuf)
+                    {
+                        header.req_id = self.slots.give(i, header.req_id);
+                        let up = i % self.upstreams.len();
+                        forward(
+                            &mut conn.rbuf,
+                            &header,
+                            trailer,
+                            &mut self.upstreams[up].out,
+                        );
+                    }
+                    if read.is_none() {
+                        return;
+                    }
+                    false
+                }
+            };
+            if ended {
+                let _ = self.poll.registry().deregister(&mut conn.stream);
+                self.sessions[i] = None;
+                return;
+            }
+        }
+    }
+
+    /// Reads provider connection `k` until it is drained: each reply to its session's
+    /// buffer under the caller's id. Fails when the provider closed or the read failed.
+    fn read_upstream(&mut self, k: usize) -> io::Result<()> {
+        loop {
+            let up = &mut self.upstreams[k];
+            let read = match up.fill(&mut self.scratch)? {
+                Some(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                read => read,
+            };
+            while let Some((mut header, trailer)) = next_frame(&self.codec, &mut up.rbuf) {
+                let to = self.slots.take(header.req_id).and_then(|(s, caller_id)| {
+                    header.req_id = caller_id;
+                    Some((s, self.sessions.get_mut(s)?.as_mut()?))
+                });
+                match to {
+                    Some((s, conn)) => {
+                        forward(&mut up.rbuf, &header, trailer, &mut conn.out);
+                        if !conn.dirty {
+                            conn.dirty = true;
+                            self.dirty.push(s);
+                        }
+                    }
+                    None => skip_frame(&mut up.rbuf, &header),
+                }
+            }
+            if read.is_none() {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Writes what this round gave: the calls, then each session's replies.
+    fn flush(&mut self) -> io::Result<()> {
+        for up in &mut self.upstreams {
+            up.flush()?;
+        }
+        for i in self.dirty.drain(..) {
+            if let Some(Some(conn)) = self.sessions.get_mut(i) {
+                conn.dirty = false;
+                if conn.flush().is_err() {
+                    let _ = self.poll.registry().deregister(&mut conn.stream);
+                    self.sessions[i] = None;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `--busy-poll` as the broker takes it (`50us`, `off`); off when absent, as `scripts/profile`
+/// runs the broker.
+fn busy_poll() -> Option<Duration> {
+    let v = flag("--busy-poll")?;
+    let us = v.strip_suffix("us")?.parse::<u64>().ok()?;
+    Some(Duration::from_micros(us))
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let (listen, to) = addresses("floor_epoll")?;
+    let n = flag("--pool-size")
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(DEFAULT_UPSTREAMS);
+    let poll = Poll::new()?;
+    let mut upstreams = Vec::with_capacity(n);
+    for k in 0..n {
+        let s = std::net::TcpStream::connect(to)?;
+        s.set_nonblocking(true)?;
+        let mut up = Conn::new(TcpStream::from_std(s))?;
+        poll.registry().register(
+            &mut up.stream,
+            Token(FIRST_UPSTREAM + k),
+            Interest::READABLE | Interest::WRITABLE,
+        )?;
+        upstreams.push(up);
+    }
+    let mut listener = TcpListener::bind(listen)?;
+    say_listening("floor_epoll", listener.local_addr()?);
+    poll.registry()
+        .register(&mut listener, LISTENER, Interest::READABLE)?;
+    let mut floor = Floor {
+        poll,
+        codec: FrameCodec::new(DEFAULT_MAX_BODY_LEN),
+        upstreams,
+        sessions: Vec::new(),
+        slots: Slots::default(),
+        dirty: Vec::new(),
+        scratch: vec![0; READ_CHUNK],
+    };
+    let spin = busy_poll();
+    // While spinning: polls that do not sleep, each empty one followed by `sched_yield`,
+    // until `spin` passes with no event (the broker's busy polling, `common::net::busy_poll`).
+    let mut spin_until: Option<Instant> = None;
+    let mut events = Events::with_capacity(EVENTS);
+    loop {
+        let timeout = spin_until.map(|_| Duration::ZERO);
+        match floor.poll.poll(&mut events, timeout) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e.into()),
+        }
+        if let Some(window) = spin {
+            let now = Instant::now();
+            if !events.is_empty() {
+                spin_until = Some(now + window);
+            } else if spin_until.is_some_and(|until| now >= until) {
+                spin_until = None;
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        for event in events.iter() {
+            let t = event.token().0;
+            if event.token() == LISTENER {
+                floor.accept(&listener)?;
+            } else if t < FIRST_UPSTREAM + n {
+                if event.is_readable() {
+                    floor
+                        .read_upstream(t - FIRST_UPSTREAM)
+                        .map_err(|e| format!("a provider connection ended: {e}"))?;
+                }
+            } else {
+                let i = t - FIRST_UPSTREAM - n;
+                if event.is_writable() {
+                    if let Some(Some(conn)) = floor.sessions.get_mut(i) {
+                        if !conn.out.is_empty() && !conn.dirty {
+                            conn.dirty = true;
+                            floor.dirty.push(i);
+                        }
+                    }
+                }
+                if event.is_readable() {
+                    floor.read_session(i);
+                }
+            }
+        }
+        floor.flush()?;
+    }
+}
