@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import shlex
 import statistics
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def file_identity(path: Path) -> dict:
     return {"sha256": h.hexdigest(), "modified": modified}
 
 
-def baseline_summary(ratios, binary: Path, broker: Path, judged: bool) -> dict:
+def baseline_summary(ratios, binary: Path, extra_args: list[str], broker: Path, judged: bool) -> dict:
     """The report's `baseline`: the median over the cells of broker ÷ before calls/s
     (and of the broker's CPU per call), the range over cells and single repeats, and the
     verdict against NO_REGRESSION_MIN (not judged in smoke mode)."""
@@ -56,6 +57,8 @@ def baseline_summary(ratios, binary: Path, broker: Path, judged: bool) -> dict:
     ours, theirs = file_identity(broker), file_identity(binary)
     return {
         "binary": str(binary),
+        # --baseline-args: its flags beyond the broker's.
+        "args": shlex.join(extra_args),
         **theirs,
         "same_binary_as_broker": ours["sha256"] == theirs["sha256"],
         "cells": len(cells),
@@ -79,6 +82,6 @@ def baseline_line(b: dict) -> str:
     return (
         f"broker ÷ before calls/s, median over {b['cells']} cell(s): {b['median_broker_over_before']:.3f} ({spread}); "
         f"broker CPU per call ÷ before: {fmt_num(cpu, '.3f')}. Verdict (≥ {b['threshold']:g}): {b['verdict']}. "
-        f"Baseline: {b['binary']} (sha256 {b['sha256'][:12]}, modified {b['modified']}"
+        f"Baseline: {b['binary']}" + (f" {b['args']}" if b.get("args") else "") + f" (sha256 {b['sha256'][:12]}, modified {b['modified']}"
         + (", the same binary as the broker's)." if b["same_binary_as_broker"] else ").")
     )

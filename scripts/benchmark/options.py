@@ -72,6 +72,10 @@ def parse_args(argv, description: str):
     p.add_argument("--baseline-broker", type=Path, metavar="PATH",
                    help="another broker binary (e.g. a release build of an older commit): adds the path 'before' "
                         "through it, started with the same broker flags, and the ratios broker / before")  # fmt: skip
+    p.add_argument("--baseline-args", default="", metavar="ARGS",
+                   help="extra flags of the baseline broker alone, one shell-quoted string, after the broker's "
+                        "(e.g. '--busy-poll off' to set one flag against its default, or '--pool-size 4 --busy-poll "
+                        "50us' for broker/examples/floor_epoll); none the bench gives both already")  # fmt: skip
     p.add_argument("--pin", action="store_true",
                    help="run the hop of every path (the broker, HAProxy, nginx) on a CPU of its own and the driver and "
                         "upstream on the others (taskset), so that per-call costs compare without the scheduler's "
@@ -131,7 +135,9 @@ def parse_args(argv, description: str):
         a.levels = {w: CLASSIC_LEVELS if WORKLOAD_KIND[w] == "classic" else LEVELS for w in a.workloads}
     if a.repeats < 1 or a.duration <= 0 or a.warmup < 0:
         p.error("--repeats must be >= 1, --duration > 0, --warmup >= 0")
-    for who in ("provider", "broker", "driver"):
+    if a.baseline_args and a.baseline_broker is None:
+        p.error("--baseline-args goes with --baseline-broker")
+    for who in ("provider", "broker", "driver", "baseline"):
         try:
             setattr(a, f"{who}_args", shlex.split(getattr(a, f"{who}_args")))
         except ValueError as e:

@@ -95,6 +95,7 @@ def document(args, *, machine_info: dict, kinds, paths, bin_dir: Path, build_sec
             "nginx_processes": 1,
             "provider_args": shlex.join(args.provider_args),
             "broker_args": shlex.join(args.broker_args),
+            "baseline_args": shlex.join(args.baseline_args),
             "driver_args": shlex.join(args.driver_args),
             "clock_ticks_per_second": CLK_TCK,
             # --pin: the hops' CPUs and the others' (None: the scheduler placed them).
@@ -180,8 +181,9 @@ def render(result, markdown: bool) -> str:
     o.append(
         "Medians over the repeats. Latency in microseconds (successful calls). cpu X = CPU seconds of process X "
         "per 1,000 calls sent ('-' = not on that path). errors = failed calls summed over the repeats."
-        + (f" Path before: driver -> the baseline broker ({b['binary']}, started like the broker) -> the same "
-           "provider; cpu before is that broker's." if b else "")  # fmt: skip
+        + (f" Path before: driver -> the baseline broker ({b['binary']}, started like the broker"
+           + (f", with {b['args']}" if b.get("args") else "") + ") -> the same provider; cpu before is that "
+           "broker's." if b else "")  # fmt: skip
         + (" Workload classic: echo 32 B in plain v1 frames against the classic server (provider --classic: Nagle "
            "on, one call at a time per connection), behind a broker of its own (--upstream-v1) and second frontends "
            "of HAProxy and nginx; in its rows cpu provider is the classic server's, cpu broker (before) its own "

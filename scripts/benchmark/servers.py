@@ -189,10 +189,11 @@ def start_all(servers: Servers, bins: dict[str, Path], args, kinds, haproxy: str
         if args.baseline_broker:
             (oport,) = more
             try:
-                servers.start(role["before"], broker_argv(args.baseline_broker, oport, uport, args, kind), oport)
+                argv = broker_argv(args.baseline_broker, oport, uport, args, kind) + args.baseline_args
+                servers.start(role["before"], argv, oport)
             except ScriptError as e:
                 raise ScriptError(f"the baseline broker {args.baseline_broker} (started with the broker's "
-                                  f"flags) did not start: {e}") from None  # fmt: skip
+                                  f"flags and --baseline-args) did not start: {e}") from None  # fmt: skip
             addresses[kind]["before"] = f"127.0.0.1:{oport}"
         frontends.append((kind, hport, nport, uport))
     htls = ntls = None

@@ -308,6 +308,9 @@ fn bench_smoke_mode_with_a_baseline_broker_adds_the_before_path_and_its_ratios()
             out.as_os_str(),
             "--baseline-broker".as_ref(),
             baseline.as_os_str(),
+            // A flag of the baseline's own, beyond the broker's.
+            "--baseline-args".as_ref(),
+            "--busy-poll off".as_ref(),
             // The TLS paths are the first test's; this also checks that they can be left out.
             "--tls".as_ref(),
             "off".as_ref(),
@@ -411,8 +414,15 @@ fn bench_smoke_mode_with_a_baseline_broker_adds_the_before_path_and_its_ratios()
             .as_f64()
             .is_some_and(|v| v > 0.0)
             && baseline["same_binary_as_broker"] == true
-            && baseline["verdict"] == "not judged (smoke mode)",
+            && baseline["verdict"] == "not judged (smoke mode)"
+            && baseline["args"] == "--busy-poll off",
         "baseline summary: {baseline}\n{output}"
+    );
+    assert!(
+        md.contains("started like the broker, with --busy-poll off")
+            && md.contains("Baseline: ")
+            && md.contains(" --busy-poll off (sha256"),
+        "the Markdown report names the baseline's own flags\n{md}"
     );
     // Both reports show the path, the ratio column and the summary line.
     for (what, text) in [("text", run.stdout.as_str()), ("Markdown", md.as_str())] {
