@@ -12,7 +12,8 @@
 //! connections outright. Not a product: no names read, no routing, caps, deadlines,
 //! metrics, timeouts, TLS or budget; bad frames are dropped; the provider connection
 //! failing ends the program. `scripts/profile` runs it as it runs the broker (it takes the
-//! broker's flags and ignores all but `--listen` and `--upstream`):
+//! broker's flags and ignores all but `--listen`, `--upstream`, `--pool-size` and
+//! `--busy-poll`):
 //!
 //! ```text
 //! cargo build --release -p rpcmesh-broker --example floor --example floor_epoll
@@ -28,12 +29,14 @@ use std::time::{Duration, Instant};
 use bytes::{Buf, BytesMut};
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
+use rpcmesh_broker::BusyPoll;
 use rpcmesh_wire::codec::{FrameCodec, skip_frame};
 use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
 
 mod floor_shared;
 use floor_shared::{READ_CHUNK, Slots, addresses, flag, forward, next_frame, say_listening};
 
+/// The listener's token; the provider connections' and the sessions' follow it.
 const LISTENER: Token = Token(0);
 /// Provider connection `k` is registered as `Token(FIRST_UPSTREAM + k)`, session `i` as
 /// `Token(FIRST_UPSTREAM + upstreams + i)`.
@@ -65,20 +68,20 @@ impl Conn {
     }
 
     /// One read, through `scratch`, appended to the read buffer. `Ok(None)`: the socket
-    /// is drained for now (a read that did not fill `scratch` drained it, as Tokio and mio
-    /// also assume of a stream socket, which spares the read that would only say so);
-    /// `Ok(Some(0))`: the peer closed. (`scratch` because the workspace forbids `unsafe`,
-    /// and a read into a `BytesMut`'s free room takes it, as Tokio's does: the copy it
-    /// adds, a few hundred bytes a read, counts against this floor, not for it.)
-    fn fill(&mut self, scratch: &mut [u8]) -> io::Result<Option<usize>> {
+    /// is drained for now; `Ok(Some(0))`: the peer closed. A read that did not fill
+    /// `scratch` drained the socket, as Tokio also takes it, which spares the read that
+    /// would only say so: more input raises a new edge. Not when the peer has closed
+    /// (`to_the_end`): its end of stream may have come with the last bytes, and raises no
+    /// edge of its own, so such a socket is read until a read returns 0 or would block.
+    /// (`scratch` because the workspace forbids `unsafe`, and a read into a `BytesMut`'s
+    /// free room takes it, as Tokio's does: the copy it adds, a few hundred bytes a read,
+    /// counts against this floor, not for it.)
+    fn fill(&mut self, scratch: &mut [u8], to_the_end: bool) -> io::Result<Option<usize>> {
         match (&self.stream).read(scratch) {
             Ok(n) => {
                 self.rbuf.extend_from_slice(&scratch[..n]);
-                Ok(if n > 0 && n < scratch.len() {
-                    None
-                } else {
-                    Some(n)
-                })
+                let drained = n > 0 && n < scratch.len() && !to_the_end;
+                Ok(if drained { None } else { Some(n) })
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(Some(1)),
@@ -116,38 +119,38 @@ struct Floor {
 }
 
 impl Floor {
+    /// Takes every waiting connection. A session's index is never used again, so that a
+    /// late reply to a session that has gone is dropped, never given to another; a
+    /// connection that fails before it is registered is dropped alone.
     fn accept(&mut self, listener: &TcpListener) -> io::Result<()> {
         loop {
-            let (stream, _) = match listener.accept() {
-                Ok(s) => s,
+            let stream = match listener.accept() {
+                Ok((s, _)) => s,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) => return Err(e),
+                Err(e) if is_the_listeners(&e) => return Err(e),
+                Err(_) => continue,
             };
-            let mut conn = Conn::new(stream)?;
-            let i = match self.sessions.iter().position(Option::is_none) {
-                Some(i) => i,
-                None => {
-                    self.sessions.push(None);
-                    self.sessions.len() - 1
-                }
-            };
-            self.poll.registry().register(
-                &mut conn.stream,
-                Token(FIRST_UPSTREAM + self.upstreams.len() + i),
-                Interest::READABLE | Interest::WRITABLE,
-            )?;
-            self.sessions[i] = Some(conn);
+            let i = self.sessions.len();
+            let registered = Conn::new(stream).and_then(|mut conn| {
+                self.poll.registry().register(
+                    &mut conn.stream,
+                    Token(FIRST_UPSTREAM + self.upstreams.len() + i),
+                    Interest::READABLE | Interest::WRITABLE,
+                )?;
+                Ok(conn)
+            });
+            self.sessions.push(registered.ok());
         }
     }
 
     /// Reads session `i` until it is drained: each call to the provider connection's
     /// buffer under a slot's id. The session is dropped when its peer closed or failed.
-    fn read_session(&mut self, i: usize) {
+    fn read_session(&mut self, i: usize, to_the_end: bool) {
         let Some(Some(conn)) = self.sessions.get_mut(i) else {
             return;
         };
         loop {
-            let ended = match conn.fill(&mut self.scratch) {
+            let ended = match conn.fill(&mut self.scratch, to_the_end) {
                 Ok(Some(0)) | Err(_) => true,
                 Ok(read) => {
                     while let Some((mut header, trailer)) = next_frame(&self.codec, &mut conn.rbuf)
@@ -177,10 +180,10 @@ impl Floor {
 
     /// Reads provider connection `k` until it is drained: each reply to its session's
     /// buffer under the caller's id. Fails when the provider closed or the read failed.
-    fn read_upstream(&mut self, k: usize) -> io::Result<()> {
+    fn read_upstream(&mut self, k: usize, to_the_end: bool) -> io::Result<()> {
         loop {
             let up = &mut self.upstreams[k];
-            let read = match up.fill(&mut self.scratch)? {
+            let read = match up.fill(&mut self.scratch, to_the_end)? {
                 Some(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 read => read,
             };
@@ -224,12 +227,29 @@ impl Floor {
     }
 }
 
-/// `--busy-poll` as the broker takes it (`50us`, `off`); off when absent, as `scripts/profile`
-/// runs the broker.
-fn busy_poll() -> Option<Duration> {
-    let v = flag("--busy-poll")?;
-    let us = v.strip_suffix("us")?.parse::<u64>().ok()?;
-    Some(Duration::from_micros(us))
+/// Whether an `accept` error is the listener's own (the program cannot go on), not one
+/// connection's (a peer that reset before it was taken, a signal).
+fn is_the_listeners(e: &io::Error) -> bool {
+    !matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::Interrupted
+            | io::ErrorKind::PermissionDenied
+    )
+}
+
+/// `--busy-poll`, parsed as the broker parses it (`auto`, as with one thread: 50 µs;
+/// `off`; a duration), and off when absent, as `scripts/profile` runs the broker (the
+/// broker's own default is `auto`).
+fn busy_poll() -> Result<Option<Duration>, String> {
+    match flag("--busy-poll") {
+        None => Ok(None),
+        Some(v) => v
+            .parse::<BusyPoll>()
+            .map(|b| b.window(1))
+            .map_err(|e| format!("--busy-poll {v}: {e}")),
+    }
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -264,7 +284,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         dirty: Vec::new(),
         scratch: vec![0; READ_CHUNK],
     };
-    let spin = busy_poll();
+    let spin = busy_poll()?;
     // While spinning: polls that do not sleep, each empty one followed by `sched_yield`,
     // until `spin` passes with no event (the broker's busy polling, `common::net::busy_poll`).
     let mut spin_until: Option<Instant> = None;
@@ -288,12 +308,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         for event in events.iter() {
             let t = event.token().0;
+            // The peer closed, or the socket failed: read it to the end (`Conn::fill`).
+            let closed = event.is_read_closed() || event.is_error();
             if event.token() == LISTENER {
                 floor.accept(&listener)?;
             } else if t < FIRST_UPSTREAM + n {
                 if event.is_readable() {
                     floor
-                        .read_upstream(t - FIRST_UPSTREAM)
+                        .read_upstream(t - FIRST_UPSTREAM, closed)
                         .map_err(|e| format!("a provider connection ended: {e}"))?;
                 }
             } else {
@@ -307,7 +329,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     }
                 }
                 if event.is_readable() {
-                    floor.read_session(i);
+                    floor.read_session(i, closed);
                 }
             }
         }

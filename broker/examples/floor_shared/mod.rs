@@ -11,7 +11,9 @@ use rpcmesh_wire::codec::{FrameCodec, body_in_place, skip_frame};
 use rpcmesh_wire::frame::{FRAME_OVERHEAD, Header, put_frame_with_trailer};
 use rpcmesh_wire::neutral::neutral_id;
 
-/// Read buffers grow by this much at a time, as the broker's.
+/// What a read takes at most, as the broker's: `floor` grows its read buffers by this much,
+/// `floor_epoll` reads into a scratch buffer this large (a read that fills it may have
+/// left more behind).
 pub const READ_CHUNK: usize = 64 << 10;
 
 /// The whole frame at the front of `src`, checked where it lies: its header and trailer,
@@ -83,20 +85,16 @@ pub fn say_listening(program: &str, rpc: SocketAddr) {
     );
 }
 
-/// The value of the broker's flag `name` on the command line (`--name VALUE`), if given.
+/// The value of the broker's flag `name` on the command line (`--name VALUE`), if given:
+/// the word after its first occurrence, wherever it stands (the broker's flags without a
+/// value, such as `--allow-empty-providers`, do not shift it).
 pub fn flag(name: &str) -> Option<String> {
-    let mut args = std::env::args().skip(1);
-    while let Some(f) = args.next() {
-        let value = args.next();
-        if f == name {
-            return value;
-        }
-    }
-    None
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let at = args.iter().position(|a| a == name)?;
+    args.get(at + 1).cloned()
 }
 
-/// `--listen` and `--upstream` of the broker's flags; every other flag and its value are
-/// ignored.
+/// `--listen` and `--upstream` of the broker's flags.
 pub fn addresses(program: &str) -> Result<(SocketAddr, SocketAddr), String> {
     let parse = |name| flag(name).and_then(|v| v.parse::<SocketAddr>().ok());
     match (parse("--listen"), parse("--upstream")) {
