@@ -77,15 +77,17 @@ impl Conn {
     /// free room takes it, as Tokio's does: the copy it adds, a few hundred bytes a read,
     /// counts against this floor, not for it.)
     fn fill(&mut self, scratch: &mut [u8], to_the_end: bool) -> io::Result<Option<usize>> {
-        match (&self.stream).read(scratch) {
-            Ok(n) => {
-                self.rbuf.extend_from_slice(&scratch[..n]);
-                let drained = n > 0 && n < scratch.len() && !to_the_end;
-                Ok(if drained { None } else { Some(n) })
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(Some(1)),
-            Err(e) => Err(e),
+        loop {
+            return match (&self.stream).read(scratch) {
+                Ok(n) => {
+                    self.rbuf.extend_from_slice(&scratch[..n]);
+                    let drained = n > 0 && n < scratch.len() && !to_the_end;
+                    Ok(if drained { None } else { Some(n) })
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => Err(e),
+            };
         }
     }
 
@@ -149,30 +151,26 @@ impl Floor {
         let Some(Some(conn)) = self.sessions.get_mut(i) else {
             return;
         };
+        let up = i % self.upstreams.len();
         loop {
-            let ended = match conn.fill(&mut self.scratch, to_the_end) {
-                Ok(Some(0)) | Err(_) => true,
-                Ok(read) => {
-                    while let Some((mut header, trailer)) = next_frame(&self.codec, &mut conn.rbuf)
-                    {
-                        header.req_id = self.slots.give(i, header.req_id);
-                        let up = i % self.upstreams.len();
-                        forward(
-                            &mut conn.rbuf,
-                            &header,
-                            trailer,
-                            &mut self.upstreams[up].out,
-                        );
-                    }
-                    if read.is_none() {
-                        return;
-                    }
-                    false
+            let read = match conn.fill(&mut self.scratch, to_the_end) {
+                Ok(Some(0)) | Err(_) => {
+                    let _ = self.poll.registry().deregister(&mut conn.stream);
+                    self.sessions[i] = None;
+                    return;
                 }
+                Ok(read) => read,
             };
-            if ended {
-                let _ = self.poll.registry().deregister(&mut conn.stream);
-                self.sessions[i] = None;
+            while let Some((mut header, trailer)) = next_frame(&self.codec, &mut conn.rbuf) {
+                header.req_id = self.slots.give(i, header.req_id);
+                forward(
+                    &mut conn.rbuf,
+                    &header,
+                    trailer,
+                    &mut self.upstreams[up].out,
+                );
+            }
+            if read.is_none() {
                 return;
             }
         }
