@@ -23,13 +23,13 @@
 //!
 //! docs/performance.md ("What limits them") gives its figures beside the broker's.
 
-use std::io::{self, Read, Write};
+use std::io;
 use std::time::{Duration, Instant};
 
-use bytes::{Buf, BytesMut};
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
 use rpcmesh_broker::BusyPoll;
+use rpcmesh_broker::engine::socket::{Filled, Socket, is_the_listeners};
 use rpcmesh_wire::codec::{FrameCodec, skip_frame};
 use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
 
@@ -47,76 +47,17 @@ const DEFAULT_UPSTREAMS: usize = 1;
 /// Readiness events taken per `epoll_wait`: more than the connections a yardstick run has.
 const EVENTS: usize = 1024;
 
-/// A socket, what it read and has not yet handed on, and what it has to write.
-struct Conn {
-    stream: TcpStream,
-    rbuf: BytesMut,
-    out: BytesMut,
-    /// In the list of connections to write at the end of this round.
-    dirty: bool,
-}
-
-impl Conn {
-    fn new(stream: TcpStream) -> io::Result<Conn> {
-        stream.set_nodelay(true)?;
-        Ok(Conn {
-            stream,
-            rbuf: BytesMut::new(),
-            out: BytesMut::new(),
-            dirty: false,
-        })
-    }
-
-    /// One read, through `scratch`, appended to the read buffer. `Ok(None)`: the socket
-    /// is drained for now; `Ok(Some(0))`: the peer closed. A read that did not fill
-    /// `scratch` drained the socket, as Tokio also takes it, which spares the read that
-    /// would only say so: more input raises a new edge. Not when the peer has closed
-    /// (`to_the_end`): its end of stream may have come with the last bytes, and raises no
-    /// edge of its own, so such a socket is read until a read returns 0 or would block.
-    /// (`scratch` because the workspace forbids `unsafe`, and a read into a `BytesMut`'s
-    /// free room takes it, as Tokio's does: the copy it adds, a few hundred bytes a read,
-    /// counts against this floor, not for it.)
-    fn fill(&mut self, scratch: &mut [u8], to_the_end: bool) -> io::Result<Option<usize>> {
-        loop {
-            return match (&self.stream).read(scratch) {
-                Ok(n) => {
-                    self.rbuf.extend_from_slice(&scratch[..n]);
-                    let drained = n > 0 && n < scratch.len() && !to_the_end;
-                    Ok(if drained { None } else { Some(n) })
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => Err(e),
-            };
-        }
-    }
-
-    /// Writes what it can of `out`; what the socket does not take now waits for its next
-    /// writable event.
-    fn flush(&mut self) -> io::Result<()> {
-        while !self.out.is_empty() {
-            match (&self.stream).write(&self.out) {
-                Ok(n) => self.out.advance(n),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
-    }
-}
-
 /// Everything the loop owns: one thread, no sharing.
 struct Floor {
     poll: Poll,
     codec: FrameCodec,
     /// The provider connections; session `i` sends its calls on connection `i % len`.
-    upstreams: Vec<Conn>,
-    sessions: Vec<Option<Conn>>,
+    upstreams: Vec<Socket>,
+    sessions: Vec<Option<Socket>>,
     slots: Slots,
     /// Sessions given replies this round.
     dirty: Vec<usize>,
-    /// Where each read lands first ([`Conn::fill`]).
+    /// Where each read lands first ([`Socket::fill`]).
     scratch: Vec<u8>,
 }
 
@@ -133,15 +74,13 @@ impl Floor {
                 Err(_) => continue,
             };
             let i = self.sessions.len();
-            let registered = Conn::new(stream).and_then(|mut conn| {
-                self.poll.registry().register(
-                    &mut conn.stream,
-                    Token(FIRST_UPSTREAM + self.upstreams.len() + i),
-                    Interest::READABLE | Interest::WRITABLE,
-                )?;
-                Ok(conn)
-            });
-            self.sessions.push(registered.ok());
+            let mut conn = Socket::new(stream);
+            let registered = self.poll.registry().register(
+                &mut conn.stream,
+                Token(FIRST_UPSTREAM + self.upstreams.len() + i),
+                Interest::READABLE | Interest::WRITABLE,
+            );
+            self.sessions.push(registered.ok().map(|()| conn));
         }
     }
 
@@ -154,7 +93,7 @@ impl Floor {
         let up = i % self.upstreams.len();
         loop {
             let read = match conn.fill(&mut self.scratch, to_the_end) {
-                Ok(Some(0)) | Err(_) => {
+                Ok(Filled::Closed) | Err(_) => {
                     let _ = self.poll.registry().deregister(&mut conn.stream);
                     self.sessions[i] = None;
                     return;
@@ -170,7 +109,7 @@ impl Floor {
                     &mut self.upstreams[up].out,
                 );
             }
-            if read.is_none() {
+            if read == Filled::Drained {
                 return;
             }
         }
@@ -182,7 +121,7 @@ impl Floor {
         loop {
             let up = &mut self.upstreams[k];
             let read = match up.fill(&mut self.scratch, to_the_end)? {
-                Some(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Filled::Closed => return Err(io::ErrorKind::UnexpectedEof.into()),
                 read => read,
             };
             while let Some((mut header, trailer)) = next_frame(&self.codec, &mut up.rbuf) {
@@ -201,7 +140,7 @@ impl Floor {
                     None => skip_frame(&mut up.rbuf, &header),
                 }
             }
-            if read.is_none() {
+            if read == Filled::Drained {
                 return Ok(());
             }
         }
@@ -223,18 +162,6 @@ impl Floor {
         }
         Ok(())
     }
-}
-
-/// Whether an `accept` error is the listener's own (the program cannot go on), not one
-/// connection's (a peer that reset before it was taken, a signal).
-fn is_the_listeners(e: &io::Error) -> bool {
-    !matches!(
-        e.kind(),
-        io::ErrorKind::ConnectionAborted
-            | io::ErrorKind::ConnectionReset
-            | io::ErrorKind::Interrupted
-            | io::ErrorKind::PermissionDenied
-    )
 }
 
 /// `--busy-poll`, parsed as the broker parses it (`auto`, as with one thread: 50 µs;
@@ -261,7 +188,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for k in 0..n {
         let s = std::net::TcpStream::connect(to)?;
         s.set_nonblocking(true)?;
-        let mut up = Conn::new(TcpStream::from_std(s))?;
+        let mut up = Socket::new(TcpStream::from_std(s));
         poll.registry().register(
             &mut up.stream,
             Token(FIRST_UPSTREAM + k),

@@ -34,6 +34,7 @@
 mod call;
 mod cell;
 pub mod config;
+pub mod engine;
 mod failure;
 mod in_flight;
 mod membership;

@@ -92,17 +92,21 @@ async fn five_call_fan_out_requests_complete_through_the_broker() {
 }
 
 /// A plain v1 client sending the reference's golden request through the broker gets the
-/// reference's golden reply, byte for byte: the broker's id remapping is invisible.
+/// reference's golden reply, byte for byte: the broker's id remapping is invisible. On
+/// both engines.
 #[tokio::test]
 async fn a_v1_client_gets_byte_identical_v1_replies_through_the_broker() {
     let p = provider(ProviderConfig::default()).await;
-    let b = broker(broker_config(&[p.addr])).await;
-    until_ready(&client(b.addr).await).await;
-    let (got, want) = testkit::golden_exchange(b.addr, "echo_request_id1", "echo_response_ok_id1")
-        .await
-        .unwrap();
-    assert_eq!(got, want);
-    b.stop().await;
+    for engine in ENGINES {
+        let b = broker_with(engine, broker_config(&[p.addr])).await;
+        until_ready(&client(b.addr()).await).await;
+        let golden = ("echo_request_id1", "echo_response_ok_id1");
+        let (got, want) = testkit::golden_exchange(b.addr(), golden.0, golden.1)
+            .await
+            .unwrap();
+        assert_eq!(got, want, "{engine:?}");
+        b.stop().await;
+    }
     p.stop().await;
 }
 
@@ -238,11 +242,13 @@ async fn bad_input_to_the_broker_gets_an_error_reply_or_a_close_and_is_counted()
 #[tokio::test]
 async fn the_broker_answers_heartbeats() {
     let p = provider(ProviderConfig::default()).await;
-    let b = broker(broker_config(&[p.addr])).await;
-    let c = client(b.addr).await;
-    let hb = c.heartbeat().await.unwrap();
-    assert_eq!(hb.service_name, "broker");
-    b.stop().await;
+    for engine in ENGINES {
+        let b = broker_with(engine, broker_config(&[p.addr])).await;
+        let c = client(b.addr()).await;
+        let hb = c.heartbeat().await.unwrap();
+        assert_eq!(hb.service_name, "broker", "{engine:?}");
+        b.stop().await;
+    }
     p.stop().await;
 }
 

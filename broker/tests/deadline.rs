@@ -130,14 +130,14 @@ async fn recording_upstream(fields: &'static str) -> (std::net::SocketAddr, Seen
 /// connection) of a plain call, one whose deadline (10 s) is past the call timeout and one
 /// within it (1 s), sent by hand in one write: each call's type and body as it arrived.
 /// The calls of one read go to one upstream connection, in order.
-async fn forwarded(fields: &'static str) -> Vec<(MsgType, bytes::Bytes)> {
+async fn forwarded(fields: &'static str, engine: Engine) -> Vec<(MsgType, bytes::Bytes)> {
     let (up, seen) = recording_upstream(fields).await;
     let mut cfg = broker_config(&[up]);
     cfg.pool_size = 1;
-    let b = broker(cfg).await;
-    until_ready(&client(b.addr).await).await;
+    let b = broker_with(engine, cfg).await;
+    until_ready(&client(b.addr()).await).await;
     let warm = seen.lock().unwrap().len();
-    let mut s = TcpStream::connect(b.addr).await.unwrap();
+    let mut s = TcpStream::connect(b.addr()).await.unwrap();
     let mut buf = BytesMut::new();
     s.write_all(&three_calls().concat()).await.unwrap();
     let replies = read_frames(&mut s, &mut buf, 3).await.unwrap();
@@ -165,10 +165,16 @@ fn three_calls() -> [BytesMut; 3] {
 /// (`ext::CAP_KEY`) gets each call as its caller sent it: the plain call plain, both
 /// deadline blocks as they came (no re-encoding, no CRC pass in the broker). One that does
 /// not gets every call with the time left to it: the call timeout, or the caller's own
-/// shorter deadline.
+/// shorter deadline. On both engines.
 #[tokio::test]
 async fn a_provider_that_caps_calls_gets_them_as_they_came() {
-    let capped = forwarded(ext::PROVIDER_FIELDS_CAPPED).await;
+    for engine in ENGINES {
+        provider_gets_calls_as_they_came(engine).await;
+    }
+}
+
+async fn provider_gets_calls_as_they_came(engine: Engine) {
+    let capped = forwarded(ext::PROVIDER_FIELDS_CAPPED, engine).await;
     let body = |f: &BytesMut| Frame::from_bytes(f.clone().freeze()).unwrap().body;
     let [plain, long, short] = three_calls();
     assert_eq!(capped[0], (MsgType::Request, body(&plain)));
@@ -177,7 +183,7 @@ async fn a_provider_that_caps_calls_gets_them_as_they_came() {
     assert_eq!(capped[1], (MsgType::ExtRequest, body(&long)));
     assert_eq!(capped[2], (MsgType::ExtRequest, body(&short)));
 
-    let uncapped = forwarded(ext::PROVIDER_FIELDS).await;
+    let uncapped = forwarded(ext::PROVIDER_FIELDS, engine).await;
     let deadline = |(t, body): &(MsgType, bytes::Bytes)| {
         assert_eq!(*t, MsgType::ExtRequest);
         ext::split(body).unwrap().0.deadline.unwrap()

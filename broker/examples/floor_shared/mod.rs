@@ -11,10 +11,10 @@ use rpcmesh_wire::codec::{FrameCodec, body_in_place, skip_frame};
 use rpcmesh_wire::frame::{FRAME_OVERHEAD, Header, put_frame_with_trailer};
 use rpcmesh_wire::neutral::neutral_id;
 
-/// What a read takes at most, as the broker's: `floor` grows its read buffers by this much,
-/// `floor_epoll` reads into a scratch buffer this large (a read that fills it may have
-/// left more behind).
-pub const READ_CHUNK: usize = 64 << 10;
+/// What a read takes at most, the broker's own: `floor` grows its read buffers by this
+/// much, `floor_epoll` reads into a scratch buffer this large (a read that fills it may
+/// have left more behind).
+pub use rpcmesh_common::net::connection::READ_CHUNK;
 
 /// The whole frame at the front of `src`, checked where it lies: its header and trailer,
 /// `None` when it is not all there. A bad frame's bytes are dropped (the codec's doing).

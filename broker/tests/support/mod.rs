@@ -431,3 +431,60 @@ async fn v1_echo(s: TcpStream, n: usize, state: Arc<V1State>) {
     drop(tx);
     let _ = writer.await;
 }
+
+/// Which engine serves a broker a test starts: tests that hold both engines to one
+/// behaviour run once with each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    /// The broker's engine (`rpcmesh_broker::run`).
+    Tokio,
+    /// The loop engine (`rpcmesh_broker::engine`), which does a part of what the broker
+    /// does: only tests of that part run on it.
+    Loop,
+}
+
+/// Both engines.
+pub const ENGINES: [Engine; 2] = [Engine::Tokio, Engine::Loop];
+
+/// A broker on either engine.
+pub enum AnyBroker {
+    Tokio(Running),
+    Loop(rpcmesh_broker::engine::LoopHandle),
+}
+
+impl AnyBroker {
+    pub fn addr(&self) -> SocketAddr {
+        match self {
+            AnyBroker::Tokio(b) => b.addr,
+            AnyBroker::Loop(h) => h.local_addr(),
+        }
+    }
+
+    /// Stops it and waits for its drain to end (the loop engine's on a thread of its
+    /// own: the providers it waits for may run on the test's runtime).
+    pub async fn stop(self) {
+        match self {
+            AnyBroker::Tokio(b) => {
+                b.stop().await;
+            }
+            AnyBroker::Loop(h) => {
+                h.stop();
+                tokio::task::spawn_blocking(move || h.join())
+                    .await
+                    .unwrap()
+                    .unwrap();
+            }
+        }
+    }
+}
+
+/// A broker with `config` on `engine`, on 127.0.0.1 port 0.
+pub async fn broker_with(engine: Engine, config: BrokerConfig) -> AnyBroker {
+    match engine {
+        Engine::Tokio => AnyBroker::Tokio(broker(config).await),
+        Engine::Loop => {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            AnyBroker::Loop(rpcmesh_broker::engine::spawn(config, listener).unwrap())
+        }
+    }
+}

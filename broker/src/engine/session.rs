@@ -1,0 +1,426 @@
+//! The client side of the loop engine: the sessions it accepted, the frames they send
+//! (calls admitted and routed, heartbeats answered, bad input answered or ended), and the
+//! answers and replies written back to them.
+
+use std::io;
+use std::mem;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use mio::Interest;
+use mio::net::TcpListener;
+use rpcmesh_common::net::session::WRITE_BACKLOG_LIMIT;
+use rpcmesh_wire::body::{Heartbeat, request_names};
+use rpcmesh_wire::codec::{body_in_place, skip_frame};
+use rpcmesh_wire::ext;
+use rpcmesh_wire::frame::{FRAME_OVERHEAD, Flags, FrameError, Header, MsgType};
+
+use super::provider::{AsSent, Call};
+use super::socket::{Filled, Socket, is_the_listeners};
+use super::{Engine, FIRST_SESSION, put_answer};
+use crate::failure::{Cap, Failure};
+
+/// A client connection.
+#[derive(Debug)]
+pub(super) struct Session {
+    sock: Socket,
+    /// Its calls in flight (`--max-in-flight-per-conn`).
+    in_flight: usize,
+    /// The client has closed its side: the session ends once its calls are answered.
+    peer_closed: bool,
+    /// Not read while its replies wait to be written past [`WRITE_BACKLOG_LIMIT`]: a
+    /// client that does not read cannot make the broker buffer without end.
+    paused: bool,
+}
+
+/// A session as a call in flight names it: its index, and the generation of that index,
+/// so that the outcome of a call whose session has gone is never given to the session
+/// that took its index next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct SessionRef {
+    idx: u32,
+    generation: u32,
+}
+
+/// The sessions, by index; indices are reused, under a new generation.
+#[derive(Debug, Default)]
+pub(super) struct Sessions {
+    slots: Vec<(u32, Option<Session>)>,
+    free: Vec<u32>,
+    open: usize,
+    /// Sessions given something to write this round.
+    dirty: Vec<u32>,
+    /// Sessions that were paused and may be read again: read in the next round, which
+    /// does not wait.
+    pub resume: Vec<u32>,
+}
+
+impl Sessions {
+    fn insert(&mut self, session: Session) -> usize {
+        self.open += 1;
+        match self.free.pop() {
+            Some(i) => {
+                let slot = &mut self.slots[i as usize];
+                slot.0 = slot.0.wrapping_add(1);
+                slot.1 = Some(session);
+                i as usize
+            }
+            None => {
+                self.slots.push((0, Some(session)));
+                self.slots.len() - 1
+            }
+        }
+    }
+
+    fn remove(&mut self, i: usize) -> Option<Session> {
+        let session = self.slots.get_mut(i)?.1.take()?;
+        self.open -= 1;
+        self.free.push(i as u32);
+        Some(session)
+    }
+
+    fn get(&mut self, i: usize) -> Option<&mut Session> {
+        self.slots.get_mut(i)?.1.as_mut()
+    }
+
+    fn get_ref(&mut self, r: SessionRef) -> Option<&mut Session> {
+        match self.slots.get_mut(r.idx as usize)? {
+            (g, Some(s)) if *g == r.generation => Some(s),
+            _ => None,
+        }
+    }
+
+    fn ref_of(&self, i: usize) -> SessionRef {
+        SessionRef {
+            idx: i as u32,
+            generation: self.slots[i].0,
+        }
+    }
+
+    /// Puts session `i` in the round's list of sessions to write, once.
+    pub fn mark_dirty(&mut self, i: usize) {
+        if let Some(s) = self.get(i) {
+            if !s.sock.dirty {
+                s.sock.dirty = true;
+                self.dirty.push(i as u32);
+            }
+        }
+    }
+}
+
+/// Where the v1 body starts inside an extension request's body, the caller's budget,
+/// and the deadline as sent when the block holds it alone. That block, nearly every
+/// call's, is read where it lies; any other is walked.
+fn split_ext(body: &[u8]) -> Result<(usize, Option<Duration>, Option<u32>), FrameError> {
+    if let Some(d) = body.get(..ext::DEADLINE_BLOCK_LEN) {
+        if d[..ext::DEADLINE_ONLY.len()] == ext::DEADLINE_ONLY {
+            let micros = u32::from_be_bytes([d[5], d[6], d[7], d[8]]);
+            let budget = Duration::from_micros(u64::from(micros));
+            return Ok((ext::DEADLINE_BLOCK_LEN, Some(budget), Some(micros)));
+        }
+    }
+    let whole = Bytes::copy_from_slice(body);
+    let (fields, inner) = ext::split(&whole)?;
+    Ok((body.len() - inner.len(), fields.deadline, None))
+}
+
+impl Engine {
+    /// Takes every waiting connection, up to `--max-connections` open at once (one past
+    /// it is closed at once).
+    pub(super) fn accept(&mut self, listener: &TcpListener) -> io::Result<()> {
+        loop {
+            let stream = match listener.accept() {
+                Ok((s, _)) => s,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if is_the_listeners(&e) => return Err(e),
+                Err(_) => continue,
+            };
+            if self.sessions.open >= self.config.max_connections {
+                continue;
+            }
+            let i = self.sessions.insert(Session {
+                sock: Socket::new(stream),
+                in_flight: 0,
+                peer_closed: false,
+                paused: false,
+            });
+            let registered = self.sessions.get(i).map(|s| {
+                self.poll.registry().register(
+                    &mut s.sock.stream,
+                    mio::Token(FIRST_SESSION + i),
+                    Interest::READABLE | Interest::WRITABLE,
+                )
+            });
+            match registered {
+                Some(Ok(())) => self.summary.accepted += 1,
+                _ => {
+                    self.sessions.remove(i);
+                }
+            }
+        }
+    }
+
+    /// Reads session `i` until it is drained, handling each frame as it is found.
+    pub(super) fn read_session(&mut self, i: usize, to_the_end: bool) {
+        loop {
+            let Some(s) = self.sessions.get(i) else {
+                return;
+            };
+            if s.peer_closed || s.paused {
+                return;
+            }
+            if s.sock.out.len() >= WRITE_BACKLOG_LIMIT {
+                s.paused = true;
+                return;
+            }
+            let filled = match s.sock.fill(&mut self.scratch, to_the_end) {
+                Ok(f) => f,
+                Err(_) => return self.close_session(i),
+            };
+            if !self.take_frames(i) {
+                return;
+            }
+            match filled {
+                Filled::More => {}
+                Filled::Drained => return,
+                Filled::Closed => {
+                    // What is left is a frame cut off: the calls before it are answered.
+                    if let Some(s) = self.sessions.get(i) {
+                        s.peer_closed = true;
+                        s.sock.rbuf.clear();
+                    }
+                    self.sessions.mark_dirty(i);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Handles the whole frames session `i` has read. `false` when the session ended
+    /// (input it cannot get past).
+    fn take_frames(&mut self, i: usize) -> bool {
+        let from = self.sessions.ref_of(i);
+        let Some(s) = self.sessions.get(i) else {
+            return false;
+        };
+        let mut rbuf = mem::take(&mut s.sock.rbuf);
+        let ended = loop {
+            match self.codec.peek_frame(&mut rbuf) {
+                Ok(Some(h)) => {
+                    let end = FRAME_OVERHEAD + h.body_len as usize;
+                    let t = [rbuf[end - 4], rbuf[end - 3], rbuf[end - 2], rbuf[end - 1]];
+                    let body = body_in_place(&rbuf, &h);
+                    match h.msg_type {
+                        MsgType::Request => {
+                            self.admit(from, &h, body, u32::from_be_bytes(t), false)
+                        }
+                        MsgType::ExtRequest => {
+                            self.admit(from, &h, body, u32::from_be_bytes(t), true)
+                        }
+                        MsgType::Heartbeat => self.answer_heartbeat(i, &h, body),
+                        // A reply makes no sense from a caller: dropped.
+                        MsgType::Response => {}
+                    }
+                    skip_frame(&mut rbuf, &h);
+                }
+                Ok(None) => break false,
+                Err(e) => {
+                    if let Some(id) = e.request_id() {
+                        self.summary.calls += 1;
+                        self.refuse(from, id, e.flags(), &Failure::BadRequest(e.clone()));
+                    }
+                    if e.is_fatal() {
+                        break true;
+                    }
+                }
+            }
+        };
+        if ended {
+            self.close_session(i);
+            return false;
+        }
+        if let Some(s) = self.sessions.get(i) {
+            s.sock.rbuf = rbuf;
+        }
+        true
+    }
+
+    /// Admits, routes and sends one call: the frame `h` with `body`, as read from the
+    /// session `from`; `trailer`, the CRC it came with (kept when only its id changes).
+    fn admit(&mut self, from: SessionRef, h: &Header, body: &[u8], trailer: u32, ext: bool) {
+        self.summary.calls += 1;
+        let (id, flags) = (h.req_id, h.flags);
+        let (inner_at, budget, as_sent) = if ext {
+            match split_ext(body) {
+                Ok((at, budget, Some(budget_us))) => {
+                    let as_sent = AsSent::Deadline {
+                        body,
+                        budget_us,
+                        trailer,
+                    };
+                    (at, budget, as_sent)
+                }
+                Ok((at, budget, None)) => (at, budget, AsSent::No),
+                Err(e) => return self.refuse(from, id, flags, &Failure::BadRequest(e)),
+            }
+        } else {
+            (0, None, AsSent::Plain(trailer))
+        };
+        let inner = &body[inner_at..];
+        let service = match request_names(inner) {
+            Ok((service, _, _)) => service,
+            Err(e) => return self.refuse(from, id, flags, &Failure::BadRequest(e)),
+        };
+        if self.grace_until.is_some() {
+            return self.refuse(from, id, flags, &Failure::Draining);
+        }
+        if budget.is_some_and(|b| b.is_zero()) {
+            return self.refuse(from, id, flags, &Failure::DeadlineExceeded);
+        }
+        let per_conn = self.config.max_in_flight_per_conn;
+        if self
+            .sessions
+            .get_ref(from)
+            .is_none_or(|s| s.in_flight >= per_conn)
+        {
+            let cap = Cap::PerConnection(per_conn);
+            return self.refuse(from, id, flags, &Failure::Shed(cap));
+        }
+        if self.in_flight >= self.config.max_in_flight {
+            let cap = Cap::Total(self.config.max_in_flight);
+            return self.refuse(from, id, flags, &Failure::Shed(cap));
+        }
+        let k = match self.route(&inner[service.clone()], flags) {
+            Ok(k) => k,
+            Err(no) => {
+                let name = String::from_utf8_lossy(&inner[service]).into_owned();
+                return self.refuse(from, id, flags, &no.failure(name));
+            }
+        };
+        let limit = budget.map_or(self.config.call_timeout, |b| {
+            b.min(self.config.call_timeout)
+        });
+        let call = Call {
+            session: from,
+            caller_id: id,
+            flags,
+            deadline: self.now + limit,
+            limit,
+        };
+        if !self.send(k, call, flags, inner, as_sent) {
+            let name = String::from_utf8_lossy(&inner[service]).into_owned();
+            return self.refuse(from, id, flags, &Failure::Full(name));
+        }
+        if let Some(s) = self.sessions.get_ref(from) {
+            s.in_flight += 1;
+        }
+        self.in_flight += 1;
+        let deadline = self.now + limit;
+        self.next_expiry = Some(self.next_expiry.map_or(deadline, |t| t.min(deadline)));
+    }
+
+    /// Answers a call the broker did not send on.
+    fn refuse(&mut self, from: SessionRef, id: u64, flags: Flags, failure: &Failure) {
+        self.summary.answered += 1;
+        let Self {
+            sessions, message, ..
+        } = self;
+        if let Some(s) = sessions.get_ref(from) {
+            put_answer(&mut s.sock.out, message, id, flags, failure);
+            sessions.mark_dirty(from.idx as usize);
+        }
+    }
+
+    /// Answers a heartbeat with one of the broker's own, under its id; one that asks which
+    /// call fields the broker takes is told (the deadline).
+    fn answer_heartbeat(&mut self, i: usize, h: &Header, body: &[u8]) {
+        let asked = Heartbeat::extra_value_in(body, ext::HEARTBEAT_KEY).is_ok_and(|v| v.is_some());
+        let extra: &[(&str, &str)] = if asked {
+            &[(ext::HEARTBEAT_KEY, ext::DEADLINE_FIELD)]
+        } else {
+            &[]
+        };
+        if let Some(s) = self.sessions.get(i) {
+            let _ = Heartbeat::put_now_with(
+                &mut s.sock.out,
+                h.req_id,
+                "broker",
+                "rpcmesh-broker",
+                extra,
+            );
+            self.sessions.mark_dirty(i);
+        }
+    }
+
+    /// Gives a call's outcome to its session: `write` puts it in the session's output.
+    /// Counted as orphaned when the session has gone.
+    pub(super) fn deliver(&mut self, to: SessionRef, write: impl FnOnce(&mut BytesMut)) -> bool {
+        self.in_flight -= 1;
+        match self.sessions.get_ref(to) {
+            Some(s) => {
+                s.in_flight -= 1;
+                write(&mut s.sock.out);
+                self.sessions.mark_dirty(to.idx as usize);
+                true
+            }
+            None => {
+                self.summary.orphaned += 1;
+                false
+            }
+        }
+    }
+
+    /// Answers a call in flight with the broker's own `failure`.
+    pub(super) fn answer_call(&mut self, call: &Call, failure: &Failure) {
+        let mut message = mem::take(&mut self.message);
+        if self.deliver(call.session, |out| {
+            put_answer(out, &mut message, call.caller_id, call.flags, failure)
+        }) {
+            self.summary.answered += 1;
+        }
+        self.message = message;
+    }
+
+    /// Writes every session given something this round; ends those whose client closed
+    /// and whose calls are all answered and written.
+    pub(super) fn flush_sessions(&mut self) {
+        let dirty = mem::take(&mut self.sessions.dirty);
+        for &i in &dirty {
+            let i = i as usize;
+            let Some(s) = self.sessions.get(i) else {
+                continue;
+            };
+            s.sock.dirty = false;
+            let failed = s.sock.flush().is_err();
+            let done = s.peer_closed && s.in_flight == 0 && s.sock.out.is_empty();
+            if failed || done {
+                self.close_session(i);
+            } else if s.paused && s.sock.out.len() < WRITE_BACKLOG_LIMIT {
+                // What it sent meanwhile waits in its socket, which raises no new edge.
+                s.paused = false;
+                self.sessions.resume.push(i as u32);
+            }
+        }
+        let mut dirty = dirty;
+        dirty.clear();
+        if self.sessions.dirty.is_empty() {
+            self.sessions.dirty = dirty;
+        }
+    }
+
+    /// Ends session `i`. Its calls in flight stay with their providers; their outcomes
+    /// are counted as orphaned when they come.
+    pub(super) fn close_session(&mut self, i: usize) {
+        if let Some(mut s) = self.sessions.remove(i) {
+            let _ = self.poll.registry().deregister(&mut s.sock.stream);
+        }
+    }
+
+    /// Ends every session, after a last write of what each has.
+    pub(super) fn close_all(&mut self) {
+        self.flush_sessions();
+        for i in 0..self.sessions.slots.len() {
+            self.close_session(i);
+        }
+    }
+}

@@ -1,0 +1,102 @@
+//! A socket on the loop: what it read and has not yet handed on, and what it has to
+//! write. Reads drain it (the loop's readiness is edge-triggered); writes go once per
+//! round, and what the socket does not take waits for its next writable event. Public
+//! for the yardstick on the same loop (`broker/examples/floor_epoll.rs`).
+
+use std::io::{self, Read, Write};
+
+use bytes::{Buf, BytesMut};
+use mio::net::TcpStream;
+
+/// What one read takes at most, as the Tokio engine's reads (a read that fills it may
+/// have left more behind, and is followed by another).
+pub use rpcmesh_common::net::connection::READ_CHUNK;
+
+/// How a read ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Filled {
+    /// Bytes came; there may be more.
+    More,
+    /// The socket is drained for now.
+    Drained,
+    /// The peer closed its side.
+    Closed,
+}
+
+/// A connected socket and its two buffers.
+#[derive(Debug)]
+pub struct Socket {
+    pub stream: TcpStream,
+    /// Read and not yet handed on: at most one partial frame between rounds.
+    pub rbuf: BytesMut,
+    /// To write at the end of the round.
+    pub out: BytesMut,
+    /// In the round's list of sockets to write.
+    pub dirty: bool,
+}
+
+impl Socket {
+    pub fn new(stream: TcpStream) -> Socket {
+        // Calls and replies are small and go in batches of a round: Nagle would only
+        // hold the last one back.
+        let _ = stream.set_nodelay(true);
+        Socket {
+            stream,
+            rbuf: BytesMut::new(),
+            out: BytesMut::new(),
+            dirty: false,
+        }
+    }
+
+    /// One read through `scratch`, appended to the read buffer. A read that did not fill
+    /// `scratch` drained the socket, which spares the read that would only say so (more
+    /// input raises a new edge), except when the peer has closed (`to_the_end`): its end
+    /// of stream may have come with the last bytes and raises no edge of its own.
+    /// (`scratch` because the workspace forbids `unsafe`, which a read into a `BytesMut`'s
+    /// free room takes; the copy costs a few hundred bytes a read.)
+    pub fn fill(&mut self, scratch: &mut [u8], to_the_end: bool) -> io::Result<Filled> {
+        loop {
+            return match (&self.stream).read(scratch) {
+                Ok(0) => Ok(Filled::Closed),
+                Ok(n) => {
+                    self.rbuf.extend_from_slice(&scratch[..n]);
+                    Ok(if n < scratch.len() && !to_the_end {
+                        Filled::Drained
+                    } else {
+                        Filled::More
+                    })
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Filled::Drained),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => Err(e),
+            };
+        }
+    }
+
+    /// Writes what the socket takes of `out` now.
+    pub fn flush(&mut self) -> io::Result<()> {
+        while !self.out.is_empty() {
+            match (&self.stream).write(&self.out) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => self.out.advance(n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether an `accept` error is the listener's own (the loop cannot go on), not one
+/// connection's (a peer that reset before it was taken, a signal, no file descriptor
+/// left for the moment: the next accept may succeed).
+pub fn is_the_listeners(e: &io::Error) -> bool {
+    !matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::Interrupted
+            | io::ErrorKind::PermissionDenied
+    ) && e.raw_os_error() != Some(rustix::io::Errno::MFILE.raw_os_error())
+}

@@ -1,0 +1,339 @@
+//! The loop engine (`rpcmesh_broker::engine`) in front of real providers, as the broker
+//! on Tokio is tested: every call answered with its own reply (plain, with its deadline,
+//! from a v1 caller), the broker's own answers where it refuses (an unknown service, a
+//! cap, a bad frame, a call that outlives its timeout), a provider connection lost and
+//! made again, and a drain that answers every call. Each run ends with the engine's
+//! counts adding up: every call read has exactly one outcome.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use bytes::BytesMut;
+use rpcmesh_broker::BrokerConfig;
+use rpcmesh_broker::engine::{self, LoopHandle, Summary};
+use rpcmesh_common::net::client::{Client, ClientConfig};
+use rpcmesh_testkit::{Gate, echo_calls, echo_request, read_frames, wait_for, wait_until};
+use rpcmesh_wire::Status;
+use rpcmesh_wire::envelope::CallCodec;
+use rpcmesh_wire::ext::{deadline_block, put_ext_request};
+use rpcmesh_wire::frame::{Flags, Frame, MsgType};
+use rpcmesh_wire::proto::rpc::EchoResponse;
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Calls in flight on each client connection at once: several per read, both ways.
+const CALLS_PER_CLIENT: usize = 64;
+
+fn start(config: BrokerConfig) -> LoopHandle {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    engine::spawn(config, listener).unwrap()
+}
+
+/// Stops the engine and waits for its drain to end (on a thread of its own: the
+/// providers it waits for run on the test's runtime). Its counts must add up.
+async fn stop(h: LoopHandle) -> Summary {
+    h.stop();
+    let s = tokio::task::spawn_blocking(move || h.join())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        s.calls,
+        s.replied + s.answered + s.orphaned,
+        "every call read has one outcome: {s:?}"
+    );
+    s
+}
+
+async fn client_of(h: &LoopHandle, config: ClientConfig) -> Client {
+    let c = Client::connect(h.local_addr(), config).await.unwrap();
+    until_ready(&c).await;
+    c
+}
+
+/// Echo call `id` carrying `message`, with `budget` left, as a driver sends it.
+fn with_deadline(id: u64, message: &str, budget: Duration) -> BytesMut {
+    let plain = Frame::from_bytes(echo_request(id, message).freeze()).unwrap();
+    let mut out = BytesMut::new();
+    put_ext_request(
+        &mut out,
+        Flags::EXT_STATUS,
+        id,
+        &deadline_block(budget),
+        &plain.body,
+    );
+    out
+}
+
+#[tokio::test]
+async fn the_loop_engine_answers_every_call_with_its_own_reply() {
+    let p = provider(Default::default()).await;
+    let mut cfg = broker_config(&[p.addr]);
+    cfg.pool_size = 2;
+    let h = start(cfg);
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        clients.push(client_of(&h, ClientConfig::default()).await);
+    }
+    let calls: Vec<_> = clients
+        .iter()
+        .map(|c| echo_calls(c, CALLS_PER_CLIENT))
+        .collect();
+    for handles in calls {
+        for (i, call) in handles.into_iter().enumerate() {
+            let r = call.await.unwrap().unwrap();
+            assert_eq!(r.status, Status::Success, "call {i}");
+            let echoed = r.decode::<EchoResponse>().unwrap().message;
+            assert_eq!(echoed, format!("m{i}"));
+        }
+    }
+    // A plain v1 caller, answered as one.
+    let v1 = client_of(&h, ClientConfig::plain_v1()).await;
+    let r = v1.call("EchoService", "Echo", &echo("v1")).await.unwrap();
+    assert_eq!(r.status, Status::Success);
+    // Calls with their deadlines, which the provider says it takes: each answered.
+    let mut s = TcpStream::connect(h.local_addr()).await.unwrap();
+    let mut out = BytesMut::new();
+    for id in 1..=8u64 {
+        out.extend_from_slice(&with_deadline(
+            id,
+            &format!("d{id}"),
+            Duration::from_secs(5),
+        ));
+    }
+    s.write_all(&out).await.unwrap();
+    let mut buf = BytesMut::new();
+    let replies = read_frames(&mut s, &mut buf, 8).await.unwrap();
+    let mut codec = CallCodec::new(None, 1 << 20);
+    for f in replies {
+        assert_eq!(f.header.msg_type, MsgType::Response);
+        let r = codec.decode_response(&f).unwrap();
+        assert_eq!(r.status, Status::Success, "{}", r.rpc.error_msg);
+        let echoed = <EchoResponse as prost::Message>::decode(&r.rpc.payload[..]).unwrap();
+        assert_eq!(echoed.message, format!("d{}", f.header.req_id));
+    }
+    let summary = stop(h).await;
+    assert!(
+        summary.replied >= 4 * CALLS_PER_CLIENT as u64 + 9,
+        "{summary:?}"
+    );
+    p.stop().await;
+}
+
+#[tokio::test]
+async fn the_loop_engine_answers_what_it_refuses_or_times_out() {
+    let gate = Gate::new();
+    let p = held_provider(&gate).await;
+    let mut cfg = broker_config(&[p.addr]);
+    cfg.max_in_flight_per_conn = 2;
+    cfg.call_timeout = Duration::from_millis(300);
+    let h = start(cfg);
+    let c = client_of(&h, ClientConfig::default()).await;
+
+    let r = c.call("Nope", "x", &echo("?")).await.unwrap();
+    assert_eq!(
+        r.status,
+        Status::Failed,
+        "the provider's answer: {}",
+        r.error_msg
+    );
+
+    // Two calls held by the provider fill the connection's cap: the third is shed.
+    let held = [held_call(&c, "a"), held_call(&c, "b")];
+    wait_until("both calls to reach the provider", || gate.arrived() == 2).await;
+    let r = c
+        .call("EchoService", "Echo", &echo("shed me"))
+        .await
+        .unwrap();
+    assert_eq!(r.status, Status::Overloaded);
+    assert!(
+        r.error_msg.contains("2 calls in flight on this connection"),
+        "{}",
+        r.error_msg
+    );
+    // Held past the call timeout: answered by the broker, the late replies dropped.
+    for call in held {
+        let r = call.await.unwrap().unwrap();
+        assert_eq!(r.status, Status::Timeout, "{}", r.error_msg);
+        assert!(
+            r.error_msg.contains("no reply from provider"),
+            "{}",
+            r.error_msg
+        );
+    }
+    gate.open();
+    let r = c.call("EchoService", "Echo", &echo("after")).await.unwrap();
+    assert_eq!(r.status, Status::Success);
+
+    // A frame whose CRC does not match is answered under its id; junk ends the
+    // connection.
+    let mut s = TcpStream::connect(h.local_addr()).await.unwrap();
+    let mut bad = echo_request(7, "crc");
+    let last = bad.len() - 5;
+    bad[last] ^= 0xff;
+    s.write_all(&bad).await.unwrap();
+    let mut buf = BytesMut::new();
+    let f = read_frames(&mut s, &mut buf, 1).await.unwrap().remove(0);
+    assert_eq!(f.header.req_id, 7);
+    let r = CallCodec::new(None, 1 << 20).decode_response(&f).unwrap();
+    assert_ne!(r.status, Status::Success, "{}", r.rpc.error_msg);
+    s.write_all(&[0x55; 64]).await.unwrap();
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await;
+    assert!(
+        read.is_ok(),
+        "the engine closes a connection that sends junk"
+    );
+
+    let summary = stop(h).await;
+    assert!(summary.answered >= 4, "{summary:?}");
+    p.stop().await;
+}
+
+#[tokio::test]
+async fn the_loop_engine_answers_the_calls_of_a_lost_provider_and_connects_again() {
+    // A provider that takes the engine's connection and a call on it, then closes.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut cfg = broker_config(&[addr]);
+    cfg.pool_size = 1;
+    let h = start(cfg);
+    let (mut sock, _) = listener.accept().await.unwrap();
+    let c = Client::connect(h.local_addr(), ClientConfig::default())
+        .await
+        .unwrap();
+    let call = echo_calls(&c, 1).remove(0);
+    // The heartbeat asking the provider's call fields, then the call.
+    let mut seen = BytesMut::new();
+    while seen.windows(4).filter(|w| w == b"RPCF").nth(1).is_none() {
+        let mut chunk = [0u8; 4096];
+        let n = sock.read(&mut chunk).await.unwrap();
+        assert!(
+            n > 0,
+            "the engine keeps its connection until the call is sent"
+        );
+        seen.extend_from_slice(&chunk[..n]);
+    }
+    drop(sock);
+    let r = call.await.unwrap().unwrap();
+    assert_ne!(r.status, Status::Success);
+    assert!(
+        r.error_msg.contains("lost with the call in flight"),
+        "{}",
+        r.error_msg
+    );
+    // A real provider on the same port: the engine connects again.
+    let p = provider_on(listener, Default::default());
+    until_ready(&c).await;
+    stop(h).await;
+    p.stop().await;
+}
+
+#[tokio::test]
+async fn the_loop_engine_drains_refusing_new_calls_and_answering_those_in_flight() {
+    let gate = Gate::new();
+    let p = held_provider(&gate).await;
+    let h = start(broker_config(&[p.addr]));
+    let c = client_of(&h, ClientConfig::default()).await;
+    let held = held_call(&c, "held");
+    wait_until("the call to reach the provider", || gate.arrived() == 1).await;
+    h.stop();
+    // Refused, not run: the caller may go to another broker.
+    let refused = wait_for("the engine to refuse new calls", || async {
+        let r = c.call("EchoService", "Echo", &echo("new")).await.unwrap();
+        (r.status != Status::Success).then_some(r)
+    })
+    .await;
+    assert_eq!(refused.status, Status::Unavailable, "{}", refused.error_msg);
+    gate.open();
+    let r = held.await.unwrap().unwrap();
+    assert_eq!(r.status, Status::Success);
+    let summary = stop(h).await;
+    assert_eq!(summary.orphaned, 0, "{summary:?}");
+    p.stop().await;
+}
+
+/// A client that sends and never reads makes the engine stop reading it once its
+/// answers waiting to be written pass the write backlog limit: what it can send is
+/// bounded by that and the sockets' buffers, not by the broker's memory. Once it reads,
+/// the engine reads again what waits in the socket (which raises no new readiness), and
+/// every call it sent is answered once.
+#[tokio::test]
+async fn a_client_that_does_not_read_is_not_read_until_it_does() {
+    let p = provider(Default::default()).await;
+    let mut cfg = broker_config(&[]);
+    cfg.upstreams = vec![
+        rpcmesh_broker::UpstreamSpec::parse(
+            &format!("EchoService={}", p.addr),
+            rpcmesh_wire::PeerKind::Rpcmesh,
+        )
+        .unwrap(),
+    ];
+    let h = start(cfg);
+    // Calls of a service no provider serves, each answered by the engine itself; all of
+    // one length (they differ only in their ids).
+    let mut codec = CallCodec::new(None, 1 << 20);
+    let mut batch = BytesMut::new();
+    const PER_BATCH: u64 = 4096;
+    let mut s = TcpStream::connect(h.local_addr()).await.unwrap();
+    let (mut next_id, mut written) = (0u64, 0usize);
+    // Far more than the limit's worth of answers, if the engine read it all.
+    let most = 40 * rpcmesh_common::net::session::WRITE_BACKLOG_LIMIT;
+    'writing: while written < most {
+        batch.clear();
+        for id in next_id..next_id + PER_BATCH {
+            let meta = Default::default();
+            codec
+                .put_request(
+                    &mut batch,
+                    id,
+                    Flags::EXT_STATUS,
+                    b"Nope",
+                    b"x",
+                    &echo("?"),
+                    &meta,
+                )
+                .unwrap();
+        }
+        next_id += PER_BATCH;
+        let mut at = 0;
+        while at < batch.len() {
+            // Stalled for a second: the engine has stopped reading.
+            match tokio::time::timeout(Duration::from_secs(1), s.writable()).await {
+                Err(_) => break 'writing,
+                Ok(r) => r.unwrap(),
+            }
+            match s.try_write(&batch[at..]) {
+                Ok(n) => {
+                    at += n;
+                    written += n;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+    assert!(
+        written < most,
+        "the engine read {written} B of calls from a client that reads nothing"
+    );
+    // Nothing more is written: the whole frames sent are answered, each once.
+    let whole = (written / (batch.len() / PER_BATCH as usize)) as u64;
+    let (mut buf, mut answered) = (BytesMut::new(), 0u64);
+    let reader = async {
+        while answered < whole {
+            answered += read_frames(&mut s, &mut buf, 1).await.unwrap().len() as u64;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), reader)
+        .await
+        .expect("every call answered once the client reads");
+    assert_eq!(answered, whole);
+    let summary = stop(h).await;
+    assert_eq!(summary.calls, whole, "{summary:?}");
+    p.stop().await;
+}
