@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
 use rpcmesh_broker::BusyPoll;
-use rpcmesh_broker::engine::socket::{Filled, Socket, is_the_listeners};
+use rpcmesh_broker::engine::socket::{Filled, Socket, one_connections};
 use rpcmesh_wire::codec::{FrameCodec, skip_frame};
 use rpcmesh_wire::frame::DEFAULT_MAX_BODY_LEN;
 
@@ -70,7 +70,7 @@ impl Floor {
             let stream = match listener.accept() {
                 Ok((s, _)) => s,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if is_the_listeners(&e) => return Err(e),
+                Err(e) if !one_connections(&e) => return Err(e),
                 Err(_) => continue,
             };
             let i = self.sessions.len();

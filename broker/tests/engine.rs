@@ -17,6 +17,7 @@ use rpcmesh_broker::engine::{self, LoopHandle, Summary};
 use rpcmesh_common::net::client::{Client, ClientConfig};
 use rpcmesh_testkit::{Gate, echo_calls, echo_request, read_frames, wait_for, wait_until};
 use rpcmesh_wire::Status;
+use rpcmesh_wire::body::Heartbeat;
 use rpcmesh_wire::envelope::CallCodec;
 use rpcmesh_wire::ext::{deadline_block, put_ext_request};
 use rpcmesh_wire::frame::{Flags, Frame, MsgType};
@@ -188,36 +189,84 @@ async fn the_loop_engine_answers_what_it_refuses_or_times_out() {
         read.is_ok(),
         "the engine closes a connection that sends junk"
     );
+    // A header over the frame limit cannot be got past either: its call is answered
+    // before the connection closes.
+    let mut s = TcpStream::connect(h.local_addr()).await.unwrap();
+    let mut big = echo_request(9, "big");
+    big[6..10].copy_from_slice(&u32::MAX.to_be_bytes());
+    s.write_all(&big[..18]).await.unwrap();
+    let mut buf = BytesMut::new();
+    let f = read_frames(&mut s, &mut buf, 1).await.unwrap().remove(0);
+    assert_eq!(f.header.req_id, 9);
+    let r = CallCodec::new(None, 1 << 20).decode_response(&f).unwrap();
+    assert_ne!(r.status, Status::Success);
+    assert!(r.rpc.error_msg.contains("too large"), "{}", r.rpc.error_msg);
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await;
+    assert!(read.is_ok(), "then the connection closes");
 
     let summary = stop(h).await;
     assert!(summary.answered >= 4, "{summary:?}");
     p.stop().await;
 }
 
+/// The next call the engine writes on `sock`, a provider played by hand; heartbeats
+/// before it are answered when `answer` says so.
+async fn next_call(sock: &mut TcpStream, buf: &mut BytesMut, answer: bool) -> Frame {
+    loop {
+        let f = read_frames(sock, buf, 1).await.unwrap().remove(0);
+        match f.header.msg_type {
+            MsgType::Request | MsgType::ExtRequest => return f,
+            MsgType::Heartbeat if answer => {
+                let mut out = BytesMut::new();
+                Heartbeat::put_now_with(
+                    &mut out,
+                    f.header.req_id,
+                    "p",
+                    "p",
+                    &[] as &[(&str, &str)],
+                )
+                .unwrap();
+                sock.write_all(&out).await.unwrap();
+            }
+            _ => {}
+        }
+    }
+}
+
+/// A provider played by hand answers a call with a reply whose CRC is wrong (that call
+/// alone fails, at once), loses its connection with a call in flight (that call is
+/// answered), then, connected again, answers no heartbeat (the engine gives the
+/// connection up after its health timeout); a real provider on the same port is then
+/// connected to and serves.
 #[tokio::test]
-async fn the_loop_engine_answers_the_calls_of_a_lost_provider_and_connects_again() {
-    // A provider that takes the engine's connection and a call on it, then closes.
+async fn the_loop_engine_answers_a_providers_bad_reply_silence_and_loss() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let mut cfg = broker_config(&[addr]);
+    let mut cfg = broker_config(&[listener.local_addr().unwrap()]);
     cfg.pool_size = 1;
+    cfg.call_timeout = Duration::from_secs(3600);
     let h = start(cfg);
     let (mut sock, _) = listener.accept().await.unwrap();
     let c = Client::connect(h.local_addr(), ClientConfig::default())
         .await
         .unwrap();
+    let mut buf = BytesMut::new();
+
     let call = echo_calls(&c, 1).remove(0);
-    // The heartbeat asking the provider's call fields, then the call.
-    let mut seen = BytesMut::new();
-    while seen.windows(4).filter(|w| w == b"RPCF").nth(1).is_none() {
-        let mut chunk = [0u8; 4096];
-        let n = sock.read(&mut chunk).await.unwrap();
-        assert!(
-            n > 0,
-            "the engine keeps its connection until the call is sent"
-        );
-        seen.extend_from_slice(&chunk[..n]);
-    }
+    let f = next_call(&mut sock, &mut buf, true).await;
+    let mut reply = BytesMut::new();
+    CallCodec::new(None, 1 << 20)
+        .put_ok_response(&mut reply, f.header.req_id, f.header.flags, b"")
+        .unwrap();
+    let last = reply.len() - 5;
+    reply[last] ^= 0xff;
+    sock.write_all(&reply).await.unwrap();
+    let r = call.await.unwrap().unwrap();
+    assert_ne!(r.status, Status::Success);
+    assert!(r.error_msg.contains("refused"), "{}", r.error_msg);
+
+    let call = echo_calls(&c, 1).remove(0);
+    next_call(&mut sock, &mut buf, true).await;
     drop(sock);
     let r = call.await.unwrap().unwrap();
     assert_ne!(r.status, Status::Success);
@@ -226,7 +275,16 @@ async fn the_loop_engine_answers_the_calls_of_a_lost_provider_and_connects_again
         "{}",
         r.error_msg
     );
-    // A real provider on the same port: the engine connects again.
+
+    // Connected again; silent: the engine closes the connection itself.
+    let (mut sock, _) = listener.accept().await.unwrap();
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(30), sock.read_to_end(&mut rest)).await;
+    assert!(
+        closed.is_ok(),
+        "the engine gives up a connection whose heartbeats go unanswered"
+    );
+
     let p = provider_on(listener, Default::default());
     until_ready(&c).await;
     stop(h).await;
@@ -321,18 +379,24 @@ async fn a_client_that_does_not_read_is_not_read_until_it_does() {
         written < most,
         "the engine read {written} B of calls from a client that reads nothing"
     );
-    // Nothing more is written: the whole frames sent are answered, each once.
+    // Nothing more is written, and the client closes its side while the engine does not
+    // read it: the whole frames sent are answered, each once, and then the engine
+    // closes too.
+    s.shutdown().await.unwrap();
     let whole = (written / (batch.len() / PER_BATCH as usize)) as u64;
     let (mut buf, mut answered) = (BytesMut::new(), 0u64);
     let reader = async {
         while answered < whole {
             answered += read_frames(&mut s, &mut buf, 1).await.unwrap().len() as u64;
         }
+        let mut rest = Vec::new();
+        s.read_to_end(&mut rest).await.unwrap();
+        rest.len()
     };
-    tokio::time::timeout(Duration::from_secs(60), reader)
+    let rest = tokio::time::timeout(Duration::from_secs(60), reader)
         .await
-        .expect("every call answered once the client reads");
-    assert_eq!(answered, whole);
+        .expect("every call answered once the client reads, then the connection closed");
+    assert_eq!((answered, rest), (whole, 0));
     let summary = stop(h).await;
     assert_eq!(summary.calls, whole, "{summary:?}");
     p.stop().await;

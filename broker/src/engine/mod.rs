@@ -8,31 +8,47 @@
 //! Not yet the broker's engine: [`spawn`] serves a listener with the per-call part of the
 //! broker's behaviour, so that the tests and `scripts/bench` can weigh what that part
 //! costs on a loop against the Tokio engine (docs/performance.md, "The loop engine").
-//! What it does per call, as the Tokio engine does:
+//! What it does, as the Tokio engine does:
 //!
 //! - every frame checked where it lies (the broker's codec, CRC included); bad input
-//!   answered (`bad request`) where the frame names its call, the connection closed when
-//!   the stream cannot be followed;
+//!   answered (`bad request`) where the frame names its call, and a connection whose
+//!   stream cannot be followed closed once that answer is written
+//!   ([`FINAL_FLUSH_TIMEOUT`] at most);
 //! - heartbeats answered; a call's extension block read (its deadline);
 //! - the names read and checked; the caps on calls in flight per connection and in all
-//!   (`--max-in-flight-per-conn`, `--max-in-flight`); a draining broker refusing;
-//! - routed: the providers named for the service first, then those for any service, by
-//!   the less loaded of two; within a provider, packed onto the oldest connection with
-//!   fewer than `--pack-in-flight` calls, else the least loaded; a compressed call only to
-//!   an rpcmesh provider;
-//! - copied under an id neutral to its CRC (`rpcmesh_wire::neutral`), the reply matched
-//!   back by it and copied under the caller's id, statuses degraded for v1 callers;
-//! - timed out at the earlier of its deadline and `--call-timeout`; its calls answered
-//!   when a provider connection is lost, and the connection made again.
+//!   (`--max-in-flight-per-conn`, `--max-in-flight`), on connections
+//!   (`--max-connections`), and on replies waiting for a client that does not read
+//!   (`WRITE_BACKLOG_LIMIT`: the client is not read meanwhile);
+//! - routed (`route`): the providers named for the service first, then those for any
+//!   service, by the less loaded of two; within a provider, packed onto the oldest
+//!   connection with fewer than `--pack-in-flight` calls, else the least loaded; a
+//!   compressed call only to an rpcmesh provider;
+//! - copied under an id neutral to its CRC (`rpcmesh_wire::neutral`), with its deadline
+//!   where the provider takes it, as it came where it may; the reply matched back by it
+//!   and copied under the caller's id, statuses degraded for v1 callers; a bad reply
+//!   failing its call alone;
+//! - timed out at the earlier of its deadline and `--call-timeout`;
+//! - provider connections (`upstream`) made within `--connect-timeout`, sent a heartbeat
+//!   every `--health-interval` and given up when one goes unanswered for
+//!   `--health-timeout`, their calls answered when they are lost, and made again after a
+//!   pause that grows while the provider cannot be reached;
+//! - an accept error that is not one connection's (no descriptor left) pausing the
+//!   accepting, not spinning on it;
+//! - the drain: no new connection, new calls refused ("not run"), the calls in flight
+//!   answered by their providers or at the end of `--grace`, every answer written, and
+//!   [`DRAIN_LINGER`] without a call before the sessions close.
 //!
-//! What it does not do yet, and the Tokio engine does: TLS, metrics, the providers file,
-//! health checks, pacing, ejection, retries and re-routing, the memory budget, idle and
-//! slow-peer timeouts, several threads. [`spawn`] refuses a configuration that asks for
-//! TLS or a providers file.
+//! What it does not do yet, and the Tokio engine does: TLS, metrics, logs of bad input,
+//! the providers file, pacing, ejection, retries and re-routing (a provider that
+//! answers "unavailable" or "not run" stays in the rotation), the memory budget, idle and
+//! write timeouts, several threads. [`spawn`] refuses a configuration that asks for TLS
+//! or a providers file. Unlike the Tokio engine it answers the calls of a client that
+//! closed its side before closing too.
 
-mod provider;
+mod route;
 mod session;
 pub mod socket;
+mod upstream;
 
 use std::io;
 use std::net::SocketAddr;
@@ -44,14 +60,18 @@ use std::time::{Duration, Instant};
 use bytes::BytesMut;
 use mio::net::TcpListener;
 use mio::{Events, Interest, Poll, Token, Waker};
+use rpcmesh_common::net::backoff::Backoff;
+use rpcmesh_common::net::listener::{ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN};
+use rpcmesh_common::net::session::{DRAIN_LINGER, FINAL_FLUSH_TIMEOUT};
 use rpcmesh_wire::codec::FrameCodec;
 use rpcmesh_wire::envelope::{put_error_response, put_not_run_response};
 use rpcmesh_wire::frame::Flags;
 
 use crate::config::BrokerConfig;
 use crate::failure::Failure;
-use provider::{Routes, Upstream};
+use route::Routes;
 use session::Sessions;
+use upstream::Upstream;
 
 /// The listener's token.
 const LISTENER: Token = Token(0);
@@ -60,15 +80,12 @@ const WAKER: Token = Token(1);
 /// Provider connection `k` is `Token(FIRST_UPSTREAM + k)`.
 const FIRST_UPSTREAM: usize = 2;
 /// Session `i` is `Token(FIRST_SESSION + i)`: far above any provider connection.
-const FIRST_SESSION: usize = 1 << 32;
+const FIRST_SESSION: usize = 1 << (usize::BITS - 2);
 /// Readiness events taken per `epoll_wait`. More wait for the next one, which does not
 /// sleep while they do.
 const EVENTS: usize = 1024;
-/// How long a lost provider connection waits before it is made again: long enough not to
-/// hammer a provider that is down, short against a restart.
-const RECONNECT_AFTER: Duration = Duration::from_millis(100);
-/// How often a round is taken with nothing to do while the engine drains or a provider
-/// connection waits to be made again: the loop's only clock besides the sockets.
+/// How often a round is taken with nothing to do while the engine drains or a session
+/// that sent bad input waits to end.
 const TICK: Duration = Duration::from_millis(10);
 
 /// What the engine did, for the tests: every call read has exactly one outcome.
@@ -163,8 +180,18 @@ struct Engine {
     /// No earlier than the earliest deadline of a call in flight: when the calls are
     /// looked through for those past theirs.
     next_expiry: Option<Instant>,
-    /// The drain has begun: new calls are refused. Until then, `None`.
+    /// The drain has begun: new calls are refused, until all is answered and written or
+    /// this time. Until then, `None`.
     grace_until: Option<Instant>,
+    /// During the drain: since when nothing has been in flight or waiting to be written.
+    idle_since: Option<Instant>,
+    /// When to take connections again: after an accept error's pause, or at once when a
+    /// round took as many as it may.
+    accept_at: Option<Instant>,
+    accept_backoff: Backoff,
+    /// When the provider connections are next looked after: heartbeats, connects that
+    /// take too long, connections to make again.
+    next_keep: Instant,
     /// Where each read lands first ([`socket::Socket::fill`]).
     scratch: Vec<u8>,
     /// The text of the broker's own answers, kept to spare an allocation per answer.
@@ -178,7 +205,7 @@ struct Engine {
 
 impl Engine {
     fn new(config: BrokerConfig, poll: Poll) -> io::Result<Engine> {
-        let (routes, upstreams) = provider::connect_all(&config, &poll)?;
+        let (routes, upstreams) = upstream::providers(&config);
         let cap_value = rpcmesh_wire::ext::cap_value(config.call_timeout);
         Ok(Engine {
             codec: FrameCodec::new(config.max_body_len),
@@ -191,6 +218,10 @@ impl Engine {
             now: Instant::now(),
             next_expiry: None,
             grace_until: None,
+            idle_since: None,
+            accept_at: None,
+            accept_backoff: Backoff::new(ACCEPT_BACKOFF_MIN, ACCEPT_BACKOFF_MAX),
+            next_keep: Instant::now(),
             scratch: vec![0; socket::READ_CHUNK],
             message: String::new(),
             cap_value,
@@ -200,7 +231,8 @@ impl Engine {
     }
 
     /// The loop: wait for sockets, read every ready one until drained (handing calls and
-    /// replies along as they are found), time calls out, write what the round gave.
+    /// replies along as they are found), keep the time (deadlines, heartbeats, connects,
+    /// the drain), write what the round gave.
     fn run(&mut self, mut listener: TcpListener, stop: &AtomicBool) -> io::Result<Summary> {
         self.poll
             .registry()
@@ -212,7 +244,8 @@ impl Engine {
         let mut spin_until: Option<Instant> = None;
         let mut events = Events::with_capacity(EVENTS);
         loop {
-            let timeout = if spin_until.is_some() || !self.sessions.resume.is_empty() {
+            let now_due = !self.sessions.resume.is_empty() || self.accept_at == Some(self.now);
+            let timeout = if spin_until.is_some() || now_due {
                 Some(Duration::ZERO)
             } else {
                 self.sleep_for()
@@ -233,28 +266,26 @@ impl Engine {
                 }
             }
             for i in std::mem::take(&mut self.sessions.resume) {
-                self.read_session(i as usize, false);
+                self.read_session(i as usize);
+            }
+            if let Some(l) = &listener {
+                if self.accept_at.is_some_and(|t| self.now >= t) {
+                    self.accept_at = None;
+                    self.accept(l);
+                }
             }
             for event in events.iter() {
-                // The peer closed, or the socket failed: read it to the end.
-                let to_the_end = event.is_read_closed() || event.is_error();
                 match event.token() {
                     LISTENER => {
-                        if let Some(l) = &listener {
-                            self.accept(l)?;
+                        if let (Some(l), None) = (&listener, self.accept_at) {
+                            self.accept(l);
                         }
                     }
                     WAKER => {}
                     Token(t) if t >= FIRST_SESSION => {
-                        let i = t - FIRST_SESSION;
-                        if event.is_writable() {
-                            self.sessions.mark_dirty(i);
-                        }
-                        if event.is_readable() || to_the_end {
-                            self.read_session(i, to_the_end);
-                        }
+                        self.on_session_event(t - FIRST_SESSION, event)
                     }
-                    Token(t) => self.on_upstream_event(t - FIRST_UPSTREAM, event, to_the_end),
+                    Token(t) => self.on_upstream_event(t - FIRST_UPSTREAM, event),
                 }
             }
             if stop.load(Ordering::Relaxed) && self.grace_until.is_none() {
@@ -266,27 +297,53 @@ impl Engine {
             if self.next_expiry.is_some_and(|t| self.now >= t) {
                 self.expire_calls();
             }
-            self.reconnect_due();
+            self.keep_upstreams();
             if let Some(until) = self.grace_until {
                 if self.in_flight > 0 && self.now >= until {
-                    self.answer_all_in_flight(|_| Failure::GraceOver);
+                    self.answer_all_in_flight(&Failure::GraceOver);
                 }
             }
             self.flush();
-            if self.grace_until.is_some() && self.in_flight == 0 {
+            if self.drain_over() {
                 self.close_all();
                 return Ok(self.summary);
             }
         }
     }
 
-    /// How long the loop may sleep: until the next call's deadline, a provider
-    /// connection's retry or the drain's end, in ticks while either of the last two waits.
+    /// Whether the drain is over: every call answered and every answer written, and no
+    /// call come for [`DRAIN_LINGER`] (one sent as the drain began is refused "not run",
+    /// not met by a closed connection); or the grace period over and its last answers
+    /// given [`FINAL_FLUSH_TIMEOUT`] to be written.
+    fn drain_over(&mut self) -> bool {
+        let Some(grace) = self.grace_until else {
+            return false;
+        };
+        if self.now >= grace + FINAL_FLUSH_TIMEOUT {
+            return true;
+        }
+        if self.in_flight > 0 || !self.all_written() {
+            self.idle_since = None;
+            return false;
+        }
+        let since = *self.idle_since.get_or_insert(self.now);
+        self.now >= since + DRAIN_LINGER
+    }
+
+    /// How long the loop may sleep: until the next call's deadline, heartbeat, accept
+    /// or provider connection's retry, and in ticks while the drain or a session's end
+    /// waits.
     fn sleep_for(&self) -> Option<Duration> {
-        let mut wake = self.next_expiry;
-        if self.grace_until.is_some() || self.upstreams.iter().any(Upstream::is_down) {
-            let tick = self.now + TICK;
-            wake = Some(wake.map_or(tick, |w| w.min(tick)));
+        let mut wake = Some(self.next_keep);
+        let mut at = |t: Option<Instant>| {
+            if let Some(t) = t {
+                wake = Some(wake.map_or(t, |w| w.min(t)));
+            }
+        };
+        at(self.next_expiry);
+        at(self.accept_at);
+        if self.grace_until.is_some() || self.any_ending() {
+            at(Some(self.now + TICK));
         }
         wake.map(|w| w.saturating_duration_since(Instant::now()))
     }

@@ -4,21 +4,30 @@
 
 use std::io;
 use std::mem;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use mio::Interest;
 use mio::net::TcpListener;
-use rpcmesh_common::net::session::WRITE_BACKLOG_LIMIT;
+use rpcmesh_common::net::session::{FINAL_FLUSH_TIMEOUT, WRITE_BACKLOG_LIMIT};
+use rpcmesh_common::net::thinned::Thinned;
 use rpcmesh_wire::body::{Heartbeat, request_names};
 use rpcmesh_wire::codec::{body_in_place, skip_frame};
 use rpcmesh_wire::ext;
 use rpcmesh_wire::frame::{FRAME_OVERHEAD, Flags, FrameError, Header, MsgType};
 
-use super::provider::{AsSent, Call};
-use super::socket::{Filled, Socket, is_the_listeners};
+use super::route;
+use super::socket::{Filled, Socket, one_connections};
+use super::upstream::{AsSent, Call};
 use super::{Engine, FIRST_SESSION, put_answer};
 use crate::failure::{Cap, Failure};
+
+/// Connections accepted in one round at most, so that a flood of connections cannot
+/// starve the sessions' reads; the next round takes the rest.
+const ACCEPTS_PER_ROUND: usize = 64;
+
+/// Log lines for accept failures (a process out of descriptors), thinned.
+static ACCEPT_FAILED_LINES: Thinned = Thinned::new();
 
 /// A client connection.
 #[derive(Debug)]
@@ -26,11 +35,24 @@ pub(super) struct Session {
     sock: Socket,
     /// Its calls in flight (`--max-in-flight-per-conn`).
     in_flight: usize,
-    /// The client has closed its side: the session ends once its calls are answered.
-    peer_closed: bool,
+    reading: Reading,
+    /// The client has closed its side (its end of stream may wait in the socket behind
+    /// bytes not yet read, and raises no second edge: kept until it is read).
+    read_closed: bool,
+}
+
+/// Whether a session is read, and how it ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reading {
+    Open,
     /// Not read while its replies wait to be written past [`WRITE_BACKLOG_LIMIT`]: a
     /// client that does not read cannot make the broker buffer without end.
-    paused: bool,
+    Paused,
+    /// The client closed its side: ends once its calls are answered and written.
+    PeerClosed,
+    /// Sent input the session cannot get past: ends once what it was told is written,
+    /// or at this time ([`FINAL_FLUSH_TIMEOUT`]); its calls in flight are dropped.
+    BadInput(Instant),
 }
 
 /// A session as a call in flight names it: its index, and the generation of that index,
@@ -53,6 +75,8 @@ pub(super) struct Sessions {
     /// Sessions that were paused and may be read again: read in the next round, which
     /// does not wait.
     pub resume: Vec<u32>,
+    /// Sessions that end after bad input, looked at every round until they do.
+    ending: Vec<u32>,
 }
 
 impl Sessions {
@@ -125,15 +149,29 @@ fn split_ext(body: &[u8]) -> Result<(usize, Option<Duration>, Option<u32>), Fram
 }
 
 impl Engine {
-    /// Takes every waiting connection, up to `--max-connections` open at once (one past
-    /// it is closed at once).
-    pub(super) fn accept(&mut self, listener: &TcpListener) -> io::Result<()> {
-        loop {
+    /// Takes the waiting connections, at most [`ACCEPTS_PER_ROUND`] (the next round takes
+    /// the rest), up to `--max-connections` open at once (one past it is closed at once).
+    /// An error that is not one connection's (no file descriptor left) pauses the
+    /// accepting, longer each time it comes back, instead of spinning on it; edges do not
+    /// come again for connections already waiting, so the loop takes them when the pause
+    /// is over ([`Engine::accept_at`]).
+    pub(super) fn accept(&mut self, listener: &TcpListener) {
+        for _ in 0..ACCEPTS_PER_ROUND {
             let stream = match listener.accept() {
                 Ok((s, _)) => s,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if is_the_listeners(&e) => return Err(e),
-                Err(_) => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.accept_backoff.reset();
+                    return;
+                }
+                Err(e) if one_connections(&e) => continue,
+                Err(e) => {
+                    let pause = self.accept_backoff.pause();
+                    if let Some(a) = ACCEPT_FAILED_LINES.admit() {
+                        tracing::warn!(error = %e, ?pause, seen = a.seen, left_out = a.left_out, "accept failed; accepting again after a pause");
+                    }
+                    self.accept_at = Some(self.now + pause);
+                    return;
+                }
             };
             if self.sessions.open >= self.config.max_connections {
                 continue;
@@ -141,8 +179,8 @@ impl Engine {
             let i = self.sessions.insert(Session {
                 sock: Socket::new(stream),
                 in_flight: 0,
-                peer_closed: false,
-                paused: false,
+                reading: Reading::Open,
+                read_closed: false,
             });
             let registered = self.sessions.get(i).map(|s| {
                 self.poll.registry().register(
@@ -158,22 +196,39 @@ impl Engine {
                 }
             }
         }
+        // More may wait: taken next round.
+        self.accept_at = Some(self.now);
     }
 
-    /// Reads session `i` until it is drained, handling each frame as it is found.
-    pub(super) fn read_session(&mut self, i: usize, to_the_end: bool) {
+    /// A readiness event of session `i`.
+    pub(super) fn on_session_event(&mut self, i: usize, event: &mio::event::Event) {
+        if event.is_writable() {
+            self.sessions.mark_dirty(i);
+        }
+        let closed = event.is_read_closed() || event.is_error();
+        if let Some(s) = self.sessions.get(i) {
+            s.read_closed |= closed;
+        }
+        if event.is_readable() || closed {
+            self.read_session(i);
+        }
+    }
+
+    /// Reads session `i` until it is drained (to its end when its client has closed),
+    /// handling each frame as it is found.
+    pub(super) fn read_session(&mut self, i: usize) {
         loop {
             let Some(s) = self.sessions.get(i) else {
                 return;
             };
-            if s.peer_closed || s.paused {
+            if s.reading != Reading::Open {
                 return;
             }
             if s.sock.out.len() >= WRITE_BACKLOG_LIMIT {
-                s.paused = true;
+                s.reading = Reading::Paused;
                 return;
             }
-            let filled = match s.sock.fill(&mut self.scratch, to_the_end) {
+            let filled = match s.sock.fill(&mut self.scratch, s.read_closed) {
                 Ok(f) => f,
                 Err(_) => return self.close_session(i),
             };
@@ -186,7 +241,7 @@ impl Engine {
                 Filled::Closed => {
                     // What is left is a frame cut off: the calls before it are answered.
                     if let Some(s) = self.sessions.get(i) {
-                        s.peer_closed = true;
+                        s.reading = Reading::PeerClosed;
                         s.sock.rbuf.clear();
                     }
                     self.sessions.mark_dirty(i);
@@ -236,7 +291,12 @@ impl Engine {
             }
         };
         if ended {
-            self.close_session(i);
+            // Not read again; closed once what it was told is written.
+            if let Some(s) = self.sessions.get(i) {
+                s.reading = Reading::BadInput(self.now + FINAL_FLUSH_TIMEOUT);
+                self.sessions.ending.push(i as u32);
+            }
+            self.sessions.mark_dirty(i);
             return false;
         }
         if let Some(s) = self.sessions.get(i) {
@@ -294,7 +354,7 @@ impl Engine {
             Ok(k) => k,
             Err(no) => {
                 let name = String::from_utf8_lossy(&inner[service]).into_owned();
-                return self.refuse(from, id, flags, &no.failure(name));
+                return self.refuse(from, id, flags, &route::failure(no, name));
             }
         };
         let limit = budget.map_or(self.config.call_timeout, |b| {
@@ -381,31 +441,69 @@ impl Engine {
         self.message = message;
     }
 
-    /// Writes every session given something this round; ends those whose client closed
-    /// and whose calls are all answered and written.
+    /// Writes every session given something this round; ends those whose end has come
+    /// (their client closed and their calls are answered and written, or they sent bad
+    /// input and what they were told is written or its time is up).
     pub(super) fn flush_sessions(&mut self) {
-        let dirty = mem::take(&mut self.sessions.dirty);
+        let mut dirty = mem::take(&mut self.sessions.dirty);
         for &i in &dirty {
             let i = i as usize;
             let Some(s) = self.sessions.get(i) else {
                 continue;
             };
             s.sock.dirty = false;
-            let failed = s.sock.flush().is_err();
-            let done = s.peer_closed && s.in_flight == 0 && s.sock.out.is_empty();
-            if failed || done {
+            if s.sock.flush().is_err() {
                 self.close_session(i);
-            } else if s.paused && s.sock.out.len() < WRITE_BACKLOG_LIMIT {
+            } else if s.reading == Reading::Paused && s.sock.out.len() < WRITE_BACKLOG_LIMIT {
                 // What it sent meanwhile waits in its socket, which raises no new edge.
-                s.paused = false;
+                s.reading = Reading::Open;
                 self.sessions.resume.push(i as u32);
+            } else if self.ends_now(i) {
+                self.close_session(i);
             }
         }
-        let mut dirty = dirty;
         dirty.clear();
         if self.sessions.dirty.is_empty() {
             self.sessions.dirty = dirty;
         }
+        // Those that end after bad input without a write this round (their client reads
+        // nothing) end when their time is up.
+        let mut ending = mem::take(&mut self.sessions.ending);
+        ending.retain(|&i| {
+            let i = i as usize;
+            if self.sessions.get(i).is_none() {
+                return false;
+            }
+            let done = self.ends_now(i);
+            if done {
+                self.close_session(i);
+            }
+            !done
+        });
+        self.sessions.ending = ending;
+    }
+
+    /// Whether session `i` ends now, as [`Engine::flush_sessions`] says.
+    fn ends_now(&mut self, i: usize) -> bool {
+        let now = self.now;
+        self.sessions.get(i).is_some_and(|s| match s.reading {
+            Reading::PeerClosed => s.in_flight == 0 && s.sock.out.is_empty(),
+            Reading::BadInput(until) => s.sock.out.is_empty() || now >= until,
+            Reading::Open | Reading::Paused => false,
+        })
+    }
+
+    /// Whether every session has written all it was given (the drain waits for it).
+    pub(super) fn all_written(&self) -> bool {
+        self.sessions
+            .slots
+            .iter()
+            .all(|(_, s)| s.as_ref().is_none_or(|s| s.sock.out.is_empty()))
+    }
+
+    /// Sessions that end after bad input and wait for their time to be up.
+    pub(super) fn any_ending(&self) -> bool {
+        !self.sessions.ending.is_empty()
     }
 
     /// Ends session `i`. Its calls in flight stay with their providers; their outcomes

@@ -33,6 +33,9 @@ pub struct Socket {
     pub out: BytesMut,
     /// In the round's list of sockets to write.
     pub dirty: bool,
+    /// Bytes still to drop as they arrive: the rest of a frame refused on its header
+    /// and skipped ([`Socket::skip`]).
+    discard: usize,
 }
 
 impl Socket {
@@ -45,6 +48,7 @@ impl Socket {
             rbuf: BytesMut::new(),
             out: BytesMut::new(),
             dirty: false,
+            discard: 0,
         }
     }
 
@@ -59,7 +63,9 @@ impl Socket {
             return match (&self.stream).read(scratch) {
                 Ok(0) => Ok(Filled::Closed),
                 Ok(n) => {
-                    self.rbuf.extend_from_slice(&scratch[..n]);
+                    let dropped = n.min(self.discard);
+                    self.discard -= dropped;
+                    self.rbuf.extend_from_slice(&scratch[dropped..n]);
                     Ok(if n < scratch.len() && !to_the_end {
                         Filled::Drained
                     } else {
@@ -71,6 +77,14 @@ impl Socket {
                 Err(e) => Err(e),
             };
         }
+    }
+
+    /// Drops the next `len` bytes of the stream, as they arrive: a frame refused on its
+    /// header (too large) and skipped instead of ending the connection.
+    pub fn skip(&mut self, len: usize) {
+        let n = len.min(self.rbuf.len());
+        self.rbuf.advance(n);
+        self.discard = len - n;
     }
 
     /// Writes what the socket takes of `out` now.
@@ -88,15 +102,14 @@ impl Socket {
     }
 }
 
-/// Whether an `accept` error is the listener's own (the loop cannot go on), not one
-/// connection's (a peer that reset before it was taken, a signal, no file descriptor
-/// left for the moment: the next accept may succeed).
-pub fn is_the_listeners(e: &io::Error) -> bool {
-    !matches!(
+/// Whether an `accept` error is one connection's (a peer that reset before it was taken,
+/// a signal), after which the next accept may go on at once. Any other (no file
+/// descriptor or buffer left, the listener's own failure) calls for a pause.
+pub fn one_connections(e: &io::Error) -> bool {
+    matches!(
         e.kind(),
         io::ErrorKind::ConnectionAborted
             | io::ErrorKind::ConnectionReset
             | io::ErrorKind::Interrupted
-            | io::ErrorKind::PermissionDenied
-    ) && e.raw_os_error() != Some(rustix::io::Errno::MFILE.raw_os_error())
+    )
 }
