@@ -138,9 +138,16 @@ async fn reads_from_a_plain_v1_server_with_calls_in_flight_are_acked_at_once() {
 /// Calls are packed onto a provider's oldest connection (so that they travel in large
 /// batches) until it has `--pack-in-flight` (64) in flight (this test server never reports
 /// a time per call, so nothing lowers the depth); more spread over the others (a client's
-/// read of many calls still goes to one connection, so the split is uneven).
+/// read of many calls still goes to one connection, so the split is uneven). On both
+/// engines.
 #[tokio::test]
 async fn calls_are_packed_onto_one_connection_until_it_is_busy() {
+    for engine in ENGINES {
+        packed_until_busy(engine).await;
+    }
+}
+
+async fn packed_until_busy(engine: Engine) {
     let server = V1Server::start(true).await;
     let mut cfg = broker_config(&[server.addr]);
     cfg.pool_size = 4;
@@ -148,13 +155,24 @@ async fn calls_are_packed_onto_one_connection_until_it_is_busy() {
     // or heartbeat may time out behind them on a slow machine.
     cfg.call_timeout = Duration::from_secs(30);
     cfg.health_timeout = Duration::from_secs(10);
-    let b = broker(cfg).await;
-    let c = client(b.addr).await;
+    let b = broker_with(engine, cfg).await;
+    let c = client(b.addr()).await;
     until_ready(&c).await;
-    wait_until("all four pooled connections to be published", || {
-        b.metric("rpcmesh_pool_healthy_connections", &[]) >= 4.0
-    })
-    .await;
+    match &b {
+        AnyBroker::Tokio(b) => {
+            wait_until("all four pooled connections to be published", || {
+                b.metric("rpcmesh_pool_healthy_connections", &[]) >= 4.0
+            })
+            .await
+        }
+        // Each connection's first heartbeat, answered: all four are up.
+        AnyBroker::Loop(_) => {
+            wait_until("all four connections to be made", || {
+                server.heartbeats() >= 4
+            })
+            .await
+        }
+    }
     let run = |n: usize| {
         let calls = testkit::echo_calls(&c, n);
         async move {
@@ -177,7 +195,7 @@ async fn calls_are_packed_onto_one_connection_until_it_is_busy() {
         run(40).await;
     }
     let light = delta(&before, &server.counts());
-    println!("40 in flight: requests per connection {light:?}");
+    println!("{engine:?}, 40 in flight: requests per connection {light:?}");
     assert_eq!(light.iter().sum::<usize>(), 200);
     assert_eq!(light.iter().filter(|n| **n > 0).count(), 1, "{light:?}");
     // 300 at once, all held in flight until the last has reached the server: the first
@@ -186,7 +204,7 @@ async fn calls_are_packed_onto_one_connection_until_it_is_busy() {
     server.hold_replies_until(300);
     run(300).await;
     let heavy = delta(&before, &server.counts());
-    println!("300 in flight: requests per connection {heavy:?}");
+    println!("{engine:?}, 300 in flight: requests per connection {heavy:?}");
     assert_eq!(heavy.iter().sum::<usize>(), 300);
     assert!(heavy.iter().filter(|n| **n > 0).count() >= 2, "{heavy:?}");
     b.stop().await;

@@ -522,3 +522,65 @@ impl Engine {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mio::net::TcpStream;
+
+    #[test]
+    fn an_extension_block_gives_where_the_body_starts_the_budget_and_the_deadline_as_sent() {
+        let body = b"\0\x0bEchoService\0\x04Echo\0\0\0\0";
+        let mut frame_body = ext::deadline_block(Duration::from_millis(1500)).to_vec();
+        frame_body.extend_from_slice(body);
+        assert_eq!(
+            split_ext(&frame_body).unwrap(),
+            (
+                ext::DEADLINE_BLOCK_LEN,
+                Some(Duration::from_millis(1500)),
+                Some(1_500_000)
+            )
+        );
+        // A block with a caller and a deadline is walked: no deadline "as sent".
+        let mut block = BytesMut::new();
+        ext::put_caller_block(&mut block, Some("me")).unwrap();
+        let mut one = BytesMut::new();
+        ext::put_ext_request_with_deadline(
+            &mut one,
+            Flags::NONE,
+            1,
+            &block,
+            Some(Duration::from_secs(2)),
+            body,
+        );
+        let walked = &one[rpcmesh_wire::frame::HEADER_LEN..one.len() - 4];
+        let (at, budget, as_sent) = split_ext(walked).unwrap();
+        assert_eq!(&walked[at..], body);
+        assert_eq!((budget, as_sent), (Some(Duration::from_secs(2)), None));
+        // A block longer than the body is refused.
+        assert!(split_ext(b"\xff\xff").is_err());
+    }
+
+    #[test]
+    fn a_reused_session_index_is_not_the_session_a_call_named() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let session = || Session {
+            sock: Socket::new(TcpStream::connect(addr).unwrap()),
+            in_flight: 0,
+            reading: Reading::Open,
+            read_closed: false,
+        };
+        let mut sessions = Sessions::default();
+        let i = sessions.insert(session());
+        let first = sessions.ref_of(i);
+        assert!(sessions.get_ref(first).is_some());
+        sessions.remove(i);
+        assert!(sessions.get_ref(first).is_none(), "gone");
+        let j = sessions.insert(session());
+        assert_eq!(i, j, "the index is reused");
+        assert!(sessions.get_ref(first).is_none(), "under a new generation");
+        assert!(sessions.get_ref(sessions.ref_of(j)).is_some());
+        assert_eq!(sessions.open, 1);
+    }
+}
