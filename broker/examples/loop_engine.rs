@@ -14,6 +14,11 @@
 use clap::Parser;
 use rpcmesh_broker::Args;
 
+/// The system allocator, counted per thread, as the broker's: the summary printed at the
+/// end says what the engine's rounds allocated (`rpcmesh_common::alloc`).
+#[global_allocator]
+static ALLOCATOR: rpcmesh_common::alloc::Counting = rpcmesh_common::alloc::Counting::system();
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let config = args.config()?;

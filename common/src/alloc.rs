@@ -32,6 +32,14 @@ pub fn counting() -> bool {
     densa_alloc::is_active()
 }
 
+/// Runs `f`, and returns what it gave and the heap allocations (and reallocations) it
+/// made on this thread: how a program without tasks (the broker's loop engine) counts the
+/// allocations of its hot path, a round at a time.
+pub fn measure<T>(f: impl FnOnce() -> T) -> (T, u64) {
+    let (out, stats) = densa_alloc::measure(f);
+    (out, stats.allocs + stats.reallocs)
+}
+
 /// A future whose polls' heap allocations (and reallocations) are added to `to`.
 #[derive(Debug)]
 pub struct Counted<F> {
@@ -54,8 +62,7 @@ impl<F: Future> Future for Counted<F> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         let this = &mut *self;
-        let (out, stats) = densa_alloc::measure(|| this.inner.as_mut().poll(cx));
-        let n = stats.allocs + stats.reallocs;
+        let (out, n) = measure(|| this.inner.as_mut().poll(cx));
         if n > 0 {
             this.to.increment(n);
         }

@@ -53,7 +53,7 @@ mod upstream;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -101,12 +101,16 @@ pub struct Summary {
     pub answered: u64,
     /// Calls whose caller had gone when their outcome came.
     pub orphaned: u64,
+    /// Heap allocations (and reallocations) the rounds made, when the program counts
+    /// them (`rpcmesh_common::alloc`; else 0).
+    pub allocations: u64,
 }
 
 /// A running engine: its address, and the way to stop it.
 #[derive(Debug)]
 pub struct LoopHandle {
     addr: SocketAddr,
+    allocations: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     waker: Arc<Waker>,
     thread: JoinHandle<io::Result<Summary>>,
@@ -116,6 +120,13 @@ impl LoopHandle {
     /// The address it serves.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Heap allocations (and reallocations) the engine's rounds made so far, when the
+    /// program counts them (`rpcmesh_common::alloc`): a round's count is added when it
+    /// ends.
+    pub fn allocations(&self) -> u64 {
+        self.allocations.load(Ordering::Relaxed)
     }
 
     /// Starts the drain: no new connection, new calls refused, the calls in flight
@@ -153,12 +164,14 @@ pub fn spawn(config: BrokerConfig, listener: std::net::TcpListener) -> io::Resul
     let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
     let stop = Arc::new(AtomicBool::new(false));
     let mut engine = Engine::new(config, poll)?;
+    let allocations = engine.allocations.clone();
     let flag = stop.clone();
     let thread = std::thread::Builder::new()
         .name("rpcmesh-loop".into())
         .spawn(move || engine.run(TcpListener::from_std(listener), &flag))?;
     Ok(LoopHandle {
         addr,
+        allocations,
         stop,
         waker,
         thread,
@@ -201,6 +214,8 @@ struct Engine {
     cap_value: String,
     rng: fastrand::Rng,
     summary: Summary,
+    /// The rounds' allocations so far, for [`LoopHandle::allocations`].
+    allocations: Arc<AtomicU64>,
 }
 
 impl Engine {
@@ -227,6 +242,7 @@ impl Engine {
             cap_value,
             rng: fastrand::Rng::new(),
             summary: Summary::default(),
+            allocations: Arc::default(),
         })
     }
 
@@ -265,50 +281,71 @@ impl Engine {
                     std::thread::yield_now();
                 }
             }
-            for i in std::mem::take(&mut self.sessions.resume) {
-                self.read_session(i as usize);
+            // What the round allocates, counted (when the program counts): the steady state
+            // of forwarding allocates nothing.
+            let (done, allocated) =
+                rpcmesh_common::alloc::measure(|| self.round(&events, &mut listener, stop));
+            if allocated > 0 {
+                self.summary.allocations += allocated;
+                self.allocations.fetch_add(allocated, Ordering::Relaxed);
             }
-            if let Some(l) = &listener {
-                if self.accept_at.is_some_and(|t| self.now >= t) {
-                    self.accept_at = None;
-                    self.accept(l);
-                }
-            }
-            for event in events.iter() {
-                match event.token() {
-                    LISTENER => {
-                        if let (Some(l), None) = (&listener, self.accept_at) {
-                            self.accept(l);
-                        }
-                    }
-                    WAKER => {}
-                    Token(t) if t >= FIRST_SESSION => {
-                        self.on_session_event(t - FIRST_SESSION, event)
-                    }
-                    Token(t) => self.on_upstream_event(t - FIRST_UPSTREAM, event),
-                }
-            }
-            if stop.load(Ordering::Relaxed) && self.grace_until.is_none() {
-                if let Some(mut l) = listener.take() {
-                    let _ = self.poll.registry().deregister(&mut l);
-                }
-                self.grace_until = Some(self.now + self.config.grace);
-            }
-            if self.next_expiry.is_some_and(|t| self.now >= t) {
-                self.expire_calls();
-            }
-            self.keep_upstreams();
-            if let Some(until) = self.grace_until {
-                if self.in_flight > 0 && self.now >= until {
-                    self.answer_all_in_flight(&Failure::GraceOver);
-                }
-            }
-            self.flush();
-            if self.drain_over() {
-                self.close_all();
+            if done {
                 return Ok(self.summary);
             }
         }
+    }
+
+    /// One round's work once the poll returned: sessions let read again, connections to
+    /// take, the sockets that are ready, the drain, deadlines, the provider connections'
+    /// upkeep, and the round's writes. True when the engine is done.
+    fn round(
+        &mut self,
+        events: &Events,
+        listener: &mut Option<TcpListener>,
+        stop: &AtomicBool,
+    ) -> bool {
+        for i in std::mem::take(&mut self.sessions.resume) {
+            self.read_session(i as usize);
+        }
+        if let Some(l) = listener.as_ref() {
+            if self.accept_at.is_some_and(|t| self.now >= t) {
+                self.accept_at = None;
+                self.accept(l);
+            }
+        }
+        for event in events.iter() {
+            match event.token() {
+                LISTENER => {
+                    if let (Some(l), None) = (listener.as_ref(), self.accept_at) {
+                        self.accept(l);
+                    }
+                }
+                WAKER => {}
+                Token(t) if t >= FIRST_SESSION => self.on_session_event(t - FIRST_SESSION, event),
+                Token(t) => self.on_upstream_event(t - FIRST_UPSTREAM, event),
+            }
+        }
+        if stop.load(Ordering::Relaxed) && self.grace_until.is_none() {
+            if let Some(mut l) = listener.take() {
+                let _ = self.poll.registry().deregister(&mut l);
+            }
+            self.grace_until = Some(self.now + self.config.grace);
+        }
+        if self.next_expiry.is_some_and(|t| self.now >= t) {
+            self.expire_calls();
+        }
+        self.keep_upstreams();
+        if let Some(until) = self.grace_until {
+            if self.in_flight > 0 && self.now >= until {
+                self.answer_all_in_flight(&Failure::GraceOver);
+            }
+        }
+        self.flush();
+        if self.drain_over() {
+            self.close_all();
+            return true;
+        }
+        false
     }
 
     /// Whether the drain is over: every call answered and every answer written, and no
