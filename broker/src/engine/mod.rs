@@ -5,9 +5,10 @@
 //! That is the shape of an L4 proxy's event loop, and of the floor the Tokio engine is
 //! weighed against (docs/performance.md, "The floor without the runtime").
 //!
-//! Not yet the broker's engine: [`spawn`] serves a listener with the per-call part of the
-//! broker's behaviour, so that the tests and `scripts/bench` can weigh what that part
-//! costs on a loop against the Tokio engine (docs/performance.md, "The loop engine").
+//! Not yet the broker's engine: [`run`] (and [`spawn`]) serve a listener with the per-call
+//! part of the broker's behaviour, so that the tests and `scripts/bench` can weigh what
+//! that part costs on a loop against the Tokio engine (docs/performance.md, "The loop
+//! engine").
 //! What it does, as the Tokio engine does:
 //!
 //! - every frame checked where it lies (the broker's codec, CRC included); bad input
@@ -36,15 +37,20 @@
 //!   accepting, not spinning on it;
 //! - the drain: no new connection, new calls refused ("not run"), the calls in flight
 //!   answered by their providers or at the end of `--grace`, every answer written, and
-//!   [`DRAIN_LINGER`] without a call before the sessions close.
+//!   [`DRAIN_LINGER`] without a call before the sessions close;
+//! - its calls counted in the broker's own families (`metrics`): calls by pair and status,
+//!   errors, calls shed, client connections, bytes and system calls on them, calls in
+//!   flight, allocations, once a round;
 //!
-//! What it does not do yet, and the Tokio engine does: TLS, metrics, logs of bad input,
-//! the providers file, pacing, ejection, retries and re-routing (a provider that
-//! answers "unavailable" or "not run" stays in the rotation), the memory budget, idle and
-//! write timeouts, several threads. [`spawn`] refuses a configuration that asks for TLS
-//! or a providers file. Unlike the Tokio engine it answers the calls of a client that
-//! closed its side before closing too.
+//! What it does not do yet, and the Tokio engine does: TLS; the metrics of stages, of
+//! each provider and its pool, and of busy polling; logs of bad input; the providers
+//! file; pacing, ejection, retries and re-routing (a provider that answers "unavailable"
+//! or "not run" stays in the rotation); the memory budget; idle and write timeouts;
+//! several threads. [`spawn_counted`] refuses a configuration that asks for TLS or a
+//! providers file. Unlike the Tokio engine it answers the calls of a client that closed
+//! its side before closing too.
 
+mod metrics;
 mod route;
 mod session;
 pub mod socket;
@@ -67,10 +73,14 @@ use rpcmesh_wire::codec::FrameCodec;
 use rpcmesh_wire::envelope::{put_error_response, put_not_run_response};
 use rpcmesh_wire::frame::Flags;
 
+use self::metrics::Counts;
 use crate::config::BrokerConfig;
 use crate::failure::Failure;
+use crate::metrics::BrokerMetrics;
 use route::Routes;
+use rpcmesh_common::metrics::Telemetry;
 use session::Sessions;
+use std::future::Future;
 use upstream::Upstream;
 
 /// The listener's token.
@@ -144,10 +154,40 @@ impl LoopHandle {
     }
 }
 
-/// Serves `listener` on a thread of its own with the loop engine, until told to stop.
-/// Refuses what the engine does not do yet: TLS on either side, a providers file. (It
-/// serves no metrics: none is asked of it.)
+/// Serves `listener` until `shutdown` resolves, then drains: the broker's `run` on the
+/// loop engine, which runs on a thread of its own while this future waits; its calls are
+/// counted in `telemetry`'s broker families. What `broker --engine loop` would run, and
+/// what the tests run.
+pub async fn run(
+    config: BrokerConfig,
+    telemetry: Telemetry,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()>,
+) -> io::Result<Summary> {
+    let metrics = BrokerMetrics::new(telemetry, config.stage_sample);
+    let h = spawn_counted(config, listener.into_std()?, metrics)?;
+    shutdown.await;
+    h.stop();
+    tokio::task::spawn_blocking(move || h.join())
+        .await
+        .map_err(io::Error::other)?
+}
+
+/// Serves `listener` on a thread of its own with the loop engine, until told to stop,
+/// counting into metrics of its own that nothing serves.
 pub fn spawn(config: BrokerConfig, listener: std::net::TcpListener) -> io::Result<LoopHandle> {
+    let metrics = BrokerMetrics::new(Telemetry::new(), config.stage_sample);
+    spawn_counted(config, listener, metrics)
+}
+
+/// Serves `listener` on a thread of its own with the loop engine, until told to stop,
+/// counting into `metrics`. Refuses what the engine does not do yet: TLS on either side,
+/// a providers file.
+pub fn spawn_counted(
+    config: BrokerConfig,
+    listener: std::net::TcpListener,
+    metrics: BrokerMetrics,
+) -> io::Result<LoopHandle> {
     let unsupported = [
         (config.tls.is_some() || config.upstream_tls.is_some(), "TLS"),
         (config.providers_file.is_some(), "a providers file"),
@@ -163,7 +203,7 @@ pub fn spawn(config: BrokerConfig, listener: std::net::TcpListener) -> io::Resul
     let poll = Poll::new()?;
     let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
     let stop = Arc::new(AtomicBool::new(false));
-    let mut engine = Engine::new(config, poll)?;
+    let mut engine = Engine::new(config, poll, metrics)?;
     let allocations = engine.allocations.clone();
     let flag = stop.clone();
     let thread = std::thread::Builder::new()
@@ -216,10 +256,11 @@ struct Engine {
     summary: Summary,
     /// The rounds' allocations so far, for [`LoopHandle::allocations`].
     allocations: Arc<AtomicU64>,
+    counts: Counts,
 }
 
 impl Engine {
-    fn new(config: BrokerConfig, poll: Poll) -> io::Result<Engine> {
+    fn new(config: BrokerConfig, poll: Poll, metrics: BrokerMetrics) -> io::Result<Engine> {
         let (routes, upstreams) = upstream::providers(&config);
         let cap_value = rpcmesh_wire::ext::cap_value(config.call_timeout);
         Ok(Engine {
@@ -243,6 +284,7 @@ impl Engine {
             rng: fastrand::Rng::new(),
             summary: Summary::default(),
             allocations: Arc::default(),
+            counts: Counts::new(metrics),
         })
     }
 
@@ -288,6 +330,7 @@ impl Engine {
             if allocated > 0 {
                 self.summary.allocations += allocated;
                 self.allocations.fetch_add(allocated, Ordering::Relaxed);
+                self.counts.metrics.allocations.increment(allocated);
             }
             if done {
                 return Ok(self.summary);
@@ -340,12 +383,14 @@ impl Engine {
                 self.answer_all_in_flight(&Failure::GraceOver);
             }
         }
+        // Counted before the replies leave: a scrape after a reply includes its call.
+        self.counts.end_round(self.in_flight);
         self.flush();
-        if self.drain_over() {
+        let done = self.drain_over();
+        if done {
             self.close_all();
-            return true;
         }
-        false
+        done
     }
 
     /// Whether the drain is over: every call answered and every answer written, and no

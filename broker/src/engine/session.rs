@@ -9,8 +9,10 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use mio::Interest;
 use mio::net::TcpListener;
+use rpcmesh_common::net::connection::CloseReason;
 use rpcmesh_common::net::session::{FINAL_FLUSH_TIMEOUT, WRITE_BACKLOG_LIMIT};
 use rpcmesh_common::net::thinned::Thinned;
+use rpcmesh_wire::Status;
 use rpcmesh_wire::body::{Heartbeat, request_names};
 use rpcmesh_wire::codec::{body_in_place, skip_frame};
 use rpcmesh_wire::ext;
@@ -190,7 +192,10 @@ impl Engine {
                 )
             });
             match registered {
-                Some(Ok(())) => self.summary.accepted += 1,
+                Some(Ok(())) => {
+                    self.summary.accepted += 1;
+                    self.counts.opened();
+                }
                 _ => {
                     self.sessions.remove(i);
                 }
@@ -228,9 +233,10 @@ impl Engine {
                 s.reading = Reading::Paused;
                 return;
             }
-            let filled = match s.sock.fill(&mut self.scratch, s.read_closed) {
-                Ok(f) => f,
-                Err(_) => return self.close_session(i),
+            let filled = s.sock.fill(&mut self.scratch, s.read_closed);
+            s.sock.take_counts(&mut self.counts.inbound);
+            let Ok(filled) = filled else {
+                return self.close_session(i, CloseReason::Error);
             };
             if !self.take_frames(i) {
                 return;
@@ -282,7 +288,8 @@ impl Engine {
                 Err(e) => {
                     if let Some(id) = e.request_id() {
                         self.summary.calls += 1;
-                        self.refuse(from, id, e.flags(), &Failure::BadRequest(e.clone()));
+                        let failure = Failure::BadRequest(e.clone());
+                        self.refuse(from, id, e.flags(), &failure, 0);
                     }
                     if e.is_fatal() {
                         break true;
@@ -321,21 +328,26 @@ impl Engine {
                     (at, budget, as_sent)
                 }
                 Ok((at, budget, None)) => (at, budget, AsSent::No),
-                Err(e) => return self.refuse(from, id, flags, &Failure::BadRequest(e)),
+                Err(e) => return self.refuse(from, id, flags, &Failure::BadRequest(e), 0),
             }
         } else {
             (0, None, AsSent::Plain(trailer))
         };
         let inner = &body[inner_at..];
-        let service = match request_names(inner) {
-            Ok((service, _, _)) => service,
-            Err(e) => return self.refuse(from, id, flags, &Failure::BadRequest(e)),
+        let (service, method) = match request_names(inner) {
+            Ok((service, method, _)) => (service, method),
+            Err(e) => return self.refuse(from, id, flags, &Failure::BadRequest(e), 0),
+        };
+        let names = &inner[service.start..method.end];
+        let refused = |engine: &mut Engine, failure: &Failure| {
+            let tag = engine.counts.tag(names, service.len(), false);
+            engine.refuse(from, id, flags, failure, tag);
         };
         if self.grace_until.is_some() {
-            return self.refuse(from, id, flags, &Failure::Draining);
+            return refused(self, &Failure::Draining);
         }
         if budget.is_some_and(|b| b.is_zero()) {
-            return self.refuse(from, id, flags, &Failure::DeadlineExceeded);
+            return refused(self, &Failure::DeadlineExceeded);
         }
         let per_conn = self.config.max_in_flight_per_conn;
         if self
@@ -343,33 +355,44 @@ impl Engine {
             .get_ref(from)
             .is_none_or(|s| s.in_flight >= per_conn)
         {
-            let cap = Cap::PerConnection(per_conn);
-            return self.refuse(from, id, flags, &Failure::Shed(cap));
+            return refused(self, &Failure::Shed(Cap::PerConnection(per_conn)));
         }
         if self.in_flight >= self.config.max_in_flight {
-            let cap = Cap::Total(self.config.max_in_flight);
-            return self.refuse(from, id, flags, &Failure::Shed(cap));
+            return refused(self, &Failure::Shed(Cap::Total(self.config.max_in_flight)));
         }
         let k = match self.route(&inner[service.clone()], flags) {
             Ok(k) => k,
             Err(no) => {
-                let name = String::from_utf8_lossy(&inner[service]).into_owned();
-                return self.refuse(from, id, flags, &route::failure(no, name));
+                let name = String::from_utf8_lossy(&inner[service.clone()]).into_owned();
+                return refused(self, &route::failure(no, name));
             }
         };
         let limit = budget.map_or(self.config.call_timeout, |b| {
             b.min(self.config.call_timeout)
         });
+        let tag = self.counts.tag(names, service.len(), true);
         let call = Call {
             session: from,
             caller_id: id,
             flags,
             deadline: self.now + limit,
             limit,
+            tag,
         };
-        if !self.send(k, call, flags, inner, as_sent) {
+        if let Err(call) = self.send(k, call, flags, inner, as_sent) {
             let name = String::from_utf8_lossy(&inner[service]).into_owned();
-            return self.refuse(from, id, flags, &Failure::Full(name));
+            let failure = Failure::Full(name);
+            self.counts.failed(&failure);
+            self.counts.answered(call.tag, failure.status());
+            self.summary.answered += 1;
+            let Engine {
+                sessions, message, ..
+            } = self;
+            if let Some(s) = sessions.get_ref(from) {
+                put_answer(&mut s.sock.out, message, id, flags, &failure);
+                sessions.mark_dirty(from.idx as usize);
+            }
+            return;
         }
         if let Some(s) = self.sessions.get_ref(from) {
             s.in_flight += 1;
@@ -379,9 +402,12 @@ impl Engine {
         self.next_expiry = Some(self.next_expiry.map_or(deadline, |t| t.min(deadline)));
     }
 
-    /// Answers a call the broker did not send on.
-    fn refuse(&mut self, from: SessionRef, id: u64, flags: Flags, failure: &Failure) {
+    /// Answers a call the broker did not send on (`tag`: its pair's, as the counts have
+    /// it).
+    fn refuse(&mut self, from: SessionRef, id: u64, flags: Flags, failure: &Failure, tag: u32) {
         self.summary.answered += 1;
+        self.counts.failed(failure);
+        self.counts.answered(tag, failure.status());
         let Self {
             sessions, message, ..
         } = self;
@@ -412,19 +438,26 @@ impl Engine {
         }
     }
 
-    /// Gives a call's outcome to its session: `write` puts it in the session's output.
-    /// Counted as orphaned when the session has gone.
-    pub(super) fn deliver(&mut self, to: SessionRef, write: impl FnOnce(&mut BytesMut)) -> bool {
+    /// Gives a call's outcome to its session: `write` puts it in the session's output
+    /// and says its status, counted under the call's tag. Counted as abandoned when the
+    /// session has gone.
+    pub(super) fn deliver(
+        &mut self,
+        call: &Call,
+        write: impl FnOnce(&mut BytesMut) -> Status,
+    ) -> bool {
         self.in_flight -= 1;
-        match self.sessions.get_ref(to) {
+        match self.sessions.get_ref(call.session) {
             Some(s) => {
                 s.in_flight -= 1;
-                write(&mut s.sock.out);
-                self.sessions.mark_dirty(to.idx as usize);
+                let status = write(&mut s.sock.out);
+                self.sessions.mark_dirty(call.session.idx as usize);
+                self.counts.answered(call.tag, status);
                 true
             }
             None => {
                 self.summary.orphaned += 1;
+                self.counts.abandoned();
                 false
             }
         }
@@ -432,9 +465,11 @@ impl Engine {
 
     /// Answers a call in flight with the broker's own `failure`.
     pub(super) fn answer_call(&mut self, call: &Call, failure: &Failure) {
+        self.counts.failed(failure);
         let mut message = mem::take(&mut self.message);
-        if self.deliver(call.session, |out| {
-            put_answer(out, &mut message, call.caller_id, call.flags, failure)
+        if self.deliver(call, |out| {
+            put_answer(out, &mut message, call.caller_id, call.flags, failure);
+            failure.status()
         }) {
             self.summary.answered += 1;
         }
@@ -452,14 +487,16 @@ impl Engine {
                 continue;
             };
             s.sock.dirty = false;
-            if s.sock.flush().is_err() {
-                self.close_session(i);
+            let flushed = s.sock.flush();
+            s.sock.take_counts(&mut self.counts.inbound);
+            if flushed.is_err() {
+                self.close_session(i, CloseReason::Error);
             } else if s.reading == Reading::Paused && s.sock.out.len() < WRITE_BACKLOG_LIMIT {
                 // What it sent meanwhile waits in its socket, which raises no new edge.
                 s.reading = Reading::Open;
                 self.sessions.resume.push(i as u32);
-            } else if self.ends_now(i) {
-                self.close_session(i);
+            } else if let Some(reason) = self.ends_now(i) {
+                self.close_session(i, reason);
             }
         }
         dirty.clear();
@@ -474,23 +511,28 @@ impl Engine {
             if self.sessions.get(i).is_none() {
                 return false;
             }
-            let done = self.ends_now(i);
-            if done {
-                self.close_session(i);
+            let end = self.ends_now(i);
+            if let Some(reason) = end {
+                self.close_session(i, reason);
             }
-            !done
+            end.is_none()
         });
         self.sessions.ending = ending;
     }
 
-    /// Whether session `i` ends now, as [`Engine::flush_sessions`] says.
-    fn ends_now(&mut self, i: usize) -> bool {
+    /// Whether session `i` ends now, as [`Engine::flush_sessions`] says, and why.
+    fn ends_now(&mut self, i: usize) -> Option<CloseReason> {
         let now = self.now;
-        self.sessions.get(i).is_some_and(|s| match s.reading {
-            Reading::PeerClosed => s.in_flight == 0 && s.sock.out.is_empty(),
-            Reading::BadInput(until) => s.sock.out.is_empty() || now >= until,
-            Reading::Open | Reading::Paused => false,
-        })
+        let s = self.sessions.get(i)?;
+        match s.reading {
+            Reading::PeerClosed if s.in_flight == 0 && s.sock.out.is_empty() => {
+                Some(CloseReason::Peer)
+            }
+            Reading::BadInput(until) if s.sock.out.is_empty() || now >= until => {
+                Some(CloseReason::BadInput)
+            }
+            _ => None,
+        }
     }
 
     /// Whether every session has written all it was given (the drain waits for it).
@@ -506,19 +548,20 @@ impl Engine {
         !self.sessions.ending.is_empty()
     }
 
-    /// Ends session `i`. Its calls in flight stay with their providers; their outcomes
-    /// are counted as orphaned when they come.
-    pub(super) fn close_session(&mut self, i: usize) {
+    /// Ends session `i`, for `reason`. Its calls in flight stay with their providers;
+    /// their outcomes are counted as abandoned when they come.
+    pub(super) fn close_session(&mut self, i: usize, reason: CloseReason) {
         if let Some(mut s) = self.sessions.remove(i) {
             let _ = self.poll.registry().deregister(&mut s.sock.stream);
+            self.counts.closed(reason);
         }
     }
 
-    /// Ends every session, after a last write of what each has.
+    /// Ends every session, after a last write of what each has: the drain is over.
     pub(super) fn close_all(&mut self) {
         self.flush_sessions();
         for i in 0..self.sessions.slots.len() {
-            self.close_session(i);
+            self.close_session(i, CloseReason::Shutdown);
         }
     }
 }

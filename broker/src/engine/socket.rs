@@ -7,6 +7,7 @@ use std::io::{self, Read, Write};
 
 use bytes::{Buf, BytesMut};
 use mio::net::TcpStream;
+use rpcmesh_common::net::connection::IoCounts;
 
 /// What one read takes at most, as the Tokio engine's reads (a read that fills it may
 /// have left more behind, and is followed by another).
@@ -36,6 +37,8 @@ pub struct Socket {
     /// Bytes still to drop as they arrive: the rest of a frame refused on its header
     /// and skipped ([`Socket::skip`]).
     discard: usize,
+    /// Bytes and system calls since the owner last took them ([`Socket::take_counts`]).
+    counts: IoCounts,
 }
 
 impl Socket {
@@ -49,6 +52,7 @@ impl Socket {
             out: BytesMut::new(),
             dirty: false,
             discard: 0,
+            counts: IoCounts::default(),
         }
     }
 
@@ -63,6 +67,8 @@ impl Socket {
             return match (&self.stream).read(scratch) {
                 Ok(0) => Ok(Filled::Closed),
                 Ok(n) => {
+                    self.counts.reads += 1;
+                    self.counts.bytes_read += n as u64;
                     let dropped = n.min(self.discard);
                     self.discard -= dropped;
                     self.rbuf.extend_from_slice(&scratch[dropped..n]);
@@ -79,6 +85,16 @@ impl Socket {
         }
     }
 
+    /// The bytes read and written and the system calls that moved them since the last
+    /// time, added to `to`.
+    pub fn take_counts(&mut self, to: &mut IoCounts) {
+        let c = std::mem::take(&mut self.counts);
+        to.bytes_read += c.bytes_read;
+        to.bytes_written += c.bytes_written;
+        to.reads += c.reads;
+        to.writes += c.writes;
+    }
+
     /// Drops the next `len` bytes of the stream, as they arrive: a frame refused on its
     /// header (too large) and skipped instead of ending the connection.
     pub fn skip(&mut self, len: usize) {
@@ -92,7 +108,11 @@ impl Socket {
         while !self.out.is_empty() {
             match (&self.stream).write(&self.out) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => self.out.advance(n),
+                Ok(n) => {
+                    self.counts.writes += 1;
+                    self.counts.bytes_written += n as u64;
+                    self.out.advance(n);
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),

@@ -59,6 +59,8 @@ pub(super) struct Call {
     pub deadline: Instant,
     /// What the deadline allowed: the caller's budget or the call timeout.
     pub limit: Duration,
+    /// Its (service, method) pair's tag in the counts (`super::metrics`).
+    pub tag: u32,
 }
 
 /// How a call's frame may go to its provider as it came, copied with only its id
@@ -181,7 +183,7 @@ impl Engine {
     /// its frame came. A provider that takes deadlines is given the call's, as it came
     /// when it may go on unchanged: the call is written in the round that read it, so the
     /// time left is its whole budget, or, for a provider that caps every call at the call
-    /// timeout, what that cap leaves. `false` when the connection's table is full.
+    /// timeout, what that cap leaves. The call back when the connection's table is full.
     pub(super) fn send(
         &mut self,
         k: usize,
@@ -189,12 +191,12 @@ impl Engine {
         flags: Flags,
         inner: &[u8],
         as_sent: AsSent<'_>,
-    ) -> bool {
+    ) -> Result<(), Call> {
         let p = self.upstreams[k].provider;
         let to = self.routes.providers[p].kind;
         let up = &mut self.upstreams[k];
         let State::Up(sock) = &mut up.state else {
-            return false;
+            return Err(call);
         };
         // Ask for extended statuses always from a provider that has them: they are
         // degraded for a v1 caller on the way back.
@@ -203,12 +205,13 @@ impl Engine {
             PeerKind::V1 => Flags::NONE,
         };
         let (caller_id, limit) = (call.caller_id, call.limit);
-        let Some((id, _)) = up
+        if up.calls.len() >= rpcmesh_common::net::slots::KEYED_SLOTS {
+            return Err(call);
+        }
+        let (id, _) = up
             .calls
             .insert_keyed(call, |key| neutral_id(caller_id, key))
-        else {
-            return false;
-        };
+            .expect("a key is free: the table holds fewer calls than it has keys (checked)");
         let header = |msg_type| Header {
             msg_type,
             flags: out_flags,
@@ -247,7 +250,7 @@ impl Engine {
             }
         }
         self.routes.providers[p].outstanding += 1;
-        true
+        Ok(())
     }
 
     /// Handles a readiness event of provider connection `k`.
@@ -401,8 +404,8 @@ impl Engine {
             replied: None,
         };
         let flags = h.flags;
-        if self.deliver(call.session, |out| {
-            write_reply_to(out, flags, body, Some(trailer), info);
+        if self.deliver(&call, |out| {
+            write_reply_to(out, flags, body, Some(trailer), info)
         }) {
             self.summary.replied += 1;
         }

@@ -446,33 +446,36 @@ pub enum Engine {
 /// Both engines.
 pub const ENGINES: [Engine; 2] = [Engine::Tokio, Engine::Loop];
 
-/// A broker on either engine.
+/// A broker on either engine, running in the test process.
 pub enum AnyBroker {
     Tokio(Running),
-    Loop(rpcmesh_broker::engine::LoopHandle),
+    Loop(InProcess<std::io::Result<rpcmesh_broker::engine::Summary>>),
 }
 
 impl AnyBroker {
     pub fn addr(&self) -> SocketAddr {
         match self {
             AnyBroker::Tokio(b) => b.addr,
-            AnyBroker::Loop(h) => h.local_addr(),
+            AnyBroker::Loop(b) => b.addr,
         }
     }
 
-    /// Stops it and waits for its drain to end (the loop engine's on a thread of its
-    /// own: the providers it waits for may run on the test's runtime).
+    /// The sum of the samples of metric `name` whose labels include `labels`.
+    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        match self {
+            AnyBroker::Tokio(b) => b.metric(name, labels),
+            AnyBroker::Loop(b) => b.metric(name, labels),
+        }
+    }
+
+    /// Stops it and waits for its drain to end.
     pub async fn stop(self) {
         match self {
             AnyBroker::Tokio(b) => {
                 b.stop().await;
             }
-            AnyBroker::Loop(h) => {
-                h.stop();
-                tokio::task::spawn_blocking(move || h.join())
-                    .await
-                    .unwrap()
-                    .unwrap();
+            AnyBroker::Loop(b) => {
+                b.stop().await.unwrap();
             }
         }
     }
@@ -482,9 +485,11 @@ impl AnyBroker {
 pub async fn broker_with(engine: Engine, config: BrokerConfig) -> AnyBroker {
     match engine {
         Engine::Tokio => AnyBroker::Tokio(broker(config).await),
-        Engine::Loop => {
-            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            AnyBroker::Loop(rpcmesh_broker::engine::spawn(config, listener).unwrap())
-        }
+        Engine::Loop => AnyBroker::Loop(
+            InProcess::start(|listener, telemetry, stop| {
+                rpcmesh_broker::engine::run(config, telemetry, listener, stop)
+            })
+            .await,
+        ),
     }
 }
