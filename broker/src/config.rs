@@ -103,6 +103,28 @@ pub const DEFAULT_CELLS: usize = 1;
 /// What `--threads` means to the broker (the runtime flag every program takes).
 const THREADS_HELP: &str = "Threads, each a cell serving its own client connections over its own share of each provider's pool (0 = one per CPU)";
 
+/// Which engine serves the calls (`--engine`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum EngineKind {
+    /// Tasks on Tokio runtimes (`crate::session`, `crate::upstream`, `crate::cell`):
+    /// everything the broker does.
+    #[default]
+    Tokio,
+    /// One thread's epoll loop owning its connections outright (`crate::engine`): about
+    /// half the CPU per call, with a part of the broker's behaviour (what it lacks, it
+    /// refuses at the start).
+    Loop,
+}
+
+impl fmt::Display for EngineKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            EngineKind::Tokio => "tokio",
+            EngineKind::Loop => "loop",
+        })
+    }
+}
+
 /// Where a broker of several cells puts its client connections (`--cell-placement`;
 /// `crate::cell::placement`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -333,6 +355,14 @@ pub struct Args {
     /// every cell from the start.
     #[arg(long, env = "RPCMESH_CELL_PLACEMENT", value_enum, default_value_t = CellPlacement::Gather)]
     pub cell_placement: CellPlacement,
+    /// Which engine serves the calls: `tokio`, tasks on Tokio runtimes, with everything
+    /// the broker does; or `loop`, one thread's epoll loop that owns its connections, at
+    /// about half the CPU per call. `loop` does not yet do TLS, the providers file,
+    /// pacing, ejection, retries, the memory budget, idle or write timeouts, stage and
+    /// per-provider metrics, or several threads; it refuses the flags that ask for them
+    /// (docs/performance.md, "The loop engine").
+    #[arg(long, env = "RPCMESH_BROKER_ENGINE", value_enum, default_value_t = EngineKind::Tokio)]
+    pub engine: EngineKind,
     /// The most calls in flight to which a provider's connections are filled one after
     /// the other (fewer, larger batches); 0 = always the less loaded of two. A provider
     /// that takes longer per call is packed less deep, as `--pack-wait` says.
@@ -434,6 +464,8 @@ pub struct BrokerConfig {
     pub cell_placement: CellPlacement,
     /// How the placement judges the cells when it gathers.
     pub placement_tuning: PlacementTuning,
+    /// The engine that serves the calls (`--engine`).
+    pub engine: EngineKind,
 }
 
 impl BrokerConfig {
@@ -489,6 +521,7 @@ impl BrokerConfig {
             idempotent: rpcmesh_common::retry::Idempotent::default(),
             cells: DEFAULT_CELLS,
             cell_placement: CellPlacement::Gather,
+            engine: EngineKind::Tokio,
             placement_tuning: PlacementTuning::default(),
         }
     }
@@ -655,7 +688,25 @@ impl Args {
             },
             cell_placement: self.cell_placement,
             placement_tuning: PlacementTuning::default(),
+            engine: self.engine,
         })
+        .and_then(|config| self.engine_takes(config))
+    }
+
+    /// `config` when its engine serves all it asks for; the loop engine runs one thread,
+    /// and refuses what it does not do yet (`crate::engine::unsupported`).
+    fn engine_takes(&self, config: BrokerConfig) -> Result<BrokerConfig, ConfigProblems> {
+        if config.engine != EngineKind::Loop {
+            return Ok(config);
+        }
+        let mut p = ConfigProblems::default();
+        p.check(self.runtime.threads > 1, || {
+            "--engine loop runs one thread: give --threads 1 (or leave it out)".into()
+        });
+        if let Some(what) = crate::engine::unsupported(&config) {
+            p.0.push(format!("--engine loop does not serve {what} yet"));
+        }
+        p.into_result(config)
     }
 }
 

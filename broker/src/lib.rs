@@ -59,7 +59,9 @@ use rpcmesh_common::net::busy_poll::{self, Activity};
 use rpcmesh_common::net::listener::{self, AcceptConfig, Listeners, ServeSummary};
 use rpcmesh_common::net::shutdown::{self, CancellationToken};
 
-pub use config::{Args, Balance, BrokerConfig, BusyPoll, CellPlacement, PlacementTuning};
+pub use config::{
+    Args, Balance, BrokerConfig, BusyPoll, CellPlacement, EngineKind, PlacementTuning,
+};
 pub use membership::{FILE_POLL, Reload};
 pub use metrics::BrokerMetrics;
 pub use upstream_spec::UpstreamSpec;
@@ -78,6 +80,9 @@ pub use upstream::connection::{REQUEST_RETAIN, RING_MAX, RING_MIN};
 /// and `driver serve broker`).
 pub fn main_with(args: &Args) -> anyhow::Result<()> {
     let config = args.config()?;
+    if config.engine == config::EngineKind::Loop {
+        return main_on_loop(args, config);
+    }
     // Bound before the runtime, so that a plain address in use stops the start.
     let plain = args
         .tls
@@ -108,6 +113,43 @@ pub fn main_with(args: &Args) -> anyhow::Result<()> {
         },
     )?;
     Ok(())
+}
+
+/// `main_with` on the loop engine (`--engine loop`): a runtime of one thread serves the
+/// metrics endpoint and waits for SIGTERM/SIGINT while the engine's own thread serves the
+/// calls (`engine::run`). Ready for systemd once it listens: it routes calls as soon as a
+/// provider connection is made.
+fn main_on_loop(args: &Args, config: BrokerConfig) -> anyhow::Result<()> {
+    let server = rpcmesh_common::cli::startup::Server {
+        program: "broker",
+        listen: args.listen,
+        metrics: args.metrics_listen,
+        threads: 1,
+        grace: config.grace,
+    };
+    let outcome = Arc::new(std::sync::Mutex::new(None));
+    let ended = outcome.clone();
+    rpcmesh_common::cli::startup::serve_with(
+        server,
+        rpcmesh_common::cli::systemd::Readiness::WhenListening,
+        |telemetry, listener, shutdown| async move {
+            let r = engine::run(config, telemetry, listener, shutdown).await;
+            if let Ok(s) = &r {
+                tracing::info!(accepted = s.accepted, calls = s.calls, "broker stopped");
+            }
+            *ended
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(r);
+        },
+    )?;
+    let r = outcome
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take();
+    match r {
+        Some(Err(e)) => Err(anyhow::Error::new(e).context("the loop engine failed")),
+        _ => Ok(()),
+    }
 }
 
 /// Pulls `reload` on every SIGHUP, for the life of the runtime.

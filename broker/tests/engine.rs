@@ -595,3 +595,53 @@ async fn the_loop_engine_counts_as_the_broker_does() {
     let got: Vec<f64> = on_loop.iter().map(|c| c.1).collect();
     assert_eq!(got, expect, "{on_loop:?}");
 }
+
+/// `broker --engine loop` is the broker on the loop engine: it serves calls, counts them on
+/// its metrics endpoint, and refuses at the start what the engine does not serve yet.
+#[tokio::test]
+async fn the_broker_program_runs_the_loop_engine_when_told() {
+    let p = rpcmesh_testkit::Spawned::start("provider", &["--threads", "1"]);
+    let up = p.rpc.to_string();
+    let b = rpcmesh_testkit::Spawned::start("broker", &["--upstream", &up, "--engine", "loop"]);
+    b.wait_serving().await;
+    let c = Client::connect(b.rpc, ClientConfig::default())
+        .await
+        .unwrap();
+    for i in 0..10 {
+        let r = c
+            .call("EchoService", "Echo", &echo(&format!("{i}")))
+            .await
+            .unwrap();
+        assert_eq!(r.status, Status::Success);
+    }
+    let ok = [("service", "EchoService"), ("status", "ok")];
+    wait_until("the calls to be counted", || {
+        b.metric("rpcmesh_calls_total", &ok) >= 11.0
+    })
+    .await;
+
+    let file = std::env::temp_dir().join(format!("rpcmesh-engine-{}", std::process::id()));
+    std::fs::write(&file, "127.0.0.1:9\n").unwrap();
+    let file = file.to_string_lossy().into_owned();
+    for (extra, says) in [
+        (&["--threads", "2"][..], "one thread"),
+        (&["--providers-file", &file][..], "a providers file"),
+    ] {
+        let out = std::process::Command::new(rpcmesh_testkit::bin_path("broker"))
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                &up,
+                "--engine",
+                "loop",
+            ])
+            .args(extra)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra:?}: {stderr}");
+        assert!(stderr.contains(says), "{extra:?}: {stderr}");
+    }
+    let _ = std::fs::remove_file(&file);
+}

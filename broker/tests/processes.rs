@@ -142,8 +142,15 @@ async fn a_provider_killed_with_calls_in_flight_leaves_no_call_without_an_outcom
 /// and it exits 0 as soon as they are done. The grace period is an hour, so that exiting
 /// at all proves it exits because it has drained, not because the grace ran out; the call
 /// timeout too, so that no held call times out however slow the machine is.
+/// On both engines (`--engine`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_a_broker_process_and_it_exits_zero() {
+    for engine in ENGINES {
+        sigterm_drains(engine).await;
+    }
+}
+
+async fn sigterm_drains(engine: Engine) {
     let gate = Gate::new();
     let p = held_provider(&gate).await;
     let port = testkit::free_port();
@@ -167,6 +174,8 @@ async fn sigterm_drains_a_broker_process_and_it_exits_zero() {
             "1",
             "--health-interval",
             "100ms",
+            "--engine",
+            &engine.to_string(),
         ],
     )
     .unwrap();
@@ -197,13 +206,13 @@ async fn sigterm_drains_a_broker_process_and_it_exits_zero() {
     gate.open();
     for (i, h) in calls.into_iter().enumerate() {
         let r = h.await.unwrap().expect("call in flight completes");
-        assert_eq!(r.status, Status::Success);
+        assert_eq!(r.status, Status::Success, "{engine}");
         assert_eq!(r.decode::<EchoResponse>().unwrap().message, format!("m{i}"));
     }
     let status = tokio::task::spawn_blocking(move || broker.wait_timeout(testkit::WAIT_TIMEOUT))
         .await
         .unwrap();
     let status = status.expect("broker exited once drained, long before its grace period");
-    assert!(status.success(), "exit status {status:?}");
+    assert!(status.success(), "{engine}: exit status {status:?}");
     p.stop().await;
 }

@@ -5,9 +5,9 @@
 //! That is the shape of an L4 proxy's event loop, and of the floor the Tokio engine is
 //! weighed against (docs/performance.md, "The floor without the runtime").
 //!
-//! Not yet the broker's engine: [`run`] (and [`spawn`]) serve a listener with the per-call
-//! part of the broker's behaviour, so that the tests and `scripts/bench` can weigh what
-//! that part costs on a loop against the Tokio engine (docs/performance.md, "The loop
+//! The broker runs it when told (`--engine loop`, [`run`]); the Tokio engine stays the
+//! default until the loop engine does all the broker does. It serves the per-call part of
+//! the broker's behaviour, at about half the CPU per call (docs/performance.md, "The loop
 //! engine").
 //! What it does, as the Tokio engine does:
 //!
@@ -154,10 +154,21 @@ impl LoopHandle {
     }
 }
 
+/// What of `config` the loop engine does not serve yet, if anything: TLS on either side,
+/// a providers file (`--engine loop` refuses them at the start).
+pub fn unsupported(config: &BrokerConfig) -> Option<&'static str> {
+    [
+        (config.tls.is_some(), "TLS"),
+        (config.upstream_tls.is_some(), "TLS to the providers"),
+        (config.providers_file.is_some(), "a providers file"),
+    ]
+    .into_iter()
+    .find_map(|(asked, what)| asked.then_some(what))
+}
+
 /// Serves `listener` until `shutdown` resolves, then drains: the broker's `run` on the
 /// loop engine, which runs on a thread of its own while this future waits; its calls are
-/// counted in `telemetry`'s broker families. What `broker --engine loop` would run, and
-/// what the tests run.
+/// counted in `telemetry`'s broker families: what `broker --engine loop` runs.
 pub async fn run(
     config: BrokerConfig,
     telemetry: Telemetry,
@@ -188,11 +199,7 @@ pub fn spawn_counted(
     listener: std::net::TcpListener,
     metrics: BrokerMetrics,
 ) -> io::Result<LoopHandle> {
-    let unsupported = [
-        (config.tls.is_some() || config.upstream_tls.is_some(), "TLS"),
-        (config.providers_file.is_some(), "a providers file"),
-    ];
-    if let Some((_, what)) = unsupported.iter().find(|(asked, _)| *asked) {
+    if let Some(what) = unsupported(&config) {
         return Err(io::Error::new(
             io::ErrorKind::Unsupported,
             format!("the loop engine does not serve {what} yet"),

@@ -432,16 +432,10 @@ async fn v1_echo(s: TcpStream, n: usize, state: Arc<V1State>) {
     let _ = writer.await;
 }
 
-/// Which engine serves a broker a test starts: tests that hold both engines to one
-/// behaviour run once with each.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Engine {
-    /// The broker's engine (`rpcmesh_broker::run`).
-    Tokio,
-    /// The loop engine (`rpcmesh_broker::engine`), which does a part of what the broker
-    /// does: only tests of that part run on it.
-    Loop,
-}
+/// Which engine serves a broker a test starts (`--engine`): tests that hold both
+/// engines to one behaviour run once with each. The loop engine does a part of what the
+/// broker does: only tests of that part run on it.
+pub use rpcmesh_broker::EngineKind as Engine;
 
 /// Both engines.
 pub const ENGINES: [Engine; 2] = [Engine::Tokio, Engine::Loop];
