@@ -91,17 +91,8 @@ pub fn main_with(args: &Args) -> anyhow::Result<()> {
         .transpose()?;
     // Ready for systemd once the pools have settled (run_with_reload says so), not when
     // the port is bound: "active" then means calls are routed.
-    // The runtime `main` starts is the first cell; the broker starts the others itself
-    // (`cell`), each a runtime of one thread.
-    let server = rpcmesh_common::cli::startup::Server {
-        program: "broker",
-        listen: args.listen,
-        metrics: args.metrics_listen,
-        threads: 1,
-        grace: config.grace,
-    };
     rpcmesh_common::cli::startup::serve_with(
-        server,
+        server(args, &config),
         rpcmesh_common::cli::systemd::Readiness::Announced,
         |telemetry, listener, shutdown| {
             // Installed before the first call is served: from then on SIGHUP reloads
@@ -120,19 +111,15 @@ pub fn main_with(args: &Args) -> anyhow::Result<()> {
 /// calls (`engine::run`). Ready for systemd once it listens: it routes calls as soon as a
 /// provider connection is made.
 fn main_on_loop(args: &Args, config: BrokerConfig) -> anyhow::Result<()> {
-    let server = rpcmesh_common::cli::startup::Server {
-        program: "broker",
-        listen: args.listen,
-        metrics: args.metrics_listen,
-        threads: 1,
-        grace: config.grace,
-    };
     let outcome = Arc::new(std::sync::Mutex::new(None));
     let ended = outcome.clone();
     rpcmesh_common::cli::startup::serve_with(
-        server,
+        server(args, &config),
         rpcmesh_common::cli::systemd::Readiness::WhenListening,
         |telemetry, listener, shutdown| async move {
+            // SIGHUP (a unit's reload) must not end it: with no providers file there is
+            // nothing to read again, and it is only logged.
+            on_sighup(Reload::new());
             let r = engine::run(config, telemetry, listener, shutdown).await;
             if let Ok(s) = &r {
                 tracing::info!(accepted = s.accepted, calls = s.calls, "broker stopped");
@@ -149,6 +136,18 @@ fn main_on_loop(args: &Args, config: BrokerConfig) -> anyhow::Result<()> {
     match r {
         Some(Err(e)) => Err(anyhow::Error::new(e).context("the loop engine failed")),
         _ => Ok(()),
+    }
+}
+
+/// What the broker's runtime is started with: one thread (the Tokio engine's first cell,
+/// which starts the others itself (`cell`), or the loop engine's control plane).
+fn server<'a>(args: &Args, config: &BrokerConfig) -> rpcmesh_common::cli::startup::Server<'a> {
+    rpcmesh_common::cli::startup::Server {
+        program: "broker",
+        listen: args.listen,
+        metrics: args.metrics_listen,
+        threads: 1,
+        grace: config.grace,
     }
 }
 

@@ -597,7 +597,8 @@ async fn the_loop_engine_counts_as_the_broker_does() {
 }
 
 /// `broker --engine loop` is the broker on the loop engine: it serves calls, counts them on
-/// its metrics endpoint, and refuses at the start what the engine does not serve yet.
+/// its metrics endpoint, lives through SIGHUP, and refuses at the start what the engine
+/// does not serve yet.
 #[tokio::test]
 async fn the_broker_program_runs_the_loop_engine_when_told() {
     let p = rpcmesh_testkit::Spawned::start("provider", &["--threads", "1"]);
@@ -619,6 +620,14 @@ async fn the_broker_program_runs_the_loop_engine_when_told() {
         b.metric("rpcmesh_calls_total", &ok) >= 11.0
     })
     .await;
+    // SIGHUP (a unit's reload) does not end it: there is no providers file to read.
+    b.child.signal(rpcmesh_testkit::Signal::HUP);
+    let r = c.call("EchoService", "Echo", &echo("after")).await.unwrap();
+    assert_eq!(r.status, Status::Success);
+    wait_until("the call after SIGHUP to be counted", || {
+        b.metric("rpcmesh_calls_total", &ok) >= 12.0
+    })
+    .await;
 
     let file = std::env::temp_dir().join(format!("rpcmesh-engine-{}", std::process::id()));
     std::fs::write(&file, "127.0.0.1:9\n").unwrap();
@@ -637,6 +646,9 @@ async fn the_broker_program_runs_the_loop_engine_when_told() {
                 "loop",
             ])
             .args(extra)
+            // No backtrace to resolve for an error that is the point of the call.
+            .env("RUST_BACKTRACE", "0")
+            .env("RUST_LIB_BACKTRACE", "0")
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
