@@ -250,6 +250,10 @@ pub(crate) fn copied_at_once(body_len: usize, reserved: bool) -> bool {
     !reserved && body_len < SMALL_BODY
 }
 
+/// The shortest reply body a provider may send: a status byte and a payload length.
+/// Shorter is a malformed reply.
+pub(crate) const MIN_REPLY_BODY: usize = 5;
+
 /// The status a provider's reply body carries ("failed" for one the broker does not
 /// know). The body is at least a status byte and a payload length long (checked).
 pub(crate) fn status_of(body: &[u8]) -> Status {

@@ -273,6 +273,27 @@ impl fmt::Display for Failure {
     }
 }
 
+/// Writes the broker's own answer to call `id` (with the caller's `flags`) to `out`, its
+/// text formatted in `message` (kept by the caller to spare an allocation per answer): a
+/// "not run" answer when the caller may send the call elsewhere, else an error with the
+/// failure's status. Both engines answer so.
+pub(crate) fn put_answer(
+    out: &mut bytes::BytesMut,
+    message: &mut String,
+    id: u64,
+    flags: rpcmesh_wire::frame::Flags,
+    failure: &Failure,
+) {
+    use std::fmt::Write as _;
+    message.clear();
+    let _ = write!(message, "{failure}");
+    if failure.not_run() {
+        rpcmesh_wire::envelope::put_not_run_response(out, id, flags, message);
+    } else {
+        rpcmesh_wire::envelope::put_error_response(out, id, flags, failure.status(), message);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -38,6 +38,7 @@ use rpcmesh_wire::frame::Flags;
 
 use crate::call::{Avoid, Forward};
 use crate::config::Balance;
+use crate::failure::Failure;
 use crate::upstream::{ProviderPool, Refused, UpstreamConn};
 use crate::upstream_spec::UpstreamSpec;
 
@@ -54,6 +55,19 @@ pub(crate) enum NoRoute {
     NeedsExtension,
     /// The providers that could take it are draining.
     Draining,
+}
+
+impl NoRoute {
+    /// The broker's answer to a call for `service` that no provider took.
+    pub(crate) fn failure(self, service: String) -> Failure {
+        match self {
+            NoRoute::UnknownService => Failure::UnknownService(service),
+            NoRoute::NoHealthy => Failure::NoHealthy(service),
+            NoRoute::Full => Failure::Full(service),
+            NoRoute::NeedsExtension => Failure::NeedsExtension(service),
+            NoRoute::Draining => Failure::ProvidersDraining(service),
+        }
+    }
 }
 
 /// Per-session balancing state (so that balancing shares nothing between sessions).

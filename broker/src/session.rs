@@ -22,7 +22,6 @@
 //! field from a client is ignored: a broker's callers are whom their certificates name.
 
 use std::collections::HashMap;
-use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -45,7 +44,6 @@ use rpcmesh_common::net::tls::{Identity, Secured};
 use rpcmesh_wire::Status;
 use rpcmesh_wire::body::{Heartbeat, request_names, request_service};
 use rpcmesh_wire::codec::FrameCodec;
-use rpcmesh_wire::envelope::{put_error_response, put_not_run_response};
 use rpcmesh_wire::ext;
 use rpcmesh_wire::frame::{Flags, Frame, FrameError, Header, MsgType};
 use tokio::net::TcpStream;
@@ -53,10 +51,10 @@ use tracing::Instrument;
 
 use crate::BrokerConfig;
 use crate::call::{CallInfo, Forward, Inbox, Reply, Reroute, Taken, Verbatim, write_reply_to};
-use crate::failure::{Cap, Failure};
+use crate::failure::{Cap, Failure, put_answer};
 use crate::in_flight::HandedOver;
 use crate::metrics::{ADMIT, BrokerMetrics, StatusTally, TOTAL, WRITE_BACK};
-use crate::route::{NoRoute, Picker, Router};
+use crate::route::{Picker, Router};
 
 /// Times the session lets the other ready tasks run before writing, while each turn
 /// brings more replies (replies from several upstream connections then share a write).
@@ -277,15 +275,7 @@ impl Protocol for Session {
     /// Answers a heartbeat; one that asks which call fields the broker takes is told
     /// (the deadline).
     fn on_heartbeat(&mut self, frame: Frame, io: &mut FramedIo) {
-        let asked =
-            Heartbeat::extra_value_in(&frame.body, ext::HEARTBEAT_KEY).is_ok_and(|v| v.is_some());
-        let extra: &[(&str, &str)] = if asked {
-            &[(ext::HEARTBEAT_KEY, ext::DEADLINE_FIELD)]
-        } else {
-            &[]
-        };
-        let id = frame.header.req_id;
-        let _ = Heartbeat::put_now_with(io.wbuf(), id, "broker", "rpcmesh-broker", extra);
+        put_heartbeat_answer(io.wbuf(), frame.header.req_id, &frame.body);
     }
 
     fn on_unexpected(&mut self) {
@@ -550,15 +540,12 @@ impl Session {
         let routed = router.forward(fwd, &mut self.picker);
         if let Err((fwd, why)) = routed {
             let name = String::from_utf8_lossy(request_service(&fwd.frame.body)).into_owned();
-            let failure = match why {
-                // A draining provider refused it and no other takes it: not run, and the
-                // caller may try another broker.
-                _ if fwd.refused_by_drain => Failure::ProvidersDraining(name),
-                NoRoute::UnknownService => Failure::UnknownService(name),
-                NoRoute::NoHealthy => Failure::NoHealthy(name),
-                NoRoute::Full => Failure::Full(name),
-                NoRoute::NeedsExtension => Failure::NeedsExtension(name),
-                NoRoute::Draining => Failure::ProvidersDraining(name),
+            // A draining provider refused it and no other takes it: not run, and the caller
+            // may try another broker.
+            let failure = if fwd.refused_by_drain {
+                Failure::ProvidersDraining(name)
+            } else {
+                why.failure(name)
             };
             failure.count(&self.shared.metrics.errors);
             if let Some(cap) = failure.shed_cap() {
@@ -647,15 +634,8 @@ impl Session {
         tag: u32,
         failure: &Failure,
     ) -> usize {
-        self.message.clear();
-        let _ = write!(self.message, "{failure}");
+        put_answer(io.wbuf(), &mut self.message, id, flags, failure);
         let status = failure.status();
-        if failure.not_run() {
-            // Not run: the caller may send it to another broker.
-            put_not_run_response(io.wbuf(), id, flags, &self.message);
-        } else {
-            put_error_response(io.wbuf(), id, flags, status, &self.message);
-        }
         if failure.retry_safe() {
             tracing::trace!(req_id = id, %failure, "answered; the call never reached a provider");
         }
@@ -778,4 +758,16 @@ impl Session {
             self.counters[counters].0.time(admitted, now);
         }
     }
+}
+/// Writes the broker's answer to a caller's heartbeat `id` with `body` to `out`: one of its
+/// own under the same id, saying which call fields it takes (the deadline) when asked.
+/// Both engines answer so.
+pub(crate) fn put_heartbeat_answer(out: &mut bytes::BytesMut, id: u64, body: &[u8]) {
+    let asked = Heartbeat::extra_value_in(body, ext::HEARTBEAT_KEY).is_ok_and(|v| v.is_some());
+    let extra: &[(&str, &str)] = if asked {
+        &[(ext::HEARTBEAT_KEY, ext::DEADLINE_FIELD)]
+    } else {
+        &[]
+    };
+    let _ = Heartbeat::put_now_with(out, id, "broker", "rpcmesh-broker", extra);
 }

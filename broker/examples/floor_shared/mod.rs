@@ -7,8 +7,8 @@
 use std::net::SocketAddr;
 
 use bytes::BytesMut;
-use rpcmesh_wire::codec::{FrameCodec, body_in_place, skip_frame};
-use rpcmesh_wire::frame::{FRAME_OVERHEAD, Header, put_frame_with_trailer};
+use rpcmesh_wire::codec::{FrameCodec, body_in_place, skip_frame, trailer_in_place};
+use rpcmesh_wire::frame::{Header, put_frame_with_trailer};
 use rpcmesh_wire::neutral::neutral_id;
 
 /// What a read takes at most, the broker's own: `floor` grows its read buffers by this
@@ -21,12 +21,7 @@ pub use rpcmesh_common::net::connection::READ_CHUNK;
 pub fn next_frame(codec: &FrameCodec, src: &mut BytesMut) -> Option<(Header, u32)> {
     loop {
         match codec.peek_frame(src) {
-            Ok(Some(h)) => {
-                let end = FRAME_OVERHEAD + h.body_len as usize;
-                let t =
-                    u32::from_be_bytes([src[end - 4], src[end - 3], src[end - 2], src[end - 1]]);
-                return Some((h, t));
-            }
+            Ok(Some(h)) => return Some((h, trailer_in_place(src, &h))),
             Ok(None) => return None,
             Err(e) if e.is_fatal() => {
                 src.clear();

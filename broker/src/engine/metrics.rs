@@ -1,8 +1,8 @@
 //! What the loop engine counts, into the broker's own metrics (`crate::metrics`), so that
 //! its calls show in the same families, under the same names and labels: calls by
 //! (service, method) and status, errors by kind and side, calls shed by cap, outcomes
-//! whose caller had gone, calls in flight, client connections, bytes and system calls on
-//! them, and what the rounds allocated.
+//! whose caller had gone, calls in flight, client connections (refusals at the cap too),
+//! bytes and system calls on them, and what the rounds allocated.
 //!
 //! Nothing shared is touched per call: the counts are kept on the loop's own thread and
 //! added to the shared counters once a round (a counter per (service, method) that
@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use rpcmesh_common::metrics::families::CallCounters;
 use rpcmesh_common::net::connection::{CloseReason, IoCounts};
-use rpcmesh_common::net::listener::AcceptObserver;
+use rpcmesh_common::net::listener::{AcceptObserver, Refusal};
 use rpcmesh_wire::Status;
 
 use crate::failure::Failure;
@@ -154,6 +154,10 @@ impl Counts {
 
     pub fn opened(&self) {
         self.metrics.conns.opened();
+    }
+
+    pub fn refused(&self, reason: Refusal) {
+        self.metrics.conns.refused(reason);
     }
 
     pub fn closed(&self, reason: CloseReason) {

@@ -63,15 +63,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
 use mio::net::TcpListener;
 use mio::{Events, Interest, Poll, Token, Waker};
 use rpcmesh_common::net::backoff::Backoff;
 use rpcmesh_common::net::listener::{ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN};
 use rpcmesh_common::net::session::{DRAIN_LINGER, FINAL_FLUSH_TIMEOUT};
 use rpcmesh_wire::codec::FrameCodec;
-use rpcmesh_wire::envelope::{put_error_response, put_not_run_response};
-use rpcmesh_wire::frame::Flags;
 
 use self::metrics::Counts;
 use crate::config::BrokerConfig;
@@ -445,18 +442,5 @@ impl Engine {
             }
         }
         self.flush_sessions();
-    }
-}
-
-/// Writes the broker's own answer to call `id` (with the caller's `flags`) to `out`.
-fn put_answer(out: &mut BytesMut, message: &mut String, id: u64, flags: Flags, failure: &Failure) {
-    use std::fmt::Write as _;
-    message.clear();
-    let _ = write!(message, "{failure}");
-    if failure.not_run() {
-        // Not run: the caller may send it to another broker.
-        put_not_run_response(out, id, flags, message);
-    } else {
-        put_error_response(out, id, flags, failure.status(), message);
     }
 }

@@ -15,7 +15,6 @@ use rpcmesh_wire::frame::Flags;
 use super::Engine;
 use super::upstream::Upstream;
 use crate::config::BrokerConfig;
-use crate::failure::Failure;
 use crate::route::NoRoute;
 
 /// A provider, as configured.
@@ -58,17 +57,6 @@ impl Routes {
         }
         self.providers.push(provider);
         p
-    }
-}
-
-/// The broker's answer for a call no provider took.
-pub(super) fn failure(no: NoRoute, service: String) -> Failure {
-    match no {
-        NoRoute::UnknownService => Failure::UnknownService(service),
-        NoRoute::NoHealthy => Failure::NoHealthy(service),
-        NoRoute::NeedsExtension => Failure::NeedsExtension(service),
-        NoRoute::Full => Failure::Full(service),
-        NoRoute::Draining => Failure::ProvidersDraining(service),
     }
 }
 

@@ -10,19 +10,19 @@ use bytes::{Bytes, BytesMut};
 use mio::Interest;
 use mio::net::TcpListener;
 use rpcmesh_common::net::connection::CloseReason;
+use rpcmesh_common::net::listener::Refusal;
 use rpcmesh_common::net::session::{FINAL_FLUSH_TIMEOUT, WRITE_BACKLOG_LIMIT};
 use rpcmesh_common::net::thinned::Thinned;
 use rpcmesh_wire::Status;
-use rpcmesh_wire::body::{Heartbeat, request_names};
-use rpcmesh_wire::codec::{body_in_place, skip_frame};
+use rpcmesh_wire::body::request_names;
+use rpcmesh_wire::codec::{body_in_place, skip_frame, trailer_in_place};
 use rpcmesh_wire::ext;
-use rpcmesh_wire::frame::{FRAME_OVERHEAD, Flags, FrameError, Header, MsgType};
+use rpcmesh_wire::frame::{Flags, FrameError, Header, MsgType};
 
-use super::route;
 use super::socket::{Filled, Socket, one_connections};
 use super::upstream::{AsSent, Call};
-use super::{Engine, FIRST_SESSION, put_answer};
-use crate::failure::{Cap, Failure};
+use super::{Engine, FIRST_SESSION};
+use crate::failure::{Cap, Failure, put_answer};
 
 /// Connections accepted in one round at most, so that a flood of connections cannot
 /// starve the sessions' reads; the next round takes the rest.
@@ -71,7 +71,6 @@ pub(super) struct SessionRef {
 pub(super) struct Sessions {
     slots: Vec<(u32, Option<Session>)>,
     free: Vec<u32>,
-    open: usize,
     /// Sessions given something to write this round.
     dirty: Vec<u32>,
     /// Sessions that were paused and may be read again: read in the next round, which
@@ -83,7 +82,6 @@ pub(super) struct Sessions {
 
 impl Sessions {
     fn insert(&mut self, session: Session) -> usize {
-        self.open += 1;
         match self.free.pop() {
             Some(i) => {
                 let slot = &mut self.slots[i as usize];
@@ -100,9 +98,13 @@ impl Sessions {
 
     fn remove(&mut self, i: usize) -> Option<Session> {
         let session = self.slots.get_mut(i)?.1.take()?;
-        self.open -= 1;
         self.free.push(i as u32);
         Some(session)
+    }
+
+    /// Sessions open now: every index but the free ones.
+    fn open(&self) -> usize {
+        self.slots.len() - self.free.len()
     }
 
     fn get(&mut self, i: usize) -> Option<&mut Session> {
@@ -175,7 +177,8 @@ impl Engine {
                     return;
                 }
             };
-            if self.sessions.open >= self.config.max_connections {
+            if self.sessions.open() >= self.config.max_connections {
+                self.counts.refused(Refusal::ConnectionCap);
                 continue;
             }
             let i = self.sessions.insert(Session {
@@ -268,16 +271,10 @@ impl Engine {
         let ended = loop {
             match self.codec.peek_frame(&mut rbuf) {
                 Ok(Some(h)) => {
-                    let end = FRAME_OVERHEAD + h.body_len as usize;
-                    let t = [rbuf[end - 4], rbuf[end - 3], rbuf[end - 2], rbuf[end - 1]];
-                    let body = body_in_place(&rbuf, &h);
+                    let (body, trailer) = (body_in_place(&rbuf, &h), trailer_in_place(&rbuf, &h));
                     match h.msg_type {
-                        MsgType::Request => {
-                            self.admit(from, &h, body, u32::from_be_bytes(t), false)
-                        }
-                        MsgType::ExtRequest => {
-                            self.admit(from, &h, body, u32::from_be_bytes(t), true)
-                        }
+                        MsgType::Request => self.admit(from, &h, body, trailer, false),
+                        MsgType::ExtRequest => self.admit(from, &h, body, trailer, true),
                         MsgType::Heartbeat => self.answer_heartbeat(i, &h, body),
                         // A reply makes no sense from a caller: dropped.
                         MsgType::Response => {}
@@ -364,7 +361,7 @@ impl Engine {
             Ok(k) => k,
             Err(no) => {
                 let name = String::from_utf8_lossy(&inner[service.clone()]).into_owned();
-                return refused(self, &route::failure(no, name));
+                return refused(self, &no.failure(name));
             }
         };
         let limit = budget.map_or(self.config.call_timeout, |b| {
@@ -381,18 +378,7 @@ impl Engine {
         };
         if let Err(call) = self.send(k, call, flags, inner, as_sent) {
             let name = String::from_utf8_lossy(&inner[service]).into_owned();
-            let failure = Failure::Full(name);
-            self.counts.failed(&failure);
-            self.counts.answered(call.tag, failure.status());
-            self.summary.answered += 1;
-            let Engine {
-                sessions, message, ..
-            } = self;
-            if let Some(s) = sessions.get_ref(from) {
-                put_answer(&mut s.sock.out, message, id, flags, &failure);
-                sessions.mark_dirty(from.idx as usize);
-            }
-            return;
+            return self.refuse(from, id, flags, &Failure::Full(name), call.tag);
         }
         if let Some(s) = self.sessions.get_ref(from) {
             s.in_flight += 1;
@@ -420,20 +406,8 @@ impl Engine {
     /// Answers a heartbeat with one of the broker's own, under its id; one that asks which
     /// call fields the broker takes is told (the deadline).
     fn answer_heartbeat(&mut self, i: usize, h: &Header, body: &[u8]) {
-        let asked = Heartbeat::extra_value_in(body, ext::HEARTBEAT_KEY).is_ok_and(|v| v.is_some());
-        let extra: &[(&str, &str)] = if asked {
-            &[(ext::HEARTBEAT_KEY, ext::DEADLINE_FIELD)]
-        } else {
-            &[]
-        };
         if let Some(s) = self.sessions.get(i) {
-            let _ = Heartbeat::put_now_with(
-                &mut s.sock.out,
-                h.req_id,
-                "broker",
-                "rpcmesh-broker",
-                extra,
-            );
+            crate::session::put_heartbeat_answer(&mut s.sock.out, h.req_id, body);
             self.sessions.mark_dirty(i);
         }
     }
@@ -624,6 +598,6 @@ mod tests {
         assert_eq!(i, j, "the index is reused");
         assert!(sessions.get_ref(first).is_none(), "under a new generation");
         assert!(sessions.get_ref(sessions.ref_of(j)).is_some());
-        assert_eq!(sessions.open, 1);
+        assert_eq!(sessions.open(), 1);
     }
 }

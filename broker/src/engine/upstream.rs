@@ -18,7 +18,7 @@ use rpcmesh_common::net::slots::SlotTable;
 use rpcmesh_common::net::thinned::Thinned;
 use rpcmesh_wire::PeerKind;
 use rpcmesh_wire::body::Heartbeat;
-use rpcmesh_wire::codec::{body_in_place, skip_frame};
+use rpcmesh_wire::codec::{body_in_place, skip_frame, trailer_in_place};
 use rpcmesh_wire::ext;
 use rpcmesh_wire::frame::{
     FRAME_OVERHEAD, Flags, FrameError, Header, MsgType, put_frame, put_frame_with_trailer,
@@ -29,22 +29,14 @@ use super::route::{Provider, Routes};
 use super::session::SessionRef;
 use super::socket::{Filled, Socket};
 use super::{Engine, FIRST_UPSTREAM};
-use crate::call::{CallInfo, write_reply_to};
+use crate::call::{CallInfo, MIN_REPLY_BODY, write_reply_to};
 use crate::config::BrokerConfig;
 use crate::failure::{ConnEnd, Failure};
+use crate::upstream::connection::{SKIP_FACTOR, sweep_period};
 
-/// The shortest reply body: a status byte and a payload length.
-const MIN_REPLY_BODY: usize = 5;
-/// How far past the frame limit a provider's reply may be and still be skipped (failing
-/// its call alone), as the Tokio engine's; beyond that the length is taken for garbage
-/// and the connection ends.
-const SKIP_FACTOR: u64 = 4;
-/// Calls past their deadline are looked for at most this often and at least this
-/// seldom (a twentieth of the call timeout between), as the Tokio engine's connections
-/// do: a provider that stalls makes deadlines pass all the time, and a sweep each round
-/// would walk every slot in every round.
-const SWEEP_MIN: Duration = Duration::from_millis(1);
-const SWEEP_MAX: Duration = Duration::from_millis(100);
+/// The provider connections are looked after at most this often, whatever their times
+/// say: a retry or a deadline due at once costs one look a millisecond, not one a round.
+const KEEP_AT_MOST_EVERY: Duration = Duration::from_millis(1);
 
 /// Log lines for lost provider connections and failed connects, thinned.
 static LOST_LINES: Thinned = Thinned::new();
@@ -360,9 +352,8 @@ impl Engine {
                     match h.msg_type {
                         MsgType::Heartbeat => self.on_heartbeat(k, body_in_place(&rbuf, &h)),
                         MsgType::Response => {
-                            let end = FRAME_OVERHEAD + h.body_len as usize;
-                            let t = [rbuf[end - 4], rbuf[end - 3], rbuf[end - 2], rbuf[end - 1]];
-                            self.on_reply(k, &h, body_in_place(&rbuf, &h), u32::from_be_bytes(t));
+                            let trailer = trailer_in_place(&rbuf, &h);
+                            self.on_reply(k, &h, body_in_place(&rbuf, &h), trailer);
                         }
                         // Requests make no sense from a provider: dropped.
                         MsgType::Request | MsgType::ExtRequest => {}
@@ -517,7 +508,7 @@ impl Engine {
                 next = next.min(by);
             }
         }
-        self.next_keep = next.max(now + SWEEP_MIN);
+        self.next_keep = next.max(now + KEEP_AT_MOST_EVERY);
     }
 
     /// Starts connection `k` to its provider; down again after a pause when it cannot
@@ -574,7 +565,9 @@ impl Engine {
                 self.answer_call(&call, &failure);
             }
         }
-        let sweep = (self.config.call_timeout / 20).clamp(SWEEP_MIN, SWEEP_MAX);
+        // Not sooner than the sweep's period: a provider that stalls makes deadlines pass
+        // all the time, and a sweep each round would walk every slot in every round.
+        let sweep = sweep_period(self.config.call_timeout);
         self.next_expiry = next.map(|t| t.max(now + sweep));
     }
 

@@ -19,7 +19,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use rpcmesh_wire::codec::{self, FrameCodec};
-use rpcmesh_wire::frame::{FRAME_OVERHEAD, Frame, FrameError, HEADER_LEN, Header, TRAILER_LEN};
+use rpcmesh_wire::frame::{FRAME_OVERHEAD, Frame, FrameError, HEADER_LEN, Header};
 
 use crate::net::budget::{Held, MemoryBudget, Pressure};
 use crate::net::busy_poll::Activity;
@@ -595,9 +595,7 @@ impl FramedIo {
     /// The CRC trailer (already checked) of the frame [`FramedIo::peek_frame`] returned the
     /// header of.
     pub fn peeked_trailer(&self, header: &Header) -> u32 {
-        let at = HEADER_LEN + header.body_len as usize;
-        let t = &self.rbuf[at..at + TRAILER_LEN];
-        u32::from_be_bytes([t[0], t[1], t[2], t[3]])
+        codec::trailer_in_place(&self.rbuf, header)
     }
 
     /// Takes the frame [`FramedIo::peek_frame`] returned the header of.

@@ -149,6 +149,14 @@ pub fn body_in_place<'a>(src: &'a BytesMut, header: &Header) -> &'a [u8] {
     &src[HEADER_LEN..HEADER_LEN + header.body_len as usize]
 }
 
+/// The CRC trailer, as received (already checked), of the frame [`FrameCodec::peek_frame`]
+/// found at the front of `src`: a forwarder that only changes the frame's id to a neutral
+/// one (`crate::neutral`) writes it unchanged.
+pub fn trailer_in_place(src: &[u8], header: &Header) -> u32 {
+    let at = HEADER_LEN + header.body_len as usize;
+    u32::from_be_bytes([src[at], src[at + 1], src[at + 2], src[at + 3]])
+}
+
 /// Drops the frame [`FrameCodec::peek_frame`] found at the front of `src`.
 pub fn skip_frame(src: &mut BytesMut, header: &Header) {
     src.advance(FRAME_OVERHEAD + header.body_len as usize);
@@ -166,8 +174,7 @@ pub fn split_frame(src: &mut BytesMut, header: Header) -> Frame {
 pub fn split_frame_with_trailer(src: &mut BytesMut, header: Header) -> (Frame, u32) {
     let len = header.body_len as usize;
     let mut frame = src.split_to(FRAME_OVERHEAD + len);
-    let t = &frame[HEADER_LEN + len..];
-    let trailer = u32::from_be_bytes([t[0], t[1], t[2], t[3]]);
+    let trailer = trailer_in_place(&frame, &header);
     frame.advance(HEADER_LEN);
     frame.truncate(len);
     let frame = Frame {

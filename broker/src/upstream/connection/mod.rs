@@ -22,6 +22,7 @@ mod kept;
 pub use kept::{RING_MAX, RING_MIN};
 mod queue;
 mod replies;
+pub(crate) use replies::SKIP_FACTOR;
 mod task;
 
 use std::sync::Arc;
@@ -52,6 +53,12 @@ type HeartbeatTx = oneshot::Sender<()>;
 /// timeout, within these bounds): timeouts fire at most this late.
 const SWEEP_MIN: Duration = Duration::from_millis(1);
 const SWEEP_MAX: Duration = Duration::from_millis(100);
+
+/// How often calls past their deadline are looked for, with `call_timeout`: a twentieth of
+/// it, within [`SWEEP_MIN`] and [`SWEEP_MAX`] (both engines).
+pub(crate) fn sweep_period(call_timeout: Duration) -> Duration {
+    (call_timeout / 20).clamp(SWEEP_MIN, SWEEP_MAX)
+}
 /// How long a call's request is kept after the call was admitted (`kept`), so that a
 /// `NOT_RUN` refusal can be routed elsewhere. A draining provider refuses a call as soon
 /// as it reads it, so the refusal comes one round trip after the write unless the
@@ -133,7 +140,7 @@ impl UpstreamConn {
             None => Stream::Plain(tcp),
         };
         let span = tracing::debug_span!("upstream", provider = %settings.label, conn = id);
-        let sweep = (settings.call_timeout / 20).clamp(SWEEP_MIN, SWEEP_MAX);
+        let sweep = sweep_period(settings.call_timeout);
         let (conn, task) = UpstreamConn::pair(stream, id, settings, metrics, link);
         tracing::debug!(parent: &span, "connected");
         task.link.task_started();

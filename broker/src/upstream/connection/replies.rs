@@ -28,7 +28,7 @@ use rpcmesh_wire::{PeerKind, Status};
 
 use super::queue::{Calls, ConnState, Slot};
 use super::task::ConnTask;
-use crate::call::{CallInfo, Reply, ReplyTx, Reroute, copied_at_once, status_of};
+use crate::call::{CallInfo, MIN_REPLY_BODY, Reply, ReplyTx, Reroute, copied_at_once, status_of};
 use crate::failure::{ConnEnd, Failure};
 use crate::metrics::{UPSTREAM, UpstreamMetrics};
 use crate::resilience::outlier::Verdict;
@@ -38,7 +38,7 @@ use {super::REQUEST_RETAIN, crate::upstream::PoolLink};
 
 /// How far past the frame limit a provider's reply may be and still be skipped (failing
 /// its call alone); beyond that the length is taken for garbage and the connection ends.
-const SKIP_FACTOR: u64 = 4;
+pub(crate) const SKIP_FACTOR: u64 = 4;
 
 impl ConnTask {
     /// Handles every whole frame read so far.
@@ -176,7 +176,7 @@ impl ConnTask {
             return false;
         }
         let body = self.io.peeked_body(header);
-        if body.len() < 5
+        if body.len() < MIN_REPLY_BODY
             || body[0] == Status::Unavailable as u8
             || body[0] == Status::Overloaded as u8
         {
@@ -228,7 +228,7 @@ impl ConnTask {
                 };
                 self.reply_read(&mut slot, read_at);
                 self.took(slot.info.admitted);
-                let outcome = if frame.body.len() < 5 {
+                let outcome = if frame.body.len() < MIN_REPLY_BODY {
                     let failure = Failure::MalformedReply;
                     failure.count(&self.metrics.errors);
                     self.judge(Verdict::Fault);
