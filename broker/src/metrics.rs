@@ -430,6 +430,13 @@ impl UpstreamMetrics {
         self.latency_estimate.set(estimate.as_secs_f64());
     }
 
+    /// Sets the pool's connections to `up`, every one idle and healthy: the loop
+    /// engine's pool, whose connections are up or being made again.
+    pub(crate) fn publish_conns(&self, up: usize) {
+        let up = up as u64;
+        self.publish_sums(|row| row[..3].copy_from_slice(&[up, up, up]));
+    }
+
     /// The pool stopped (its provider left, or the broker is stopping): its gauges go to
     /// zero, so that a provider that left does not look as if it still had connections.
     pub(crate) fn publish_gone(&self, size: usize) {

@@ -390,9 +390,10 @@ impl Router {
     }
 }
 
-/// Which providers a round of offers goes to.
+/// Which providers a round of offers goes to (the loop engine's routing takes the same
+/// two rounds).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Pass {
+pub(crate) enum Pass {
     /// Those in service (and a probing one's probe call): the first round.
     Admitted,
     /// Those ejected, and the one a retry prefers to avoid, when no other took the call.
@@ -401,7 +402,7 @@ enum Pass {
 
 /// True when a call that avoids `avoid` must not go to provider `id` in this `pass`: one
 /// it prefers to avoid may take it only as a last resort, one it must avoid never.
-fn avoided(avoid: Avoid, id: u64, pass: Pass) -> bool {
+pub(crate) fn avoided(avoid: Avoid, id: u64, pass: Pass) -> bool {
     match avoid {
         Avoid::None => false,
         Avoid::Never(p) => p == id,

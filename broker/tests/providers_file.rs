@@ -5,7 +5,8 @@
 //! connections close; a bad file is kept out with a log line naming the file and the
 //! line, and the providers stay as they were; and a provider stopped by SIGTERM under load
 //! beside a healthy one costs the callers nothing (the calls it refused `NOT_RUN` go to
-//! the other), then takes calls again once restarted on the same port.
+//! the other), then takes calls again once restarted on the same port (this one on both
+//! engines: the loop engine, which reads no file yet, given the providers as flags).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -544,16 +545,52 @@ fn spawn_provider(addr: SocketAddr) -> ChildGuard {
     .unwrap()
 }
 
+/// On both engines: the Tokio engine reads the providers from the file, the loop engine
+/// (which reads no file yet) from `--upstream` flags.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_provider_drained_by_sigterm_under_load_costs_the_callers_nothing_and_comes_back() {
-    let dir = test_dir("sigterm");
+    for engine in ["tokio", "loop"] {
+        drained_by_sigterm_under_load(engine).await;
+    }
+}
+
+async fn drained_by_sigterm_under_load(engine: &str) {
+    let dir = test_dir(&format!("sigterm-{engine}"));
     let a_addr = SocketAddr::from(([127, 0, 0, 1], testkit::free_port()));
     let mut a = spawn_provider(a_addr);
     testkit::wait_listening(a_addr).await;
     let other = provider(ProviderConfig::default()).await;
     let file = dir.join("providers");
     std::fs::write(&file, format!("{a_addr}\n{}\n", other.addr)).unwrap();
-    let b = broker_process(&file, &dir.join("broker.log"));
+    let log = dir.join("broker.log");
+    let b = if engine == "tokio" {
+        broker_process(&file, &log)
+    } else {
+        let (a_flag, other_flag) = (a_addr.to_string(), other.addr.to_string());
+        Spawned::start_with(
+            "broker",
+            &[
+                "--engine",
+                engine,
+                "--upstream",
+                &a_flag,
+                "--upstream",
+                &other_flag,
+                "--health-interval",
+                "100ms",
+                "--connect-timeout",
+                "500ms",
+                "--health-timeout",
+                "500ms",
+                "--busy-poll",
+                "off",
+            ],
+            Launch {
+                stderr: Some(&log),
+                ..Launch::default()
+            },
+        )
+    };
     let c = client(b.rpc).await;
     until_ready(&c).await;
     let ok_before = b.metric(CALLS_TOTAL.name, &[("status", "ok")]);
@@ -593,8 +630,12 @@ async fn a_provider_drained_by_sigterm_under_load_costs_the_callers_nothing_and_
     // Every call made has exactly one outcome at the broker, and it is ok.
     let ok = b.metric(CALLS_TOTAL.name, &[("status", "ok")]) - ok_before;
     let all = b.metric(CALLS_TOTAL.name, &[]) - all_before;
-    assert_eq!((ok, all), (made as f64, made as f64), "rerouted {rerouted}");
-    println!("drain under load: {made} calls, all ok, {rerouted} rerouted");
+    assert_eq!(
+        (ok, all),
+        (made as f64, made as f64),
+        "{engine}: rerouted {rerouted}"
+    );
+    println!("{engine} engine, drain under load: {made} calls, all ok, {rerouted} rerouted");
 
     // A restarted on the same port is found again and takes calls.
     let a_served = upstream_ok(&b, a_addr);

@@ -45,6 +45,8 @@ pub(super) struct Counts {
     free_pending: Vec<u32>,
     /// Client connections' reads and writes this round.
     pub inbound: IoCounts,
+    /// Provider connections' reads and writes this round.
+    pub outbound: IoCounts,
     /// Calls in flight as last reported.
     in_flight: usize,
 }
@@ -62,6 +64,7 @@ impl Counts {
             pending: Vec::new(),
             free_pending: Vec::new(),
             inbound: IoCounts::default(),
+            outbound: IoCounts::default(),
             in_flight: 0,
         }
     }

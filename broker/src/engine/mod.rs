@@ -21,9 +21,16 @@
 //!   (`--max-connections`), and on replies waiting for a client that does not read
 //!   (`WRITE_BACKLOG_LIMIT`: the client is not read meanwhile);
 //! - routed (`route`): the providers named for the service first, then those for any
-//!   service, by the less loaded of two; within a provider, packed onto the oldest
-//!   connection with fewer than `--pack-in-flight` calls, else the least loaded; a
-//!   compressed call only to an rpcmesh provider;
+//!   service, by `--balance` (PeakEWMA, the less loaded of two, round robin); a provider
+//!   ejected for its failures (`crate::resilience::outlier`) only as a last resort or for
+//!   its probe call, one that drains not at all; within a provider, packed onto the
+//!   oldest connection with fewer calls than the provider answers in `--pack-wait`
+//!   (`crate::upstream::pace`), else the least loaded; a compressed call only to an
+//!   rpcmesh provider;
+//! - routed again (`reroute`): a call a provider refused `NOT_RUN` (it drains: it takes
+//!   no call until it is back) or shed, or whose connection was lost before it was
+//!   written, and an idempotent one lost after, within the retry budget, with its request
+//!   as kept in its connection's ring;
 //! - copied under an id neutral to its CRC (`rpcmesh_wire::neutral`), with its deadline
 //!   where the provider takes it, as it came where it may; the reply matched back by it
 //!   and copied under the caller's id, statuses degraded for v1 callers; a bad reply
@@ -32,7 +39,9 @@
 //! - provider connections (`upstream`) made within `--connect-timeout`, sent a heartbeat
 //!   every `--health-interval` and given up when one goes unanswered for
 //!   `--health-timeout`, their calls answered when they are lost, and made again after a
-//!   pause that grows while the provider cannot be reached;
+//!   pause that grows while the provider cannot be reached; no connection taken before
+//!   every provider has settled (answered a heartbeat, or refused a connect), so that the
+//!   first calls do not find no provider;
 //! - an accept error that is not one connection's (no descriptor left) pausing the
 //!   accepting, not spinning on it;
 //! - the drain: no new connection, new calls refused ("not run"), the calls in flight
@@ -40,23 +49,27 @@
 //!   [`DRAIN_LINGER`] without a call before the sessions close;
 //! - its calls counted in the broker's own families (`metrics`): calls by pair and status,
 //!   errors, calls shed, client connections, bytes and system calls on them, calls in
-//!   flight, allocations, once a round;
+//!   flight, allocations, once a round; each provider's calls by status, connections,
+//!   latency estimate, pace, calls in flight per connection, ejections, connect failures;
+//!   calls routed again and retries refused for want of budget.
 //!
-//! What it does not do yet, and the Tokio engine does: TLS; the metrics of stages, of
-//! each provider and its pool, and of busy polling; logs of bad input; the providers
-//! file; pacing, ejection, retries and re-routing (a provider that answers "unavailable"
-//! or "not run" stays in the rotation); the memory budget; idle and write timeouts;
-//! several threads. [`spawn_counted`] refuses a configuration that asks for TLS or a
-//! providers file. Unlike the Tokio engine it answers the calls of a client that closed
-//! its side before closing too.
+//! What it does not do yet, and the Tokio engine does: TLS; the metrics of stages and of
+//! busy polling; logs of bad input; the providers file; the memory budget beyond the
+//! requests it keeps (large requests are not refused for it, connections not paused);
+//! idle and write timeouts; several threads. [`spawn_counted`] refuses a configuration
+//! that asks for TLS or a providers file. Unlike the Tokio engine it answers the calls of
+//! a client that closed its side before closing too, and keeps a request for a hand-back
+//! for as long as its connection's ring holds it, not [`REQUEST_RETAIN`] at most.
 
 mod metrics;
+mod reroute;
 mod route;
 mod session;
 pub mod socket;
 mod upstream;
 
 use std::io;
+use std::mem;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -65,7 +78,9 @@ use std::time::{Duration, Instant};
 
 use mio::net::TcpListener;
 use mio::{Events, Interest, Poll, Token, Waker};
+use rpcmesh_common::metrics::families::publish_budget;
 use rpcmesh_common::net::backoff::Backoff;
+use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::listener::{ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN};
 use rpcmesh_common::net::session::{DRAIN_LINGER, FINAL_FLUSH_TIMEOUT};
 use rpcmesh_wire::codec::FrameCodec;
@@ -74,11 +89,16 @@ use self::metrics::Counts;
 use crate::config::BrokerConfig;
 use crate::failure::Failure;
 use crate::metrics::BrokerMetrics;
+use crate::resilience::Guards;
+use reroute::HandedBack;
 use route::Routes;
 use rpcmesh_common::metrics::Telemetry;
 use session::Sessions;
 use std::future::Future;
 use upstream::Upstream;
+
+#[cfg(doc)]
+use crate::upstream::connection::REQUEST_RETAIN;
 
 /// The listener's token.
 const LISTENER: Token = Token(0);
@@ -257,6 +277,27 @@ struct Engine {
     /// call's deadline (`rpcmesh_wire::ext::CAP_KEY`): the call timeout.
     cap_value: String,
     rng: fastrand::Rng,
+    /// The turn of `--balance round-robin`.
+    turn: usize,
+    /// Rounds taken so far.
+    rounds: u64,
+    /// Connections made to providers so far (each one's serial).
+    serials: u64,
+    /// When the providers' gauges are next published.
+    next_publish: Instant,
+    /// The outlier detectors' count of ejections, the retry budget.
+    guards: Arc<Guards>,
+    /// The broker's budget of buffered bytes: the requests kept for hand-backs count in
+    /// it.
+    budget: Arc<MemoryBudget>,
+    /// Calls handed back this round, routed again at its end (`reroute`).
+    handed_back: Vec<HandedBack>,
+    /// Calls admitted this round: what they deposit in the retry budget.
+    admitted: usize,
+    /// The listener is registered: the providers have settled (`Engine::listen`), or
+    /// this time has passed (`--connect-timeout` + `--health-timeout` after the start).
+    listening: bool,
+    settle_by: Instant,
     summary: Summary,
     /// The rounds' allocations so far, for [`LoopHandle::allocations`].
     allocations: Arc<AtomicU64>,
@@ -265,8 +306,12 @@ struct Engine {
 
 impl Engine {
     fn new(config: BrokerConfig, poll: Poll, metrics: BrokerMetrics) -> io::Result<Engine> {
-        let (routes, upstreams) = upstream::providers(&config);
+        let guards = Guards::new(config.resilience, &metrics);
+        let budget = MemoryBudget::new(config.memory_budget);
+        publish_budget(&metrics.telemetry, crate::metrics::ROLE, &budget);
+        let (routes, upstreams) = upstream::providers(&config, &metrics, &guards);
         let cap_value = rpcmesh_wire::ext::cap_value(config.call_timeout);
+        let settle_by = Instant::now() + config.connect_timeout + config.health_timeout;
         Ok(Engine {
             codec: FrameCodec::new(config.max_body_len),
             poll,
@@ -286,6 +331,16 @@ impl Engine {
             message: String::new(),
             cap_value,
             rng: fastrand::Rng::new(),
+            turn: 0,
+            rounds: 0,
+            serials: 0,
+            next_publish: Instant::now(),
+            guards,
+            budget,
+            handed_back: Vec::new(),
+            admitted: 0,
+            listening: false,
+            settle_by,
             summary: Summary::default(),
             allocations: Arc::default(),
             counts: Counts::new(metrics),
@@ -295,10 +350,8 @@ impl Engine {
     /// The loop: wait for sockets, read every ready one until drained (handing calls and
     /// replies along as they are found), keep the time (deadlines, heartbeats, connects,
     /// the drain), write what the round gave.
-    fn run(&mut self, mut listener: TcpListener, stop: &AtomicBool) -> io::Result<Summary> {
-        self.poll
-            .registry()
-            .register(&mut listener, LISTENER, Interest::READABLE)?;
+    fn run(&mut self, listener: TcpListener, stop: &AtomicBool) -> io::Result<Summary> {
+        // Registered once the providers have settled (`Engine::listen`).
         let mut listener = Some(listener);
         let spin = self.config.busy_poll.window(1);
         // While spinning: polls that do not sleep, each empty one followed by
@@ -306,7 +359,9 @@ impl Engine {
         let mut spin_until: Option<Instant> = None;
         let mut events = Events::with_capacity(EVENTS);
         loop {
-            let now_due = !self.sessions.resume.is_empty() || self.accept_at == Some(self.now);
+            let now_due = !self.sessions.resume.is_empty()
+                || self.accept_at == Some(self.now)
+                || self.any_handed_back();
             let timeout = if spin_until.is_some() || now_due {
                 Some(Duration::ZERO)
             } else {
@@ -351,6 +406,8 @@ impl Engine {
         listener: &mut Option<TcpListener>,
         stop: &AtomicBool,
     ) -> bool {
+        self.rounds += 1;
+        self.listen(listener);
         for i in std::mem::take(&mut self.sessions.resume) {
             self.read_session(i as usize);
         }
@@ -382,12 +439,20 @@ impl Engine {
             self.expire_calls();
         }
         self.keep_upstreams();
+        self.reroute();
         if let Some(until) = self.grace_until {
             if self.in_flight > 0 && self.now >= until {
                 self.answer_all_in_flight(&Failure::GraceOver);
+                self.answer_handed_back(&Failure::GraceOver);
             }
         }
+        if self.admitted > 0 {
+            self.guards
+                .budget
+                .deposit(mem::take(&mut self.admitted), self.now);
+        }
         // Counted before the replies leave: a scrape after a reply includes its call.
+        self.tell_providers();
         self.counts.end_round(self.in_flight);
         self.flush();
         let done = self.drain_over();
@@ -395,6 +460,37 @@ impl Engine {
             self.close_all();
         }
         done
+    }
+
+    /// Starts taking connections once every provider has settled: it answered a
+    /// heartbeat, or a connect to it failed, or `settle_by` has passed. A call sent as
+    /// soon as the broker runs is then not answered "unavailable" only because the first
+    /// connections were still being made; the connections waiting meanwhile are in the
+    /// listener's backlog, taken at once.
+    fn listen(&mut self, listener: &mut Option<TcpListener>) {
+        if self.listening {
+            return;
+        }
+        let settled = self.now >= self.settle_by || self.routes.providers.iter().all(|p| p.settled);
+        let Some(l) = listener.as_mut().filter(|_| settled) else {
+            return;
+        };
+        match self
+            .poll
+            .registry()
+            .register(l, LISTENER, Interest::READABLE)
+        {
+            Ok(()) => {
+                self.listening = true;
+                self.accept_at = Some(self.now);
+            }
+            Err(e) => {
+                // Tried again next round, after the pause.
+                let pause = self.accept_backoff.pause();
+                tracing::warn!(error = %e, ?pause, "the listener could not be registered; tried again after a pause");
+                self.settle_by = self.now + pause;
+            }
+        }
     }
 
     /// Whether the drain is over: every call answered and every answer written, and no
@@ -428,19 +524,46 @@ impl Engine {
         };
         at(self.next_expiry);
         at(self.accept_at);
+        if !self.listening {
+            at(Some(self.settle_by));
+        }
         if self.grace_until.is_some() || self.any_ending() {
             at(Some(self.now + TICK));
         }
         wake.map(|w| w.saturating_duration_since(Instant::now()))
     }
 
-    /// Writes what this round gave: the calls, then the replies.
+    /// Writes what this round gave: the calls, then the replies. The calls of a
+    /// provider connection whose write failed are routed again and written at once, once
+    /// (those of a second failure in the next round, which does not wait).
     fn flush(&mut self) {
-        for k in 0..self.upstreams.len() {
-            if let Err(e) = self.upstreams[k].flush() {
-                self.upstream_lost(k, crate::failure::ConnEnd::Write(Arc::new(e)));
+        for pass in 0..2 {
+            for k in 0..self.upstreams.len() {
+                if let Err(e) = self.upstreams[k].flush(&self.budget) {
+                    self.upstream_lost(k, crate::failure::ConnEnd::Write(Arc::new(e)));
+                }
             }
+            if pass == 1 || !self.any_handed_back() {
+                break;
+            }
+            self.reroute();
         }
         self.flush_sessions();
+    }
+
+    /// Tells the shared counters what the round counted of each provider: its calls'
+    /// outcomes, the bytes and system calls on its connections.
+    fn tell_providers(&mut self) {
+        for provider in &mut self.routes.providers {
+            if !provider.outcomes.is_empty() {
+                let m = &provider.metrics;
+                provider.outcomes.drain(|status, n| m.outcomes(status, n));
+            }
+        }
+        if self.counts.outbound != Default::default() {
+            if let Some(p) = self.routes.providers.first() {
+                p.metrics.wire.add(mem::take(&mut self.counts.outbound));
+            }
+        }
     }
 }

@@ -22,6 +22,7 @@ use rpcmesh_wire::frame::{Flags, FrameError, Header, MsgType};
 use super::socket::{Filled, Socket, one_connections};
 use super::upstream::{AsSent, Call};
 use super::{Engine, FIRST_SESSION};
+use crate::call::Avoid;
 use crate::failure::{Cap, Failure, put_answer};
 
 /// Connections accepted in one round at most, so that a flood of connections cannot
@@ -357,7 +358,7 @@ impl Engine {
         if self.in_flight >= self.config.max_in_flight {
             return refused(self, &Failure::Shed(Cap::Total(self.config.max_in_flight)));
         }
-        let k = match self.route(&inner[service.clone()], flags) {
+        let k = match self.route(&inner[service.clone()], flags, Avoid::None) {
             Ok(k) => k,
             Err(no) => {
                 let name = String::from_utf8_lossy(&inner[service.clone()]).into_owned();
@@ -368,14 +369,12 @@ impl Engine {
             b.min(self.config.call_timeout)
         });
         let tag = self.counts.tag(names, service.len(), true);
-        let call = Call {
-            session: from,
-            caller_id: id,
-            flags,
-            deadline: self.now + limit,
-            limit,
-            tag,
-        };
+        let idempotent = self
+            .config
+            .idempotent
+            .covers_bytes(&inner[service.clone()], &inner[method.clone()]);
+        let call = Call::new(from, (id, flags), (self.now, limit), tag, idempotent);
+        let deadline = call.deadline;
         if let Err(call) = self.send(k, call, flags, inner, as_sent) {
             let name = String::from_utf8_lossy(&inner[service]).into_owned();
             return self.refuse(from, id, flags, &Failure::Full(name), call.tag);
@@ -384,7 +383,7 @@ impl Engine {
             s.in_flight += 1;
         }
         self.in_flight += 1;
-        let deadline = self.now + limit;
+        self.admitted += 1;
         self.next_expiry = Some(self.next_expiry.map_or(deadline, |t| t.min(deadline)));
     }
 
@@ -420,9 +419,9 @@ impl Engine {
         call: &Call,
         write: impl FnOnce(&mut BytesMut) -> Status,
     ) -> bool {
-        self.in_flight -= 1;
         match self.sessions.get_ref(call.session) {
             Some(s) => {
+                self.in_flight -= 1;
                 s.in_flight -= 1;
                 let status = write(&mut s.sock.out);
                 self.sessions.mark_dirty(call.session.idx as usize);
@@ -430,11 +429,23 @@ impl Engine {
                 true
             }
             None => {
-                self.summary.orphaned += 1;
-                self.counts.abandoned();
+                self.abandon(call);
                 false
             }
         }
+    }
+
+    /// Whether the session `call` came from has gone.
+    pub(super) fn session_gone(&mut self, call: &Call) -> bool {
+        self.sessions.get_ref(call.session).is_none()
+    }
+
+    /// Drops a call whose session has gone ([`Engine::session_gone`]): nobody is left
+    /// to answer.
+    pub(super) fn abandon(&mut self, _call: &Call) {
+        self.in_flight -= 1;
+        self.summary.orphaned += 1;
+        self.counts.abandoned();
     }
 
     /// Answers a call in flight with the broker's own `failure`.

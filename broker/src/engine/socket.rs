@@ -34,6 +34,10 @@ pub struct Socket {
     pub out: BytesMut,
     /// In the round's list of sockets to write.
     pub dirty: bool,
+    /// Bytes the socket has taken of `out` since it was made: a frame queued at stream
+    /// position `at` (this plus the length of `out` before it) is written once this
+    /// passes its end.
+    pub written: u64,
     /// Bytes still to drop as they arrive: the rest of a frame refused on its header
     /// and skipped ([`Socket::skip`]).
     discard: usize,
@@ -51,6 +55,7 @@ impl Socket {
             rbuf: BytesMut::new(),
             out: BytesMut::new(),
             dirty: false,
+            written: 0,
             discard: 0,
             counts: IoCounts::default(),
         }
@@ -111,6 +116,7 @@ impl Socket {
                 Ok(n) => {
                     self.counts.writes += 1;
                     self.counts.bytes_written += n as u64;
+                    self.written += n as u64;
                     self.out.advance(n);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),

@@ -5,18 +5,19 @@
 
 use std::io;
 use std::mem;
-use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mio::event::Event;
 use mio::net::TcpStream;
 use mio::{Interest, Token};
+use rpcmesh_common::metrics::{ErrorKind, Side};
 use rpcmesh_common::net::backoff::Backoff;
+use rpcmesh_common::net::budget::MemoryBudget;
+use rpcmesh_common::net::listener::AcceptObserver;
 use rpcmesh_common::net::session::WRITE_BACKLOG_LIMIT;
 use rpcmesh_common::net::slots::SlotTable;
 use rpcmesh_common::net::thinned::Thinned;
-use rpcmesh_wire::PeerKind;
 use rpcmesh_wire::body::Heartbeat;
 use rpcmesh_wire::codec::{body_in_place, skip_frame, trailer_in_place};
 use rpcmesh_wire::ext;
@@ -24,15 +25,24 @@ use rpcmesh_wire::frame::{
     FRAME_OVERHEAD, Flags, FrameError, Header, MsgType, put_frame, put_frame_with_trailer,
 };
 use rpcmesh_wire::neutral::neutral_id;
+use rpcmesh_wire::{PeerKind, Status};
 
+use super::reroute::Retry;
 use super::route::{Provider, Routes};
 use super::session::SessionRef;
 use super::socket::{Filled, Socket};
 use super::{Engine, FIRST_UPSTREAM};
-use crate::call::{CallInfo, MIN_REPLY_BODY, write_reply_to};
+use crate::call::{CallInfo, MIN_REPLY_BODY, Reroute, status_of, write_reply_to};
 use crate::config::BrokerConfig;
 use crate::failure::{ConnEnd, Failure};
-use crate::upstream::connection::{SKIP_FACTOR, sweep_period};
+use crate::metrics::BrokerMetrics;
+use crate::resilience::Guards;
+use crate::resilience::ewma::PeakEwma;
+use crate::resilience::outlier::{Outlier, Verdict};
+use crate::upstream::connection::kept::{self, Kept, Ring};
+use crate::upstream::connection::{SKIP_FACTOR, failure_verdict, sweep_period, verdict_of};
+use crate::upstream::pace::{Backlog, Pace, Source};
+use rpcmesh_common::net::pace::{HEARTBEAT_KEY as PACE_KEY, PerCall};
 
 /// The provider connections are looked after at most this often, whatever their times
 /// say: a retry or a deadline due at once costs one look a millisecond, not one a round.
@@ -51,8 +61,60 @@ pub(super) struct Call {
     pub deadline: Instant,
     /// What the deadline allowed: the caller's budget or the call timeout.
     pub limit: Duration,
+    /// When it was read.
+    admitted: Instant,
     /// Its (service, method) pair's tag in the counts (`super::metrics`).
     pub tag: u32,
+    /// Where its frame starts in its connection's stream (the bytes ever queued on it
+    /// before), and how long it is: written once the socket has taken it all.
+    at: u64,
+    len: u32,
+    pub retry: Retry,
+}
+
+impl Call {
+    /// A call from `session` under the caller's `caller_id` and `flags`, read at
+    /// `admitted` and answered within `limit`, counted under `tag`.
+    pub fn new(
+        session: SessionRef,
+        (caller_id, flags): (u64, Flags),
+        (admitted, limit): (Instant, Duration),
+        tag: u32,
+        idempotent: bool,
+    ) -> Call {
+        Call {
+            session,
+            caller_id,
+            flags,
+            deadline: admitted + limit,
+            limit,
+            admitted,
+            tag,
+            at: 0,
+            len: 0,
+            retry: Retry {
+                idempotent,
+                ..Retry::default()
+            },
+        }
+    }
+
+    /// Whether it may be routed again: it has tries and time left.
+    pub fn may_retry(&self, now: Instant) -> bool {
+        self.retry.retries < crate::session::MAX_RETRIES && now < self.deadline
+    }
+
+    /// What [`kept::request`] needs of it: the caller's id and flags.
+    fn info(&self) -> CallInfo {
+        CallInfo {
+            client_id: self.caller_id,
+            client_flags: self.flags,
+            tag: self.tag,
+            admitted: self.admitted,
+            routed: None,
+            replied: None,
+        }
+    }
 }
 
 /// How a call's frame may go to its provider as it came, copied with only its id
@@ -103,6 +165,25 @@ pub(super) struct Upstream {
     /// broker gave it (`ext::CAP_KEY`).
     takes_deadline: bool,
     takes_cap: bool,
+    /// Its number among the connections the engine made (at its connect): those made
+    /// before a provider said it drains are retired.
+    serial: u64,
+    /// Takes no new call, and is closed once its calls are answered: its provider
+    /// answered "unavailable" (it is going away) or said it drains.
+    retiring: bool,
+    /// The requests written lately, kept while they may be handed back (`kept`'s module
+    /// doc): the last bytes of the connection's stream, fed once a round, when `keeps`:
+    /// an rpcmesh provider may refuse its calls `NOT_RUN` or shed them, and idempotent
+    /// calls lost in flight may go again (with `--idempotent`). A byte's place in the
+    /// ring is `ring_base` plus its place in the stream; the stream is fed up to `fed`,
+    /// and `sent` calls were written since the last feed.
+    ring: Ring,
+    keeps: bool,
+    ring_base: u64,
+    fed: u64,
+    sent: usize,
+    /// A plain v1 server's side of its pace's measure (`crate::upstream::pace`).
+    backlog: Backlog,
 }
 
 impl Upstream {
@@ -115,31 +196,78 @@ impl Upstream {
     /// broker buffer without end).
     pub fn load(&self) -> Option<usize> {
         match &self.state {
-            State::Up(sock) if sock.out.len() < WRITE_BACKLOG_LIMIT => Some(self.calls.len()),
+            State::Up(sock) if sock.out.len() < WRITE_BACKLOG_LIMIT && !self.retiring => {
+                Some(self.calls.len())
+            }
             _ => None,
         }
     }
 
-    /// Writes what the socket takes of what this round gave it.
-    pub fn flush(&mut self) -> io::Result<()> {
-        match &mut self.state {
-            State::Up(sock) => sock.flush(),
-            _ => Ok(()),
+    /// Its calls in flight.
+    pub fn calls(&self) -> usize {
+        self.calls.len()
+    }
+
+    /// Writes what the socket takes of what this round gave it, fed to the ring first
+    /// when it keeps requests (sized for the calls in flight, at this round's length of
+    /// a call, in `budget`).
+    pub fn flush(&mut self, budget: &Arc<MemoryBudget>) -> io::Result<()> {
+        let State::Up(sock) = &mut self.state else {
+            return Ok(());
+        };
+        if self.keeps {
+            let new = &sock.out[(self.fed - sock.written) as usize..];
+            if !new.is_empty() {
+                let live = new.len() / self.sent.max(1) * self.calls.len().max(1);
+                if live.saturating_mul(2) > self.ring.room() {
+                    self.ring.fit(live, budget);
+                }
+                self.ring.feed(new);
+                self.fed += new.len() as u64;
+                self.sent = 0;
+            }
+        }
+        sock.flush()
+    }
+
+    /// Whether `call`'s request is still held: not yet written, or in the ring.
+    fn holds(&self, call: &Call) -> bool {
+        match &self.state {
+            State::Up(sock) if call.at >= sock.written => true,
+            _ => self.keeps && self.ring.holds(self.ring_base + call.at, call.len as usize),
         }
     }
 }
 
-/// The providers of `config`, each resolved, and `--pool-size` connections to each, to
-/// be made by the loop's first round.
-pub(super) fn providers(config: &BrokerConfig) -> (Routes, Vec<Upstream>) {
+/// The providers of `config`, each resolved, with their series in `metrics` and their
+/// outlier detectors sharing `guards`' count of ejections, and `--pool-size` connections
+/// to each, to be made by the loop's first round.
+pub(super) fn providers(
+    config: &BrokerConfig,
+    metrics: &BrokerMetrics,
+    guards: &Guards,
+) -> (Routes, Vec<Upstream>) {
     let mut routes = Routes::default();
     let mut upstreams = Vec::new();
     let now = Instant::now();
+    let size = config.pool_size.max(1);
+    let r = &guards.config;
     for spec in &config.upstreams {
+        let label: Arc<str> = spec.label().into();
+        let m = metrics.upstream(&label, size, 1);
+        let outlier = Outlier::new(
+            *r,
+            guards.ejections.clone(),
+            label.clone(),
+            m.ejections.clone(),
+        );
+        let ewma = PeakEwma::new(r.ewma_default_rtt, r.ewma_decay);
+        let pace = Pace::new(config.pack_wait, Source::of(spec.kind));
+        let mut provider =
+            Provider::new(label, spec.addr.clone(), spec.kind, m, outlier, ewma, pace);
         let p = routes.providers.len();
-        let mut conns = Vec::new();
-        for _ in 0..config.pool_size.max(1) {
-            conns.push(upstreams.len());
+        for _ in 0..size {
+            provider.conns.push(upstreams.len());
             upstreams.push(Upstream {
                 provider: p,
                 state: State::Down { retry_at: now },
@@ -149,37 +277,33 @@ pub(super) fn providers(config: &BrokerConfig) -> (Routes, Vec<Upstream>) {
                 last_heartbeat: now,
                 takes_deadline: false,
                 takes_cap: false,
+                serial: 0,
+                retiring: false,
+                ring: Ring::default(),
+                keeps: spec.kind == PeerKind::Rpcmesh || !config.idempotent.is_empty(),
+                ring_base: 0,
+                fed: 0,
+                sent: 0,
+                backlog: Backlog::default(),
             });
         }
-        let provider = Provider {
-            label: spec.label().into(),
-            host: spec.addr.clone(),
-            addr: resolve(&spec.addr),
-            kind: spec.kind,
-            conns,
-            outstanding: 0,
-        };
         routes.add(provider, &spec.services);
     }
+    guards.ejections.set_members(routes.providers.len());
     (routes, upstreams)
-}
-
-/// The first address `host` resolves to. Blocking: done at the start, and at a connect
-/// only while a provider's name has never resolved.
-fn resolve(host: &str) -> Option<SocketAddr> {
-    host.to_socket_addrs().ok().and_then(|mut a| a.next())
 }
 
 impl Engine {
     /// Writes `call` to provider connection `k`: `inner` is its v1 body, `as_sent` how
-    /// its frame came. A provider that takes deadlines is given the call's, as it came
-    /// when it may go on unchanged: the call is written in the round that read it, so the
-    /// time left is its whole budget, or, for a provider that caps every call at the call
-    /// timeout, what that cap leaves. The call back when the connection's table is full.
+    /// its frame came. A provider that takes deadlines is given the time the call has
+    /// left, its frame as it came when it may go on unchanged: in the round that read it
+    /// the time left is its whole budget, or, for a provider that caps every call at the
+    /// call timeout, what that cap leaves. The request is kept in the connection's ring
+    /// when it may be handed back. The call back when the connection's table is full.
     pub(super) fn send(
         &mut self,
         k: usize,
-        call: Call,
+        mut call: Call,
         flags: Flags,
         inner: &[u8],
         as_sent: AsSent<'_>,
@@ -196,11 +320,21 @@ impl Engine {
             PeerKind::Rpcmesh => flags | Flags::EXT_STATUS,
             PeerKind::V1 => Flags::NONE,
         };
-        let (caller_id, limit) = (call.caller_id, call.limit);
         if up.calls.len() >= rpcmesh_common::net::slots::KEYED_SLOTS {
             return Err(call);
         }
-        let (id, _) = up
+        // A call routed again has less time left than its limit; any other is written in
+        // the round that read it.
+        let left = match (up.takes_deadline, call.retry.retries) {
+            (false, _) => None,
+            // A provider that caps every call at the call timeout applies the cap itself.
+            (true, 0) => (!up.takes_cap).then_some(call.limit),
+            (true, _) => Some(call.deadline.saturating_duration_since(self.now)),
+        };
+        let start = sock.out.len();
+        call.at = sock.written + start as u64;
+        let caller_id = call.caller_id;
+        let (id, stored) = up
             .calls
             .insert_keyed(call, |key| neutral_id(caller_id, key))
             .expect("a key is free: the table holds fewer calls than it has keys (checked)");
@@ -211,10 +345,6 @@ impl Engine {
             req_id: id,
         };
         let same = out_flags == flags;
-        // The time left to give the provider: none when it takes no deadline, or caps
-        // every call at the call timeout itself (what the call has left, in the round
-        // that read it).
-        let left = (up.takes_deadline && !up.takes_cap).then_some(limit);
         let out = &mut sock.out;
         match as_sent {
             AsSent::Plain(trailer) if same && left.is_none() => {
@@ -241,6 +371,8 @@ impl Engine {
                 put_frame(out, &h, inner)
             }
         }
+        stored.len = (out.len() - start) as u32;
+        up.sent += 1;
         self.routes.providers[p].outstanding += 1;
         Ok(())
     }
@@ -260,7 +392,7 @@ impl Engine {
                 (Ok(None), Ok(_)) => self.made(k),
                 (Ok(None), Err(e)) if e.kind() == io::ErrorKind::NotConnected => return,
                 (Ok(Some(e)) | Err(e), _) | (Ok(None), Err(e)) => {
-                    return self.upstream_lost(k, ConnEnd::Socket(Arc::new(e)));
+                    return self.connect_failed(k, e);
                 }
             }
         }
@@ -269,7 +401,8 @@ impl Engine {
         }
     }
 
-    /// Connection `k` is made: it is asked which call fields its provider takes.
+    /// Connection `k` is made: it is asked which call fields its provider takes, and
+    /// counts as healthy once it answers.
     fn made(&mut self, k: usize) {
         let up = &mut self.upstreams[k];
         let State::Connecting { sock, .. } =
@@ -277,9 +410,14 @@ impl Engine {
         else {
             return;
         };
+        // The new stream starts at the ring's head.
+        (up.ring_base, up.fed, up.sent) = (up.ring.head(), 0, 0);
         up.state = State::Up(sock);
         up.backoff.reset();
+        let p = up.provider;
+        self.routes.providers[p].metrics.conns.opened();
         self.send_heartbeat(k);
+        self.publish_pool(p);
     }
 
     /// Sends a heartbeat on connection `k`: the provider's answer shows it alive, and an
@@ -305,14 +443,35 @@ impl Engine {
     }
 
     /// A heartbeat answer on connection `k`: the provider is alive, and takes the call
-    /// fields it names.
+    /// fields it names. A connection made after its provider said it drains brings the
+    /// provider back, measured afresh (it is another process now).
     fn on_heartbeat(&mut self, k: usize, body: &[u8]) {
         let up = &mut self.upstreams[k];
         up.heartbeat_sent = None;
-        if let Ok(fields) = Heartbeat::extra_value_in(body, ext::HEARTBEAT_KEY) {
-            let takes = |field| fields.is_some_and(|v| ext::takes(v, field));
-            up.takes_deadline = takes(ext::DEADLINE_FIELD);
-            up.takes_cap = takes(ext::DEADLINE_CAP_FIELD);
+        let (p, serial) = (up.provider, up.serial);
+        let provider = &mut self.routes.providers[p];
+        provider.settled = true;
+        if provider.kind == PeerKind::Rpcmesh {
+            if let Ok(fields) = Heartbeat::extra_value_in(body, ext::HEARTBEAT_KEY) {
+                let takes = |field| fields.is_some_and(|v| ext::takes(v, field));
+                up.takes_deadline = takes(ext::DEADLINE_FIELD);
+                up.takes_cap = takes(ext::DEADLINE_CAP_FIELD);
+            }
+            // Its own time per call, for the packing; an answer without one (an older
+            // provider) leaves what is known.
+            if let Ok(Some(value)) = Heartbeat::extra_value_in(body, PACE_KEY) {
+                provider
+                    .pace
+                    .reported(PerCall::parse_heartbeat_value(value));
+            }
+        }
+        if provider.draining_below.is_some_and(|mark| serial >= mark) {
+            provider.draining_below = None;
+            provider
+                .ewma
+                .forget(self.config.resilience.ewma_default_rtt, self.now);
+            provider.estimate_changed();
+            tracing::info!(provider = %provider.label, "provider back after its drain");
         }
     }
 
@@ -322,7 +481,9 @@ impl Engine {
             let State::Up(sock) = &mut self.upstreams[k].state else {
                 return;
             };
-            let filled = match sock.fill(&mut self.scratch, to_the_end) {
+            let filled = sock.fill(&mut self.scratch, to_the_end);
+            sock.take_counts(&mut self.counts.outbound);
+            let filled = match filled {
                 Ok(f) => f,
                 Err(e) => return self.upstream_lost(k, ConnEnd::Socket(Arc::new(e))),
             };
@@ -338,12 +499,15 @@ impl Engine {
     }
 
     /// Hands each whole reply provider connection `k` has read to its caller. A reply
-    /// whose call has gone (timed out, its connection lost before) is dropped.
+    /// whose call has gone (timed out, its connection lost before) is dropped. What the
+    /// read says of the provider is told once it is handled: its successes to the outlier
+    /// detector, its slowest reply to the latency estimate.
     fn take_replies(&mut self, k: usize) -> Result<(), ConnEnd> {
         let State::Up(sock) = &mut self.upstreams[k].state else {
             return Ok(());
         };
         let mut rbuf = mem::take(&mut sock.rbuf);
+        let before = self.upstreams[k].calls.len();
         // Bytes of a frame refused on its header, still to come and to be dropped.
         let mut skip = 0;
         let result = loop {
@@ -356,7 +520,10 @@ impl Engine {
                             self.on_reply(k, &h, body_in_place(&rbuf, &h), trailer);
                         }
                         // Requests make no sense from a provider: dropped.
-                        MsgType::Request | MsgType::ExtRequest => {}
+                        MsgType::Request | MsgType::ExtRequest => {
+                            let errors = &self.counts.metrics.errors;
+                            errors.inc(ErrorKind::Unexpected, Side::Provider);
+                        }
                     }
                     skip_frame(&mut rbuf, &h);
                 }
@@ -367,39 +534,154 @@ impl Engine {
                 },
             }
         };
+        let p = self.upstreams[k].provider;
+        self.tell_read(p);
+        let provider = &self.routes.providers[p];
+        if provider.kind == PeerKind::V1 {
+            // A plain v1 server is timed between the reads that bring replies.
+            let up = &mut self.upstreams[k];
+            let waiting = up.calls.len();
+            let answered = before.saturating_sub(waiting);
+            up.backlog
+                .on_read(self.now, answered, waiting, &provider.pace);
+        }
         if let State::Up(sock) = &mut self.upstreams[k].state {
             sock.rbuf = rbuf;
             if skip > 0 {
                 sock.skip(skip);
             }
         }
+        self.retire_if_done(k);
         result
     }
 
-    /// A reply: to its caller, under the caller's id.
+    /// A reply: to its caller, under the caller's id; or, refused by the provider without
+    /// being run, back to be routed again (`super::reroute`).
     fn on_reply(&mut self, k: usize, h: &Header, body: &[u8], trailer: u32) {
         let Some(call) = self.upstreams[k].calls.take(h.req_id) else {
+            let errors = &self.counts.metrics.errors;
+            errors.inc(ErrorKind::LateReply, Side::Provider);
             return;
         };
         let p = self.upstreams[k].provider;
-        self.routes.providers[p].outstanding -= 1;
-        if body.len() < MIN_REPLY_BODY {
-            return self.answer_call(&call, &Failure::MalformedReply);
+        let provider = &mut self.routes.providers[p];
+        provider.outstanding -= 1;
+        let admitted = call.admitted;
+        if provider.oldest.is_none_or(|o| admitted < o) {
+            provider.oldest = Some(admitted);
         }
-        let info = CallInfo {
-            client_id: call.caller_id,
-            client_flags: call.flags,
-            tag: 0,
-            admitted: self.now,
-            routed: None,
-            replied: None,
-        };
+        if body.len() < MIN_REPLY_BODY {
+            return self.fail_call(p, call, Failure::MalformedReply);
+        }
+        let status = status_of(body);
         let flags = h.flags;
+        self.judge(p, verdict_of(status, flags, body));
+        // The provider's answer, even one that sends the call elsewhere.
+        self.routes.providers[p].outcomes.add(status);
+        let rpcmesh = self.routes.providers[p].kind == PeerKind::Rpcmesh;
+        if status == Status::Overloaded && rpcmesh && self.upstreams[k].holds(&call) {
+            // Shed without being run: safe to send to another, if the budget allows.
+            if self.guards.budget.withdraw(self.now) {
+                if let Some(request) = self.kept_request(k, &call) {
+                    return self.hand_back(p, call, request, Reroute::Overloaded);
+                }
+            } else {
+                self.counts.metrics.budget_exhausted[Reroute::Overloaded as usize].increment(1);
+            }
+        }
+        if status == Status::Unavailable {
+            // The provider is going away: no more calls on this connection.
+            self.upstreams[k].retiring = true;
+            if rpcmesh && flags.contains(Flags::NOT_RUN) {
+                // It drains and did not run the call: none of its connections takes new
+                // calls, and the call goes elsewhere.
+                self.provider_draining(p);
+                if let Some(request) = self.kept_request(k, &call) {
+                    return self.hand_back(p, call, request, Reroute::NotRun);
+                }
+            }
+        }
+        let info = call.info();
         if self.deliver(&call, |out| {
             write_reply_to(out, flags, body, Some(trailer), info)
         }) {
             self.summary.replied += 1;
         }
+    }
+
+    /// The request of `call`, taken off connection `k`, as its caller sent it, if it is
+    /// kept still (in the ring; or, not yet written, in the socket's output).
+    fn kept_request(&self, k: usize, call: &Call) -> Option<rpcmesh_wire::frame::Frame> {
+        let up = &self.upstreams[k];
+        let len = call.len as usize;
+        let kept = match &up.state {
+            State::Up(sock) if call.at >= sock.written => Kept::Queued {
+                at: (call.at - sock.written) as usize,
+                len,
+            },
+            _ if up.keeps => Kept::Ring {
+                pos: up.ring_base + call.at,
+                len,
+            },
+            _ => return None,
+        };
+        let queued = match &up.state {
+            State::Up(sock) => &sock.out[..],
+            _ => &[],
+        };
+        kept::request(kept, &call.info(), queued, &up.ring)
+    }
+
+    /// Records what an outcome says of provider `p` (`crate::resilience::outlier`): a
+    /// success is counted and told with the read's others, a fault at once (after the
+    /// successes before it).
+    fn judge(&mut self, p: usize, verdict: Verdict) {
+        match verdict {
+            Verdict::Neutral => {}
+            Verdict::Success => self.routes.providers[p].successes += 1,
+            Verdict::Fault => {
+                self.tell_successes(p);
+                self.routes.providers[p]
+                    .outlier
+                    .record(Verdict::Fault, self.now);
+            }
+        }
+    }
+
+    fn tell_successes(&mut self, p: usize) {
+        let provider = &mut self.routes.providers[p];
+        if provider.successes > 0 {
+            provider.outlier.succeeded(provider.successes, self.now);
+            provider.successes = 0;
+        }
+    }
+
+    /// A read of provider `p`'s replies is handled: its successes are told, and its
+    /// slowest reply (that of the call read first) to the latency estimate.
+    fn tell_read(&mut self, p: usize) {
+        self.tell_successes(p);
+        let provider = &mut self.routes.providers[p];
+        if let Some(oldest) = provider.oldest.take() {
+            let peak = self.now.saturating_duration_since(oldest);
+            if !peak.is_zero() {
+                provider.ewma.observe(peak, self.now);
+                provider.estimate_changed();
+            }
+        }
+    }
+
+    /// Answers a call taken off a connection of provider `p` with the broker's own
+    /// `failure`, and judges the provider by it (`failure_verdict`); a timed-out call's
+    /// wait counts as a slow reply for the balancer.
+    pub(super) fn fail_call(&mut self, p: usize, call: Call, failure: Failure) {
+        if let Failure::Timeout { after, .. } = &failure {
+            let provider = &self.routes.providers[p];
+            provider.ewma.observe(*after, self.now);
+            provider.estimate_changed();
+        }
+        self.judge(p, failure_verdict(&failure, self.config.call_timeout));
+        self.routes.providers[p].outcomes.add(failure.status());
+        self.answer_call(&call, &failure);
     }
 
     /// A frame from provider connection `k` that cannot be used: a reply's refusal fails
@@ -433,42 +715,139 @@ impl Engine {
             let p = self.upstreams[k].provider;
             self.routes.providers[p].outstanding -= 1;
             let provider = self.routes.providers[p].label.clone();
-            self.answer_call(&call, &Failure::ReplyRefused { provider, error: e });
+            self.fail_call(p, call, Failure::ReplyRefused { provider, error: e });
         }
         Ok(left)
     }
 
-    /// Provider connection `k` is lost: its calls are answered, and it is made again
-    /// after a pause that grows while the provider cannot be reached.
+    /// Provider connection `k` is lost: its calls not yet written go back to be routed
+    /// again, those written and idempotent too while the retry budget allows (they may
+    /// have run), the others are answered; it is made again after a pause that grows
+    /// while the provider cannot be reached.
     pub(super) fn upstream_lost(&mut self, k: usize, cause: ConnEnd) {
-        let up = &mut self.upstreams[k];
-        let retry_at = self.now + up.backoff.pause();
-        let old = mem::replace(&mut up.state, State::Down { retry_at });
-        if let State::Up(mut sock) | State::Connecting { mut sock, .. } = old {
-            let _ = self.poll.registry().deregister(&mut sock.stream);
-        }
-        (up.takes_deadline, up.takes_cap, up.heartbeat_sent) = (false, false, None);
-        let p = up.provider;
+        let p = self.upstreams[k].provider;
         let provider = self.routes.providers[p].label.clone();
-        let calls: Vec<(u64, Call)> = up.calls.drain().collect();
+        let calls: Vec<(u64, Call)> = self.upstreams[k].calls.drain().collect();
         if let Some(a) = LOST_LINES.admit() {
             tracing::warn!(%provider, %cause, calls = calls.len(), seen = a.seen, left_out = a.left_out, "provider connection lost; made again after a pause");
         }
-        self.next_keep = self.next_keep.min(retry_at);
+        // Each call's request is taken while the socket's output still holds it.
         for (_, call) in calls {
             self.routes.providers[p].outstanding -= 1;
+            let unsent = match &self.upstreams[k].state {
+                State::Up(sock) => call.at + u64::from(call.len) > sock.written,
+                _ => true,
+            };
             let failure = Failure::ConnectionLost {
                 provider: provider.clone(),
                 cause: cause.clone(),
             };
-            self.answer_call(&call, &failure);
+            if unsent {
+                if let Some(request) = self.kept_request(k, &call) {
+                    self.hand_back(p, call, request, Reroute::Unsent);
+                    continue;
+                }
+            } else if call.retry.idempotent
+                && self.upstreams[k].holds(&call)
+                && call.may_retry(self.now)
+            {
+                if self.guards.budget.withdraw(self.now) {
+                    if let Some(request) = self.kept_request(k, &call) {
+                        self.judge(p, Verdict::Fault);
+                        self.routes.providers[p].outcomes.add(failure.status());
+                        self.hand_back(p, call, request, Reroute::Lost);
+                        continue;
+                    }
+                } else {
+                    self.counts.metrics.budget_exhausted[Reroute::Lost as usize].increment(1);
+                }
+            }
+            self.fail_call(p, call, failure);
         }
+        self.close_upstream(k, &cause);
+    }
+
+    /// Closes connection `k` (its calls are gone) and sets it to be made again after a
+    /// pause that grows while the provider cannot be reached.
+    fn close_upstream(&mut self, k: usize, cause: &ConnEnd) {
+        let up = &mut self.upstreams[k];
+        let retry_at = self.now + up.backoff.pause();
+        let old = mem::replace(&mut up.state, State::Down { retry_at });
+        let was_up = matches!(old, State::Up(_));
+        if let State::Up(mut sock) | State::Connecting { mut sock, .. } = old {
+            sock.take_counts(&mut self.counts.outbound);
+            let _ = self.poll.registry().deregister(&mut sock.stream);
+        }
+        (up.takes_deadline, up.takes_cap, up.heartbeat_sent) = (false, false, None);
+        up.retiring = false;
+        let p = up.provider;
+        if was_up {
+            let conns = &self.routes.providers[p].metrics.conns;
+            conns.closed(cause.close_reason());
+        }
+        self.next_keep = self.next_keep.min(retry_at);
+        self.publish_pool(p);
+    }
+
+    /// Closes connection `k` once it is retiring and its last call is answered; it is
+    /// made again at once (a provider that went away refuses it, and the pause grows).
+    fn retire_if_done(&mut self, k: usize) {
+        let up = &mut self.upstreams[k];
+        if up.retiring && up.calls.is_empty() && up.is_up() {
+            self.close_upstream(k, &ConnEnd::Released);
+            let up = &mut self.upstreams[k];
+            up.backoff.reset();
+            up.state = State::Down { retry_at: self.now };
+            self.next_keep = self.now;
+        }
+    }
+
+    /// Provider `p` said it drains (a call refused `NOT_RUN`): it takes no new call, and
+    /// its connections made so far are retired, until a connection made after this
+    /// answers a heartbeat (the provider is back, typically restarted on its address).
+    fn provider_draining(&mut self, p: usize) {
+        // The serial of the next connection made: every one made so far is below it.
+        let mark = self.serials + 1;
+        let provider = &mut self.routes.providers[p];
+        if provider.draining_below.is_none() {
+            tracing::warn!(provider = %provider.label, "provider draining: no new calls until it is back; the calls it refused go to other providers");
+        }
+        provider.draining_below = Some(mark);
+        for &k in &provider.conns {
+            if self.upstreams[k].serial < mark {
+                self.upstreams[k].retiring = true;
+            }
+        }
+        for k in provider.conns.clone() {
+            self.retire_if_done(k);
+        }
+    }
+
+    /// Publishes provider `p`'s connections and healthy ones (those up); a provider
+    /// healthy again after it had none is measured afresh.
+    fn publish_pool(&mut self, p: usize) {
+        let provider = &mut self.routes.providers[p];
+        let up = provider
+            .conns
+            .iter()
+            .filter(|&&k| self.upstreams[k].is_up())
+            .count();
+        let healthy = up > 0;
+        if healthy && !provider.was_healthy {
+            provider
+                .ewma
+                .forget(self.config.resilience.ewma_default_rtt, self.now);
+            provider.estimate_changed();
+        }
+        provider.was_healthy = healthy;
+        provider.metrics.publish_conns(up);
     }
 
     /// Looks after the provider connections when one of their times has come: makes
     /// those due again, gives up connects that take longer than `--connect-timeout`,
     /// sends heartbeats every `--health-interval`, and takes a connection whose heartbeat
-    /// goes unanswered for `--health-timeout` for lost. Finds the next such time.
+    /// goes unanswered for `--health-timeout` for lost; publishes each provider's gauges
+    /// once a health interval. Finds the next such time.
     pub(super) fn keep_upstreams(&mut self) {
         if self.now < self.next_keep {
             return;
@@ -476,13 +855,14 @@ impl Engine {
         let now = self.now;
         let mut next = now + self.config.health_interval;
         for k in 0..self.upstreams.len() {
+            self.retire_if_done(k);
             let up = &self.upstreams[k];
             match &up.state {
                 State::Down { retry_at } if now >= *retry_at => self.connect(k),
                 State::Down { retry_at } => next = next.min(*retry_at),
                 State::Connecting { by, .. } if now >= *by => {
                     let timed_out = io::Error::new(io::ErrorKind::TimedOut, "connect timed out");
-                    self.upstream_lost(k, ConnEnd::Socket(Arc::new(timed_out)));
+                    self.connect_failed(k, timed_out);
                 }
                 State::Connecting { by, .. } => next = next.min(*by),
                 State::Up(_) => match up.heartbeat_sent {
@@ -508,7 +888,28 @@ impl Engine {
                 next = next.min(by);
             }
         }
+        if now >= self.next_publish {
+            self.next_publish = now + self.config.health_interval;
+            for provider in &self.routes.providers {
+                let loads = provider.conns.iter().map(|&k| self.upstreams[k].calls());
+                let m = &provider.metrics;
+                m.publish_conn_loads(provider.conns.len(), loads);
+                m.publish_latency_estimate(provider.ewma.estimate(now));
+                m.publish_pace(provider.pace.per_call());
+            }
+            next = next.min(self.next_publish);
+        }
         self.next_keep = next.max(now + KEEP_AT_MOST_EVERY);
+    }
+
+    /// A connect of connection `k` failed (or could not start): counted, and made again
+    /// after the pause.
+    fn connect_failed(&mut self, k: usize, e: io::Error) {
+        let p = self.upstreams[k].provider;
+        let provider = &mut self.routes.providers[p];
+        provider.settled = true;
+        provider.metrics.connect_failures.increment(1);
+        self.upstream_lost(k, ConnEnd::Socket(Arc::new(e)));
     }
 
     /// Starts connection `k` to its provider; down again after a pause when it cannot
@@ -517,7 +918,7 @@ impl Engine {
         let p = self.upstreams[k].provider;
         let provider = &mut self.routes.providers[p];
         if provider.addr.is_none() {
-            provider.addr = resolve(&provider.host);
+            provider.addr = super::route::resolve(&provider.host);
         }
         let started = provider.addr.ok_or_else(|| {
             io::Error::new(
@@ -537,9 +938,12 @@ impl Engine {
         match started {
             Ok(sock) => {
                 let by = self.now + self.config.connect_timeout;
-                self.upstreams[k].state = State::Connecting { sock, by };
+                self.serials += 1;
+                let up = &mut self.upstreams[k];
+                up.serial = self.serials;
+                up.state = State::Connecting { sock, by };
             }
-            Err(e) => self.upstream_lost(k, ConnEnd::Socket(Arc::new(e))),
+            Err(e) => self.connect_failed(k, e),
         }
     }
 
@@ -556,14 +960,19 @@ impl Engine {
                 next = Some(next.map_or(c.deadline, |t| t.min(c.deadline)));
             }
             let p = up.provider;
+            if !up.calls.is_empty() {
+                // A plain v1 server silent on its calls stops being packed.
+                up.backlog.on_sweep(now, &self.routes.providers[p].pace);
+            }
             for (_, call) in expired.drain(..) {
                 self.routes.providers[p].outstanding -= 1;
                 let failure = Failure::Timeout {
                     provider: self.routes.providers[p].label.clone(),
                     after: call.limit,
                 };
-                self.answer_call(&call, &failure);
+                self.fail_call(p, call, failure);
             }
+            self.retire_if_done(k);
         }
         // Not sooner than the sweep's period: a provider that stalls makes deadlines pass
         // all the time, and a sweep each round would walk every slot in every round.
@@ -578,6 +987,7 @@ impl Engine {
             let calls: Vec<(u64, Call)> = self.upstreams[k].calls.drain().collect();
             for (_, call) in calls {
                 self.routes.providers[p].outstanding -= 1;
+                self.routes.providers[p].outcomes.add(failure.status());
                 self.answer_call(&call, failure);
             }
         }

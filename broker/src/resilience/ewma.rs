@@ -91,10 +91,15 @@ impl PeakEwma {
         est * (-elapsed / self.decay).exp()
     }
 
+    /// Whether a reply has measured it since it was new.
+    pub fn is_measured(&self) -> bool {
+        self.measured.load(Ordering::Relaxed)
+    }
+
     /// The router's cost of sending one more call: the estimate × (`pending` + 1); none
     /// for a provider not yet measured with no call in flight (its probe).
     pub fn cost(&self, now: Instant, pending: usize) -> f64 {
-        if pending == 0 && !self.measured.load(Ordering::Relaxed) {
+        if pending == 0 && !self.is_measured() {
             return 0.0;
         }
         self.estimate_ns(nanos(now)) * (pending as f64 + 1.0)

@@ -107,6 +107,38 @@ impl Ring {
         Some(pos)
     }
 
+    /// Appends the next `bytes` of a stream the ring follows whole (the loop engine's
+    /// connections: a byte's position is its place in the stream, offset by where the
+    /// stream began in the ring): what does not fit is passed over, and only the last of
+    /// `bytes` are kept.
+    pub fn feed(&mut self, bytes: &[u8]) {
+        let cap = self.buf.len();
+        let keep = bytes.len().min(cap);
+        if keep < bytes.len() {
+            self.head += (bytes.len() - keep) as u64;
+            self.oldest = self.head;
+        }
+        if keep > 0 {
+            self.push(&bytes[bytes.len() - keep..]);
+        }
+    }
+
+    /// The absolute position of the next byte appended.
+    pub fn head(&self) -> u64 {
+        self.head
+    }
+
+    /// Whether the `len` bytes at `pos` are still held.
+    pub fn holds(&self, pos: u64, len: usize) -> bool {
+        let cap = self.buf.len() as u64;
+        pos >= self.oldest && self.head.saturating_sub(pos) <= cap && len as u64 <= cap
+    }
+
+    /// The ring's room.
+    pub fn room(&self) -> usize {
+        self.buf.len()
+    }
+
     /// The `len` bytes at `pos`, if the ring still holds them.
     fn get(&self, pos: u64, len: usize) -> Option<Vec<u8>> {
         let cap = self.buf.len();
@@ -165,6 +197,26 @@ mod tests {
         assert_eq!(ring.get(b, 3000), Some(vec![2; 3000]));
         assert_eq!(ring.get(a, 3000), None);
         assert_eq!(ring.push(&[0; RING_MIN + 1]), None);
+    }
+
+    #[test]
+    fn a_stream_fed_whole_keeps_its_last_bytes_at_their_places() {
+        let budget = MemoryBudget::new(1 << 30);
+        let mut ring = Ring::default();
+        ring.fit(0, &budget);
+        ring.feed(&[1; 1000]);
+        ring.feed(&[2; 1000]);
+        assert_eq!(ring.get(1000, 1000), Some(vec![2; 1000]));
+        assert!(ring.holds(0, 1000));
+        // More than the ring's room at once: only its end is kept, every place still
+        // where the stream had it.
+        let mut big = vec![3; RING_MIN + 500];
+        big[RING_MIN + 499] = 4;
+        ring.feed(&big);
+        assert_eq!(ring.head(), (2000 + RING_MIN + 500) as u64);
+        assert!(!ring.holds(1000, 1000), "passed over");
+        assert_eq!(ring.get(ring.head() - 1, 1), Some(vec![4]));
+        assert_eq!(ring.get(2000, 10), None);
     }
 
     #[test]

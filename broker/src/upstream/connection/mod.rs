@@ -18,11 +18,11 @@
 //!   provider's pace taken for the router, unusable frames, and how each call gets its
 //!   outcome.
 
-mod kept;
+pub(crate) mod kept;
 pub use kept::{RING_MAX, RING_MIN};
 mod queue;
 mod replies;
-pub(crate) use replies::SKIP_FACTOR;
+pub(crate) use replies::{SKIP_FACTOR, failure_verdict, verdict_of};
 mod task;
 
 use std::sync::Arc;

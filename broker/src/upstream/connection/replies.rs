@@ -393,21 +393,10 @@ impl ConnTask {
     /// a timed-out call's wait counts as a slow reply for the balancer.
     pub fn fail_slot(&self, slot: Slot, failure: Failure) {
         let now = Instant::now();
-        let verdict = match &failure {
-            Failure::Timeout { after, .. } => {
-                self.link.ewma.observe(*after, now);
-                // `after` is the deadline the call had: the broker's own call timeout, or
-                // a shorter one its caller set (the caller's choice, not the provider's
-                // fault).
-                if *after < self.settings.call_timeout {
-                    Verdict::Neutral
-                } else {
-                    Verdict::Fault
-                }
-            }
-            f if f.provider_fault() => Verdict::Fault,
-            _ => Verdict::Neutral,
-        };
+        if let Failure::Timeout { after, .. } = &failure {
+            self.link.ewma.observe(*after, now);
+        }
+        let verdict = failure_verdict(&failure, self.settings.call_timeout);
         self.link.outlier.record(verdict, now);
         fail(
             &self.state,
@@ -419,12 +408,24 @@ impl ConnTask {
     }
 }
 
+/// What a failure of the broker's own making says of the call's provider, with
+/// `call_timeout` the broker's own: a lost connection is its fault, and so is a timeout
+/// at that call timeout; one at a deadline the caller set shorter is the caller's choice.
+pub(crate) fn failure_verdict(failure: &Failure, call_timeout: Duration) -> Verdict {
+    match failure {
+        // `after` is the deadline the call had.
+        Failure::Timeout { after, .. } if *after < call_timeout => Verdict::Neutral,
+        f if f.provider_fault() => Verdict::Fault,
+        _ => Verdict::Neutral,
+    }
+}
+
 /// What a provider's answer with `status` says of the provider: "failed" is its fault
 /// unless it says the service or method is unknown (the caller's call), "unavailable" is
 /// unless it did not run the call (`NOT_RUN`: it drains, and the pool is marked so); the
 /// other errors are about the call (bad request, permission denied, a deadline) or a
 /// refusal by design (overloaded).
-fn verdict_of(status: Status, flags: Flags, body: &[u8]) -> Verdict {
+pub(crate) fn verdict_of(status: Status, flags: Flags, body: &[u8]) -> Verdict {
     match status {
         Status::Success => Verdict::Success,
         Status::Failed if names_unknown(body) => Verdict::Neutral,
