@@ -358,7 +358,7 @@ pub struct Args {
     /// Which engine serves the calls: `tokio`, tasks on Tokio runtimes, with everything
     /// the broker does; or `loop`, one thread's epoll loop that owns its connections, at
     /// about half the CPU per call. `loop` does not yet do TLS, the providers file, the
-    /// memory budget, idle or write timeouts, stage metrics, or several threads; it
+    /// memory budget, stage metrics, or several threads; it
     /// refuses the flags that ask for TLS, a providers file or threads
     /// (docs/performance.md, "The loop engine").
     #[arg(long, env = "RPCMESH_BROKER_ENGINE", value_enum, default_value_t = EngineKind::Tokio)]

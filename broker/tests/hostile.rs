@@ -1,6 +1,8 @@
 //! The hostile-client suite against the broker and the provider as real processes on
 //! 127.0.0.1: sockets that hold a connection without using it, partial frames, calls in
-//! flight when the grace period ends, big-body headers and a spent memory budget.
+//! flight when the grace period ends, big-body headers, a caller that never reads and a
+//! spent memory budget; the broker's idle, partial-frame and write-timeout cases on both
+//! engines (`--engine`).
 //! Facts come from the programs' own `/metrics` and from what the sockets see; the only
 //! times here are the timeouts under test (set short by flag), never an assertion on how
 //! long something took. The hostile tests that measure rates, CPU or peak memory over
@@ -100,14 +102,71 @@ async fn idle_and_partial_sockets_cannot_lock_a_provider() {
     the_cap_is_not_held_by_idle_or_partial_sockets(&provider).await;
 }
 
+/// The broker's engines (`--engine`): the broker's tests here run on both.
+const ENGINES: [&str; 2] = ["tokio", "loop"];
+
 #[tokio::test]
 async fn idle_and_partial_sockets_cannot_lock_a_broker() {
     let provider = Spawned::start("provider", &["--threads", "1"]);
     let upstream = provider.rpc.to_string();
-    let mut args = vec!["--threads", "1", "--upstream", &upstream];
-    args.extend(CAP_FLAGS);
-    let broker = Spawned::start("broker", &args);
-    the_cap_is_not_held_by_idle_or_partial_sockets(&broker).await;
+    for engine in ENGINES {
+        let broker = broker_with(engine, &upstream, &CAP_FLAGS);
+        the_cap_is_not_held_by_idle_or_partial_sockets(&broker).await;
+    }
+}
+
+/// A broker on `engine`, one thread, in front of `upstream`, with `extra` flags.
+fn broker_with(engine: &str, upstream: &str, extra: &[&str]) -> Spawned {
+    let mut args = vec!["--engine", engine, "--threads", "1", "--upstream", upstream];
+    args.extend(extra);
+    Spawned::start("broker", &args)
+}
+
+/// Replies in the write-timeout test: each as large as its call, 64 KiB.
+const STALLED_CALLS: usize = 128;
+
+/// A caller that sends calls and never reads their replies: once the replies fill its
+/// socket and the broker's backlog, the broker stops reading it and, the client taking
+/// nothing for `--write-timeout`, closes it, counted as a write timeout. Without the
+/// timeout the backlog and the connection stay for as long as the caller likes.
+#[tokio::test]
+async fn a_caller_that_never_reads_is_closed_by_the_write_timeout() {
+    let provider = Spawned::start("provider", &["--threads", "1"]);
+    let upstream = provider.rpc.to_string();
+    let message = "x".repeat(64 * 1024);
+    for engine in ENGINES {
+        let broker = broker_with(engine, &upstream, &["--write-timeout", "1s"]);
+        let mut s = TcpStream::connect(broker.rpc).unwrap();
+        // Small receive room, so that the replies back up at the broker; writes that the
+        // broker, once it stops reading, no longer takes give up.
+        socket2::SockRef::from(&s)
+            .set_recv_buffer_size(4096)
+            .unwrap();
+        s.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+        for id in 0..STALLED_CALLS {
+            if s.write_all(&testkit::echo_request(id as u64, &message))
+                .is_err()
+            {
+                break;
+            }
+        }
+        let closed = || {
+            broker.metric(
+                "rpcmesh_connections_closed_total",
+                &inbound("write_timeout"),
+            )
+        };
+        testkit::wait_until(
+            &format!("{engine}: the caller is closed by the write timeout"),
+            || closed() == 1.0,
+        )
+        .await;
+        assert_eq!(
+            broker.metric("rpcmesh_connections_open", &[("side", "inbound")]),
+            0.0,
+            "{engine}"
+        );
+    }
 }
 
 /// Calls each end-of-grace test leaves in flight.
@@ -357,17 +416,14 @@ const HEARTBEAT_ROUNDS: usize = 400;
 fn heartbeat_only_callers_are_closed_by_the_idle_timeout() {
     let provider = Spawned::start("provider", &["--threads", "1"]);
     let upstream = provider.rpc.to_string();
-    let broker = Spawned::start(
-        "broker",
-        &[
-            "--threads",
-            "1",
-            "--idle-timeout",
-            "1s",
-            "--upstream",
-            &upstream,
-        ],
-    );
+    for engine in ENGINES {
+        heartbeat_only_sockets_closed(engine, &upstream);
+    }
+}
+
+/// [`heartbeat_only_callers_are_closed_by_the_idle_timeout`] on `engine`.
+fn heartbeat_only_sockets_closed(engine: &str, upstream: &str) {
+    let broker = broker_with(engine, upstream, &["--idle-timeout", "1s"]);
     let mut open: Vec<Option<TcpStream>> = (0..HEARTBEATERS)
         .map(|_| Some(TcpStream::connect(broker.rpc).unwrap()))
         .collect();
@@ -387,12 +443,12 @@ fn heartbeat_only_callers_are_closed_by_the_idle_timeout() {
         std::thread::sleep(Duration::from_millis(100));
     }
     eprintln!(
-        "{HEARTBEATERS} heartbeat-only sockets: {} closed idle after {rounds} rounds",
+        "{engine} engine, {HEARTBEATERS} heartbeat-only sockets: {} closed idle after {rounds} rounds",
         closed()
     );
     assert_eq!(
         closed(),
         HEARTBEATERS as f64,
-        "every heartbeat-only socket was closed idle"
+        "{engine}: every heartbeat-only socket was closed idle"
     );
 }

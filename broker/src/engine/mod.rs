@@ -44,6 +44,9 @@
 //!   first calls do not find no provider;
 //! - an accept error that is not one connection's (no descriptor left) pausing the
 //!   accepting, not spinning on it;
+//! - a session closed when idle for `--idle-timeout` (heartbeats do not count), when a
+//!   frame takes longer than `--frame-timeout` to arrive, or when its client takes none
+//!   of its replies for `--write-timeout`;
 //! - the drain: no new connection, new calls refused ("not run"), the calls in flight
 //!   answered by their providers or at the end of `--grace`, every answer written, and
 //!   [`DRAIN_LINGER`] without a call before the sessions close;
@@ -56,7 +59,7 @@
 //! What it does not do yet, and the Tokio engine does: TLS; the metrics of stages and of
 //! busy polling; logs of bad input; the providers file; the memory budget beyond the
 //! requests it keeps (large requests are not refused for it, connections not paused);
-//! idle and write timeouts; several threads. [`spawn_counted`] refuses a configuration
+//! several threads. [`spawn_counted`] refuses a configuration
 //! that asks for TLS or a providers file. Unlike the Tokio engine it answers the calls of
 //! a client that closed its side before closing too, and keeps a request for a hand-back
 //! for as long as its connection's ring holds it, not [`REQUEST_RETAIN`] at most.
@@ -298,6 +301,8 @@ struct Engine {
     /// this time has passed (`--connect-timeout` + `--health-timeout` after the start).
     listening: bool,
     settle_by: Instant,
+    /// When the sessions' timeouts are next looked at (`session::Engine::sweep_sessions`).
+    next_session_sweep: Instant,
     summary: Summary,
     /// The rounds' allocations so far, for [`LoopHandle::allocations`].
     allocations: Arc<AtomicU64>,
@@ -341,6 +346,7 @@ impl Engine {
             admitted: 0,
             listening: false,
             settle_by,
+            next_session_sweep: Instant::now(),
             summary: Summary::default(),
             allocations: Arc::default(),
             counts: Counts::new(metrics),
@@ -439,6 +445,7 @@ impl Engine {
             self.expire_calls();
         }
         self.keep_upstreams();
+        self.sweep_sessions();
         self.reroute();
         if let Some(until) = self.grace_until {
             if self.in_flight > 0 && self.now >= until {
@@ -526,6 +533,9 @@ impl Engine {
         at(self.accept_at);
         if !self.listening {
             at(Some(self.settle_by));
+        }
+        if self.sessions_open() > 0 {
+            at(Some(self.next_session_sweep));
         }
         if self.grace_until.is_some() || self.any_ending() {
             at(Some(self.now + TICK));

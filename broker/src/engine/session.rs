@@ -11,7 +11,7 @@ use mio::Interest;
 use mio::net::TcpListener;
 use rpcmesh_common::net::connection::CloseReason;
 use rpcmesh_common::net::listener::Refusal;
-use rpcmesh_common::net::session::{FINAL_FLUSH_TIMEOUT, WRITE_BACKLOG_LIMIT};
+use rpcmesh_common::net::session::{FINAL_FLUSH_TIMEOUT, Timeouts, WRITE_BACKLOG_LIMIT};
 use rpcmesh_common::net::thinned::Thinned;
 use rpcmesh_wire::Status;
 use rpcmesh_wire::body::request_names;
@@ -31,6 +31,16 @@ const ACCEPTS_PER_ROUND: usize = 64;
 
 /// Log lines for accept failures (a process out of descriptors), thinned.
 static ACCEPT_FAILED_LINES: Thinned = Thinned::new();
+/// Log lines for sessions closed by a timeout, thinned.
+static TIMEOUT_LINES: Thinned = Thinned::new();
+
+/// The least time between two sweeps of the sessions' timeouts: a quarter of the
+/// shortest, so that a session is closed at most a quarter late, and no more often than
+/// every 10 ms (a sweep walks every session) nor less than every second.
+fn timeout_sweep(limits: &Timeouts) -> Duration {
+    let shortest = limits.idle.min(limits.frame).min(limits.write);
+    (shortest / 4).clamp(Duration::from_millis(10), Duration::from_secs(1))
+}
 
 /// A client connection.
 #[derive(Debug)]
@@ -42,6 +52,33 @@ pub(super) struct Session {
     /// The client has closed its side (its end of stream may wait in the socket behind
     /// bytes not yet read, and raises no second edge: kept until it is read).
     read_closed: bool,
+    /// Its clocks (`--idle-timeout`, `--frame-timeout`, `--write-timeout`).
+    clock: Clock,
+}
+
+/// When a session's timeouts started to run, as the Tokio engine's sessions keep them
+/// (`rpcmesh_common::net::session`): looked at by the engine's sweep
+/// ([`Engine::sweep_sessions`]).
+#[derive(Debug, Clone, Copy)]
+struct Clock {
+    /// The last round it read a call or was given a call's outcome: it is idle from then
+    /// on while nothing is in flight, to write or partly read (a heartbeat and its answer
+    /// do not count: a caller that sends nothing else holds a connection for nothing).
+    busy_at: Instant,
+    /// When the frame being read began to arrive (while it is read).
+    frame_since: Option<Instant>,
+    /// Since when bytes have waited for a client that took none of them.
+    write_since: Option<Instant>,
+}
+
+impl Clock {
+    fn new(now: Instant) -> Clock {
+        Clock {
+            busy_at: now,
+            frame_since: None,
+            write_since: None,
+        }
+    }
 }
 
 /// Whether a session is read, and how it ends.
@@ -187,6 +224,7 @@ impl Engine {
                 in_flight: 0,
                 reading: Reading::Open,
                 read_closed: false,
+                clock: Clock::new(self.now),
             });
             let registered = self.sessions.get(i).map(|s| {
                 self.poll.registry().register(
@@ -234,7 +272,9 @@ impl Engine {
                 return;
             }
             if s.sock.out.len() >= WRITE_BACKLOG_LIMIT {
+                // Not reading: the frame being read is not timed meanwhile.
                 s.reading = Reading::Paused;
+                s.clock.frame_since = None;
                 return;
             }
             let filled = s.sock.fill(&mut self.scratch, s.read_closed);
@@ -269,10 +309,14 @@ impl Engine {
             return false;
         };
         let mut rbuf = mem::take(&mut s.sock.rbuf);
+        let mut frames = 0;
+        let mut calls = false;
         let ended = loop {
             match self.codec.peek_frame(&mut rbuf) {
                 Ok(Some(h)) => {
                     let (body, trailer) = (body_in_place(&rbuf, &h), trailer_in_place(&rbuf, &h));
+                    frames += 1;
+                    calls |= h.msg_type != MsgType::Heartbeat;
                     match h.msg_type {
                         MsgType::Request => self.admit(from, &h, body, trailer, false),
                         MsgType::ExtRequest => self.admit(from, &h, body, trailer, true),
@@ -304,7 +348,18 @@ impl Engine {
             self.sessions.mark_dirty(i);
             return false;
         }
+        let now = self.now;
         if let Some(s) = self.sessions.get(i) {
+            if calls {
+                s.clock.busy_at = now;
+            }
+            // A frame is timed from its first bytes: from this read when it brought whole
+            // frames before it.
+            s.clock.frame_since = match (rbuf.is_empty(), s.clock.frame_since) {
+                (true, _) => None,
+                (false, Some(t)) if frames == 0 => Some(t),
+                (false, _) => Some(now),
+            };
             s.sock.rbuf = rbuf;
         }
         true
@@ -423,6 +478,7 @@ impl Engine {
             Some(s) => {
                 self.in_flight -= 1;
                 s.in_flight -= 1;
+                s.clock.busy_at = self.now;
                 let status = write(&mut s.sock.out);
                 self.sessions.mark_dirty(call.session.idx as usize);
                 self.counts.answered(call.tag, status);
@@ -472,8 +528,15 @@ impl Engine {
                 continue;
             };
             s.sock.dirty = false;
+            let before = s.sock.written;
             let flushed = s.sock.flush();
             s.sock.take_counts(&mut self.counts.inbound);
+            let now = self.now;
+            s.clock.write_since = match (s.sock.out.is_empty(), s.clock.write_since) {
+                (true, _) => None,
+                (false, Some(t)) if s.sock.written == before => Some(t),
+                (false, _) => Some(now),
+            };
             if flushed.is_err() {
                 self.close_session(i, CloseReason::Error);
             } else if s.reading == Reading::Paused && s.sock.out.len() < WRITE_BACKLOG_LIMIT {
@@ -518,6 +581,56 @@ impl Engine {
             }
             _ => None,
         }
+    }
+
+    /// Closes the sessions whose time is up: bytes waiting for a client that took none
+    /// for `--write-timeout`, a frame begun and not whole after `--frame-timeout`, or
+    /// nothing in flight, to write or partly read for `--idle-timeout` since it last read
+    /// a call or was given an outcome. Looked at every [`timeout_sweep`] at most.
+    pub(super) fn sweep_sessions(&mut self) {
+        if self.now < self.next_session_sweep {
+            return;
+        }
+        let limits = self.config.timeouts;
+        self.next_session_sweep = self.now + timeout_sweep(&limits);
+        let now = self.now;
+        for i in 0..self.sessions.slots.len() {
+            let Some(s) = self.sessions.get(i) else {
+                continue;
+            };
+            let c = s.clock;
+            let idle = s.in_flight == 0 && s.sock.out.is_empty() && s.sock.rbuf.is_empty();
+            let due = [
+                (
+                    c.write_since.map(|t| t + limits.write),
+                    CloseReason::WriteTimeout,
+                ),
+                (
+                    c.frame_since.map(|t| t + limits.frame),
+                    CloseReason::FrameTimeout,
+                ),
+                (
+                    idle.then_some(c.busy_at + limits.idle),
+                    CloseReason::IdleTimeout,
+                ),
+            ];
+            if let Some((_, reason)) = due.iter().find(|(d, _)| d.is_some_and(|d| d <= now)) {
+                if let Some(a) = TIMEOUT_LINES.admit() {
+                    tracing::debug!(
+                        reason = reason.label(),
+                        seen = a.seen,
+                        left_out = a.left_out,
+                        "connection closed: its time was up"
+                    );
+                }
+                self.close_session(i, *reason);
+            }
+        }
+    }
+
+    /// Sessions open now.
+    pub(super) fn sessions_open(&self) -> usize {
+        self.sessions.open()
     }
 
     /// Whether every session has written all it was given (the drain waits for it).
@@ -598,6 +711,7 @@ mod tests {
             in_flight: 0,
             reading: Reading::Open,
             read_closed: false,
+            clock: Clock::new(Instant::now()),
         };
         let mut sessions = Sessions::default();
         let i = sessions.insert(session());
