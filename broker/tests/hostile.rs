@@ -265,7 +265,15 @@ const BIG_HEADERS: usize = 1000;
 
 #[tokio::test]
 async fn a_thousand_big_body_headers_cost_less_than_the_budget() {
-    let (_provider, broker) = testkit::budgeted_broker().await;
+    for engine in ENGINES {
+        big_body_headers_on(engine).await;
+    }
+}
+
+/// [`a_thousand_big_body_headers_cost_less_than_the_budget`] on `engine`.
+async fn big_body_headers_on(engine: &str) {
+    let budget = testkit::BROKER_BUDGET_MIB;
+    let (_provider, broker) = testkit::budgeted_broker_with(budget, &["--engine", engine]).await;
     let (rss, vsz) = (broker.status_kib("VmRSS"), broker.status_kib("VmSize"));
     let held: Vec<TcpStream> = (0..BIG_HEADERS)
         .map(|i| {
@@ -283,7 +291,7 @@ async fn a_thousand_big_body_headers_cost_less_than_the_budget() {
     let (rss_after, vsz_after) = (broker.status_kib("VmRSS"), broker.status_kib("VmSize"));
     let budget_kib = (BUDGET_MIB << 10) as u64;
     eprintln!(
-        "{BIG_HEADERS} big-body headers: RSS {rss} → {rss_after} KiB, address space {vsz} → {vsz_after} KiB"
+        "{engine} engine, {BIG_HEADERS} big-body headers: RSS {rss} → {rss_after} KiB, address space {vsz} → {vsz_after} KiB"
     );
     assert!(
         rss_after.saturating_sub(rss) < budget_kib,
@@ -325,9 +333,19 @@ async fn a_spent_budget_refuses_large_calls_overloaded_and_serves_small_ones() {
         format!("EchoService={}", slow.rpc),
         format!("PlatformService={}", fast.rpc),
     );
+    for engine in ENGINES {
+        spent_budget_on(engine, &to_slow, &to_fast).await;
+    }
+}
+
+/// [`a_spent_budget_refuses_large_calls_overloaded_and_serves_small_ones`] on `engine`,
+/// the large calls to `to_slow`, the small ones to `to_fast` (`--upstream` values).
+async fn spent_budget_on(engine: &str, to_slow: &str, to_fast: &str) {
     let broker = Spawned::start(
         "broker",
         &[
+            "--engine",
+            engine,
             "--threads",
             "1",
             "--memory-budget",
@@ -335,9 +353,9 @@ async fn a_spent_budget_refuses_large_calls_overloaded_and_serves_small_ones() {
             "--call-timeout",
             "30s",
             "--upstream",
-            &to_slow,
+            to_slow,
             "--upstream",
-            &to_fast,
+            to_fast,
         ],
     );
     testkit::wait_for("a platform call succeeds", || async {
@@ -399,7 +417,7 @@ async fn a_spent_budget_refuses_large_calls_overloaded_and_serves_small_ones() {
     }
     assert!(refused >= 1, "the shed calls were answered overloaded");
     eprintln!(
-        "{refused} of {sent} large calls answered overloaded; {:.1} MiB buffered",
+        "{engine} engine: {refused} of {sent} large calls answered overloaded; {:.1} MiB buffered",
         broker.metric("rpcmesh_buffered_bytes", &[]) / f64::from(1 << 20)
     );
 }

@@ -47,6 +47,11 @@
 //! - a session closed when idle for `--idle-timeout` (heartbeats do not count), when a
 //!   frame takes longer than `--frame-timeout` to arrive, or when its client takes none
 //!   of its replies for `--write-timeout`;
+//! - the memory budget (`--memory-budget`, `rpcmesh_common::net::budget`): every
+//!   connection's buffers counted, and given back when a peak left them emptied and
+//!   large; a large call counted until its outcome is written, and refused "overloaded"
+//!   past the high mark; a session holding much not read past the pause mark; the
+//!   largest holders closed when the budget stays past its high mark;
 //! - the drain: no new connection, new calls refused ("not run"), the calls in flight
 //!   answered by their providers or at the end of `--grace`, every answer written, and
 //!   [`DRAIN_LINGER`] without a call before the sessions close;
@@ -57,9 +62,7 @@
 //!   calls routed again and retries refused for want of budget.
 //!
 //! What it does not do yet, and the Tokio engine does: TLS; the metrics of stages and of
-//! busy polling; logs of bad input; the providers file; the memory budget beyond the
-//! requests it keeps (large requests are not refused for it, connections not paused);
-//! several threads. [`spawn_counted`] refuses a configuration
+//! busy polling; logs of bad input; the providers file; several threads. [`spawn_counted`] refuses a configuration
 //! that asks for TLS or a providers file. Unlike the Tokio engine it answers the calls of
 //! a client that closed its side before closing too, and keeps a request for a hand-back
 //! for as long as its connection's ring holds it, not [`REQUEST_RETAIN`] at most.
@@ -314,7 +317,7 @@ impl Engine {
         let guards = Guards::new(config.resilience, &metrics);
         let budget = MemoryBudget::new(config.memory_budget);
         publish_budget(&metrics.telemetry, crate::metrics::ROLE, &budget);
-        let (routes, upstreams) = upstream::providers(&config, &metrics, &guards);
+        let (routes, upstreams) = upstream::providers(&config, &metrics, &guards, &budget);
         let cap_value = rpcmesh_wire::ext::cap_value(config.call_timeout);
         let settle_by = Instant::now() + config.connect_timeout + config.health_timeout;
         Ok(Engine {
@@ -414,6 +417,7 @@ impl Engine {
     ) -> bool {
         self.rounds += 1;
         self.listen(listener);
+        self.resume_budget_paused();
         for i in std::mem::take(&mut self.sessions.resume) {
             self.read_session(i as usize);
         }

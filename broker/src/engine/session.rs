@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use mio::Interest;
 use mio::net::TcpListener;
-use rpcmesh_common::net::connection::CloseReason;
+use rpcmesh_common::net::budget::{Held, Reserved, SMALL_BODY};
+use rpcmesh_common::net::connection::{CloseReason, SHRINK_ABOVE};
 use rpcmesh_common::net::listener::Refusal;
 use rpcmesh_common::net::session::{FINAL_FLUSH_TIMEOUT, Timeouts, WRITE_BACKLOG_LIMIT};
 use rpcmesh_common::net::thinned::Thinned;
@@ -54,6 +55,8 @@ pub(super) struct Session {
     read_closed: bool,
     /// Its clocks (`--idle-timeout`, `--frame-timeout`, `--write-timeout`).
     clock: Clock,
+    /// What its buffers hold, told to the memory budget.
+    held: Held,
 }
 
 /// When a session's timeouts started to run, as the Tokio engine's sessions keep them
@@ -88,6 +91,9 @@ enum Reading {
     /// Not read while its replies wait to be written past [`WRITE_BACKLOG_LIMIT`]: a
     /// client that does not read cannot make the broker buffer without end.
     Paused,
+    /// Not read while the memory budget is past its pause mark and the session holds
+    /// `PAUSE_FLOOR` or more (`rpcmesh_common::net::budget`); looked at every round.
+    BudgetPaused,
     /// The client closed its side: ends once its calls are answered and written.
     PeerClosed,
     /// Sent input the session cannot get past: ends once what it was told is written,
@@ -116,6 +122,8 @@ pub(super) struct Sessions {
     pub resume: Vec<u32>,
     /// Sessions that end after bad input, looked at every round until they do.
     ending: Vec<u32>,
+    /// Sessions not read for the memory budget, looked at every round until they are.
+    budget_paused: Vec<u32>,
 }
 
 impl Sessions {
@@ -225,6 +233,7 @@ impl Engine {
                 reading: Reading::Open,
                 read_closed: false,
                 clock: Clock::new(self.now),
+                held: Held::new(self.budget.clone()),
             });
             let registered = self.sessions.get(i).map(|s| {
                 self.poll.registry().register(
@@ -275,6 +284,15 @@ impl Engine {
                 // Not reading: the frame being read is not timed meanwhile.
                 s.reading = Reading::Paused;
                 s.clock.frame_since = None;
+                return;
+            }
+            let room = s.sock.room();
+            if self.budget.should_pause(room) {
+                // Its frame is timed meanwhile only while it is one of those holding the
+                // budget (the sweep looks).
+                s.reading = Reading::BudgetPaused;
+                s.held.set_waiting(true, room);
+                self.sessions.budget_paused.push(i as u32);
                 return;
             }
             let filled = s.sock.fill(&mut self.scratch, s.read_closed);
@@ -353,6 +371,10 @@ impl Engine {
             if calls {
                 s.clock.busy_at = now;
             }
+            if rbuf.is_empty() && rbuf.capacity() > SHRINK_ABOVE {
+                rbuf = BytesMut::new();
+            }
+            s.held.set(rbuf.capacity() + s.sock.out.capacity());
             // A frame is timed from its first bytes: from this read when it brought whole
             // frames before it.
             s.clock.frame_since = match (rbuf.is_empty(), s.clock.frame_since) {
@@ -413,6 +435,9 @@ impl Engine {
         if self.in_flight >= self.config.max_in_flight {
             return refused(self, &Failure::Shed(Cap::Total(self.config.max_in_flight)));
         }
+        if self.budget.refuses(body.len()) {
+            return refused(self, &Failure::Shed(Cap::Memory(self.budget.limit())));
+        }
         let k = match self.route(&inner[service.clone()], flags, Avoid::None) {
             Ok(k) => k,
             Err(no) => {
@@ -428,7 +453,11 @@ impl Engine {
             .config
             .idempotent
             .covers_bytes(&inner[service.clone()], &inner[method.clone()]);
-        let call = Call::new(from, (id, flags), (self.now, limit), tag, idempotent);
+        let mut call = Call::new(from, (id, flags), (self.now, limit), tag, idempotent);
+        if body.len() >= SMALL_BODY {
+            // About as many bytes come back: counted until its outcome is written.
+            call.reserved = Some(Reserved::new(&self.budget, body.len()));
+        }
         let deadline = call.deadline;
         if let Err(call) = self.send(k, call, flags, inner, as_sent) {
             let name = String::from_utf8_lossy(&inner[service]).into_owned();
@@ -531,6 +560,8 @@ impl Engine {
             let before = s.sock.written;
             let flushed = s.sock.flush();
             s.sock.take_counts(&mut self.counts.inbound);
+            s.sock.shrink_emptied();
+            s.held.set(s.sock.room());
             let now = self.now;
             s.clock.write_since = match (s.sock.out.is_empty(), s.clock.write_since) {
                 (true, _) => None,
@@ -598,6 +629,27 @@ impl Engine {
             let Some(s) = self.sessions.get(i) else {
                 continue;
             };
+            if s.reading == Reading::BudgetPaused {
+                // Timed only while it is one of those holding the budget: a session paused
+                // by what others hold is not closed for it.
+                if !s.held.is_holding() {
+                    s.clock.frame_since = None;
+                } else if s.clock.frame_since.is_none() {
+                    s.clock.frame_since = Some(now);
+                }
+            }
+            if s.held.sheds() {
+                if let Some(a) = TIMEOUT_LINES.admit() {
+                    tracing::warn!(
+                        held = s.sock.room(),
+                        seen = a.seen,
+                        left_out = a.left_out,
+                        "connection closed: it held the most of a memory budget past its high mark"
+                    );
+                }
+                self.close_session(i, CloseReason::MemoryBudget);
+                continue;
+            }
             let c = s.clock;
             let idle = s.in_flight == 0 && s.sock.out.is_empty() && s.sock.rbuf.is_empty();
             let due = [
@@ -626,6 +678,31 @@ impl Engine {
                 self.close_session(i, *reason);
             }
         }
+    }
+
+    /// Reads again the sessions the memory budget paused, once it no longer pauses them.
+    pub(super) fn resume_budget_paused(&mut self) {
+        if self.sessions.budget_paused.is_empty() {
+            return;
+        }
+        let mut paused = mem::take(&mut self.sessions.budget_paused);
+        paused.retain(|&i| {
+            let Some(s) = self.sessions.get(i as usize) else {
+                return false;
+            };
+            let room = s.sock.room();
+            if s.reading == Reading::BudgetPaused && self.budget.should_pause(room) {
+                return true;
+            }
+            if s.reading == Reading::BudgetPaused {
+                s.reading = Reading::Open;
+                s.held.set_waiting(false, room);
+                // What it sent meanwhile waits in its socket, which raises no new edge.
+                self.sessions.resume.push(i);
+            }
+            false
+        });
+        self.sessions.budget_paused = paused;
     }
 
     /// Sessions open now.
@@ -712,6 +789,7 @@ mod tests {
             reading: Reading::Open,
             read_closed: false,
             clock: Clock::new(Instant::now()),
+            held: Held::new(rpcmesh_common::net::budget::MemoryBudget::new(1 << 30)),
         };
         let mut sessions = Sessions::default();
         let i = sessions.insert(session());

@@ -7,7 +7,7 @@ use std::io::{self, Read, Write};
 
 use bytes::{Buf, BytesMut};
 use mio::net::TcpStream;
-use rpcmesh_common::net::connection::IoCounts;
+use rpcmesh_common::net::connection::{IoCounts, SHRINK_ABOVE};
 
 /// What one read takes at most, as the Tokio engine's reads (a read that fills it may
 /// have left more behind, and is followed by another).
@@ -106,6 +106,22 @@ impl Socket {
         let n = len.min(self.rbuf.len());
         self.rbuf.advance(n);
         self.discard = len - n;
+    }
+
+    /// The room its two buffers hold: what it counts in the memory budget.
+    pub fn room(&self) -> usize {
+        self.rbuf.capacity() + self.out.capacity()
+    }
+
+    /// Gives back the room of an emptied buffer that a peak left larger than
+    /// [`SHRINK_ABOVE`]: one large frame must not cost a connection its size for the rest
+    /// of its life.
+    pub fn shrink_emptied(&mut self) {
+        for buf in [&mut self.rbuf, &mut self.out] {
+            if buf.is_empty() && buf.capacity() > SHRINK_ABOVE {
+                *buf = BytesMut::new();
+            }
+        }
     }
 
     /// Writes what the socket takes of `out` now.

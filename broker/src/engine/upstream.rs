@@ -13,7 +13,7 @@ use mio::net::TcpStream;
 use mio::{Interest, Token};
 use rpcmesh_common::metrics::{ErrorKind, Side};
 use rpcmesh_common::net::backoff::Backoff;
-use rpcmesh_common::net::budget::MemoryBudget;
+use rpcmesh_common::net::budget::{Held, MemoryBudget, Reserved};
 use rpcmesh_common::net::listener::AcceptObserver;
 use rpcmesh_common::net::session::WRITE_BACKLOG_LIMIT;
 use rpcmesh_common::net::slots::SlotTable;
@@ -63,6 +63,9 @@ pub(super) struct Call {
     pub limit: Duration,
     /// When it was read.
     admitted: Instant,
+    /// A large request's bytes, counted in the memory budget until its outcome is
+    /// written (about as many come back).
+    pub reserved: Option<Reserved>,
     /// Its (service, method) pair's tag in the counts (`super::metrics`).
     pub tag: u32,
     /// Where its frame starts in its connection's stream (the bytes ever queued on it
@@ -89,6 +92,7 @@ impl Call {
             deadline: admitted + limit,
             limit,
             admitted,
+            reserved: None,
             tag,
             at: 0,
             len: 0,
@@ -182,6 +186,8 @@ pub(super) struct Upstream {
     ring_base: u64,
     fed: u64,
     sent: usize,
+    /// What its buffers hold, told to the memory budget.
+    held: Held,
     /// A plain v1 server's side of its pace's measure (`crate::upstream::pace`).
     backlog: Backlog,
 }
@@ -227,7 +233,10 @@ impl Upstream {
                 self.sent = 0;
             }
         }
-        sock.flush()
+        let flushed = sock.flush();
+        sock.shrink_emptied();
+        self.held.set(sock.room());
+        flushed
     }
 
     /// Whether `call`'s request is still held: not yet written, or in the ring.
@@ -241,11 +250,12 @@ impl Upstream {
 
 /// The providers of `config`, each resolved, with their series in `metrics` and their
 /// outlier detectors sharing `guards`' count of ejections, and `--pool-size` connections
-/// to each, to be made by the loop's first round.
+/// to each (their buffers counted in `budget`), to be made by the loop's first round.
 pub(super) fn providers(
     config: &BrokerConfig,
     metrics: &BrokerMetrics,
     guards: &Guards,
+    budget: &Arc<MemoryBudget>,
 ) -> (Routes, Vec<Upstream>) {
     let mut routes = Routes::default();
     let mut upstreams = Vec::new();
@@ -284,6 +294,7 @@ pub(super) fn providers(
                 ring_base: 0,
                 fed: 0,
                 sent: 0,
+                held: Held::new(budget.clone()),
                 backlog: Backlog::default(),
             });
         }
@@ -300,6 +311,8 @@ impl Engine {
     /// the time left is its whole budget, or, for a provider that caps every call at the
     /// call timeout, what that cap leaves. The request is kept in the connection's ring
     /// when it may be handed back. The call back when the connection's table is full.
+    // A call not taken is handed back by value (no allocation on the per-call path).
+    #[allow(clippy::result_large_err)]
     pub(super) fn send(
         &mut self,
         k: usize,
