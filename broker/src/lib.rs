@@ -117,10 +117,11 @@ fn main_on_loop(args: &Args, config: BrokerConfig) -> anyhow::Result<()> {
         server(args, &config),
         rpcmesh_common::cli::systemd::Readiness::WhenListening,
         |telemetry, listener, shutdown| async move {
-            // SIGHUP (a unit's reload) must not end it: with no providers file there is
-            // nothing to read again, and it is only logged.
-            on_sighup(Reload::new());
-            let r = engine::run(config, telemetry, listener, shutdown).await;
+            // Installed before the first call is served: from then on SIGHUP reads the
+            // providers file again instead of ending the process.
+            let reload = Reload::new();
+            on_sighup(reload.clone());
+            let r = engine::run_with_reload(config, telemetry, listener, shutdown, reload).await;
             if let Ok(s) = &r {
                 tracing::info!(accepted = s.accepted, calls = s.calls, "broker stopped");
             }

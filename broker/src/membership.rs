@@ -66,7 +66,7 @@ impl Reload {
         self.0.notify_one();
     }
 
-    async fn requested(&self) {
+    pub(crate) async fn requested(&self) {
         self.0.notified().await;
     }
 }
@@ -444,17 +444,7 @@ pub(crate) async fn watch(
                 stamp = stamp_of(path.clone()).await;
             }
         }
-        let read = {
-            let p = path.clone();
-            tokio::task::spawn_blocking(move || providers_file::read_text(&p))
-                .await
-                .unwrap_or_else(|e| {
-                    Err(ProvidersFileError::Read {
-                        path: path.clone(),
-                        source: std::io::Error::other(e),
-                    })
-                })
-        };
+        let read = read_off_runtime(path).await;
         // A change of the stamp alone (touched, rewritten alike) changes nothing.
         if matches!(wake, Wake::Poll) && read.as_ref().ok() == text.as_ref() {
             continue;
@@ -477,7 +467,21 @@ pub(crate) async fn watch(
     }
 }
 
-async fn stamp_of(path: PathBuf) -> Option<FileStamp> {
+/// The text of the providers file at `path`, read off the runtime's threads.
+pub(crate) async fn read_off_runtime(path: &Path) -> Result<String, ProvidersFileError> {
+    let p = path.to_path_buf();
+    tokio::task::spawn_blocking(move || providers_file::read_text(&p))
+        .await
+        .unwrap_or_else(|e| {
+            Err(ProvidersFileError::Read {
+                path: path.to_path_buf(),
+                source: std::io::Error::other(e),
+            })
+        })
+}
+
+/// The stamp of the file at `path`, looked at off the runtime's threads.
+pub(crate) async fn stamp_of(path: PathBuf) -> Option<FileStamp> {
     tokio::task::spawn_blocking(move || FileStamp::of(&path))
         .await
         .ok()

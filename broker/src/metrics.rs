@@ -254,7 +254,7 @@ impl BrokerMetrics {
                     ("reason", "invalid"),
                 ],
             ),
-            _exposed: Arc::new(t.exposure("upstream", label)),
+            exposed: Some(Arc::new(t.exposure("upstream", label))),
             cell: 0,
             conn_offset: 0,
             sums: Arc::new(PoolSums {
@@ -327,7 +327,9 @@ pub struct UpstreamMetrics {
     /// Keeps this provider's series exported: the pool, its keeper and its connection
     /// tasks hold clones, so they go once the provider left and its last connection
     /// closed (before that, a leaving provider shows its draining connections).
-    _exposed: Arc<Exposure>,
+    /// (The loop engine, which holds one set of handles per provider, lets go of it
+    /// itself: [`UpstreamMetrics::unexpose`].)
+    exposed: Option<Arc<Exposure>>,
     /// The cell whose pool these are, and the number of its first connection among the
     /// provider's (the `conn` label).
     cell: usize,
@@ -435,6 +437,12 @@ impl UpstreamMetrics {
     pub(crate) fn publish_conns(&self, up: usize) {
         let up = up as u64;
         self.publish_sums(|row| row[..3].copy_from_slice(&[up, up, up]));
+    }
+
+    /// These handles no longer keep the provider's series exported (the loop engine's
+    /// provider that left, once its connections are closed).
+    pub(crate) fn unexpose(&mut self) {
+        self.exposed = None;
     }
 
     /// The pool stopped (its provider left, or the broker is stopping): its gauges go to

@@ -635,7 +635,7 @@ async fn the_broker_program_runs_the_loop_engine_when_told() {
         b.metric("rpcmesh_calls_total", &ok) >= 11.0
     })
     .await;
-    // SIGHUP (a unit's reload) does not end it: there is no providers file to read.
+    // SIGHUP (a unit's reload) does not end it: there is no providers file to read again.
     b.child.signal(rpcmesh_testkit::Signal::HUP);
     let r = c.call("EchoService", "Echo", &echo("after")).await.unwrap();
     assert_eq!(r.status, Status::Success);
@@ -644,12 +644,17 @@ async fn the_broker_program_runs_the_loop_engine_when_told() {
     })
     .await;
 
-    let file = std::env::temp_dir().join(format!("rpcmesh-engine-{}", std::process::id()));
-    std::fs::write(&file, "127.0.0.1:9\n").unwrap();
-    let file = file.to_string_lossy().into_owned();
+    let dir = std::env::temp_dir().join(format!("rpcmesh-engine-{}", std::process::id()));
+    let pki = rpcmesh_testkit::Pki::new(&dir, "engine-ca");
+    let files = pki.issue(&rpcmesh_testkit::Leaf::spiffe("broker", "b"));
+    let (cert, key) = (files.cert.to_string_lossy(), files.key.to_string_lossy());
+    let ca = pki.ca_file.to_string_lossy();
     for (extra, says) in [
         (&["--threads", "2"][..], "one thread"),
-        (&["--providers-file", &file][..], "a providers file"),
+        (
+            &["--tls-cert", &cert, "--tls-key", &key, "--tls-ca", &ca][..],
+            "TLS",
+        ),
     ] {
         let out = std::process::Command::new(rpcmesh_testkit::bin_path("broker"))
             .args([
@@ -670,5 +675,5 @@ async fn the_broker_program_runs_the_loop_engine_when_told() {
         assert!(!out.status.success(), "{extra:?}: {stderr}");
         assert!(stderr.contains(says), "{extra:?}: {stderr}");
     }
-    let _ = std::fs::remove_file(&file);
+    let _ = std::fs::remove_dir_all(&dir);
 }

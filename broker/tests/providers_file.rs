@@ -5,8 +5,8 @@
 //! connections close; a bad file is kept out with a log line naming the file and the
 //! line, and the providers stay as they were; and a provider stopped by SIGTERM under load
 //! beside a healthy one costs the callers nothing (the calls it refused `NOT_RUN` go to
-//! the other), then takes calls again once restarted on the same port (this one on both
-//! engines: the loop engine, which reads no file yet, given the providers as flags).
+//! the other), then takes calls again once restarted on the same port. Every test runs on
+//! both engines (`--engine`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -53,23 +53,35 @@ fn rewrite_unseen(path: &Path, text: &str) {
     f.set_modified(before.modified().unwrap()).unwrap();
 }
 
-/// The broker as a process serving the providers of `file`, with test-friendly health
-/// checks, its log written to `log`.
-fn broker_process(file: &Path, log: &Path) -> Spawned {
-    broker_process_with(file, log, "500ms")
+/// The broker's engines (`--engine`): every test here runs on both.
+const ENGINES: [&str; 2] = ["tokio", "loop"];
+
+/// The broker on `engine` as a process serving the providers of `file`, with
+/// test-friendly health checks, its log written to `log`.
+fn broker_process(engine: &str, file: &Path, log: &Path) -> Spawned {
+    broker_process_with(engine, file, log, "500ms")
 }
 
 /// As [`broker_process`], with `health_timeout` for one heartbeat.
-fn broker_process_with(file: &Path, log: &Path, health_timeout: &str) -> Spawned {
-    broker_process_on(file, log, health_timeout, "1")
+fn broker_process_with(engine: &str, file: &Path, log: &Path, health_timeout: &str) -> Spawned {
+    broker_process_on(engine, file, log, health_timeout, "1")
 }
 
 /// As [`broker_process_with`], on `threads` threads (cells), each dealt connections from
-/// the start.
-fn broker_process_on(file: &Path, log: &Path, health_timeout: &str, threads: &str) -> Spawned {
+/// the start (the loop engine runs one).
+fn broker_process_on(
+    engine: &str,
+    file: &Path,
+    log: &Path,
+    health_timeout: &str,
+    threads: &str,
+) -> Spawned {
+    let threads = if engine == "loop" { "1" } else { threads };
     Spawned::start_with(
         "broker",
         &[
+            "--engine",
+            engine,
             "--providers-file",
             file.to_str().unwrap(),
             "--health-interval",
@@ -140,7 +152,17 @@ const MAX_PROBES: usize = 3_000;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_provider_added_to_the_file_takes_calls_after_a_sighup_and_after_a_change_alone() {
-    let dir = test_dir("join");
+    for engine in ENGINES {
+        a_provider_added_to_the_file_takes_calls_after_a_sighup_and_after_a_change_alone_on(engine)
+            .await;
+    }
+}
+
+/// [`a_provider_added_to_the_file_takes_calls_after_a_sighup_and_after_a_change_alone`] on `engine`.
+async fn a_provider_added_to_the_file_takes_calls_after_a_sighup_and_after_a_change_alone_on(
+    engine: &str,
+) {
+    let dir = test_dir(&format!("join-{engine}"));
     let (pa, pb, pc) = (
         provider(ProviderConfig::default()).await,
         provider(ProviderConfig::default()).await,
@@ -151,7 +173,7 @@ async fn a_provider_added_to_the_file_takes_calls_after_a_sighup_and_after_a_cha
     // A comment as long as B's line, for B to take its place unseen.
     let pad = format!("#{}", "x".repeat(b_line.len() - 1));
     std::fs::write(&file, format!("{}\n{pad}\n", pa.addr)).unwrap();
-    let b = broker_process(&file, &dir.join("broker.log"));
+    let b = broker_process(engine, &file, &dir.join("broker.log"));
     let c = client(b.rpc).await;
     until_ready(&c).await;
     for i in 0..20 {
@@ -200,14 +222,21 @@ async fn a_provider_added_to_the_file_takes_calls_after_a_sighup_and_after_a_cha
 /// here answers nothing, heartbeats included, until the test sends it a request of its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_provider_that_joins_is_offered_calls_once_its_connections_are_ready() {
-    let dir = test_dir("join-ready");
+    for engine in ENGINES {
+        a_provider_that_joins_is_offered_calls_once_its_connections_are_ready_on(engine).await;
+    }
+}
+
+/// [`a_provider_that_joins_is_offered_calls_once_its_connections_are_ready`] on `engine`.
+async fn a_provider_that_joins_is_offered_calls_once_its_connections_are_ready_on(engine: &str) {
+    let dir = test_dir(&format!("join-ready-{engine}"));
     let pa = provider(ProviderConfig::default()).await;
     let newcomer = V1Server::start(true).await;
     newcomer.hold_replies_until(1);
     let file = dir.join("providers");
     std::fs::write(&file, format!("EchoService={}\n", pa.addr)).unwrap();
     // Heartbeats may wait long: the newcomer's pool settles when the test lets it answer.
-    let b = broker_process_with(&file, &dir.join("broker.log"), "30s");
+    let b = broker_process_with(engine, &file, &dir.join("broker.log"), "30s");
     let c = client(b.rpc).await;
     until_ready(&c).await;
     let other = || async {
@@ -266,7 +295,14 @@ async fn a_provider_that_joins_is_offered_calls_once_its_connections_are_ready()
 /// falls inside the wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_change_of_the_file_during_the_start_is_applied() {
-    let dir = test_dir("start-change");
+    for engine in ENGINES {
+        a_change_of_the_file_during_the_start_is_applied_on(engine).await;
+    }
+}
+
+/// [`a_change_of_the_file_during_the_start_is_applied`] on `engine`.
+async fn a_change_of_the_file_during_the_start_is_applied_on(engine: &str) {
+    let dir = test_dir(&format!("start-change-{engine}"));
     let (pa, pc) = (
         provider(ProviderConfig::default()).await,
         provider(ProviderConfig::default()).await,
@@ -279,7 +315,7 @@ async fn a_change_of_the_file_during_the_start_is_applied() {
         format!("EchoService={}\nHeldService={}\n", pa.addr, held.addr),
     )
     .unwrap();
-    let b = broker_process_with(&file, &dir.join("broker.log"), "30s");
+    let b = broker_process_with(engine, &file, &dir.join("broker.log"), "30s");
     // The broker has read the file (its pools connect) and waits for the held provider.
     wait_until("the broker to connect to the held provider", || {
         !held.counts().is_empty()
@@ -319,7 +355,17 @@ async fn a_change_of_the_file_during_the_start_is_applied() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_provider_removed_from_the_file_takes_no_new_call_and_finishes_the_one_it_holds() {
-    let dir = test_dir("leave");
+    for engine in ENGINES {
+        a_provider_removed_from_the_file_takes_no_new_call_and_finishes_the_one_it_holds_on(engine)
+            .await;
+    }
+}
+
+/// [`a_provider_removed_from_the_file_takes_no_new_call_and_finishes_the_one_it_holds`] on `engine`.
+async fn a_provider_removed_from_the_file_takes_no_new_call_and_finishes_the_one_it_holds_on(
+    engine: &str,
+) {
+    let dir = test_dir(&format!("leave-{engine}"));
     let gate = Gate::new();
     let held = held_provider(&gate).await;
     let other = provider(ProviderConfig::default()).await;
@@ -333,7 +379,7 @@ async fn a_provider_removed_from_the_file_takes_no_new_call_and_finishes_the_one
         ),
     )
     .unwrap();
-    let b = broker_process(&file, &log);
+    let b = broker_process(engine, &file, &log);
     let c = client(b.rpc).await;
     until_ready(&c).await;
     until_served_by(&c, &held).await;
@@ -413,7 +459,17 @@ async fn a_provider_removed_from_the_file_takes_no_new_call_and_finishes_the_one
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_providers_file_is_kept_out_with_its_line_logged_and_the_providers_stay() {
-    let dir = test_dir("bad");
+    for engine in ENGINES {
+        a_bad_providers_file_is_kept_out_with_its_line_logged_and_the_providers_stay_on(engine)
+            .await;
+    }
+}
+
+/// [`a_bad_providers_file_is_kept_out_with_its_line_logged_and_the_providers_stay`] on `engine`.
+async fn a_bad_providers_file_is_kept_out_with_its_line_logged_and_the_providers_stay_on(
+    engine: &str,
+) {
+    let dir = test_dir(&format!("bad-{engine}"));
     let (pa, pb) = (
         provider(ProviderConfig::default()).await,
         provider(ProviderConfig::default()).await,
@@ -421,7 +477,7 @@ async fn a_bad_providers_file_is_kept_out_with_its_line_logged_and_the_providers
     let file = dir.join("providers");
     let log = dir.join("broker.log");
     std::fs::write(&file, format!("{}\n", pa.addr)).unwrap();
-    let b = broker_process(&file, &log);
+    let b = broker_process(engine, &file, &log);
     let c = client(b.rpc).await;
     until_ready(&c).await;
 
@@ -545,8 +601,6 @@ fn spawn_provider(addr: SocketAddr) -> ChildGuard {
     .unwrap()
 }
 
-/// On both engines: the Tokio engine reads the providers from the file, the loop engine
-/// (which reads no file yet) from `--upstream` flags.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_provider_drained_by_sigterm_under_load_costs_the_callers_nothing_and_comes_back() {
     for engine in ["tokio", "loop"] {
@@ -562,35 +616,7 @@ async fn drained_by_sigterm_under_load(engine: &str) {
     let other = provider(ProviderConfig::default()).await;
     let file = dir.join("providers");
     std::fs::write(&file, format!("{a_addr}\n{}\n", other.addr)).unwrap();
-    let log = dir.join("broker.log");
-    let b = if engine == "tokio" {
-        broker_process(&file, &log)
-    } else {
-        let (a_flag, other_flag) = (a_addr.to_string(), other.addr.to_string());
-        Spawned::start_with(
-            "broker",
-            &[
-                "--engine",
-                engine,
-                "--upstream",
-                &a_flag,
-                "--upstream",
-                &other_flag,
-                "--health-interval",
-                "100ms",
-                "--connect-timeout",
-                "500ms",
-                "--health-timeout",
-                "500ms",
-                "--busy-poll",
-                "off",
-            ],
-            Launch {
-                stderr: Some(&log),
-                ..Launch::default()
-            },
-        )
-    };
+    let b = broker_process(engine, &file, &dir.join("broker.log"));
     let c = client(b.rpc).await;
     until_ready(&c).await;
     let ok_before = b.metric(CALLS_TOTAL.name, &[("status", "ok")]);
@@ -663,7 +689,14 @@ async fn drained_by_sigterm_under_load(engine: &str) {
 /// the drain one cell learns of is the other's too, and neither loses a call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_named_provider_drained_under_load_falls_back_to_the_any_service_one() {
-    let dir = test_dir("fallback");
+    for engine in ENGINES {
+        a_named_provider_drained_under_load_falls_back_to_the_any_service_one_on(engine).await;
+    }
+}
+
+/// [`a_named_provider_drained_under_load_falls_back_to_the_any_service_one`] on `engine`.
+async fn a_named_provider_drained_under_load_falls_back_to_the_any_service_one_on(engine: &str) {
+    let dir = test_dir(&format!("fallback-{engine}"));
     let named_addr = SocketAddr::from(([127, 0, 0, 1], testkit::free_port()));
     let mut named = spawn_provider(named_addr);
     testkit::wait_listening(named_addr).await;
@@ -674,8 +707,8 @@ async fn a_named_provider_drained_under_load_falls_back_to_the_any_service_one()
         format!("EchoService,PlatformService={named_addr}\n{}\n", any.addr),
     )
     .unwrap();
-    let b = broker_process_on(&file, &dir.join("broker.log"), "500ms", "2");
-    // Two connections: one per cell.
+    let b = broker_process_on(engine, &file, &dir.join("broker.log"), "500ms", "2");
+    // Two connections: one per cell (of the Tokio engine).
     let (c, c2) = (client(b.rpc).await, client(b.rpc).await);
     until_ready(&c).await;
     until_ready(&c2).await;
@@ -704,15 +737,18 @@ async fn a_named_provider_drained_under_load_falls_back_to_the_any_service_one()
     assert_all_ok(made, &bad);
     let (made2, bad2) = running2.await.unwrap();
     assert_all_ok(made2, &bad2);
-    let cell = |k: &str| b.metric("rpcmesh_cell_calls_total", &[("cell", k)]);
-    assert!(
-        cell("0") >= 200.0 && cell("1") >= 200.0,
-        "both cells carried the load: {} and {}",
-        cell("0"),
-        cell("1")
-    );
+    if engine == "tokio" {
+        // The loop engine runs one thread: no cells.
+        let cell = |k: &str| b.metric("rpcmesh_cell_calls_total", &[("cell", k)]);
+        assert!(
+            cell("0") >= 200.0 && cell("1") >= 200.0,
+            "both cells carried the load: {} and {}",
+            cell("0"),
+            cell("1")
+        );
+    }
     println!(
-        "fallback under a drain: {} calls, all ok, {} by the fallback",
+        "{engine} engine, fallback under a drain: {} calls, all ok, {} by the fallback",
         made + made2,
         any.calls("ok")
     );
@@ -737,12 +773,22 @@ fn assert_all_ok<T: std::fmt::Debug>(made: usize, bad: &[T]) {
 /// reloads stopped silently and SIGTERM hung.
 #[tokio::test]
 async fn a_providers_file_replaced_by_a_named_pipe_is_refused_and_sigterm_still_ends_it() {
-    let dir = test_dir("fifo");
+    for engine in ENGINES {
+        a_providers_file_replaced_by_a_named_pipe_is_refused_and_sigterm_still_ends_it_on(engine)
+            .await;
+    }
+}
+
+/// [`a_providers_file_replaced_by_a_named_pipe_is_refused_and_sigterm_still_ends_it`] on `engine`.
+async fn a_providers_file_replaced_by_a_named_pipe_is_refused_and_sigterm_still_ends_it_on(
+    engine: &str,
+) {
+    let dir = test_dir(&format!("fifo-{engine}"));
     let pa = provider(ProviderConfig::default()).await;
     let file = dir.join("providers");
     let log = dir.join("broker.log");
     std::fs::write(&file, format!("{}\n", pa.addr)).unwrap();
-    let mut b = broker_process(&file, &log);
+    let mut b = broker_process(engine, &file, &log);
     let c = client(b.rpc).await;
     until_ready(&c).await;
     testkit::replace_with_fifo(&file);

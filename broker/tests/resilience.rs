@@ -407,17 +407,27 @@ async fn calls_lost_in_flight_go_to_another_provider_only_when_marked_idempotent
 /// flight, tens of seconds.) Proved by order: the calls made after it joined.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_provider_added_beside_a_fast_one_takes_calls_at_once() {
+    for engine in ENGINES {
+        added_beside_a_fast_one(engine).await;
+    }
+}
+
+/// [`a_provider_added_beside_a_fast_one_takes_calls_at_once`] on `engine`.
+async fn added_beside_a_fast_one(engine: &str) {
     let (a, b) = (
         Spawned::start("provider", &[]),
         Spawned::start("provider", &[]),
     );
-    let dir = std::env::temp_dir().join(format!("rpcmesh-probe-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("rpcmesh-probe-{}-{engine}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("providers");
     std::fs::write(&file, format!("{}\n", a.rpc)).unwrap();
-    // The Tokio engine: the loop engine does not read a providers file yet.
-    let bk = broker("tokio", &[], &["--providers-file", file.to_str().unwrap()]);
-    assert_eq!(failed_calls(bk.rpc, 50, 1).await, 0, "A alone, measured");
+    let bk = broker(engine, &[], &["--providers-file", file.to_str().unwrap()]);
+    assert_eq!(
+        failed_calls(bk.rpc, 50, 1).await,
+        0,
+        "{engine}: A alone, measured"
+    );
     let tmp = dir.join("providers.tmp");
     std::fs::write(&tmp, format!("{}\n{}\n", a.rpc, b.rpc)).unwrap();
     std::fs::rename(&tmp, &file).unwrap();
@@ -428,12 +438,14 @@ async fn a_provider_added_beside_a_fast_one_takes_calls_at_once() {
             && bk.metric(POOL_HEALTHY_CONNECTIONS.name, &[("upstream", &b_label)]) > 0.0
     })
     .await;
-    assert_eq!(failed_calls(bk.rpc, 200, 4).await, 0);
+    assert_eq!(failed_calls(bk.rpc, 200, 4).await, 0, "{engine}");
     let at_b = bk.metric(
         UPSTREAM_CALLS_TOTAL.name,
         &[("upstream", &b_label), ("status", "ok")],
     );
-    println!("the provider that joined took {at_b} of the 200 calls made after, 4 at a time");
-    assert!(at_b > 0.0, "B took calls");
+    println!(
+        "{engine} engine: the provider that joined took {at_b} of the 200 calls made after, 4 at a time"
+    );
+    assert!(at_b > 0.0, "{engine}: B took calls");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -36,6 +36,9 @@
 //!   and copied under the caller's id, statuses degraded for v1 callers; a bad reply
 //!   failing its call alone;
 //! - timed out at the earlier of its deadline and `--call-timeout`;
+//! - the providers of the flags and of `--providers-file`, read again on SIGHUP and when
+//!   the file changes (`control`), joining and leaving as the Tokio engine's do
+//!   (`members`);
 //! - provider connections (`upstream`) made within `--connect-timeout`, sent a heartbeat
 //!   every `--health-interval` and given up when one goes unanswered for
 //!   `--health-timeout`, their calls answered when they are lost, and made again after a
@@ -62,11 +65,13 @@
 //!   calls routed again and retries refused for want of budget.
 //!
 //! What it does not do yet, and the Tokio engine does: TLS; the metrics of stages and of
-//! busy polling; logs of bad input; the providers file; several threads. [`spawn_counted`] refuses a configuration
-//! that asks for TLS or a providers file. Unlike the Tokio engine it answers the calls of
+//! busy polling; logs of bad input; several threads. [`spawn_counted`] refuses a
+//! configuration that asks for TLS. Unlike the Tokio engine it answers the calls of
 //! a client that closed its side before closing too, and keeps a request for a hand-back
 //! for as long as its connection's ring holds it, not [`REQUEST_RETAIN`] at most.
 
+mod control;
+mod members;
 mod metrics;
 mod reroute;
 mod route;
@@ -94,6 +99,7 @@ use rpcmesh_wire::codec::FrameCodec;
 use self::metrics::Counts;
 use crate::config::BrokerConfig;
 use crate::failure::Failure;
+use crate::membership::Reload;
 use crate::metrics::BrokerMetrics;
 use crate::resilience::Guards;
 use reroute::HandedBack;
@@ -143,6 +149,11 @@ pub struct Summary {
 #[derive(Debug)]
 pub struct LoopHandle {
     addr: SocketAddr,
+    /// The commands on their way to the loop.
+    control: Arc<control::Control>,
+    /// The providers served at the start, and the providers file's text then.
+    served: Vec<crate::upstream_spec::UpstreamSpec>,
+    text: Option<String>,
     allocations: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     waker: Arc<Waker>,
@@ -162,6 +173,12 @@ impl LoopHandle {
         self.allocations.load(Ordering::Relaxed)
     }
 
+    /// Hands the loop `command`, and wakes it.
+    fn command(&self, command: control::Command) {
+        self.control.send(command);
+        let _ = self.waker.wake();
+    }
+
     /// Starts the drain: no new connection, new calls refused, the calls in flight
     /// answered (by their providers, or when `--grace` is over by the broker).
     pub fn stop(&self) {
@@ -177,13 +194,12 @@ impl LoopHandle {
     }
 }
 
-/// What of `config` the loop engine does not serve yet, if anything: TLS on either side,
-/// a providers file (`--engine loop` refuses them at the start).
+/// What of `config` the loop engine does not serve yet, if anything: TLS on either side
+/// (`--engine loop` refuses it at the start).
 pub fn unsupported(config: &BrokerConfig) -> Option<&'static str> {
     [
         (config.tls.is_some(), "TLS"),
         (config.upstream_tls.is_some(), "TLS to the providers"),
-        (config.providers_file.is_some(), "a providers file"),
     ]
     .into_iter()
     .find_map(|(asked, what)| asked.then_some(what))
@@ -198,9 +214,25 @@ pub async fn run(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()>,
 ) -> io::Result<Summary> {
+    run_with_reload(config, telemetry, listener, shutdown, Reload::new()).await
+}
+
+/// As [`run`], reading the providers file again whenever `reload` is pulled (and when the
+/// file changes, as always): what `broker --engine loop` runs.
+pub async fn run_with_reload(
+    config: BrokerConfig,
+    telemetry: Telemetry,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()>,
+    reload: Reload,
+) -> io::Result<Summary> {
     let metrics = BrokerMetrics::new(telemetry, config.stage_sample);
-    let h = spawn_counted(config, listener.into_std()?, metrics)?;
-    shutdown.await;
+    let mut h = spawn_counted(config.clone(), listener.into_std()?, metrics.clone())?;
+    let (served, text) = (std::mem::take(&mut h.served), h.text.take());
+    tokio::select! {
+        () = shutdown => {}
+        () = control::watch(&h, &config, &metrics, served, text, reload) => {}
+    }
     h.stop();
     tokio::task::spawn_blocking(move || h.join())
         .await
@@ -215,8 +247,8 @@ pub fn spawn(config: BrokerConfig, listener: std::net::TcpListener) -> io::Resul
 }
 
 /// Serves `listener` on a thread of its own with the loop engine, until told to stop,
-/// counting into `metrics`. Refuses what the engine does not do yet: TLS on either side,
-/// a providers file.
+/// counting into `metrics`, serving the providers of the flags and of the providers file
+/// as read now. Refuses what the engine does not do yet: TLS on either side.
 pub fn spawn_counted(
     config: BrokerConfig,
     listener: std::net::TcpListener,
@@ -233,7 +265,15 @@ pub fn spawn_counted(
     let poll = Poll::new()?;
     let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
     let stop = Arc::new(AtomicBool::new(false));
-    let mut engine = Engine::new(config, poll, metrics)?;
+    // The providers of the flags and of the file, as the Tokio engine reads them.
+    let (served, text) = crate::membership::initial(&config, &metrics);
+    let idempotent = text
+        .as_deref()
+        .map(crate::providers_file::idempotent)
+        .unwrap_or_default();
+    let control = Arc::new(control::Control::default());
+    let mut engine = Engine::new(config, poll, metrics, control.clone())?;
+    engine.start_providers(served.clone(), idempotent);
     let allocations = engine.allocations.clone();
     let flag = stop.clone();
     let thread = std::thread::Builder::new()
@@ -241,6 +281,9 @@ pub fn spawn_counted(
         .spawn(move || engine.run(TcpListener::from_std(listener), &flag))?;
     Ok(LoopHandle {
         addr,
+        control,
+        served,
+        text,
         allocations,
         stop,
         waker,
@@ -256,6 +299,14 @@ struct Engine {
     sessions: Sessions,
     upstreams: Vec<Upstream>,
     routes: Routes,
+    /// Each provider's services as listed (`members`).
+    services: Vec<Vec<String>>,
+    /// A list of providers waiting for its joiners to settle (`members`).
+    pending: Option<members::Pending>,
+    /// The calls marked idempotent: the flags' and the providers file's.
+    idempotent: rpcmesh_common::retry::Idempotent,
+    /// Commands from the control side.
+    control: Arc<control::Control>,
     /// Calls in flight in the whole engine (`--max-in-flight`).
     in_flight: usize,
     /// The clock, read once per round.
@@ -313,20 +364,29 @@ struct Engine {
 }
 
 impl Engine {
-    fn new(config: BrokerConfig, poll: Poll, metrics: BrokerMetrics) -> io::Result<Engine> {
+    fn new(
+        config: BrokerConfig,
+        poll: Poll,
+        metrics: BrokerMetrics,
+        control: Arc<control::Control>,
+    ) -> io::Result<Engine> {
         let guards = Guards::new(config.resilience, &metrics);
         let budget = MemoryBudget::new(config.memory_budget);
         publish_budget(&metrics.telemetry, crate::metrics::ROLE, &budget);
-        let (routes, upstreams) = upstream::providers(&config, &metrics, &guards, &budget);
         let cap_value = rpcmesh_wire::ext::cap_value(config.call_timeout);
         let settle_by = Instant::now() + config.connect_timeout + config.health_timeout;
+        let idempotent = config.idempotent.clone();
         Ok(Engine {
             codec: FrameCodec::new(config.max_body_len),
             poll,
             config,
             sessions: Sessions::default(),
-            upstreams,
-            routes,
+            upstreams: Vec::new(),
+            routes: Routes::default(),
+            services: Vec::new(),
+            pending: None,
+            idempotent,
+            control,
             in_flight: 0,
             now: Instant::now(),
             next_expiry: None,
@@ -416,6 +476,17 @@ impl Engine {
         stop: &AtomicBool,
     ) -> bool {
         self.rounds += 1;
+        if let Some(commands) = self.control.take() {
+            for control::Command::Providers {
+                specs,
+                idempotent,
+                seq,
+            } in commands
+            {
+                self.set_providers(specs, idempotent, seq);
+            }
+        }
+        self.commit_providers();
         self.listen(listener);
         self.resume_budget_paused();
         for i in std::mem::take(&mut self.sessions.resume) {

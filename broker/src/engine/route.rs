@@ -71,6 +71,10 @@ pub(super) struct Provider {
     /// Its time per call on one connection, and so how deep its connections are packed
     /// (`crate::upstream::pace`).
     pub pace: Pace,
+    /// It left the providers (`super::members`): offered no call, its connections closed
+    /// once their calls are done, never made again; and once they all are, it is gone.
+    pub left: bool,
+    pub gone: bool,
 }
 
 impl Provider {
@@ -101,6 +105,8 @@ impl Provider {
             was_healthy: false,
             settled: false,
             pace,
+            left: false,
+            gone: false,
         }
     }
 
@@ -150,20 +156,22 @@ pub(super) struct Routes {
 }
 
 impl Routes {
-    /// Adds provider `p`, serving `services` (none: any service).
-    pub fn add(&mut self, provider: Provider, services: &[String]) -> usize {
-        let p = self.providers.len();
-        if services.is_empty() {
-            self.any.push(p);
+    /// Routes to `listed`: each provider (its index) with the services it serves (none:
+    /// any service). The providers not listed are offered no call.
+    pub fn relist<'a>(&mut self, listed: impl IntoIterator<Item = (usize, &'a [String])>) {
+        self.named.clear();
+        self.any.clear();
+        for (p, services) in listed {
+            if services.is_empty() {
+                self.any.push(p);
+            }
+            for service in services {
+                self.named
+                    .entry(service.as_bytes().into())
+                    .or_default()
+                    .push(p);
+            }
         }
-        for service in services {
-            self.named
-                .entry(service.as_bytes().into())
-                .or_default()
-                .push(p);
-        }
-        self.providers.push(provider);
-        p
     }
 }
 

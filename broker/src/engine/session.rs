@@ -450,7 +450,6 @@ impl Engine {
         });
         let tag = self.counts.tag(names, service.len(), true);
         let idempotent = self
-            .config
             .idempotent
             .covers_bytes(&inner[service.clone()], &inner[method.clone()]);
         let mut call = Call::new(from, (id, flags), (self.now, limit), tag, idempotent);

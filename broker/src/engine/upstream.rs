@@ -28,20 +28,15 @@ use rpcmesh_wire::neutral::neutral_id;
 use rpcmesh_wire::{PeerKind, Status};
 
 use super::reroute::Retry;
-use super::route::{Provider, Routes};
 use super::session::SessionRef;
 use super::socket::{Filled, Socket};
 use super::{Engine, FIRST_UPSTREAM};
 use crate::call::{CallInfo, MIN_REPLY_BODY, Reroute, status_of, write_reply_to};
-use crate::config::BrokerConfig;
 use crate::failure::{ConnEnd, Failure};
-use crate::metrics::BrokerMetrics;
-use crate::resilience::Guards;
-use crate::resilience::ewma::PeakEwma;
-use crate::resilience::outlier::{Outlier, Verdict};
+use crate::resilience::outlier::Verdict;
 use crate::upstream::connection::kept::{self, Kept, Ring};
 use crate::upstream::connection::{SKIP_FACTOR, failure_verdict, sweep_period, verdict_of};
-use crate::upstream::pace::{Backlog, Pace, Source};
+use crate::upstream::pace::Backlog;
 use rpcmesh_common::net::pace::{HEARTBEAT_KEY as PACE_KEY, PerCall};
 
 /// The provider connections are looked after at most this often, whatever their times
@@ -151,6 +146,8 @@ enum State {
     Down {
         retry_at: Instant,
     },
+    /// Its provider left (`super::members`): never made again.
+    Gone,
 }
 
 /// One connection to a provider, and the calls in flight on it.
@@ -248,60 +245,40 @@ impl Upstream {
     }
 }
 
-/// The providers of `config`, each resolved, with their series in `metrics` and their
-/// outlier detectors sharing `guards`' count of ejections, and `--pool-size` connections
-/// to each (their buffers counted in `budget`), to be made by the loop's first round.
-pub(super) fn providers(
-    config: &BrokerConfig,
-    metrics: &BrokerMetrics,
-    guards: &Guards,
-    budget: &Arc<MemoryBudget>,
-) -> (Routes, Vec<Upstream>) {
-    let mut routes = Routes::default();
-    let mut upstreams = Vec::new();
-    let now = Instant::now();
-    let size = config.pool_size.max(1);
-    let r = &guards.config;
-    for spec in &config.upstreams {
-        let label: Arc<str> = spec.label().into();
-        let m = metrics.upstream(&label, size, 1);
-        let outlier = Outlier::new(
-            *r,
-            guards.ejections.clone(),
-            label.clone(),
-            m.ejections.clone(),
-        );
-        let ewma = PeakEwma::new(r.ewma_default_rtt, r.ewma_decay);
-        let pace = Pace::new(config.pack_wait, Source::of(spec.kind));
-        let mut provider =
-            Provider::new(label, spec.addr.clone(), spec.kind, m, outlier, ewma, pace);
-        let p = routes.providers.len();
-        for _ in 0..size {
-            provider.conns.push(upstreams.len());
-            upstreams.push(Upstream {
-                provider: p,
-                state: State::Down { retry_at: now },
-                calls: SlotTable::keyed(),
-                backoff: Backoff::default(),
-                heartbeat_sent: None,
-                last_heartbeat: now,
-                takes_deadline: false,
-                takes_cap: false,
-                serial: 0,
-                retiring: false,
-                ring: Ring::default(),
-                keeps: spec.kind == PeerKind::Rpcmesh || !config.idempotent.is_empty(),
-                ring_base: 0,
-                fed: 0,
-                sent: 0,
-                held: Held::new(budget.clone()),
-                backlog: Backlog::default(),
-            });
+impl Upstream {
+    /// A connection of provider `p`, to be made by the next look after the connections;
+    /// `keeps`: its requests are kept for hand-backs; its buffers counted in `budget`.
+    pub fn new(p: usize, keeps: bool, budget: &Arc<MemoryBudget>, now: Instant) -> Upstream {
+        Upstream {
+            provider: p,
+            state: State::Down { retry_at: now },
+            calls: SlotTable::keyed(),
+            backoff: Backoff::default(),
+            heartbeat_sent: None,
+            last_heartbeat: now,
+            takes_deadline: false,
+            takes_cap: false,
+            serial: 0,
+            retiring: false,
+            ring: Ring::default(),
+            keeps,
+            ring_base: 0,
+            fed: 0,
+            sent: 0,
+            held: Held::new(budget.clone()),
+            backlog: Backlog::default(),
         }
-        routes.add(provider, &spec.services);
     }
-    guards.ejections.set_members(routes.providers.len());
-    (routes, upstreams)
+
+    /// Takes no new call, and is closed once its calls are answered.
+    pub fn retire(&mut self) {
+        self.retiring = true;
+    }
+
+    /// Whether it is gone for good (its provider left).
+    pub fn is_gone(&self) -> bool {
+        matches!(self.state, State::Gone)
+    }
 }
 
 impl Engine {
@@ -781,11 +758,18 @@ impl Engine {
     }
 
     /// Closes connection `k` (its calls are gone) and sets it to be made again after a
-    /// pause that grows while the provider cannot be reached.
-    fn close_upstream(&mut self, k: usize, cause: &ConnEnd) {
+    /// pause that grows while the provider cannot be reached; gone for good when its
+    /// provider left.
+    pub(super) fn close_upstream(&mut self, k: usize, cause: &ConnEnd) {
         let up = &mut self.upstreams[k];
+        let left = self.routes.providers[up.provider].left;
         let retry_at = self.now + up.backoff.pause();
-        let old = mem::replace(&mut up.state, State::Down { retry_at });
+        let next = if left {
+            State::Gone
+        } else {
+            State::Down { retry_at }
+        };
+        let old = mem::replace(&mut up.state, next);
         let was_up = matches!(old, State::Up(_));
         if let State::Up(mut sock) | State::Connecting { mut sock, .. } = old {
             sock.take_counts(&mut self.counts.outbound);
@@ -800,15 +784,21 @@ impl Engine {
         }
         self.next_keep = self.next_keep.min(retry_at);
         self.publish_pool(p);
+        if left {
+            self.gone_if_closed(p);
+        }
     }
 
     /// Closes connection `k` once it is retiring and its last call is answered; it is
     /// made again at once (a provider that went away refuses it, and the pause grows).
-    fn retire_if_done(&mut self, k: usize) {
+    pub(super) fn retire_if_done(&mut self, k: usize) {
         let up = &mut self.upstreams[k];
         if up.retiring && up.calls.is_empty() && up.is_up() {
             self.close_upstream(k, &ConnEnd::Released);
             let up = &mut self.upstreams[k];
+            if up.is_gone() {
+                return;
+            }
             up.backoff.reset();
             up.state = State::Down { retry_at: self.now };
             self.next_keep = self.now;
@@ -878,6 +868,7 @@ impl Engine {
                     self.connect_failed(k, timed_out);
                 }
                 State::Connecting { by, .. } => next = next.min(*by),
+                State::Gone => {}
                 State::Up(_) => match up.heartbeat_sent {
                     Some(sent) if now >= sent + self.config.health_timeout => {
                         let silent = io::Error::new(
