@@ -135,6 +135,11 @@ impl Engine {
         self.control.applied(pending.seq);
     }
 
+    /// When the pending list is routed to whatever its joiners did, if there is one.
+    pub(super) fn pending_by(&self) -> Option<Instant> {
+        self.pending.as_ref().map(|p| p.by)
+    }
+
     /// Provider `spec` joins: its `--pool-size` connections, made by the next look after
     /// the connections. Returns its index.
     fn join(&mut self, spec: &UpstreamSpec, keeps_v1: bool) -> usize {

@@ -514,6 +514,8 @@ impl Engine {
             if let Some(mut l) = listener.take() {
                 let _ = self.poll.registry().deregister(&mut l);
             }
+            // No connection is taken from now on: nothing to wake for.
+            (self.accept_at, self.listening) = (None, true);
             self.grace_until = Some(self.now + self.config.grace);
         }
         if self.next_expiry.is_some_and(|t| self.now >= t) {
@@ -608,6 +610,11 @@ impl Engine {
         at(self.accept_at);
         if !self.listening {
             at(Some(self.settle_by));
+        }
+        at(self.pending_by());
+        if self.any_budget_paused() {
+            // Looked at again soon: the budget's relief raises no event here.
+            at(Some(self.now + TICK));
         }
         if self.sessions_open() > 0 {
             at(Some(self.next_session_sweep));

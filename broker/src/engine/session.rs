@@ -704,6 +704,11 @@ impl Engine {
         self.sessions.budget_paused = paused;
     }
 
+    /// Whether sessions wait for the memory budget.
+    pub(super) fn any_budget_paused(&self) -> bool {
+        !self.sessions.budget_paused.is_empty()
+    }
+
     /// Sessions open now.
     pub(super) fn sessions_open(&self) -> usize {
         self.sessions.open()

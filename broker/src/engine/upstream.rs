@@ -183,8 +183,8 @@ pub(super) struct Upstream {
     ring_base: u64,
     fed: u64,
     sent: usize,
-    /// What its buffers hold, told to the memory budget.
-    held: Held,
+    /// What its buffers hold, told to the memory budget (none once it is gone).
+    held: Option<Held>,
     /// A plain v1 server's side of its pace's measure (`crate::upstream::pace`).
     backlog: Backlog,
 }
@@ -232,7 +232,9 @@ impl Upstream {
         }
         let flushed = sock.flush();
         sock.shrink_emptied();
-        self.held.set(sock.room());
+        if let Some(held) = &mut self.held {
+            held.set(sock.room());
+        }
         flushed
     }
 
@@ -265,7 +267,7 @@ impl Upstream {
             ring_base: 0,
             fed: 0,
             sent: 0,
-            held: Held::new(budget.clone()),
+            held: Some(Held::new(budget.clone())),
             backlog: Backlog::default(),
         }
     }
@@ -400,11 +402,15 @@ impl Engine {
         else {
             return;
         };
-        // The new stream starts at the ring's head.
+        // The new stream starts at the ring's head; it keeps requests as the calls marked
+        // idempotent now say, and takes no call field until its provider says so.
         (up.ring_base, up.fed, up.sent) = (up.ring.head(), 0, 0);
+        (up.takes_deadline, up.takes_cap) = (false, false);
         up.state = State::Up(sock);
         up.backoff.reset();
         let p = up.provider;
+        up.keeps =
+            self.routes.providers[p].kind == PeerKind::Rpcmesh || !self.idempotent.is_empty();
         self.routes.providers[p].metrics.conns.opened();
         self.send_heartbeat(k);
         self.publish_pool(p);
@@ -480,6 +486,9 @@ impl Engine {
             if let Err(end) = self.take_replies(k) {
                 return self.upstream_lost(k, end);
             }
+            if !self.upstreams[k].is_up() {
+                return;
+            }
             match filled {
                 Filled::More => {}
                 Filled::Drained => return,
@@ -516,6 +525,10 @@ impl Engine {
                         }
                     }
                     skip_frame(&mut rbuf, &h);
+                    if !self.upstreams[k].is_up() {
+                        // Closed by what the frame did: the rest is for no one.
+                        break Ok(());
+                    }
                 }
                 Ok(None) => break Ok(()),
                 Err(e) => match self.on_bad_reply(k, &mut rbuf, e) {
@@ -777,6 +790,12 @@ impl Engine {
         }
         (up.takes_deadline, up.takes_cap, up.heartbeat_sent) = (false, false, None);
         up.retiring = false;
+        // Its buffers are gone; gone for good, so are its ring and its place in the budget.
+        if left {
+            (up.ring, up.held) = (Ring::default(), None);
+        } else if let Some(held) = &mut up.held {
+            held.set(0);
+        }
         let p = up.provider;
         if was_up {
             let conns = &self.routes.providers[p].metrics.conns;
@@ -817,13 +836,14 @@ impl Engine {
         }
         provider.draining_below = Some(mark);
         for &k in &provider.conns {
-            if self.upstreams[k].serial < mark {
-                self.upstreams[k].retiring = true;
+            let up = &mut self.upstreams[k];
+            if matches!(up.state, State::Up(_) | State::Connecting { .. }) && up.serial < mark {
+                up.retiring = true;
             }
         }
-        for k in provider.conns.clone() {
-            self.retire_if_done(k);
-        }
+        // Those with no call left close at the next look after the connections (not here:
+        // one of them may be the connection whose replies are being read).
+        self.next_keep = self.now;
     }
 
     /// Publishes provider `p`'s connections and healthy ones (those up); a provider
@@ -945,6 +965,7 @@ impl Engine {
                 self.serials += 1;
                 let up = &mut self.upstreams[k];
                 up.serial = self.serials;
+                up.retiring = false;
                 up.state = State::Connecting { sock, by };
             }
             Err(e) => self.connect_failed(k, e),
