@@ -529,6 +529,14 @@ async fn counts_of(engine: Engine) -> Vec<(String, f64)> {
             vec![("kind", "unknown_service"), ("side", "client")],
         ),
         (SHED_TOTAL.name, vec![("cap", "per_connection")]),
+        (
+            ERRORS_TOTAL.name,
+            vec![("kind", "unexpected"), ("side", "client")],
+        ),
+        (
+            ERRORS_TOTAL.name,
+            vec![("kind", "bad_magic"), ("side", "client")],
+        ),
         (CONNECTIONS_OPENED_TOTAL.name, vec![("side", "inbound")]),
         (
             CONNECTIONS_CLOSED_TOTAL.name,
@@ -560,6 +568,20 @@ async fn counts_of(engine: Engine) -> Vec<(String, f64)> {
     assert_eq!(r.status, Status::Overloaded);
     gate.open();
     assert_eq!(held.await.unwrap().unwrap().status, Status::Success);
+    // A client that sends a reply, then bytes that are no frame: kept open until the
+    // counts are read (the broker ends it for its bad input, a close of its own).
+    let mut hostile = tokio::net::TcpStream::connect(b.addr()).await.unwrap();
+    let mut reply = bytes::BytesMut::new();
+    rpcmesh_wire::envelope::put_error_response(&mut reply, 1, Flags::NONE, Status::Failed, "?");
+    reply.extend_from_slice(&[b'X'; 24]);
+    tokio::io::AsyncWriteExt::write_all(&mut hostile, &reply)
+        .await
+        .unwrap();
+    let garbage = [("kind", "bad_magic"), ("side", "client")];
+    wait_until("the bad input to be counted", || {
+        metric(ERRORS_TOTAL.name, &garbage) > before[7]
+    })
+    .await;
     // A second client that comes and goes.
     let other = Client::connect(b.addr(), ClientConfig::default())
         .await
@@ -570,7 +592,7 @@ async fn counts_of(engine: Engine) -> Vec<(String, f64)> {
         metric(
             CONNECTIONS_CLOSED_TOTAL.name,
             &[("side", "inbound"), ("reason", "peer")],
-        ) > before[7]
+        ) > before[9]
     })
     .await;
 
@@ -588,6 +610,7 @@ async fn counts_of(engine: Engine) -> Vec<(String, f64)> {
         CALLS_IN_FLIGHT.name.into(),
         metric(CALLS_IN_FLIGHT.name, &[]),
     ));
+    drop(hostile);
     b.stop().await;
     p.stop().await;
     counts
@@ -595,7 +618,8 @@ async fn counts_of(engine: Engine) -> Vec<(String, f64)> {
 
 /// The loop engine counts what the Tokio engine counts, in the same families: one
 /// scenario (calls of three pairs, one of an unknown service, one shed, a client that
-/// comes and goes) leaves the same counts on both.
+/// sends a reply and bytes that are no frame, a client that comes and goes) leaves the
+/// same counts on both.
 #[tokio::test]
 async fn the_loop_engine_counts_as_the_broker_does() {
     let tokio = counts_of(Engine::Tokio).await;
@@ -605,8 +629,10 @@ async fn the_loop_engine_counts_as_the_broker_does() {
     }
     assert_eq!(tokio, on_loop);
     // The scenario's own figures, so that two engines counting nothing do not agree.
-    // Echo: five, and the second client's first call; `_other`: the unknown service's.
-    let expect = [6.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0];
+    // Echo: five, and the second client's first call; `_other`: the unknown service's;
+    // one reply and one run of garbage from the hostile client; two clients opened, the
+    // second closed by its peer.
+    let expect = [6.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 1.0, 1.0, 0.0];
     let got: Vec<f64> = on_loop.iter().map(|c| c.1).collect();
     assert_eq!(got, expect, "{on_loop:?}");
 }

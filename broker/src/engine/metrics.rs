@@ -15,12 +15,18 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use rpcmesh_common::metrics::families::CallCounters;
+use rpcmesh_common::metrics::{ErrorKind, Side};
 use rpcmesh_common::net::connection::{CloseReason, IoCounts};
 use rpcmesh_common::net::listener::{AcceptObserver, Refusal};
+use rpcmesh_common::net::thinned::Thinned;
 use rpcmesh_wire::Status;
+use rpcmesh_wire::frame::{FrameError, MsgType};
 
 use crate::failure::Failure;
 use crate::metrics::{BrokerMetrics, MAX_CALL_LABELS, StatusTally};
+
+/// Log lines for bad input, thinned for the process.
+static BAD_INPUT_LINES: Thinned = Thinned::new();
 
 /// A call's tag with this bit set names a pair without labels yet; the rest is the index
 /// of its names in [`Counts::pending`].
@@ -148,6 +154,29 @@ impl Counts {
         if let Some(cap) = failure.shed_cap() {
             self.metrics.shed.inc(cap);
         }
+    }
+
+    /// A frame from `side` that cannot be used: logged (thinned for the process, as the
+    /// Tokio engine's `BadInputLog` logs it), and counted by its kind unless the frame
+    /// names its call, whose answer counts it ([`Failure::BadRequest`] or
+    /// [`Failure::ReplyRefused`], the same kind and side).
+    pub fn bad_input(&self, e: &FrameError, side: Side) {
+        let names_its_call = match side {
+            Side::Provider => matches!(e.frame_id(), Some((_, Some(MsgType::Response)))),
+            _ => e.request_id().is_some(),
+        };
+        if !names_its_call {
+            self.metrics.errors.inc(ErrorKind::of_frame(e), side);
+        }
+        if let Some(a) = BAD_INPUT_LINES.admit() {
+            tracing::warn!(error = %e, fatal = e.is_fatal(), in_process = a.seen, left_out = a.left_out, peer = side.label(), "bad input");
+        }
+    }
+
+    /// A frame of a type `side` should not send (a reply from a caller, a request from a
+    /// provider): counted, and dropped.
+    pub fn unexpected(&self, side: Side) {
+        self.metrics.errors.inc(ErrorKind::Unexpected, side);
     }
 
     /// A call's outcome came after its caller had gone.

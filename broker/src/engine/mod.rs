@@ -12,7 +12,8 @@
 //! What it does, as the Tokio engine does:
 //!
 //! - every frame checked where it lies (the broker's codec, CRC included); bad input
-//!   answered (`bad request`) where the frame names its call, and a connection whose
+//!   counted by kind and logged (thinned), answered (`bad request`) where the frame names
+//!   its call, and a connection whose
 //!   stream cannot be followed closed once that answer is written
 //!   ([`FINAL_FLUSH_TIMEOUT`] at most);
 //! - heartbeats answered; a call's extension block read (its deadline);
@@ -65,7 +66,7 @@
 //!   calls routed again and retries refused for want of budget.
 //!
 //! What it does not do yet, and the Tokio engine does: TLS; the metrics of stages and of
-//! busy polling; logs of bad input; several threads. [`spawn_counted`] refuses a
+//! busy polling; several threads. [`spawn_counted`] refuses a
 //! configuration that asks for TLS. Unlike the Tokio engine it answers the calls of
 //! a client that closed its side before closing too, and keeps a request for a hand-back
 //! for as long as its connection's ring holds it, not [`REQUEST_RETAIN`] at most.

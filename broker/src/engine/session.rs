@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use mio::Interest;
 use mio::net::TcpListener;
+use rpcmesh_common::metrics::Side;
 use rpcmesh_common::net::budget::{Held, Reserved, SMALL_BODY};
 use rpcmesh_common::net::connection::{CloseReason, SHRINK_ABOVE};
 use rpcmesh_common::net::listener::Refusal;
@@ -340,12 +341,13 @@ impl Engine {
                         MsgType::ExtRequest => self.admit(from, &h, body, trailer, true),
                         MsgType::Heartbeat => self.answer_heartbeat(i, &h, body),
                         // A reply makes no sense from a caller: dropped.
-                        MsgType::Response => {}
+                        MsgType::Response => self.counts.unexpected(Side::Client),
                     }
                     skip_frame(&mut rbuf, &h);
                 }
                 Ok(None) => break false,
                 Err(e) => {
+                    self.counts.bad_input(&e, Side::Client);
                     if let Some(id) = e.request_id() {
                         self.summary.calls += 1;
                         let failure = Failure::BadRequest(e.clone());

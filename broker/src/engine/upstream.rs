@@ -520,8 +520,7 @@ impl Engine {
                         }
                         // Requests make no sense from a provider: dropped.
                         MsgType::Request | MsgType::ExtRequest => {
-                            let errors = &self.counts.metrics.errors;
-                            errors.inc(ErrorKind::Unexpected, Side::Provider);
+                            self.counts.unexpected(Side::Provider);
                         }
                     }
                     skip_frame(&mut rbuf, &h);
@@ -697,6 +696,7 @@ impl Engine {
         rbuf: &mut bytes::BytesMut,
         e: FrameError,
     ) -> Result<usize, ConnEnd> {
+        self.counts.bad_input(&e, Side::Provider);
         let Some((id, Some(MsgType::Response))) = e.frame_id() else {
             return if e.is_fatal() {
                 Err(ConnEnd::BadFrames(e))
