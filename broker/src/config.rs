@@ -357,8 +357,8 @@ pub struct Args {
     pub cell_placement: CellPlacement,
     /// Which engine serves the calls: `tokio`, tasks on Tokio runtimes, with everything
     /// the broker does; or `loop`, one thread's epoll loop that owns its connections, at
-    /// about half the CPU per call. `loop` does not yet do TLS, stage metrics, or several
-    /// threads; it refuses the flags that ask for TLS or threads
+    /// about half the CPU per call. `loop` does not yet do TLS or several threads; it
+    /// refuses the flags that ask for them
     /// (docs/performance.md, "The loop engine").
     #[arg(long, env = "RPCMESH_BROKER_ENGINE", value_enum, default_value_t = EngineKind::Tokio)]
     pub engine: EngineKind,

@@ -637,6 +637,44 @@ async fn the_loop_engine_counts_as_the_broker_does() {
     assert_eq!(got, expect, "{on_loop:?}");
 }
 
+/// Every call timed (`stage_sample` 1): each of the twenty calls leaves one sample in
+/// each of the five stages, on both engines (the loop engine recorded none before it
+/// timed its calls).
+#[tokio::test]
+async fn both_engines_time_every_stage_of_the_calls_they_pick() {
+    use rpcmesh_broker::metrics::STAGES;
+    const CALLS: usize = 20;
+    for engine in ENGINES {
+        let p = provider(rpcmesh_provider::ProviderConfig::default()).await;
+        let mut cfg = broker_config(&[p.addr]);
+        cfg.stage_sample = 1;
+        let b = broker_with(engine, cfg).await;
+        let c = Client::connect(b.addr(), ClientConfig::default())
+            .await
+            .unwrap();
+        until_ready(&c).await;
+        let count = |stage: &str| b.metric("rpcmesh_stage_seconds_count", &[("stage", stage)]);
+        let before: Vec<f64> = STAGES.iter().map(|s| count(s)).collect();
+        for i in 0..CALLS {
+            let r = c.call("EchoService", "Echo", &echo(&format!("{i}"))).await;
+            assert_eq!(r.unwrap().status, Status::Success);
+        }
+        wait_until("the last call's stages to be recorded", || {
+            count("total") >= before[4] + CALLS as f64
+        })
+        .await;
+        let got: Vec<f64> = STAGES
+            .iter()
+            .zip(&before)
+            .map(|(s, b)| count(s) - b)
+            .collect();
+        println!("{engine:?}: samples by stage {STAGES:?}: {got:?}");
+        assert_eq!(got, [CALLS as f64; 5], "{engine:?}");
+        b.stop().await;
+        p.stop().await;
+    }
+}
+
 /// `broker --engine loop` is the broker on the loop engine: it serves calls, counts them on
 /// its metrics endpoint, lives through SIGHUP, and refuses at the start what the engine
 /// does not serve yet.

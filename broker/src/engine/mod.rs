@@ -63,10 +63,11 @@
 //!   errors, calls shed, client connections, bytes and system calls on them, calls in
 //!   flight, allocations, once a round; each provider's calls by status, connections,
 //!   latency estimate, pace, calls in flight per connection, ejections, connect failures;
-//!   calls routed again and retries refused for want of budget.
+//!   calls routed again and retries refused for want of budget;
+//! - the stages of one call in `--stage-sample` timed (`stages`).
 //!
-//! What it does not do yet, and the Tokio engine does: TLS; the metrics of stages and of
-//! busy polling; several threads. [`spawn_counted`] refuses a
+//! What it does not do yet, and the Tokio engine does: TLS; the metric of busy polling;
+//! several threads. [`spawn_counted`] refuses a
 //! configuration that asks for TLS. Unlike the Tokio engine it answers the calls of
 //! a client that closed its side before closing too, and keeps a request for a hand-back
 //! for as long as its connection's ring holds it, not [`REQUEST_RETAIN`] at most.
@@ -78,6 +79,7 @@ mod reroute;
 mod route;
 mod session;
 pub mod socket;
+mod stages;
 mod upstream;
 
 use std::io;
@@ -308,6 +310,8 @@ struct Engine {
     idempotent: rpcmesh_common::retry::Idempotent,
     /// Commands from the control side.
     control: Arc<control::Control>,
+    /// The timed calls' stamps (`--stage-metrics`).
+    timing: stages::Timing,
     /// Calls in flight in the whole engine (`--max-in-flight`).
     in_flight: usize,
     /// The clock, read once per round.
@@ -388,6 +392,7 @@ impl Engine {
             pending: None,
             idempotent,
             control,
+            timing: stages::Timing::new(metrics.stages.clone()),
             in_flight: 0,
             now: Instant::now(),
             next_expiry: None,
@@ -641,7 +646,9 @@ impl Engine {
             }
             self.reroute();
         }
+        self.timing.flushed_upstream();
         self.flush_sessions();
+        self.timing.flushed_back();
     }
 
     /// Tells the shared counters what the round counted of each provider: its calls'

@@ -455,12 +455,16 @@ impl Engine {
             .idempotent
             .covers_bytes(&inner[service.clone()], &inner[method.clone()]);
         let mut call = Call::new(from, (id, flags), (self.now, limit), tag, idempotent);
+        call.timed = self.timing.pick(self.now);
         if body.len() >= SMALL_BODY {
             // About as many bytes come back: counted until its outcome is written.
             call.reserved = Some(Reserved::new(&self.budget, body.len()));
         }
         let deadline = call.deadline;
         if let Err(call) = self.send(k, call, flags, inner, as_sent) {
+            if let Some(t) = call.timed {
+                self.timing.done(t, false);
+            }
             let name = String::from_utf8_lossy(&inner[service]).into_owned();
             return self.refuse(from, id, flags, &Failure::Full(name), call.tag);
         }
@@ -509,6 +513,9 @@ impl Engine {
                 self.in_flight -= 1;
                 s.in_flight -= 1;
                 s.clock.busy_at = self.now;
+                if let Some(t) = call.timed {
+                    self.timing.done(t, true);
+                }
                 let status = write(&mut s.sock.out);
                 self.sessions.mark_dirty(call.session.idx as usize);
                 self.counts.answered(call.tag, status);
@@ -528,7 +535,10 @@ impl Engine {
 
     /// Drops a call whose session has gone ([`Engine::session_gone`]): nobody is left
     /// to answer.
-    pub(super) fn abandon(&mut self, _call: &Call) {
+    pub(super) fn abandon(&mut self, call: &Call) {
+        if let Some(t) = call.timed {
+            self.timing.done(t, false);
+        }
         self.in_flight -= 1;
         self.summary.orphaned += 1;
         self.counts.abandoned();

@@ -61,6 +61,8 @@ pub(super) struct Call {
     /// A large request's bytes, counted in the memory budget until its outcome is
     /// written (about as many come back).
     pub reserved: Option<Reserved>,
+    /// Its stamps' index, when its stages are timed (`super::stages`).
+    pub timed: Option<u32>,
     /// Its (service, method) pair's tag in the counts (`super::metrics`).
     pub tag: u32,
     /// Where its frame starts in its connection's stream (the bytes ever queued on it
@@ -88,6 +90,7 @@ impl Call {
             limit,
             admitted,
             reserved: None,
+            timed: None,
             tag,
             at: 0,
             len: 0,
@@ -326,6 +329,7 @@ impl Engine {
         let start = sock.out.len();
         call.at = sock.written + start as u64;
         let caller_id = call.caller_id;
+        let timed = call.timed;
         let (id, stored) = up
             .calls
             .insert_keyed(call, |key| neutral_id(caller_id, key))
@@ -366,6 +370,9 @@ impl Engine {
         stored.len = (out.len() - start) as u32;
         up.sent += 1;
         self.routes.providers[p].outstanding += 1;
+        if let Some(t) = timed {
+            self.timing.resent(t);
+        }
         Ok(())
     }
 
@@ -602,6 +609,9 @@ impl Engine {
                     return self.hand_back(p, call, request, Reroute::NotRun);
                 }
             }
+        }
+        if let Some(t) = call.timed {
+            self.timing.replied(t, self.now);
         }
         let info = call.info();
         if self.deliver(&call, |out| {
