@@ -125,7 +125,7 @@ impl Engine {
                 return self.answer_call(&call, &failure);
             }
         };
-        let deadline = call.deadline;
+        let deadline = call.deadline();
         if let Err(call) = self.send(k, call, flags, &request.body, AsSent::No) {
             return self.answer_call(&call, &Failure::Full(service()));
         }

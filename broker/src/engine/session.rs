@@ -451,16 +451,18 @@ impl Engine {
             b.min(self.config.call_timeout)
         });
         let tag = self.counts.tag(names, service.len(), true);
-        let idempotent = self
-            .idempotent
-            .covers_bytes(&inner[service.clone()], &inner[method.clone()]);
+        // (Most brokers mark none: the names are not looked at then.)
+        let idempotent = !self.idempotent.is_empty()
+            && self
+                .idempotent
+                .covers_bytes(&inner[service.clone()], &inner[method.clone()]);
         let mut call = Call::new(from, (id, flags), (self.now, limit), tag, idempotent);
         call.timed = self.timing.pick(self.now);
         if body.len() >= SMALL_BODY {
             // About as many bytes come back: counted until its outcome is written.
             call.reserved = Some(Reserved::new(&self.budget, body.len()));
         }
-        let deadline = call.deadline;
+        let deadline = self.now + limit;
         if let Err(call) = self.send(k, call, flags, inner, as_sent) {
             if let Some(t) = call.timed {
                 self.timing.done(t, false);

@@ -53,11 +53,11 @@ pub(super) struct Call {
     /// The caller's id, and its flags (which statuses it takes).
     pub caller_id: u64,
     pub flags: Flags,
-    pub deadline: Instant,
-    /// What the deadline allowed: the caller's budget or the call timeout.
-    pub limit: Duration,
-    /// When it was read.
+    /// When it was read, and how long it may take: the caller's budget or the call
+    /// timeout. (Its deadline is not kept apart: a call moves by value, and a smaller
+    /// one is moved without a `memcpy` call.)
     admitted: Instant,
+    pub limit: Duration,
     /// A large request's bytes, counted in the memory budget until its outcome is
     /// written (about as many come back).
     pub reserved: Option<Reserved>,
@@ -86,7 +86,6 @@ impl Call {
             session,
             caller_id,
             flags,
-            deadline: admitted + limit,
             limit,
             admitted,
             reserved: None,
@@ -103,7 +102,12 @@ impl Call {
 
     /// Whether it may be routed again: it has tries and time left.
     pub fn may_retry(&self, now: Instant) -> bool {
-        self.retry.retries < crate::session::MAX_RETRIES && now < self.deadline
+        self.retry.retries < crate::session::MAX_RETRIES && now < self.deadline()
+    }
+
+    /// When the caller gets a timeout instead.
+    pub fn deadline(&self) -> Instant {
+        self.admitted + self.limit
     }
 
     /// What [`kept::request`] needs of it: the caller's id and flags.
@@ -324,7 +328,7 @@ impl Engine {
             (false, _) => None,
             // A provider that caps every call at the call timeout applies the cap itself.
             (true, 0) => (!up.takes_cap).then_some(call.limit),
-            (true, _) => Some(call.deadline.saturating_duration_since(self.now)),
+            (true, _) => Some(call.deadline().saturating_duration_since(self.now)),
         };
         let start = sock.out.len();
         call.at = sock.written + start as u64;
@@ -990,9 +994,10 @@ impl Engine {
         let mut next: Option<Instant> = None;
         for k in 0..self.upstreams.len() {
             let up = &mut self.upstreams[k];
-            up.calls.take_where(|c| c.deadline <= now, &mut expired);
+            up.calls.take_where(|c| c.deadline() <= now, &mut expired);
             for c in up.calls.values_mut() {
-                next = Some(next.map_or(c.deadline, |t| t.min(c.deadline)));
+                let deadline = c.deadline();
+                next = Some(next.map_or(deadline, |t| t.min(deadline)));
             }
             let p = up.provider;
             if !up.calls.is_empty() {
@@ -1026,5 +1031,20 @@ impl Engine {
                 self.answer_call(&call, failure);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A call moves by value from its read to its connection's table and out again: at
+    /// 128 bytes or less the compiler moves it with a few vector stores, above with a
+    /// `memcpy` call each time (measured: four calls of 29 instructions each per
+    /// forwarded call at 136 bytes).
+    #[test]
+    fn a_call_moves_without_a_memcpy_call() {
+        let size = std::mem::size_of::<Call>();
+        assert!(size <= 128, "a call is {size} bytes");
     }
 }
