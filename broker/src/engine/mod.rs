@@ -64,13 +64,15 @@
 //!   flight, allocations, once a round; each provider's calls by status, connections,
 //!   latency estimate, pace, calls in flight per connection, ejections, connect failures;
 //!   calls routed again and retries refused for want of budget;
-//! - the stages of one call in `--stage-sample` timed (`stages`).
+//! - the stages of one call in `--stage-sample` timed (`stages`);
+//! - while it busy-polls, the time its polls found nothing
+//!   (`rpcmesh_busy_poll_idle_seconds`).
 //!
-//! What it does not do yet, and the Tokio engine does: TLS; the metric of busy polling;
-//! several threads. [`spawn_counted`] refuses a
-//! configuration that asks for TLS. Unlike the Tokio engine it answers the calls of
-//! a client that closed its side before closing too, and keeps a request for a hand-back
-//! for as long as its connection's ring holds it, not [`REQUEST_RETAIN`] at most.
+//! What it does not do yet, and the Tokio engine does: TLS; several threads.
+//! [`spawn_counted`] refuses a configuration that asks for TLS. Unlike the Tokio engine it
+//! answers the calls of a client that closed its side before closing too, and keeps a
+//! request for a hand-back for as long as its connection's ring holds it, not
+//! [`REQUEST_RETAIN`] at most.
 
 mod control;
 mod members;
@@ -95,6 +97,7 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use rpcmesh_common::metrics::families::publish_budget;
 use rpcmesh_common::net::backoff::Backoff;
 use rpcmesh_common::net::budget::MemoryBudget;
+use rpcmesh_common::net::busy_poll::IDLE_RECORD_CHUNK;
 use rpcmesh_common::net::listener::{ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN};
 use rpcmesh_common::net::session::{DRAIN_LINGER, FINAL_FLUSH_TIMEOUT};
 use rpcmesh_wire::codec::FrameCodec;
@@ -294,6 +297,40 @@ pub fn spawn_counted(
     })
 }
 
+/// The time busy polling found nothing (`rpcmesh_busy_poll_idle_seconds`), told in chunks
+/// of [`IDLE_RECORD_CHUNK`] as the Tokio engine's spinner tells it: a stretch of empty
+/// polls counts from its first to its last, or to the end of the spin window.
+#[derive(Debug, Default)]
+struct SpinIdle {
+    /// The first and the latest empty poll of the current stretch.
+    stretch: Option<(Instant, Instant)>,
+    unrecorded: Duration,
+}
+
+impl SpinIdle {
+    /// A poll at `now`: `spinning`, it did not sleep for the spin; `found`, it brought
+    /// events; `expired`, the spin window is over. What to record, if a chunk is due.
+    fn polled(
+        &mut self,
+        now: Instant,
+        spinning: bool,
+        found: bool,
+        expired: bool,
+    ) -> Option<Duration> {
+        if found || expired {
+            if let Some((first, latest)) = self.stretch.take() {
+                // To the last empty poll when events ended it, to now when the window did.
+                self.unrecorded += if found { latest - first } else { now - first };
+            }
+        } else if spinning {
+            let first = self.stretch.map_or(now, |(first, _)| first);
+            self.stretch = Some((first, now));
+        }
+        (self.unrecorded >= IDLE_RECORD_CHUNK || (expired && !self.unrecorded.is_zero()))
+            .then(|| std::mem::take(&mut self.unrecorded))
+    }
+}
+
 /// Everything the loop owns: one thread, no sharing.
 struct Engine {
     poll: Poll,
@@ -432,6 +469,7 @@ impl Engine {
         // While spinning: polls that do not sleep, each empty one followed by
         // `sched_yield`, until `spin` passes with no event (`common::net::busy_poll`).
         let mut spin_until: Option<Instant> = None;
+        let mut spin_idle = SpinIdle::default();
         let mut events = Events::with_capacity(EVENTS);
         loop {
             let now_due = !self.sessions.resume.is_empty()
@@ -449,12 +487,21 @@ impl Engine {
             }
             self.now = Instant::now();
             if let Some(window) = spin {
+                let spinning = spin_until.is_some();
+                let expired = spin_until.is_some_and(|until| self.now >= until);
                 if !events.is_empty() {
                     spin_until = Some(self.now + window);
-                } else if spin_until.is_some_and(|until| self.now >= until) {
+                } else if expired {
                     spin_until = None;
                 } else {
                     std::thread::yield_now();
+                }
+                let found = !events.is_empty();
+                if let Some(idle) = spin_idle.polled(self.now, spinning, found, expired) {
+                    self.counts
+                        .metrics
+                        .busy_poll_idle
+                        .record(idle.as_secs_f64());
                 }
             }
             // What the round allocates, counted (when the program counts): the steady state
@@ -665,5 +712,32 @@ impl Engine {
                 p.metrics.wire.add(mem::take(&mut self.counts.outbound));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn busy_polling_tells_its_empty_stretches_in_chunks_and_at_the_windows_end() {
+        let t0 = Instant::now();
+        let mut idle = SpinIdle::default();
+        // Empty polls for 6 ms, then a read: 6 ms idle, under a chunk, kept.
+        assert_eq!(idle.polled(t0, true, false, false), None);
+        assert_eq!(idle.polled(t0 + 6 * MS, true, false, false), None);
+        assert_eq!(idle.polled(t0 + 7 * MS, true, true, false), None);
+        // A poll that slept (not spinning) counts nothing.
+        assert_eq!(idle.polled(t0 + 50 * MS, false, false, false), None);
+        // Another 5 ms stretch ended by a read: 11 ms, a chunk told.
+        assert_eq!(idle.polled(t0 + 60 * MS, true, false, false), None);
+        assert_eq!(idle.polled(t0 + 65 * MS, true, false, false), None);
+        assert_eq!(idle.polled(t0 + 66 * MS, true, true, false), Some(11 * MS));
+        // The window ends after 2 ms of empty polls: told at once, to its end.
+        assert_eq!(idle.polled(t0 + 70 * MS, true, false, false), None);
+        assert_eq!(idle.polled(t0 + 72 * MS, true, false, true), Some(2 * MS));
+        assert_eq!(idle.polled(t0 + 80 * MS, false, false, false), None);
     }
 }

@@ -38,7 +38,7 @@ use crate::net::shutdown::CancellationToken;
 /// Idle polling is recorded in chunks of at least this much (and when the spinner goes to
 /// sleep), not per stretch: a stretch between two reads is often a single round, and a
 /// sample per read would cost more than it tells.
-const IDLE_RECORD_CHUNK: Duration = Duration::from_millis(10);
+pub const IDLE_RECORD_CHUNK: Duration = Duration::from_millis(10);
 
 /// What a spinner and the sockets it watches share.
 #[derive(Debug, Default)]
