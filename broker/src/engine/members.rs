@@ -66,8 +66,6 @@ impl Engine {
     ) {
         let mut listed: Vec<usize> = Vec::with_capacity(specs.len());
         let mut joined = Vec::new();
-        // A plain v1 server's requests are kept only for calls marked idempotent.
-        let keeps_v1 = !self.config.idempotent.and(&idempotent).is_empty();
         for spec in &specs {
             let same = |(p, pr): &(usize, &Provider)| {
                 !pr.left && pr.host == spec.addr && pr.kind == spec.kind && !listed.contains(p)
@@ -76,7 +74,7 @@ impl Engine {
             let p = match found {
                 Some((p, _)) => p,
                 None => {
-                    let p = self.join(spec, keeps_v1);
+                    let p = self.join(spec);
                     joined.push(p);
                     p
                 }
@@ -142,7 +140,7 @@ impl Engine {
 
     /// Provider `spec` joins: its `--pool-size` connections, made by the next look after
     /// the connections. Returns its index.
-    fn join(&mut self, spec: &UpstreamSpec, keeps_v1: bool) -> usize {
+    fn join(&mut self, spec: &UpstreamSpec) -> usize {
         let p = self.routes.providers.len();
         let size = self.config.pool_size.max(1);
         let label: std::sync::Arc<str> = spec.label().into();
@@ -165,11 +163,10 @@ impl Engine {
             ewma,
             pace,
         );
-        let keeps = spec.kind == PeerKind::Rpcmesh || keeps_v1;
         for _ in 0..size {
             provider.conns.push(self.upstreams.len());
             self.upstreams
-                .push(Upstream::new(p, keeps, &self.budget, self.now));
+                .push(Upstream::new(p, &self.budget, self.now));
         }
         self.routes.providers.push(provider);
         self.services.push(Vec::new());

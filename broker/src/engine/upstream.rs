@@ -256,8 +256,9 @@ impl Upstream {
 
 impl Upstream {
     /// A connection of provider `p`, to be made by the next look after the connections;
-    /// `keeps`: its requests are kept for hand-backs; its buffers counted in `budget`.
-    pub fn new(p: usize, keeps: bool, budget: &Arc<MemoryBudget>, now: Instant) -> Upstream {
+    /// its buffers counted in `budget`. Whether it keeps its requests is decided when it
+    /// is made (`Engine::made`).
+    pub fn new(p: usize, budget: &Arc<MemoryBudget>, now: Instant) -> Upstream {
         Upstream {
             provider: p,
             state: State::Down { retry_at: now },
@@ -270,7 +271,7 @@ impl Upstream {
             serial: 0,
             retiring: false,
             ring: Ring::default(),
-            keeps,
+            keeps: false,
             ring_base: 0,
             fed: 0,
             sent: 0,
