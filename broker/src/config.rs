@@ -356,9 +356,9 @@ pub struct Args {
     #[arg(long, env = "RPCMESH_CELL_PLACEMENT", value_enum, default_value_t = CellPlacement::Gather)]
     pub cell_placement: CellPlacement,
     /// Which engine serves the calls: `tokio`, tasks on Tokio runtimes, with everything
-    /// the broker does; or `loop`, one thread's epoll loop that owns its connections, at
-    /// about half the CPU per call. `loop` does not yet do TLS or several threads; it
-    /// refuses the flags that ask for them
+    /// the broker does; or `loop`, an epoll loop per thread that owns its connections, at
+    /// about half the CPU per call. `loop` does not yet do TLS; it refuses the flags that
+    /// ask for it
     /// (docs/performance.md, "The loop engine").
     #[arg(long, env = "RPCMESH_BROKER_ENGINE", value_enum, default_value_t = EngineKind::Tokio)]
     pub engine: EngineKind,
@@ -692,16 +692,13 @@ impl Args {
         .and_then(|config| self.engine_takes(config))
     }
 
-    /// `config` when its engine serves all it asks for; the loop engine runs one thread,
-    /// and refuses what it does not do yet (`crate::engine::unsupported`).
+    /// `config` when its engine serves all it asks for; the loop engine refuses what it
+    /// does not do yet (`crate::engine::unsupported`).
     fn engine_takes(&self, config: BrokerConfig) -> Result<BrokerConfig, ConfigProblems> {
         if config.engine != EngineKind::Loop {
             return Ok(config);
         }
         let mut p = ConfigProblems::default();
-        p.check(self.runtime.threads > 1, || {
-            "--engine loop runs one thread: give --threads 1 (or leave it out)".into()
-        });
         if let Some(what) = crate::engine::unsupported(&config) {
             p.0.push(format!("--engine loop does not serve {what} yet"));
         }

@@ -335,42 +335,45 @@ async fn only_names_that_succeed_get_their_own_labels() {
 async fn two_cells_each_serve_their_connections_and_their_counts_add_up() {
     const CONNECTIONS: usize = 4;
     const CALLS: usize = 20;
-    let p = provider(ProviderConfig::default()).await;
-    let mut cfg = broker_config(&[p.addr]);
-    cfg.cells = 2;
-    cfg.cell_placement = CellPlacement::Spread;
-    let pool_size = cfg.pool_size;
-    let b = broker(cfg).await;
-    let clients = ready_clients(b.addr, CONNECTIONS).await;
-    let calls = clients.iter().enumerate().map(|(i, c)| async move {
-        for k in 0..CALLS {
-            let m = format!("conn {i} call {k}");
-            let r = c.call("EchoService", "Echo", &echo(&m)).await.unwrap();
-            assert_eq!(r.status, Status::Success);
-            assert_eq!(r.decode::<EchoResponse>().unwrap().message, m);
-        }
-    });
-    futures_util::future::join_all(calls).await;
-    let cell = |k: &str| b.metric("rpcmesh_cell_calls_total", &[("cell", k)]);
-    let (first, second) = (cell("0"), cell("1"));
-    let total = b.metric("rpcmesh_calls_total", &[]);
-    assert!(
-        first >= CALLS as f64 && second >= CALLS as f64,
-        "both cells answered calls of their connections: {first} and {second}"
-    );
-    assert_eq!(first + second, total, "the cells' counts add up");
-    assert!(total >= (CONNECTIONS * CALLS) as f64, "{total}");
-    // Each cell has its share of the pool, and the gauges show their sum.
-    testkit::wait_for("both cells' pools to be published", || async {
-        (b.metric("rpcmesh_pool_healthy_connections", &[]) == f64::from(pool_size)).then_some(())
-    })
-    .await;
-    assert_eq!(
-        b.metric("rpcmesh_pool_connections", &[]),
-        f64::from(pool_size)
-    );
-    b.stop().await;
-    p.stop().await;
+    for engine in ENGINES {
+        let p = provider(ProviderConfig::default()).await;
+        let mut cfg = broker_config(&[p.addr]);
+        cfg.cells = 2;
+        cfg.cell_placement = CellPlacement::Spread;
+        let pool_size = cfg.pool_size;
+        let b = broker_with(engine, cfg).await;
+        let clients = ready_clients(b.addr(), CONNECTIONS).await;
+        let calls = clients.iter().enumerate().map(|(i, c)| async move {
+            for k in 0..CALLS {
+                let m = format!("conn {i} call {k}");
+                let r = c.call("EchoService", "Echo", &echo(&m)).await.unwrap();
+                assert_eq!(r.status, Status::Success);
+                assert_eq!(r.decode::<EchoResponse>().unwrap().message, m);
+            }
+        });
+        futures_util::future::join_all(calls).await;
+        let cell = |k: &str| b.metric("rpcmesh_cell_calls_total", &[("cell", k)]);
+        let (first, second) = (cell("0"), cell("1"));
+        let total = b.metric("rpcmesh_calls_total", &[]);
+        assert!(
+            first >= CALLS as f64 && second >= CALLS as f64,
+            "both cells answered calls of their connections: {first} and {second}"
+        );
+        assert_eq!(first + second, total, "the cells' counts add up");
+        assert!(total >= (CONNECTIONS * CALLS) as f64, "{total}");
+        // Each cell has its share of the pool, and the gauges show their sum.
+        testkit::wait_for("both cells' pools to be published", || async {
+            (b.metric("rpcmesh_pool_healthy_connections", &[]) == f64::from(pool_size))
+                .then_some(())
+        })
+        .await;
+        assert_eq!(
+            b.metric("rpcmesh_pool_connections", &[]),
+            f64::from(pool_size)
+        );
+        b.stop().await;
+        p.stop().await;
+    }
 }
 
 /// Two cells gathering (`--threads 2`, the default placement): a light load stays on the
@@ -378,28 +381,30 @@ async fn two_cells_each_serve_their_connections_and_their_counts_add_up() {
 #[tokio::test]
 async fn two_gathered_cells_keep_a_light_load_on_one() {
     const CONNECTIONS: usize = 4;
-    let p = provider(ProviderConfig::default()).await;
-    let mut cfg = broker_config(&[p.addr]);
-    cfg.cells = 2;
-    cfg.placement_tuning.review = Duration::from_millis(50);
-    let b = broker(cfg).await;
-    let clients = ready_clients(b.addr, CONNECTIONS).await;
-    for (i, c) in clients.iter().enumerate() {
-        for k in 0..10 {
-            let m = echo(&format!("{i} {k}"));
-            let r = c.call("EchoService", "Echo", &m).await.unwrap();
-            assert_eq!(r.status, Status::Success);
+    for engine in ENGINES {
+        let p = provider(ProviderConfig::default()).await;
+        let mut cfg = broker_config(&[p.addr]);
+        cfg.cells = 2;
+        cfg.placement_tuning.review = Duration::from_millis(50);
+        let b = broker_with(engine, cfg).await;
+        let clients = ready_clients(b.addr(), CONNECTIONS).await;
+        for (i, c) in clients.iter().enumerate() {
+            for k in 0..10 {
+                let m = echo(&format!("{i} {k}"));
+                let r = c.call("EchoService", "Echo", &m).await.unwrap();
+                assert_eq!(r.status, Status::Success);
+            }
+            // Several reviews pass while the connections are open.
+            tokio::time::sleep(Duration::from_millis(60)).await;
         }
-        // Several reviews pass while the connections are open.
-        tokio::time::sleep(Duration::from_millis(60)).await;
+        let cell = |k: &str| b.metric("rpcmesh_cell_calls_total", &[("cell", k)]);
+        assert_eq!(cell("1"), 0.0, "the second cell served nothing");
+        assert_eq!(cell("0"), b.metric("rpcmesh_calls_total", &[]));
+        assert_eq!(b.metric("rpcmesh_cells_open", &[]), 1.0);
+        assert_eq!(b.metric("rpcmesh_cell_moves_total", &[]), 0.0);
+        b.stop().await;
+        p.stop().await;
     }
-    let cell = |k: &str| b.metric("rpcmesh_cell_calls_total", &[("cell", k)]);
-    assert_eq!(cell("1"), 0.0, "the second cell served nothing");
-    assert_eq!(cell("0"), b.metric("rpcmesh_calls_total", &[]));
-    assert_eq!(b.metric("rpcmesh_cells_open", &[]), 1.0);
-    assert_eq!(b.metric("rpcmesh_cell_moves_total", &[]), 0.0);
-    b.stop().await;
-    p.stop().await;
 }
 
 /// Connections move between cells with their calls in flight: with every trial of a
@@ -503,55 +508,57 @@ fn echo_loads(
 #[tokio::test(flavor = "current_thread")]
 async fn a_spread_moves_the_heavy_connection_and_leaves_the_light_ones() {
     const LIGHT: usize = 3;
-    let p = provider(ProviderConfig::default()).await;
-    let mut cfg = broker_config(&[p.addr]);
-    cfg.cells = 2;
-    cfg.placement_tuning = PlacementTuning {
-        review: Duration::from_millis(100),
-        spread_busy_pct: 0,
-        spread_gain_pct: 0,
-        // The load runs a few reviews before the trial: each connection's calls/s shows.
-        steady_reviews: 3,
-        // A spread stays: no trial of one fewer undoes it (how trials are judged is the
-        // placement's unit tests').
-        gather_trials: false,
-        // Nor does a light load gather it: a test starved of CPU looks light.
-        gather_below_pct: 0,
-    };
-    let b = broker(cfg).await;
-    let clients = ready_clients(b.addr, 1 + LIGHT).await;
-    let stop = Arc::new(AtomicBool::new(false));
-    // The first connection calls without pause, the light ones every 100 ms.
-    let loads = echo_loads(&clients, &stop, |i| {
-        (i > 0).then_some(Duration::from_millis(100))
-    });
-    let cell = |k: &str| b.metric("rpcmesh_cell_calls_total", &[("cell", k)]);
-    testkit::wait_for(
-        "the second cell to answer the busy connection's calls",
-        || async { (cell("1") >= 500.0).then_some(()) },
-    )
-    .await;
-    let moves = b.metric("rpcmesh_cell_moves_total", &[]);
-    // The light connections' calls meanwhile: still answered by the first cell.
-    let first = cell("0");
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    stop.store(true, Ordering::Relaxed);
-    let mut made = Vec::new();
-    for l in loads {
-        made.push(l.await.unwrap());
+    for engine in ENGINES {
+        let p = provider(ProviderConfig::default()).await;
+        let mut cfg = broker_config(&[p.addr]);
+        cfg.cells = 2;
+        cfg.placement_tuning = PlacementTuning {
+            review: Duration::from_millis(100),
+            spread_busy_pct: 0,
+            spread_gain_pct: 0,
+            // The load runs a few reviews before the trial: each connection's calls/s shows.
+            steady_reviews: 3,
+            // A spread stays: no trial of one fewer undoes it (how trials are judged is the
+            // placement's unit tests').
+            gather_trials: false,
+            // Nor does a light load gather it: a test starved of CPU looks light.
+            gather_below_pct: 0,
+        };
+        let b = broker_with(engine, cfg).await;
+        let clients = ready_clients(b.addr(), 1 + LIGHT).await;
+        let stop = Arc::new(AtomicBool::new(false));
+        // The first connection calls without pause, the light ones every 100 ms.
+        let loads = echo_loads(&clients, &stop, |i| {
+            (i > 0).then_some(Duration::from_millis(100))
+        });
+        let cell = |k: &str| b.metric("rpcmesh_cell_calls_total", &[("cell", k)]);
+        testkit::wait_for(
+            "the second cell to answer the busy connection's calls",
+            || async { (cell("1") >= 500.0).then_some(()) },
+        )
+        .await;
+        let moves = b.metric("rpcmesh_cell_moves_total", &[]);
+        // The light connections' calls meanwhile: still answered by the first cell.
+        let first = cell("0");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        stop.store(true, Ordering::Relaxed);
+        let mut made = Vec::new();
+        for l in loads {
+            made.push(l.await.unwrap());
+        }
+        assert_eq!(moves, 1.0, "only the busy connection moved");
+        assert!(
+            cell("0") > first,
+            "the light connections stayed on the first cell: {first} then {}",
+            cell("0")
+        );
+        let total = b.metric("rpcmesh_calls_total", &[]);
+        assert_eq!(cell("0") + cell("1"), total, "the cells' counts add up");
+        assert_eq!(b.metric("rpcmesh_calls_total", &[("status", "ok")]), total);
+        assert!(made[0] > 10 * made[1], "the load was uneven: {made:?}");
+        b.stop().await;
+        p.stop().await;
     }
-    assert_eq!(moves, 1.0, "only the busy connection moved");
-    assert!(
-        cell("0") > first,
-        "the light connections stayed on the first cell: {first} then {}",
-        cell("0")
-    );
-    let total = b.metric("rpcmesh_calls_total", &[]);
-    assert_eq!(cell("0") + cell("1"), total, "the cells' counts add up");
-    assert_eq!(b.metric("rpcmesh_calls_total", &[("status", "ok")]), total);
-    assert!(made[0] > 10 * made[1], "the load was uneven: {made:?}");
-    b.stop().await;
-    p.stop().await;
 }
 
 /// A second cell that answers more calls is kept, and gathered back when the load falls:
@@ -563,48 +570,50 @@ async fn a_spread_moves_the_heavy_connection_and_leaves_the_light_ones() {
 #[tokio::test(flavor = "current_thread")]
 async fn a_spread_that_pays_is_kept_and_gathered_back_when_the_load_falls() {
     const CONNECTIONS: usize = 4;
-    let p = provider(ProviderConfig::default()).await;
-    let mut cfg = broker_config(&[p.addr]);
-    cfg.cells = 2;
-    cfg.placement_tuning = PlacementTuning {
-        review: Duration::from_millis(50),
-        spread_busy_pct: 0,
-        spread_gain_pct: 0,
-        steady_reviews: 0,
-        // A spread stays: no trial of one fewer undoes it (how trials are judged is the
-        // placement's unit tests').
-        gather_trials: false,
-        ..PlacementTuning::default()
-    };
-    let b = broker(cfg).await;
-    let clients = ready_clients(b.addr, CONNECTIONS).await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let loads = echo_loads(&clients, &stop, |_| None);
-    let cell = |k: &str| b.metric("rpcmesh_cell_calls_total", &[("cell", k)]);
-    testkit::wait_for(
-        "the second cell to answer calls of connections moved to it",
-        || async { (cell("1") >= 100.0).then_some(()) },
-    )
-    .await;
-    stop.store(true, Ordering::Relaxed);
-    let mut made = 0;
-    for l in loads {
-        made += l.await.unwrap();
+    for engine in ENGINES {
+        let p = provider(ProviderConfig::default()).await;
+        let mut cfg = broker_config(&[p.addr]);
+        cfg.cells = 2;
+        cfg.placement_tuning = PlacementTuning {
+            review: Duration::from_millis(50),
+            spread_busy_pct: 0,
+            spread_gain_pct: 0,
+            steady_reviews: 0,
+            // A spread stays: no trial of one fewer undoes it (how trials are judged is the
+            // placement's unit tests').
+            gather_trials: false,
+            ..PlacementTuning::default()
+        };
+        let b = broker_with(engine, cfg).await;
+        let clients = ready_clients(b.addr(), CONNECTIONS).await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let loads = echo_loads(&clients, &stop, |_| None);
+        let cell = |k: &str| b.metric("rpcmesh_cell_calls_total", &[("cell", k)]);
+        testkit::wait_for(
+            "the second cell to answer calls of connections moved to it",
+            || async { (cell("1") >= 100.0).then_some(()) },
+        )
+        .await;
+        stop.store(true, Ordering::Relaxed);
+        let mut made = 0;
+        for l in loads {
+            made += l.await.unwrap();
+        }
+        // Gathered back by the light load. (That the moves back carry their calls is
+        // `connections_move_between_cells_with_their_calls_in_flight`'s.)
+        testkit::wait_for("the connections to be gathered on one cell", || async {
+            (b.metric("rpcmesh_cells_open", &[]) == 1.0).then_some(())
+        })
+        .await;
+        for c in &clients {
+            let r = c.call("EchoService", "Echo", &echo("after")).await.unwrap();
+            assert_eq!(r.status, Status::Success);
+        }
+        let total = b.metric("rpcmesh_calls_total", &[]);
+        assert_eq!(cell("0") + cell("1"), total, "the cells' counts add up");
+        assert_eq!(b.metric("rpcmesh_calls_total", &[("status", "ok")]), total);
+        assert!(total >= made as f64, "{total} answered, {made} made");
+        b.stop().await;
+        p.stop().await;
     }
-    // Gathered back by the light load. (That the moves back carry their calls is
-    // `connections_move_between_cells_with_their_calls_in_flight`'s.)
-    testkit::wait_for("the connections to be gathered on one cell", || async {
-        (b.metric("rpcmesh_cells_open", &[]) == 1.0).then_some(())
-    })
-    .await;
-    for c in &clients {
-        let r = c.call("EchoService", "Echo", &echo("after")).await.unwrap();
-        assert_eq!(r.status, Status::Success);
-    }
-    let total = b.metric("rpcmesh_calls_total", &[]);
-    assert_eq!(cell("0") + cell("1"), total, "the cells' counts add up");
-    assert_eq!(b.metric("rpcmesh_calls_total", &[("status", "ok")]), total);
-    assert!(total >= made as f64, "{total} answered, {made} made");
-    b.stop().await;
-    p.stop().await;
 }

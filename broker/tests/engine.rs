@@ -682,7 +682,11 @@ async fn both_engines_time_every_stage_of_the_calls_they_pick() {
 async fn the_broker_program_runs_the_loop_engine_when_told() {
     let p = rpcmesh_testkit::Spawned::start("provider", &["--threads", "1"]);
     let up = p.rpc.to_string();
-    let b = rpcmesh_testkit::Spawned::start("broker", &["--upstream", &up, "--engine", "loop"]);
+    // Two workers: the program runs as many as `--threads` says.
+    let b = rpcmesh_testkit::Spawned::start(
+        "broker",
+        &["--upstream", &up, "--engine", "loop", "--threads", "2"],
+    );
     b.wait_serving().await;
     let c = Client::connect(b.rpc, ClientConfig::default())
         .await
@@ -713,31 +717,105 @@ async fn the_broker_program_runs_the_loop_engine_when_told() {
     let files = pki.issue(&rpcmesh_testkit::Leaf::spiffe("broker", "b"));
     let (cert, key) = (files.cert.to_string_lossy(), files.key.to_string_lossy());
     let ca = pki.ca_file.to_string_lossy();
-    for (extra, says) in [
-        (&["--threads", "2"][..], "one thread"),
-        (
-            &["--tls-cert", &cert, "--tls-key", &key, "--tls-ca", &ca][..],
-            "TLS",
-        ),
-    ] {
-        let out = std::process::Command::new(rpcmesh_testkit::bin_path("broker"))
-            .args([
-                "--listen",
-                "127.0.0.1:0",
-                "--upstream",
-                &up,
-                "--engine",
-                "loop",
-            ])
-            .args(extra)
-            // No backtrace to resolve for an error that is the point of the call.
-            .env("RUST_BACKTRACE", "0")
-            .env("RUST_LIB_BACKTRACE", "0")
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{extra:?}: {stderr}");
-        assert!(stderr.contains(says), "{extra:?}: {stderr}");
-    }
+    // TLS it refuses, saying so.
+    let out = std::process::Command::new(rpcmesh_testkit::bin_path("broker"))
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            &up,
+            "--engine",
+            "loop",
+        ])
+        .args(["--tls-cert", &cert, "--tls-key", &key, "--tls-ca", &ca])
+        // No backtrace to resolve for an error that is the point of the call.
+        .env("RUST_BACKTRACE", "0")
+        .env("RUST_LIB_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("TLS"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Connections move between the loop engine's workers between their calls: with every
+/// trial of a second worker made at once and failed (a placement tuned so), connections
+/// under load move to the second worker and back. Every call is answered once, with its
+/// own reply, and the counts add up: a session moves only with no call in flight and
+/// nothing to write, whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_move_between_loop_workers_between_their_calls() {
+    const CONNECTIONS: usize = 4;
+    let p = provider(Default::default()).await;
+    let mut cfg = broker_config(&[p.addr]);
+    cfg.cells = 2;
+    cfg.placement_tuning = rpcmesh_broker::PlacementTuning {
+        review: Duration::from_millis(50),
+        spread_busy_pct: 0,
+        spread_gain_pct: u32::MAX,
+        steady_reviews: 0,
+        ..Default::default()
+    };
+    let b = broker_with(Engine::Loop, cfg).await;
+    let clients = ready_clients(b.addr(), CONNECTIONS).await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let loads: Vec<_> = clients
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let (c, stop) = (c.clone(), stop.clone());
+            tokio::spawn(async move {
+                let end = std::time::Instant::now() + Duration::from_secs(20);
+                let mut k = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                    && std::time::Instant::now() < end
+                {
+                    let m = format!("conn {i} call {k}");
+                    let r = c.call("EchoService", "Echo", &echo(&m)).await.unwrap();
+                    assert_eq!(r.status, Status::Success, "{m}");
+                    assert_eq!(r.decode::<EchoResponse>().unwrap().message, m);
+                    k += 1;
+                }
+                k
+            })
+        })
+        .collect();
+    // A trial moves half the calls' connections to the second worker; it fails, and
+    // they move back.
+    wait_until("connections to move out and back", || {
+        b.metric("rpcmesh_cell_moves_total", &[]) >= 2.0
+            && b.metric("rpcmesh_cells_open", &[]) == 1.0
+    })
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut made = 0;
+    for l in loads {
+        made += l.await.unwrap();
+    }
+    for (i, c) in clients.iter().enumerate() {
+        let m = format!("conn {i} after");
+        let r = c.call("EchoService", "Echo", &echo(&m)).await.unwrap();
+        assert_eq!(r.decode::<EchoResponse>().unwrap().message, m);
+    }
+    let cell = |k: &str| b.metric("rpcmesh_cell_calls_total", &[("cell", k)]);
+    wait_until("every call to be counted", || {
+        b.metric("rpcmesh_calls_total", &[]) >= (made + CONNECTIONS as u64) as f64
+    })
+    .await;
+    let total = b.metric("rpcmesh_calls_total", &[]);
+    assert!(cell("1") > 0.0, "the second worker answered calls");
+    assert_eq!(cell("0") + cell("1"), total, "the workers' counts add up");
+    assert_eq!(
+        b.metric("rpcmesh_calls_total", &[("status", "ok")]),
+        total,
+        "no call failed"
+    );
+    assert_eq!(
+        b.metric("rpcmesh_connections_open", &[("side", "inbound")]),
+        CONNECTIONS as f64
+    );
+    assert_eq!(b.metric("rpcmesh_calls_in_flight", &[]), 0.0);
+    b.stop().await;
+    p.stop().await;
 }

@@ -67,8 +67,8 @@ fn broker_process_with(engine: &str, file: &Path, log: &Path, health_timeout: &s
     broker_process_on(engine, file, log, health_timeout, "1")
 }
 
-/// As [`broker_process_with`], on `threads` threads (cells), each dealt connections from
-/// the start (the loop engine runs one).
+/// As [`broker_process_with`], on `threads` threads (cells, or the loop engine's workers),
+/// each dealt connections from the start.
 fn broker_process_on(
     engine: &str,
     file: &Path,
@@ -76,7 +76,6 @@ fn broker_process_on(
     health_timeout: &str,
     threads: &str,
 ) -> Spawned {
-    let threads = if engine == "loop" { "1" } else { threads };
     Spawned::start_with(
         "broker",
         &[
@@ -737,16 +736,13 @@ async fn a_named_provider_drained_under_load_falls_back_to_the_any_service_one_o
     assert_all_ok(made, &bad);
     let (made2, bad2) = running2.await.unwrap();
     assert_all_ok(made2, &bad2);
-    if engine == "tokio" {
-        // The loop engine runs one thread: no cells.
-        let cell = |k: &str| b.metric("rpcmesh_cell_calls_total", &[("cell", k)]);
-        assert!(
-            cell("0") >= 200.0 && cell("1") >= 200.0,
-            "both cells carried the load: {} and {}",
-            cell("0"),
-            cell("1")
-        );
-    }
+    let cell = |k: &str| b.metric("rpcmesh_cell_calls_total", &[("cell", k)]);
+    assert!(
+        cell("0") >= 200.0 && cell("1") >= 200.0,
+        "{engine}: both cells carried the load: {} and {}",
+        cell("0"),
+        cell("1")
+    );
     println!(
         "{engine} engine, fallback under a drain: {} calls, all ok, {} by the fallback",
         made + made2,

@@ -292,7 +292,7 @@ impl Cells {
 /// calls move: the heaviest first, each taken if it brings the moved share nearer half
 /// (so idle connections stay, and one connection carrying most of the calls moves alone).
 /// With no calls to go by (connections too new to tell), half of them by count.
-fn half_by_load(loads: &[f64]) -> Vec<usize> {
+pub(crate) fn half_by_load(loads: &[f64]) -> Vec<usize> {
     let total: f64 = loads.iter().sum();
     if total <= 0.0 || !total.is_finite() {
         return (0..loads.len() / 2).collect();

@@ -81,12 +81,12 @@ pub const RETRY_MAX: Duration = Duration::from_secs(160);
 
 /// What one review saw.
 #[derive(Clone, Debug, Default)]
-struct Reading {
-    at: Option<Instant>,
+pub(crate) struct Reading {
+    pub at: Option<Instant>,
     /// Each cell's thread CPU time less its idle polling, in nanoseconds.
-    work_ns: Vec<u64>,
+    pub work_ns: Vec<u64>,
     /// Calls answered by all cells.
-    answered: u64,
+    pub answered: u64,
 }
 
 /// A trial in progress: one more cell (`spread`) or one fewer, and what it is judged
@@ -100,9 +100,10 @@ struct Trial {
     rates: Vec<f64>,
 }
 
-/// The placement's state between reviews.
+/// The placement's state between reviews (the loop engine's workers are placed by it
+/// too: `crate::engine`).
 #[derive(Debug)]
-struct Placement {
+pub(crate) struct Placement {
     trial: Option<Trial>,
     /// The calls/s of the last reviews since the cells last changed (at most
     /// [`STEADY_REVIEWS`]).
@@ -154,28 +155,60 @@ async fn read(cells: &Cells) -> Reading {
 }
 
 /// The CPU time of the thread it runs on.
-fn thread_cpu_ns() -> u64 {
+pub(crate) fn thread_cpu_ns() -> u64 {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
     u64::try_from(t.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(t.tv_nsec).unwrap_or(0)
 }
 
 /// What one review saw of the open cells, between two readings.
 #[derive(Debug)]
-struct Seen {
-    at: Instant,
+pub(crate) struct Seen {
+    pub at: Instant,
     /// Calls answered per second by all cells.
-    rate: f64,
+    pub rate: f64,
     /// Each open cell's work, in cores.
-    busy: Vec<f64>,
+    pub busy: Vec<f64>,
     /// Each open cell's client connections.
-    sessions: Vec<usize>,
+    pub sessions: Vec<usize>,
     /// The cells there are, open or not.
-    cells: usize,
+    pub cells: usize,
+}
+
+impl Seen {
+    /// What a review sees between the readings `before` and `now` of `cells` cells, the
+    /// open ones serving `sessions` client connections each; `None` without time between.
+    pub(crate) fn between(
+        before: &Reading,
+        now: &Reading,
+        sessions: Vec<usize>,
+        cells: usize,
+    ) -> Option<Seen> {
+        let (Some(t0), Some(t1)) = (before.at, now.at) else {
+            return None;
+        };
+        let wall = (t1 - t0).as_secs_f64();
+        if wall <= 0.0 {
+            return None;
+        }
+        Some(Seen {
+            at: t1,
+            rate: now.answered.saturating_sub(before.answered) as f64 / wall,
+            busy: (0..sessions.len())
+                .map(|i| {
+                    let was = before.work_ns.get(i).copied().unwrap_or(0);
+                    let d = now.work_ns.get(i).copied().unwrap_or(0).saturating_sub(was);
+                    d as f64 / 1e9 / wall
+                })
+                .collect(),
+            sessions,
+            cells,
+        })
+    }
 }
 
 /// What the placement does after a review.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Change {
+pub(crate) enum Change {
     /// Nothing moves.
     None,
     /// Open one more cell, moving about half the calls of open cell `from` to it (the
@@ -193,25 +226,10 @@ fn review(
     before: &Reading,
     now: &Reading,
 ) {
-    let (Some(t0), Some(t1)) = (before.at, now.at) else {
-        return;
-    };
-    let wall = (t1 - t0).as_secs_f64();
-    if wall <= 0.0 {
-        return;
-    }
     let open = cells.open();
-    let seen = Seen {
-        at: t1,
-        rate: now.answered.saturating_sub(before.answered) as f64 / wall,
-        busy: (0..open)
-            .map(|i| {
-                let d = now.work_ns[i].saturating_sub(before.work_ns.get(i).copied().unwrap_or(0));
-                d as f64 / 1e9 / wall
-            })
-            .collect(),
-        sessions: (0..open).map(|i| cells.all()[i].sessions()).collect(),
-        cells: cells.all().len(),
+    let sessions = (0..open).map(|i| cells.all()[i].sessions()).collect();
+    let Some(seen) = Seen::between(before, now, sessions, cells.all().len()) else {
+        return;
     };
     match decide(tuning, state, &seen) {
         Change::None => {}
@@ -225,7 +243,7 @@ fn review(
 }
 
 /// Decides what one review calls for, and logs it.
-fn decide(tuning: &PlacementTuning, state: &mut Placement, seen: &Seen) -> Change {
+pub(crate) fn decide(tuning: &PlacementTuning, state: &mut Placement, seen: &Seen) -> Change {
     let open = seen.busy.len();
     let rate = seen.rate;
     if let Some(mut trial) = state.trial.take() {
@@ -303,7 +321,7 @@ fn decide(tuning: &PlacementTuning, state: &mut Placement, seen: &Seen) -> Chang
 }
 
 impl Placement {
-    fn new(now: Instant) -> Placement {
+    pub(crate) fn new(now: Instant) -> Placement {
         Placement {
             trial: None,
             history: std::collections::VecDeque::with_capacity(STEADY_REVIEWS),

@@ -10,7 +10,9 @@
 //! and logged, once the loop routes to it (its joiners settled).
 //!
 //! Commands reach the loop through a list under a lock and the loop's waker: the loop
-//! looks at one flag per round, and takes the list only when it is set.
+//! looks at one flag per round, and takes the list only when it is set. With several
+//! workers (`super::workers`) each gets every list, and a list counts as applied once
+//! every worker routes to it.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -36,6 +38,12 @@ pub(super) enum Command {
         idempotent: Idempotent,
         seq: u64,
     },
+    /// Serve this client connection, which the listening worker dealt to this one, or
+    /// (`true`) another worker moved to it (`super::workers`).
+    Adopt(Box<super::session::Session>, bool),
+    /// Move sessions: about half the calls to this worker, or (`None`) all of them to
+    /// the others open (the placement's `super::workers::place`).
+    Move(Option<usize>),
 }
 
 /// The commands on their way to the loop, and what the loop has applied.
@@ -75,7 +83,7 @@ impl Control {
     }
 
     /// Resolves once the loop routes to the list numbered `seq` or a later one.
-    async fn until_applied(&self, seq: u64) {
+    pub async fn until_applied(&self, seq: u64) {
         while self.applied.load(Ordering::Acquire) < seq {
             self.applied_changed.notified().await;
         }
@@ -161,12 +169,13 @@ pub(super) async fn watch(
             Ok((specs, t)) => {
                 let change = change(&served, &specs);
                 seq += 1;
-                handle.command(Command::Providers {
+                let idempotent = providers_file::idempotent(&t);
+                handle.command(|| Command::Providers {
                     specs: specs.clone(),
-                    idempotent: providers_file::idempotent(&t),
+                    idempotent: idempotent.clone(),
                     seq,
                 });
-                handle.control.until_applied(seq).await;
+                handle.until_applied(seq).await;
                 metrics.reloads_ok.increment(1);
                 tracing::info!(file = %path.display(), providers = specs.len(), joined = change.joined, left = change.left, kept = change.kept, "providers file applied");
                 served = specs;

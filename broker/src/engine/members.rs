@@ -74,7 +74,7 @@ impl Engine {
             let p = match found {
                 Some((p, _)) => p,
                 None => {
-                    let p = self.join(spec);
+                    let p = self.join(spec, seq);
                     joined.push(p);
                     p
                 }
@@ -138,13 +138,17 @@ impl Engine {
         self.pending.as_ref().map(|p| p.by)
     }
 
-    /// Provider `spec` joins: its `--pool-size` connections, made by the next look after
-    /// the connections. Returns its index.
-    fn join(&mut self, spec: &UpstreamSpec) -> usize {
+    /// Provider `spec` joins with the list `seq`: this worker's share of its
+    /// `--pool-size` connections, made by the next look after the connections. Returns
+    /// its index.
+    fn join(&mut self, spec: &UpstreamSpec, seq: u64) -> usize {
         let p = self.routes.providers.len();
-        let size = self.config.pool_size.max(1);
+        let pool_size = self.config.pool_size.max(1);
+        let size = crate::cell::pool_share(pool_size, self.shared.workers.len());
         let label: std::sync::Arc<str> = spec.label().into();
-        let metrics = self.counts.metrics.upstream(&label, size, 1);
+        let metrics = self
+            .shared
+            .upstream_metrics(&label, seq, pool_size, self.index, size);
         let r = &self.guards.config;
         let outlier = Outlier::new(
             *r,
@@ -170,7 +174,7 @@ impl Engine {
         }
         self.routes.providers.push(provider);
         self.services.push(Vec::new());
-        if self.listening {
+        if self.listening && self.index == 0 {
             tracing::info!(provider = %spec.addr, services = %spec.services_text(), v1 = spec.kind == PeerKind::V1, "provider joined");
         }
         p

@@ -207,8 +207,11 @@ impl Counts {
             self.metrics.wire.add(std::mem::take(&mut self.inbound));
         }
         if in_flight != self.in_flight {
+            // Moved by the change: every worker adds its own to the gauge.
+            self.metrics
+                .in_flight
+                .increment(in_flight as f64 - self.in_flight as f64);
             self.in_flight = in_flight;
-            self.metrics.in_flight.set(in_flight as f64);
         }
     }
 }

@@ -1,5 +1,6 @@
-//! The loop engine: one thread and one epoll loop (mio) that owns its client sessions and
-//! its connections to every provider outright. A call goes from the socket it came on to
+//! The loop engine: per worker thread one epoll loop (mio) that owns its client sessions
+//! and its connections to every provider outright (`--threads`; `workers`: the first
+//! listens and deals the connections, placed as the Tokio engine's cells are). A call goes from the socket it came on to
 //! the one it leaves on as a copy between two buffers, with no task, waker, channel or
 //! lock in between; each socket given something in a round is written once at its end.
 //! That is the shape of an L4 proxy's event loop, and of the floor the Tokio engine is
@@ -66,9 +67,12 @@
 //!   calls routed again and retries refused for want of budget;
 //! - the stages of one call in `--stage-sample` timed (`stages`);
 //! - while it busy-polls, the time its polls found nothing
-//!   (`rpcmesh_busy_poll_idle_seconds`).
+//!   (`rpcmesh_busy_poll_idle_seconds`);
+//! - several threads (`workers`): connections dealt to the open workers, moved between
+//!   them (between their calls) by the cells' placement, the caps and budgets shared,
+//!   each provider's series summed over the workers.
 //!
-//! What it does not do yet, and the Tokio engine does: TLS; several threads.
+//! What it does not do yet, and the Tokio engine does: TLS.
 //! [`spawn_counted`] refuses a configuration that asks for TLS. Unlike the Tokio engine it
 //! answers the calls of a client that closed its side before closing too, and keeps a
 //! request for a hand-back for as long as its connection's ring holds it, not
@@ -83,12 +87,13 @@ mod session;
 pub mod socket;
 mod stages;
 mod upstream;
+mod workers;
 
 use std::io;
 use std::mem;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -151,19 +156,31 @@ pub struct Summary {
     pub allocations: u64,
 }
 
+impl Summary {
+    /// The sum of two workers' summaries.
+    fn add(self, o: Summary) -> Summary {
+        Summary {
+            accepted: self.accepted + o.accepted,
+            calls: self.calls + o.calls,
+            replied: self.replied + o.replied,
+            answered: self.answered + o.answered,
+            orphaned: self.orphaned + o.orphaned,
+            allocations: self.allocations + o.allocations,
+        }
+    }
+}
+
 /// A running engine: its address, and the way to stop it.
 #[derive(Debug)]
 pub struct LoopHandle {
     addr: SocketAddr,
-    /// The commands on their way to the loop.
-    control: Arc<control::Control>,
+    /// What the workers share, their commands and wake-ups among it.
+    shared: Arc<workers::Shared>,
     /// The providers served at the start, and the providers file's text then.
     served: Vec<crate::upstream_spec::UpstreamSpec>,
     text: Option<String>,
-    allocations: Arc<AtomicU64>,
-    stop: Arc<AtomicBool>,
-    waker: Arc<Waker>,
-    thread: JoinHandle<io::Result<Summary>>,
+    /// The workers' threads, the listening one first.
+    threads: Vec<JoinHandle<io::Result<Summary>>>,
 }
 
 impl LoopHandle {
@@ -176,27 +193,46 @@ impl LoopHandle {
     /// program counts them (`rpcmesh_common::alloc`): a round's count is added when it
     /// ends.
     pub fn allocations(&self) -> u64 {
-        self.allocations.load(Ordering::Relaxed)
+        self.shared.allocations.load(Ordering::Relaxed)
     }
 
-    /// Hands the loop `command`, and wakes it.
-    fn command(&self, command: control::Command) {
-        self.control.send(command);
-        let _ = self.waker.wake();
+    /// Hands every worker the command `make` makes, and wakes it.
+    fn command(&self, make: impl Fn() -> control::Command) {
+        for w in &self.shared.workers {
+            w.command(make());
+        }
+    }
+
+    /// Resolves once every worker routes to the list numbered `seq` or a later one.
+    async fn until_applied(&self, seq: u64) {
+        for w in &self.shared.workers {
+            w.control.until_applied(seq).await;
+        }
     }
 
     /// Starts the drain: no new connection, new calls refused, the calls in flight
     /// answered (by their providers, or when `--grace` is over by the broker).
     pub fn stop(&self) {
-        self.stop.store(true, Ordering::Relaxed);
-        let _ = self.waker.wake();
+        self.shared.stop.store(true, Ordering::Relaxed);
+        for w in &self.shared.workers {
+            let _ = w.waker.wake();
+        }
     }
 
-    /// Waits for the engine to end (after [`LoopHandle::stop`]).
+    /// Waits for the engine to end (after [`LoopHandle::stop`]): what its workers did,
+    /// summed.
     pub fn join(self) -> io::Result<Summary> {
-        self.thread
-            .join()
-            .unwrap_or_else(|_| Err(io::Error::other("the loop engine's thread panicked")))
+        let mut sum = Ok(Summary::default());
+        for t in self.threads {
+            let one = t
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("the loop engine's thread panicked")));
+            sum = match (sum, one) {
+                (Ok(a), Ok(b)) => Ok(a.add(b)),
+                (Err(e), _) | (_, Err(e)) => Err(e),
+            };
+        }
+        sum
     }
 }
 
@@ -235,9 +271,11 @@ pub async fn run_with_reload(
     let metrics = BrokerMetrics::new(telemetry, config.stage_sample);
     let mut h = spawn_counted(config.clone(), listener.into_std()?, metrics.clone())?;
     let (served, text) = (std::mem::take(&mut h.served), h.text.take());
+    let watch = control::watch(&h, &config, &metrics, served, text, reload);
+    let place = workers::place(&h.shared, config.placement_tuning);
     tokio::select! {
         () = shutdown => {}
-        () = control::watch(&h, &config, &metrics, served, text, reload) => {}
+        _ = async { tokio::join!(watch, place) } => {}
     }
     h.stop();
     tokio::task::spawn_blocking(move || h.join())
@@ -268,32 +306,70 @@ pub fn spawn_counted(
     }
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
-    let poll = Poll::new()?;
-    let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
-    let stop = Arc::new(AtomicBool::new(false));
+    let count = config.cells.max(1);
+    let mut polls = Vec::with_capacity(count);
+    let mut links = Vec::with_capacity(count);
+    for _ in 0..count {
+        let poll = Poll::new()?;
+        links.push(workers::Link {
+            control: Arc::default(),
+            waker: Waker::new(poll.registry(), WAKER)?,
+            sessions: AtomicUsize::new(0),
+            answered: AtomicU64::new(0),
+            work_ns: AtomicU64::new(0),
+        });
+        polls.push(poll);
+    }
+    let guards = Guards::new(config.resilience, &metrics);
+    let budget = MemoryBudget::new(config.memory_budget);
+    publish_budget(&metrics.telemetry, crate::metrics::ROLE, &budget);
+    let in_flight = crate::in_flight::InFlightCap::new(config.max_in_flight, count);
+    let open = match config.cell_placement {
+        crate::config::CellPlacement::Spread => count,
+        crate::config::CellPlacement::Gather => 1,
+    };
+    let shared = Arc::new(workers::Shared::new(
+        metrics, guards, budget, in_flight, links, open,
+    ));
     // The providers of the flags and of the file, as the Tokio engine reads them.
-    let (served, text) = crate::membership::initial(&config, &metrics);
+    let (served, text) = crate::membership::initial(&config, &shared.metrics);
     let idempotent = text
         .as_deref()
         .map(crate::providers_file::idempotent)
         .unwrap_or_default();
-    let control = Arc::new(control::Control::default());
-    let mut engine = Engine::new(config, poll, metrics, control.clone())?;
-    engine.start_providers(served.clone(), idempotent);
-    let allocations = engine.allocations.clone();
-    let flag = stop.clone();
-    let thread = std::thread::Builder::new()
-        .name("rpcmesh-loop".into())
-        .spawn(move || engine.run(TcpListener::from_std(listener), &flag))?;
+    let mut listener = Some(TcpListener::from_std(listener));
+    let mut threads = Vec::with_capacity(count);
+    for (index, poll) in polls.into_iter().enumerate() {
+        let mut engine = Engine::new(config.clone(), poll, shared.clone(), index);
+        engine.start_providers(served.clone(), idempotent.clone());
+        let listener = listener.take();
+        let s = shared.clone();
+        let started = std::thread::Builder::new()
+            .name(format!("rpcmesh-loop-{index}"))
+            .spawn(move || engine.run(listener, &s.stop));
+        match started {
+            Ok(t) => threads.push(t),
+            Err(e) => {
+                // The workers started drain (they have no connection yet) and end.
+                let h = LoopHandle {
+                    addr,
+                    shared,
+                    served,
+                    text,
+                    threads,
+                };
+                h.stop();
+                let _ = h.join();
+                return Err(e);
+            }
+        }
+    }
     Ok(LoopHandle {
         addr,
-        control,
+        shared,
         served,
         text,
-        allocations,
-        stop,
-        waker,
-        thread,
+        threads,
     })
 }
 
@@ -331,8 +407,24 @@ impl SpinIdle {
     }
 }
 
-/// Everything the loop owns: one thread, no sharing.
+/// Everything a worker's loop owns: one thread, sharing only what `workers::Shared`
+/// holds.
 struct Engine {
+    /// Which worker this is (the first listens), and what the workers share.
+    index: usize,
+    shared: Arc<workers::Shared>,
+    /// This worker's lease on `--max-in-flight` when there are several (with one, the cap
+    /// is checked against `in_flight`), and the calls it counted out this round.
+    lease: Option<crate::in_flight::Lease>,
+    released: usize,
+    /// Calls answered as last told (`workers::Link::answered`), and where they are
+    /// counted by worker (`rpcmesh_cell_calls_total`).
+    answered_told: u64,
+    cell_calls: ::metrics::Counter,
+    /// The time busy polling found nothing so far, and when the thread's work is next
+    /// read for the placement (`workers::WORK_READ`; never with one worker).
+    spin_idle_ns: u64,
+    next_work_read: Option<Instant>,
     poll: Poll,
     codec: FrameCodec,
     config: BrokerConfig,
@@ -349,7 +441,7 @@ struct Engine {
     control: Arc<control::Control>,
     /// The timed calls' stamps (`--stage-metrics`).
     timing: stages::Timing,
-    /// Calls in flight in the whole engine (`--max-in-flight`).
+    /// Calls in flight in this worker.
     in_flight: usize,
     /// The clock, read once per round.
     now: Instant,
@@ -397,6 +489,9 @@ struct Engine {
     /// this time has passed (`--connect-timeout` + `--health-timeout` after the start).
     listening: bool,
     settle_by: Instant,
+    /// This worker's providers have settled, and it told the others
+    /// (`workers::Shared::settled`).
+    told_settled: bool,
     /// When the sessions' timeouts are next looked at (`session::Engine::sweep_sessions`).
     next_session_sweep: Instant,
     summary: Summary,
@@ -406,19 +501,25 @@ struct Engine {
 }
 
 impl Engine {
-    fn new(
-        config: BrokerConfig,
-        poll: Poll,
-        metrics: BrokerMetrics,
-        control: Arc<control::Control>,
-    ) -> io::Result<Engine> {
-        let guards = Guards::new(config.resilience, &metrics);
-        let budget = MemoryBudget::new(config.memory_budget);
-        publish_budget(&metrics.telemetry, crate::metrics::ROLE, &budget);
+    fn new(config: BrokerConfig, poll: Poll, shared: Arc<workers::Shared>, index: usize) -> Engine {
         let cap_value = rpcmesh_wire::ext::cap_value(config.call_timeout);
         let settle_by = Instant::now() + config.connect_timeout + config.health_timeout;
         let idempotent = config.idempotent.clone();
-        Ok(Engine {
+        let workers = shared.workers.len();
+        let metrics = shared.metrics.clone();
+        Engine {
+            index,
+            lease: (workers > 1).then(|| shared.in_flight.lease()),
+            released: 0,
+            answered_told: 0,
+            cell_calls: metrics.cell_calls(index, workers),
+            spin_idle_ns: 0,
+            next_work_read: (workers > 1).then(Instant::now),
+            control: shared.workers[index].control.clone(),
+            guards: shared.guards.clone(),
+            budget: shared.budget.clone(),
+            allocations: shared.allocations.clone(),
+            shared,
             codec: FrameCodec::new(config.max_body_len),
             poll,
             config,
@@ -428,7 +529,6 @@ impl Engine {
             services: Vec::new(),
             pending: None,
             idempotent,
-            control,
             timing: stages::Timing::new(metrics.stages.clone()),
             in_flight: 0,
             now: Instant::now(),
@@ -446,26 +546,31 @@ impl Engine {
             rounds: 0,
             serials: 0,
             next_publish: Instant::now(),
-            guards,
-            budget,
             handed_back: Vec::new(),
             admitted: 0,
-            listening: false,
+            // Only the first worker listens.
+            listening: index > 0,
+            told_settled: false,
             settle_by,
             next_session_sweep: Instant::now(),
             summary: Summary::default(),
-            allocations: Arc::default(),
             counts: Counts::new(metrics),
-        })
+        }
     }
 
     /// The loop: wait for sockets, read every ready one until drained (handing calls and
     /// replies along as they are found), keep the time (deadlines, heartbeats, connects,
     /// the drain), write what the round gave.
-    fn run(&mut self, listener: TcpListener, stop: &AtomicBool) -> io::Result<Summary> {
+    fn run(&mut self, listener: Option<TcpListener>, stop: &AtomicBool) -> io::Result<Summary> {
         // Registered once the providers have settled (`Engine::listen`).
-        let mut listener = Some(listener);
-        let spin = self.config.busy_poll.window(1);
+        let mut listener = listener;
+        // Gathered workers spin only where the connections are (a worker without them
+        // reads nothing): busy polling is `auto`'s for one spinner then.
+        let spinners = match self.config.cell_placement {
+            crate::config::CellPlacement::Gather => 1,
+            crate::config::CellPlacement::Spread => self.shared.workers.len(),
+        };
+        let spin = self.config.busy_poll.window(spinners);
         // While spinning: polls that do not sleep, each empty one followed by
         // `sched_yield`, until `spin` passes with no event (`common::net::busy_poll`).
         let mut spin_until: Option<Instant> = None;
@@ -498,6 +603,7 @@ impl Engine {
                 }
                 let found = !events.is_empty();
                 if let Some(idle) = spin_idle.polled(self.now, spinning, found, expired) {
+                    self.spin_idle_ns += idle.as_nanos() as u64;
                     self.counts
                         .metrics
                         .busy_poll_idle
@@ -530,13 +636,16 @@ impl Engine {
     ) -> bool {
         self.rounds += 1;
         if let Some(commands) = self.control.take() {
-            for control::Command::Providers {
-                specs,
-                idempotent,
-                seq,
-            } in commands
-            {
-                self.set_providers(specs, idempotent, seq);
+            for command in commands {
+                match command {
+                    control::Command::Providers {
+                        specs,
+                        idempotent,
+                        seq,
+                    } => self.set_providers(specs, idempotent, seq),
+                    control::Command::Adopt(session, moved) => self.adopt(*session, moved),
+                    control::Command::Move(to) => self.ask_to_move(to),
+                }
             }
         }
         self.commit_providers();
@@ -590,8 +699,10 @@ impl Engine {
         }
         // Counted before the replies leave: a scrape after a reply includes its call.
         self.tell_providers();
+        self.tell_workers();
         self.counts.end_round(self.in_flight);
         self.flush();
+        self.hand_over_moving();
         let done = self.drain_over();
         if done {
             self.close_all();
@@ -599,16 +710,23 @@ impl Engine {
         done
     }
 
-    /// Starts taking connections once every provider has settled: it answered a
-    /// heartbeat, or a connect to it failed, or `settle_by` has passed. A call sent as
+    /// Starts taking connections once every provider has settled, in every worker: it
+    /// answered a heartbeat, or a connect to it failed, or `settle_by` has passed. A call sent as
     /// soon as the broker runs is then not answered "unavailable" only because the first
     /// connections were still being made; the connections waiting meanwhile are in the
     /// listener's backlog, taken at once.
     fn listen(&mut self, listener: &mut Option<TcpListener>) {
+        if !self.told_settled
+            && (self.now >= self.settle_by || self.routes.providers.iter().all(|p| p.settled))
+        {
+            // With several workers, the listening one waits for every worker's providers.
+            self.told_settled = true;
+            self.shared.settled.fetch_add(1, Ordering::Relaxed);
+        }
         if self.listening {
             return;
         }
-        let settled = self.now >= self.settle_by || self.routes.providers.iter().all(|p| p.settled);
+        let settled = self.now >= self.settle_by || self.shared.all_settled();
         let Some(l) = listener.as_mut().filter(|_| settled) else {
             return;
         };
@@ -663,6 +781,10 @@ impl Engine {
         at(self.accept_at);
         if !self.listening {
             at(Some(self.settle_by));
+            if self.shared.workers.len() > 1 {
+                // The other workers' providers settle on their threads: looked at soon.
+                at(Some(self.now + TICK));
+            }
         }
         at(self.pending_by());
         if self.any_budget_paused() {
@@ -672,7 +794,7 @@ impl Engine {
         if self.sessions_open() > 0 {
             at(Some(self.next_session_sweep));
         }
-        if self.grace_until.is_some() || self.any_ending() {
+        if self.grace_until.is_some() || self.any_ending() || self.any_moving() {
             at(Some(self.now + TICK));
         }
         wake.map(|w| w.saturating_duration_since(Instant::now()))
@@ -696,6 +818,31 @@ impl Engine {
         self.timing.flushed_upstream();
         self.flush_sessions();
         self.timing.flushed_back();
+    }
+
+    /// Tells the other workers what this one did this round: the calls it counted out of
+    /// its lease on the cap, and the calls it answered.
+    fn tell_workers(&mut self) {
+        if let Some(lease) = &self.lease {
+            if self.released > 0 {
+                lease.release(mem::take(&mut self.released));
+            }
+        }
+        let answered = self.summary.replied + self.summary.answered;
+        if answered != self.answered_told {
+            self.cell_calls.increment(answered - self.answered_told);
+            self.answered_told = answered;
+            self.shared.workers[self.index]
+                .answered
+                .store(answered, Ordering::Relaxed);
+        }
+        if self.next_work_read.is_some_and(|t| self.now >= t) {
+            self.next_work_read = Some(self.now + workers::WORK_READ);
+            let work = crate::cell::placement::thread_cpu_ns().saturating_sub(self.spin_idle_ns);
+            self.shared.workers[self.index]
+                .work_ns
+                .store(work, Ordering::Relaxed);
+        }
     }
 
     /// Tells the shared counters what the round counted of each provider: its calls'

@@ -10,7 +10,7 @@ use bytes::{Bytes, BytesMut};
 use mio::Interest;
 use mio::net::TcpListener;
 use rpcmesh_common::metrics::Side;
-use rpcmesh_common::net::budget::{Held, Reserved, SMALL_BODY};
+use rpcmesh_common::net::budget::{Held, MemoryBudget, Reserved, SMALL_BODY};
 use rpcmesh_common::net::connection::{CloseReason, SHRINK_ABOVE};
 use rpcmesh_common::net::listener::Refusal;
 use rpcmesh_common::net::session::{FINAL_FLUSH_TIMEOUT, Timeouts, WRITE_BACKLOG_LIMIT};
@@ -21,6 +21,9 @@ use rpcmesh_wire::codec::{body_in_place, skip_frame, trailer_in_place};
 use rpcmesh_wire::ext;
 use rpcmesh_wire::frame::{Flags, FrameError, Header, MsgType};
 
+use std::sync::atomic::Ordering;
+
+use super::control::Command;
 use super::socket::{Filled, Socket, one_connections};
 use super::upstream::{AsSent, Call};
 use super::{Engine, FIRST_SESSION};
@@ -35,6 +38,11 @@ const ACCEPTS_PER_ROUND: usize = 64;
 static ACCEPT_FAILED_LINES: Thinned = Thinned::new();
 /// Log lines for sessions closed by a timeout, thinned.
 static TIMEOUT_LINES: Thinned = Thinned::new();
+
+/// How long a session asked to move to another worker may take to have no call in
+/// flight and nothing to write (it is not read meanwhile) before it stays where it is: a
+/// few of a busy provider's round trips, so that a move stalls none of its calls for long.
+const MOVE_WAIT: Duration = Duration::from_millis(50);
 
 /// The least time between two sweeps of the sessions' timeouts: a quarter of the
 /// shortest, so that a session is closed at most a quarter late, and no more often than
@@ -58,6 +66,29 @@ pub(super) struct Session {
     clock: Clock,
     /// What its buffers hold, told to the memory budget.
     held: Held,
+    /// Calls it sent since it came to this worker, and when it came: its calls/s, which
+    /// the placement moves connections by.
+    calls: u64,
+    since: Instant,
+}
+
+impl Session {
+    fn new(
+        stream: mio::net::TcpStream,
+        now: Instant,
+        budget: &std::sync::Arc<MemoryBudget>,
+    ) -> Session {
+        Session {
+            sock: Socket::new(stream),
+            in_flight: 0,
+            reading: Reading::Open,
+            read_closed: false,
+            clock: Clock::new(now),
+            held: Held::new(budget.clone()),
+            calls: 0,
+            since: now,
+        }
+    }
 }
 
 /// When a session's timeouts started to run, as the Tokio engine's sessions keep them
@@ -100,6 +131,13 @@ enum Reading {
     /// Sent input the session cannot get past: ends once what it was told is written,
     /// or at this time ([`FINAL_FLUSH_TIMEOUT`]); its calls in flight are dropped.
     BadInput(Instant),
+    /// Asked to move to worker `to` (to the open worker serving the fewest when `None`):
+    /// not read until it has no call in flight and nothing to write, then handed over;
+    /// read here again if that is not so by `by` ([`MOVE_WAIT`]).
+    Moving {
+        to: Option<usize>,
+        by: Instant,
+    },
 }
 
 /// A session as a call in flight names it: its index, and the generation of that index,
@@ -125,6 +163,9 @@ pub(super) struct Sessions {
     ending: Vec<u32>,
     /// Sessions not read for the memory budget, looked at every round until they are.
     budget_paused: Vec<u32>,
+    /// Sessions asked to move to another worker, looked at every round until they go or
+    /// stay.
+    moving: Vec<u32>,
 }
 
 impl Sessions {
@@ -224,37 +265,145 @@ impl Engine {
                     return;
                 }
             };
-            if self.sessions.open() >= self.config.max_connections {
+            if self.shared.sessions() >= self.config.max_connections {
                 self.counts.refused(Refusal::ConnectionCap);
                 continue;
             }
-            let i = self.sessions.insert(Session {
-                sock: Socket::new(stream),
-                in_flight: 0,
-                reading: Reading::Open,
-                read_closed: false,
-                clock: Clock::new(self.now),
-                held: Held::new(self.budget.clone()),
-            });
-            let registered = self.sessions.get(i).map(|s| {
-                self.poll.registry().register(
-                    &mut s.sock.stream,
-                    mio::Token(FIRST_SESSION + i),
-                    Interest::READABLE | Interest::WRITABLE,
-                )
-            });
-            match registered {
-                Some(Ok(())) => {
-                    self.summary.accepted += 1;
-                    self.counts.opened();
-                }
-                _ => {
-                    self.sessions.remove(i);
-                }
+            // Dealt to the open worker serving the fewest (`super::workers`).
+            let session = Session::new(stream, self.now, &self.budget);
+            match self.shared.deal() {
+                w if w == self.index => self.adopt(session, false),
+                w => self.shared.workers[w].command(Command::Adopt(Box::new(session), false)),
             }
         }
         // More may wait: taken next round.
         self.accept_at = Some(self.now);
+    }
+
+    /// Serves a session dealt to this worker (already counted in its sessions): a
+    /// connection just accepted, or one `moved` from another worker, which is read at
+    /// once (what its client sent meanwhile waits in its socket).
+    pub(super) fn adopt(&mut self, mut session: Session, moved: bool) {
+        (session.calls, session.since) = (0, self.now);
+        let i = self.sessions.insert(session);
+        let registered = self.sessions.get(i).map(|s| {
+            self.poll.registry().register(
+                &mut s.sock.stream,
+                mio::Token(FIRST_SESSION + i),
+                Interest::READABLE | Interest::WRITABLE,
+            )
+        });
+        match registered {
+            Some(Ok(())) if moved => self.sessions.resume.push(i as u32),
+            Some(Ok(())) => {
+                self.summary.accepted += 1;
+                self.counts.opened();
+            }
+            _ => {
+                self.sessions.remove(i);
+                self.shared.workers[self.index]
+                    .sessions
+                    .fetch_sub(1, Ordering::Relaxed);
+                if moved {
+                    self.counts.closed(CloseReason::Error);
+                }
+            }
+        }
+    }
+
+    /// Asks this worker's sessions to move (the placement's `Command::Move`): to worker
+    /// `to` those that carry about half its calls (by each one's calls/s, heaviest
+    /// first: `crate::cell::half_by_load`), or all of them, dealt over the open workers,
+    /// when `to` is `None`. Only sessions read as usual move: one paused, ending, or
+    /// draining stays.
+    pub(super) fn ask_to_move(&mut self, to: Option<usize>) {
+        if self.grace_until.is_some() {
+            return;
+        }
+        let now = self.now;
+        let open: Vec<usize> = (0..self.sessions.slots.len())
+            .filter(|&i| matches!(&self.sessions.slots[i].1, Some(s) if s.reading == Reading::Open))
+            .collect();
+        let chosen: Vec<usize> = match to {
+            Some(_) => {
+                let loads: Vec<f64> = open
+                    .iter()
+                    .filter_map(|&i| self.sessions.slots[i].1.as_ref())
+                    .map(|s| {
+                        let secs = now.saturating_duration_since(s.since).as_secs_f64();
+                        if secs > 0.0 {
+                            s.calls as f64 / secs
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect();
+                crate::cell::half_by_load(&loads)
+                    .into_iter()
+                    .map(|j| open[j])
+                    .collect()
+            }
+            None => open,
+        };
+        for i in chosen {
+            if let Some(s) = self.sessions.get(i) {
+                s.reading = Reading::Moving {
+                    to,
+                    by: now + MOVE_WAIT,
+                };
+                self.sessions.moving.push(i as u32);
+            }
+        }
+    }
+
+    /// Hands the sessions asked to move that have no call in flight and nothing to write
+    /// to their worker, whole (socket, buffers, clocks, what they hold of the memory
+    /// budget); those still busy at their `by`, or whose worker is no longer open, are
+    /// read here again.
+    pub(super) fn hand_over_moving(&mut self) {
+        if self.sessions.moving.is_empty() {
+            return;
+        }
+        let mut moving = mem::take(&mut self.sessions.moving);
+        moving.retain(|&i| {
+            let i = i as usize;
+            let Some(s) = self.sessions.get(i) else {
+                return false;
+            };
+            let Reading::Moving { to, by } = s.reading else {
+                return false;
+            };
+            let quiet = s.in_flight == 0 && s.sock.out.is_empty();
+            if !quiet && self.now < by {
+                return true;
+            }
+            let to = if quiet {
+                self.shared.take_to(to, self.index)
+            } else {
+                None
+            };
+            let Some(to) = to else {
+                s.reading = Reading::Open;
+                self.sessions.resume.push(i as u32);
+                return false;
+            };
+            if let Some(mut s) = self.sessions.remove(i) {
+                let _ = self.poll.registry().deregister(&mut s.sock.stream);
+                (s.reading, s.sock.dirty) = (Reading::Open, false);
+                self.shared.workers[self.index]
+                    .sessions
+                    .fetch_sub(1, Ordering::Relaxed);
+                self.shared.moved();
+                self.shared.workers[to].command(Command::Adopt(Box::new(s), true));
+            }
+            false
+        });
+        self.sessions.moving = moving;
+    }
+
+    /// Whether sessions wait to move.
+    pub(super) fn any_moving(&self) -> bool {
+        !self.sessions.moving.is_empty()
     }
 
     /// A readiness event of session `i`.
@@ -420,6 +569,11 @@ impl Engine {
             let tag = engine.counts.tag(names, service.len(), false);
             engine.refuse(from, id, flags, failure, tag);
         };
+        // Admitted within the cap from here on: counted out on the refusals below.
+        let admitted = |engine: &mut Engine, failure: &Failure| {
+            engine.unadmit();
+            refused(engine, failure);
+        };
         if self.grace_until.is_some() {
             return refused(self, &Failure::Draining);
         }
@@ -434,17 +588,17 @@ impl Engine {
         {
             return refused(self, &Failure::Shed(Cap::PerConnection(per_conn)));
         }
-        if self.in_flight >= self.config.max_in_flight {
+        if !self.within_cap() {
             return refused(self, &Failure::Shed(Cap::Total(self.config.max_in_flight)));
         }
         if self.budget.refuses(body.len()) {
-            return refused(self, &Failure::Shed(Cap::Memory(self.budget.limit())));
+            return admitted(self, &Failure::Shed(Cap::Memory(self.budget.limit())));
         }
         let k = match self.route(&inner[service.clone()], flags, Avoid::None) {
             Ok(k) => k,
             Err(no) => {
                 let name = String::from_utf8_lossy(&inner[service.clone()]).into_owned();
-                return refused(self, &no.failure(name));
+                return admitted(self, &no.failure(name));
             }
         };
         let limit = budget.map_or(self.config.call_timeout, |b| {
@@ -468,14 +622,32 @@ impl Engine {
                 self.timing.done(t, false);
             }
             let name = String::from_utf8_lossy(&inner[service]).into_owned();
+            self.unadmit();
             return self.refuse(from, id, flags, &Failure::Full(name), call.tag);
         }
         if let Some(s) = self.sessions.get_ref(from) {
             s.in_flight += 1;
+            s.calls += 1;
         }
         self.in_flight += 1;
         self.admitted += 1;
         self.next_expiry = Some(self.next_expiry.map_or(deadline, |t| t.min(deadline)));
+    }
+
+    /// Counts a call in within `--max-in-flight`: this worker's count against the cap when
+    /// it is the only one, else its lease on it. False when the cap is reached.
+    fn within_cap(&self) -> bool {
+        match &self.lease {
+            None => self.in_flight < self.config.max_in_flight,
+            Some(lease) => lease.admit(),
+        }
+    }
+
+    /// Counts out a call [`Engine::within_cap`] let in but that is refused after all.
+    fn unadmit(&mut self) {
+        if self.lease.is_some() {
+            self.released += 1;
+        }
     }
 
     /// Answers a call the broker did not send on (`tag`: its pair's, as the counts have
@@ -513,6 +685,7 @@ impl Engine {
         match self.sessions.get_ref(call.session) {
             Some(s) => {
                 self.in_flight -= 1;
+                self.released += 1;
                 s.in_flight -= 1;
                 s.clock.busy_at = self.now;
                 if let Some(t) = call.timed {
@@ -542,6 +715,7 @@ impl Engine {
             self.timing.done(t, false);
         }
         self.in_flight -= 1;
+        self.released += 1;
         self.summary.orphaned += 1;
         self.counts.abandoned();
     }
@@ -747,6 +921,9 @@ impl Engine {
         if let Some(mut s) = self.sessions.remove(i) {
             let _ = self.poll.registry().deregister(&mut s.sock.stream);
             self.counts.closed(reason);
+            self.shared.workers[self.index]
+                .sessions
+                .fetch_sub(1, Ordering::Relaxed);
         }
     }
 
@@ -801,14 +978,8 @@ mod tests {
     fn a_reused_session_index_is_not_the_session_a_call_named() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
-        let session = || Session {
-            sock: Socket::new(TcpStream::connect(addr).unwrap()),
-            in_flight: 0,
-            reading: Reading::Open,
-            read_closed: false,
-            clock: Clock::new(Instant::now()),
-            held: Held::new(rpcmesh_common::net::budget::MemoryBudget::new(1 << 30)),
-        };
+        let budget = rpcmesh_common::net::budget::MemoryBudget::new(1 << 30);
+        let session = || Session::new(TcpStream::connect(addr).unwrap(), Instant::now(), &budget);
         let mut sessions = Sessions::default();
         let i = sessions.insert(session());
         let first = sessions.ref_of(i);
