@@ -99,8 +99,9 @@ pub(crate) struct Shared {
     pub spin_idle_ns: std::sync::atomic::AtomicU64,
 }
 
-/// The process's budget of denied-call log lines (a caller can cause them at will).
-static DENIED_LINES: Thinned = Thinned::new();
+/// The process's budget of denied-call log lines (a caller can cause them at will), for
+/// both engines.
+pub(crate) static DENIED_LINES: Thinned = Thinned::new();
 
 /// Serves one client connection until the caller leaves, the input is beyond repair, a
 /// timeout passes, or shutdown drained it; returns why it closed.

@@ -37,6 +37,9 @@
 //!   where the provider takes it, as it came where it may; the reply matched back by it
 //!   and copied under the caller's id, statuses degraded for v1 callers; a bad reply
 //!   failing its call alone;
+//! - allowed by the policy (`--authz-policy`, read again when it changes and on SIGHUP),
+//!   or answered "permission denied", counted and logged (thinned); its callers are
+//!   anonymous, as it serves no TLS;
 //! - timed out at the earlier of its deadline and `--call-timeout`;
 //! - the providers of the flags and of `--providers-file`, read again on SIGHUP and when
 //!   the file changes (`control`), joining and leaving as the Tokio engine's do
@@ -222,6 +225,7 @@ impl LoopHandle {
     /// Waits for the engine to end (after [`LoopHandle::stop`]): what its workers did,
     /// summed.
     pub fn join(self) -> io::Result<Summary> {
+        self.shared.watching.cancel();
         let mut sum = Ok(Summary::default());
         for t in self.threads {
             let one = t
@@ -328,8 +332,33 @@ pub fn spawn_counted(
         crate::config::CellPlacement::Spread => count,
         crate::config::CellPlacement::Gather => 1,
     };
+    // The policy, read again when its file changes or on SIGHUP (on the runtime this is
+    // called on: one is needed when a policy is set).
+    let watching = rpcmesh_common::net::shutdown::CancellationToken::new();
+    let settings = rpcmesh_common::cli::security::SecuritySettings {
+        policy: config.authz_policy.clone(),
+        ..Default::default()
+    };
+    if settings.policy.is_some() && tokio::runtime::Handle::try_current().is_err() {
+        return Err(io::Error::other(
+            "the loop engine reads its --authz-policy on a Tokio runtime: start it on one",
+        ));
+    }
+    let security = rpcmesh_common::cli::security::Security::start(
+        crate::metrics::ROLE,
+        &metrics.telemetry,
+        settings,
+        watching.clone(),
+    )
+    .map_err(io::Error::other)?;
     let shared = Arc::new(workers::Shared::new(
-        metrics, guards, budget, in_flight, links, open,
+        metrics,
+        (security, watching),
+        guards,
+        budget,
+        in_flight,
+        links,
+        open,
     ));
     // The providers of the flags and of the file, as the Tokio engine reads them.
     let (served, text) = crate::membership::initial(&config, &shared.metrics);

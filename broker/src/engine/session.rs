@@ -580,6 +580,9 @@ impl Engine {
         if budget.is_some_and(|b| b.is_zero()) {
             return refused(self, &Failure::DeadlineExceeded);
         }
+        if let Some(denied) = self.denied(names, &inner[service.clone()], &inner[method.clone()]) {
+            return refused(self, &denied);
+        }
         let per_conn = self.config.max_in_flight_per_conn;
         if self
             .sessions
@@ -632,6 +635,29 @@ impl Engine {
         self.in_flight += 1;
         self.admitted += 1;
         self.next_expiry = Some(self.next_expiry.map_or(deadline, |t| t.min(deadline)));
+    }
+
+    /// The refusal of a call of `service`.`method` (`names`: both, as on the wire) that the
+    /// policy (`--authz-policy`) does not allow its caller, counted and logged (thinned)
+    /// as the Tokio engine does it; `None` when allowed, or when there is no policy. The
+    /// loop engine's callers are anonymous: it serves no TLS.
+    fn denied(&self, names: &[u8], service: &[u8], method: &[u8]) -> Option<Failure> {
+        let authz = self.shared.security.authz.as_ref()?;
+        let caller = None;
+        let (s, m) = match (std::str::from_utf8(service), std::str::from_utf8(method)) {
+            (Ok(s), Ok(m)) if authz.policy().allows(caller, s, m) => return None,
+            (Ok(s), Ok(m)) => (s, m),
+            // Names that are not UTF-8 name nothing a policy allows.
+            _ => ("?", "?"),
+        };
+        let message = rpcmesh_common::authz::denial(caller, s, m);
+        // Labelled only with a pair that has labels already (one that succeeded).
+        let known = self.counts.metrics.known_calls(names).is_some();
+        self.shared.security.denied.deny(known.then_some((s, m)));
+        if let Some(a) = crate::session::DENIED_LINES.admit() {
+            tracing::warn!(denied = a.seen, left_out = a.left_out, "{message}");
+        }
+        Some(Failure::Denied(message))
     }
 
     /// Counts a call in within `--max-in-flight`: this worker's count against the cap when

@@ -28,7 +28,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use mio::Waker;
+use rpcmesh_common::cli::security::Security;
 use rpcmesh_common::net::budget::MemoryBudget;
+use rpcmesh_common::net::shutdown::CancellationToken;
 
 use super::control::{Command, Control};
 use crate::cell::placement::{Change, Placement, Reading, Seen, decide};
@@ -73,6 +75,10 @@ pub(super) struct Shared {
     pub budget: Arc<MemoryBudget>,
     /// The broker-wide cap on calls in flight, leased by each worker.
     pub in_flight: Arc<InFlightCap>,
+    /// The policy (`--authz-policy`) and where denials are counted.
+    pub security: Security,
+    /// Stops the policy file's watcher when the engine ends.
+    pub watching: CancellationToken,
     /// The drain has been asked for.
     pub stop: AtomicBool,
     /// Workers whose providers have all settled (answered a heartbeat or refused a
@@ -95,8 +101,10 @@ pub(super) struct Shared {
 type Handed = (UpstreamMetrics, usize);
 
 impl Shared {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         metrics: BrokerMetrics,
+        security: (Security, CancellationToken),
         guards: Arc<Guards>,
         budget: Arc<MemoryBudget>,
         in_flight: Arc<InFlightCap>,
@@ -113,6 +121,8 @@ impl Shared {
             guards,
             budget,
             in_flight,
+            security: security.0,
+            watching: security.1,
             stop: AtomicBool::new(false),
             settled: AtomicUsize::new(0),
             allocations: Arc::default(),
