@@ -717,7 +717,7 @@ async fn the_broker_program_runs_the_loop_engine_when_told() {
     let files = pki.issue(&rpcmesh_testkit::Leaf::spiffe("broker", "b"));
     let (cert, key) = (files.cert.to_string_lossy(), files.key.to_string_lossy());
     let ca = pki.ca_file.to_string_lossy();
-    // TLS it refuses, saying so.
+    // TLS to the providers it refuses, saying so.
     let out = std::process::Command::new(rpcmesh_testkit::bin_path("broker"))
         .args([
             "--listen",
@@ -728,6 +728,7 @@ async fn the_broker_program_runs_the_loop_engine_when_told() {
             "loop",
         ])
         .args(["--tls-cert", &cert, "--tls-key", &key, "--tls-ca", &ca])
+        .args(["--upstream-tls", "on"])
         // No backtrace to resolve for an error that is the point of the call.
         .env("RUST_BACKTRACE", "0")
         .env("RUST_LIB_BACKTRACE", "0")
@@ -735,7 +736,7 @@ async fn the_broker_program_runs_the_loop_engine_when_told() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
-    assert!(stderr.contains("TLS"), "{stderr}");
+    assert!(stderr.contains("TLS to the providers"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

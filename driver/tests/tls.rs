@@ -419,3 +419,107 @@ async fn hostile_handshakes_beside_a_run_cost_it_no_call() {
     .await;
     let _ = std::fs::remove_dir_all(&m.dir);
 }
+
+/// The loop engine (`--engine loop`, two workers dealt connections in turn) serving mutual
+/// TLS to its callers, plaintext to a provider (it does not do TLS to providers yet):
+/// each handshake on a worker's loop. A driver with a valid certificate gets every call
+/// through; one its policy does not name is answered "permission denied" by identity;
+/// one without a certificate, another CA's, plaintext, or silent past the handshake
+/// timeout gets nothing through, each refusal counted with its reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_loop_engine_serves_mtls_callers_by_their_identity() {
+    let dir = std::env::temp_dir().join(format!("rpcmesh-e2e-tls-loop-{}", std::process::id()));
+    let pki = Pki::new(&dir, "mesh");
+    let provider = InProcess::start(|l, t, s| async move {
+        rpcmesh_provider::run_with(
+            ProviderConfig::default(),
+            rpcmesh_provider::Registry::builtin(),
+            t,
+            l,
+            s,
+        )
+        .await
+    })
+    .await;
+    let mut tls = server_tls(&pki, &Leaf::spiffe("broker", "b1"));
+    tls.handshake_timeout = Duration::from_millis(300);
+    let config = BrokerConfig {
+        tls: Some(tls),
+        authz_policy: Some(write(&dir, "broker.toml", BROKER_POLICY)),
+        cells: 2,
+        cell_placement: CellPlacement::Spread,
+        ..BrokerConfig::with_upstreams([provider.addr.to_string()])
+    };
+    let broker = InProcess::start(|l, t, s| async move {
+        let summary = rpcmesh_broker::engine::run(config, t, l, s).await.unwrap();
+        assert_eq!(
+            summary.calls,
+            summary.replied + summary.answered + summary.orphaned,
+            "every call read has one outcome: {summary:?}"
+        );
+        ServeSummary::default()
+    })
+    .await;
+    let m = Mesh {
+        dir,
+        pki,
+        provider,
+        broker,
+    };
+    let d1 = m.driver_tls(&m.pki, Some(&Leaf::spiffe("driver", "d1")));
+    let r = m.drive_over(Some(d1.clone()), 40, 2).await;
+    assert_eq!(r.calls.ok, 40, "{:?}", r.calls.errors);
+    // Calls larger than a TLS record and than rustls's buffers, both ways.
+    let large = DriverConfig {
+        targets: vec![m.broker.addr.to_string()],
+        workload: WorkloadKind::Echo,
+        payload_size: 300_000,
+        stop: Stop::Requests(6),
+        warmup: Duration::ZERO,
+        progress: ProgressMode::Off,
+        fanout: 1,
+        concurrency: 3,
+        connections: 1,
+        call_timeout: Duration::from_secs(5),
+        tls: Some(d1.clone()),
+        ..DriverConfig::default()
+    };
+    let r = rpcmesh_driver::run_with(large, Telemetry::new(), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(r.calls.ok, 6, "{:?}", r.calls.errors);
+    // An identity the broker's policy does not name.
+    let stranger = m.driver_tls(&m.pki, Some(&Leaf::spiffe("other", "x")));
+    let r = m.drive(Some(stranger), 5).await;
+    assert_eq!(r.calls.errors.get("permission_denied"), Some(&5));
+    assert_eq!(m.broker.metric(AUTHZ_DENIED_TOTAL.name, &[]), 5.0);
+    let other = Pki::new(&m.dir.join("other"), "other");
+    let cases = [
+        (Some(m.driver_tls(&m.pki, None)), "no_certificate"),
+        (
+            Some(m.driver_tls(&other, Some(&Leaf::spiffe("driver", "d1")))),
+            "unknown_ca",
+        ),
+        (None, "not_tls"),
+    ];
+    for (tls, reason) in cases {
+        let r = m.drive(tls, 3).await;
+        assert_eq!(r.calls.ok, 0, "{reason}: {:?}", r.calls.errors);
+        assert!(m.refused(reason) >= 1.0, "{reason} was not counted");
+    }
+    // A client that connects and says nothing is refused at the handshake timeout.
+    let silent = tokio::net::TcpStream::connect(m.broker.addr).await.unwrap();
+    rpcmesh_testkit::wait_until("the silent handshake to time out", || {
+        m.refused("timeout") >= 1.0
+    })
+    .await;
+    drop(silent);
+    // And the valid driver still gets through afterwards.
+    assert_eq!(m.drive(Some(d1), 20).await.calls.ok, 20);
+    let ok = m.broker.metric(
+        rpcmesh_common::metrics::catalogue::CALLS_TOTAL.name,
+        &[("status", "ok")],
+    );
+    assert!(ok >= 66.0, "{ok}");
+    let _ = std::fs::remove_dir_all(&m.dir);
+}

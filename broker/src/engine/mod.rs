@@ -37,9 +37,14 @@
 //!   where the provider takes it, as it came where it may; the reply matched back by it
 //!   and copied under the caller's id, statuses degraded for v1 callers; a bad reply
 //!   failing its call alone;
-//! - allowed by the policy (`--authz-policy`, read again when it changes and on SIGHUP),
-//!   or answered "permission denied", counted and logged (thinned); its callers are
-//!   anonymous, as it serves no TLS;
+//! - TLS to its callers (`--tls-cert`, `socket`): each connection's handshake driven on
+//!   its worker's loop, bounded in time (`--tls-handshake-timeout`) and in number
+//!   (`--tls-max-handshakes`, over all workers), each refusal counted by reason
+//!   and logged (thinned), as the Tokio engine's `ServerTls::accept` does; the files read
+//!   again when they change and on SIGHUP (new handshakes use them);
+//! - allowed by the policy (`--authz-policy`, read again when it changes and on SIGHUP)
+//!   for the caller its certificate names (anonymous without one), or answered
+//!   "permission denied", counted and logged (thinned);
 //! - timed out at the earlier of its deadline and `--call-timeout`;
 //! - the providers of the flags and of `--providers-file`, read again on SIGHUP and when
 //!   the file changes (`control`), joining and leaving as the Tokio engine's do
@@ -75,8 +80,9 @@
 //!   them (between their calls) by the cells' placement, the caps and budgets shared,
 //!   each provider's series summed over the workers.
 //!
-//! What it does not do yet, and the Tokio engine does: TLS.
-//! [`spawn_counted`] refuses a configuration that asks for TLS. Unlike the Tokio engine it
+//! What it does not do yet, and the Tokio engine does: TLS to the providers
+//! (`--upstream-tls`), and a plain address beside TLS (`--listen-plain`). [`spawn_counted`]
+//! refuses a configuration that asks for TLS to the providers; the flags, both. Unlike the Tokio engine it
 //! answers the calls of a client that closed its side before closing too, and keeps a
 //! request for a hand-back for as long as its connection's ring holds it, not
 //! [`REQUEST_RETAIN`] at most.
@@ -240,15 +246,13 @@ impl LoopHandle {
     }
 }
 
-/// What of `config` the loop engine does not serve yet, if anything: TLS on either side
+/// What of `config` the loop engine does not serve yet, if anything: TLS to the providers
 /// (`--engine loop` refuses it at the start).
 pub fn unsupported(config: &BrokerConfig) -> Option<&'static str> {
-    [
-        (config.tls.is_some(), "TLS"),
-        (config.upstream_tls.is_some(), "TLS to the providers"),
-    ]
-    .into_iter()
-    .find_map(|(asked, what)| asked.then_some(what))
+    config
+        .upstream_tls
+        .is_some()
+        .then_some("TLS to the providers")
 }
 
 /// Serves `listener` until `shutdown` resolves, then drains: the broker's `run` on the
@@ -336,12 +340,14 @@ pub fn spawn_counted(
     // called on: one is needed when a policy is set).
     let watching = rpcmesh_common::net::shutdown::CancellationToken::new();
     let settings = rpcmesh_common::cli::security::SecuritySettings {
+        server: config.tls.clone(),
+        client: None,
         policy: config.authz_policy.clone(),
-        ..Default::default()
     };
-    if settings.policy.is_some() && tokio::runtime::Handle::try_current().is_err() {
+    let watched = settings.policy.is_some() || settings.server.is_some();
+    if watched && tokio::runtime::Handle::try_current().is_err() {
         return Err(io::Error::other(
-            "the loop engine reads its --authz-policy on a Tokio runtime: start it on one",
+            "the loop engine watches its TLS and policy files on a Tokio runtime: start it on one",
         ));
     }
     let security = rpcmesh_common::cli::security::Security::start(

@@ -4,6 +4,7 @@
 
 use std::io;
 use std::mem;
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -15,6 +16,8 @@ use rpcmesh_common::net::connection::{CloseReason, SHRINK_ABOVE};
 use rpcmesh_common::net::listener::Refusal;
 use rpcmesh_common::net::session::{FINAL_FLUSH_TIMEOUT, Timeouts, WRITE_BACKLOG_LIMIT};
 use rpcmesh_common::net::thinned::Thinned;
+use rpcmesh_common::net::tls::handshake::HandshakeSlot;
+use rpcmesh_common::net::tls::{Identity, Refusal as TlsRefusal, ServerTls};
 use rpcmesh_wire::Status;
 use rpcmesh_wire::body::request_names;
 use rpcmesh_wire::codec::{body_in_place, skip_frame, trailer_in_place};
@@ -70,6 +73,19 @@ pub(super) struct Session {
     /// the placement moves connections by.
     calls: u64,
     since: Instant,
+    /// Its TLS handshake, while it is in progress.
+    handshake: Option<Box<Handshaking>>,
+    /// Whom its client's certificate names (`None`: anonymous).
+    identity: Option<Identity>,
+}
+
+/// A TLS handshake in progress: refused if not done by `until` (the handshake timeout),
+/// holding its place among the handshakes in progress meanwhile.
+#[derive(Debug)]
+struct Handshaking {
+    until: Instant,
+    peer: SocketAddr,
+    _slot: HandshakeSlot,
 }
 
 impl Session {
@@ -87,6 +103,8 @@ impl Session {
             held: Held::new(budget.clone()),
             calls: 0,
             since: now,
+            handshake: None,
+            identity: None,
         }
     }
 }
@@ -199,6 +217,13 @@ impl Sessions {
         self.slots.get_mut(i)?.1.as_mut()
     }
 
+    fn peek(&self, r: SessionRef) -> Option<&Session> {
+        match self.slots.get(r.idx as usize)? {
+            (g, Some(s)) if *g == r.generation => Some(s),
+            _ => None,
+        }
+    }
+
     fn get_ref(&mut self, r: SessionRef) -> Option<&mut Session> {
         match self.slots.get_mut(r.idx as usize)? {
             (g, Some(s)) if *g == r.generation => Some(s),
@@ -249,8 +274,8 @@ impl Engine {
     /// is over ([`Engine::accept_at`]).
     pub(super) fn accept(&mut self, listener: &TcpListener) {
         for _ in 0..ACCEPTS_PER_ROUND {
-            let stream = match listener.accept() {
-                Ok((s, _)) => s,
+            let (stream, peer) = match listener.accept() {
+                Ok(accepted) => accepted,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     self.accept_backoff.reset();
                     return;
@@ -269,8 +294,27 @@ impl Engine {
                 self.counts.refused(Refusal::ConnectionCap);
                 continue;
             }
+            let mut session = Session::new(stream, self.now, &self.budget);
+            if let Some(tls) = &self.shared.security.tls {
+                match tls.begin() {
+                    Ok((conn, slot)) => {
+                        session.sock.tls = Some(Box::new(conn));
+                        session.handshake = Some(Box::new(Handshaking {
+                            until: self.now + tls.handshake_timeout(),
+                            peer,
+                            _slot: slot,
+                        }));
+                    }
+                    Err((reason, e)) => {
+                        // Over the cap on handshakes in progress: closed at once.
+                        tls.refused(peer, reason, &e);
+                        self.counts.opened();
+                        self.counts.closed(CloseReason::TlsHandshake);
+                        continue;
+                    }
+                }
+            }
             // Dealt to the open worker serving the fewest (`super::workers`).
-            let session = Session::new(stream, self.now, &self.budget);
             match self.shared.deal() {
                 w if w == self.index => self.adopt(session, false),
                 w => self.shared.workers[w].command(Command::Adopt(Box::new(session), false)),
@@ -373,7 +417,7 @@ impl Engine {
             let Reading::Moving { to, by } = s.reading else {
                 return false;
             };
-            let quiet = s.in_flight == 0 && s.sock.out.is_empty();
+            let quiet = s.in_flight == 0 && !s.sock.unwritten();
             if !quiet && self.now < by {
                 return true;
             }
@@ -447,6 +491,15 @@ impl Engine {
             }
             let filled = s.sock.fill(&mut self.scratch, s.read_closed);
             s.sock.take_counts(&mut self.counts.inbound);
+            if s.sock.tls.is_some() {
+                // Its TLS may have records to send: the handshake's, an alert.
+                if s.sock.unwritten() {
+                    self.sessions.mark_dirty(i);
+                }
+                if !self.handshake_goes_on(i, &filled) {
+                    return;
+                }
+            }
             let Ok(filled) = filled else {
                 return self.close_session(i, CloseReason::Error);
             };
@@ -467,6 +520,43 @@ impl Engine {
                 }
             }
         }
+    }
+
+    /// Whether session `i`, whose TLS was just read (`filled`), goes on: past its
+    /// handshake, or still in it. A handshake done tells whom the client's certificate
+    /// names; one refused (a record that is not TLS, a certificate the broker does not
+    /// trust, the client gone) is counted and logged, and the session closed once its
+    /// alert is written.
+    fn handshake_goes_on(&mut self, i: usize, filled: &io::Result<Filled>) -> bool {
+        let Some(s) = self.sessions.get(i) else {
+            return false;
+        };
+        let (Some(h), Some(tls)) = (&s.handshake, self.shared.security.tls.as_ref()) else {
+            return true;
+        };
+        let refused = match filled {
+            Err(e) => {
+                tls.refused(h.peer, TlsRefusal::of(e), e);
+                true
+            }
+            Ok(Filled::Closed) if s.sock.handshaking() => {
+                let e = io::Error::from(io::ErrorKind::UnexpectedEof);
+                tls.refused(h.peer, TlsRefusal::Eof, &e);
+                true
+            }
+            _ => false,
+        };
+        if refused {
+            let _ = s.sock.flush();
+            self.close_session(i, CloseReason::TlsHandshake);
+            return false;
+        }
+        if !s.sock.handshaking() {
+            let identity = s.sock.tls.as_deref().and_then(ServerTls::identity_of);
+            tls.opened(h.peer, identity.as_ref());
+            (s.identity, s.handshake) = (identity, None);
+        }
+        true
     }
 
     /// Handles the whole frames session `i` has read. `false` when the session ended
@@ -580,8 +670,13 @@ impl Engine {
         if budget.is_some_and(|b| b.is_zero()) {
             return refused(self, &Failure::DeadlineExceeded);
         }
-        if let Some(denied) = self.denied(names, &inner[service.clone()], &inner[method.clone()]) {
-            return refused(self, &denied);
+        if self.shared.security.authz.is_some() {
+            let caller = self.sessions.peek(from).and_then(|s| s.identity.as_ref());
+            let caller = caller.map(Identity::as_str);
+            let (s, m) = (&inner[service.clone()], &inner[method.clone()]);
+            if let Some(denied) = self.denied(caller, names, s, m) {
+                return refused(self, &denied);
+            }
         }
         let per_conn = self.config.max_in_flight_per_conn;
         if self
@@ -640,10 +735,15 @@ impl Engine {
     /// The refusal of a call of `service`.`method` (`names`: both, as on the wire) that the
     /// policy (`--authz-policy`) does not allow its caller, counted and logged (thinned)
     /// as the Tokio engine does it; `None` when allowed, or when there is no policy. The
-    /// loop engine's callers are anonymous: it serves no TLS.
-    fn denied(&self, names: &[u8], service: &[u8], method: &[u8]) -> Option<Failure> {
+    /// caller is whom its certificate names, `None` for anonymous.
+    fn denied(
+        &self,
+        caller: Option<&str>,
+        names: &[u8],
+        service: &[u8],
+        method: &[u8],
+    ) -> Option<Failure> {
         let authz = self.shared.security.authz.as_ref()?;
-        let caller = None;
         let (s, m) = match (std::str::from_utf8(service), std::str::from_utf8(method)) {
             (Ok(s), Ok(m)) if authz.policy().allows(caller, s, m) => return None,
             (Ok(s), Ok(m)) => (s, m),
@@ -776,7 +876,7 @@ impl Engine {
             s.sock.shrink_emptied();
             s.held.set(s.sock.room());
             let now = self.now;
-            s.clock.write_since = match (s.sock.out.is_empty(), s.clock.write_since) {
+            s.clock.write_since = match (!s.sock.unwritten(), s.clock.write_since) {
                 (true, _) => None,
                 (false, Some(t)) if s.sock.written == before => Some(t),
                 (false, _) => Some(now),
@@ -817,10 +917,10 @@ impl Engine {
         let now = self.now;
         let s = self.sessions.get(i)?;
         match s.reading {
-            Reading::PeerClosed if s.in_flight == 0 && s.sock.out.is_empty() => {
+            Reading::PeerClosed if s.in_flight == 0 && !s.sock.unwritten() => {
                 Some(CloseReason::Peer)
             }
-            Reading::BadInput(until) if s.sock.out.is_empty() || now >= until => {
+            Reading::BadInput(until) if !s.sock.unwritten() || now >= until => {
                 Some(CloseReason::BadInput)
             }
             _ => None,
@@ -842,6 +942,14 @@ impl Engine {
             let Some(s) = self.sessions.get(i) else {
                 continue;
             };
+            if let Some(h) = s.handshake.as_ref().filter(|h| h.until <= now) {
+                if let Some(tls) = &self.shared.security.tls {
+                    let e = io::Error::new(io::ErrorKind::TimedOut, "the handshake took too long");
+                    tls.refused(h.peer, TlsRefusal::Timeout, &e);
+                }
+                self.close_session(i, CloseReason::TlsHandshake);
+                continue;
+            }
             if s.reading == Reading::BudgetPaused {
                 // Timed only while it is one of those holding the budget: a session paused
                 // by what others hold is not closed for it.
@@ -864,7 +972,7 @@ impl Engine {
                 continue;
             }
             let c = s.clock;
-            let idle = s.in_flight == 0 && s.sock.out.is_empty() && s.sock.rbuf.is_empty();
+            let idle = s.in_flight == 0 && !s.sock.unwritten() && s.sock.rbuf.is_empty();
             let due = [
                 (
                     c.write_since.map(|t| t + limits.write),
@@ -933,7 +1041,7 @@ impl Engine {
         self.sessions
             .slots
             .iter()
-            .all(|(_, s)| s.as_ref().is_none_or(|s| s.sock.out.is_empty()))
+            .all(|(_, s)| s.as_ref().is_none_or(|s| !s.sock.unwritten()))
     }
 
     /// Sessions that end after bad input and wait for their time to be up.

@@ -24,10 +24,15 @@ pub enum Filled {
     Closed,
 }
 
-/// A connected socket and its two buffers.
+/// A connected socket and its two buffers, with the TLS over it when it has TLS (the
+/// buffers then hold plaintext).
 #[derive(Debug)]
 pub struct Socket {
     pub stream: TcpStream,
+    /// The server side of its TLS, when the broker takes TLS.
+    pub tls: Option<Box<rustls::ServerConnection>>,
+    /// Its TLS's socket read side ended.
+    tcp_eof: bool,
     /// Read and not yet handed on: at most one partial frame between rounds.
     pub rbuf: BytesMut,
     /// To write at the end of the round.
@@ -52,6 +57,8 @@ impl Socket {
         let _ = stream.set_nodelay(true);
         Socket {
             stream,
+            tls: None,
+            tcp_eof: false,
             rbuf: BytesMut::new(),
             out: BytesMut::new(),
             dirty: false,
@@ -68,6 +75,9 @@ impl Socket {
     /// (`scratch` because the workspace forbids `unsafe`, which a read into a `BytesMut`'s
     /// free room takes; the copy costs a few hundred bytes a read.)
     pub fn fill(&mut self, scratch: &mut [u8], to_the_end: bool) -> io::Result<Filled> {
+        if self.tls.is_some() {
+            return self.fill_tls();
+        }
         loop {
             return match (&self.stream).read(scratch) {
                 Ok(0) => Ok(Filled::Closed),
@@ -124,8 +134,55 @@ impl Socket {
         }
     }
 
-    /// Writes what the socket takes of `out` now.
+    /// The plaintext its TLS holds, else the records the socket has, decrypted, into the
+    /// read buffer: [`Filled::More`] when some came (there may be more), `Drained` when
+    /// the socket has nothing whole, `Closed` at the end of the stream. A record that is
+    /// not TLS, or a handshake refused, is an error (rustls's alert goes with the next
+    /// flush).
+    // Kept out of line: the plaintext path, every call's, stays small enough to inline.
+    #[inline(never)]
+    fn fill_tls(&mut self) -> io::Result<Filled> {
+        let Some(tls) = self.tls.as_deref_mut() else {
+            return Ok(Filled::Drained);
+        };
+        loop {
+            match take_plaintext(tls, &mut self.rbuf, &mut self.discard) {
+                Some(0) if self.tcp_eof => return Ok(Filled::Closed),
+                Some(0) => {}
+                Some(_) => return Ok(Filled::More),
+                None => return Ok(Filled::Closed),
+            }
+            match tls.read_tls(&mut &self.stream) {
+                Ok(0) => self.tcp_eof = true,
+                Ok(n) => {
+                    self.counts.reads += 1;
+                    self.counts.bytes_read += n as u64;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Filled::Drained),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+            if let Err(e) = tls.process_new_packets() {
+                return Err(io::Error::new(io::ErrorKind::InvalidData, e));
+            }
+        }
+    }
+
+    /// Whether its TLS is still in its handshake.
+    pub fn handshaking(&self) -> bool {
+        self.tls.as_ref().is_some_and(|t| t.is_handshaking())
+    }
+
+    /// Whether anything waits to be written: its buffer, or its TLS's records.
+    pub fn unwritten(&self) -> bool {
+        !self.out.is_empty() || self.tls.as_ref().is_some_and(|t| t.wants_write())
+    }
+
+    /// Writes what the socket takes of `out` now (through its TLS, when it has TLS).
     pub fn flush(&mut self) -> io::Result<()> {
+        if self.tls.is_some() {
+            return self.flush_tls();
+        }
         while !self.out.is_empty() {
             match (&self.stream).write(&self.out) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
@@ -141,6 +198,67 @@ impl Socket {
             }
         }
         Ok(())
+    }
+}
+
+impl Socket {
+    /// [`Socket::flush`] through its TLS: `out` handed to rustls (up to its buffer's
+    /// limit), and its records written until the socket takes no more.
+    // Kept out of line: the plaintext path, every call's, stays small enough to inline.
+    #[inline(never)]
+    fn flush_tls(&mut self) -> io::Result<()> {
+        let Some(tls) = self.tls.as_deref_mut() else {
+            return Ok(());
+        };
+        loop {
+            if !self.out.is_empty() {
+                let n = tls.writer().write(&self.out)?;
+                self.written += n as u64;
+                self.out.advance(n);
+            }
+            if !tls.wants_write() {
+                return Ok(());
+            }
+            match tls.write_tls(&mut &self.stream) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => {
+                    self.counts.writes += 1;
+                    self.counts.bytes_written += n as u64;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// Copies the plaintext `tls` holds into `rbuf`, dropping the first `discard` bytes
+/// ([`Socket::skip`]); how much it took, or `None` once the peer closed and nothing is
+/// left.
+fn take_plaintext(
+    tls: &mut rustls::ServerConnection,
+    rbuf: &mut BytesMut,
+    discard: &mut usize,
+) -> Option<usize> {
+    use std::io::BufRead;
+    let mut n = 0;
+    let mut reader = tls.reader();
+    loop {
+        match reader.fill_buf() {
+            Ok([]) => return (n > 0).then_some(n),
+            Ok(chunk) => {
+                let len = chunk.len();
+                let dropped = len.min(*discard);
+                *discard -= dropped;
+                rbuf.extend_from_slice(&chunk[dropped..]);
+                reader.consume(len);
+                n += len;
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Some(n),
+            // A FIN without close_notify: the frames say whether anything was cut.
+            Err(_) => return (n > 0).then_some(n),
+        }
     }
 }
 

@@ -201,7 +201,7 @@ fn tell_expiry(observer: &dyn TlsObserver, m: &Material) {
 pub struct ServerTls {
     settings: ServerTlsSettings,
     config: ArcSwap<ServerConfig>,
-    slots: Semaphore,
+    slots: Arc<Semaphore>,
     observer: Arc<dyn TlsObserver>,
 }
 
@@ -226,7 +226,7 @@ impl ServerTls {
             tracing::info!(identity = %id, client_auth = %settings.client_auth, "tls: serving as");
         }
         Ok(Arc::new(ServerTls {
-            slots: Semaphore::new(settings.max_handshakes),
+            slots: Arc::new(Semaphore::new(settings.max_handshakes)),
             settings,
             config: ArcSwap::new(config),
             observer,
@@ -253,34 +253,69 @@ impl ServerTls {
     pub async fn accept(&self, tcp: TcpStream, peer: SocketAddr) -> Result<Secured, Refusal> {
         let r = self.handshake(tcp).await;
         match &r {
-            Ok(s) => {
-                self.observer.handshake_done();
-                let identity = s.identity.as_ref().map_or("anonymous", |i| i.as_str());
-                tracing::info!(%peer, identity, "tls connection opened");
-            }
-            Err((reason, error)) => {
-                self.observer.handshake_failed(*reason);
-                match REFUSED_LINES.admit() {
-                    Some(a) => {
-                        tracing::warn!(%peer, reason = reason.label(), %error, refused = a.seen, left_out = a.left_out, "tls handshake refused")
-                    }
-                    None => {
-                        tracing::debug!(%peer, reason = reason.label(), %error, "tls handshake refused")
-                    }
-                }
-            }
+            Ok(s) => self.opened(peer, s.identity.as_ref()),
+            Err((reason, error)) => self.refused(peer, *reason, error),
         }
         r.map_err(|(reason, _)| reason)
     }
 
-    async fn handshake(&self, tcp: TcpStream) -> Result<Secured, (Refusal, io::Error)> {
-        let Ok(_slot) = self.slots.try_acquire() else {
+    /// A connection made by a handshake with `peer`: counted and logged.
+    pub fn opened(&self, peer: SocketAddr, identity: Option<&Identity>) {
+        self.observer.handshake_done();
+        let identity = identity.map_or("anonymous", |i| i.as_str());
+        tracing::info!(%peer, identity, "tls connection opened");
+    }
+
+    /// A handshake with `peer` refused for `reason`: counted, and logged (thinned).
+    pub fn refused(&self, peer: SocketAddr, reason: Refusal, error: &io::Error) {
+        self.observer.handshake_failed(reason);
+        match REFUSED_LINES.admit() {
+            Some(a) => {
+                tracing::warn!(%peer, reason = reason.label(), %error, refused = a.seen, left_out = a.left_out, "tls handshake refused")
+            }
+            None => {
+                tracing::debug!(%peer, reason = reason.label(), %error, "tls handshake refused")
+            }
+        }
+    }
+
+    /// A handshake its caller drives itself (the broker's loop engine, on a socket of its
+    /// own): the server side of a connection under the configuration in force, and its
+    /// place among the handshakes in progress, held until it is done or refused, which
+    /// it must be within [`ServerTls::handshake_timeout`]. Over the cap, refused
+    /// ([`Refusal::Busy`]; not yet counted: [`ServerTls::refused`] does).
+    pub fn begin(&self) -> Result<(rustls::ServerConnection, HandshakeSlot), (Refusal, io::Error)> {
+        let slot = self.slot()?;
+        let conn = rustls::ServerConnection::new(self.config.load_full())
+            .map_err(|e| (Refusal::Other, io::Error::other(e)))?;
+        Ok((conn, HandshakeSlot(slot)))
+    }
+
+    /// How long a handshake may take.
+    pub fn handshake_timeout(&self) -> std::time::Duration {
+        self.settings.handshake_timeout
+    }
+
+    /// Whom the certificate the peer of `conn` presented names, once its handshake is
+    /// done.
+    pub fn identity_of(conn: &rustls::ServerConnection) -> Option<Identity> {
+        conn.peer_certificates()
+            .and_then(|c| c.first())
+            .and_then(|c| Identity::of_certificate(c))
+    }
+
+    fn slot(&self) -> Result<tokio::sync::OwnedSemaphorePermit, (Refusal, io::Error)> {
+        self.slots.clone().try_acquire_owned().map_err(|_| {
             let e = io::Error::other(format!(
                 "{} handshakes in progress already",
                 self.settings.max_handshakes
             ));
-            return Err((Refusal::Busy, e));
-        };
+            (Refusal::Busy, e)
+        })
+    }
+
+    async fn handshake(&self, tcp: TcpStream) -> Result<Secured, (Refusal, io::Error)> {
+        let _slot = self.slot()?;
         let acceptor = tokio_rustls::TlsAcceptor::from(self.config.load_full());
         let done =
             tokio::time::timeout(self.settings.handshake_timeout, acceptor.accept(tcp)).await;
@@ -304,6 +339,11 @@ impl ServerTls {
         })
     }
 }
+
+/// A handshake's place among those in progress ([`ServerTls::begin`]), given back when
+/// dropped.
+#[derive(Debug)]
+pub struct HandshakeSlot(#[allow(dead_code)] tokio::sync::OwnedSemaphorePermit);
 
 /// Why a client's handshake made no connection.
 #[derive(Debug, thiserror::Error)]
