@@ -61,7 +61,8 @@
 //!   frame takes longer than `--frame-timeout` to arrive, or when its client takes none
 //!   of its replies for `--write-timeout`;
 //! - the memory budget (`--memory-budget`, `rpcmesh_common::net::budget`): every
-//!   connection's buffers counted, and given back when a peak left them emptied and
+//!   connection's buffers counted (not what rustls holds of a TLS connection, which it
+//!   bounds itself: 64 KiB of records to write), and given back when a peak left them emptied and
 //!   large; a large call counted until its outcome is written, and refused "overloaded"
 //!   past the high mark; a session holding much not read past the pause mark; the
 //!   largest holders closed when the budget stays past its high mark;
@@ -325,6 +326,7 @@ pub fn spawn_counted(
             sessions: AtomicUsize::new(0),
             answered: AtomicU64::new(0),
             work_ns: AtomicU64::new(0),
+            ended: AtomicBool::new(false),
         });
         polls.push(poll);
     }
@@ -623,7 +625,10 @@ impl Engine {
             match self.poll.poll(&mut events, timeout) {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
+                Err(e) => {
+                    self.ended();
+                    return Err(e);
+                }
             }
             self.now = Instant::now();
             if let Some(window) = spin {
@@ -655,7 +660,24 @@ impl Engine {
                 self.counts.metrics.allocations.increment(allocated);
             }
             if done {
+                self.ended();
                 return Ok(self.summary);
+            }
+        }
+    }
+
+    /// This worker has ended: no connection is dealt to it any more, and those handed to
+    /// it that it did not take (dealt, or moved, as it ended) are closed and counted out.
+    fn ended(&mut self) {
+        let link = &self.shared.workers[self.index];
+        link.ended.store(true, Ordering::Relaxed);
+        for command in self.control.take().into_iter().flatten() {
+            if let control::Command::Adopt(_, moved) = command {
+                link.sessions.fetch_sub(1, Ordering::Relaxed);
+                if moved {
+                    self.counts
+                        .closed(rpcmesh_common::net::connection::CloseReason::Shutdown);
+                }
             }
         }
     }

@@ -342,6 +342,17 @@ impl Engine {
             Some(Ok(())) => {
                 self.summary.accepted += 1;
                 self.counts.opened();
+                if self.index >= self.shared.open() {
+                    // Dealt as the placement closed this worker: it goes where the rest
+                    // of its sessions went.
+                    if let Some(s) = self.sessions.get(i) {
+                        s.reading = Reading::Moving {
+                            to: None,
+                            by: self.now + MOVE_WAIT,
+                        };
+                        self.sessions.moving.push(i as u32);
+                    }
+                }
             }
             _ => {
                 self.sessions.remove(i);
@@ -418,10 +429,11 @@ impl Engine {
                 return false;
             };
             let quiet = s.in_flight == 0 && !s.sock.unwritten();
-            if !quiet && self.now < by {
+            if !quiet && self.now < by && self.grace_until.is_none() {
                 return true;
             }
-            let to = if quiet {
+            // Draining, it stays: the other workers may be ending.
+            let to = if quiet && self.grace_until.is_none() {
                 self.shared.take_to(to, self.index)
             } else {
                 None
@@ -525,8 +537,8 @@ impl Engine {
     /// Whether session `i`, whose TLS was just read (`filled`), goes on: past its
     /// handshake, or still in it. A handshake done tells whom the client's certificate
     /// names; one refused (a record that is not TLS, a certificate the broker does not
-    /// trust, the client gone) is counted and logged, and the session closed once its
-    /// alert is written.
+    /// trust, the client gone) is counted and logged, and the session closed after one
+    /// try at writing its alert.
     fn handshake_goes_on(&mut self, i: usize, filled: &io::Result<Filled>) -> bool {
         let Some(s) = self.sessions.get(i) else {
             return false;
@@ -547,7 +559,6 @@ impl Engine {
             _ => false,
         };
         if refused {
-            let _ = s.sock.flush();
             self.close_session(i, CloseReason::TlsHandshake);
             return false;
         }
@@ -936,7 +947,12 @@ impl Engine {
             return;
         }
         let limits = self.config.timeouts;
-        self.next_session_sweep = self.now + timeout_sweep(&limits);
+        let mut every = timeout_sweep(&limits);
+        if let Some(tls) = &self.shared.security.tls {
+            // A handshake is refused at most a quarter of its timeout late.
+            every = every.min((tls.handshake_timeout() / 4).max(Duration::from_millis(10)));
+        }
+        self.next_session_sweep = self.now + every;
         let now = self.now;
         for i in 0..self.sessions.slots.len() {
             let Some(s) = self.sessions.get(i) else {
@@ -1053,6 +1069,30 @@ impl Engine {
     /// their outcomes are counted as abandoned when they come.
     pub(super) fn close_session(&mut self, i: usize, reason: CloseReason) {
         if let Some(mut s) = self.sessions.remove(i) {
+            if let Some(tls) = &self.shared.security.tls {
+                if let Some(h) = &s.handshake {
+                    // A handshake cut short by something else than its own refusal
+                    // (counted where it was refused) is a refusal too.
+                    let (why, what) = match reason {
+                        CloseReason::TlsHandshake => (None, ""),
+                        CloseReason::IdleTimeout
+                        | CloseReason::FrameTimeout
+                        | CloseReason::WriteTimeout => (Some(TlsRefusal::Timeout), "timed out"),
+                        _ => (Some(TlsRefusal::Other), "closed by the broker"),
+                    };
+                    if let Some(why) = why {
+                        tls.refused(h.peer, why, &io::Error::other(what));
+                    }
+                }
+                if let Some(t) = s.sock.tls.as_mut() {
+                    // The end told to the client, as the Tokio engine's streams tell it,
+                    // unless it is gone; and the alert of a refusal written, if it can be.
+                    if !matches!(reason, CloseReason::Peer | CloseReason::Error) {
+                        t.send_close_notify();
+                    }
+                    let _ = s.sock.flush();
+                }
+            }
             let _ = self.poll.registry().deregister(&mut s.sock.stream);
             self.counts.closed(reason);
             self.shared.workers[self.index]

@@ -57,6 +57,8 @@ pub(super) struct Link {
     /// Its thread's CPU time less the time its busy polling found nothing, in
     /// nanoseconds, as last read (by it, every [`WORK_READ`] while it runs).
     pub work_ns: AtomicU64,
+    /// It has ended (its drain is over, or its poll failed): dealt nothing more.
+    pub ended: AtomicBool,
 }
 
 impl Link {
@@ -145,6 +147,7 @@ impl Shared {
     pub fn deal(&self) -> usize {
         let open = self.open.load(Ordering::Relaxed).min(self.workers.len());
         let to = (0..open)
+            .filter(|&w| !self.workers[w].ended.load(Ordering::Relaxed))
             .min_by_key(|&w| self.workers[w].sessions.load(Ordering::Relaxed))
             .unwrap_or(0);
         self.workers[to].sessions.fetch_add(1, Ordering::Relaxed);
@@ -172,7 +175,11 @@ impl Shared {
     /// when it is to stay (its worker is no longer open, or is `from` itself).
     pub fn take_to(&self, to: Option<usize>, from: usize) -> Option<usize> {
         let to = match to {
-            Some(w) if w < self.open() && w != from => {
+            Some(w)
+                if w < self.open()
+                    && w != from
+                    && !self.workers[w].ended.load(Ordering::Relaxed) =>
+            {
                 self.workers[w].sessions.fetch_add(1, Ordering::Relaxed);
                 w
             }
