@@ -358,7 +358,7 @@ pub struct Args {
     /// Which engine serves the calls: `tokio`, tasks on Tokio runtimes, with everything
     /// the broker does; or `loop`, an epoll loop per thread that owns its connections, at
     /// about half the CPU per call. `loop` does not yet do TLS to the providers
-    /// (`--upstream-tls`) nor `--listen-plain`; it refuses the flags that ask for them
+    /// (`--upstream-tls`); it refuses the flag that asks for it
     /// (docs/performance.md, "The loop engine").
     #[arg(long, env = "RPCMESH_BROKER_ENGINE", value_enum, default_value_t = EngineKind::Tokio)]
     pub engine: EngineKind,
@@ -699,9 +699,6 @@ impl Args {
             return Ok(config);
         }
         let mut p = ConfigProblems::default();
-        p.check(self.tls.listen_plain.is_some(), || {
-            "--engine loop does not serve --listen-plain yet".into()
-        });
         if let Some(what) = crate::engine::unsupported(&config) {
             p.0.push(format!("--engine loop does not serve {what} yet"));
         }

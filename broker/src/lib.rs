@@ -111,6 +111,12 @@ pub fn main_with(args: &Args) -> anyhow::Result<()> {
 /// calls (`engine::run`). Ready for systemd once it listens: it routes calls as soon as a
 /// provider connection is made.
 fn main_on_loop(args: &Args, config: BrokerConfig) -> anyhow::Result<()> {
+    // Bound before the runtime, so that a plain address in use stops the start.
+    let plain = args
+        .tls
+        .listen_plain
+        .map(rpcmesh_common::cli::startup::bind_std)
+        .transpose()?;
     let outcome = Arc::new(std::sync::Mutex::new(None));
     let ended = outcome.clone();
     rpcmesh_common::cli::startup::serve_with(
@@ -121,7 +127,8 @@ fn main_on_loop(args: &Args, config: BrokerConfig) -> anyhow::Result<()> {
             // providers file again instead of ending the process.
             let reload = Reload::new();
             on_sighup(reload.clone());
-            let r = engine::run_with_reload(config, telemetry, listener, shutdown, reload).await;
+            let listeners = Listeners::with_plain(listener, plain);
+            let r = engine::run_with_reload(config, telemetry, listeners, shutdown, reload).await;
             if let Ok(s) = &r {
                 tracing::info!(accepted = s.accepted, calls = s.calls, "broker stopped");
             }

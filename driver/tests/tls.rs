@@ -423,7 +423,8 @@ async fn hostile_handshakes_beside_a_run_cost_it_no_call() {
 /// The loop engine (`--engine loop`, two workers dealt connections in turn) serving mutual
 /// TLS to its callers, plaintext to a provider (it does not do TLS to providers yet):
 /// each handshake on a worker's loop. A driver with a valid certificate gets every call
-/// through; one its policy does not name is answered "permission denied" by identity;
+/// through; one its policy does not name is answered "permission denied" by identity, as
+/// is a plaintext caller on the plain address beside TLS (anonymous);
 /// one without a certificate, another CA's, plaintext, or silent past the handshake
 /// timeout gets nothing through, each refusal counted with its reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -450,8 +451,18 @@ async fn the_loop_engine_serves_mtls_callers_by_their_identity() {
         cell_placement: CellPlacement::Spread,
         ..BrokerConfig::with_upstreams([provider.addr.to_string()])
     };
+    // A plain address beside TLS (`--listen-plain`): its callers are anonymous.
+    let plain = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let plain_addr = plain.local_addr().unwrap();
     let broker = InProcess::start(|l, t, s| async move {
-        let summary = rpcmesh_broker::engine::run(config, t, l, s).await.unwrap();
+        plain.set_nonblocking(true).unwrap();
+        let listeners = rpcmesh_common::net::listener::Listeners {
+            main: l,
+            plain: Some(tokio::net::TcpListener::from_std(plain).unwrap()),
+        };
+        let summary = rpcmesh_broker::engine::run(config, t, listeners, s)
+            .await
+            .unwrap();
         assert_eq!(
             summary.calls,
             summary.replied + summary.answered + summary.orphaned,
@@ -507,6 +518,28 @@ async fn the_loop_engine_serves_mtls_callers_by_their_identity() {
         assert_eq!(r.calls.ok, 0, "{reason}: {:?}", r.calls.errors);
         assert!(m.refused(reason) >= 1.0, "{reason} was not counted");
     }
+    // The plain address serves plaintext callers, as anonymous: the policy names none.
+    let plain_run = DriverConfig {
+        targets: vec![plain_addr.to_string()],
+        workload: WorkloadKind::Echo,
+        stop: Stop::Requests(4),
+        warmup: Duration::ZERO,
+        progress: ProgressMode::Off,
+        fanout: 1,
+        concurrency: 1,
+        connections: 1,
+        call_timeout: Duration::from_secs(3),
+        ..DriverConfig::default()
+    };
+    let r = rpcmesh_driver::run_with(plain_run, Telemetry::new(), CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(
+        r.calls.errors.get("permission_denied"),
+        Some(&4),
+        "{:?}",
+        r.calls.errors
+    );
     // A client that connects and says nothing is refused at the handshake timeout.
     let silent = tokio::net::TcpStream::connect(m.broker.addr).await.unwrap();
     rpcmesh_testkit::wait_until("the silent handshake to time out", || {

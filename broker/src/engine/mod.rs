@@ -41,7 +41,8 @@
 //!   its worker's loop, bounded in time (`--tls-handshake-timeout`) and in number
 //!   (`--tls-max-handshakes`, over all workers), each refusal counted by reason
 //!   and logged (thinned), as the Tokio engine's `ServerTls::accept` does; the files read
-//!   again when they change and on SIGHUP (new handshakes use them);
+//!   again when they change and on SIGHUP (new handshakes use them); a plain address
+//!   beside it (`--listen-plain`, the first worker's too), whose callers are anonymous;
 //! - allowed by the policy (`--authz-policy`, read again when it changes and on SIGHUP)
 //!   for the caller its certificate names (anonymous without one), or answered
 //!   "permission denied", counted and logged (thinned);
@@ -82,8 +83,7 @@
 //!   each provider's series summed over the workers.
 //!
 //! What it does not do yet, and the Tokio engine does: TLS to the providers
-//! (`--upstream-tls`), and a plain address beside TLS (`--listen-plain`). [`spawn_counted`]
-//! refuses a configuration that asks for TLS to the providers; the flags, both. Unlike the Tokio engine it
+//! (`--upstream-tls`). [`spawn_counted`] refuses a configuration that asks for it. Unlike the Tokio engine it
 //! answers the calls of a client that closed its side before closing too, and keeps a
 //! request for a hand-back for as long as its connection's ring holds it, not
 //! [`REQUEST_RETAIN`] at most.
@@ -113,7 +113,7 @@ use rpcmesh_common::metrics::families::publish_budget;
 use rpcmesh_common::net::backoff::Backoff;
 use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::busy_poll::IDLE_RECORD_CHUNK;
-use rpcmesh_common::net::listener::{ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN};
+use rpcmesh_common::net::listener::{ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN, Listeners};
 use rpcmesh_common::net::session::{DRAIN_LINGER, FINAL_FLUSH_TIMEOUT};
 use rpcmesh_wire::codec::FrameCodec;
 
@@ -137,8 +137,10 @@ use crate::upstream::connection::REQUEST_RETAIN;
 const LISTENER: Token = Token(0);
 /// The token of the waker that [`LoopHandle::stop`] rings.
 const WAKER: Token = Token(1);
+/// The plain listener's token (`--listen-plain`, beside TLS).
+const LISTENER_PLAIN: Token = Token(2);
 /// Provider connection `k` is `Token(FIRST_UPSTREAM + k)`.
-const FIRST_UPSTREAM: usize = 2;
+const FIRST_UPSTREAM: usize = 3;
 /// Session `i` is `Token(FIRST_SESSION + i)`: far above any provider connection.
 const FIRST_SESSION: usize = 1 << (usize::BITS - 2);
 /// Readiness events taken per `epoll_wait`. More wait for the next one, which does not
@@ -262,7 +264,7 @@ pub fn unsupported(config: &BrokerConfig) -> Option<&'static str> {
 pub async fn run(
     config: BrokerConfig,
     telemetry: Telemetry,
-    listener: tokio::net::TcpListener,
+    listener: impl Into<Listeners>,
     shutdown: impl Future<Output = ()>,
 ) -> io::Result<Summary> {
     run_with_reload(config, telemetry, listener, shutdown, Reload::new()).await
@@ -273,12 +275,14 @@ pub async fn run(
 pub async fn run_with_reload(
     config: BrokerConfig,
     telemetry: Telemetry,
-    listener: tokio::net::TcpListener,
+    listeners: impl Into<Listeners>,
     shutdown: impl Future<Output = ()>,
     reload: Reload,
 ) -> io::Result<Summary> {
     let metrics = BrokerMetrics::new(telemetry, config.stage_sample);
-    let mut h = spawn_counted(config.clone(), listener.into_std()?, metrics.clone())?;
+    let Listeners { main, plain } = listeners.into();
+    let plain = plain.map(|p| p.into_std()).transpose()?;
+    let mut h = spawn_serving(config.clone(), (main.into_std()?, plain), metrics.clone())?;
     let (served, text) = (std::mem::take(&mut h.served), h.text.take());
     let watch = control::watch(&h, &config, &metrics, served, text, reload);
     let place = workers::place(&h.shared, config.placement_tuning);
@@ -305,6 +309,16 @@ pub fn spawn(config: BrokerConfig, listener: std::net::TcpListener) -> io::Resul
 pub fn spawn_counted(
     config: BrokerConfig,
     listener: std::net::TcpListener,
+    metrics: BrokerMetrics,
+) -> io::Result<LoopHandle> {
+    spawn_serving(config, (listener, None), metrics)
+}
+
+/// As [`spawn_counted`], serving `listeners`: the main one (TLS when the broker has it)
+/// and a plain one beside it (`--listen-plain`), whose callers are anonymous.
+fn spawn_serving(
+    config: BrokerConfig,
+    (listener, plain): (std::net::TcpListener, Option<std::net::TcpListener>),
     metrics: BrokerMetrics,
 ) -> io::Result<LoopHandle> {
     if let Some(what) = unsupported(&config) {
@@ -374,7 +388,13 @@ pub fn spawn_counted(
         .as_deref()
         .map(crate::providers_file::idempotent)
         .unwrap_or_default();
-    let mut listener = Some(TcpListener::from_std(listener));
+    if let Some(p) = &plain {
+        p.set_nonblocking(true)?;
+    }
+    let mut listener = Some((
+        TcpListener::from_std(listener),
+        plain.map(TcpListener::from_std),
+    ));
     let mut threads = Vec::with_capacity(count);
     for (index, poll) in polls.into_iter().enumerate() {
         let mut engine = Engine::new(config.clone(), poll, shared.clone(), index);
@@ -526,6 +546,9 @@ struct Engine {
     /// this time has passed (`--connect-timeout` + `--health-timeout` after the start).
     listening: bool,
     settle_by: Instant,
+    /// The plain listener beside TLS (`--listen-plain`; the first worker's), registered
+    /// with the main one.
+    plain: Option<TcpListener>,
     /// This worker's providers have settled, and it told the others
     /// (`workers::Shared::settled`).
     told_settled: bool,
@@ -588,6 +611,7 @@ impl Engine {
             // Only the first worker listens.
             listening: index > 0,
             told_settled: false,
+            plain: None,
             settle_by,
             next_session_sweep: Instant::now(),
             summary: Summary::default(),
@@ -598,9 +622,14 @@ impl Engine {
     /// The loop: wait for sockets, read every ready one until drained (handing calls and
     /// replies along as they are found), keep the time (deadlines, heartbeats, connects,
     /// the drain), write what the round gave.
-    fn run(&mut self, listener: Option<TcpListener>, stop: &AtomicBool) -> io::Result<Summary> {
+    fn run(
+        &mut self,
+        listeners: Option<(TcpListener, Option<TcpListener>)>,
+        stop: &AtomicBool,
+    ) -> io::Result<Summary> {
         // Registered once the providers have settled (`Engine::listen`).
-        let mut listener = listener;
+        let (mut listener, plain) = listeners.map_or((None, None), |(m, p)| (Some(m), p));
+        self.plain = plain;
         // Gathered workers spin only where the connections are (a worker without them
         // reads nothing): busy polling is `auto`'s for one spinner then.
         let spinners = match self.config.cell_placement {
@@ -714,16 +743,19 @@ impl Engine {
         if let Some(l) = listener.as_ref() {
             if self.accept_at.is_some_and(|t| self.now >= t) {
                 self.accept_at = None;
-                self.accept(l);
+                self.accept(l, false);
+                self.accept_plain();
             }
         }
         for event in events.iter() {
             match event.token() {
                 LISTENER => {
                     if let (Some(l), None) = (listener.as_ref(), self.accept_at) {
-                        self.accept(l);
+                        self.accept(l, false);
                     }
                 }
+                LISTENER_PLAIN if self.accept_at.is_none() => self.accept_plain(),
+                LISTENER_PLAIN => {}
                 WAKER => {}
                 Token(t) if t >= FIRST_SESSION => self.on_session_event(t - FIRST_SESSION, event),
                 Token(t) => self.on_upstream_event(t - FIRST_UPSTREAM, event),
@@ -731,6 +763,9 @@ impl Engine {
         }
         if stop.load(Ordering::Relaxed) && self.grace_until.is_none() {
             if let Some(mut l) = listener.take() {
+                let _ = self.poll.registry().deregister(&mut l);
+            }
+            if let Some(mut l) = self.plain.take() {
                 let _ = self.poll.registry().deregister(&mut l);
             }
             // No connection is taken from now on: nothing to wake for.
@@ -795,6 +830,16 @@ impl Engine {
             Ok(()) => {
                 self.listening = true;
                 self.accept_at = Some(self.now);
+                if let Some(p) = self.plain.as_mut() {
+                    let registered =
+                        self.poll
+                            .registry()
+                            .register(p, LISTENER_PLAIN, Interest::READABLE);
+                    if let Err(e) = registered {
+                        tracing::error!(error = %e, "the plain address cannot be served");
+                        self.plain = None;
+                    }
+                }
             }
             Err(e) => {
                 // Tried again next round, after the pause.

@@ -272,7 +272,7 @@ impl Engine {
     /// accepting, longer each time it comes back, instead of spinning on it; edges do not
     /// come again for connections already waiting, so the loop takes them when the pause
     /// is over ([`Engine::accept_at`]).
-    pub(super) fn accept(&mut self, listener: &TcpListener) {
+    pub(super) fn accept(&mut self, listener: &TcpListener, plain: bool) {
         for _ in 0..ACCEPTS_PER_ROUND {
             let (stream, peer) = match listener.accept() {
                 Ok(accepted) => accepted,
@@ -295,7 +295,7 @@ impl Engine {
                 continue;
             }
             let mut session = Session::new(stream, self.now, &self.budget);
-            if let Some(tls) = &self.shared.security.tls {
+            if let Some(tls) = self.shared.security.tls.as_ref().filter(|_| !plain) {
                 match tls.begin() {
                     Ok((conn, slot)) => {
                         session.sock.tls = Some(Box::new(conn));
@@ -322,6 +322,15 @@ impl Engine {
         }
         // More may wait: taken next round.
         self.accept_at = Some(self.now);
+    }
+
+    /// Takes the connections waiting on the plain listener beside TLS (`--listen-plain`),
+    /// if there is one: their callers are anonymous.
+    pub(super) fn accept_plain(&mut self) {
+        if let Some(p) = self.plain.take() {
+            self.accept(&p, true);
+            self.plain = Some(p);
+        }
     }
 
     /// Serves a session dealt to this worker (already counted in its sessions): a
