@@ -79,6 +79,20 @@ pub(crate) struct Taken {
     pub other: Vec<Reply>,
 }
 
+/// The extension block naming an anonymous caller: `u16` length 3, tag 1 (caller),
+/// length 0.
+pub(crate) const ANONYMOUS_CALLER: &[u8] = &[0, 3, rpcmesh_wire::ext::TAG_CALLER, 0, 0];
+
+/// The extension block naming `caller` (`None`: anonymous); empty if it cannot be made.
+pub(crate) fn caller_block_of(caller: Option<&str>) -> BytesMut {
+    let mut block = BytesMut::new();
+    // An identity is at most rpcmesh_common's MAX_IDENTITY_LEN, within the field's.
+    if rpcmesh_wire::ext::put_caller_block(&mut block, caller).is_err() {
+        block.clear();
+    }
+    block
+}
+
 impl Inbox {
     #[cfg(test)]
     pub fn new() -> Arc<Inbox> {
@@ -87,11 +101,7 @@ impl Inbox {
 
     /// The inbox of a session whose caller is `caller` (`None`: anonymous).
     pub fn for_caller(caller: Option<&str>, abandoned: metrics::Counter) -> Arc<Inbox> {
-        let mut block = BytesMut::new();
-        // An identity is at most rpcmesh_common's MAX_IDENTITY_LEN, within the field's.
-        if rpcmesh_wire::ext::put_caller_block(&mut block, caller).is_err() {
-            block.clear();
-        }
+        let block = caller_block_of(caller);
         Arc::new(Inbox {
             caller: block.freeze(),
             abandoned: Some(abandoned),
@@ -101,10 +111,8 @@ impl Inbox {
 
     /// The extension block naming the caller (the anonymous one when none was made).
     pub fn caller_block(&self) -> &[u8] {
-        /// `u16` length 3, tag 1 (caller), length 0.
-        const ANONYMOUS: &[u8] = &[0, 3, rpcmesh_wire::ext::TAG_CALLER, 0, 0];
         if self.caller.is_empty() {
-            ANONYMOUS
+            ANONYMOUS_CALLER
         } else {
             &self.caller
         }

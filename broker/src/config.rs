@@ -357,9 +357,8 @@ pub struct Args {
     pub cell_placement: CellPlacement,
     /// Which engine serves the calls: `tokio`, tasks on Tokio runtimes, with everything
     /// the broker does; or `loop`, an epoll loop per thread that owns its connections, at
-    /// about half the CPU per call. `loop` does not yet do TLS to the providers
-    /// (`--upstream-tls`); it refuses the flag that asks for it
-    /// (docs/performance.md, "The loop engine").
+    /// about two thirds of the instructions per call (docs/performance.md, "The loop
+    /// engine").
     #[arg(long, env = "RPCMESH_BROKER_ENGINE", value_enum, default_value_t = EngineKind::Tokio)]
     pub engine: EngineKind,
     /// The most calls in flight to which a provider's connections are filled one after
@@ -689,20 +688,6 @@ impl Args {
             placement_tuning: PlacementTuning::default(),
             engine: self.engine,
         })
-        .and_then(|config| self.engine_takes(config))
-    }
-
-    /// `config` when its engine serves all it asks for; the loop engine refuses what it
-    /// does not do yet (`crate::engine::unsupported`).
-    fn engine_takes(&self, config: BrokerConfig) -> Result<BrokerConfig, ConfigProblems> {
-        if config.engine != EngineKind::Loop {
-            return Ok(config);
-        }
-        let mut p = ConfigProblems::default();
-        if let Some(what) = crate::engine::unsupported(&config) {
-            p.0.push(format!("--engine loop does not serve {what} yet"));
-        }
-        p.into_result(config)
     }
 }
 

@@ -73,65 +73,68 @@ async fn a_plain_v1_server_can_sit_behind_the_broker() {
 /// server's next reply need not wait for a delayed ACK; towards an rpcmesh provider
 /// (`TCP_NODELAY`, no such wait) never. Two calls leave in one write on the broker's one
 /// pooled connection; the second is held at the server until the first's reply is through.
+/// On both engines.
 #[tokio::test]
 async fn reads_from_a_plain_v1_server_with_calls_in_flight_are_acked_at_once() {
     use rpcmesh_common::metrics::catalogue::UPSTREAM_QUICK_ACKS_TOTAL;
-    for v1 in [true, false] {
-        let gate = testkit::Gate::new();
-        let server = if v1 {
-            held_classic(&gate).await
-        } else {
-            held_provider(&gate).await
-        };
-        let mut cfg = broker_config(&[]);
-        let kind = if v1 { PeerKind::V1 } else { PeerKind::Rpcmesh };
-        cfg.upstreams = vec![UpstreamSpec::parse(&server.addr.to_string(), kind).unwrap()];
-        cfg.pool_size = 1;
-        let b = broker(cfg).await;
-        until_ready(&client(b.addr).await).await;
-        let quick_acks = || b.metric(UPSTREAM_QUICK_ACKS_TOTAL.name, &[]);
-        let before = quick_acks();
-        // One segment, so one read: the broker routes both calls to its one connection
-        // before that connection's task writes them, in one write, in this order.
-        let mut two = testkit::echo_request(1, "first");
-        let mut held = bytes::BytesMut::new();
-        let payload = prost::Message::encode_to_vec(&rpcmesh_wire::proto::rpc::RpcRequest {
-            payload: prost::Message::encode_to_vec(&echo("held")).into(),
-            metadata: Default::default(),
-        });
-        Request {
-            service: bytes::Bytes::from_static(HELD_SERVICE.as_bytes()),
-            method: bytes::Bytes::from_static(b"Echo"),
-            payload: payload.into(),
+    for engine in ENGINES {
+        for v1 in [true, false] {
+            let gate = testkit::Gate::new();
+            let server = if v1 {
+                held_classic(&gate).await
+            } else {
+                held_provider(&gate).await
+            };
+            let mut cfg = broker_config(&[]);
+            let kind = if v1 { PeerKind::V1 } else { PeerKind::Rpcmesh };
+            cfg.upstreams = vec![UpstreamSpec::parse(&server.addr.to_string(), kind).unwrap()];
+            cfg.pool_size = 1;
+            let b = broker_with(engine, cfg).await;
+            until_ready(&client(b.addr()).await).await;
+            let quick_acks = || b.metric(UPSTREAM_QUICK_ACKS_TOTAL.name, &[]);
+            let before = quick_acks();
+            // One segment, so one read: the broker routes both calls to its one connection
+            // before that connection's task writes them, in one write, in this order.
+            let mut two = testkit::echo_request(1, "first");
+            let mut held = bytes::BytesMut::new();
+            let payload = prost::Message::encode_to_vec(&rpcmesh_wire::proto::rpc::RpcRequest {
+                payload: prost::Message::encode_to_vec(&echo("held")).into(),
+                metadata: Default::default(),
+            });
+            Request {
+                service: bytes::Bytes::from_static(HELD_SERVICE.as_bytes()),
+                method: bytes::Bytes::from_static(b"Echo"),
+                payload: payload.into(),
+            }
+            .put(&mut held, rpcmesh_wire::frame::Flags::NONE, 2)
+            .unwrap();
+            two.extend_from_slice(&held);
+            let mut raw = TcpStream::connect(b.addr()).await.unwrap();
+            raw.write_all(&two).await.unwrap();
+            let mut buf = bytes::BytesMut::new();
+            let first = testkit::read_frames(&mut raw, &mut buf, 1).await.unwrap();
+            assert_eq!(first[0].header.req_id, 1);
+            // The first reply was read with the held call still in flight (it is at the gate,
+            // or behind the first reply at the classic server), and counted before it was
+            // passed on.
+            if v1 {
+                assert!(
+                    quick_acks() > before,
+                    "no quick ACK after a read from the v1 server with a call in flight"
+                );
+            } else {
+                assert_eq!(quick_acks(), 0.0, "a quick ACK towards an rpcmesh provider");
+            }
+            wait_until("the held call to reach the server", || gate.arrived() == 1).await;
+            gate.open();
+            let second = testkit::read_frames(&mut raw, &mut buf, 1).await.unwrap();
+            assert_eq!(second[0].header.req_id, 2);
+            if !v1 {
+                assert_eq!(quick_acks(), 0.0, "a quick ACK towards an rpcmesh provider");
+            }
+            b.stop().await;
+            server.stop().await;
         }
-        .put(&mut held, rpcmesh_wire::frame::Flags::NONE, 2)
-        .unwrap();
-        two.extend_from_slice(&held);
-        let mut raw = TcpStream::connect(b.addr).await.unwrap();
-        raw.write_all(&two).await.unwrap();
-        let mut buf = bytes::BytesMut::new();
-        let first = testkit::read_frames(&mut raw, &mut buf, 1).await.unwrap();
-        assert_eq!(first[0].header.req_id, 1);
-        // The first reply was read with the held call still in flight (it is at the gate,
-        // or behind the first reply at the classic server), and counted before it was
-        // passed on.
-        if v1 {
-            assert!(
-                quick_acks() > before,
-                "no quick ACK after a read from the v1 server with a call in flight"
-            );
-        } else {
-            assert_eq!(quick_acks(), 0.0, "a quick ACK towards an rpcmesh provider");
-        }
-        wait_until("the held call to reach the server", || gate.arrived() == 1).await;
-        gate.open();
-        let second = testkit::read_frames(&mut raw, &mut buf, 1).await.unwrap();
-        assert_eq!(second[0].header.req_id, 2);
-        if !v1 {
-            assert_eq!(quick_acks(), 0.0, "a quick ACK towards an rpcmesh provider");
-        }
-        b.stop().await;
-        server.stop().await;
     }
 }
 

@@ -11,7 +11,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use rpcmesh_broker::{BrokerConfig, CellPlacement, PlacementTuning};
+use rpcmesh_broker::{BrokerConfig, CellPlacement, EngineKind, PlacementTuning};
 use rpcmesh_common::metrics::Telemetry;
 use rpcmesh_common::metrics::catalogue::{AUTHZ_DENIED_TOTAL, TLS_HANDSHAKE_FAILURES_TOTAL};
 use rpcmesh_common::net::shutdown::CancellationToken;
@@ -73,7 +73,18 @@ async fn mesh(name: &str) -> Mesh {
 
 /// As [`mesh`], with the broker's settings changed by `tune`.
 async fn mesh_with(name: &str, tune: impl FnOnce(&mut BrokerConfig)) -> Mesh {
-    let dir = std::env::temp_dir().join(format!("rpcmesh-e2e-tls-{name}-{}", std::process::id()));
+    mesh_on(name, EngineKind::Tokio, tune).await
+}
+
+/// Both engines: the tests of what the loop engine does too run on each.
+const ENGINES: [EngineKind; 2] = [EngineKind::Tokio, EngineKind::Loop];
+
+/// As [`mesh_with`], with the broker on `engine`.
+async fn mesh_on(name: &str, engine: EngineKind, tune: impl FnOnce(&mut BrokerConfig)) -> Mesh {
+    let dir = std::env::temp_dir().join(format!(
+        "rpcmesh-e2e-tls-{name}-{engine}-{}",
+        std::process::id()
+    ));
     let pki = Pki::new(&dir, "mesh");
     let provider_config = ProviderConfig {
         tls: Some(server_tls(&pki, &Leaf::spiffe("provider", "p1"))),
@@ -108,7 +119,25 @@ async fn mesh_with(name: &str, tune: impl FnOnce(&mut BrokerConfig)) -> Mesh {
         ..BrokerConfig::with_upstreams([provider.addr.to_string()])
     };
     tune(&mut broker_config);
-    let broker = InProcess::start(|l, t, s| rpcmesh_broker::run_with(broker_config, t, l, s)).await;
+    let broker = match engine {
+        EngineKind::Tokio => {
+            InProcess::start(|l, t, s| rpcmesh_broker::run_with(broker_config, t, l, s)).await
+        }
+        EngineKind::Loop => {
+            InProcess::start(|l, t, s| async move {
+                let summary = rpcmesh_broker::engine::run(broker_config, t, l, s)
+                    .await
+                    .unwrap();
+                assert_eq!(
+                    summary.calls,
+                    summary.replied + summary.answered + summary.orphaned,
+                    "every call read has one outcome: {summary:?}"
+                );
+                ServeSummary::default()
+            })
+            .await
+        }
+    };
     Mesh {
         dir,
         pki,
@@ -170,18 +199,20 @@ impl Mesh {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_driver_with_a_valid_certificate_gets_every_call_through_mtls_on_both_hops() {
-    let m = mesh("ok").await;
-    let tls = m.driver_tls(&m.pki, Some(&Leaf::spiffe("driver", "d1")));
-    let r = m.drive(Some(tls), 200).await;
-    assert_eq!(
-        (r.calls.sent, r.calls.ok),
-        (200, 200),
-        "{:?}",
-        r.calls.errors
-    );
-    let denied = m.provider.metric(AUTHZ_DENIED_TOTAL.name, &[]);
-    assert_eq!(denied, 0.0);
-    let _ = std::fs::remove_dir_all(&m.dir);
+    for engine in ENGINES {
+        let m = mesh_on("ok", engine, |_| {}).await;
+        let tls = m.driver_tls(&m.pki, Some(&Leaf::spiffe("driver", "d1")));
+        let r = m.drive(Some(tls), 200).await;
+        assert_eq!(
+            (r.calls.sent, r.calls.ok),
+            (200, 200),
+            "{:?}",
+            r.calls.errors
+        );
+        let denied = m.provider.metric(AUTHZ_DENIED_TOTAL.name, &[]);
+        assert_eq!(denied, 0.0);
+        let _ = std::fs::remove_dir_all(&m.dir);
+    }
 }
 
 /// A TLS connection moves between the broker's cells with its session whole: with a
@@ -225,58 +256,62 @@ async fn tls_connections_move_between_cells_under_load_and_lose_no_call() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_denied_identity_gets_permission_denied_and_the_counts_add_up() {
-    let m = mesh("denied").await;
-    // d2 passes the broker's policy; the provider, which believes the broker's word for
-    // its caller, denies it.
-    let d2 = m.driver_tls(&m.pki, Some(&Leaf::spiffe("driver", "d2")));
-    let r = m.drive(Some(d2), 50).await;
-    assert_eq!(r.calls.ok, 0);
-    assert_eq!(
-        r.calls.errors.get("permission_denied"),
-        Some(&50),
-        "{:?}",
-        r.calls.errors
-    );
-    let by_provider = m.provider.metric(
-        AUTHZ_DENIED_TOTAL.name,
-        &[("service", "EchoService"), ("method", "Echo")],
-    );
-    assert_eq!(by_provider, 50.0, "the provider counted each");
-    // An identity the broker's own policy does not name never reaches the provider.
-    let ops = m.driver_tls(&m.pki, Some(&Leaf::spiffe("ops", "o1")));
-    let r = m.drive(Some(ops), 30).await;
-    assert_eq!(
-        r.calls.errors.get("permission_denied"),
-        Some(&30),
-        "{:?}",
-        r.calls.errors
-    );
-    assert_eq!(m.broker.metric(AUTHZ_DENIED_TOTAL.name, &[]), 30.0);
-    assert_eq!(m.provider.metric(AUTHZ_DENIED_TOTAL.name, &[]), 50.0);
-    let _ = std::fs::remove_dir_all(&m.dir);
+    for engine in ENGINES {
+        let m = mesh_on("denied", engine, |_| {}).await;
+        // d2 passes the broker's policy; the provider, which believes the broker's word for
+        // its caller, denies it.
+        let d2 = m.driver_tls(&m.pki, Some(&Leaf::spiffe("driver", "d2")));
+        let r = m.drive(Some(d2), 50).await;
+        assert_eq!(r.calls.ok, 0);
+        assert_eq!(
+            r.calls.errors.get("permission_denied"),
+            Some(&50),
+            "{:?}",
+            r.calls.errors
+        );
+        let by_provider = m.provider.metric(
+            AUTHZ_DENIED_TOTAL.name,
+            &[("service", "EchoService"), ("method", "Echo")],
+        );
+        assert_eq!(by_provider, 50.0, "the provider counted each");
+        // An identity the broker's own policy does not name never reaches the provider.
+        let ops = m.driver_tls(&m.pki, Some(&Leaf::spiffe("ops", "o1")));
+        let r = m.drive(Some(ops), 30).await;
+        assert_eq!(
+            r.calls.errors.get("permission_denied"),
+            Some(&30),
+            "{:?}",
+            r.calls.errors
+        );
+        assert_eq!(m.broker.metric(AUTHZ_DENIED_TOTAL.name, &[]), 30.0);
+        assert_eq!(m.provider.metric(AUTHZ_DENIED_TOTAL.name, &[]), 50.0);
+        let _ = std::fs::remove_dir_all(&m.dir);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_certificate_another_cas_or_plaintext_gets_no_call_through_each_counted() {
-    let m = mesh("refused").await;
-    let other = Pki::new(&m.dir.join("other"), "other");
-    let cases = [
-        (Some(m.driver_tls(&m.pki, None)), "no_certificate"),
-        (
-            Some(m.driver_tls(&other, Some(&Leaf::spiffe("driver", "d1")))),
-            "unknown_ca",
-        ),
-        (None, "not_tls"),
-    ];
-    for (tls, reason) in cases {
-        let r = m.drive(tls, 3).await;
-        assert_eq!(r.calls.ok, 0, "{reason}: {:?}", r.calls.errors);
-        assert!(m.refused(reason) >= 1.0, "{reason} was not counted");
+    for engine in ENGINES {
+        let m = mesh_on("refused", engine, |_| {}).await;
+        let other = Pki::new(&m.dir.join("other"), "other");
+        let cases = [
+            (Some(m.driver_tls(&m.pki, None)), "no_certificate"),
+            (
+                Some(m.driver_tls(&other, Some(&Leaf::spiffe("driver", "d1")))),
+                "unknown_ca",
+            ),
+            (None, "not_tls"),
+        ];
+        for (tls, reason) in cases {
+            let r = m.drive(tls, 3).await;
+            assert_eq!(r.calls.ok, 0, "{reason}: {:?}", r.calls.errors);
+            assert!(m.refused(reason) >= 1.0, "{reason} was not counted");
+        }
+        // And the valid driver still gets through afterwards.
+        let tls = m.driver_tls(&m.pki, Some(&Leaf::spiffe("driver", "d1")));
+        assert_eq!(m.drive(Some(tls), 20).await.calls.ok, 20);
+        let _ = std::fs::remove_dir_all(&m.dir);
     }
-    // And the valid driver still gets through afterwards.
-    let tls = m.driver_tls(&m.pki, Some(&Leaf::spiffe("driver", "d1")));
-    assert_eq!(m.drive(Some(tls), 20).await.calls.ok, 20);
-    let _ = std::fs::remove_dir_all(&m.dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -421,8 +456,7 @@ async fn hostile_handshakes_beside_a_run_cost_it_no_call() {
 }
 
 /// The loop engine (`--engine loop`, two workers dealt connections in turn) serving mutual
-/// TLS to its callers, plaintext to a provider (it does not do TLS to providers yet):
-/// each handshake on a worker's loop. A driver with a valid certificate gets every call
+/// TLS to its callers, plaintext to a provider: each handshake on a worker's loop. A driver with a valid certificate gets every call
 /// through; one its policy does not name is answered "permission denied" by identity, as
 /// is a plaintext caller on the plain address beside TLS (anonymous);
 /// one without a certificate, another CA's, plaintext, or silent past the handshake

@@ -6,10 +6,9 @@
 //! That is the shape of an L4 proxy's event loop, and of the floor the Tokio engine is
 //! weighed against (docs/performance.md, "The floor without the runtime").
 //!
-//! The broker runs it when told (`--engine loop`, [`run`]); the Tokio engine stays the
-//! default until the loop engine does all the broker does. It serves the per-call part of
-//! the broker's behaviour, at about half the CPU per call (docs/performance.md, "The loop
-//! engine").
+//! The broker runs it when told (`--engine loop`, [`run`]); the Tokio engine is the
+//! default. It does all the broker does, at about two thirds of the Tokio engine's
+//! instructions per call (docs/performance.md, "The loop engine").
 //! What it does, as the Tokio engine does:
 //!
 //! - every frame checked where it lies (the broker's codec, CRC included); bad input
@@ -55,7 +54,10 @@
 //!   `--health-timeout`, their calls answered when they are lost, and made again after a
 //!   pause that grows while the provider cannot be reached; no connection taken before
 //!   every provider has settled (answered a heartbeat, or refused a connect), so that the
-//!   first calls do not find no provider;
+//!   first calls do not find no provider; with `--upstream-tls`, a TLS handshake on each
+//!   (within the later of the connect deadline and the handshake timeout, refusals
+//!   counted), and the caller's identity told to a provider that takes it; reads from a
+//!   plain v1 server that leave calls in flight acknowledged at once (`TCP_QUICKACK`);
 //! - an accept error that is not one connection's (no descriptor left) pausing the
 //!   accepting, not spinning on it;
 //! - a session closed when idle for `--idle-timeout` (heartbeats do not count), when a
@@ -82,9 +84,7 @@
 //!   them (between their calls) by the cells' placement, the caps and budgets shared,
 //!   each provider's series summed over the workers.
 //!
-//! What it does not do yet, and the Tokio engine does: TLS to the providers
-//! (`--upstream-tls`). [`spawn_counted`] refuses a configuration that asks for it. Unlike the Tokio engine it
-//! answers the calls of a client that closed its side before closing too, and keeps a
+//! Unlike the Tokio engine it answers the calls of a client that closed its side before closing too, and keeps a
 //! request for a hand-back for as long as its connection's ring holds it, not
 //! [`REQUEST_RETAIN`] at most.
 
@@ -249,15 +249,6 @@ impl LoopHandle {
     }
 }
 
-/// What of `config` the loop engine does not serve yet, if anything: TLS to the providers
-/// (`--engine loop` refuses it at the start).
-pub fn unsupported(config: &BrokerConfig) -> Option<&'static str> {
-    config
-        .upstream_tls
-        .is_some()
-        .then_some("TLS to the providers")
-}
-
 /// Serves `listener` until `shutdown` resolves, then drains: the broker's `run` on the
 /// loop engine, which runs on a thread of its own while this future waits; its calls are
 /// counted in `telemetry`'s broker families: what `broker --engine loop` runs.
@@ -321,12 +312,6 @@ fn spawn_serving(
     (listener, plain): (std::net::TcpListener, Option<std::net::TcpListener>),
     metrics: BrokerMetrics,
 ) -> io::Result<LoopHandle> {
-    if let Some(what) = unsupported(&config) {
-        return Err(io::Error::new(
-            io::ErrorKind::Unsupported,
-            format!("the loop engine does not serve {what} yet"),
-        ));
-    }
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
     let count = config.cells.max(1);
@@ -357,10 +342,11 @@ fn spawn_serving(
     let watching = rpcmesh_common::net::shutdown::CancellationToken::new();
     let settings = rpcmesh_common::cli::security::SecuritySettings {
         server: config.tls.clone(),
-        client: None,
+        client: config.upstream_tls.clone(),
         policy: config.authz_policy.clone(),
     };
-    let watched = settings.policy.is_some() || settings.server.is_some();
+    let watched =
+        settings.policy.is_some() || settings.server.is_some() || settings.client.is_some();
     if watched && tokio::runtime::Handle::try_current().is_err() {
         return Err(io::Error::other(
             "the loop engine watches its TLS and policy files on a Tokio runtime: start it on one",

@@ -75,8 +75,10 @@ pub(super) struct Session {
     since: Instant,
     /// Its TLS handshake, while it is in progress.
     handshake: Option<Box<Handshaking>>,
-    /// Whom its client's certificate names (`None`: anonymous).
+    /// Whom its client's certificate names (`None`: anonymous), and the extension block
+    /// that tells it to providers taking callers' identities.
     identity: Option<Identity>,
+    caller: Option<Box<[u8]>>,
 }
 
 /// A TLS handshake in progress: refused if not done by `until` (the handshake timeout),
@@ -105,6 +107,7 @@ impl Session {
             since: now,
             handshake: None,
             identity: None,
+            caller: None,
         }
     }
 }
@@ -217,6 +220,11 @@ impl Sessions {
         self.slots.get_mut(i)?.1.as_mut()
     }
 
+    /// The extension block naming the caller of session `r`, when it has an identity.
+    pub fn caller_block(&self, r: SessionRef) -> Option<&[u8]> {
+        self.peek(r)?.caller.as_deref().filter(|b| !b.is_empty())
+    }
+
     fn peek(&self, r: SessionRef) -> Option<&Session> {
         match self.slots.get(r.idx as usize)? {
             (g, Some(s)) if *g == r.generation => Some(s),
@@ -298,7 +306,7 @@ impl Engine {
             if let Some(tls) = self.shared.security.tls.as_ref().filter(|_| !plain) {
                 match tls.begin() {
                     Ok((conn, slot)) => {
-                        session.sock.tls = Some(Box::new(conn));
+                        session.sock.tls = Some(Box::new(rustls::Connection::Server(conn)));
                         session.handshake = Some(Box::new(Handshaking {
                             until: self.now + tls.handshake_timeout(),
                             peer,
@@ -574,7 +582,11 @@ impl Engine {
         if !s.sock.handshaking() {
             let identity = s.sock.tls.as_deref().and_then(ServerTls::identity_of);
             tls.opened(h.peer, identity.as_ref());
-            (s.identity, s.handshake) = (identity, None);
+            let caller = identity.as_ref().map(|i| {
+                let block = crate::call::caller_block_of(Some(i.as_str()));
+                Box::<[u8]>::from(&block[..])
+            });
+            (s.identity, s.caller, s.handshake) = (identity, caller, None);
         }
         true
     }

@@ -29,8 +29,9 @@ pub enum Filled {
 #[derive(Debug)]
 pub struct Socket {
     pub stream: TcpStream,
-    /// The server side of its TLS, when the broker takes TLS.
-    pub tls: Option<Box<rustls::ServerConnection>>,
+    /// Its TLS: the server side on a client's connection when the broker takes TLS, the
+    /// client side on a provider's when it speaks TLS to providers.
+    pub tls: Option<Box<rustls::Connection>>,
     /// Its TLS's socket read side ended.
     tcp_eof: bool,
     /// Read and not yet handed on: at most one partial frame between rounds.
@@ -237,7 +238,7 @@ impl Socket {
 /// ([`Socket::skip`]); how much it took, or `None` once the peer closed and nothing is
 /// left.
 fn take_plaintext(
-    tls: &mut rustls::ServerConnection,
+    tls: &mut rustls::Connection,
     rbuf: &mut BytesMut,
     discard: &mut usize,
 ) -> Option<usize> {

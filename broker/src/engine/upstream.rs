@@ -18,6 +18,7 @@ use rpcmesh_common::net::listener::AcceptObserver;
 use rpcmesh_common::net::session::WRITE_BACKLOG_LIMIT;
 use rpcmesh_common::net::slots::SlotTable;
 use rpcmesh_common::net::thinned::Thinned;
+use rpcmesh_common::net::tls::Refusal;
 use rpcmesh_wire::body::Heartbeat;
 use rpcmesh_wire::codec::{body_in_place, skip_frame, trailer_in_place};
 use rpcmesh_wire::ext;
@@ -45,6 +46,8 @@ const KEEP_AT_MOST_EVERY: Duration = Duration::from_millis(1);
 
 /// Log lines for lost provider connections and failed connects, thinned.
 static LOST_LINES: Thinned = Thinned::new();
+/// Log lines for refused TCP_QUICKACKs, thinned.
+static QUICK_ACK_LINES: Thinned = Thinned::new();
 
 /// A call in flight on a provider connection.
 #[derive(Debug)]
@@ -173,6 +176,11 @@ pub(super) struct Upstream {
     /// broker gave it (`ext::CAP_KEY`).
     takes_deadline: bool,
     takes_cap: bool,
+    /// Its provider takes its callers' identities (said in a heartbeat's answer, over
+    /// TLS).
+    takes_caller: bool,
+    /// Its reads are acknowledged at once (a plain v1 server's, until refused).
+    quick_ack: bool,
     /// Its number among the connections the engine made (at its connect): those made
     /// before a provider said it drains are retired.
     serial: u64,
@@ -268,6 +276,8 @@ impl Upstream {
             last_heartbeat: now,
             takes_deadline: false,
             takes_cap: false,
+            takes_caller: false,
+            quick_ack: false,
             serial: 0,
             retiring: false,
             ring: Ring::default(),
@@ -331,6 +341,14 @@ impl Engine {
             (true, 0) => (!up.takes_cap).then_some(call.limit),
             (true, _) => Some(call.deadline().saturating_duration_since(self.now)),
         };
+        // The caller's identity for a provider that takes it (over TLS only).
+        let caller: &[u8] = match up.takes_caller {
+            true => self
+                .sessions
+                .caller_block(call.session)
+                .unwrap_or(crate::call::ANONYMOUS_CALLER),
+            false => &[],
+        };
         let start = sock.out.len();
         call.at = sock.written + start as u64;
         let caller_id = call.caller_id;
@@ -348,6 +366,9 @@ impl Engine {
         let same = out_flags == flags;
         let out = &mut sock.out;
         match as_sent {
+            _ if !caller.is_empty() => {
+                ext::put_ext_request_with_deadline(out, out_flags, id, caller, left, inner)
+            }
             AsSent::Plain(trailer) if same && left.is_none() => {
                 put_frame_with_trailer(out, &header(MsgType::Request), inner, trailer)
             }
@@ -388,20 +409,90 @@ impl Engine {
             return;
         };
         if let State::Connecting { sock, .. } = &mut up.state {
-            if !(event.is_writable() || closed) {
-                return;
-            }
-            // Made once the socket has a peer; failed when it holds an error.
-            match (sock.stream.take_error(), sock.stream.peer_addr()) {
-                (Ok(None), Ok(_)) => self.made(k),
-                (Ok(None), Err(e)) if e.kind() == io::ErrorKind::NotConnected => return,
-                (Ok(Some(e)) | Err(e), _) | (Ok(None), Err(e)) => {
-                    return self.connect_failed(k, e);
+            if sock.tls.is_some() {
+                // Its TLS handshake: made once it is done.
+                if !self.upstream_handshake_goes_on(k, closed) {
+                    return;
+                }
+            } else {
+                if !(event.is_writable() || closed) {
+                    return;
+                }
+                // Connected once the socket has a peer; failed when it holds an error.
+                match (sock.stream.take_error(), sock.stream.peer_addr()) {
+                    (Ok(None), Ok(_)) => {
+                        if !self.connected(k) {
+                            return;
+                        }
+                    }
+                    (Ok(None), Err(e)) if e.kind() == io::ErrorKind::NotConnected => return,
+                    (Ok(Some(e)) | Err(e), _) | (Ok(None), Err(e)) => {
+                        return self.connect_failed(k, e);
+                    }
                 }
             }
         }
         if event.is_readable() || closed {
             self.read_upstream(k, closed);
+        }
+    }
+
+    /// Connection `k`'s socket is connected: made at once, or with TLS to the providers
+    /// (`--upstream-tls`) its handshake begun, to be done by the later of its connect
+    /// deadline and the handshake timeout. True when it is made.
+    fn connected(&mut self, k: usize) -> bool {
+        let Some(tls) = self.shared.security.upstream.clone() else {
+            self.made(k);
+            return true;
+        };
+        let p = self.upstreams[k].provider;
+        let began = tls.begin(&self.routes.providers[p].host);
+        let State::Connecting { sock, by } = &mut self.upstreams[k].state else {
+            return false;
+        };
+        match began {
+            Ok(conn) => {
+                sock.tls = Some(Box::new(rustls::Connection::Client(conn)));
+                *by = (*by).max(self.now + tls.handshake_timeout());
+                self.upstream_handshake_goes_on(k, false)
+            }
+            Err(e) => {
+                tls.failed(e.reason);
+                self.connect_failed(k, e.error);
+                false
+            }
+        }
+    }
+
+    /// Drives connection `k`'s TLS handshake (`closed`: its peer has gone): writes what
+    /// it has to send, reads what came. True once it is done and the connection made;
+    /// a refusal (a certificate that does not prove the provider, a peer that is not
+    /// TLS) is counted and the connection made again after the pause.
+    fn upstream_handshake_goes_on(&mut self, k: usize, closed: bool) -> bool {
+        let Some(tls) = self.shared.security.upstream.clone() else {
+            return false;
+        };
+        let State::Connecting { sock, .. } = &mut self.upstreams[k].state else {
+            return false;
+        };
+        let mut read = sock.fill(&mut self.scratch, closed);
+        if let Ok(Filled::Closed) = read {
+            read = Err(io::Error::from(io::ErrorKind::UnexpectedEof));
+        }
+        let done = read.and_then(|_| sock.flush());
+        sock.take_counts(&mut self.counts.outbound);
+        match done {
+            Err(e) => {
+                tls.failed(Refusal::of(&e));
+                self.connect_failed(k, e);
+                false
+            }
+            Ok(()) if sock.handshaking() => false,
+            Ok(()) => {
+                tls.done();
+                self.made(k);
+                true
+            }
         }
     }
 
@@ -417,8 +508,9 @@ impl Engine {
         // The new stream starts at the ring's head; it keeps requests as the calls marked
         // idempotent now say, and takes no call field until its provider says so.
         (up.ring_base, up.fed, up.sent) = (up.ring.head(), 0, 0);
-        (up.takes_deadline, up.takes_cap) = (false, false);
+        (up.takes_deadline, up.takes_cap, up.takes_caller) = (false, false, false);
         up.state = State::Up(sock);
+        up.quick_ack = self.routes.providers[up.provider].kind == PeerKind::V1;
         up.backoff.reset();
         let p = up.provider;
         up.keeps =
@@ -464,6 +556,10 @@ impl Engine {
                 let takes = |field| fields.is_some_and(|v| ext::takes(v, field));
                 up.takes_deadline = takes(ext::DEADLINE_FIELD);
                 up.takes_cap = takes(ext::DEADLINE_CAP_FIELD);
+                // Its callers' identities, over TLS only: a provider believes a broker's
+                // word for them only when its certificate proves it one.
+                up.takes_caller =
+                    self.shared.security.upstream.is_some() && takes(ext::CALLER_FIELD);
             }
             // Its own time per call, for the packing; an answer without one (an older
             // provider) leaves what is known.
@@ -503,8 +599,34 @@ impl Engine {
             }
             match filled {
                 Filled::More => {}
-                Filled::Drained => return,
+                Filled::Drained => return self.ack_at_once(k),
                 Filled::Closed => return self.upstream_lost(k, ConnEnd::ClosedByProvider),
+            }
+        }
+    }
+
+    /// After reading a plain v1 server's connection `k` dry: if calls (or a heartbeat)
+    /// are still in flight on it, the ACK of what was read goes out now instead of up to
+    /// 40 ms later, so that a server with Nagle's algorithm on sends its next reply at
+    /// once (`TCP_QUICKACK`, asked again after every such read, as the Tokio engine does:
+    /// docs/performance.md, "Behind a plain v1 server with Nagle on"). Counted; a refusal
+    /// is logged (thinned) and turns it off for the connection.
+    fn ack_at_once(&mut self, k: usize) {
+        let up = &mut self.upstreams[k];
+        let State::Up(sock) = &up.state else {
+            return;
+        };
+        if !up.quick_ack || (up.calls.is_empty() && up.heartbeat_sent.is_none()) {
+            return;
+        }
+        let p = up.provider;
+        match socket2::SockRef::from(&sock.stream).set_tcp_quickack(true) {
+            Ok(()) => self.routes.providers[p].metrics.quick_acks.increment(1),
+            Err(e) => {
+                up.quick_ack = false;
+                if let Some(a) = QUICK_ACK_LINES.admit() {
+                    tracing::warn!(error = %e, refused = a.seen, left_out = a.left_out, "TCP_QUICKACK refused; replies of this plain v1 server may wait for delayed ACKs");
+                }
             }
         }
     }
@@ -898,7 +1020,12 @@ impl Engine {
             match &up.state {
                 State::Down { retry_at } if now >= *retry_at => self.connect(k),
                 State::Down { retry_at } => next = next.min(*retry_at),
-                State::Connecting { by, .. } if now >= *by => {
+                State::Connecting { by, sock } if now >= *by => {
+                    if sock.tls.is_some() {
+                        if let Some(tls) = &self.shared.security.upstream {
+                            tls.failed(Refusal::Timeout);
+                        }
+                    }
                     let timed_out = io::Error::new(io::ErrorKind::TimedOut, "connect timed out");
                     self.connect_failed(k, timed_out);
                 }

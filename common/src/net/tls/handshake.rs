@@ -298,10 +298,8 @@ impl ServerTls {
 
     /// Whom the certificate the peer of `conn` presented names, once its handshake is
     /// done.
-    pub fn identity_of(conn: &rustls::ServerConnection) -> Option<Identity> {
-        conn.peer_certificates()
-            .and_then(|c| c.first())
-            .and_then(|c| Identity::of_certificate(c))
+    pub fn identity_of(conn: &rustls::Connection) -> Option<Identity> {
+        peer_identity(conn)
     }
 
     fn slot(&self) -> Result<tokio::sync::OwnedSemaphorePermit, (Refusal, io::Error)> {
@@ -416,6 +414,46 @@ impl ClientTls {
             Err(e) => self.observer.handshake_failed(e.reason),
         }
         r
+    }
+
+    /// A handshake its caller drives itself (the broker's loop engine, on a socket of its
+    /// own): the client side of a connection to `addr` under the configuration in force,
+    /// which must be done within [`ClientTls::handshake_timeout`], and told how it ended
+    /// ([`ClientTls::done`], [`ClientTls::failed`]) to be counted.
+    pub fn begin(&self, addr: &str) -> Result<rustls::ClientConnection, ConnectError> {
+        let name = self
+            .settings
+            .server_name
+            .clone()
+            .unwrap_or_else(|| host_of(addr).to_string());
+        let fail = |reason, error| ConnectError {
+            server: name.clone(),
+            reason,
+            error,
+        };
+        let server = ServerName::try_from(name.clone()).map_err(|e| {
+            fail(
+                Refusal::BadCertificate,
+                io::Error::new(io::ErrorKind::InvalidInput, e),
+            )
+        })?;
+        rustls::ClientConnection::new(self.config.load_full(), server)
+            .map_err(|e| fail(Refusal::Other, io::Error::other(e)))
+    }
+
+    /// How long a handshake may take.
+    pub fn handshake_timeout(&self) -> std::time::Duration {
+        self.settings.handshake_timeout
+    }
+
+    /// A handshake begun with [`ClientTls::begin`] made a connection.
+    pub fn done(&self) {
+        self.observer.handshake_done();
+    }
+
+    /// A handshake begun with [`ClientTls::begin`] was refused, for `reason`.
+    pub fn failed(&self, reason: Refusal) {
+        self.observer.handshake_failed(reason);
     }
 
     async fn handshake(&self, tcp: TcpStream, name: &str) -> Result<Secured, ConnectError> {
