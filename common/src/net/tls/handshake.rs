@@ -403,11 +403,7 @@ impl ClientTls {
     /// prove the host's name (or the configured server name). Counted; logging is the
     /// caller's, which knows how often it reconnects.
     pub async fn connect(&self, tcp: TcpStream, addr: &str) -> Result<Secured, ConnectError> {
-        let name = self
-            .settings
-            .server_name
-            .clone()
-            .unwrap_or_else(|| host_of(addr).to_string());
+        let name = self.name_of(addr);
         let r = self.handshake(tcp, &name).await;
         match &r {
             Ok(_) => self.observer.handshake_done(),
@@ -421,24 +417,21 @@ impl ClientTls {
     /// which must be done within [`ClientTls::handshake_timeout`], and told how it ended
     /// ([`ClientTls::done`], [`ClientTls::failed`]) to be counted.
     pub fn begin(&self, addr: &str) -> Result<rustls::ClientConnection, ConnectError> {
-        let name = self
-            .settings
+        let name = self.name_of(addr);
+        let server = server_name(&name)?;
+        rustls::ClientConnection::new(self.config.load_full(), server).map_err(|e| ConnectError {
+            server: name,
+            reason: Refusal::Other,
+            error: io::Error::other(e),
+        })
+    }
+
+    /// The name a server at `addr` must prove: the configured one, else its host.
+    fn name_of(&self, addr: &str) -> String {
+        self.settings
             .server_name
             .clone()
-            .unwrap_or_else(|| host_of(addr).to_string());
-        let fail = |reason, error| ConnectError {
-            server: name.clone(),
-            reason,
-            error,
-        };
-        let server = ServerName::try_from(name.clone()).map_err(|e| {
-            fail(
-                Refusal::BadCertificate,
-                io::Error::new(io::ErrorKind::InvalidInput, e),
-            )
-        })?;
-        rustls::ClientConnection::new(self.config.load_full(), server)
-            .map_err(|e| fail(Refusal::Other, io::Error::other(e)))
+            .unwrap_or_else(|| host_of(addr).to_string())
     }
 
     /// How long a handshake may take.
@@ -462,12 +455,7 @@ impl ClientTls {
             reason,
             error,
         };
-        let server = ServerName::try_from(name.to_string()).map_err(|e| {
-            fail(
-                Refusal::BadCertificate,
-                io::Error::new(io::ErrorKind::InvalidInput, e),
-            )
-        })?;
+        let server = server_name(name)?;
         let connector = tokio_rustls::TlsConnector::from(self.config.load_full());
         let timeout = self.settings.handshake_timeout;
         let tls = match tokio::time::timeout(timeout, connector.connect(server, tcp)).await {
@@ -489,6 +477,16 @@ impl ClientTls {
             identity,
         })
     }
+}
+
+/// `name` as the name a server must prove; refused as a bad certificate's when it is no
+/// DNS name or IP address.
+fn server_name(name: &str) -> Result<ServerName<'static>, ConnectError> {
+    ServerName::try_from(name.to_string()).map_err(|e| ConnectError {
+        server: name.to_string(),
+        reason: Refusal::BadCertificate,
+        error: io::Error::new(io::ErrorKind::InvalidInput, e),
+    })
 }
 
 /// The host of `HOST:PORT` (`[v6]:PORT` too); the whole text when it has no port.
