@@ -203,6 +203,8 @@ pub(crate) struct Session {
     /// Every call this connection's session answered, on any cell, for the placement
     /// to split cells by load (`crate::cell`; none with one cell).
     calls: Option<Arc<std::sync::atomic::AtomicU64>>,
+    /// The caller asked to be told of the drain (`ext::DRAINING_KEY`).
+    drain_notice: bool,
 }
 
 impl Protocol for Session {
@@ -276,7 +278,15 @@ impl Protocol for Session {
     /// Answers a heartbeat; one that asks which call fields the broker takes is told
     /// (the deadline).
     fn on_heartbeat(&mut self, frame: Frame, io: &mut FramedIo) {
+        self.drain_notice |= ext::asks_drain_notice(&frame.body);
         put_heartbeat_answer(io.wbuf(), frame.header.req_id, &frame.body);
+    }
+
+    fn on_drain(&mut self, io: &mut FramedIo) -> bool {
+        if self.drain_notice {
+            put_drain_notice(io.wbuf());
+        }
+        self.drain_notice
     }
 
     fn on_unexpected(&mut self) {
@@ -367,6 +377,7 @@ impl Session {
             trailer: 0,
             answered: 0,
             calls: None,
+            drain_notice: false,
             shared,
         }
     }
@@ -760,13 +771,24 @@ impl Session {
         }
     }
 }
+
+/// What the broker answers a client's question about call fields with: it takes the
+/// deadline, and tells of its drain those that ask (`ext::DRAIN_NOTICE_FIELD`).
+const BROKER_FIELDS: &str = "deadline,drain-notice";
+
+/// Tells a client that asked that the broker drains: its connection takes no more calls
+/// (`ext::DRAINING_KEY`).
+pub(crate) fn put_drain_notice(out: &mut bytes::BytesMut) {
+    ext::put_drain_notice(out, "broker", "rpcmesh-broker");
+}
+
 /// Writes the broker's answer to a caller's heartbeat `id` with `body` to `out`: one of its
 /// own under the same id, saying which call fields it takes (the deadline) when asked.
 /// Both engines answer so.
 pub(crate) fn put_heartbeat_answer(out: &mut bytes::BytesMut, id: u64, body: &[u8]) {
     let asked = Heartbeat::extra_value_in(body, ext::HEARTBEAT_KEY).is_ok_and(|v| v.is_some());
     let extra: &[(&str, &str)] = if asked {
-        &[(ext::HEARTBEAT_KEY, ext::DEADLINE_FIELD)]
+        &[(ext::HEARTBEAT_KEY, BROKER_FIELDS)]
     } else {
         &[]
     };

@@ -252,6 +252,129 @@ async fn the_broker_answers_heartbeats() {
     p.stop().await;
 }
 
+/// A client that asks to be told of the drain (`ext::DRAIN_NOTICE_FIELD`) is told as it
+/// begins, and its connection is not closed under it after the plain linger: a call it
+/// sends well after that linger is answered "not run", where a connection closed after
+/// `DRAIN_LINGER` would have lost it (or run it unseen). The broker then waits for that
+/// client to close. A plain v1 client is told nothing (its frames stay v1) and is closed
+/// after the linger. On both engines.
+#[tokio::test]
+async fn a_client_that_asks_is_told_of_the_drain_and_closes_first() {
+    use bytes::BytesMut;
+    use rpcmesh_common::net::session::{DRAIN_LINGER, NOTICED_DRAIN_LINGER};
+    use rpcmesh_wire::body::Heartbeat;
+    use rpcmesh_wire::envelope::CallCodec;
+    use rpcmesh_wire::ext;
+    use rpcmesh_wire::frame::Flags;
+    use tokio::io::AsyncReadExt;
+    let p = provider(ProviderConfig::default()).await;
+    for engine in ENGINES {
+        let b = broker_with(engine, broker_config(&[p.addr])).await;
+        until_ready(&client(b.addr()).await).await;
+        let (mut told, mut plain) = (
+            TcpStream::connect(b.addr()).await.unwrap(),
+            TcpStream::connect(b.addr()).await.unwrap(),
+        );
+        let (mut buf, mut plain_buf) = (BytesMut::new(), BytesMut::new());
+        let mut ask = BytesMut::new();
+        let asked = [(ext::HEARTBEAT_KEY, ext::DRAIN_NOTICE_FIELD)];
+        Heartbeat::put_now_with(&mut ask, 7, "t", "t", &asked).unwrap();
+        told.write_all(&ask).await.unwrap();
+        let answer = testkit::read_frames(&mut told, &mut buf, 1).await.unwrap();
+        let fields = Heartbeat::parse(&answer[0].body).unwrap();
+        let fields = fields.extra_value(ext::HEARTBEAT_KEY).unwrap();
+        assert!(
+            ext::takes(fields, ext::DRAIN_NOTICE_FIELD),
+            "{engine:?}: {fields}"
+        );
+        // The plain client has made a call: its session is up.
+        plain
+            .write_all(&testkit::echo_request(1, "v1"))
+            .await
+            .unwrap();
+        testkit::read_frames(&mut plain, &mut plain_buf, 1)
+            .await
+            .unwrap();
+
+        let stopped = tokio::spawn(b.stop());
+        let notice = testkit::read_frames(&mut told, &mut buf, 1).await.unwrap();
+        assert!(ext::is_drain_notice(&notice[0]), "{engine:?}: {notice:?}");
+        // Long after the plain linger, within the told one.
+        tokio::time::sleep(DRAIN_LINGER * 3).await;
+        assert!(DRAIN_LINGER * 3 < NOTICED_DRAIN_LINGER / 2);
+        let mut late = BytesMut::new();
+        rpcmesh_wire::body::Request {
+            service: bytes::Bytes::from_static(b"EchoService"),
+            method: bytes::Bytes::from_static(b"Echo"),
+            payload: bytes::Bytes::new(),
+        }
+        .put(&mut late, Flags::EXT_STATUS, 2)
+        .unwrap();
+        told.write_all(&late).await.unwrap();
+        let refused = testkit::read_frames(&mut told, &mut buf, 1).await;
+        let refused = refused.unwrap_or_else(|e| panic!("{engine:?}: the late call was lost: {e}"));
+        assert!(
+            refused[0].header.flags.contains(Flags::NOT_RUN),
+            "{engine:?}"
+        );
+        let r = CallCodec::new(None, 1 << 20)
+            .decode_response(&refused[0])
+            .unwrap();
+        assert_eq!(r.status, Status::Unavailable, "{engine:?}");
+
+        // The plain client was closed after the linger, told nothing.
+        let mut rest = Vec::new();
+        let read = tokio::time::timeout(testkit::PROBE_TIMEOUT, plain.read_to_end(&mut rest));
+        read.await.unwrap().unwrap();
+        assert!(
+            rest.is_empty() && plain_buf.is_empty(),
+            "{engine:?}: {rest:?}"
+        );
+
+        // The told client closes: the drain ends.
+        drop(told);
+        tokio::time::timeout(testkit::PROBE_TIMEOUT, stopped)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    p.stop().await;
+}
+
+/// The broker asks its providers to be told of their drain, and closes its connections to
+/// a provider that tells it once their calls are answered: the draining provider's
+/// sessions all end closed by their peer, none cut by its own linger (where a call the
+/// broker wrote just then would have been lost). On both engines.
+#[tokio::test]
+async fn a_draining_provider_tells_the_broker_which_closes_its_connections_first() {
+    for engine in ENGINES {
+        let p = provider(ProviderConfig::default()).await;
+        let b = broker_with(engine, broker_config(&[p.addr])).await;
+        until_ready(&client(b.addr()).await).await;
+        let telemetry = p.telemetry.clone();
+        let t0 = std::time::Instant::now();
+        p.stop().await;
+        println!("{engine:?}: provider drained in {:?}", t0.elapsed());
+        let closed = |reason| {
+            let labels = [("role", "provider"), ("reason", reason)];
+            sample(
+                &telemetry.render(),
+                "rpcmesh_connections_closed_total",
+                &labels,
+            )
+            .unwrap_or(0.0)
+        };
+        assert!(closed("peer") >= 1.0, "{engine:?}: {}", telemetry.render());
+        assert_eq!(
+            closed("shutdown"),
+            0.0,
+            "{engine:?}: {}",
+            telemetry.render()
+        );
+        b.stop().await;
+    }
+}
+
 /// A provider reply over the broker's frame limit fails its own call only: the pooled
 /// connection, and every other call on it, carry on.
 #[tokio::test]

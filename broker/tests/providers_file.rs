@@ -648,10 +648,10 @@ async fn drained_by_sigterm_under_load(engine: &str) {
         "the load ended on its stop, not its bound"
     );
     let rerouted = b.metric(CALLS_REROUTED_TOTAL.name, &[("reason", "not_run")]);
-    assert!(
-        rerouted > 0.0,
-        "calls A refused while draining went to the other provider"
-    );
+    // A told the broker of its drain (or refused calls `NOT_RUN`, which go to the other
+    // provider): either way the broker knew it drained, not that it failed.
+    let log = std::fs::read_to_string(dir.join("broker.log")).unwrap();
+    assert!(log.contains("provider draining"), "{log}");
     // Every call made has exactly one outcome at the broker, and it is ok.
     let ok = b.metric(CALLS_TOTAL.name, &[("status", "ok")]) - ok_before;
     let all = b.metric(CALLS_TOTAL.name, &[]) - all_before;

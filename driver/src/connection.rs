@@ -76,10 +76,12 @@ const ASK_ID: u64 = u64::MAX;
 const LOST_WARNINGS: u64 = 3;
 
 /// Asks the target on `io` which call fields it takes: a heartbeat carrying the
-/// extension's pair with an empty value, whose answer lists them (`rpcmesh_wire::ext`).
-/// Nothing else is on the connection yet, so every frame read is that answer.
+/// extension's pair, whose answer lists them (`rpcmesh_wire::ext`). Its value asks the
+/// target to tell of its drain (`ext::DRAIN_NOTICE_FIELD`): the worker then stops
+/// writing calls on the connection and closes it, rather than meet the target's close
+/// with a call. Nothing else is on the connection yet, so every frame read is that answer.
 async fn ask_fields(io: &mut FramedIo) -> io::Result<CallFields> {
-    let ask = [(ext::HEARTBEAT_KEY, "")];
+    let ask = [(ext::HEARTBEAT_KEY, ext::DRAIN_NOTICE_FIELD)];
     Heartbeat::put_now_with(io.wbuf(), ASK_ID, "driver", "rpcmesh-driver", &ask)
         .map_err(io::Error::other)?;
     loop {

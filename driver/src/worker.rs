@@ -525,6 +525,12 @@ impl Worker {
             self.links.ending(serial);
         }
         let mut inbox = std::mem::take(&mut self.inbox);
+        if inbox.iter().any(rpcmesh_wire::ext::is_drain_notice) {
+            // The target drains: as after a call it refused unstarted, the connection
+            // takes no more calls (not even those of the users its replies in this same
+            // read free) and closes once its calls are answered.
+            self.drained(serial);
+        }
         for frame in inbox.drain(..) {
             self.on_frame(frame, serial, now);
         }

@@ -148,6 +148,8 @@ struct Session {
     /// broker gave in its heartbeats (`rpcmesh_wire::ext::CAP_KEY`, its own call timeout),
     /// so that it can forward a call as it came; `None` until one is given.
     deadline_cap: Option<Duration>,
+    /// The broker asked to be told of the drain (`ext::DRAINING_KEY`).
+    drain_notice: bool,
 }
 
 impl Protocol for Session {
@@ -265,6 +267,13 @@ impl Protocol for Session {
         self.bad_input.unexpected();
     }
 
+    fn on_drain(&mut self, io: &mut FramedIo) -> bool {
+        if self.drain_notice {
+            ext::put_drain_notice(io.wbuf(), "provider", &self.shared.config.node_id);
+        }
+        self.drain_notice
+    }
+
     fn on_bad_frame(&mut self, e: &FrameError, io: &mut FramedIo) {
         if let Some((id, flags)) = self.bad_input.record(e) {
             self.reply_error(io, id, flags, None, Status::BadRequest, &e.to_string());
@@ -319,6 +328,7 @@ impl Session {
             bad_input: BadInputLog::new(shared.metrics.errors.clone(), Side::Client),
             read_began: Instant::now(),
             deadline_cap: None,
+            drain_notice: false,
             calls_in_read: 0,
             answered: Vec::new(),
             sampler: shared.metrics.stages.sampler(),
@@ -354,9 +364,11 @@ impl Session {
                 if let Some(cap) = hb.extra_value(ext::CAP_KEY).and_then(ext::parse_cap) {
                     self.deadline_cap = Some(cap);
                 }
+                let fields = hb.extra_value(ext::HEARTBEAT_KEY);
+                self.drain_notice |= fields.is_some_and(|v| ext::takes(v, ext::DRAIN_NOTICE_FIELD));
                 (
                     hb.extra_value(pace::HEARTBEAT_KEY).is_some(),
-                    hb.extra_value(ext::HEARTBEAT_KEY).is_some(),
+                    fields.is_some(),
                 )
             }
             Err(e) => {

@@ -71,7 +71,8 @@
 //!   largest holders closed when the budget stays past its high mark;
 //! - the drain: no new connection, new calls refused ("not run"), the calls in flight
 //!   answered by their providers or at the end of `--grace`, every answer written, and
-//!   [`DRAIN_LINGER`] without a call before the sessions close;
+//!   [`DRAIN_LINGER`] without a call before the sessions close (clients that asked are
+//!   told of the drain and close themselves, waited for up to [`NOTICED_DRAIN_LINGER`]);
 //! - its calls counted in the broker's own families (`metrics`): calls by pair and status,
 //!   errors, calls shed, client connections, bytes and system calls on them, calls in
 //!   flight, allocations, once a round; each provider's calls by status, connections,
@@ -114,7 +115,7 @@ use rpcmesh_common::net::backoff::Backoff;
 use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::busy_poll::IDLE_RECORD_CHUNK;
 use rpcmesh_common::net::listener::{ACCEPT_BACKOFF_MAX, ACCEPT_BACKOFF_MIN, Listeners};
-use rpcmesh_common::net::session::{DRAIN_LINGER, FINAL_FLUSH_TIMEOUT};
+use rpcmesh_common::net::session::{DRAIN_LINGER, FINAL_FLUSH_TIMEOUT, NOTICED_DRAIN_LINGER};
 use rpcmesh_wire::codec::FrameCodec;
 
 use self::metrics::Counts;
@@ -757,6 +758,7 @@ impl Engine {
             // No connection is taken from now on: nothing to wake for.
             (self.accept_at, self.listening) = (None, true);
             self.grace_until = Some(self.now + self.config.grace);
+            self.tell_drain();
         }
         if self.next_expiry.is_some_and(|t| self.now >= t) {
             self.expire_calls();
@@ -838,8 +840,9 @@ impl Engine {
 
     /// Whether the drain is over: every call answered and every answer written, and no
     /// call come for [`DRAIN_LINGER`] (one sent as the drain began is refused "not run",
-    /// not met by a closed connection); or the grace period over and its last answers
-    /// given [`FINAL_FLUSH_TIMEOUT`] to be written.
+    /// not met by a closed connection), nor any client told of the drain left that has
+    /// not closed (for [`NOTICED_DRAIN_LINGER`] at most); or the grace period over and
+    /// its last answers given [`FINAL_FLUSH_TIMEOUT`] to be written.
     fn drain_over(&mut self) -> bool {
         let Some(grace) = self.grace_until else {
             return false;
@@ -853,6 +856,7 @@ impl Engine {
         }
         let since = *self.idle_since.get_or_insert(self.now);
         self.now >= since + DRAIN_LINGER
+            && (self.now >= since + NOTICED_DRAIN_LINGER || !self.any_told_of_drain())
     }
 
     /// How long the loop may sleep: until the next call's deadline, heartbeat, accept

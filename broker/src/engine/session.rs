@@ -79,6 +79,9 @@ pub(super) struct Session {
     /// that tells it to providers taking callers' identities.
     identity: Option<Identity>,
     caller: Option<Box<[u8]>>,
+    /// Its client asked to be told of the drain (`ext::DRAINING_KEY`): the drain waits
+    /// for it to close (at most `NOTICED_DRAIN_LINGER` once idle).
+    drain_notice: bool,
 }
 
 /// A TLS handshake in progress: refused if not done by `until` (the handshake timeout),
@@ -108,6 +111,7 @@ impl Session {
             handshake: None,
             identity: None,
             caller: None,
+            drain_notice: false,
         }
     }
 }
@@ -827,9 +831,29 @@ impl Engine {
     /// call fields the broker takes is told (the deadline).
     fn answer_heartbeat(&mut self, i: usize, h: &Header, body: &[u8]) {
         if let Some(s) = self.sessions.get(i) {
+            s.drain_notice |= rpcmesh_wire::ext::asks_drain_notice(body);
             crate::session::put_heartbeat_answer(&mut s.sock.out, h.req_id, body);
             self.sessions.mark_dirty(i);
         }
+    }
+
+    /// The drain began: every client that asked is told (`ext::DRAINING_KEY`), and closes
+    /// its connection once its calls are answered.
+    pub(super) fn tell_drain(&mut self) {
+        for i in 0..self.sessions.slots.len() {
+            if let Some(s) = self.sessions.get(i).filter(|s| s.drain_notice) {
+                crate::session::put_drain_notice(&mut s.sock.out);
+                self.sessions.mark_dirty(i);
+            }
+        }
+    }
+
+    /// Whether a client told of the drain still holds its connection.
+    pub(super) fn any_told_of_drain(&self) -> bool {
+        self.sessions
+            .slots
+            .iter()
+            .any(|(_, s)| s.as_ref().is_some_and(|s| s.drain_notice))
     }
 
     /// Gives a call's outcome to its session: `write` puts it in the session's output

@@ -532,7 +532,7 @@ impl Engine {
             return;
         };
         let ask = [
-            (ext::HEARTBEAT_KEY, ""),
+            (ext::HEARTBEAT_KEY, ext::DRAIN_NOTICE_FIELD),
             (ext::CAP_KEY, self.cap_value.as_str()),
         ];
         let extra: &[(&str, &str)] = if rpcmesh { &ask } else { &[] };
@@ -546,9 +546,17 @@ impl Engine {
     /// fields it names. A connection made after its provider said it drains brings the
     /// provider back, measured afresh (it is another process now).
     fn on_heartbeat(&mut self, k: usize, body: &[u8]) {
+        let p = self.upstreams[k].provider;
+        if self.routes.providers[p].kind == PeerKind::Rpcmesh && ext::tells_drain(body) {
+            // Told of the provider's drain (`ext::DRAINING_KEY`, asked for in every
+            // heartbeat): as after a call it refused `NOT_RUN`, its connections take no
+            // new call and close once their calls are answered, before it closes them.
+            self.provider_draining(p);
+            return;
+        }
         let up = &mut self.upstreams[k];
         up.heartbeat_sent = None;
-        let (p, serial) = (up.provider, up.serial);
+        let serial = up.serial;
         let provider = &mut self.routes.providers[p];
         provider.settled = true;
         if provider.kind == PeerKind::Rpcmesh {
@@ -961,7 +969,7 @@ impl Engine {
         }
     }
 
-    /// Provider `p` said it drains (a call refused `NOT_RUN`): it takes no new call, and
+    /// Provider `p` said it drains (a call refused `NOT_RUN`, or a drain notice): it takes no new call, and
     /// its connections made so far are retired, until a connection made after this
     /// answers a heartbeat (the provider is back, typically restarted on its address).
     fn provider_draining(&mut self, p: usize) {

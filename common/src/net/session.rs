@@ -42,6 +42,11 @@ pub const FINAL_FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
 /// does not, or a pool checking its connections more often than the linger would hold
 /// an idle session for the whole grace.
 pub const DRAIN_LINGER: Duration = Duration::from_millis(200);
+/// How long a draining session that told its caller so (a drain notice) waits, once idle,
+/// for the caller to close: such a caller stops writing calls as soon as it reads the
+/// notice and closes once its calls are answered, within a round trip; 2 s covers a caller
+/// starved of CPU many times, and bounds one that never closes.
+pub const NOTICED_DRAIN_LINGER: Duration = Duration::from_secs(2);
 /// Calls in flight on one multiplexed connection between a broker and a provider, by
 /// default: the broker puts up to this many on one pooled connection and the provider
 /// takes as many, so that the broker, which can move calls to another connection, is the
@@ -178,6 +183,14 @@ pub trait Protocol: Send {
 
     /// Answers a heartbeat (with one of the server's own, under the same request id).
     fn on_heartbeat(&mut self, frame: Frame, io: &mut FramedIo);
+
+    /// Shutdown has begun. A protocol whose caller asked for a drain notice
+    /// (`rpcmesh_wire::ext::DRAINING_KEY`) writes it and returns true: the session then
+    /// waits for the caller to close (at most [`NOTICED_DRAIN_LINGER`] once idle) instead
+    /// of closing after [`DRAIN_LINGER`], so that no call crosses its close.
+    fn on_drain(&mut self, _io: &mut FramedIo) -> bool {
+        false
+    }
 
     /// A response frame came from the caller, which makes no sense in that direction: it
     /// is dropped (the skeleton logs it at debug); count it.
@@ -384,6 +397,9 @@ async fn run<P: Protocol>(
             () = &mut drain_begun, if !draining => {
                 tracing::debug!(in_flight = p.in_flight(), "draining");
                 draining = true;
+                if p.on_drain(io) {
+                    drain.linger = NOTICED_DRAIN_LINGER;
+                }
             }
             () = async { if let Some(m) = move_begun.as_mut() { m.await } }, if move_begun.is_some() && !moving => {
                 moving = true;
@@ -675,20 +691,32 @@ fn take_frames<P: Protocol>(
 }
 
 /// When a session that is draining may close.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Drain {
     deadline: Option<tokio::time::Instant>,
+    /// How long it stays once idle: [`DRAIN_LINGER`], or [`NOTICED_DRAIN_LINGER`] when
+    /// its caller was told of the drain (and closes itself).
+    linger: Duration,
+}
+
+impl Default for Drain {
+    fn default() -> Drain {
+        Drain {
+            deadline: None,
+            linger: DRAIN_LINGER,
+        }
+    }
 }
 
 impl Drain {
     /// True when the session should close now: draining, `idle` (no call in flight,
-    /// nothing left to write), and idle for [`DRAIN_LINGER`] since it first was.
+    /// nothing left to write), and idle for its linger since it first was.
     fn should_close(&mut self, draining: bool, idle: bool) -> bool {
         if !draining || !idle {
             return false;
         }
         let now = tokio::time::Instant::now();
-        let deadline = *self.deadline.get_or_insert(now + DRAIN_LINGER);
+        let deadline = *self.deadline.get_or_insert(now + self.linger);
         now >= deadline
     }
 

@@ -79,8 +79,8 @@ pub const HEARTBEAT_KEY: &str = "rpcmesh-call-ext";
 /// The name of the caller field in [`HEARTBEAT_KEY`]'s value.
 pub const CALLER_FIELD: &str = "caller";
 /// What a provider answers [`HEARTBEAT_KEY`] with: it takes both fields (a broker sends
-/// the caller only over TLS).
-pub const PROVIDER_FIELDS: &str = "caller,deadline";
+/// the caller only over TLS), and tells of its drain those that ask.
+pub const PROVIDER_FIELDS: &str = "caller,deadline,drain-notice";
 /// The heartbeat pair by which a broker gives a provider the longest budget of any call on
 /// that connection (its own call timeout: it answers "timeout" then whatever comes), in
 /// microseconds, decimal. From then on every call the provider reads there, with a
@@ -93,7 +93,23 @@ pub const CAP_KEY: &str = "rpcmesh-deadline-cap";
 /// same heartbeat gave ([`CAP_KEY`]).
 pub const DEADLINE_CAP_FIELD: &str = "deadline-cap";
 /// What a provider given a cap answers [`HEARTBEAT_KEY`] with.
-pub const PROVIDER_FIELDS_CAPPED: &str = "caller,deadline,deadline-cap";
+pub const PROVIDER_FIELDS_CAPPED: &str = "caller,deadline,deadline-cap,drain-notice";
+
+/// The name a client lists in its [`HEARTBEAT_KEY`] question (and a server in its answer)
+/// to say that it takes a drain notice ([`DRAINING_KEY`]).
+pub const DRAIN_NOTICE_FIELD: &str = "drain-notice";
+/// The heartbeat pair (empty value) by which a server that has begun to drain tells a
+/// client that asked ([`DRAIN_NOTICE_FIELD`]) that this connection takes no more calls,
+/// as HTTP/2's GOAWAY does. A server closes an idle draining connection after a linger,
+/// and a call its client wrote just as it closed would cross the close and be lost,
+/// perhaps run (a plain v1 client has only the linger). A client told instead stops
+/// writing calls there and closes the connection itself once its calls are answered; the
+/// server answers the calls it still reads "not run" and waits for that close (bounded),
+/// so that no call crosses it.
+pub const DRAINING_KEY: &str = "rpcmesh-draining";
+/// The request id of a drain notice: 0, which no call has (a client's ids count from 1)
+/// and which answers no heartbeat of its own.
+pub const DRAIN_NOTICE_ID: u64 = 0;
 
 /// The cap of a [`CAP_KEY`] value: decimal microseconds, at most [`MAX_DEADLINE`]; `None`
 /// for anything else (a provider then applies none and does not say it does).
@@ -258,12 +274,70 @@ pub fn takes(value: &str, field: &str) -> bool {
     value.split(',').any(|f| f.trim() == field)
 }
 
+/// Whether heartbeat body `body` asks for a drain notice: its [`HEARTBEAT_KEY`] value lists
+/// [`DRAIN_NOTICE_FIELD`]. A malformed body asks for nothing.
+pub fn asks_drain_notice(body: &[u8]) -> bool {
+    crate::body::Heartbeat::extra_value_in(body, HEARTBEAT_KEY)
+        .is_ok_and(|v| v.is_some_and(|v| takes(v, DRAIN_NOTICE_FIELD)))
+}
+
+/// Appends a drain notice ([`DRAINING_KEY`]) from `service_name` on `node_id`.
+pub fn put_drain_notice(dst: &mut BytesMut, service_name: &str, node_id: &str) {
+    // A heartbeat of two short names and one empty pair cannot be too large.
+    let _ = crate::body::Heartbeat::put_now_with(
+        dst,
+        DRAIN_NOTICE_ID,
+        service_name,
+        node_id,
+        &[(DRAINING_KEY, "")],
+    );
+}
+
+/// Whether `frame` is a drain notice: a heartbeat carrying [`DRAINING_KEY`].
+pub fn is_drain_notice(frame: &crate::frame::Frame) -> bool {
+    frame.header.msg_type == MsgType::Heartbeat && tells_drain(&frame.body)
+}
+
+/// Whether heartbeat body `body` is a drain notice's: it carries [`DRAINING_KEY`].
+pub fn tells_drain(body: &[u8]) -> bool {
+    crate::body::Heartbeat::extra_value_in(body, DRAINING_KEY).is_ok_and(|v| v.is_some())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::body::Request;
     use crate::codec::FrameCodec;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_drain_notice_is_told_apart_from_other_heartbeats_and_asked_for_by_name() {
+        let mut out = BytesMut::new();
+        put_drain_notice(&mut out, "broker", "b1");
+        let notice = FrameCodec::default()
+            .decode_frame(&mut out)
+            .unwrap()
+            .unwrap();
+        assert_eq!(notice.header.req_id, DRAIN_NOTICE_ID);
+        assert!(is_drain_notice(&notice));
+        let mut ask = BytesMut::new();
+        let pairs = [(HEARTBEAT_KEY, "drain-notice")];
+        crate::body::Heartbeat::put_now_with(&mut ask, 9, "t", "t", &pairs).unwrap();
+        let ask = FrameCodec::default()
+            .decode_frame(&mut ask)
+            .unwrap()
+            .unwrap();
+        assert!(!is_drain_notice(&ask));
+        assert!(asks_drain_notice(&ask.body));
+        let mut plain = BytesMut::new();
+        crate::body::Heartbeat::put_now_with(&mut plain, 9, "t", "t", &[(HEARTBEAT_KEY, "")])
+            .unwrap();
+        let plain = FrameCodec::default()
+            .decode_frame(&mut plain)
+            .unwrap()
+            .unwrap();
+        assert!(!asks_drain_notice(&plain.body) && !is_drain_notice(&plain));
+    }
 
     fn v1_body() -> Bytes {
         let mut b = BytesMut::new();

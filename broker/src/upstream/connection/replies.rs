@@ -281,6 +281,17 @@ impl ConnTask {
                     slot.reserved,
                 );
             }
+            MsgType::Heartbeat
+                if self.settings.kind == PeerKind::Rpcmesh
+                    && rpcmesh_wire::ext::is_drain_notice(&frame) =>
+            {
+                // The provider drains: as after a call it refused `NOT_RUN`, this
+                // connection takes no new call and closes once its calls are answered,
+                // before the provider closes it.
+                self.mark_closed();
+                self.provider_draining();
+                self.drain_told = true;
+            }
             MsgType::Heartbeat => {
                 if let Some(i) = self
                     .heartbeats

@@ -86,6 +86,10 @@ pub(super) struct ConnTask {
     /// ACK reads at once while calls are in flight (see the module doc); turned off on
     /// this connection if the kernel refuses it.
     quick_ack: bool,
+    /// The provider told of its drain (`rpcmesh_wire::ext::DRAINING_KEY`): the
+    /// connection closes as soon as nothing is in flight on it, without waiting for the
+    /// pool to let it go, since the provider waits for that close to finish its drain.
+    pub drain_told: bool,
     /// Ids of the timed calls written this round.
     round: Vec<u64>,
     pub settings: ConnSettings,
@@ -135,6 +139,7 @@ impl ConnTask {
             next_heartbeat_id: 1,
             // A plain v1 server may leave Nagle's algorithm on (see the module doc).
             quick_ack: settings.kind == PeerKind::V1,
+            drain_told: false,
             round: Vec::new(),
             bad_input: BadInputLog::new(metrics.errors.clone(), Side::Provider),
             cap_value: ext::cap_value(settings.call_timeout),
@@ -207,7 +212,8 @@ impl ConnTask {
             self.io.account();
             self.record_sent();
             self.metrics.wire.add(self.io.take_counts());
-            if !handles_left && state.in_flight.load(Ordering::Relaxed) == 0 {
+            let done = !handles_left || (self.drain_told && self.heartbeats.is_empty());
+            if done && state.in_flight.load(Ordering::Relaxed) == 0 {
                 break ConnEnd::Released;
             }
         };
@@ -324,9 +330,10 @@ impl ConnTask {
         // on any connection, the caller over TLS only (`replies::take_call_fields`); and
         // given the cap of every call's budget here, the call timeout, so that a call
         // written in the round that read it may go on as it came (`ext::CAP_KEY`).
+        // And to tell of its drain (`ext::DRAINING_KEY`, `replies`).
         let rpcmesh = [
             (HEARTBEAT_KEY, ""),
-            (ext::HEARTBEAT_KEY, ""),
+            (ext::HEARTBEAT_KEY, ext::DRAIN_NOTICE_FIELD),
             (ext::CAP_KEY, self.cap_value.as_str()),
         ];
         let extra: &[(&str, &str)] = match self.settings.kind {
