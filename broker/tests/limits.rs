@@ -184,9 +184,15 @@ fn held_request(id: u64) -> bytes::BytesMut {
 /// process) ends each caller's session as soon as it closes, while its call is still held
 /// at the provider, so open sessions track the live callers; once the provider answers,
 /// every abandoned reply is dropped and counted. Without it, each session stayed until its
-/// reply came (up to the cap, 10,000, under churn).
+/// reply came (up to the cap, 10,000, under churn). On both engines.
 #[tokio::test]
 async fn callers_that_leave_end_their_sessions_and_their_replies_are_counted_dropped() {
+    for engine in ["tokio", "loop"] {
+        callers_leave(engine).await;
+    }
+}
+
+async fn callers_leave(engine: &str) {
     use std::io::Write;
     let gate = rpcmesh_testkit::Gate::new();
     let p = held_provider(&gate).await;
@@ -194,6 +200,8 @@ async fn callers_that_leave_end_their_sessions_and_their_replies_are_counted_dro
     let broker = rpcmesh_testkit::Spawned::start(
         "broker",
         &[
+            "--engine",
+            engine,
             "--threads",
             "1",
             "--call-timeout",

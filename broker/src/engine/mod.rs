@@ -62,7 +62,8 @@
 //!   accepting, not spinning on it;
 //! - a session closed when idle for `--idle-timeout` (heartbeats do not count), when a
 //!   frame takes longer than `--frame-timeout` to arrive, or when its client takes none
-//!   of its replies for `--write-timeout`;
+//!   of its replies for `--write-timeout`; a client that left with calls in flight
+//!   ended at once, their outcomes counted abandoned (`abortonclose`);
 //! - the memory budget (`--memory-budget`, `rpcmesh_common::net::budget`): every
 //!   connection's buffers counted (not what rustls holds of a TLS connection, which it
 //!   bounds itself: 64 KiB of records to write), and given back when a peak left them emptied and
@@ -85,9 +86,8 @@
 //!   them (between their calls) by the cells' placement, the caps and budgets shared,
 //!   each provider's series summed over the workers.
 //!
-//! Unlike the Tokio engine it answers the calls of a client that closed its side before closing too, and keeps a
-//! request for a hand-back for as long as its connection's ring holds it, not
-//! [`REQUEST_RETAIN`] at most.
+//! Unlike the Tokio engine it keeps a request for a hand-back for as long as its
+//! connection's ring holds it, not [`REQUEST_RETAIN`] at most.
 
 mod control;
 mod members;

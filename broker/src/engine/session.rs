@@ -916,8 +916,8 @@ impl Engine {
     }
 
     /// Writes every session given something this round; ends those whose end has come
-    /// (their client closed and their calls are answered and written, or they sent bad
-    /// input and what they were told is written or its time is up).
+    /// (their client closed, with calls in flight or with its answers written, or they
+    /// sent bad input and what they were told is written or its time is up).
     pub(super) fn flush_sessions(&mut self) {
         let mut dirty = mem::take(&mut self.sessions.dirty);
         for &i in &dirty {
@@ -973,7 +973,12 @@ impl Engine {
         let now = self.now;
         let s = self.sessions.get(i)?;
         match s.reading {
-            Reading::PeerClosed if s.in_flight == 0 && !s.sock.unwritten() => {
+            // A client that left with calls in flight ends at once, its calls abandoned
+            // (HAProxy's `abortonclose`): callers that send and close cannot hold
+            // sessions, and the connection cap, for as long as their calls take. One with
+            // nothing in flight is given what it was answered first (a client that only
+            // closed its side reads it), for `--write-timeout` at most.
+            Reading::PeerClosed if s.in_flight > 0 || !s.sock.unwritten() => {
                 Some(CloseReason::Peer)
             }
             Reading::BadInput(until) if !s.sock.unwritten() || now >= until => {
