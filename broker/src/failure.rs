@@ -52,6 +52,9 @@ pub(crate) enum ConnEnd {
     /// The provider sent bytes the stream cannot be resynchronised after.
     #[error("bad frames from provider: {0}")]
     BadFrames(FrameError),
+    /// A heartbeat went unanswered for the health timeout (the loop engine's check).
+    #[error("heartbeat not answered within {}", rpcmesh_common::cli::DurationArg(*.0))]
+    Silent(Duration),
 }
 
 impl ConnEnd {
@@ -62,6 +65,7 @@ impl ConnEnd {
         match self {
             ConnEnd::Released => CloseReason::Local,
             ConnEnd::ClosedByProvider
+            | ConnEnd::Silent(_)
             | ConnEnd::Socket(_)
             | ConnEnd::Write(_)
             | ConnEnd::BadFrames(_) => CloseReason::Error,

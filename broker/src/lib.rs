@@ -106,10 +106,44 @@ pub fn main_with(args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Says that the broker serves, once its providers have settled (docs/broker.md, "At the
+/// start"), as both engines do: the log line `broker listening` with what it serves and
+/// how, and `READY=1` to systemd (a no-op unless systemd runs it, `Type=notify`), so that
+/// "active" means calls are routed.
+pub(crate) fn listening(
+    config: &BrokerConfig,
+    addr: Option<std::net::SocketAddr>,
+    providers: &[UpstreamSpec],
+    busy_poll: Option<std::time::Duration>,
+    workers: usize,
+) {
+    let upstreams: Vec<String> = providers.iter().map(ToString::to_string).collect();
+    tracing::info!(
+        addr = addr.map(tracing::field::display),
+        engine = %config.engine,
+        tls = config.tls.is_some(),
+        upstream_tls = config.upstream_tls.is_some(),
+        authz_policy = config.authz_policy.as_deref().map(|p| tracing::field::display(p.display())),
+        // One field: quoted, as the specs are written on the command line.
+        upstreams = ?upstreams.join(" "),
+        providers_file = config.providers_file.as_deref().map(|p| tracing::field::display(p.display())),
+        pool_size = config.pool_size,
+        balance = %config.balance,
+        busy_poll = %busy_poll.map_or_else(|| "off".to_string(), |w| DurationArg(w).to_string()),
+        workers,
+        cells = config.cells,
+        "broker listening"
+    );
+    rpcmesh_common::cli::systemd::notify_ready(&format!(
+        "routing to {} providers",
+        providers.len()
+    ));
+}
+
 /// `main_with` on the loop engine (`--engine loop`): a runtime of one thread serves the
 /// metrics endpoint and waits for SIGTERM/SIGINT while the engine's own thread serves the
-/// calls (`engine::run`). Ready for systemd once it listens: it routes calls as soon as a
-/// provider connection is made.
+/// calls (`engine::run`). Ready for systemd once its providers have settled, as on Tokio
+/// (the engine says so: [`listening`]).
 fn main_on_loop(args: &Args, config: BrokerConfig) -> anyhow::Result<()> {
     // Bound before the runtime, so that a plain address in use stops the start.
     let plain = args
@@ -121,7 +155,7 @@ fn main_on_loop(args: &Args, config: BrokerConfig) -> anyhow::Result<()> {
     let ended = outcome.clone();
     rpcmesh_common::cli::startup::serve_with(
         server(args, &config),
-        rpcmesh_common::cli::systemd::Readiness::WhenListening,
+        rpcmesh_common::cli::systemd::Readiness::Announced,
         |telemetry, listener, shutdown| async move {
             // Installed before the first call is served: from then on SIGHUP reads the
             // providers file again instead of ending the process.
@@ -130,7 +164,14 @@ fn main_on_loop(args: &Args, config: BrokerConfig) -> anyhow::Result<()> {
             let listeners = Listeners::with_plain(listener, plain);
             let r = engine::run_with_reload(config, telemetry, listeners, shutdown, reload).await;
             if let Ok(s) = &r {
-                tracing::info!(accepted = s.accepted, calls = s.calls, "broker stopped");
+                tracing::info!(
+                    accepted = s.accepted,
+                    refused = s.refused,
+                    cut = s.cut,
+                    aborted = s.aborted,
+                    calls = s.calls,
+                    "broker stopped"
+                );
             }
             *ended
                 .lock()
@@ -313,27 +354,13 @@ pub async fn run_with_reload(
     // Stopped before it served: the accept loop below returns at once, and callers that
     // waited in the backlog are reset when the listener closes.
     if !stopped {
-        let upstreams: Vec<String> = providers.iter().map(ToString::to_string).collect();
-        tracing::info!(
-            addr = listener.main.local_addr().ok().map(tracing::field::display),
-            tls = config.tls.is_some(),
-            upstream_tls = config.upstream_tls.is_some(),
-            authz_policy = config.authz_policy.as_deref().map(|p| tracing::field::display(p.display())),
-            // One field: quoted, as the specs are written on the command line.
-            upstreams = ?upstreams.join(" "),
-            providers_file = config.providers_file.as_deref().map(|p| tracing::field::display(p.display())),
-            pool_size = config.pool_size,
-            balance = %config.balance,
-            busy_poll = %busy_poll.map_or_else(|| "off".to_string(), |w| DurationArg(w).to_string()),
+        listening(
+            &config,
+            listener.main.local_addr().ok(),
+            &providers,
+            busy_poll,
             workers,
-            cells = config.cells,
-            "broker listening"
         );
-        // A no-op unless systemd runs this broker (Type=notify).
-        rpcmesh_common::cli::systemd::notify_ready(&format!(
-            "routing to {} providers",
-            providers.len()
-        ));
     }
     let accept = AcceptConfig {
         max_connections: config.max_connections,

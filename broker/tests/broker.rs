@@ -341,6 +341,55 @@ async fn a_client_that_asks_is_told_of_the_drain_and_closes_first() {
     p.stop().await;
 }
 
+/// A provider that takes connections and never answers their heartbeats is given no call:
+/// a connection takes calls only once it answered its first heartbeat, so a call for it
+/// is answered "unavailable" at once instead of waiting at a provider that will never
+/// answer. On both engines.
+#[tokio::test]
+async fn a_provider_that_never_answers_a_heartbeat_is_given_no_call() {
+    use rpcmesh_wire::frame::MsgType;
+    use std::sync::atomic::AtomicUsize;
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = silent.local_addr().unwrap();
+    let requests = Arc::new(AtomicUsize::new(0));
+    let seen = requests.clone();
+    let server = tokio::spawn(async move {
+        loop {
+            let (mut s, _) = silent.accept().await.unwrap();
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut buf = bytes::BytesMut::new();
+                while let Ok(frames) = testkit::read_frames(&mut s, &mut buf, 1).await {
+                    let calls = frames.iter().filter(|f| {
+                        matches!(f.header.msg_type, MsgType::Request | MsgType::ExtRequest)
+                    });
+                    seen.fetch_add(calls.count(), Ordering::SeqCst);
+                }
+            });
+        }
+    });
+    for engine in ENGINES {
+        let mut cfg = broker_config(&[]);
+        cfg.upstreams =
+            vec![UpstreamSpec::parse(&format!("EchoService={addr}"), PeerKind::Rpcmesh).unwrap()];
+        // The start waits for it this long (then serves); its connections are given up
+        // and made again meanwhile, and are up, unanswered, when the call comes.
+        cfg.health_timeout = Duration::from_secs(2);
+        cfg.connect_timeout = Duration::from_secs(1);
+        let b = broker_with(engine, cfg).await;
+        let c = client(b.addr()).await;
+        let r = c.call("EchoService", "Echo", &echo("x")).await.unwrap();
+        assert_eq!(r.status, Status::Unavailable, "{engine:?}");
+        b.stop().await;
+    }
+    server.abort();
+    assert_eq!(
+        requests.load(Ordering::SeqCst),
+        0,
+        "a call reached the silent provider"
+    );
+}
+
 /// The broker asks its providers to be told of their drain, and closes its connections to
 /// a provider that tells it once their calls are answered: the draining provider's
 /// sessions all end closed by their peer, none cut by its own linger (where a call the

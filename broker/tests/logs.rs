@@ -45,9 +45,16 @@ fn stop(name: &str, mut p: Spawned) {
     assert!(status.success(), "{name}: {status}");
 }
 
+/// On both engines: the lines are the broker's, not an engine's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_start_and_stop_lines_say_what_the_docs_say_in_the_form_people_read() {
-    let dir = test_dir("start");
+    for engine in ["tokio", "loop"] {
+        start_and_stop_lines(engine).await;
+    }
+}
+
+async fn start_and_stop_lines(engine: &str) {
+    let dir = test_dir(&format!("start-{engine}"));
     let (plog, blog) = (dir.join("provider.log"), dir.join("broker.log"));
     // Never accepted: the kernel completes the broker's connects in the backlog, and
     // nothing ever answers on them.
@@ -65,6 +72,8 @@ async fn the_start_and_stop_lines_say_what_the_docs_say_in_the_form_people_read(
     let broker = Spawned::start_with(
         "broker",
         &[
+            "--engine",
+            engine,
             "--threads",
             "1",
             "--upstream",
@@ -115,9 +124,13 @@ async fn the_start_and_stop_lines_say_what_the_docs_say_in_the_form_people_read(
         "{listening}"
     );
     assert!(
-        listening.contains(" addr=127.0.0.1:") && listening.contains(" balance=peak-ewma"),
+        listening.contains(" addr=127.0.0.1:")
+            && listening.contains(" balance=peak-ewma")
+            && listening.contains(&format!(" engine={engine}")),
         "{listening}"
     );
+    let draining = line(&log, "listener closed; draining");
+    assert!(draining.contains(" addr=127.0.0.1:"), "{draining}");
     assert!(listening.contains(" busy_poll=50us"), "{listening}");
     let stopped = line(&log, "broker stopped");
     assert!(stopped.contains(" refused=0 cut=0 aborted=0"), "{stopped}");

@@ -10,8 +10,15 @@ use std::net::TcpListener;
 use rpcmesh_common::build;
 use rpcmesh_testkit::{Launch, NotifySocket, Spawned, bin_path, wait_until_blocking};
 
+/// On both engines.
 #[test]
 fn the_broker_is_ready_only_once_its_pools_have_settled() {
+    for engine in ["tokio", "loop"] {
+        ready_once_settled(engine);
+    }
+}
+
+fn ready_once_settled(engine: &str) {
     // A provider that accepts and reads, but answers nothing until the test lets it go:
     // the broker's pool to it cannot settle before.
     let provider = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -32,6 +39,8 @@ fn the_broker_is_ready_only_once_its_pools_have_settled() {
     let _broker = Spawned::start_with(
         "broker",
         &[
+            "--engine",
+            engine,
             "--upstream",
             &upstream,
             "--pool-size",
@@ -55,12 +64,15 @@ fn the_broker_is_ready_only_once_its_pools_have_settled() {
     let early = notify.received();
     assert!(
         early.iter().all(|m| !m.contains("READY=1")),
-        "READY=1 before the pools settled: {early:?}"
+        "{engine}: READY=1 before the pools settled: {early:?}"
     );
     release.send(()).unwrap();
     holder.join().unwrap();
     let (ready, _) = notify.wait_for_line("READY=1");
-    assert!(ready.contains("STATUS=routing to 1 providers"), "{ready}");
+    assert!(
+        ready.contains("STATUS=routing to 1 providers"),
+        "{engine}: {ready}"
+    );
 }
 
 #[test]

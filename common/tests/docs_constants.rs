@@ -27,7 +27,8 @@ use rpcmesh_common::net::listener::{
 };
 use rpcmesh_common::net::session::{
     DEFAULT_FRAME_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_IN_FLIGHT_PER_LINK,
-    DEFAULT_WRITE_TIMEOUT, DRAIN_LINGER, PAUSED_PEER_CHECK, WRITE_BACKLOG_LIMIT,
+    DEFAULT_WRITE_TIMEOUT, DRAIN_LINGER, NOTICED_DRAIN_LINGER, PAUSED_PEER_CHECK,
+    WRITE_BACKLOG_LIMIT,
 };
 use rpcmesh_common::net::sources::{
     DEFAULT_ACCEPT_BURST_PER_SOURCE, DEFAULT_ACCEPT_RATE_PER_SOURCE,
@@ -89,6 +90,7 @@ fn common() -> Vec<(&'static str, Value)> {
         ("common::DEFAULT_FRAME_TIMEOUT", time(DEFAULT_FRAME_TIMEOUT)),
         ("common::DEFAULT_WRITE_TIMEOUT", time(DEFAULT_WRITE_TIMEOUT)),
         ("common::DRAIN_LINGER", time(DRAIN_LINGER)),
+        ("common::NOTICED_DRAIN_LINGER", time(NOTICED_DRAIN_LINGER)),
         ("common::PAUSED_PEER_CHECK", time(PAUSED_PEER_CHECK)),
         (
             "common::DEFAULT_MEMORY_BUDGET",

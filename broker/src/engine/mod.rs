@@ -52,7 +52,10 @@
 //! - provider connections (`upstream`) made within `--connect-timeout`, sent a heartbeat
 //!   every `--health-interval` and given up when one goes unanswered for
 //!   `--health-timeout`, their calls answered when they are lost, and made again after a
-//!   pause that grows while the provider cannot be reached; no connection taken before
+//!   pause that grows while the provider cannot be reached (or answers no heartbeat); a
+//!   connection given calls only once it answered its first heartbeat; a provider's
+//!   health logged as the Tokio engine's pools log it (ready, not answering, unreachable,
+//!   no healthy connection: once each time); no connection taken before
 //!   every provider has settled (answered a heartbeat, or refused a connect), so that the
 //!   first calls do not find no provider; with `--upstream-tls`, a TLS handshake on each
 //!   (within the later of the connect deadline and the handshake timeout, refusals
@@ -70,6 +73,11 @@
 //!   large; a large call counted until its outcome is written, and refused "overloaded"
 //!   past the high mark; a session holding much not read past the pause mark; the
 //!   largest holders closed when the budget stays past its high mark;
+//! - the lines an operator reads at the start and the end (docs/broker.md, "At the
+//!   start": providers still connecting, `broker listening`, `listener closed; draining`,
+//!   `broker stopped`), and `READY=1` to systemd once the providers settled
+//!   (`crate::listening`); the process's own figures (CPU, memory, log lines dropped,
+//!   its build), as every program exports them;
 //! - the drain: no new connection, new calls refused ("not run"), the calls in flight
 //!   answered by their providers or at the end of `--grace`, every answer written, and
 //!   [`DRAIN_LINGER`] without a call before the sessions close (clients that asked are
@@ -156,6 +164,12 @@ const TICK: Duration = Duration::from_millis(10);
 pub struct Summary {
     /// Client connections accepted.
     pub accepted: u64,
+    /// Client connections refused at the connection cap (`--max-connections`).
+    pub refused: u64,
+    /// Sessions still open when the grace period ended, closed by it; and those of them
+    /// whose last answers were still not written [`FINAL_FLUSH_TIMEOUT`] later (aborted).
+    pub cut: u64,
+    pub aborted: u64,
     /// Requests read (plain and extended).
     pub calls: u64,
     /// Calls answered with the provider's reply.
@@ -174,6 +188,9 @@ impl Summary {
     fn add(self, o: Summary) -> Summary {
         Summary {
             accepted: self.accepted + o.accepted,
+            refused: self.refused + o.refused,
+            cut: self.cut + o.cut,
+            aborted: self.aborted + o.aborted,
             calls: self.calls + o.calls,
             replied: self.replied + o.replied,
             answered: self.answered + o.answered,
@@ -278,10 +295,17 @@ pub async fn run_with_reload(
     let (served, text) = (std::mem::take(&mut h.served), h.text.take());
     let watch = control::watch(&h, &config, &metrics, served, text, reload);
     let place = workers::place(&h.shared, config.placement_tuning);
+    // The process's own figures (CPU, memory, log lines dropped, the build), as every
+    // program exports them.
+    let housekeeping = rpcmesh_common::metrics::system::Housekeeping::start(
+        &metrics.telemetry,
+        crate::metrics::ROLE,
+    );
     tokio::select! {
         () = shutdown => {}
         _ = async { tokio::join!(watch, place) } => {}
     }
+    drop(housekeeping);
     h.stop();
     tokio::task::spawn_blocking(move || h.join())
         .await
@@ -386,6 +410,9 @@ fn spawn_serving(
     for (index, poll) in polls.into_iter().enumerate() {
         let mut engine = Engine::new(config.clone(), poll, shared.clone(), index);
         engine.start_providers(served.clone(), idempotent.clone());
+        if index == 0 {
+            engine.announce = Some(served.clone());
+        }
         let listener = listener.take();
         let s = shared.clone();
         let started = std::thread::Builder::new()
@@ -533,6 +560,9 @@ struct Engine {
     /// this time has passed (`--connect-timeout` + `--health-timeout` after the start).
     listening: bool,
     settle_by: Instant,
+    /// The providers the listening worker names when it starts listening (`None` in the
+    /// others, and once said).
+    announce: Option<Vec<crate::upstream_spec::UpstreamSpec>>,
     /// The plain listener beside TLS (`--listen-plain`; the first worker's), registered
     /// with the main one.
     plain: Option<TcpListener>,
@@ -597,6 +627,7 @@ impl Engine {
             admitted: 0,
             // Only the first worker listens.
             listening: index > 0,
+            announce: None,
             told_settled: false,
             plain: None,
             settle_by,
@@ -617,13 +648,7 @@ impl Engine {
         // Registered once the providers have settled (`Engine::listen`).
         let (mut listener, plain) = listeners.map_or((None, None), |(m, p)| (Some(m), p));
         self.plain = plain;
-        // Gathered workers spin only where the connections are (a worker without them
-        // reads nothing): busy polling is `auto`'s for one spinner then.
-        let spinners = match self.config.cell_placement {
-            crate::config::CellPlacement::Gather => 1,
-            crate::config::CellPlacement::Spread => self.shared.workers.len(),
-        };
-        let spin = self.config.busy_poll.window(spinners);
+        let spin = self.busy_poll();
         // While spinning: polls that do not sleep, each empty one followed by
         // `sched_yield`, until `spin` passes with no event (`common::net::busy_poll`).
         let mut spin_until: Option<Instant> = None;
@@ -749,7 +774,9 @@ impl Engine {
             }
         }
         if stop.load(Ordering::Relaxed) && self.grace_until.is_none() {
+            let mut addr = None;
             if let Some(mut l) = listener.take() {
+                addr = l.local_addr().ok();
                 let _ = self.poll.registry().deregister(&mut l);
             }
             if let Some(mut l) = self.plain.take() {
@@ -759,6 +786,14 @@ impl Engine {
             (self.accept_at, self.listening) = (None, true);
             self.grace_until = Some(self.now + self.config.grace);
             self.tell_drain();
+            if self.index == 0 {
+                tracing::info!(
+                    addr = addr.map(tracing::field::display),
+                    sessions = self.shared.sessions(),
+                    grace_ms = self.config.grace.as_millis() as u64,
+                    "listener closed; draining"
+                );
+            }
         }
         if self.next_expiry.is_some_and(|t| self.now >= t) {
             self.expire_calls();
@@ -818,6 +853,7 @@ impl Engine {
             Ok(()) => {
                 self.listening = true;
                 self.accept_at = Some(self.now);
+                self.say_listening(l.local_addr().ok());
                 if let Some(p) = self.plain.as_mut() {
                     let registered =
                         self.poll
@@ -836,6 +872,43 @@ impl Engine {
                 self.settle_by = self.now + pause;
             }
         }
+    }
+
+    /// Says that the broker serves, as the Tokio engine does (`crate::listening`), after
+    /// naming the providers it did not hear from in time: those this worker has not
+    /// settled (their connects neither failed nor answered a heartbeat).
+    fn say_listening(&mut self, addr: Option<SocketAddr>) {
+        let Some(served) = self.announce.take() else {
+            return;
+        };
+        let late: Vec<&str> = self
+            .routes
+            .providers
+            .iter()
+            .filter(|p| !p.settled && !p.left)
+            .map(|p| p.host.as_str())
+            .collect();
+        if !late.is_empty() {
+            tracing::warn!(providers = %late.join(","), "providers still connecting: calls to them are answered \"unavailable\" until they answer");
+        }
+        crate::listening(
+            &self.config,
+            addr,
+            &served,
+            self.busy_poll(),
+            self.shared.workers.len(),
+        );
+    }
+
+    /// How long a worker spins on empty polls before it sleeps (`--busy-poll`). Gathered
+    /// workers spin only where the connections are (a worker without them reads
+    /// nothing): busy polling is `auto`'s for one spinner then.
+    fn busy_poll(&self) -> Option<Duration> {
+        let spinners = match self.config.cell_placement {
+            crate::config::CellPlacement::Gather => 1,
+            crate::config::CellPlacement::Spread => self.shared.workers.len(),
+        };
+        self.config.busy_poll.window(spinners)
     }
 
     /// Whether the drain is over: every call answered and every answer written, and no

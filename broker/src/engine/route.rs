@@ -35,6 +35,18 @@ use crate::resilience::outlier::Outlier;
 use crate::route::{NoRoute, Pass, avoided};
 use crate::upstream::pace::Pace;
 
+/// Why a provider has no healthy connection, as its log line says it (docs/broker.md, "At
+/// the start").
+#[derive(Debug, Clone)]
+pub(super) enum Down {
+    /// Its connects fail: nothing takes connections there.
+    Unreachable(String),
+    /// It takes connections and does not answer their heartbeats.
+    Silent(String),
+    /// A connection that served was lost.
+    Lost(String),
+}
+
 /// A provider, as configured, and what the engine knows of it.
 #[derive(Debug)]
 pub(super) struct Provider {
@@ -65,6 +77,10 @@ pub(super) struct Provider {
     pub draining_below: Option<u64>,
     /// It had a healthy connection when last looked at (its coming back is news).
     pub was_healthy: bool,
+    /// How it last went without a healthy connection, and whether that was said since
+    /// it last had one (said once, as the Tokio engine's pools say it).
+    pub down: Option<Down>,
+    pub down_told: bool,
     /// It answered a heartbeat, or a connect to it failed: the engine need not wait for
     /// it before taking calls.
     pub settled: bool,
@@ -103,6 +119,8 @@ impl Provider {
             estimate: Cell::new(None),
             draining_below: None,
             was_healthy: false,
+            down: None,
+            down_told: false,
             settled: false,
             pace,
             left: false,

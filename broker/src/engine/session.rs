@@ -39,6 +39,8 @@ const ACCEPTS_PER_ROUND: usize = 64;
 
 /// Log lines for accept failures (a process out of descriptors), thinned.
 static ACCEPT_FAILED_LINES: Thinned = Thinned::new();
+/// The log budget of connections refused at the connection cap.
+static CAP_LINES: Thinned = Thinned::new();
 /// Log lines for sessions closed by a timeout, thinned.
 static TIMEOUT_LINES: Thinned = Thinned::new();
 
@@ -229,6 +231,11 @@ impl Sessions {
         self.peek(r)?.caller.as_deref().filter(|b| !b.is_empty())
     }
 
+    /// Session `i`, if open.
+    fn peek_at(&self, i: usize) -> Option<&Session> {
+        self.slots.get(i)?.1.as_ref()
+    }
+
     fn peek(&self, r: SessionRef) -> Option<&Session> {
         match self.slots.get(r.idx as usize)? {
             (g, Some(s)) if *g == r.generation => Some(s),
@@ -304,8 +311,13 @@ impl Engine {
             };
             if self.shared.sessions() >= self.config.max_connections {
                 self.counts.refused(Refusal::ConnectionCap);
+                self.summary.refused += 1;
+                if let Some(a) = CAP_LINES.admit() {
+                    tracing::warn!(%peer, max = self.config.max_connections, refused = a.seen, left_out = a.left_out, "connection refused: too many open connections");
+                }
                 continue;
             }
+            tracing::debug!(%peer, "connection accepted");
             let mut session = Session::new(stream, self.now, &self.budget);
             if let Some(tls) = self.shared.security.tls.as_ref().filter(|_| !plain) {
                 match tls.begin() {
@@ -1144,6 +1156,7 @@ impl Engine {
                 }
             }
             let _ = self.poll.registry().deregister(&mut s.sock.stream);
+            tracing::debug!(reason = reason.label(), "connection closed");
             self.counts.closed(reason);
             self.shared.workers[self.index]
                 .sessions
@@ -1152,9 +1165,16 @@ impl Engine {
     }
 
     /// Ends every session, after a last write of what each has: the drain is over.
+    /// Those still open past the grace period are counted cut, and those of them with
+    /// answers left unwritten aborted, as the Tokio engine's listener counts them.
     pub(super) fn close_all(&mut self) {
         self.flush_sessions();
+        let past_grace = self.grace_until.is_some_and(|g| self.now >= g);
         for i in 0..self.sessions.slots.len() {
+            if let Some(s) = self.sessions.peek_at(i).filter(|_| past_grace) {
+                self.summary.cut += 1;
+                self.summary.aborted += u64::from(s.sock.unwritten());
+            }
             self.close_session(i, CloseReason::Shutdown);
         }
     }

@@ -29,6 +29,7 @@ use rpcmesh_wire::neutral::neutral_id;
 use rpcmesh_wire::{PeerKind, Status};
 
 use super::reroute::Retry;
+use super::route::Down;
 use super::session::SessionRef;
 use super::socket::{Filled, Socket};
 use super::{Engine, FIRST_UPSTREAM};
@@ -44,8 +45,10 @@ use rpcmesh_common::net::pace::{HEARTBEAT_KEY as PACE_KEY, PerCall};
 /// say: a retry or a deadline due at once costs one look a millisecond, not one a round.
 const KEEP_AT_MOST_EVERY: Duration = Duration::from_millis(1);
 
-/// Log lines for lost provider connections and failed connects, thinned.
+/// Log lines for lost provider connections, thinned.
 static LOST_LINES: Thinned = Thinned::new();
+/// Log lines for failed connects to providers, thinned.
+static CONNECT_LINES: Thinned = Thinned::new();
 /// Log lines for refused TCP_QUICKACKs, thinned.
 static QUICK_ACK_LINES: Thinned = Thinned::new();
 
@@ -170,6 +173,10 @@ pub(super) struct Upstream {
     backoff: Backoff,
     /// When the heartbeat now unanswered was sent; when the last one was.
     heartbeat_sent: Option<Instant>,
+    /// It answered a heartbeat since it was made: it takes calls from then on (a provider
+    /// that takes connections and never answers is given none, as on Tokio, where a
+    /// pool's connection is checked before it is used).
+    answered: bool,
     last_heartbeat: Instant,
     /// The provider said, answering a heartbeat, that it takes a call's deadline
     /// (`rpcmesh_wire::ext`), and that it caps every call's at the call timeout the
@@ -209,12 +216,19 @@ impl Upstream {
         matches!(self.state, State::Up(_))
     }
 
+    /// Up, and it answered a heartbeat: it takes calls.
+    pub fn is_healthy(&self) -> bool {
+        self.answered && self.is_up()
+    }
+
     /// Its calls in flight when it may take another: up, and its calls not yet written
     /// under the write backlog limit (a provider that does not read cannot make the
     /// broker buffer without end).
     pub fn load(&self) -> Option<usize> {
         match &self.state {
-            State::Up(sock) if sock.out.len() < WRITE_BACKLOG_LIMIT && !self.retiring => {
+            State::Up(sock)
+                if self.answered && sock.out.len() < WRITE_BACKLOG_LIMIT && !self.retiring =>
+            {
                 Some(self.calls.len())
             }
             _ => None,
@@ -273,6 +287,7 @@ impl Upstream {
             calls: SlotTable::keyed(),
             backoff: Backoff::default(),
             heartbeat_sent: None,
+            answered: false,
             last_heartbeat: now,
             takes_deadline: false,
             takes_cap: false,
@@ -510,8 +525,8 @@ impl Engine {
         (up.ring_base, up.fed, up.sent) = (up.ring.head(), 0, 0);
         (up.takes_deadline, up.takes_cap, up.takes_caller) = (false, false, false);
         up.state = State::Up(sock);
+        up.answered = false;
         up.quick_ack = self.routes.providers[up.provider].kind == PeerKind::V1;
-        up.backoff.reset();
         let p = up.provider;
         up.keeps =
             self.routes.providers[p].kind == PeerKind::Rpcmesh || !self.idempotent.is_empty();
@@ -556,6 +571,13 @@ impl Engine {
         }
         let up = &mut self.upstreams[k];
         up.heartbeat_sent = None;
+        let first = !up.answered;
+        if first {
+            // In service from now on; the pause before a reconnect starts afresh (one
+            // that never answers backs off as a refused connect does).
+            up.answered = true;
+            up.backoff.reset();
+        }
         let serial = up.serial;
         let provider = &mut self.routes.providers[p];
         provider.settled = true;
@@ -584,6 +606,9 @@ impl Engine {
                 .forget(self.config.resilience.ewma_default_rtt, self.now);
             provider.estimate_changed();
             tracing::info!(provider = %provider.label, "provider back after its drain");
+        }
+        if first {
+            self.publish_pool(p);
         }
     }
 
@@ -876,8 +901,16 @@ impl Engine {
         let p = self.upstreams[k].provider;
         let provider = self.routes.providers[p].label.clone();
         let calls: Vec<(u64, Call)> = self.upstreams[k].calls.drain().collect();
-        if let Some(a) = LOST_LINES.admit() {
-            tracing::warn!(%provider, %cause, calls = calls.len(), seen = a.seen, left_out = a.left_out, "provider connection lost; made again after a pause");
+        // A connection that served is news; one that never answered, or a connect that
+        // failed (`connect_failed`), is its provider's (`publish_pool`).
+        let up = &self.upstreams[k];
+        if up.answered {
+            if let Some(a) = LOST_LINES.admit() {
+                tracing::warn!(%provider, %cause, calls = calls.len(), seen = a.seen, left_out = a.left_out, "provider connection lost; made again after a pause");
+            }
+            self.routes.providers[p].down = Some(Down::Lost(cause.to_string()));
+        } else if up.is_up() {
+            self.routes.providers[p].down = Some(Down::Silent(cause.to_string()));
         }
         // Each call's request is taken while the socket's output still holds it.
         for (_, call) in calls {
@@ -934,7 +967,7 @@ impl Engine {
             let _ = self.poll.registry().deregister(&mut sock.stream);
         }
         (up.takes_deadline, up.takes_cap, up.heartbeat_sent) = (false, false, None);
-        up.retiring = false;
+        (up.retiring, up.answered) = (false, false);
         // Its buffers are gone; gone for good, so are its ring and its place in the budget.
         if left {
             (up.ring, up.held) = (Ring::default(), None);
@@ -993,12 +1026,14 @@ impl Engine {
 
     /// Publishes provider `p`'s connections and healthy ones (those up); a provider
     /// healthy again after it had none is measured afresh.
+    /// Its health is said as the Tokio engine's pools say it: when it first has a healthy
+    /// connection again, and once when it has none, with why.
     fn publish_pool(&mut self, p: usize) {
         let provider = &mut self.routes.providers[p];
         let up = provider
             .conns
             .iter()
-            .filter(|&&k| self.upstreams[k].is_up())
+            .filter(|&&k| self.upstreams[k].is_healthy())
             .count();
         let healthy = up > 0;
         if healthy && !provider.was_healthy {
@@ -1006,6 +1041,24 @@ impl Engine {
                 .ewma
                 .forget(self.config.resilience.ewma_default_rtt, self.now);
             provider.estimate_changed();
+            tracing::info!(provider = %provider.label, connections = up, "provider connections ready");
+            (provider.down, provider.down_told) = (None, false);
+        }
+        if !healthy && !provider.down_told && !provider.left {
+            let label = &provider.label;
+            match &provider.down {
+                Some(Down::Silent(e)) => {
+                    tracing::warn!(provider = %label, error = %e, "provider not answering: it takes connections and does not answer their heartbeats");
+                }
+                Some(Down::Unreachable(e)) => {
+                    tracing::warn!(provider = %label, error = %e, "provider unreachable");
+                }
+                Some(Down::Lost(e)) => {
+                    tracing::warn!(provider = %label, error = %e, "provider has no healthy connection");
+                }
+                None => {}
+            }
+            provider.down_told = provider.down.is_some();
         }
         provider.was_healthy = healthy;
         provider.metrics.publish_conns(up);
@@ -1041,11 +1094,7 @@ impl Engine {
                 State::Gone => {}
                 State::Up(_) => match up.heartbeat_sent {
                     Some(sent) if now >= sent + self.config.health_timeout => {
-                        let silent = io::Error::new(
-                            io::ErrorKind::TimedOut,
-                            "no heartbeat answer within the health timeout",
-                        );
-                        self.upstream_lost(k, ConnEnd::Socket(Arc::new(silent)));
+                        self.upstream_lost(k, ConnEnd::Silent(self.config.health_timeout));
                     }
                     Some(sent) => next = next.min(sent + self.config.health_timeout),
                     None if now >= up.last_heartbeat + self.config.health_interval => {
@@ -1083,6 +1132,10 @@ impl Engine {
         let provider = &mut self.routes.providers[p];
         provider.settled = true;
         provider.metrics.connect_failures.increment(1);
+        if let Some(a) = CONNECT_LINES.admit() {
+            tracing::warn!(provider = %provider.label, error = %e, failures = a.seen, left_out = a.left_out, "connect failed");
+        }
+        provider.down = Some(Down::Unreachable(format!("connect failed: {e}")));
         self.upstream_lost(k, ConnEnd::Socket(Arc::new(e)));
     }
 
