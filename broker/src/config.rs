@@ -110,9 +110,9 @@ pub enum EngineKind {
     /// everything the broker does.
     #[default]
     Tokio,
-    /// One thread's epoll loop owning its connections outright (`crate::engine`): about
-    /// half the CPU per call, with a part of the broker's behaviour (what it lacks, it
-    /// refuses at the start).
+    /// Per thread one epoll loop owning its connections outright (`crate::engine`), at
+    /// about two thirds of the Tokio engine's instructions per call; what it does not do
+    /// as the Tokio engine does yet is listed in its module doc.
     Loop,
 }
 

@@ -81,6 +81,10 @@ pub(super) struct Provider {
     /// it last had one (said once, as the Tokio engine's pools say it).
     pub down: Option<Down>,
     pub down_told: bool,
+    /// While its connects fail: no connection of it is made before this, so that one
+    /// attempt at a time goes to a provider that cannot be reached (its pauses growing),
+    /// not one per connection of its pool. Cleared by a connect that succeeds.
+    pub failing_until: Option<Instant>,
     /// It answered a heartbeat, or a connect to it failed: the engine need not wait for
     /// it before taking calls.
     pub settled: bool,
@@ -121,6 +125,7 @@ impl Provider {
             was_healthy: false,
             down: None,
             down_told: false,
+            failing_until: None,
             settled: false,
             pace,
             left: false,

@@ -13,8 +13,11 @@ use mio::net::TcpListener;
 use rpcmesh_common::metrics::Side;
 use rpcmesh_common::net::budget::{Held, MemoryBudget, Reserved, SMALL_BODY};
 use rpcmesh_common::net::connection::{CloseReason, SHRINK_ABOVE};
-use rpcmesh_common::net::listener::Refusal;
-use rpcmesh_common::net::session::{FINAL_FLUSH_TIMEOUT, Timeouts, WRITE_BACKLOG_LIMIT};
+use rpcmesh_common::net::listener::{REFUSED_BATCH_PAUSE, Refusal};
+use rpcmesh_common::net::session::{
+    FINAL_FLUSH_TIMEOUT, PAUSED_PEER_CHECK, Timeouts, WRITE_BACKLOG_LIMIT,
+};
+use rpcmesh_common::net::sources::Source;
 use rpcmesh_common::net::thinned::Thinned;
 use rpcmesh_common::net::tls::handshake::HandshakeSlot;
 use rpcmesh_common::net::tls::{Identity, Refusal as TlsRefusal, ServerTls};
@@ -27,7 +30,7 @@ use rpcmesh_wire::frame::{Flags, FrameError, Header, MsgType};
 use std::sync::atomic::Ordering;
 
 use super::control::Command;
-use super::socket::{Filled, Socket, one_connections};
+use super::socket::{Filled, MIN_READ, READ_CHUNK, Socket, one_connections};
 use super::upstream::{AsSent, Call};
 use super::{Engine, FIRST_SESSION};
 use crate::call::Avoid;
@@ -39,8 +42,6 @@ const ACCEPTS_PER_ROUND: usize = 64;
 
 /// Log lines for accept failures (a process out of descriptors), thinned.
 static ACCEPT_FAILED_LINES: Thinned = Thinned::new();
-/// The log budget of connections refused at the connection cap.
-static CAP_LINES: Thinned = Thinned::new();
 /// Log lines for sessions closed by a timeout, thinned.
 static TIMEOUT_LINES: Thinned = Thinned::new();
 
@@ -81,6 +82,9 @@ pub(super) struct Session {
     /// that tells it to providers taking callers' identities.
     identity: Option<Identity>,
     caller: Option<Box<[u8]>>,
+    /// Where its client connects from: its count among its source's connections
+    /// (`--max-connections-per-source`) goes down when it closes.
+    source: Source,
     /// Its client asked to be told of the drain (`ext::DRAINING_KEY`): the drain waits
     /// for it to close (at most `NOTICED_DRAIN_LINGER` once idle).
     drain_notice: bool,
@@ -97,11 +101,12 @@ struct Handshaking {
 
 impl Session {
     fn new(
-        stream: mio::net::TcpStream,
+        (stream, source): (mio::net::TcpStream, Source),
         now: Instant,
         budget: &std::sync::Arc<MemoryBudget>,
     ) -> Session {
         Session {
+            source,
             sock: Socket::new(stream),
             in_flight: 0,
             reading: Reading::Open,
@@ -292,6 +297,7 @@ impl Engine {
     /// come again for connections already waiting, so the loop takes them when the pause
     /// is over ([`Engine::accept_at`]).
     pub(super) fn accept(&mut self, listener: &TcpListener, plain: bool) {
+        let mut refused = 0;
         for _ in 0..ACCEPTS_PER_ROUND {
             let (stream, peer) = match listener.accept() {
                 Ok(accepted) => accepted,
@@ -309,16 +315,21 @@ impl Engine {
                     return;
                 }
             };
+            // Refused (accepted and closed at once, counted, logged thinned) at the cap
+            // and over its source's limits, as the Tokio engine's listener refuses.
             if self.shared.sessions() >= self.config.max_connections {
-                self.counts.refused(Refusal::ConnectionCap);
-                self.summary.refused += 1;
-                if let Some(a) = CAP_LINES.admit() {
-                    tracing::warn!(%peer, max = self.config.max_connections, refused = a.seen, left_out = a.left_out, "connection refused: too many open connections");
-                }
+                self.refuse_connection(peer, Refusal::ConnectionCap, 0);
+                refused += 1;
+                continue;
+            }
+            let source = Source::of(peer.ip());
+            if let Err((over, open)) = self.shared.admit(source, self.now) {
+                self.refuse_connection(peer, Refusal::from(over), open);
+                refused += 1;
                 continue;
             }
             tracing::debug!(%peer, "connection accepted");
-            let mut session = Session::new(stream, self.now, &self.budget);
+            let mut session = Session::new((stream, source), self.now, &self.budget);
             if let Some(tls) = self.shared.security.tls.as_ref().filter(|_| !plain) {
                 match tls.begin() {
                     Ok((conn, slot)) => {
@@ -334,6 +345,7 @@ impl Engine {
                         tls.refused(peer, reason, &e);
                         self.counts.opened();
                         self.counts.closed(CloseReason::TlsHandshake);
+                        self.shared.source_closed(source);
                         continue;
                     }
                 }
@@ -344,8 +356,21 @@ impl Engine {
                 w => self.shared.workers[w].command(Command::Adopt(Box::new(session), false)),
             }
         }
-        // More may wait: taken next round.
-        self.accept_at = Some(self.now);
+        // More may wait: taken next round, or, when the whole round was refused (a flood
+        // of connects), after a pause, so that the sessions' reads come first.
+        self.accept_at = Some(if refused == ACCEPTS_PER_ROUND {
+            self.now + REFUSED_BATCH_PAUSE
+        } else {
+            self.now
+        });
+    }
+
+    /// A connection from `peer` refused for `reason` (`open`: what its source has open):
+    /// closed at once, counted and logged (thinned), as the Tokio engine's listener does.
+    fn refuse_connection(&mut self, peer: SocketAddr, reason: Refusal, open: usize) {
+        self.counts.refused(reason);
+        self.summary.refused += 1;
+        reason.log(peer, self.config.max_connections, open, self.config.sources);
     }
 
     /// Takes the connections waiting on the plain listener beside TLS (`--listen-plain`),
@@ -362,6 +387,7 @@ impl Engine {
     /// once (what its client sent meanwhile waits in its socket).
     pub(super) fn adopt(&mut self, mut session: Session, moved: bool) {
         (session.calls, session.since) = (0, self.now);
+        session.held.set(session.sock.room());
         let i = self.sessions.insert(session);
         let registered = self.sessions.get(i).map(|s| {
             self.poll.registry().register(
@@ -388,7 +414,9 @@ impl Engine {
                 }
             }
             _ => {
-                self.sessions.remove(i);
+                if let Some(s) = self.sessions.remove(i) {
+                    self.shared.source_closed(s.source);
+                }
                 self.shared.workers[self.index]
                     .sessions
                     .fetch_sub(1, Ordering::Relaxed);
@@ -526,7 +554,7 @@ impl Engine {
                 return;
             }
             let room = s.sock.room();
-            if self.budget.should_pause(room) {
+            if budget_pauses(&self.budget, &s.sock) {
                 // Its frame is timed meanwhile only while it is one of those holding the
                 // budget (the sweep looks).
                 s.reading = Reading::BudgetPaused;
@@ -534,7 +562,16 @@ impl Engine {
                 self.sessions.budget_paused.push(i as u32);
                 return;
             }
-            let filled = s.sock.fill(&mut self.scratch, s.read_closed);
+            // A read grows the read buffer only while a read chunk more fits in the
+            // budget; else it takes what the buffer has room for (or a small read), so
+            // that many connections growing together cannot pass the limit.
+            let room = s.sock.rbuf.capacity() - s.sock.rbuf.len();
+            let most = if self.budget.fits(READ_CHUNK) {
+                READ_CHUNK
+            } else {
+                room.clamp(MIN_READ, READ_CHUNK)
+            };
+            let filled = s.sock.fill(&mut self.scratch[..most], s.read_closed);
             s.sock.take_counts(&mut self.counts.inbound);
             if s.sock.tls.is_some() {
                 // Its TLS may have records to send: the handshake's, an alert.
@@ -554,17 +591,30 @@ impl Engine {
             match filled {
                 Filled::More => {}
                 Filled::Drained => return,
-                Filled::Closed => {
-                    // What is left is a frame cut off: the calls before it are answered.
-                    if let Some(s) = self.sessions.get(i) {
-                        s.reading = Reading::PeerClosed;
-                        s.sock.rbuf.clear();
-                    }
-                    self.sessions.mark_dirty(i);
-                    return;
-                }
+                Filled::Closed => return self.peer_closed(i),
             }
         }
+    }
+
+    /// Session `i`'s client closed its side. What is left in its read buffer is a frame
+    /// it cut off: counted as bad input, and the session ends as after bad input, once
+    /// what it was answered is written ([`FINAL_FLUSH_TIMEOUT`] at most), as the Tokio
+    /// engine's does. Else its calls before are answered (`ends_now` says when it ends).
+    fn peer_closed(&mut self, i: usize) {
+        let Some(s) = self.sessions.get(i) else {
+            return;
+        };
+        let cut = s.sock.rbuf.len();
+        s.sock.rbuf.clear();
+        if cut > 0 {
+            s.reading = Reading::BadInput(self.now + FINAL_FLUSH_TIMEOUT);
+            self.sessions.ending.push(i as u32);
+            let e = FrameError::Truncated { buffered: cut };
+            self.counts.bad_input(&e, Side::Client);
+        } else {
+            s.reading = Reading::PeerClosed;
+        }
+        self.sessions.mark_dirty(i);
     }
 
     /// Whether session `i`, whose TLS was just read (`filled`), goes on: past its
@@ -661,7 +711,10 @@ impl Engine {
                 s.clock.busy_at = now;
             }
             if rbuf.is_empty() && rbuf.capacity() > SHRINK_ABOVE {
-                rbuf = BytesMut::new();
+                rbuf = BytesMut::with_capacity(MIN_READ);
+            } else if rbuf.is_empty() {
+                // Its room taken back (the frames read are gone; no allocation).
+                rbuf.reserve(MIN_READ);
             }
             s.held.set(rbuf.capacity() + s.sock.out.capacity());
             // A frame is timed from its first bytes: from this read when it brought whole
@@ -1066,6 +1119,15 @@ impl Engine {
                 ),
             ];
             if let Some((_, reason)) = due.iter().find(|(d, _)| d.is_some_and(|d| d <= now)) {
+                // A frame unfinished while this session is one of those holding the budget
+                // past its pause mark (paused, or about to be at its next read): closed for
+                // the budget, as on Tokio.
+                let holding =
+                    s.reading == Reading::BudgetPaused || self.budget.should_pause(s.sock.room());
+                let reason = match reason {
+                    CloseReason::FrameTimeout if holding => &CloseReason::MemoryBudget,
+                    r => r,
+                };
                 if let Some(a) = TIMEOUT_LINES.admit() {
                     tracing::debug!(
                         reason = reason.label(),
@@ -1084,13 +1146,28 @@ impl Engine {
         if self.sessions.budget_paused.is_empty() {
             return;
         }
+        if self.now >= self.next_peer_check {
+            // Paused, it reads nothing, and its caller's leaving raises no event while
+            // bytes wait unread: looked for every `PAUSED_PEER_CHECK`.
+            self.next_peer_check = self.now + PAUSED_PEER_CHECK;
+            for k in 0..self.sessions.budget_paused.len() {
+                let i = self.sessions.budget_paused[k] as usize;
+                let left = self
+                    .sessions
+                    .get(i)
+                    .filter(|s| s.reading == Reading::BudgetPaused);
+                if left.is_some_and(|s| s.sock.peer_left_mid_frame()) {
+                    self.peer_closed(i);
+                }
+            }
+        }
         let mut paused = mem::take(&mut self.sessions.budget_paused);
         paused.retain(|&i| {
             let Some(s) = self.sessions.get(i as usize) else {
                 return false;
             };
             let room = s.sock.room();
-            if s.reading == Reading::BudgetPaused && self.budget.should_pause(room) {
+            if s.reading == Reading::BudgetPaused && budget_pauses(&self.budget, &s.sock) {
                 return true;
             }
             if s.reading == Reading::BudgetPaused {
@@ -1156,6 +1233,7 @@ impl Engine {
                 }
             }
             let _ = self.poll.registry().deregister(&mut s.sock.stream);
+            self.shared.source_closed(s.source);
             tracing::debug!(reason = reason.label(), "connection closed");
             self.counts.closed(reason);
             self.shared.workers[self.index]
@@ -1178,6 +1256,16 @@ impl Engine {
             self.close_session(i, CloseReason::Shutdown);
         }
     }
+}
+
+/// Whether the memory budget keeps a session with `sock` from reading now, as the Tokio
+/// engine's `FramedIo::budget_pause` says: past the pause mark while it holds the pause
+/// floor or more, or its read buffer must grow to read on (less than [`MIN_READ`] of
+/// room) and that much more does not fit (so that many connections growing together
+/// cannot take the process past its limit, each under the floor).
+fn budget_pauses(budget: &MemoryBudget, sock: &Socket) -> bool {
+    let room = sock.rbuf.capacity() - sock.rbuf.len();
+    budget.should_pause(sock.room()) || (room < MIN_READ && !budget.fits(MIN_READ))
 }
 
 #[cfg(test)]
@@ -1223,7 +1311,11 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let budget = rpcmesh_common::net::budget::MemoryBudget::new(1 << 30);
-        let session = || Session::new(TcpStream::connect(addr).unwrap(), Instant::now(), &budget);
+        let source = Source::of(addr.ip());
+        let session = || {
+            let stream = TcpStream::connect(addr).unwrap();
+            Session::new((stream, source), Instant::now(), &budget)
+        };
         let mut sessions = Sessions::default();
         let i = sessions.insert(session());
         let first = sessions.ref_of(i);

@@ -13,6 +13,12 @@ use rpcmesh_common::net::connection::{IoCounts, SHRINK_ABOVE};
 /// have left more behind, and is followed by another).
 pub use rpcmesh_common::net::connection::READ_CHUNK;
 
+/// The room a read buffer keeps however empty it is, and the least a read takes while the
+/// memory budget has no room for a read chunk more: a page, enough for a small call, so
+/// that a caller is read even while others hold the budget (as the Tokio engine's fresh
+/// read buffer holds).
+pub const MIN_READ: usize = 4096;
+
 /// How a read ended.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Filled {
@@ -52,6 +58,8 @@ pub struct Socket {
 }
 
 impl Socket {
+    /// A socket on `stream`, its read buffer [`MIN_READ`] large (counted in the budget
+    /// from the start, as the Tokio engine's base).
     pub fn new(stream: TcpStream) -> Socket {
         // Calls and replies are small and go in batches of a round: Nagle would only
         // hold the last one back.
@@ -60,7 +68,7 @@ impl Socket {
             stream,
             tls: None,
             tcp_eof: false,
-            rbuf: BytesMut::new(),
+            rbuf: BytesMut::with_capacity(MIN_READ),
             out: BytesMut::new(),
             dirty: false,
             written: 0,
@@ -109,6 +117,14 @@ impl Socket {
         to.bytes_written += c.bytes_written;
         to.reads += c.reads;
         to.writes += c.writes;
+    }
+
+    /// True when its peer has closed its side in the middle of the frame being read, which
+    /// can then never be whole (`rpcmesh_common::net::connection::peer_left_mid_frame`):
+    /// what a connection the budget pauses, reading nothing, looks at.
+    pub fn peer_left_mid_frame(&self) -> bool {
+        use rpcmesh_common::net::connection::{missing, peer_left_mid_frame};
+        peer_left_mid_frame(&self.stream, missing(&self.rbuf, self.discard))
     }
 
     /// Drops the next `len` bytes of the stream, as they arrive: a frame refused on its

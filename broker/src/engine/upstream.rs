@@ -526,6 +526,7 @@ impl Engine {
         (up.takes_deadline, up.takes_cap, up.takes_caller) = (false, false, false);
         up.state = State::Up(sock);
         up.answered = false;
+        self.routes.providers[up.provider].failing_until = None;
         up.quick_ack = self.routes.providers[up.provider].kind == PeerKind::V1;
         let p = up.provider;
         up.keeps =
@@ -1079,7 +1080,7 @@ impl Engine {
             self.retire_if_done(k);
             let up = &self.upstreams[k];
             match &up.state {
-                State::Down { retry_at } if now >= *retry_at => self.connect(k),
+                State::Down { retry_at } if now >= *retry_at => self.connect_due(k),
                 State::Down { retry_at } => next = next.min(*retry_at),
                 State::Connecting { by, sock } if now >= *by => {
                     if sock.tls.is_some() {
@@ -1125,6 +1126,24 @@ impl Engine {
         self.next_keep = next.max(now + KEEP_AT_MOST_EVERY);
     }
 
+    /// Connection `k`'s time to be made has come: it is made now, unless its provider's
+    /// connects fail (`Provider::failing_until`): then one attempt at a time is made, and
+    /// the others wait for its end.
+    fn connect_due(&mut self, k: usize) {
+        let p = self.upstreams[k].provider;
+        match self.routes.providers[p].failing_until {
+            Some(t) if self.now < t => self.upstreams[k].state = State::Down { retry_at: t },
+            failing => {
+                if failing.is_some() {
+                    // Until this attempt ends (it fails, or the connect is made).
+                    let by = self.now + self.config.connect_timeout;
+                    self.routes.providers[p].failing_until = Some(by);
+                }
+                self.connect(k);
+            }
+        }
+    }
+
     /// A connect of connection `k` failed (or could not start): counted, and made again
     /// after the pause.
     fn connect_failed(&mut self, k: usize, e: io::Error) {
@@ -1137,6 +1156,10 @@ impl Engine {
         }
         provider.down = Some(Down::Unreachable(format!("connect failed: {e}")));
         self.upstream_lost(k, ConnEnd::Socket(Arc::new(e)));
+        // Its next attempt, by whichever connection, after this one's pause.
+        if let State::Down { retry_at } = self.upstreams[k].state {
+            self.routes.providers[p].failing_until = Some(retry_at);
+        }
     }
 
     /// Starts connection `k` to its provider; down again after a pause when it cannot

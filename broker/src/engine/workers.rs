@@ -31,6 +31,7 @@ use mio::Waker;
 use rpcmesh_common::cli::security::Security;
 use rpcmesh_common::net::budget::MemoryBudget;
 use rpcmesh_common::net::shutdown::CancellationToken;
+use rpcmesh_common::net::sources::{OverLimit, Source, Sources};
 
 use super::control::{Command, Control};
 use crate::cell::placement::{Change, Placement, Reading, Seen, decide};
@@ -97,6 +98,9 @@ pub(super) struct Shared {
     /// Each provider's series, by its label and the number of the list it joined with,
     /// until every worker has taken its handles (`Shared::upstream_metrics`).
     upstreams: Mutex<HashMap<(Arc<str>, u64), Handed>>,
+    /// Each source's connections open and its bucket (`rpcmesh_common::net::sources`):
+    /// admitted by the listening worker, closed by whichever worker holds the session.
+    sources: Mutex<Sources>,
 }
 
 /// A provider's series, and how many workers have taken their handles.
@@ -111,7 +115,7 @@ impl Shared {
         budget: Arc<MemoryBudget>,
         in_flight: Arc<InFlightCap>,
         workers: Vec<Link>,
-        open: usize,
+        (open, sources): (usize, Sources),
     ) -> Shared {
         let open = open.clamp(1, workers.len().max(1));
         let (open_gauge, moves) = metrics.placement(workers.len());
@@ -131,7 +135,24 @@ impl Shared {
             workers,
             open: AtomicUsize::new(open),
             upstreams: Mutex::new(HashMap::new()),
+            sources: Mutex::new(sources),
         }
+    }
+
+    /// Admits one more connection from `source` now, or says which of its limits it is
+    /// over, and what it has open.
+    pub fn admit(&self, source: Source, now: Instant) -> Result<(), (OverLimit, usize)> {
+        let mut sources = self.sources.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = tokio::time::Instant::from_std(now);
+        sources
+            .admit(source, now)
+            .map_err(|over| (over, sources.open(source)))
+    }
+
+    /// A connection from `source` closed.
+    pub fn source_closed(&self, source: Source) {
+        let mut sources = self.sources.lock().unwrap_or_else(PoisonError::into_inner);
+        sources.closed(source);
     }
 
     /// Client connections served by all workers (and on their way to one).

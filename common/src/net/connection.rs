@@ -380,18 +380,7 @@ impl FramedIo {
     /// Bytes the frame being read still needs before it is whole (0 with no partial
     /// frame; a header not yet whole counts only its own missing bytes).
     fn missing(&self) -> usize {
-        if self.discard > 0 {
-            return self.discard.saturating_sub(self.rbuf.len());
-        }
-        let have = self.rbuf.len();
-        if have == 0 {
-            return 0;
-        }
-        if have < HEADER_LEN {
-            return HEADER_LEN - have;
-        }
-        let body_len = u32::from_be_bytes([self.rbuf[6], self.rbuf[7], self.rbuf[8], self.rbuf[9]]);
-        (FRAME_OVERHEAD + body_len as usize).saturating_sub(have)
+        missing(&self.rbuf, self.discard)
     }
 
     /// True when the peer has closed its side (or reset the connection) and the frame
@@ -402,26 +391,7 @@ impl FramedIo {
     /// the caller's kernel has sent everything before it: a caller that had more unsent
     /// than this side's receive buffer takes is seen to leave only by the frame clock.
     pub fn peer_left_mid_frame(&self) -> bool {
-        use rustix::event::{PollFd, PollFlags, poll};
-        let missing = self.missing();
-        if missing == 0 {
-            return false;
-        }
-        let tcp = self.stream.tcp();
-        let mut fds = [PollFd::new(tcp, PollFlags::RDHUP)];
-        let zero = rustix::time::Timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        if poll(&mut fds, Some(&zero)).is_err() {
-            return false;
-        }
-        let seen = fds[0].revents();
-        if !seen.intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR) {
-            return false;
-        }
-        let waiting = rustix::io::ioctl_fionread(tcp).unwrap_or(0);
-        (waiting as usize) < missing
+        peer_left_mid_frame(self.stream.tcp(), self.missing())
     }
 
     /// The socket under the frames: plain, or TLS with its peer's certificates.
@@ -673,4 +643,47 @@ impl FramedIo {
         self.flush().await?;
         self.stream.shutdown().await
     }
+}
+
+/// Bytes the frame being read still needs before it is whole, `rbuf` holding what came of
+/// it and `discard` what is still to be skipped of a frame refused on its header (0 with
+/// no partial frame; a header not yet whole counts only its own missing bytes).
+pub fn missing(rbuf: &[u8], discard: usize) -> usize {
+    if discard > 0 {
+        return discard.saturating_sub(rbuf.len());
+    }
+    let have = rbuf.len();
+    if have == 0 {
+        return 0;
+    }
+    if have < HEADER_LEN {
+        return HEADER_LEN - have;
+    }
+    let body_len = u32::from_be_bytes([rbuf[6], rbuf[7], rbuf[8], rbuf[9]]);
+    (FRAME_OVERHEAD + body_len as usize).saturating_sub(have)
+}
+
+/// True when the peer on `tcp` has closed its side (or reset the connection) and a frame
+/// that still needs `missing` bytes can never be finished: the bytes waiting unread in
+/// the kernel are fewer ([`FramedIo::peer_left_mid_frame`] says why and when to look).
+/// Two system calls, without reading.
+pub fn peer_left_mid_frame(tcp: impl std::os::fd::AsFd, missing: usize) -> bool {
+    use rustix::event::{PollFd, PollFlags, poll};
+    if missing == 0 {
+        return false;
+    }
+    let mut fds = [PollFd::new(&tcp, PollFlags::RDHUP)];
+    let zero = rustix::time::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    if poll(&mut fds, Some(&zero)).is_err() {
+        return false;
+    }
+    let seen = fds[0].revents();
+    if !seen.intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR) {
+        return false;
+    }
+    let waiting = rustix::io::ioctl_fionread(&tcp).unwrap_or(0);
+    (waiting as usize) < missing
 }

@@ -115,6 +115,23 @@ impl Refusal {
     pub fn index(self) -> usize {
         self as usize
     }
+
+    /// Logs a connection from `peer` refused for this reason, thinned (one budget per
+    /// reason and process, whichever loop accepts): at the cap, `max_connections`; over
+    /// its source's limits, what the source has open (`open`) and the `limits`.
+    pub fn log(self, peer: SocketAddr, max_connections: usize, open: usize, limits: SourceLimits) {
+        let Some(a) = REFUSED_LINES[self.index()].admit() else {
+            return;
+        };
+        match self {
+            Refusal::ConnectionCap => {
+                tracing::warn!(%peer, max = max_connections, refused = a.seen, left_out = a.left_out, "connection refused: too many open connections");
+            }
+            Refusal::SourceConnections | Refusal::SourceRate => {
+                tracing::warn!(%peer, source = %Source::of(peer.ip()).ip(), reason = self.label(), open, max_per_source = limits.max_connections, rate = limits.rate.map(|r| r.per_second), burst = limits.rate.map(|r| r.burst), refused = a.seen, left_out = a.left_out, "connection refused: over its source's limits");
+            }
+        }
+    }
 }
 
 impl From<OverLimit> for Refusal {
@@ -270,9 +287,7 @@ where
                         refused_in_batch += 1;
                         summary.refused += 1;
                         observer.refused(Refusal::ConnectionCap);
-                        if let Some(a) = REFUSED_LINES[Refusal::ConnectionCap.index()].admit() {
-                            tracing::warn!(%peer, max = config.max_connections, refused = a.seen, left_out = a.left_out, "connection refused: too many open connections");
-                        }
+                        Refusal::ConnectionCap.log(peer, config.max_connections, 0, config.sources);
                         drop(stream);
                         continue;
                     }
@@ -282,10 +297,7 @@ where
                         refused_in_batch += 1;
                         summary.refused += 1;
                         observer.refused(reason);
-                        if let Some(a) = REFUSED_LINES[reason.index()].admit() {
-                            let limits = config.sources;
-                            tracing::warn!(%peer, source = %source.ip(), reason = reason.label(), open = sources.open(source), max_per_source = limits.max_connections, rate = limits.rate.map(|r| r.per_second), burst = limits.rate.map(|r| r.burst), refused = a.seen, left_out = a.left_out, "connection refused: over its source's limits");
-                        }
+                        reason.log(peer, config.max_connections, sources.open(source), config.sources);
                         drop(stream);
                         continue;
                     }
