@@ -568,12 +568,27 @@ const CHURN_SESSIONS_SLACK: f64 = 32.0;
 /// can, is held to its source's accept rate; a well-behaved client keeps its throughput
 /// (as much as beside a load that only spins the CPU), and the broker's open sessions
 /// stay near the number of live callers.
+/// On both engines.
 #[test]
 fn a_connect_send_close_churner_leaves_other_clients_their_throughput() {
     let _measuring = measuring();
+    for engine in ENGINES {
+        churner(engine);
+    }
+}
+
+fn churner(engine: &str) {
     let provider = Spawned::start("provider", &["--threads", "1"]);
     let upstream = provider.rpc.to_string();
-    let broker = Spawned::start("broker", &["--threads", "1", "--upstream", &upstream]);
+    let args = [
+        "--engine",
+        engine,
+        "--threads",
+        "1",
+        "--upstream",
+        &upstream,
+    ];
+    let broker = Spawned::start("broker", &args);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(broker.wait_serving());
     let victim = Victim::start(broker.rpc);
@@ -617,19 +632,19 @@ fn a_connect_send_close_churner_leaves_other_clients_their_throughput() {
     };
     let (control, churn) = (share(1), share(2));
     eprintln!(
-        "victim's calls beside a spinning thread: {control:.2} of those alone, beside the churner: {churn:.2} (medians of {CHURN_ROUNDS} rounds; calls per slot {slots:?}); the churner sent {churned} calls, {refused} of its connections refused, {admitted} accepted in all; at most {most_open} sessions open"
+        "{engine}: victim's calls beside a spinning thread: {control:.2} of those alone, beside the churner: {churn:.2} (medians of {CHURN_ROUNDS} rounds; calls per slot {slots:?}); the churner sent {churned} calls, {refused} of its connections refused, {admitted} accepted in all; at most {most_open} sessions open"
     );
     assert!(
         refused > admitted,
-        "the churner was held to its rate: {refused} refused, {admitted} accepted"
+        "{engine}: the churner was held to its rate: {refused} refused, {admitted} accepted"
     );
     assert!(
         churn >= MIN_CHURN_SHARE,
-        "beside the churner the victim kept {churn:.2} of its calls (beside a spinning thread: {control:.2})"
+        "{engine}: beside the churner the victim kept {churn:.2} of its calls (beside a spinning thread: {control:.2})"
     );
     assert!(
         most_open <= 1.0 + CHURN_SESSIONS_SLACK,
-        "{most_open} sessions open for one live caller"
+        "{engine}: {most_open} sessions open for one live caller"
     );
 }
 
@@ -893,10 +908,17 @@ const MIN_DEAD_SHARE: f64 = 0.8;
 /// back off per provider, one at a time, and the routing offers calls to the providers
 /// with connections first. Two brokers before the same live provider, one listing the
 /// dead ones too, are measured in turns, each by a caller of its own.
+/// On both engines.
 #[test]
 fn a_thousand_unreachable_providers_cost_little_throughput() {
     let _measuring = measuring();
-    let dir = Scratch::new("dead");
+    for engine in ENGINES {
+        unreachable_providers(engine);
+    }
+}
+
+fn unreachable_providers(engine: &str) {
+    let dir = Scratch::new(&format!("dead-{engine}"));
     let provider = Spawned::start("provider", &["--threads", "1"]);
     let (live, dead) = (dir.path("live"), dir.path("dead"));
     std::fs::write(&live, format!("{}\n", provider.rpc)).unwrap();
@@ -909,7 +931,14 @@ fn a_thousand_unreachable_providers_cost_little_throughput() {
     let start = |file: &std::path::Path| {
         Spawned::start(
             "broker",
-            &["--threads", "1", "--providers-file", file.to_str().unwrap()],
+            &[
+                "--engine",
+                engine,
+                "--threads",
+                "1",
+                "--providers-file",
+                file.to_str().unwrap(),
+            ],
         )
     };
     let brokers = [start(&live), start(&dead)];
@@ -937,14 +966,14 @@ fn a_thousand_unreachable_providers_cost_little_throughput() {
     let [alone, with_dead] = calls.map(|c| c as f64);
     let refused = brokers[1].metric("rpcmesh_upstream_connect_failures_total", &[]);
     eprintln!(
-        "calls through a broker of one live provider: {alone}; with {DEAD_PROVIDERS} dead ones too: {with_dead} ({:.2}); broker CPU per call {:.1} µs and {:.1} µs; {refused} connects refused in all",
+        "{engine}: calls through a broker of one live provider: {alone}; with {DEAD_PROVIDERS} dead ones too: {with_dead} ({:.2}); broker CPU per call {:.1} µs and {:.1} µs; {refused} connects refused in all",
         with_dead / alone,
         cpu[0] / alone * 1e6,
         cpu[1] / with_dead * 1e6,
     );
     assert!(
         with_dead >= MIN_DEAD_SHARE * alone,
-        "{with_dead} calls with the dead providers, {alone} without"
+        "{engine}: {with_dead} calls with the dead providers, {alone} without"
     );
 }
 

@@ -100,13 +100,10 @@
 //! connection's ring holds it, not [`REQUEST_RETAIN`] at most.
 //!
 //! Not yet as the Tokio engine (`system-tests/tests/bounds.rs` and `hostile.rs` hold
-//! the Tokio engine to them; each fails on this one): a client that connects, sends and
-//! closes as fast as its source's rate allows still costs the others about half their
-//! calls (the Tokio engine, under a third); a flood of calls each under the pause floor
-//! takes what the broker buffers past its budget (by a fifth); a thousand providers that
-//! refuse connections cost about two thirds of the throughput (the Tokio engine, under a
-//! fifth); and the buffers of callers that flooded large frames are not all given back
-//! once they stop.
+//! the Tokio engine to them; each fails on this one): a flood of calls each under the
+//! pause floor, from a thousand callers that read no reply, takes what the broker
+//! buffers past its budget (about half as much again); and the buffers of callers that
+//! flooded large frames are not all given back once they stop.
 
 mod control;
 mod members;
@@ -568,6 +565,12 @@ struct Engine {
     budget: Arc<MemoryBudget>,
     /// Calls handed back this round, routed again at its end (`reroute`).
     handed_back: Vec<HandedBack>,
+    /// The provider connections that are up (the others have nothing to write), and the
+    /// round's copy of that list while they are written.
+    up_conns: Vec<usize>,
+    flushing: Vec<usize>,
+    /// The providers given an outcome this round (told to their series at its end).
+    told: Vec<usize>,
     /// Calls admitted this round: what they deposit in the retry budget.
     admitted: usize,
     /// The listener is registered: the providers have settled (`Engine::listen`), or
@@ -641,6 +644,9 @@ impl Engine {
             serials: 0,
             next_publish: Instant::now(),
             handed_back: Vec::new(),
+            up_conns: Vec::new(),
+            flushing: Vec::new(),
+            told: Vec::new(),
             admitted: 0,
             // Only the first worker listens.
             listening: index > 0,
@@ -987,8 +993,14 @@ impl Engine {
     /// provider connection whose write failed are routed again and written at once, once
     /// (those of a second failure in the next round, which does not wait).
     fn flush(&mut self) {
+        // Only the connections that are up can have something to write: with many
+        // providers that cannot be reached, looking at every connection each round cost
+        // most of the round.
+        let mut up = mem::take(&mut self.flushing);
         for pass in 0..2 {
-            for k in 0..self.upstreams.len() {
+            up.clear();
+            up.extend_from_slice(&self.up_conns);
+            for &k in &up {
                 if let Err(e) = self.upstreams[k].flush(&self.budget) {
                     self.upstream_lost(k, crate::failure::ConnEnd::Write(Arc::new(e)));
                 }
@@ -998,6 +1010,7 @@ impl Engine {
             }
             self.reroute();
         }
+        self.flushing = up;
         self.timing.flushed_upstream();
         self.flush_sessions();
         self.timing.flushed_back();
@@ -1031,8 +1044,8 @@ impl Engine {
     /// Tells the shared counters what the round counted of each provider: its calls'
     /// outcomes, the bytes and system calls on its connections.
     fn tell_providers(&mut self) {
-        for provider in &mut self.routes.providers {
-            if !provider.outcomes.is_empty() {
+        for p in self.told.drain(..) {
+            if let Some(provider) = self.routes.providers.get_mut(p) {
                 let m = &provider.metrics;
                 provider.outcomes.drain(|status, n| m.outcomes(status, n));
             }

@@ -176,6 +176,12 @@ pub(super) struct Routes {
     pub named: HashMap<Box<[u8]>, Vec<usize>>,
     /// The providers given for any service.
     pub any: Vec<usize>,
+    /// The same two, with only the providers that have a healthy connection: a call is
+    /// offered to those first, so that providers that cannot be reached (a thousand in a
+    /// providers file) cost a call nothing, as on the Tokio engine, where the routing
+    /// table lists the providers with connections first. Kept by [`Routes::keep_healthy`].
+    pub healthy_named: HashMap<Box<[u8]>, Vec<usize>>,
+    pub healthy_any: Vec<usize>,
 }
 
 impl Routes {
@@ -195,6 +201,25 @@ impl Routes {
                     .push(p);
             }
         }
+        self.keep_healthy();
+    }
+
+    /// Lists again the providers with a healthy connection (when one gains its first or
+    /// loses its last, and when the providers are listed again).
+    pub fn keep_healthy(&mut self) {
+        let providers = &self.providers;
+        let healthy = |list: &[usize]| -> Vec<usize> {
+            list.iter()
+                .copied()
+                .filter(|&p| providers[p].was_healthy)
+                .collect()
+        };
+        self.healthy_any = healthy(&self.any);
+        self.healthy_named = self
+            .named
+            .iter()
+            .map(|(service, list)| (service.clone(), healthy(list)))
+            .collect();
     }
 }
 
@@ -336,6 +361,10 @@ impl Engine {
         if lists[0].is_empty() {
             return Err(NoRoute::UnknownService);
         }
+        let healthy: [&[usize]; 2] = match routes.healthy_named.get(service) {
+            Some(named) => [named, &routes.healthy_any],
+            None => [&routes.healthy_any, &[]],
+        };
         let mut pick = Pick {
             routes,
             upstreams,
@@ -344,10 +373,14 @@ impl Engine {
             round: *rounds,
             why: NoRoute::NoHealthy,
         };
-        for pass in [Pass::Admitted, Pass::LastResort] {
-            for list in lists {
-                if let Some(k) = pick.among(list, flags, pass, avoid, rng, turn) {
-                    return Ok(k);
+        // The providers with a healthy connection first; the others only when none of
+        // those took the call (they take none either: it is to say why).
+        for lists in [healthy, lists] {
+            for pass in [Pass::Admitted, Pass::LastResort] {
+                for list in lists {
+                    if let Some(k) = pick.among(list, flags, pass, avoid, rng, turn) {
+                        return Ok(k);
+                    }
                 }
             }
         }

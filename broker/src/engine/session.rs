@@ -13,7 +13,7 @@ use mio::net::TcpListener;
 use rpcmesh_common::metrics::Side;
 use rpcmesh_common::net::budget::{Held, MemoryBudget, Reserved, SMALL_BODY};
 use rpcmesh_common::net::connection::{CloseReason, SHRINK_ABOVE};
-use rpcmesh_common::net::listener::{REFUSED_BATCH_PAUSE, Refusal};
+use rpcmesh_common::net::listener::{ACCEPT_BATCH, REFUSED_BATCH_PAUSE, Refusal};
 use rpcmesh_common::net::session::{
     FINAL_FLUSH_TIMEOUT, PAUSED_PEER_CHECK, Timeouts, WRITE_BACKLOG_LIMIT,
 };
@@ -36,9 +36,10 @@ use super::{Engine, FIRST_SESSION};
 use crate::call::Avoid;
 use crate::failure::{Cap, Failure, put_answer};
 
-/// Connections accepted in one round at most, so that a flood of connections cannot
-/// starve the sessions' reads; the next round takes the rest.
-const ACCEPTS_PER_ROUND: usize = 64;
+/// Connections accepted in one round at most, so that a flood of connects gets about the
+/// share of one busy session, not the thread: the Tokio engine's accept batch (its doc
+/// says what larger ones cost), for the same reason. The next round takes the rest.
+const ACCEPTS_PER_ROUND: usize = ACCEPT_BATCH;
 
 /// Log lines for accept failures (a process out of descriptors), thinned.
 static ACCEPT_FAILED_LINES: Thinned = Thinned::new();

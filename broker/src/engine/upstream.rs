@@ -526,6 +526,7 @@ impl Engine {
         (up.takes_deadline, up.takes_cap, up.takes_caller) = (false, false, false);
         up.state = State::Up(sock);
         up.answered = false;
+        self.up_conns.push(k);
         self.routes.providers[up.provider].failing_until = None;
         up.quick_ack = self.routes.providers[up.provider].kind == PeerKind::V1;
         let p = up.provider;
@@ -747,7 +748,7 @@ impl Engine {
         let flags = h.flags;
         self.judge(p, verdict_of(status, flags, body));
         // The provider's answer, even one that sends the call elsewhere.
-        self.routes.providers[p].outcomes.add(status);
+        self.outcome(p, status);
         let rpcmesh = self.routes.providers[p].kind == PeerKind::Rpcmesh;
         if status == Status::Overloaded && rpcmesh && self.upstreams[k].holds(&call) {
             // Shed without being run: safe to send to another, if the budget allows.
@@ -853,7 +854,7 @@ impl Engine {
             provider.estimate_changed();
         }
         self.judge(p, failure_verdict(&failure, self.config.call_timeout));
-        self.routes.providers[p].outcomes.add(failure.status());
+        self.outcome(p, failure.status());
         self.answer_call(&call, &failure);
     }
 
@@ -936,7 +937,7 @@ impl Engine {
                 if self.guards.budget.withdraw(self.now) {
                     if let Some(request) = self.kept_request(k, &call) {
                         self.judge(p, Verdict::Fault);
-                        self.routes.providers[p].outcomes.add(failure.status());
+                        self.outcome(p, failure.status());
                         self.hand_back(p, call, request, Reroute::Lost);
                         continue;
                     }
@@ -963,6 +964,11 @@ impl Engine {
         };
         let old = mem::replace(&mut up.state, next);
         let was_up = matches!(old, State::Up(_));
+        if was_up {
+            if let Some(at) = self.up_conns.iter().position(|&c| c == k) {
+                self.up_conns.swap_remove(at);
+            }
+        }
         if let State::Up(mut sock) | State::Connecting { mut sock, .. } = old {
             sock.take_counts(&mut self.counts.outbound);
             let _ = self.poll.registry().deregister(&mut sock.stream);
@@ -1061,8 +1067,12 @@ impl Engine {
             }
             provider.down_told = provider.down.is_some();
         }
+        let changed = provider.was_healthy != healthy;
         provider.was_healthy = healthy;
         provider.metrics.publish_conns(up);
+        if changed {
+            self.routes.keep_healthy();
+        }
     }
 
     /// Looks after the provider connections when one of their times has come: makes
@@ -1124,6 +1134,16 @@ impl Engine {
             next = next.min(self.next_publish);
         }
         self.next_keep = next.max(now + KEEP_AT_MOST_EVERY);
+    }
+
+    /// Counts an outcome of provider `p`'s, told to its series at the round's end
+    /// (`Engine::tell_providers`, which looks only at the providers given one).
+    fn outcome(&mut self, p: usize, status: Status) {
+        let provider = &mut self.routes.providers[p];
+        if provider.outcomes.is_empty() {
+            self.told.push(p);
+        }
+        provider.outcomes.add(status);
     }
 
     /// Connection `k`'s time to be made has come: it is made now, unless its provider's
@@ -1239,7 +1259,7 @@ impl Engine {
             let calls: Vec<(u64, Call)> = self.upstreams[k].calls.drain().collect();
             for (_, call) in calls {
                 self.routes.providers[p].outstanding -= 1;
-                self.routes.providers[p].outcomes.add(failure.status());
+                self.outcome(p, failure.status());
                 self.answer_call(&call, failure);
             }
         }
