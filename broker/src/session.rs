@@ -772,10 +772,6 @@ impl Session {
     }
 }
 
-/// What the broker answers a client's question about call fields with: it takes the
-/// deadline, and tells of its drain those that ask (`ext::DRAIN_NOTICE_FIELD`).
-const BROKER_FIELDS: &str = "deadline,drain-notice";
-
 /// Tells a client that asked that the broker drains: its connection takes no more calls
 /// (`ext::DRAINING_KEY`).
 pub(crate) fn put_drain_notice(out: &mut bytes::BytesMut) {
@@ -788,7 +784,7 @@ pub(crate) fn put_drain_notice(out: &mut bytes::BytesMut) {
 pub(crate) fn put_heartbeat_answer(out: &mut bytes::BytesMut, id: u64, body: &[u8]) {
     let asked = Heartbeat::extra_value_in(body, ext::HEARTBEAT_KEY).is_ok_and(|v| v.is_some());
     let extra: &[(&str, &str)] = if asked {
-        &[(ext::HEARTBEAT_KEY, BROKER_FIELDS)]
+        &[(ext::HEARTBEAT_KEY, ext::BROKER_FIELDS)]
     } else {
         &[]
     };

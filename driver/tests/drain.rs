@@ -325,7 +325,7 @@ async fn a_connection_told_of_the_drain_takes_no_more_calls_and_is_closed_by_the
     let asked = asked.extra_value(ext::HEARTBEAT_KEY).unwrap();
     assert!(ext::takes(asked, ext::DRAIN_NOTICE_FIELD), "{asked}");
     let mut out = bytes::BytesMut::new();
-    let fields = [(ext::HEARTBEAT_KEY, "deadline,drain-notice")];
+    let fields = [(ext::HEARTBEAT_KEY, ext::BROKER_FIELDS)];
     Heartbeat::put_now_with(&mut out, ask[0].header.req_id, "t", "t", &fields).unwrap();
     s.write_all(&out).await.unwrap();
     // Both users' first calls; one is held, and the notice follows.

@@ -78,6 +78,10 @@ pub const MAX_CALLER_LEN: usize = 2048;
 pub const HEARTBEAT_KEY: &str = "rpcmesh-call-ext";
 /// The name of the caller field in [`HEARTBEAT_KEY`]'s value.
 pub const CALLER_FIELD: &str = "caller";
+/// What a broker answers its clients' [`HEARTBEAT_KEY`] question with: it takes the
+/// deadline (never a caller: its callers are whom their certificates name), and tells of
+/// its drain those that ask.
+pub const BROKER_FIELDS: &str = "deadline,drain-notice";
 /// What a provider answers [`HEARTBEAT_KEY`] with: it takes both fields (a broker sends
 /// the caller only over TLS), and tells of its drain those that ask.
 pub const PROVIDER_FIELDS: &str = "caller,deadline,drain-notice";
