@@ -19,7 +19,7 @@ use rpcmesh_testkit::{self as testkit, Spawned};
 use rpcmesh_wire::Status;
 
 /// The broker's engines, for the tests that hold both to a bound (the others hold the
-/// default engine's: the loop engine's module doc says which it does not meet yet).
+/// default engine to theirs; `RPCMESH_BROKER_ENGINE=loop` runs them on the loop engine).
 const ENGINES: [&str; 2] = ["tokio", "loop"];
 
 /// Held by the tests that measure throughput or load the machine hard, one at a time.
@@ -74,6 +74,25 @@ fn send_what_goes(s: &mut std::net::TcpStream, bytes: &[u8]) {
     }
 }
 
+/// Connects from `source` to `to` and sends a heartbeat and, in the same write, the
+/// header of a call whose body would be 10 MiB ([`testkit::large_claim`]); returns once
+/// the heartbeat is answered, so that the broker has read the header too. The call is
+/// then one begun under the budget's high mark, whose body the broker takes under its
+/// pauses: one whose header comes past the mark is answered "overloaded" at once, its
+/// body dropped as it comes (the loop engine's `refuse_coming`).
+fn claim_seen(source: std::net::Ipv4Addr, to: SocketAddr) -> std::net::TcpStream {
+    use std::io::Read;
+    let mut s = testkit::connect_from(source, to, testkit::WAIT_TIMEOUT).unwrap();
+    let mut first = bytes::BytesMut::new();
+    rpcmesh_wire::body::Heartbeat::put_now(&mut first, 1, "claim", "0").unwrap();
+    first.extend_from_slice(&testkit::large_claim(0));
+    s.write_all(&first).unwrap();
+    s.set_read_timeout(Some(testkit::WAIT_TIMEOUT)).unwrap();
+    let mut reply = [0u8; 64];
+    assert!(s.read(&mut reply).unwrap() > 0, "the heartbeat is answered");
+    s
+}
+
 /// A hundred callers each send part of a body whose header claims 10 MiB, then nothing:
 /// past three quarters of the budget they are all paused. Paused, they are still closed:
 /// those holding the budget when their frame timeout passes (counted `memory_budget`),
@@ -98,15 +117,16 @@ async fn partial_bodies(engine: &str) {
         &["--engine", engine, "--frame-timeout", "2s"],
     )
     .await;
+    let header = testkit::large_claim(0).len();
     let mut part = testkit::large_claim(0);
     part.resize(PARTIAL_BODY, 7);
-    let held: Vec<std::net::TcpStream> = (0..PARTIAL_BODIES)
-        .map(|_| {
-            let mut s = std::net::TcpStream::connect(broker.rpc).unwrap();
-            send_what_goes(&mut s, &part);
-            s
-        })
+    // Every call begun while the budget is low, then their bodies sent.
+    let mut held: Vec<std::net::TcpStream> = (0..PARTIAL_BODIES)
+        .map(|_| claim_seen(std::net::Ipv4Addr::LOCALHOST, broker.rpc))
         .collect();
+    for s in &mut held {
+        send_what_goes(s, &part[header..]);
+    }
     let closed = |reason| broker.metric("rpcmesh_connections_closed_total", &inbound(reason));
     testkit::wait_until("the partial bodies pass the pause mark", || {
         closed("memory_budget") >= 1.0
@@ -127,6 +147,80 @@ async fn partial_bodies(engine: &str) {
         "{engine}: the paused ones holding the budget were closed"
     );
     large_call_is_served(broker.rpc).await;
+    drop(held);
+}
+
+/// Callers in the refused-at-its-header test, each holding 1 MiB of a call begun under
+/// the high mark: 40 MiB, past the high mark of a 64 MiB budget and under its pause mark.
+const HOLDERS: usize = 40;
+/// The body of the call refused at its header: large enough to be refused past the mark.
+const COMING_BODY: usize = 1 << 20;
+/// What of that body is sent before its answer is awaited.
+const COMING_SENT: usize = 64 << 10;
+
+/// With the budget past its high mark, a caller begins a 1 MiB call: the loop engine
+/// answers it "overloaded" once its header and first 64 KiB are there, before the rest
+/// of its body is sent, and drops that rest as it comes (an invalid body, its CRC never
+/// checked), so that the caller's next call on the same connection is served. Without it
+/// the body was buffered whole only to be refused (or, with the budget past its pause
+/// mark, its caller paused, unanswered, for as long as others held the budget): no
+/// answer came before the rest was sent.
+// The guard only keeps this file's heavy tests apart (as `partial_bodies`'s).
+#[allow(clippy::await_holding_lock)]
+#[tokio::test]
+async fn a_large_call_begun_past_the_high_mark_is_answered_at_its_header() {
+    use std::io::Read;
+    let _measuring = measuring();
+    let (_provider, broker) = testkit::budgeted_broker_with(
+        testkit::BROKER_BUDGET_MIB,
+        &["--engine", "loop", "--frame-timeout", LONG_TIMEOUT],
+    )
+    .await;
+    let header = testkit::large_claim(0).len();
+    let mut part = testkit::large_claim(0);
+    part.resize(1 << 20, 7);
+    let mut held: Vec<std::net::TcpStream> = (0..HOLDERS)
+        .map(|i| claim_seen(testkit::loopback_source(1 + (i % 4) as u16), broker.rpc))
+        .collect();
+    for s in &mut held {
+        send_what_goes(s, &part[header..]);
+    }
+    let high = (testkit::BROKER_BUDGET_MIB << 20) as f64 * 0.5;
+    testkit::wait_until("the holders pass the high mark", || {
+        broker.metric("rpcmesh_buffered_bytes", &[]) >= high
+    })
+    .await;
+    let mut call = bytes::BytesMut::new();
+    rpcmesh_wire::frame::Header {
+        msg_type: rpcmesh_wire::frame::MsgType::Request,
+        flags: rpcmesh_wire::frame::Flags::EXT_STATUS,
+        body_len: COMING_BODY as u32,
+        req_id: 9,
+    }
+    .put(&mut call);
+    call.resize(rpcmesh_wire::frame::FRAME_OVERHEAD + COMING_BODY, 7);
+    let mut s = std::net::TcpStream::connect(broker.rpc).unwrap();
+    s.set_read_timeout(Some(testkit::WAIT_TIMEOUT)).unwrap();
+    s.write_all(&call[..COMING_SENT]).unwrap();
+    let codec = rpcmesh_wire::codec::FrameCodec::default();
+    let mut calls = rpcmesh_wire::envelope::CallCodec::new(None, 1 << 20);
+    let mut buf = bytes::BytesMut::new();
+    let mut next_reply = |s: &mut std::net::TcpStream| loop {
+        if let Some(f) = codec.decode_frame(&mut buf).unwrap() {
+            return (f.header.req_id, calls.decode_response(&f).unwrap().status);
+        }
+        let mut chunk = [0u8; 4096];
+        let n = s
+            .read(&mut chunk)
+            .expect("an answer before the body is sent");
+        assert!(n > 0, "the connection stays open");
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    assert_eq!(next_reply(&mut s), (9, Status::Overloaded));
+    // The rest of its body is dropped as it comes; the next call is read and served.
+    s.write_all(&call[COMING_SENT..]).unwrap();
+    s.write_all(&testkit::echo_request(10, "after")).unwrap();
+    assert_eq!(next_reply(&mut s), (10, Status::Success));
     drop(held);
 }
 
@@ -178,25 +272,30 @@ async fn paused_hang_up(engine: &str) {
     let paused = || broker.metric("rpcmesh_paused_connections", &[]);
     let open = || broker.metric("rpcmesh_connections_open", &[("side", "inbound")]);
     let closed = |reason| broker.metric("rpcmesh_connections_closed_total", &inbound(reason));
+    let header = testkit::large_claim(0).len();
     let mut part = testkit::large_claim(0);
     part.resize(HANGING_UP_PART + 1 + WAITING, 7);
-    let connect = |i: usize, part: &[u8]| {
-        let source = testkit::loopback_source(1 + (i % 4) as u16);
-        let mut s = testkit::connect_from(source, broker.rpc, testkit::WAIT_TIMEOUT).unwrap();
-        send_what_goes(&mut s, part);
-        s
-    };
-    // Those that will hang up first, read whole while the budget is low.
+    // The connection of the call that found the broker serving is gone first.
+    testkit::wait_until("no connection open", || open() == 0.0).await;
+    // Every call begun while the budget is low.
+    let source = |i: usize| testkit::loopback_source(1 + (i % 4) as u16);
     let mut leaving: Vec<std::net::TcpStream> = (0..HANGING_UP)
-        .map(|i| connect(i, &part[..HANGING_UP_PART]))
+        .map(|i| claim_seen(source(i), broker.rpc))
         .collect();
+    let mut staying: Vec<std::net::TcpStream> = (0..STAYING)
+        .map(|i| claim_seen(source(i), broker.rpc))
+        .collect();
+    // Those that will hang up first, read whole while the budget is low.
+    for s in &mut leaving {
+        send_what_goes(s, &part[header..HANGING_UP_PART]);
+    }
     testkit::wait_until("their parts to be read", || {
         buffered() >= (HANGING_UP * HANGING_UP_PART) as f64
     })
     .await;
-    let staying: Vec<std::net::TcpStream> = (0..STAYING)
-        .map(|i| connect(i, &part[..STAYING_PART]))
-        .collect();
+    for s in &mut staying {
+        send_what_goes(s, &part[header..STAYING_PART]);
+    }
     let mark = (testkit::BROKER_BUDGET_MIB << 20) as f64 * 0.75;
     testkit::wait_until(
         "the others' parts to take the budget past its pause mark",

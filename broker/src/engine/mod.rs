@@ -72,9 +72,10 @@
 //! - the memory budget (`--memory-budget`, `rpcmesh_common::net::budget`): every
 //!   connection's buffers counted (not what rustls holds of a TLS connection, which it
 //!   bounds itself: 64 KiB of records to write), and given back when a peak left them emptied and
-//!   large; a large call counted until its outcome is written, and refused "overloaded"
-//!   past the high mark; a session holding much not read past the pause mark; the
-//!   largest holders closed when the budget stays past its high mark;
+//!   large; a read buffer grown only as a frame fills it and the budget allows, told
+//!   before the next read; a large call counted until its outcome is written, and
+//!   refused "overloaded" past the high mark; a session holding much not read past the
+//!   pause mark; the largest holders closed when the budget stays past its high mark;
 //! - the lines an operator reads at the start and the end (docs/broker.md, "At the
 //!   start": providers still connecting, `broker listening`, `listener closed; draining`,
 //!   `broker stopped`), and `READY=1` to systemd once the providers settled
@@ -97,13 +98,10 @@
 //!   each provider's series summed over the workers.
 //!
 //! Unlike the Tokio engine it keeps a request for a hand-back for as long as its
-//! connection's ring holds it, not [`REQUEST_RETAIN`] at most.
-//!
-//! Not yet as the Tokio engine (`system-tests/tests/bounds.rs` and `hostile.rs` hold
-//! the Tokio engine to them; each fails on this one): a flood of calls each under the
-//! pause floor, from a thousand callers that read no reply, takes what the broker
-//! buffers past its budget (about half as much again); and the buffers of callers that
-//! flooded large frames are not all given back once they stop.
+//! connection's ring holds it, not [`REQUEST_RETAIN`] at most; and it answers a large
+//! call "overloaded" by its header when the budget is past its high mark as the header
+//! comes, dropping its body as it arrives, where the Tokio engine reads the body first
+//! (and may pause its caller meanwhile, unanswered, while others hold the budget).
 
 mod control;
 mod members;

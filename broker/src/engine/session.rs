@@ -11,7 +11,7 @@ use bytes::{Bytes, BytesMut};
 use mio::Interest;
 use mio::net::TcpListener;
 use rpcmesh_common::metrics::Side;
-use rpcmesh_common::net::budget::{Held, MemoryBudget, Reserved, SMALL_BODY};
+use rpcmesh_common::net::budget::{Held, MemoryBudget, Pressure, Reserved, SMALL_BODY};
 use rpcmesh_common::net::connection::{CloseReason, SHRINK_ABOVE};
 use rpcmesh_common::net::listener::{ACCEPT_BATCH, REFUSED_BATCH_PAUSE, Refusal};
 use rpcmesh_common::net::session::{
@@ -22,10 +22,10 @@ use rpcmesh_common::net::thinned::Thinned;
 use rpcmesh_common::net::tls::handshake::HandshakeSlot;
 use rpcmesh_common::net::tls::{Identity, Refusal as TlsRefusal, ServerTls};
 use rpcmesh_wire::Status;
-use rpcmesh_wire::body::request_names;
+use rpcmesh_wire::body::{request_names, request_names_head};
 use rpcmesh_wire::codec::{body_in_place, skip_frame, trailer_in_place};
 use rpcmesh_wire::ext;
-use rpcmesh_wire::frame::{Flags, FrameError, Header, MsgType};
+use rpcmesh_wire::frame::{FRAME_OVERHEAD, Flags, FrameError, HEADER_LEN, Header, MsgType};
 
 use std::sync::atomic::Ordering;
 
@@ -71,6 +71,8 @@ pub(super) struct Session {
     read_closed: bool,
     /// Its clocks (`--idle-timeout`, `--frame-timeout`, `--write-timeout`).
     clock: Clock,
+    /// The frame it is in the middle of was judged by its header (`refuse_coming`).
+    coming_judged: bool,
     /// What its buffers hold, told to the memory budget.
     held: Held,
     /// Calls it sent since it came to this worker, and when it came: its calls/s, which
@@ -113,6 +115,7 @@ impl Session {
             reading: Reading::Open,
             read_closed: false,
             clock: Clock::new(now),
+            coming_judged: false,
             held: Held::new(budget.clone()),
             calls: 0,
             since: now,
@@ -563,15 +566,10 @@ impl Engine {
                 self.sessions.budget_paused.push(i as u32);
                 return;
             }
-            // A read grows the read buffer only while a read chunk more fits in the
-            // budget; else it takes what the buffer has room for (or a small read), so
-            // that many connections growing together cannot pass the limit.
-            let room = s.sock.rbuf.capacity() - s.sock.rbuf.len();
-            let most = if self.budget.fits(READ_CHUNK) {
-                READ_CHUNK
-            } else {
-                room.clamp(MIN_READ, READ_CHUNK)
-            };
+            // The read buffer grows only as the budget allows, told at once, so that many
+            // connections growing together cannot pass the limit.
+            let most = s.sock.read_room(&self.budget);
+            s.held.set(s.sock.room());
             let filled = s.sock.fill(&mut self.scratch[..most], s.read_closed);
             s.sock.take_counts(&mut self.counts.inbound);
             if s.sock.tls.is_some() {
@@ -706,16 +704,40 @@ impl Engine {
             self.sessions.mark_dirty(i);
             return false;
         }
+        // A call is judged by its header once, when it is first seen whole: one begun
+        // under the high mark goes on (the budget's pauses bound it).
+        let judged = frames == 0 && self.sessions.get(i).is_some_and(|s| s.coming_judged);
+        let (mut refused, mut seen) = (0, judged);
+        if !judged && !rbuf.is_empty() {
+            (refused, seen) = self.refuse_coming(from, &rbuf);
+        }
         let now = self.now;
         if let Some(s) = self.sessions.get(i) {
+            if refused > 0 {
+                s.sock.skip_from(&mut rbuf, refused);
+                (frames, seen) = (frames + 1, false);
+            }
+            s.coming_judged = seen && !rbuf.is_empty();
             if calls {
                 s.clock.busy_at = now;
             }
-            if rbuf.is_empty() && rbuf.capacity() > SHRINK_ABOVE {
-                rbuf = BytesMut::with_capacity(MIN_READ);
-            } else if rbuf.is_empty() {
-                // Its room taken back (the frames read are gone; no allocation).
+            let pressed = self.budget.pressure() >= Pressure::High;
+            if rbuf.is_empty() {
+                // Its room taken back (the frames read are gone; no allocation), and given
+                // back after a peak, or at once under pressure: many callers that each
+                // sent a large frame would otherwise keep its room.
                 rbuf.reserve(MIN_READ);
+                let keep = if pressed { MIN_READ } else { SHRINK_ABOVE };
+                if rbuf.capacity() > keep {
+                    rbuf = BytesMut::with_capacity(MIN_READ);
+                }
+            } else if pressed && rbuf.len() < READ_CHUNK {
+                // The part of a frame left after the frames before it keeps their whole
+                // allocation alive, which `capacity` no longer shows: under pressure it
+                // is copied out, so that the allocation goes (as on Tokio).
+                let mut own = BytesMut::with_capacity(rbuf.len().max(MIN_READ));
+                own.extend_from_slice(&rbuf);
+                rbuf = own;
             }
             s.held.set(rbuf.capacity() + s.sock.out.capacity());
             // A frame is timed from its first bytes: from this read when it brought whole
@@ -728,6 +750,43 @@ impl Engine {
             s.sock.rbuf = rbuf;
         }
         true
+    }
+
+    /// Answers "overloaded" now the call whose header `rbuf` holds and whose body is still
+    /// coming, when the memory budget refuses a body of its length (past the high mark):
+    /// the body would be buffered only to be dropped, and a caller that holds the pause
+    /// floor while it comes would be paused, its call unanswered, for as long as others
+    /// hold the budget. Returns the frame's length, to drop as it arrives (0: not
+    /// refused), and whether its header was there to judge. Counted under its method
+    /// when its first bytes name it.
+    fn refuse_coming(&mut self, from: SessionRef, rbuf: &[u8]) -> (usize, bool) {
+        let Some(h) = self.codec.pending_call(rbuf) else {
+            return (0, rbuf.len() >= HEADER_LEN);
+        };
+        if !self.budget.refuses(h.body_len as usize) {
+            return (0, true);
+        }
+        self.summary.calls += 1;
+        let head = &rbuf[HEADER_LEN..];
+        let inner = match h.msg_type {
+            MsgType::ExtRequest => head
+                .get(..ext::DEADLINE_BLOCK_LEN)
+                .filter(|d| d.starts_with(&ext::DEADLINE_ONLY))
+                .map(|_| &head[ext::DEADLINE_BLOCK_LEN..]),
+            _ => Some(head),
+        };
+        let tag = inner
+            .and_then(|b| {
+                let (service, method) = request_names_head(b)?;
+                Some(
+                    self.counts
+                        .tag(&b[service.start..method.end], service.len(), false),
+                )
+            })
+            .unwrap_or(0);
+        let failure = Failure::Shed(Cap::Memory(self.budget.limit()));
+        self.refuse(from, h.req_id, h.flags, &failure, tag);
+        (FRAME_OVERHEAD + h.body_len as usize, true)
     }
 
     /// Admits, routes and sends one call: the frame `h` with `body`, as read from the
@@ -995,7 +1054,7 @@ impl Engine {
             let before = s.sock.written;
             let flushed = s.sock.flush();
             s.sock.take_counts(&mut self.counts.inbound);
-            s.sock.shrink_emptied();
+            s.sock.shrink_emptied(&self.budget);
             s.held.set(s.sock.room());
             let now = self.now;
             s.clock.write_since = match (!s.sock.unwritten(), s.clock.write_since) {
@@ -1261,12 +1320,11 @@ impl Engine {
 
 /// Whether the memory budget keeps a session with `sock` from reading now, as the Tokio
 /// engine's `FramedIo::budget_pause` says: past the pause mark while it holds the pause
-/// floor or more, or its read buffer must grow to read on (less than [`MIN_READ`] of
-/// room) and that much more does not fit (so that many connections growing together
-/// cannot take the process past its limit, each under the floor).
+/// floor or more, or its read buffer must grow to read on ([`Socket::must_grow`]) and a
+/// read chunk more does not fit (so that many connections growing together cannot take
+/// the process past its limit, each under the floor).
 fn budget_pauses(budget: &MemoryBudget, sock: &Socket) -> bool {
-    let room = sock.rbuf.capacity() - sock.rbuf.len();
-    budget.should_pause(sock.room()) || (room < MIN_READ && !budget.fits(MIN_READ))
+    budget.should_pause(sock.room()) || (sock.must_grow() && !budget.fits(READ_CHUNK))
 }
 
 #[cfg(test)]

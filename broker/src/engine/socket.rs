@@ -7,16 +7,16 @@ use std::io::{self, Read, Write};
 
 use bytes::{Buf, BytesMut};
 use mio::net::TcpStream;
+use rpcmesh_common::net::budget::{MemoryBudget, Pressure};
 use rpcmesh_common::net::connection::{IoCounts, SHRINK_ABOVE};
 
 /// What one read takes at most, as the Tokio engine's reads (a read that fills it may
 /// have left more behind, and is followed by another).
 pub use rpcmesh_common::net::connection::READ_CHUNK;
 
-/// The room a read buffer keeps however empty it is, and the least a read takes while the
-/// memory budget has no room for a read chunk more: a page, enough for a small call, so
-/// that a caller is read even while others hold the budget (as the Tokio engine's fresh
-/// read buffer holds).
+/// The room a read buffer keeps however empty it is: a page, enough for a small call, so
+/// that a caller of small calls is read without growing its buffer even while others hold
+/// the budget (as the Tokio engine's fresh read buffer holds).
 pub const MIN_READ: usize = 4096;
 
 /// How a read ended.
@@ -109,6 +109,38 @@ impl Socket {
         }
     }
 
+    /// True when the read buffer must grow before the next read: it is full, or a large
+    /// buffer has less than a page of room left (as the Tokio engine's `must_grow`).
+    pub fn must_grow(&self) -> bool {
+        let room = self.rbuf.capacity() - self.rbuf.len();
+        room == 0 || (room < MIN_READ && self.rbuf.capacity() >= READ_CHUNK)
+    }
+
+    /// Makes the read buffer's room for the next read as `budget` allows, and says how
+    /// much that read may take: the room it has (a read chunk at most); grown first when
+    /// it must, by doubling while that fits in the budget and by one read chunk exactly
+    /// when not, as the Tokio engine's `make_read_room` (the caller has made sure a read
+    /// chunk fits). A read never grows the buffer itself, so every growth is one the
+    /// budget allowed, told before the next connection asks; and a buffer grows only as
+    /// frames fill it, not by a read chunk for each of a thousand connections at once.
+    pub fn read_room(&mut self, budget: &MemoryBudget) -> usize {
+        if self.must_grow() {
+            if budget.fits(self.rbuf.capacity().max(READ_CHUNK)) {
+                self.rbuf.reserve(READ_CHUNK);
+            } else {
+                self.grow_read_exactly(READ_CHUNK);
+            }
+        }
+        (self.rbuf.capacity() - self.rbuf.len()).min(READ_CHUNK)
+    }
+
+    /// Grows the read buffer to hold `more` bytes beyond what it holds, and no more.
+    fn grow_read_exactly(&mut self, more: usize) {
+        let mut grown = BytesMut::with_capacity(self.rbuf.len() + more);
+        grown.extend_from_slice(&self.rbuf);
+        self.rbuf = grown;
+    }
+
     /// The bytes read and written and the system calls that moved them since the last
     /// time, added to `to`.
     pub fn take_counts(&mut self, to: &mut IoCounts) {
@@ -130,8 +162,15 @@ impl Socket {
     /// Drops the next `len` bytes of the stream, as they arrive: a frame refused on its
     /// header (too large) and skipped instead of ending the connection.
     pub fn skip(&mut self, len: usize) {
-        let n = len.min(self.rbuf.len());
-        self.rbuf.advance(n);
+        let mut rbuf = std::mem::take(&mut self.rbuf);
+        self.skip_from(&mut rbuf, len);
+        self.rbuf = rbuf;
+    }
+
+    /// [`Socket::skip`], with its read buffer taken out while its frames are handled.
+    pub fn skip_from(&mut self, rbuf: &mut BytesMut, len: usize) {
+        let n = len.min(rbuf.len());
+        rbuf.advance(n);
         self.discard = len - n;
     }
 
@@ -141,13 +180,23 @@ impl Socket {
     }
 
     /// Gives back the room of an emptied buffer that a peak left larger than
-    /// [`SHRINK_ABOVE`]: one large frame must not cost a connection its size for the rest
-    /// of its life.
-    pub fn shrink_emptied(&mut self) {
-        for buf in [&mut self.rbuf, &mut self.out] {
-            if buf.is_empty() && buf.capacity() > SHRINK_ABOVE {
-                *buf = BytesMut::new();
-            }
+    /// [`SHRINK_ABOVE`] (one large frame must not cost a connection its size for the rest
+    /// of its life), or, while `budget` is past its high mark, larger than a page: many
+    /// callers that each sent a large frame (refused) would otherwise keep its room. An
+    /// emptied read buffer keeps [`MIN_READ`].
+    pub fn shrink_emptied(&mut self, budget: &MemoryBudget) {
+        let keep = if budget.pressure() >= Pressure::High {
+            MIN_READ
+        } else {
+            SHRINK_ABOVE
+        };
+        reclaim_emptied(&mut self.rbuf);
+        reclaim_emptied(&mut self.out);
+        if self.rbuf.is_empty() && self.rbuf.capacity() > keep {
+            self.rbuf = BytesMut::with_capacity(MIN_READ);
+        }
+        if self.out.is_empty() && self.out.capacity() > keep {
+            self.out = BytesMut::new();
         }
     }
 
@@ -289,4 +338,14 @@ pub fn one_connections(e: &io::Error) -> bool {
             | io::ErrorKind::ConnectionReset
             | io::ErrorKind::Interrupted
     )
+}
+
+/// Takes back, when `buf` is empty, the room before its start that the bytes taken from
+/// it left (`BytesMut::capacity` counts only the room after): an emptied buffer then
+/// shows, and counts in the budget, its whole allocation. No allocation, no copy.
+pub fn reclaim_emptied(buf: &mut BytesMut) {
+    if buf.is_empty() {
+        // Asking for more than the room after its start makes it look before it.
+        let _ = buf.try_reclaim(buf.capacity() + 1);
+    }
 }

@@ -205,6 +205,8 @@ pub(super) struct Upstream {
     ring_base: u64,
     fed: u64,
     sent: usize,
+    /// The bytes of the large requests written since the last feed (not in `sent`).
+    sent_large: usize,
     /// What its buffers hold, told to the memory budget (none once it is gone).
     held: Option<Held>,
     /// A plain v1 server's side of its pace's measure (`crate::upstream::pace`).
@@ -250,17 +252,21 @@ impl Upstream {
         if self.keeps {
             let new = &sock.out[(self.fed - sock.written) as usize..];
             if !new.is_empty() {
-                let live = new.len() / self.sent.max(1) * self.calls.len().max(1);
-                if live.saturating_mul(2) > self.ring.room() {
+                // Sized by the small requests: a large one (a memory reservation's) fits
+                // no ring worth keeping, and a flood of them would hold every ring at its
+                // most long after (as the Tokio engine keeps them whole instead).
+                let small = new.len().saturating_sub(self.sent_large);
+                let live = small / self.sent.max(1) * self.calls.len().max(1);
+                if self.sent > 0 && live.saturating_mul(2) > self.ring.room() {
                     self.ring.fit(live, budget);
                 }
                 self.ring.feed(new);
                 self.fed += new.len() as u64;
-                self.sent = 0;
+                (self.sent, self.sent_large) = (0, 0);
             }
         }
         let flushed = sock.flush();
-        sock.shrink_emptied();
+        sock.shrink_emptied(budget);
         if let Some(held) = &mut self.held {
             held.set(sock.room());
         }
@@ -300,6 +306,7 @@ impl Upstream {
             ring_base: 0,
             fed: 0,
             sent: 0,
+            sent_large: 0,
             held: Some(Held::new(budget.clone())),
             backlog: Backlog::default(),
         }
@@ -409,7 +416,12 @@ impl Engine {
             }
         }
         stored.len = (out.len() - start) as u32;
-        up.sent += 1;
+        if stored.reserved.is_some() {
+            // A large request: too large for the ring to be worth sizing by.
+            up.sent_large += stored.len as usize;
+        } else {
+            up.sent += 1;
+        }
         self.routes.providers[p].outstanding += 1;
         if let Some(t) = timed {
             self.timing.resent(t);
@@ -522,7 +534,7 @@ impl Engine {
         };
         // The new stream starts at the ring's head; it keeps requests as the calls marked
         // idempotent now say, and takes no call field until its provider says so.
-        (up.ring_base, up.fed, up.sent) = (up.ring.head(), 0, 0);
+        (up.ring_base, up.fed, up.sent, up.sent_large) = (up.ring.head(), 0, 0, 0);
         (up.takes_deadline, up.takes_cap, up.takes_caller) = (false, false, false);
         up.state = State::Up(sock);
         up.answered = false;

@@ -126,6 +126,15 @@ pub fn request_names(
     Ok((service, method, payload_at))
 }
 
+/// The service and method names of a request whose body is still arriving, when `head`
+/// (its first bytes) holds them whole and they are UTF-8: what a reader that answers the
+/// call before its body comes counts it under.
+pub fn request_names_head(head: &[u8]) -> Option<(std::ops::Range<usize>, std::ops::Range<usize>)> {
+    let service = short_str_range(head, 0)?;
+    let method = short_str_range(head, service.end)?;
+    (is_utf8(&head[service.clone()]) && is_utf8(&head[method.clone()])).then_some((service, method))
+}
+
 /// Whether `s` is UTF-8. Names are ASCII in practice, and checking that takes a word at a
 /// time, where `from_utf8` walks a short string byte by byte: this check runs twice per
 /// call the broker forwards.

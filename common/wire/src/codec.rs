@@ -22,8 +22,8 @@
 use bytes::{Buf, BytesMut};
 
 use crate::frame::{
-    DEFAULT_MAX_BODY_LEN, FRAME_OVERHEAD, Frame, FrameError, HEADER_LEN, Header, MAGIC, Prefix,
-    VERSION,
+    DEFAULT_MAX_BODY_LEN, FRAME_OVERHEAD, Frame, FrameError, HEADER_LEN, Header, MAGIC, MsgType,
+    Prefix, VERSION,
 };
 
 /// How far past a bad magic the decoder looks for the next one before giving up on the
@@ -105,6 +105,29 @@ impl FrameCodec {
                 Err(e)
             }
         }
+    }
+
+    /// The header of the frame at the front of `src` while its body is still on its way,
+    /// when it is a call: what a reader may decide on before the body comes (a call it
+    /// refuses whatever the body holds, whose bytes it then drops as they arrive rather
+    /// than buffer them). `None` unless `src` holds a whole header that
+    /// [`peek_frame`](Self::peek_frame) would take, of a request or an extension request,
+    /// and less than the whole frame. Its CRC, not yet there, is not checked.
+    pub fn pending_call(&self, src: &[u8]) -> Option<Header> {
+        if src.len() < HEADER_LEN {
+            return None;
+        }
+        let p = Prefix::read(src);
+        if p.magic != MAGIC
+            || p.version != VERSION
+            || p.body_len > self.max_body_len
+            || src.len() >= FRAME_OVERHEAD + p.body_len as usize
+        {
+            return None;
+        }
+        p.header()
+            .ok()
+            .filter(|h| matches!(h.msg_type, MsgType::Request | MsgType::ExtRequest))
     }
 
     /// The stream does not start with a magic: drop junk up to the next magic found in
@@ -190,6 +213,29 @@ mod tests {
     use crate::body::Request;
     use crate::frame::Flags;
     use bytes::Bytes;
+
+    #[test]
+    fn a_call_whose_body_is_still_coming_shows_its_header_and_nothing_else_does() {
+        let codec = FrameCodec::default();
+        let whole = req(5, b"a payload");
+        let h = codec.pending_call(&whole[..HEADER_LEN + 3]).unwrap();
+        assert_eq!((h.msg_type, h.req_id), (MsgType::Request, 5));
+        assert_eq!(h.body_len as usize, whole.len() - FRAME_OVERHEAD);
+        let names = crate::body::request_names_head(&whole[HEADER_LEN..]).unwrap();
+        assert_eq!(&whole[HEADER_LEN..][names.0], b"S");
+        assert_eq!(
+            codec.pending_call(&whole[..HEADER_LEN - 1]),
+            None,
+            "no header yet"
+        );
+        assert_eq!(codec.pending_call(&whole), None, "whole: peek_frame's");
+        let mut beat = BytesMut::new();
+        crate::body::Heartbeat::put_now(&mut beat, 1, "a", "0").unwrap();
+        assert_eq!(codec.pending_call(&beat[..HEADER_LEN]), None, "not a call");
+        let mut bad = whole.clone();
+        bad[0] ^= 0xff;
+        assert_eq!(codec.pending_call(&bad[..HEADER_LEN]), None, "not a frame");
+    }
 
     fn req(id: u64, payload: &'static [u8]) -> BytesMut {
         let mut b = BytesMut::new();

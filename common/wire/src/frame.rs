@@ -295,6 +295,27 @@ pub(crate) struct Prefix {
 }
 
 impl Prefix {
+    /// The header these fields make, if its type byte names a known type with flags it
+    /// may carry (its CRC is the frame's to check).
+    pub(crate) fn header(&self) -> Result<Header, FrameError> {
+        let msg_type = match MsgType::from_low_bits(self.raw_type & TYPE_MASK) {
+            // Every high bit is a flag; NOT_RUN is one on responses only.
+            Some(t) if t == MsgType::Response || self.raw_type & Flags::NOT_RUN.bits() == 0 => t,
+            _ => {
+                return Err(FrameError::UnknownType {
+                    req_id: self.req_id,
+                    raw_type: self.raw_type,
+                });
+            }
+        };
+        Ok(Header {
+            msg_type,
+            flags: Flags::from_bits(self.raw_type),
+            body_len: self.body_len,
+            req_id: self.req_id,
+        })
+    }
+
     /// Reads the header fields without judging them. `buf` holds at least `HEADER_LEN`.
     pub(crate) fn read(buf: &[u8]) -> Prefix {
         // One bounds check for the whole header instead of one per field.
@@ -374,22 +395,7 @@ impl Frame {
                 actual,
             });
         }
-        let msg_type = match MsgType::from_low_bits(p.raw_type & TYPE_MASK) {
-            // Every high bit is a flag; NOT_RUN is one on responses only.
-            Some(t) if t == MsgType::Response || p.raw_type & Flags::NOT_RUN.bits() == 0 => t,
-            _ => {
-                return Err(FrameError::UnknownType {
-                    req_id: p.req_id,
-                    raw_type: p.raw_type,
-                });
-            }
-        };
-        Ok(Header {
-            msg_type,
-            flags: Flags::from_bits(p.raw_type),
-            body_len: p.body_len,
-            req_id: p.req_id,
-        })
+        p.header()
     }
 
     /// Appends the frame as it is: header, body, freshly computed CRC.
