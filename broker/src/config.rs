@@ -106,13 +106,14 @@ const THREADS_HELP: &str = "Threads, each a cell serving its own client connecti
 /// Which engine serves the calls (`--engine`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum EngineKind {
-    /// Tasks on Tokio runtimes (`crate::session`, `crate::upstream`, `crate::cell`):
-    /// everything the broker does.
-    #[default]
+    /// Tasks on Tokio runtimes (`crate::session`, `crate::upstream`, `crate::cell`): the
+    /// engine the broker had first, kept for comparison and as a fallback.
     Tokio,
-    /// Per thread one epoll loop owning its connections outright (`crate::engine`), at
-    /// about two thirds of the Tokio engine's instructions per call; what it does not do
-    /// as the Tokio engine does yet is listed in its module doc.
+    /// Per thread one epoll loop owning its connections outright (`crate::engine`): the
+    /// default, at about two thirds of the Tokio engine's instructions per call and
+    /// under a third of its user time; where it differs from the Tokio engine is in its
+    /// module doc.
+    #[default]
     Loop,
 }
 
@@ -355,11 +356,12 @@ pub struct Args {
     /// every cell from the start.
     #[arg(long, env = "RPCMESH_CELL_PLACEMENT", value_enum, default_value_t = CellPlacement::Gather)]
     pub cell_placement: CellPlacement,
-    /// Which engine serves the calls: `tokio`, tasks on Tokio runtimes, with everything
-    /// the broker does; or `loop`, an epoll loop per thread that owns its connections, at
-    /// about two thirds of the instructions per call (docs/performance.md, "The loop
+    /// Which engine serves the calls: `loop`, an epoll loop per thread that owns its
+    /// connections (the default: about two thirds of the instructions per call, and it
+    /// leaves the CPU to the providers and callers beside it); or `tokio`, tasks on Tokio
+    /// runtimes, the engine the broker had first (docs/performance.md, "The loop
     /// engine").
-    #[arg(long, env = "RPCMESH_BROKER_ENGINE", value_enum, default_value_t = EngineKind::Tokio)]
+    #[arg(long, env = "RPCMESH_BROKER_ENGINE", value_enum, default_value_t = EngineKind::Loop)]
     pub engine: EngineKind,
     /// The most calls in flight to which a provider's connections are filled one after
     /// the other (fewer, larger batches); 0 = always the less loaded of two. A provider
@@ -519,7 +521,7 @@ impl BrokerConfig {
             idempotent: rpcmesh_common::retry::Idempotent::default(),
             cells: DEFAULT_CELLS,
             cell_placement: CellPlacement::Gather,
-            engine: EngineKind::Tokio,
+            engine: EngineKind::Loop,
             placement_tuning: PlacementTuning::default(),
         }
     }

@@ -6,9 +6,8 @@
 //! That is the shape of an L4 proxy's event loop, and of the floor the Tokio engine is
 //! weighed against (docs/performance.md, "The floor without the runtime").
 //!
-//! The broker runs it when told (`--engine loop`, [`run`]); the Tokio engine is the
-//! default until the loop engine holds every bound the Tokio engine holds (below, "Not
-//! yet"). It runs at about two thirds of the Tokio engine's instructions per call
+//! The broker runs it unless told `--engine tokio` ([`run`]): it holds every bound the
+//! Tokio engine holds, at about two thirds of its instructions per call
 //! (docs/performance.md, "The loop engine").
 //! What it does, as the Tokio engine does:
 //!
