@@ -11,8 +11,8 @@ use bytes::{Bytes, BytesMut};
 use mio::Interest;
 use mio::net::TcpListener;
 use rpcmesh_common::metrics::Side;
-use rpcmesh_common::net::budget::{Held, MemoryBudget, Pressure, Reserved, SMALL_BODY};
-use rpcmesh_common::net::connection::{CloseReason, SHRINK_ABOVE};
+use rpcmesh_common::net::budget::{Held, MemoryBudget, Reserved, SMALL_BODY};
+use rpcmesh_common::net::connection::{CloseReason, room_to_keep};
 use rpcmesh_common::net::listener::{ACCEPT_BATCH, REFUSED_BATCH_PAUSE, Refusal};
 use rpcmesh_common::net::session::{
     FINAL_FLUSH_TIMEOUT, PAUSED_PEER_CHECK, Timeouts, WRITE_BACKLOG_LIMIT,
@@ -721,20 +721,18 @@ impl Engine {
             if calls {
                 s.clock.busy_at = now;
             }
-            let pressed = self.budget.pressure() >= Pressure::High;
+            let keep = room_to_keep(&self.budget);
             if rbuf.is_empty() {
                 // Its room taken back (the frames read are gone; no allocation), and given
-                // back after a peak, or at once under pressure: many callers that each
-                // sent a large frame would otherwise keep its room.
+                // back past what an emptied buffer may keep.
                 rbuf.reserve(MIN_READ);
-                let keep = if pressed { MIN_READ } else { SHRINK_ABOVE };
                 if rbuf.capacity() > keep {
                     rbuf = BytesMut::with_capacity(MIN_READ);
                 }
-            } else if pressed && rbuf.len() < READ_CHUNK {
-                // The part of a frame left after the frames before it keeps their whole
-                // allocation alive, which `capacity` no longer shows: under pressure it
-                // is copied out, so that the allocation goes (as on Tokio).
+            } else if frames > 0 && keep == MIN_READ && rbuf.len() < READ_CHUNK {
+                // The part of a frame left after the frames this read took off keeps their
+                // whole allocation alive, which `capacity` no longer shows: under pressure
+                // it is copied out, so that the allocation goes (as on Tokio).
                 let mut own = BytesMut::with_capacity(rbuf.len().max(MIN_READ));
                 own.extend_from_slice(&rbuf);
                 rbuf = own;

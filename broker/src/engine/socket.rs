@@ -7,8 +7,8 @@ use std::io::{self, Read, Write};
 
 use bytes::{Buf, BytesMut};
 use mio::net::TcpStream;
-use rpcmesh_common::net::budget::{MemoryBudget, Pressure};
-use rpcmesh_common::net::connection::{IoCounts, SHRINK_ABOVE};
+use rpcmesh_common::net::budget::MemoryBudget;
+use rpcmesh_common::net::connection::{IoCounts, room_to_keep};
 
 /// What one read takes at most, as the Tokio engine's reads (a read that fills it may
 /// have left more behind, and is followed by another).
@@ -16,8 +16,8 @@ pub use rpcmesh_common::net::connection::READ_CHUNK;
 
 /// The room a read buffer keeps however empty it is: a page, enough for a small call, so
 /// that a caller of small calls is read without growing its buffer even while others hold
-/// the budget (as the Tokio engine's fresh read buffer holds).
-pub const MIN_READ: usize = 4096;
+/// the budget (the Tokio engine's fresh read buffer's).
+pub use rpcmesh_common::net::connection::MIN_READ_ROOM as MIN_READ;
 
 /// How a read ended.
 #[derive(Debug, PartialEq, Eq)]
@@ -109,11 +109,10 @@ impl Socket {
         }
     }
 
-    /// True when the read buffer must grow before the next read: it is full, or a large
-    /// buffer has less than a page of room left (as the Tokio engine's `must_grow`).
+    /// True when the read buffer must grow before the next read
+    /// (`rpcmesh_common::net::connection::must_grow`, the Tokio engine's rule).
     pub fn must_grow(&self) -> bool {
-        let room = self.rbuf.capacity() - self.rbuf.len();
-        room == 0 || (room < MIN_READ && self.rbuf.capacity() >= READ_CHUNK)
+        rpcmesh_common::net::connection::must_grow(&self.rbuf)
     }
 
     /// Makes the read buffer's room for the next read as `budget` allows, and says how
@@ -185,11 +184,7 @@ impl Socket {
     /// callers that each sent a large frame (refused) would otherwise keep its room. An
     /// emptied read buffer keeps [`MIN_READ`].
     pub fn shrink_emptied(&mut self, budget: &MemoryBudget) {
-        let keep = if budget.pressure() >= Pressure::High {
-            MIN_READ
-        } else {
-            SHRINK_ABOVE
-        };
+        let keep = room_to_keep(budget);
         reclaim_emptied(&mut self.rbuf);
         reclaim_emptied(&mut self.out);
         if self.rbuf.is_empty() && self.rbuf.capacity() > keep {

@@ -33,7 +33,27 @@ pub const READ_CHUNK: usize = 64 * 1024;
 /// split off the buffer share its allocation while they live, so growing it before every
 /// read would allocate a fresh 64 KiB buffer per read whenever one is still in flight
 /// (the broker keeps forwarded requests until their upstream write).
-const MIN_READ_ROOM: usize = 4096;
+pub const MIN_READ_ROOM: usize = 4096;
+
+/// True when a read buffer `rbuf` must grow before the next read: it is full, or a large
+/// one has less than [`MIN_READ_ROOM`] left. A fresh (small) buffer grows only once it
+/// is full: a peer that sent a few bytes, or only a header, costs no read chunk. Both
+/// engines' readers ask it.
+pub fn must_grow(rbuf: &BytesMut) -> bool {
+    let room = rbuf.capacity() - rbuf.len();
+    room == 0 || (room < MIN_READ_ROOM && rbuf.capacity() >= READ_CHUNK)
+}
+
+/// The room an emptied buffer may keep: [`SHRINK_ABOVE`], or, while `budget` is past its
+/// high mark, [`MIN_READ_ROOM`] (many callers that each sent a large frame, refused,
+/// would otherwise keep its room).
+pub fn room_to_keep(budget: &crate::net::budget::MemoryBudget) -> usize {
+    if budget.pressure() >= Pressure::High {
+        MIN_READ_ROOM
+    } else {
+        SHRINK_ABOVE
+    }
+}
 
 /// A buffer left empty with more room than this after a peak is given back (replaced by a
 /// fresh, small one): one large frame must not cost a connection its size for the rest of
@@ -306,10 +326,10 @@ impl FramedIo {
     /// half, a partial frame under a read chunk left in the read buffer is also copied
     /// into a buffer of its own. Once per round.
     pub fn account(&mut self) {
-        let keep = match &self.held {
-            Some(h) if h.budget().pressure() >= Pressure::High => MIN_READ_ROOM,
-            _ => SHRINK_ABOVE,
-        };
+        let keep = self
+            .held
+            .as_ref()
+            .map_or(SHRINK_ABOVE, |h| room_to_keep(h.budget()));
         if self.rbuf.is_empty() && self.rbuf.capacity() > keep {
             self.rbuf = BytesMut::with_capacity(MIN_READ_ROOM);
         }
@@ -486,12 +506,9 @@ impl FramedIo {
         Poll::Pending
     }
 
-    /// True when the read buffer must grow before the next read. A fresh (small) buffer
-    /// grows only once it is full: a peer that sent a few bytes, or only a header, costs
-    /// no read chunk.
+    /// True when the read buffer must grow before the next read ([`must_grow`]).
     fn must_grow(&self) -> bool {
-        let room = self.rbuf.capacity() - self.rbuf.len();
-        room == 0 || (room < MIN_READ_ROOM && self.rbuf.capacity() >= READ_CHUNK)
+        must_grow(&self.rbuf)
     }
 
     /// Grows the read buffer when it must: by doubling (what [`BytesMut::reserve`] does,
